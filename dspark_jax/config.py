@@ -1,0 +1,174 @@
+"""Configuration dataclasses and MaxText-style ``key=value`` overrides.
+
+Three configs describe the whole system:
+
+* :class:`TargetConfig`  -- the frozen Llama-family target (DESIGN.md, "Target model").
+* :class:`DrafterConfig` -- the DSpark / DFlash drafter (DESIGN.md, "Drafter").
+* ``TrainConfig`` lives in :mod:`dspark_jax.trainer`.
+
+All configs are frozen dataclasses so they can be hashed and used as static
+arguments of ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from typing import Any, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """Architecture of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen3).
+
+    Weights follow the Hugging Face convention: RoPE rotates the two *halves* of
+    each head (``rotate_half``). Loaders of formats that rotate adjacent pairs
+    (llama2.c, GGUF) permute the q/k projection rows at load time, so a single
+    model implementation serves every format.
+
+    Attributes:
+      vocab_size: V, number of token ids.
+      hidden_size: H, residual stream width.
+      intermediate_size: SwiGLU hidden width.
+      num_layers: decoder layers L.
+      num_heads: query heads.
+      num_kv_heads: key/value heads (GQA when < num_heads).
+      head_dim: width of one head.
+      max_position: context length in tokens the model was trained for.
+      rope_theta: RoPE base frequency.
+      rms_eps: RMSNorm epsilon.
+      tie_embeddings: LM head is the transposed token embedding.
+      qk_norm: Qwen3-style RMSNorm on each query/key head before RoPE.
+      bos_id: beginning-of-sequence id, or None.
+      eos_ids: ids that end generation.
+      name: human-readable identifier of the checkpoint (used to match drafters).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position: int
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    tie_embeddings: bool = True
+    qk_norm: bool = False
+    bos_id: int | None = 1
+    eos_ids: tuple[int, ...] = (2,)
+    name: str = "unnamed"
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
+
+    def default_taps(self, n: int = 5) -> tuple[int, ...]:
+        """Layers whose outputs feed the drafter: ``n`` layers spread over the depth.
+
+        Follows DFlash's choice (first tap at layer 1, last a few layers before the
+        top); for Qwen3-4B (36 layers) this gives ``(1, 9, 17, 25, 33)``.
+        """
+        last = max(1, self.num_layers - 3)
+        n = max(1, min(n, last))
+        if n == 1:
+            return (1 if self.num_layers > 1 else 0,)
+        return tuple(int(round(1 + i * (last - 1) / (n - 1))) for i in range(n))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["eos_ids"] = list(self.eos_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TargetConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        d = {k: v for k, v in d.items() if k in names}
+        if "eos_ids" in d:
+            d["eos_ids"] = tuple(d["eos_ids"])
+        return cls(**d)
+
+
+def _coerce(value: str, typ: Any) -> Any:
+    """Parses a command-line string into the annotated field type."""
+    origin = typing.get_origin(typ)
+    args = typing.get_args(typ)
+    if typ is bool:
+        low = value.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected a boolean, got {value!r}")
+    if typ is int:
+        return int(value)
+    if typ is float:
+        return float(value)
+    if typ is str:
+        return value
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value.lower() in ("none", "null") and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a)
+            except (ValueError, TypeError):
+                continue
+        raise ValueError(f"cannot parse {value!r} as {typ}")
+    if origin in (tuple, list, Sequence):
+        parsed = json.loads(value) if value.strip().startswith("[") else [
+            v for v in value.split(",") if v.strip()
+        ]
+        inner = args[0] if args else str
+        return tuple(_coerce(str(v), inner) for v in parsed)
+    return json.loads(value)
+
+
+def apply_overrides(cfg: Any, overrides: Sequence[str] | dict[str, Any]) -> Any:
+    """Returns a copy of dataclass ``cfg`` with ``key=value`` overrides applied.
+
+    Nested dataclass fields are addressed with dots (``drafter.num_layers=2``).
+    Values given as strings are parsed according to the field's type annotation.
+
+    Raises:
+      ValueError: unknown key, malformed ``key=value`` or unparsable value.
+    """
+    if not isinstance(overrides, dict):
+        pairs = {}
+        for item in overrides:
+            if "=" not in item:
+                raise ValueError(f"override {item!r} is not of the form key=value")
+            k, v = item.split("=", 1)
+            pairs[k.strip()] = v
+        overrides = pairs
+    for key, value in overrides.items():
+        cfg = _set_path(cfg, key.split("."), value, key)
+    return cfg
+
+
+def _set_path(cfg: Any, path: list[str], value: Any, full: str) -> Any:
+    hints = typing.get_type_hints(type(cfg))
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    head = path[0]
+    if head not in fields:
+        raise ValueError(
+            f"unknown config key {full!r}; valid keys here: {', '.join(sorted(fields))}"
+        )
+    if len(path) > 1:
+        sub = getattr(cfg, head)
+        if not dataclasses.is_dataclass(sub):
+            raise ValueError(f"config key {full!r}: {head!r} has no sub-keys")
+        return dataclasses.replace(cfg, **{head: _set_path(sub, path[1:], value, full)})
+    if isinstance(value, str):
+        try:
+            value = _coerce(value, hints[head])
+        except (ValueError, TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"bad value for {full!r}: {e}") from None
+    return dataclasses.replace(cfg, **{head: value})
