@@ -172,3 +172,99 @@ def _set_path(cfg: Any, path: list[str], value: Any, full: str) -> Any:
         except (ValueError, TypeError, json.JSONDecodeError) as e:
             raise ValueError(f"bad value for {full!r}: {e}") from None
     return dataclasses.replace(cfg, **{head: value})
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """Architecture of a DSpark drafter (DESIGN.md "Drafter").
+
+    The drafter shares the target's token embedding and LM head (frozen), so its
+    width equals the target's hidden size. DFlash is the same model with
+    ``variant="dflash"``: no Markov head, no confidence head, and a block of
+    anchor + gamma mask slots whose mask slots predict their own position.
+
+    Attributes:
+      variant: ``"dspark"`` (anchor + gamma-1 masks, prediction at every slot,
+        Markov + confidence heads) or ``"dflash"``.
+      gamma: block size, the number of draft tokens per drafting round.
+      num_layers: backbone transformer layers N.
+      num_heads / num_kv_heads / head_dim / intermediate_size: backbone shape.
+      taps: target layers whose hidden states form the context features.
+      markov_rank: rank r of the factorised bigram ``W1 (V x r) @ W2 (r x V)``.
+      rope_theta / rms_eps: backbone RoPE base and norm epsilon.
+      vocab_size / hidden_size / target_num_layers / target_name /
+        target_fingerprint: the target this drafter was built for; checked
+        before decoding (a drafter for another vocab or model is refused).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    target_num_layers: int
+    taps: tuple[int, ...]
+    variant: str = "dspark"
+    gamma: int = 8
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 256
+    markov_rank: int = 64
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    target_name: str = "unnamed"
+    target_fingerprint: str = ""
+
+    def __post_init__(self):
+        if self.variant not in ("dspark", "dflash"):
+            raise ValueError(f"variant must be 'dspark' or 'dflash', got {self.variant!r}")
+        if self.gamma < 1:
+            raise ValueError(f"gamma must be >= 1, got {self.gamma}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("drafter num_heads must be a multiple of num_kv_heads")
+        if not self.taps:
+            raise ValueError("drafter needs at least one tapped target layer")
+        for t in self.taps:
+            if not 0 <= t < self.target_num_layers:
+                raise ValueError(f"tap layer {t} out of range for a {self.target_num_layers}-layer target")
+        object.__setattr__(self, "taps", tuple(int(t) for t in self.taps))
+
+    @property
+    def markov(self) -> bool:
+        return self.variant == "dspark" and self.markov_rank > 0
+
+    @property
+    def has_confidence(self) -> bool:
+        return self.variant == "dspark"
+
+    @property
+    def num_slots(self) -> int:
+        """Block length fed to the backbone: anchor + gamma-1 masks (DSpark) or + gamma (DFlash)."""
+        return self.gamma if self.variant == "dspark" else self.gamma + 1
+
+    @classmethod
+    def for_target(cls, target: TargetConfig, **overrides: Any) -> "DrafterConfig":
+        """Drafter sized for ``target``: width H, heads and FFN like the target's."""
+        base = dict(
+            vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+            target_num_layers=target.num_layers, taps=target.default_taps(),
+            num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim, intermediate_size=target.intermediate_size,
+            rope_theta=target.rope_theta, rms_eps=target.rms_eps, target_name=target.name,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["taps"] = list(self.taps)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown drafter config keys: {sorted(unknown)}")
+        d = dict(d)
+        d["taps"] = tuple(d["taps"])
+        return cls(**d)

@@ -1,0 +1,273 @@
+"""The DSpark drafter: KV-injected parallel backbone + Markov head + confidence head.
+
+Implements DESIGN.md "Drafter" (paper Sections 4-6 and Appendix A3/A4):
+
+1. context features: tapped target hidden states, concatenated, projected to
+   width d and RMS-normalised (``context_features``);
+2. backbone: N transformer layers over one block (anchor embedding followed by
+   mask embeddings); in every layer keys/values projected from the context
+   features are prepended to the block's own (KV injection); block slots attend
+   bidirectionally to each other and to every context position before the
+   anchor; RoPE puts context tokens at their absolute positions and block slot i
+   at anchor position + i;
+3. base logits ``U_k`` through the drafter's final norm and the *target's* LM
+   head (frozen, passed in);
+4. Markov head: ``B(x) = W1[x] @ W2`` added to ``U_k`` (see :mod:`dspark_jax.markov`);
+5. confidence head: ``c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b)``.
+
+The module owns only its own weights. Target pieces (embedding, LM head) come
+from the :class:`~dspark_jax.target.Target` passed to each call.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .config import DrafterConfig
+from .layers import KVCache, apply_rope, attention, cache_write, rms_norm, swiglu
+from .target import Target
+
+
+class BlockOutput(NamedTuple):
+    """Backbone output for drafting blocks.
+
+    Attributes:
+      hidden: ``[..., gamma, d]`` final-normed hidden state per predicted position.
+      logits: ``[..., gamma, V]`` float32 base logits ``U_k`` (no Markov bias).
+    """
+
+    hidden: jax.Array
+    logits: jax.Array
+
+
+class Drafter(nnx.Module):
+    """DSpark (or DFlash) drafter weights and their forward functions.
+
+    Args:
+      cfg: :class:`DrafterConfig`.
+      rngs: ``nnx.Rngs`` for initialisation.
+      dtype: parameter and compute dtype.
+    """
+
+    def __init__(self, cfg: DrafterConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        self.dtype = dtype
+        d, n = cfg.hidden_size, cfg.num_layers
+        qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        f_in = len(cfg.taps) * cfg.hidden_size
+        init = nnx.initializers.lecun_normal()
+
+        def w(*shape, in_axis=-2, out_axis=-1):
+            fn = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
+                                                   in_axis=in_axis, out_axis=out_axis)
+            return nnx.Param(fn(rngs.params(), shape, dtype))
+
+        self.fc = nnx.Param(init(rngs.params(), (f_in, d), dtype))
+        self.ctx_norm = nnx.Param(jnp.ones((d,), dtype))
+        self.mask_embed = nnx.Param(0.02 * jax.random.normal(rngs.params(), (d,), dtype))
+        self.layers = nnx.Dict(
+            attn_norm=nnx.Param(jnp.ones((n, d), dtype)),
+            wq=w(n, d, qd), wk=w(n, d, kd), wv=w(n, d, kd),
+            # Residual branches start near zero so the untrained block is stable.
+            wo=nnx.Param(jnp.zeros((n, qd, d), dtype)),
+            mlp_norm=nnx.Param(jnp.ones((n, d), dtype)),
+            w_gate=w(n, d, cfg.intermediate_size), w_up=w(n, d, cfg.intermediate_size),
+            w_down=nnx.Param(jnp.zeros((n, cfg.intermediate_size, d), dtype)),
+        )
+        self.final_norm = nnx.Param(jnp.ones((d,), dtype))
+        if cfg.markov:
+            r = cfg.markov_rank
+            self.markov_w1 = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, r), dtype) / jnp.sqrt(r))
+            # W2 = 0: the Markov correction starts as exactly zero (pure DFlash).
+            self.markov_w2 = nnx.Param(jnp.zeros((r, cfg.vocab_size), dtype))
+        else:
+            self.markov_w1 = None
+            self.markov_w2 = None
+        if cfg.has_confidence:
+            c_in = d + (cfg.markov_rank if cfg.markov else 0)
+            self.conf_w = nnx.Param(jnp.zeros((c_in,), dtype))
+            self.conf_b = nnx.Param(jnp.full((), 2.0, dtype))
+        else:
+            self.conf_w = None
+            self.conf_b = None
+
+    # -- context (KV injection) -------------------------------------------------
+
+    def context_features(self, features: jax.Array) -> jax.Array:
+        """``[B, T, n_taps * H]`` tapped target states -> ``[B, T, d]`` context vectors."""
+        x = features.astype(self.dtype) @ self.fc[...]
+        return rms_norm(x, self.ctx_norm[...], self.cfg.rms_eps)
+
+    def context_kv(self, ctx: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Per-layer injected keys/values of context vectors.
+
+        Args:
+          ctx: ``[B, T, d]`` from :meth:`context_features`.
+          positions: ``[B, T]`` int32 absolute positions of the context tokens.
+        Returns:
+          ``(k, v)``, each ``[N, B, T, n_kv_heads, head_dim]``; keys carry RoPE.
+        """
+        cfg = self.cfg
+        b, t, _ = ctx.shape
+        k = jnp.einsum("btd,nde->nbte", ctx, self.layers["wk"][...])
+        v = jnp.einsum("btd,nde->nbte", ctx, self.layers["wv"][...])
+        k = k.reshape(cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim)
+        k = jax.vmap(lambda kk: apply_rope(kk, positions, cfg.rope_theta))(k)
+        return k, v
+
+    def init_cache(self, batch: int, length: int) -> KVCache:
+        """Empty per-layer context K/V cache ``[N, B, length, kvh, hd]``."""
+        c = self.cfg
+        return KVCache.zeros(c.num_layers, batch, length, c.num_kv_heads, c.head_dim, self.dtype)
+
+    # -- backbone -----------------------------------------------------------------
+
+    def backbone(self, x, positions, ctx_k, ctx_v, ctx_mask, self_mask) -> jax.Array:
+        """N bidirectional layers over block slots with injected context keys/values.
+
+        Args:
+          x: ``[B, Q, d]`` block slot inputs (anchor / mask embeddings).
+          positions: ``[B, Q]`` int32 RoPE positions of the slots.
+          ctx_k, ctx_v: ``[N, B, C, kvh, hd]`` injected context keys/values.
+          ctx_mask: ``[B, Q, C]`` bool, which context entries each slot sees.
+          self_mask: ``[B, Q, Q]`` bool, which block slots each slot sees.
+        Returns:
+          ``[B, Q, d]`` final-normed hidden states.
+        """
+        cfg = self.cfg
+        mask = jnp.concatenate([ctx_mask, self_mask], axis=-1)
+        params = {k: v[...] for k, v in self.layers.items()}
+
+        def layer(h, xs):
+            p, ck, cv = xs
+            a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
+            b, t, _ = a.shape
+            q = (a @ p["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
+            k = (a @ p["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+            v = (a @ p["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+            q = apply_rope(q, positions, cfg.rope_theta)
+            k = apply_rope(k, positions, cfg.rope_theta)
+            k = jnp.concatenate([ck.astype(k.dtype), k], axis=1)
+            v = jnp.concatenate([cv.astype(v.dtype), v], axis=1)
+            h = h + attention(q, k, v, mask) @ p["wo"]
+            m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
+            return h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"]), None
+
+        h, _ = jax.lax.scan(layer, x.astype(self.dtype), (params, ctx_k, ctx_v))
+        return rms_norm(h, self.final_norm[...], cfg.rms_eps)
+
+    def block_inputs(self, target: Target, anchors: jax.Array) -> jax.Array:
+        """``[...]`` anchor ids -> ``[..., num_slots, d]``: anchor embedding then mask embeddings."""
+        a = target.embed_tokens(anchors).astype(self.dtype)[..., None, :]
+        m = jnp.broadcast_to(self.mask_embed[...], anchors.shape + (self.cfg.num_slots - 1, a.shape[-1]))
+        return jnp.concatenate([a, m], axis=-2)
+
+    def predicted_slots(self, h: jax.Array) -> jax.Array:
+        """Selects the gamma slots that predict draft tokens 1..gamma (axis -2)."""
+        g = self.cfg.gamma
+        return h[..., :g, :] if self.cfg.variant == "dspark" else h[..., 1 : g + 1, :]
+
+    def base_logits(self, target: Target, h: jax.Array) -> jax.Array:
+        """``[..., d]`` -> ``[..., V]`` float32 via the target's frozen LM head."""
+        w = jax.lax.stop_gradient(target.lm_head_weight())
+        return jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+
+    # -- heads ---------------------------------------------------------------------
+
+    def markov_embedding(self, prev: jax.Array) -> jax.Array | None:
+        """``[...]`` previous-token ids -> ``[..., r]`` Markov embeddings ``W1[x]``."""
+        if not self.cfg.markov:
+            return None
+        return jnp.take(self.markov_w1[...], prev, axis=0)
+
+    def markov_bias(self, e: jax.Array | None) -> jax.Array | float:
+        """Markov embedding ``[..., r]`` -> ``[..., V]`` float32 logit correction ``e @ W2``."""
+        if e is None:
+            return 0.0
+        return jnp.dot(e, self.markov_w2[...], preferred_element_type=jnp.float32)
+
+    def confidence_logit(self, h: jax.Array, e: jax.Array | None) -> jax.Array:
+        """Pre-sigmoid confidence ``w . [h ; e] + b``; ``[..., d]`` -> ``[...]`` float32.
+
+        For DFlash (no confidence head) returns +inf, i.e. confidence 1.
+        """
+        if not self.cfg.has_confidence:
+            return jnp.full(h.shape[:-1], jnp.inf, jnp.float32)
+        z = h if e is None else jnp.concatenate([h, e.astype(h.dtype)], axis=-1)
+        return (jnp.dot(z, self.conf_w[...]) + self.conf_b[...]).astype(jnp.float32)
+
+    # -- decoding ------------------------------------------------------------------
+
+    def draft_block(self, target: Target, anchors: jax.Array, anchor_pos: jax.Array,
+                    cache: KVCache) -> BlockOutput:
+        """Backbone pass for one drafting round per row (decode time).
+
+        Args:
+          target: the frozen target (embedding and LM head).
+          anchors: ``[B]`` int32 last confirmed token.
+          anchor_pos: ``[B]`` int32 its position P; context = cache positions < P.
+          cache: context K/V ``[N, B, S, kvh, hd]`` filled by :meth:`extend_cache`.
+        Returns:
+          :class:`BlockOutput` with ``[B, gamma, d]`` and ``[B, gamma, V]``.
+        """
+        s = self.cfg.num_slots
+        x = self.block_inputs(target, anchors)
+        pos = anchor_pos[:, None] + jnp.arange(s, dtype=jnp.int32)
+        slots = jnp.arange(cache.length, dtype=jnp.int32)
+        ctx_mask = jnp.broadcast_to(slots[None, None, :] < anchor_pos[:, None, None],
+                                    (anchors.shape[0], s, cache.length))
+        self_mask = jnp.ones((anchors.shape[0], s, s), bool)
+        h = self.predicted_slots(self.backbone(x, pos, cache.k, cache.v, ctx_mask, self_mask))
+        return BlockOutput(h, self.base_logits(target, h))
+
+    def extend_cache(self, cache: KVCache, features: jax.Array, positions: jax.Array) -> KVCache:
+        """Projects new target features and writes their K/V at ``positions``.
+
+        Args:
+          cache: ``[N, B, S, kvh, hd]``.
+          features: ``[B, T, n_taps * H]`` from a target prefill/verify pass.
+          positions: ``[B, T]`` int32; out-of-range positions are dropped.
+        """
+        k, v = self.context_kv(self.context_features(features), positions)
+        return KVCache(
+            jax.vmap(cache_write, in_axes=(0, 0, None))(cache.k, k, positions),
+            jax.vmap(cache_write, in_axes=(0, 0, None))(cache.v, v, positions),
+        )
+
+    # -- training ------------------------------------------------------------------
+
+    def train_blocks(self, target: Target, features: jax.Array, tokens: jax.Array,
+                     anchors: jax.Array) -> BlockOutput:
+        """Backbone over many anchor blocks of each sequence in one pass.
+
+        Block-sparse attention: block j sees context positions < anchor_j and its
+        own slots (DESIGN.md "Training").
+
+        Args:
+          features: ``[B, L, n_taps * H]`` tapped target states of the sequence.
+          tokens: ``[B, L]`` int32 sequence.
+          anchors: ``[B, A]`` int32 anchor positions (0 <= a < L).
+        Returns:
+          :class:`BlockOutput` with ``[B, A, gamma, d]`` and ``[B, A, gamma, V]``.
+        """
+        b, l = tokens.shape
+        a = anchors.shape[1]
+        s = self.cfg.num_slots
+        ctx = self.context_features(features)
+        ctx_pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+        ck, cv = self.context_kv(ctx, ctx_pos)
+        anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)
+        x = self.block_inputs(target, anchor_tok).reshape(b, a * s, -1)
+        pos = (anchors[:, :, None] + jnp.arange(s, dtype=jnp.int32)).reshape(b, a * s)
+        q_anchor = jnp.repeat(anchors, s, axis=1)  # [B, A*s]
+        ctx_mask = ctx_pos[:, None, :] < q_anchor[:, :, None]
+        blk = jnp.repeat(jnp.arange(a), s)
+        self_mask = jnp.broadcast_to(blk[:, None] == blk[None, :], (b, a * s, a * s))
+        h = self.backbone(x, pos, ck, cv, ctx_mask, self_mask).reshape(b, a, s, -1)
+        h = self.predicted_slots(h)
+        return BlockOutput(h, self.base_logits(target, h))

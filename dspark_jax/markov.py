@@ -1,0 +1,65 @@
+"""The Markov-head sampler: sequential draft sampling over one block with ``lax.scan``.
+
+Implements DESIGN.md "Drafter" step 3 (paper Section 6, Appendix A4):
+``p_draft_k = process(U_k + W1[x_{k-1}] @ W2)`` with ``x_0`` = the anchor, one row
+lookup and one ``r x V`` matvec per step, plus the confidence head
+``c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b)`` (step 4).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .drafter import BlockOutput, Drafter
+from .sampling import SamplingArrays, process_logits, sample
+
+
+class Draft(NamedTuple):
+    """One drafted block per row.
+
+    Attributes:
+      tokens: ``[B, gamma]`` int32 draft tokens x_1..x_gamma.
+      probs: ``[B, gamma, V]`` float32, the exact distribution q_k each draft token
+        was sampled from (handed to the verifier unchanged).
+      confidence: ``[B, gamma]`` float32 c_k in (0, 1], the predicted probability
+        that position k is accepted given that verification reached it.
+    """
+
+    tokens: jax.Array
+    probs: jax.Array
+    confidence: jax.Array
+
+
+def sample_block(drafter: Drafter, block: BlockOutput, anchors: jax.Array,
+                 keys: jax.Array, sampling: SamplingArrays) -> Draft:
+    """Samples x_1..x_gamma left to right with the Markov correction.
+
+    Args:
+      drafter: supplies the Markov and confidence heads.
+      block: backbone output, ``hidden [B, gamma, d]`` and ``logits [B, gamma, V]``.
+      anchors: ``[B]`` int32 x_0.
+      keys: ``[B, 2]`` uint32 per-row PRNG keys for this round; step k uses
+        ``fold_in(key, k)`` so a row's draft depends only on its own key.
+      sampling: per-row temperature / top-k / top-p, the same processing the
+        verifier applies to the target's logits.
+    Returns:
+      :class:`Draft`.
+    """
+    hidden = jnp.swapaxes(block.hidden, 0, 1)   # [gamma, B, d]
+    logits = jnp.swapaxes(block.logits, 0, 1)   # [gamma, B, V]
+    steps = jnp.arange(hidden.shape[0], dtype=jnp.uint32)
+
+    def step(prev, xs):
+        h, u, k = xs
+        e = drafter.markov_embedding(prev)
+        q = process_logits(u + drafter.markov_bias(e), sampling)
+        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, k)
+        x = jax.vmap(sample)(step_keys, q).astype(jnp.int32)
+        c = jax.nn.sigmoid(drafter.confidence_logit(h, e))
+        return x, (x, q, c)
+
+    _, (tokens, probs, conf) = jax.lax.scan(step, anchors.astype(jnp.int32), (hidden, logits, steps))
+    return Draft(jnp.swapaxes(tokens, 0, 1), jnp.swapaxes(probs, 0, 1), jnp.swapaxes(conf, 0, 1))

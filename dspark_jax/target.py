@@ -1,0 +1,213 @@
+"""The target model: a Llama-family decoder in Flax NNX with a static KV cache.
+
+Implements DESIGN.md "Target model": RMSNorm, RoPE, GQA, SwiGLU and optional
+Qwen3 q/k-norm, with per-layer weights stacked on a leading axis and the layer
+loop run by ``lax.scan`` (one compiled layer body whatever the depth). The
+forward pass can return the hidden states of chosen layers ("taps"), which the
+drafter consumes as context features (DESIGN.md "Drafter", step 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .config import TargetConfig
+from .layers import KVCache, apply_rope, attention, cache_write, rms_norm, swiglu
+
+_LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+class TargetOutput(NamedTuple):
+    """Result of a target forward pass.
+
+    Attributes:
+      logits: ``[B, T, V]`` float32 (or ``[B, V]`` when ``logit_index`` is given).
+      features: ``[B, T, n_taps * H]`` concatenated outputs of the tapped layers,
+        or None when no taps were requested.
+      cache: the updated :class:`KVCache`, or None when run without a cache.
+    """
+
+    logits: jax.Array
+    features: jax.Array | None
+    cache: KVCache | None
+
+
+def random_params(cfg: TargetConfig, seed: int = 0, scale: float = 0.05) -> dict[str, Any]:
+    """Random float32 parameters in the canonical layout (for tests and dry runs)."""
+    rng = np.random.default_rng(seed)
+    L, H, I = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+    def n(*shape):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    layers = {
+        "attn_norm": 1 + n(L, H), "wq": n(L, H, qd), "wk": n(L, H, kd), "wv": n(L, H, kd),
+        "wo": n(L, qd, H), "mlp_norm": 1 + n(L, H), "w_gate": n(L, H, I), "w_up": n(L, H, I),
+        "w_down": n(L, I, H),
+    }
+    if cfg.qk_norm:
+        layers["q_norm"] = 1 + n(L, cfg.head_dim)
+        layers["k_norm"] = 1 + n(L, cfg.head_dim)
+    params = {"embed": n(cfg.vocab_size, H) * 10, "layers": layers, "final_norm": 1 + n(H)}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = n(H, cfg.vocab_size)
+    return params
+
+
+class Target(nnx.Module):
+    """Llama-family decoder with hidden-state taps (DESIGN.md "Target model").
+
+    Args:
+      cfg: architecture.
+      params: canonical parameter dict (see :mod:`dspark_jax.model_io`); kernels
+        ``[in, out]``, per-layer tensors stacked on axis 0.
+      dtype: compute and storage dtype of the weights (float32 on CPU tests,
+        bfloat16 on accelerators). Logits are always returned in float32.
+      fingerprint: identifier of the exact weights (see
+        :func:`dspark_jax.model_io.params_fingerprint`), recorded in drafters.
+
+    Raises:
+      ValueError: a parameter is missing or has the wrong shape for ``cfg``.
+    """
+
+    def __init__(self, cfg: TargetConfig, params: dict[str, Any], dtype: Any = jnp.float32,
+                 fingerprint: str = ""):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.fingerprint = fingerprint
+        _check_params(cfg, params)
+        cast = lambda a: nnx.Param(jnp.asarray(a, dtype))
+        self.embed = cast(params["embed"])
+        self.final_norm = cast(params["final_norm"])
+        self.lm_head = None if cfg.tie_embeddings else cast(params["lm_head"])
+        keys = _LAYER_KEYS + (("q_norm", "k_norm") if cfg.qk_norm else ())
+        self.layers = nnx.Dict({k: cast(params["layers"][k]) for k in keys})
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """``[...]`` int32 token ids -> ``[..., H]`` embeddings."""
+        return jnp.take(self.embed[...], tokens, axis=0)
+
+    def lm_head_weight(self) -> jax.Array:
+        """``[H, V]`` output projection (the transposed embedding when tied)."""
+        return self.embed[...].T if self.lm_head is None else self.lm_head[...]
+
+    def unembed(self, h: jax.Array) -> jax.Array:
+        """Final norm + LM head: ``[..., H]`` -> ``[..., V]`` float32 logits."""
+        h = rms_norm(h, self.final_norm[...], self.cfg.rms_eps)
+        return jnp.dot(h, self.lm_head_weight(), preferred_element_type=jnp.float32)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache | None = None,
+        taps: Sequence[int] = (),
+        logit_index: jax.Array | None = None,
+        attn_mask: jax.Array | None = None,
+    ) -> TargetOutput:
+        """Runs the decoder over a block of tokens.
+
+        Args:
+          tokens: ``[B, T]`` int32 token ids.
+          positions: ``[B, T]`` int32 absolute positions (RoPE and cache slots).
+          cache: KV cache ``[L, B, S, kvh, hd]``; the block's keys/values are
+            written at ``positions`` and each query attends to every cache slot
+            at a position <= its own. Without a cache attention is causal within
+            the block (training and full-sequence scoring).
+          taps: 0-based layer indices whose outputs are returned as features
+            (tap ``i`` equals transformers' ``hidden_states[i + 1]`` for
+            ``i < L - 1``).
+          logit_index: optional ``[B]`` int32; when given only the logits at that
+            block index are computed (prefill), shape ``[B, V]``.
+          attn_mask: optional extra ``[B, T, T]`` bool mask for cache-less calls.
+
+        Returns:
+          :class:`TargetOutput`.
+        """
+        cfg = self.cfg
+        x = self.embed_tokens(tokens).astype(self.dtype)
+        taps = tuple(int(t) for t in taps)
+        for t in taps:
+            if not 0 <= t < cfg.num_layers:
+                raise ValueError(f"tap layer {t} out of range for a {cfg.num_layers}-layer target")
+        layer_params = {k: v[...] for k, v in self.layers.items()}
+
+        if cache is None:
+            causal = positions[:, None, :] <= positions[:, :, None]
+            mask = causal if attn_mask is None else causal & attn_mask
+        else:
+            slots = jnp.arange(cache.length, dtype=positions.dtype)
+            mask = slots[None, None, :] <= positions[:, :, None]
+
+        def layer(h, xs):
+            p, kv = xs
+            a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
+            b, t, _ = a.shape
+            q = (a @ p["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
+            k = (a @ p["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+            v = (a @ p["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q = rms_norm(q, p["q_norm"], cfg.rms_eps)
+                k = rms_norm(k, p["k_norm"], cfg.rms_eps)
+            q = apply_rope(q, positions, cfg.rope_theta)
+            k = apply_rope(k, positions, cfg.rope_theta)
+            if kv is not None:
+                ck, cv = kv
+                ck = cache_write(ck, k, positions)
+                cv = cache_write(cv, v, positions)
+                attn = attention(q, ck, cv, mask)
+                new_kv = (ck, cv)
+            else:
+                attn = attention(q, k, v, mask)
+                new_kv = None
+            h = h + attn @ p["wo"]
+            m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
+            h = h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"])
+            return h, (new_kv, h if taps else None)
+
+        kv_in = None if cache is None else (cache.k, cache.v)
+        x, (new_kv, hidden) = jax.lax.scan(layer, x, (layer_params, kv_in))
+        features = None
+        if taps:
+            features = jnp.concatenate([hidden[t] for t in taps], axis=-1)
+        if logit_index is not None:
+            x = jnp.take_along_axis(x, logit_index[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+        logits = self.unembed(x)
+        new_cache = None if cache is None else KVCache(*new_kv)
+        return TargetOutput(logits, features, new_cache)
+
+    def init_cache(self, batch: int, length: int) -> KVCache:
+        """An empty cache for ``batch`` rows of ``length`` positions."""
+        c = self.cfg
+        return KVCache.zeros(c.num_layers, batch, length, c.num_kv_heads, c.head_dim, self.dtype)
+
+
+def _check_params(cfg: TargetConfig, params: dict[str, Any]) -> None:
+    L, H, I = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    want = {
+        "attn_norm": (L, H), "wq": (L, H, qd), "wk": (L, H, kd), "wv": (L, H, kd),
+        "wo": (L, qd, H), "mlp_norm": (L, H), "w_gate": (L, H, I), "w_up": (L, H, I),
+        "w_down": (L, I, H),
+    }
+    if cfg.qk_norm:
+        want.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
+    got = params.get("layers", {})
+    problems = []
+    for k, shape in want.items():
+        if k not in got:
+            problems.append(f"layers.{k} missing")
+        elif tuple(got[k].shape) != shape:
+            problems.append(f"layers.{k} has shape {tuple(got[k].shape)}, expected {shape}")
+    if tuple(np.shape(params.get("embed"))) != (cfg.vocab_size, H):
+        problems.append(f"embed has shape {np.shape(params.get('embed'))}, expected {(cfg.vocab_size, H)}")
+    if not cfg.tie_embeddings and tuple(np.shape(params.get("lm_head"))) != (H, cfg.vocab_size):
+        problems.append("lm_head missing or misshapen")
+    if problems:
+        raise ValueError("target parameters do not match the config: " + "; ".join(problems))
