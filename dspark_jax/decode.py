@@ -234,6 +234,8 @@ class Generation:
     position_acceptance: list[float | None]
     num_accepted: int = 0
     num_verified: int = 0
+    position_reached: list[int] = dataclasses.field(default_factory=list)
+    position_accepted: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -331,6 +333,8 @@ def _results(state: _Loop, lens, gamma: int, speculative: bool) -> list[Generati
             position_acceptance=[(float(a) / float(r)) if r else None for a, r in zip(acc, reached)]
             if speculative else [],
             num_accepted=int(st.accepted[i]), num_verified=int(st.verified[i]),
+            position_reached=reached.tolist() if speculative else [],
+            position_accepted=acc.tolist() if speculative else [],
         ))
     return gens
 

@@ -1,0 +1,91 @@
+"""The Python API in a few calls: load a target and a drafter, generate text.
+
+Example (notebook)::
+
+    from dspark_jax import load_target, load_drafter, generate_text
+    target, tok = load_target("stories260k")
+    drafter, meta = load_drafter("runs/stories260k/export")
+    out = generate_text(target, tok, "Once upon a time", drafter=drafter, max_new_tokens=64)
+    print(out["text"], out["tau"])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+
+from .checkpoint import load_drafter
+from .decode import check_compatible, generate_autoregressive, generate_speculative
+from .drafter import Drafter
+from .errors import DSparkInputError
+from .model_io import params_fingerprint
+from .presets import preset_info, resolve_target
+from .target import Target
+
+__all__ = ["load_target", "load_drafter", "generate_text", "encode_prompt"]
+
+
+def load_target(spec: str, dtype: Any = jnp.float32):
+    """Loads a target by preset name or path.
+
+    Args:
+      spec: ``stories260k``, ``smollm2-135m-instruct``, or a path to a ``.gguf``
+        file, a llama2.c ``.bin`` or a Hugging Face directory.
+      dtype: weight/compute dtype (float32 on CPU; bfloat16 on accelerators).
+    Returns:
+      ``(target, tokenizer)``.
+    Raises:
+      DSparkInputError: unknown preset or missing/corrupt files.
+    """
+    cfg, params, tokenizer = resolve_target(spec)
+    target = Target(cfg, params, dtype=dtype, fingerprint=params_fingerprint(params))
+    return target, tokenizer
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool | None = None, spec: str = "") -> list[int]:
+    """Tokenizes a prompt; ``chat=True`` wraps it in the tokenizer's chat template.
+
+    ``chat=None`` uses the preset default (chat models get the template).
+
+    Raises:
+      DSparkInputError: empty prompt.
+    """
+    if not prompt:
+        raise DSparkInputError("the prompt is empty: give some text to continue")
+    if chat is None:
+        chat = bool(preset_info(spec).get("chat")) if spec else False
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        return tokenizer.encode(text, add_bos=False)
+    return tokenizer.encode(prompt)
+
+
+def generate_text(target: Target, tokenizer, prompt: str | Sequence[int], *, drafter: Drafter | None = None,
+                  max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                  seed: int = 0, gamma: int | None = None, chat: bool = False) -> dict[str, Any]:
+    """Generates one completion, speculatively when a drafter is given.
+
+    Returns:
+      dict with ``text``, ``token_ids``, ``finish_reason``, ``tau``,
+      ``acceptance_rate``, ``num_target_passes``, ``tokens_per_s`` (compilation
+      excluded) and ``position_acceptance``.
+    """
+    ids = list(prompt) if not isinstance(prompt, str) else encode_prompt(tokenizer, prompt, chat)
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if drafter is not None:
+        check_compatible(target, drafter)
+        res = generate_speculative(target, drafter, [ids], gamma=gamma, **kw)
+    else:
+        res = generate_autoregressive(target, [ids], **kw)
+    g = res.generations[0]
+    return {
+        "text": tokenizer.decode(g.token_ids, skip_special_tokens=True),
+        "token_ids": g.token_ids,
+        "finish_reason": g.finish_reason,
+        "tau": g.tau,
+        "acceptance_rate": g.acceptance_rate,
+        "num_target_passes": g.num_target_passes,
+        "tokens_per_s": res.tokens_per_s,
+        "position_acceptance": g.position_acceptance,
+    }

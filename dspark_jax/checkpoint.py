@@ -1,0 +1,114 @@
+"""Drafter export and loading (Orbax), independent of the training code.
+
+An export directory holds:
+
+* ``drafter.json`` -- format version, :class:`~dspark_jax.config.DrafterConfig`
+  (which records the target it was trained for: name, vocab, hidden size, depth,
+  taps, weights fingerprint), per-position calibration temperatures and the
+  training summary;
+* ``params/`` -- the drafter parameters as an Orbax ``StandardCheckpointer`` tree.
+
+``load_drafter(path)`` rebuilds the module from these two alone.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from .config import DrafterConfig
+from .drafter import Drafter
+from .errors import DSparkInputError
+
+FORMAT = "dspark_jax.drafter/1"
+
+
+def export_drafter(drafter: Drafter, path: str | Path, *, calibration: list[float] | None = None,
+                   extra: dict[str, Any] | None = None) -> Path:
+    """Writes ``drafter`` as a self-contained export directory (overwrites ``path``).
+
+    Args:
+      drafter: trained drafter.
+      path: export directory.
+      calibration: optional per-position temperatures T_1..T_gamma for the
+        confidence head (sequential temperature scaling).
+      extra: JSON-serialisable metadata (training summary, metrics).
+    Returns:
+      The absolute export path.
+    """
+    path = Path(path).absolute()
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    params = nnx.state(drafter, nnx.Param)
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(path / "params", nnx.to_pure_dict(params))
+    ckptr.wait_until_finished()
+    meta = {"format": FORMAT, "config": drafter.cfg.to_dict(),
+            "dtype": jnp.dtype(drafter.dtype).name, "calibration": calibration, "extra": extra or {}}
+    (path / "drafter.json").write_text(json.dumps(meta, indent=2))
+    return path
+
+
+def read_export_meta(path: str | Path) -> dict[str, Any]:
+    """Reads and validates ``drafter.json`` of an export.
+
+    Raises:
+      DSparkInputError: not an export directory, or a corrupt/unknown metadata file.
+    """
+    path = Path(path)
+    meta_path = path / "drafter.json"
+    if not meta_path.is_file():
+        raise DSparkInputError(f"{path} is not a drafter export (no drafter.json): pass the export directory "
+                               "written by `python -m dspark_jax.train`")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DSparkInputError(f"{meta_path} is corrupt: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise DSparkInputError(f"{meta_path}: unsupported export format {meta.get('format')!r} (expected {FORMAT})")
+    return meta
+
+
+def load_drafter(path: str | Path, dtype: Any = None) -> tuple[Drafter, dict[str, Any]]:
+    """Loads an exported drafter.
+
+    Args:
+      path: export directory from :func:`export_drafter`.
+      dtype: parameter/compute dtype (default: the dtype it was saved in).
+    Returns:
+      ``(drafter, meta)`` where ``meta`` has ``calibration`` and ``extra``.
+    Raises:
+      DSparkInputError: missing/corrupt export or parameters that do not match
+        the recorded config.
+    """
+    path = Path(path).absolute()
+    meta = read_export_meta(path)
+    try:
+        cfg = DrafterConfig.from_dict(meta["config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise DSparkInputError(f"{path}/drafter.json has an invalid config: {e}") from None
+    dtype = dtype or jnp.dtype(meta.get("dtype", "float32"))
+    abstract = nnx.eval_shape(lambda: Drafter(cfg, nnx.Rngs(0), dtype=dtype))
+    graphdef, abs_state = nnx.split(abstract)
+    target_tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                               nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
+    if not (path / "params").exists():
+        raise DSparkInputError(f"{path} has no params/ folder: the export is incomplete")
+    try:
+        restored = ocp.StandardCheckpointer().restore(path / "params", target_tree)
+    except Exception as e:  # orbax raises many types for corrupt/mismatched trees
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DSparkInputError(f"cannot restore drafter parameters from {path}/params: {msg}") from None
+    drafter = nnx.merge(graphdef, abs_state)
+    state = nnx.state(drafter, nnx.Param)
+    nnx.replace_by_pure_dict(state, restored)
+    nnx.update(drafter, state)
+    return drafter, meta

@@ -1,0 +1,266 @@
+"""Training data by self-distillation: prompts -> target continuations -> token-id shards.
+
+DESIGN.md "Pipeline"/"Training": the target generates continuations for prompts
+and only token ids are stored (no hidden-state cache); the frozen target runs
+inside the train step for features and p_target.
+
+Prompt sources:
+* ``tinystories``: the opening sentence of each story paragraph of
+  ``$DSPARK_DATA/text/tinystories_val_head.txt`` (stories260k);
+* ``chat``: the built-in :data:`CHAT_PROMPTS` plus an optional JSONL file
+  (``{"prompt": ...}``, ``{"text": ...}``, or MT-Bench style ``{"turns": [...]}``),
+  wrapped in the tokenizer's chat template.
+
+Shards are ``shard_XXXXX.npz`` files holding ``tokens [N, L] int32`` (padded
+with 0), ``lengths [N] int32`` and ``prompt_lengths [N] int32``; generation
+resumes at the first missing shard.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from .errors import DSparkInputError
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Explain photosynthesis in simple terms.",
+    "Write a short poem about the ocean.",
+    "How do I reverse a list in Python?",
+    "What are the benefits of regular exercise?",
+    "Give me three tips for better sleep.",
+    "What is the difference between a virus and a bacterium?",
+    "Summarize the plot of Romeo and Juliet.",
+    "How does a rainbow form?",
+    "Write a haiku about autumn leaves.",
+    "What is 15 multiplied by 12? Explain step by step.",
+    "Why is the sky blue?",
+    "Describe how to make a cup of tea.",
+    "What are prime numbers? Give examples.",
+    "Write a Python function that checks if a number is even.",
+    "What causes the seasons on Earth?",
+    "Tell me a fun fact about elephants.",
+    "How do airplanes stay in the air?",
+    "What is the water cycle?",
+    "Write a short story about a brave little mouse.",
+    "What is machine learning?",
+    "List five fruits that are rich in vitamin C.",
+    "How can I improve my writing skills?",
+    "What is the Pythagorean theorem?",
+    "Explain what a computer program is to a child.",
+    "What should I pack for a weekend camping trip?",
+    "Translate 'good morning' into Spanish and French.",
+    "What are the main parts of a plant?",
+    "Write a thank-you note to a teacher.",
+    "How do I calculate the area of a circle?",
+    "What is the role of the heart in the human body?",
+    "Give me a recipe for a simple salad.",
+    "Why do we need to recycle?",
+    "Write a SQL query that selects all rows from a table named users.",
+    "What is gravity?",
+    "Describe a sunset in three sentences.",
+    "What are the planets in our solar system?",
+    "How do I stay focused while studying?",
+    "Explain the difference between weather and climate.",
+    "Write a limerick about a cat.",
+    "If a train travels 60 miles in 1.5 hours, what is its average speed?",
+    "What is an API?",
+    "Give me a motivational quote and explain it.",
+    "How does the internet work, briefly?",
+    "What is the boiling point of water at sea level?",
+    "Write a JavaScript function that adds two numbers.",
+    "What is democracy?",
+    "Name three famous painters and one work by each.",
+    "How do bees make honey?",
+    "Write a short dialogue between a robot and a child.",
+]
+
+
+def shared_data_dir() -> Path:
+    """Folder of the shared real data (``$DSPARK_DATA``, else ``../shared/data`` near the CWD/repo).
+
+    Raises:
+      DSparkInputError: no such folder.
+    """
+    env = os.environ.get("DSPARK_DATA")
+    cands = [Path(env)] if env else []
+    if os.environ.get("DSPARK_MODELS"):
+        cands.append(Path(os.environ["DSPARK_MODELS"]).parent)
+    for base in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        cands += [base / "../shared/data", base / "shared/data"]
+    for c in cands:
+        if (c / "text").is_dir() or (c / "prompts").is_dir():
+            return c.resolve()
+    raise DSparkInputError("shared data not found: set DSPARK_DATA=/path/to/shared/data")
+
+
+def tinystories_openings(path: str | Path | None = None, min_words: int = 4) -> list[str]:
+    """Opening sentences of TinyStories paragraphs, in file order, deduplicated.
+
+    Args:
+      path: the text file (default ``<shared data>/text/tinystories_val_head.txt``).
+      min_words: shortest opening kept.
+    """
+    path = Path(path) if path else shared_data_dir() / "text/tinystories_val_head.txt"
+    if not path.exists():
+        raise DSparkInputError(f"TinyStories text not found at {path}")
+    seen, out = set(), []
+    for para in path.read_text(encoding="utf-8").split("\n\n"):
+        para = " ".join(para.split())
+        if not para:
+            continue
+        m = re.match(r"(.+?[.!?])(\s|$)", para)
+        first = m.group(1) if m else para
+        if len(first.split()) < min_words or first in seen:
+            continue
+        seen.add(first)
+        out.append(first)
+    return out
+
+
+def read_prompt_file(path: str | Path) -> list[str]:
+    """User prompts from a JSONL (``prompt``/``text``/``question``/``turns``) or gzip JSONL file.
+
+    Raises:
+      DSparkInputError: missing file, bad JSON, or a row without a prompt field.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DSparkInputError(f"prompt file not found: {path}")
+    opener = gzip.open if path.suffix == ".gz" else open
+    out = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DSparkInputError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if isinstance(row, str):
+                out.append(row)
+            elif "turns" in row and row["turns"]:
+                out.append(row["turns"][0])
+            else:
+                for k in ("prompt", "text", "question", "instruction"):
+                    if k in row:
+                        out.append(row[k])
+                        break
+                else:
+                    raise DSparkInputError(f"{path}:{n}: no 'prompt', 'text', 'question' or 'turns' field")
+    return out
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str], chat: bool) -> list[list[int]]:
+    """Tokenizes prompts, wrapping each in the chat template when ``chat``."""
+    out = []
+    for p in prompts:
+        if chat:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+            out.append(tokenizer.encode(text, add_bos=False))
+        else:
+            out.append(tokenizer.encode(p))
+    return out
+
+
+def split_prompts(prompts: Sequence, num_eval: int, seed: int = 0) -> tuple[list, list]:
+    """Deterministic train / held-out split (held-out prompts never appear in training)."""
+    idx = np.random.default_rng(seed).permutation(len(prompts))
+    ev = sorted(idx[:num_eval].tolist())
+    tr = sorted(idx[num_eval:].tolist())
+    return [prompts[i] for i in tr], [prompts[i] for i in ev]
+
+
+def generate_shards(out_dir: str | Path, prompt_ids: Sequence[Sequence[int]],
+                    generate_fn: Callable[[list[list[int]], int], list[list[int]]],
+                    *, seq_len: int, shard_size: int = 256, batch_size: int = 64,
+                    progress: Callable[[int, int], None] | None = None) -> list[Path]:
+    """Generates target continuations and writes them as token-id shards (resumable).
+
+    Args:
+      out_dir: shard folder; existing complete shards are kept and skipped.
+      prompt_ids: tokenized prompts.
+      generate_fn: ``(prompts, batch_index) -> continuations`` (token ids, prompt
+        excluded), e.g. the target's own batched jitted decoding.
+      seq_len: stored sequence length L (prompt + continuation, truncated/padded).
+      shard_size: sequences per shard; batch_size: sequences per generate call.
+      progress: optional callback ``(done_sequences, total_sequences)``.
+    Returns:
+      Paths of all shards.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    n = len(prompt_ids)
+    paths = []
+    for s, start in enumerate(range(0, n, shard_size)):
+        path = out_dir / f"shard_{s:05d}.npz"
+        paths.append(path)
+        chunk = prompt_ids[start : start + shard_size]
+        if path.exists():
+            if progress:
+                progress(min(start + shard_size, n), n)
+            continue
+        toks = np.zeros((len(chunk), seq_len), np.int32)
+        lens = np.zeros((len(chunk),), np.int32)
+        plens = np.zeros((len(chunk),), np.int32)
+        for bstart in range(0, len(chunk), batch_size):
+            batch = [list(p)[:seq_len - 1] for p in chunk[bstart : bstart + batch_size]]
+            conts = generate_fn(batch, (start + bstart) // batch_size)
+            for i, (p, c) in enumerate(zip(batch, conts)):
+                seq = (list(p) + list(c))[:seq_len]
+                toks[bstart + i, : len(seq)] = seq
+                lens[bstart + i] = len(seq)
+                plens[bstart + i] = min(len(p), len(seq))
+            if progress:
+                progress(start + bstart + len(batch), n)
+        tmp = path.with_name(path.stem + ".tmp.npz")
+        np.savez(tmp, tokens=toks, lengths=lens, prompt_lengths=plens)
+        os.replace(tmp, path)  # atomic: a killed run never leaves a half-written shard
+    return paths
+
+
+def load_shards(paths: Sequence[Path]) -> dict[str, np.ndarray]:
+    """Concatenates shards into ``tokens [N, L]``, ``lengths [N]``, ``prompt_lengths [N]`` (int32).
+
+    Raises:
+      DSparkInputError: no shards, or a corrupt shard file.
+    """
+    if not paths:
+        raise DSparkInputError("no training shards found")
+    parts: dict[str, list] = {"tokens": [], "lengths": [], "prompt_lengths": []}
+    for p in paths:
+        try:
+            with np.load(p) as z:
+                for k in parts:
+                    parts[k].append(z[k])
+        except (OSError, KeyError, ValueError) as e:
+            raise DSparkInputError(f"corrupt data shard {p}: {e} (delete it to regenerate)") from None
+    return {k: np.concatenate(v) for k, v in parts.items()}
+
+
+def batches(data: dict[str, np.ndarray], batch_size: int, seed: int,
+            start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
+    """Deterministic epoch-shuffled batches; batch ``s`` depends only on (seed, s).
+
+    Resuming at ``start_step`` yields exactly the batches an uninterrupted run
+    would have produced from that step on.
+    """
+    n = data["tokens"].shape[0]
+    if n < batch_size:
+        raise DSparkInputError(f"only {n} training sequences for a batch of {batch_size}")
+    per_epoch = n // batch_size
+    step = start_step
+    while True:
+        epoch, i = divmod(step, per_epoch)
+        perm = np.random.default_rng([seed, epoch]).permutation(n)
+        idx = perm[i * batch_size : (i + 1) * batch_size]
+        yield {k: v[idx] for k, v in data.items()}
+        step += 1

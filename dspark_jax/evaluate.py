@@ -1,0 +1,65 @@
+"""Drafter evaluation on prompt sets: tau, acceptance, position-wise acceptance.
+
+Metric definitions follow DESIGN.md "Metrics everyone reports the same way":
+tau = tokens emitted per target verification pass (accepted drafts + the
+bonus/correction token), aggregated as total emitted / total passes over all
+requests; acceptance rate = accepted drafts / verified drafts; conditional
+acceptance at position k = among blocks whose positions 1..k-1 were accepted
+(and k verified), the fraction where k was accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from .decode import BatchResult, generate_speculative
+from .drafter import Drafter
+from .target import Target
+
+
+def aggregate(results: Sequence[BatchResult]) -> dict[str, Any]:
+    """Pools per-request counters of several batches into corpus-level metrics."""
+    gens = [g for r in results for g in r.generations]
+    passes = sum(g.num_target_passes for g in gens)
+    emitted = sum(g.num_target_passes * g.tau for g in gens if g.num_target_passes)
+    acc = sum(g.num_accepted for g in gens)
+    ver = sum(g.num_verified for g in gens)
+    return {
+        "num_requests": len(gens),
+        "num_generated_tokens": sum(len(g.token_ids) for g in gens),
+        "num_target_passes": passes,
+        "tau": emitted / passes if passes else float("nan"),
+        "acceptance_rate": acc / ver if ver else float("nan"),
+        "tokens_per_s": sum(r.num_tokens for r in results) / max(sum(r.seconds for r in results), 1e-9),
+    }
+
+
+def evaluate_tau(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
+                 max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 gamma: int | None = None, batch_size: int = 16, seed: int = 0) -> dict[str, Any]:
+    """Speculative decoding over ``prompts``; returns pooled metrics.
+
+    Returns:
+      dict with ``tau``, ``acceptance_rate``, ``position_acceptance`` (list over
+      k = 1..gamma), ``num_requests``, ``num_target_passes``, ``tokens_per_s``
+      (compilation excluded) and the settings used.
+    """
+    results = []
+    reached = np.zeros(drafter.cfg.gamma)
+    accepted = np.zeros(drafter.cfg.gamma)
+    for s in range(0, len(prompts), batch_size):
+        chunk = list(prompts[s : s + batch_size])
+        res = generate_speculative(target, drafter, chunk, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, gamma=gamma,
+                                   seed=[seed + s + i for i in range(len(chunk))])
+        results.append(res)
+        for g in res.generations:
+            reached += g.position_reached
+            accepted += g.position_accepted
+    out = aggregate(results)
+    out["position_acceptance"] = [float(a / r) if r else None for a, r in zip(accepted, reached)]
+    out.update(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+               gamma=gamma or drafter.cfg.gamma)
+    return out

@@ -1,0 +1,255 @@
+"""Logit processing and sampling shared by plain decoding, the drafter and the verifier.
+
+DESIGN.md, "Verification (lossless)": temperature / top-k / top-p are applied to the
+target's logits to give p, and q is *exactly* the distribution a draft token was drawn
+from. Losslessness therefore needs one function that turns logits into a sampling
+distribution, used identically everywhere: :func:`process_logits`. Plain autoregressive
+sampling, the drafter's proposal q and the verifier's p all go through it.
+
+Conventions
+-----------
+* Batch-first. Sampling parameters are per row (per request): arrays of shape ``[B]``,
+  broadcast over any middle axes of the logits (e.g. the ``G`` positions of a block).
+* Randomness is explicit and per row: ``keys`` has shape ``[B, 2]`` (raw ``uint32`` keys
+  from :func:`jax.random.PRNGKey` / :func:`jax.random.split`; new-style typed keys of
+  shape ``[B]`` from :func:`jax.random.key` work too). Row ``b`` only ever consumes
+  ``keys[b]``, so a request's output never depends on its batch-mates.
+* Everything is jit-compatible with static shapes; no Python loops over tokens.
+
+Non-finite logits
+-----------------
+``-inf`` is a supported logit: it bans a token (probability exactly 0), as long as
+at least one logit of the distribution is finite. ``NaN`` and ``+inf`` are not supported:
+the output of :func:`process_logits` for such a distribution is unspecified (typically
+NaN in sampled rows; greedy rows pick the first NaN / ``+inf``). Callers that can
+receive such logits should check :func:`logits_are_finite` outside ``jit`` and raise.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = [
+    "SamplingArrays",
+    "sampling_arrays",
+    "process_logits",
+    "logits_are_finite",
+    "sample",
+    "split_keys",
+]
+
+
+class SamplingArrays(NamedTuple):
+    """Per-row sampling parameters (a pytree: it can cross ``jit`` boundaries).
+
+    Attributes:
+      temperature: ``[B] float32``. ``<= 0`` means greedy (one-hot at the argmax).
+      top_k: ``[B] int32``. ``<= 0`` (or ``>= V``) means off.
+      top_p: ``[B] float32``. ``>= 1`` means off. Values ``<= 0`` keep only the top token.
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+
+def sampling_arrays(
+    batch: int,
+    temperature: float | Sequence[float] | np.ndarray = 1.0,
+    top_k: int | Sequence[int] | np.ndarray = 0,
+    top_p: float | Sequence[float] | np.ndarray = 1.0,
+) -> SamplingArrays:
+    """Builds :class:`SamplingArrays` for a batch of ``batch`` rows.
+
+    Each argument is either a Python scalar (shared by all rows) or a length-``batch``
+    sequence (one value per row).
+
+    Returns:
+      ``SamplingArrays(temperature [B] f32, top_k [B] int32, top_p [B] f32)``.
+    """
+
+    def _full(value, dtype, name):
+        arr = np.asarray(value, dtype=dtype)
+        if arr.ndim == 0:
+            arr = np.full((batch,), arr, dtype=dtype)
+        if arr.shape != (batch,):
+            raise ValueError(f"{name} has shape {arr.shape}, expected () or ({batch},)")
+        return jnp.asarray(arr)
+
+    return SamplingArrays(
+        temperature=_full(temperature, np.float32, "temperature"),
+        top_k=_full(top_k, np.int32, "top_k"),
+        top_p=_full(top_p, np.float32, "top_p"),
+    )
+
+
+def _per_row(x: jax.Array, ndim: int) -> jax.Array:
+    """Reshapes a ``[B]`` parameter to ``[B, 1, ..., 1]`` (``ndim`` axes in total)."""
+    return jnp.reshape(x, x.shape + (1,) * (ndim - 1))
+
+
+def _filter_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Masks (to ``-inf``) the tokens outside the top-k, then outside the top-p nucleus.
+
+    Args:
+      scaled: ``[B, ..., V] f32`` temperature-scaled logits.
+      top_k: ``[B, 1, ..., 1] int32`` (``<= 0`` or ``>= V``: off).
+      top_p: ``[B, 1, ..., 1] f32`` (``>= 1``: off).
+
+    Tokens are ranked by a *stable* descending sort of the scaled logits, so equal logits
+    are ordered by token id (lower id first). The kept set is always a prefix of that
+    ranking of length ``n = max(1, min(k_eff, n_p))`` where ``k_eff`` is the top-k size and
+    ``n_p`` the smallest prefix of the top-k-renormalised distribution whose mass reaches
+    ``top_p`` (vLLM / HF order: temperature, top-k, then top-p on the filtered
+    distribution). Ties at the cut are therefore broken deterministically by token id and
+    exactly ``n`` tokens are kept.
+
+    Instead of scattering the sorted mask back (a second sort or a scatter), the cut is
+    turned into a lexicographic threshold ``(logit, -token_id)`` and compared elementwise
+    in the original order.
+    """
+    v = scaled.shape[-1]
+    # Canonicalise -0.0 to +0.0 so the sort's total order agrees with IEEE ``==`` below.
+    scaled = jnp.where(scaled == 0.0, jnp.zeros_like(scaled), scaled)
+    ids = lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)
+    neg_sorted, ids_sorted = lax.sort(
+        (-scaled, ids), dimension=scaled.ndim - 1, is_stable=True, num_keys=1
+    )
+    sorted_logits = -neg_sorted
+
+    k_eff = jnp.where((top_k <= 0) | (top_k >= v), v, top_k)
+    rank = lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)
+    in_top_k = rank < k_eff
+    topk_logits = jnp.where(in_top_k, sorted_logits, -jnp.inf)
+    probs_sorted = jax.nn.softmax(topk_logits, axis=-1)
+    cum = jnp.cumsum(probs_sorted, axis=-1)
+    exclusive = jnp.concatenate([jnp.zeros_like(cum[..., :1]), cum[..., :-1]], axis=-1)
+    # Position j is in the nucleus iff the mass strictly before it is < top_p. Counting
+    # (rather than reading a boolean mask) keeps the kept set a prefix even if a parallel
+    # cumsum were not perfectly monotone.
+    n_p = jnp.sum((exclusive < top_p) & in_top_k, axis=-1, keepdims=True, dtype=jnp.int32)
+    n_p = jnp.where(top_p >= 1.0, v, n_p)
+    n_keep = jnp.clip(jnp.minimum(k_eff, n_p), 1, v)
+
+    cut = n_keep - 1
+    thr_logit = jnp.take_along_axis(sorted_logits, cut, axis=-1)
+    thr_id = jnp.take_along_axis(ids_sorted, cut, axis=-1)
+    keep = (scaled > thr_logit) | ((scaled == thr_logit) & (ids <= thr_id))
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+@jax.jit
+def process_logits(logits: jax.Array, params: SamplingArrays) -> jax.Array:
+    """Turns logits into the sampling distribution (the one function used everywhere).
+
+    DESIGN.md "Verification (lossless)": p (target) and q (drafter) are both produced by
+    this function, so the verifier compares exactly the distributions that were sampled.
+
+    Order (as vLLM / HF): temperature, then top-k, then top-p (the nucleus is computed on
+    the temperature-scaled, top-k-renormalised distribution; the smallest prefix of the
+    ranking whose mass is ``>= top_p`` is kept, always at least one token; ties ranked by
+    token id, lower first). ``temperature <= 0`` gives exactly ``one_hot(argmax(logits))``
+    (first index on ties); top-k / top-p cannot change a greedy row.
+
+    The full sort over V needed by top-k / top-p runs under ``lax.cond`` only when some
+    sampled (non-greedy) row actually uses them; otherwise this is an elementwise scale
+    plus a softmax. (Do not ``vmap`` this function over the batch: a vmapped ``lax.cond``
+    executes both branches. It already handles the batch and any middle axes.)
+
+    Args:
+      logits: ``[B, ..., V]`` float logits (cast to float32). ``-inf`` bans a token; see the
+        module docstring for NaN / ``+inf``.
+      params: :class:`SamplingArrays` with ``[B]`` leaves, broadcast over middle axes.
+
+    Returns:
+      ``[B, ..., V] float32`` probabilities (each distribution sums to 1 up to rounding).
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    nd = logits.ndim
+    v = logits.shape[-1]
+    temperature = _per_row(jnp.asarray(params.temperature, jnp.float32), nd)
+    top_k = _per_row(jnp.asarray(params.top_k, jnp.int32), nd)
+    top_p = _per_row(jnp.asarray(params.top_p, jnp.float32), nd)
+
+    greedy = temperature <= 0.0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)
+
+    uses_filter = (~greedy) & (((top_k > 0) & (top_k < v)) | (top_p < 1.0))
+    filtered = lax.cond(
+        jnp.any(uses_filter),
+        lambda x: _filter_top_k_top_p(x, top_k, top_p),
+        lambda x: x,
+        scaled,
+    )
+    probs = jax.nn.softmax(filtered, axis=-1)
+    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
+    return jnp.where(greedy, one_hot, probs)
+
+
+def logits_are_finite(logits: jax.Array, allow_neg_inf: bool = True) -> jax.Array:
+    """Per-row check that :func:`process_logits` gives a valid distribution.
+
+    Args:
+      logits: ``[B, ..., V]`` logits.
+      allow_neg_inf: if True (default), ``-inf`` (a banned token) is allowed provided every
+        distribution of the row keeps at least one finite logit. If False, every entry must
+        be finite.
+
+    Returns:
+      ``[B] bool``: True where the row has no NaN / ``+inf`` (and, per the flag, no
+      ``-inf`` / at least one finite logit per distribution). Callers raise
+      :class:`dspark_jax.errors.DSparkInputError` (or similar) outside ``jit`` on False.
+    """
+    logits = jnp.asarray(logits)
+    finite = jnp.isfinite(logits)
+    if allow_neg_inf:
+        ok = finite | (logits == -jnp.inf)
+        ok_dist = jnp.all(ok, axis=-1) & jnp.any(finite, axis=-1)
+    else:
+        ok_dist = jnp.all(finite, axis=-1)
+    return jnp.all(jnp.reshape(ok_dist, (logits.shape[0], -1)), axis=-1)
+
+
+def _is_single_key(key: jax.Array) -> bool:
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key.ndim == 0
+    return key.ndim == 1
+
+
+def _categorical(key: jax.Array, probs: jax.Array) -> jax.Array:
+    """One draw per distribution of ``probs [..., V]`` with a single key."""
+    probs = jnp.asarray(probs, jnp.float32)
+    log_probs = jnp.where(probs > 0.0, jnp.log(jnp.where(probs > 0.0, probs, 1.0)), -jnp.inf)
+    return jax.random.categorical(key, log_probs, axis=-1).astype(jnp.int32)
+
+
+@jax.jit
+def sample(keys: jax.Array, probs: jax.Array) -> jax.Array:
+    """Draws token ids from probabilities; zero-probability tokens are never drawn.
+
+    Gumbel-max (``jax.random.categorical``) on ``log(probs)`` with ``-inf`` for zeros.
+    ``probs`` need not be normalised (the draw is from ``probs / probs.sum(-1)``).
+
+    Args:
+      keys: either per-row keys ``[B, 2] uint32`` (or typed ``[B]``), in which case row
+        ``b`` of ``probs`` uses only ``keys[b]``; or one key ``[2]`` (typed: ``[]``) for all
+        of ``probs``.
+      probs: ``[B, ..., V]`` (per-row keys) or ``[..., V]`` (single key) float32.
+
+    Returns:
+      ``int32`` token ids of shape ``probs.shape[:-1]``.
+    """
+    if _is_single_key(keys):
+        return _categorical(keys, probs)
+    return jax.vmap(_categorical)(keys, probs)
+
+
+def split_keys(keys: jax.Array, num: int = 2) -> jax.Array:
+    """Splits each row key into ``num`` keys: ``[B, 2] -> [num, B, 2]`` (row-local)."""
+    return jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, num))(keys), 1, 0)

@@ -1,0 +1,170 @@
+"""Lossless verification of draft blocks by rejection sampling.
+
+DESIGN.md, "Verification (lossless)"; Leviathan et al. 2023 ("Fast Inference from
+Transformers via Speculative Decoding", Alg. 1) and Chen et al. 2023 ("Accelerating Large
+Language Model Decoding with Speculative Sampling", Alg. 2, "modified rejection sampling").
+
+For one row with verification length ``L`` (``0 <= L <= G``), walk ``k = 0 .. L-1``:
+
+* draft token ``x_k ~ q_k`` is accepted with probability ``min(1, p_k(x_k) / q_k(x_k))``;
+* at the first rejection ``k``, emit a correction ``~ norm(max(0, p_k - q_k))`` and stop;
+* if all ``L`` verified drafts pass, emit a bonus token ``~ p_L``.
+
+Each emitted token is then distributed exactly as plain sampling from the target (seed
+appendix A1), *provided* that whether position ``k`` is verified (``k < L``) does not depend
+on the value of ``x_k`` or anything computed from it (non-anticipation, DESIGN.md
+"Scheduler" / seed part 8). ``lengths`` is the scheduler's choice; this module trusts it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.sampling import _categorical
+
+__all__ = ["VerifyOutput", "verify"]
+
+
+class VerifyOutput(NamedTuple):
+    """Result of :func:`verify` for a batch of ``B`` rows with block size ``G``.
+
+    Attributes:
+      num_accepted: ``[B] int32`` accepted draft tokens, in ``[0, lengths[b]]``.
+      next_token: ``[B] int32`` the correction token (sampled from
+        ``norm(max(0, p_k - q_k))`` at the first rejection ``k``) or, if every verified
+        draft was accepted, the bonus token sampled from ``target_probs[b, lengths[b]]``.
+      tokens: ``[B, G+1] int32`` the emitted tokens: ``num_accepted`` drafts, then
+        ``next_token``, then ``-1`` padding.
+      num_emitted: ``[B] int32`` ``num_accepted + 1``.
+      accepted: ``[B, G] bool`` ``accepted[b, k]`` iff draft ``k`` is part of the output,
+        i.e. ``k < num_accepted[b]`` (verified, passed, and no earlier rejection).
+    """
+
+    num_accepted: jax.Array
+    next_token: jax.Array
+    tokens: jax.Array
+    num_emitted: jax.Array
+    accepted: jax.Array
+
+
+def _verify_row(key, draft_tokens, draft_probs, target_probs, length):
+    """One row. Shapes: ``[G] int32, [G, V], [G+1, V], [] int32``; see :func:`verify`."""
+    g, v = draft_probs.shape
+    key_accept, key_sample = jax.random.split(key)
+    length = jnp.clip(length, 0, g).astype(jnp.int32)
+    pos = jnp.arange(g, dtype=jnp.int32)
+    verified = pos < length
+
+    # Padding positions (k >= length) are replaced before any arithmetic, so garbage or
+    # NaN there can never reach the result (jnp.where selects; it does not multiply).
+    tok = jnp.where(verified, jnp.clip(draft_tokens, 0, v - 1), 0).astype(jnp.int32)
+    p_x = jnp.take_along_axis(target_probs[:g], tok[:, None], axis=-1)[:, 0]
+    q_x = jnp.take_along_axis(draft_probs, tok[:, None], axis=-1)[:, 0]
+    p_x = jnp.where(verified, p_x, 0.0)
+    q_x = jnp.where(verified, q_x, 1.0)
+
+    # Accept iff u < p/q with u ~ U[0, 1), written as u * q < p: robust at q = 0 (a token
+    # with q = 0 cannot have been drawn; the test then accepts iff p > 0), and NaN fails.
+    u = jax.random.uniform(key_accept, (g,), dtype=jnp.float32)
+    passes = (u * q_x < p_x) & verified
+    num_accepted = jnp.sum(jnp.cumprod(passes.astype(jnp.int32)), dtype=jnp.int32)
+    rejected = num_accepted < length
+
+    # Distribution of the next token: residual at the first rejection, else the bonus p_L.
+    p_n = target_probs[num_accepted]
+    q_n = draft_probs[jnp.minimum(num_accepted, g - 1)]
+    residual = jnp.maximum(p_n - jnp.where(rejected, q_n, 0.0), 0.0)
+    mass = jnp.sum(residual)
+    # max(0, p - q) can sum to 0 when p == q numerically (then rejection had probability
+    # ~0 anyway); fall back to p. ``~(mass > 0)`` also catches NaN from a bad q.
+    dist = jnp.where(rejected & (mass > 0.0), residual, p_n)
+    next_token = _categorical(key_sample, dist)
+
+    out_pos = jnp.arange(g + 1, dtype=jnp.int32)
+    drafts_padded = jnp.concatenate([draft_tokens.astype(jnp.int32), jnp.full((1,), -1, jnp.int32)])
+    tokens = jnp.where(
+        out_pos < num_accepted, drafts_padded, jnp.where(out_pos == num_accepted, next_token, -1)
+    )
+    return VerifyOutput(
+        num_accepted=num_accepted,
+        next_token=next_token,
+        tokens=tokens,
+        num_emitted=num_accepted + 1,
+        accepted=pos < num_accepted,
+    )
+
+
+def _plain_row(key, target_probs):
+    """``G == 0``: no drafts; the output is one plain sample from ``target_probs[0]``."""
+    _, key_sample = jax.random.split(key)
+    next_token = _categorical(key_sample, target_probs[0])
+    return VerifyOutput(
+        num_accepted=jnp.zeros((), jnp.int32),
+        next_token=next_token,
+        tokens=next_token[None],
+        num_emitted=jnp.ones((), jnp.int32),
+        accepted=jnp.zeros((0,), bool),
+    )
+
+
+@jax.jit
+def verify(
+    keys: jax.Array,
+    draft_tokens: jax.Array,
+    draft_probs: jax.Array,
+    target_probs: jax.Array,
+    lengths: jax.Array,
+) -> VerifyOutput:
+    """Rejection-sampling verification of a batch of draft blocks (lossless).
+
+    Implements DESIGN.md "Verification (lossless)" (Leviathan et al. 2023, Alg. 1; Chen et
+    al. 2023, Alg. 2): accept ``x_k`` iff ``u_k * q_k(x_k) < p_k(x_k)`` with
+    ``u_k ~ U[0, 1)`` (i.e. with probability ``min(1, p_k(x_k) / q_k(x_k))``); at the first
+    rejection sample from ``norm(max(0, p_k - q_k))`` (falling back to ``p_k`` if that is
+    all zero); if all ``lengths[b]`` verified drafts pass, sample the bonus from
+    ``p_{lengths[b]}``. The accept uniforms and the correction / bonus draw use independent
+    keys split from the row key, and row ``b`` uses only ``keys[b]``:
+    ``key_accept, key_sample = jax.random.split(keys[b])``;
+    ``u = jax.random.uniform(key_accept, (G,))``; the next token is
+    ``sample(key_sample, dist)`` (so with ``lengths[b] == 0`` it equals
+    ``sample(key_sample, target_probs[b, 0])``).
+
+    Greedy (one-hot ``p`` and ``q``) reduces to: accept iff ``x_k == argmax p_k``;
+    correction ``argmax p_k``; bonus ``argmax p_L``. ``lengths[b] == 0`` is plain decoding:
+    ``next_token ~ target_probs[b, 0]``.
+
+    Args:
+      keys: ``[B, 2] uint32`` per-row PRNG keys (typed keys ``[B]`` also accepted).
+      draft_tokens: ``[B, G] int32``; ``draft_tokens[b, k]`` was drawn from
+        ``draft_probs[b, k]``.
+      draft_probs: ``[B, G, V] float32``, exactly the distributions q the drafts were drawn
+        from (e.g. :func:`dspark_jax.sampling.process_logits` of the drafter's logits).
+      target_probs: ``[B, G+1, V] float32``, the target's processed distributions p:
+        position ``k`` predicts the token drafted at ``k``; position ``lengths[b]`` is the
+        bonus distribution.
+      lengths: ``[B] int32`` verification lengths (dynamic), clipped to ``[0, G]``.
+        Positions ``k >= lengths[b]`` are padding: their tokens and probabilities never
+        influence the result (any values, NaN included). ``lengths`` must be chosen without
+        looking at the drafted tokens it admits (non-anticipation).
+
+    Returns:
+      :class:`VerifyOutput`.
+    """
+    b, g = draft_tokens.shape
+    if draft_probs.shape[:2] != (b, g) or target_probs.shape[:2] != (b, g + 1):
+        raise ValueError(
+            f"shape mismatch: draft_tokens {draft_tokens.shape}, draft_probs "
+            f"{draft_probs.shape}, target_probs {target_probs.shape} (expected [B, G], "
+            "[B, G, V], [B, G+1, V])"
+        )
+    draft_probs = jnp.asarray(draft_probs, jnp.float32)
+    target_probs = jnp.asarray(target_probs, jnp.float32)
+    if g == 0:
+        return jax.vmap(_plain_row)(keys, target_probs)
+    return jax.vmap(_verify_row)(
+        keys, jnp.asarray(draft_tokens, jnp.int32), draft_probs, target_probs,
+        jnp.asarray(lengths, jnp.int32),
+    )

