@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import DrafterConfig
-from .layers import KVCache, apply_rope, attention, cache_write, rms_norm, swiglu
+from .layers import KVCache, apply_rope, block_attention, cache_write, rms_norm, swiglu
 from .target import Target
 
 
@@ -127,34 +127,37 @@ class Drafter(nnx.Module):
 
     # -- backbone -----------------------------------------------------------------
 
-    def backbone(self, x, positions, ctx_k, ctx_v, ctx_mask, self_mask) -> jax.Array:
-        """N bidirectional layers over block slots with injected context keys/values.
+    def backbone(self, x, positions, ctx_k, ctx_v, ctx_mask) -> jax.Array:
+        """N layers over draft blocks with injected context keys/values.
 
         Args:
-          x: ``[B, Q, d]`` block slot inputs (anchor / mask embeddings).
-          positions: ``[B, Q]`` int32 RoPE positions of the slots.
+          x: ``[B, A, S, d]`` slot inputs of A blocks (anchor / mask embeddings).
+          positions: ``[B, A, S]`` int32 RoPE positions of the slots.
           ctx_k, ctx_v: ``[N, B, C, kvh, hd]`` injected context keys/values.
-          ctx_mask: ``[B, Q, C]`` bool, which context entries each slot sees.
-          self_mask: ``[B, Q, Q]`` bool, which block slots each slot sees.
+          ctx_mask: ``[B, A, S, C]`` bool, context entries each slot sees.
+            Slots of one block always see each other (bidirectional).
         Returns:
-          ``[B, Q, d]`` final-normed hidden states.
+          ``[B, A, S, d]`` final-normed hidden states.
         """
         cfg = self.cfg
-        mask = jnp.concatenate([ctx_mask, self_mask], axis=-1)
         params = {k: v[...] for k, v in self.layers.items()}
+        b, a, s, d = x.shape
+        flat_pos = positions.reshape(b, a * s)
+
+        def heads(y, n):
+            return y.reshape(b, a, s, n, cfg.head_dim)
+
+        def rope(y):
+            n = y.shape[-2]
+            return apply_rope(y.reshape(b, a * s, n, cfg.head_dim), flat_pos, cfg.rope_theta).reshape(y.shape)
 
         def layer(h, xs):
             p, ck, cv = xs
-            a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
-            b, t, _ = a.shape
-            q = (a @ p["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
-            k = (a @ p["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-            v = (a @ p["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-            q = apply_rope(q, positions, cfg.rope_theta)
-            k = apply_rope(k, positions, cfg.rope_theta)
-            k = jnp.concatenate([ck.astype(k.dtype), k], axis=1)
-            v = jnp.concatenate([cv.astype(v.dtype), v], axis=1)
-            h = h + attention(q, k, v, mask) @ p["wo"]
+            u = rms_norm(h, p["attn_norm"], cfg.rms_eps)
+            q = rope(heads(u @ p["wq"], cfg.num_heads))
+            k = rope(heads(u @ p["wk"], cfg.num_kv_heads))
+            v = heads(u @ p["wv"], cfg.num_kv_heads)
+            h = h + block_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), ctx_mask, k, v) @ p["wo"]
             m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
             return h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"]), None
 
@@ -216,13 +219,12 @@ class Drafter(nnx.Module):
           :class:`BlockOutput` with ``[B, gamma, d]`` and ``[B, gamma, V]``.
         """
         s = self.cfg.num_slots
-        x = self.block_inputs(target, anchors)
-        pos = anchor_pos[:, None] + jnp.arange(s, dtype=jnp.int32)
+        x = self.block_inputs(target, anchors)[:, None]                       # [B, 1, S, d]
+        pos = (anchor_pos[:, None] + jnp.arange(s, dtype=jnp.int32))[:, None]  # [B, 1, S]
         slots = jnp.arange(cache.length, dtype=jnp.int32)
-        ctx_mask = jnp.broadcast_to(slots[None, None, :] < anchor_pos[:, None, None],
-                                    (anchors.shape[0], s, cache.length))
-        self_mask = jnp.ones((anchors.shape[0], s, s), bool)
-        h = self.predicted_slots(self.backbone(x, pos, cache.k, cache.v, ctx_mask, self_mask))
+        ctx_mask = jnp.broadcast_to(slots < anchor_pos[:, None, None, None],
+                                    (anchors.shape[0], 1, s, cache.length))
+        h = self.predicted_slots(self.backbone(x, pos, cache.k, cache.v, ctx_mask)[:, 0])
         return BlockOutput(h, self.base_logits(target, h))
 
     def extend_cache(self, cache: KVCache, features: jax.Array, positions: jax.Array) -> KVCache:
@@ -256,18 +258,14 @@ class Drafter(nnx.Module):
           :class:`BlockOutput` with ``[B, A, gamma, d]`` and ``[B, A, gamma, V]``.
         """
         b, l = tokens.shape
-        a = anchors.shape[1]
         s = self.cfg.num_slots
         ctx = self.context_features(features)
         ctx_pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
         ck, cv = self.context_kv(ctx, ctx_pos)
         anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)
-        x = self.block_inputs(target, anchor_tok).reshape(b, a * s, -1)
-        pos = (anchors[:, :, None] + jnp.arange(s, dtype=jnp.int32)).reshape(b, a * s)
-        q_anchor = jnp.repeat(anchors, s, axis=1)  # [B, A*s]
-        ctx_mask = ctx_pos[:, None, :] < q_anchor[:, :, None]
-        blk = jnp.repeat(jnp.arange(a), s)
-        self_mask = jnp.broadcast_to(blk[:, None] == blk[None, :], (b, a * s, a * s))
-        h = self.backbone(x, pos, ck, cv, ctx_mask, self_mask).reshape(b, a, s, -1)
-        h = self.predicted_slots(h)
+        x = self.block_inputs(target, anchor_tok)                                # [B, A, S, d]
+        pos = anchors[:, :, None] + jnp.arange(s, dtype=jnp.int32)               # [B, A, S]
+        ctx_mask = ctx_pos[:, None, None, :] < anchors[:, :, None, None]         # [B, A, 1, L]
+        ctx_mask = jnp.broadcast_to(ctx_mask, (b, anchors.shape[1], s, l))
+        h = self.predicted_slots(self.backbone(x, pos, ck, cv, ctx_mask))
         return BlockOutput(h, self.base_logits(target, h))

@@ -111,3 +111,37 @@ def cache_write(cache: jax.Array, update: jax.Array, positions: jax.Array) -> ja
     b_idx = jnp.arange(cache.shape[0])[:, None]
     pos = jnp.where(positions < 0, cache.shape[1], positions)
     return cache.at[b_idx, pos].set(update.astype(cache.dtype), mode="drop")
+
+
+def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask: jax.Array,
+                    k_blk: jax.Array, v_blk: jax.Array) -> jax.Array:
+    """Attention of draft blocks over shared context keys plus their own block (KV injection).
+
+    One softmax over ``[context keys ; own block keys]`` per query, computed without
+    materialising a dense ``[A*S, A*S]`` block-diagonal mask: context scores are
+    ``[.., A*S, C]`` and block scores ``[.., A, S, S]``.
+
+    Args:
+      q: ``[B, A, S, n_heads, hd]`` queries of A blocks of S slots.
+      k_ctx, v_ctx: ``[B, C, n_kv_heads, hd]`` injected context keys/values.
+      ctx_mask: ``[B, A, S, C]`` bool, context entries visible to each slot.
+      k_blk, v_blk: ``[B, A, S, n_kv_heads, hd]`` the blocks' own keys/values
+        (bidirectional within a block).
+    Returns:
+      ``[B, A, S, n_heads * hd]`` in the dtype of ``q``.
+    """
+    b, a, s, nh, hd = q.shape
+    g = k_ctx.shape[2]
+    r = nh // g
+    qg = q.reshape(b, a, s, g, r, hd)
+    scale = 1.0 / jnp.sqrt(jnp.float32(hd))
+    sc = jnp.einsum("basgrd,bcgd->basgrc", qg, k_ctx, preferred_element_type=jnp.float32) * scale
+    sc = jnp.where(ctx_mask[:, :, :, None, None, :], sc, _NEG_INF)
+    sb = jnp.einsum("basgrd,batgd->basgrt", qg, k_blk, preferred_element_type=jnp.float32) * scale
+    m = jnp.maximum(jnp.max(sc, -1, keepdims=True), jnp.max(sb, -1, keepdims=True))
+    ec, eb = jnp.exp(sc - m), jnp.exp(sb - m)
+    denom = jnp.sum(ec, -1, keepdims=True) + jnp.sum(eb, -1, keepdims=True)
+    out = (jnp.einsum("basgrc,bcgd->basgrd", ec.astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
+           + jnp.einsum("basgrt,batgd->basgrd", eb.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32))
+    out = out / denom
+    return out.reshape(b, a, s, nh * hd).astype(q.dtype)

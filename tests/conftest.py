@@ -108,3 +108,26 @@ def write_tiny_hf_tokenizer():
         return Path(path)
 
     return write
+
+
+# ----------------------------------------------------------------------------- trained drafter (end to end)
+
+# A deliberately small budget: enough to exercise every stage of `python -m dspark_jax.train`
+# (data generation, training, Orbax checkpoints, export, evaluation) in about a minute on 2 cores.
+QUICK_TRAIN = dict(num_prompts=96, num_eval_prompts=8, gen_max_new_tokens=64, gen_batch_size=48, seq_len=80,
+                   steps=40, batch_size=16, anchors_per_seq=8, log_every=10, ckpt_every=20,
+                   eval_max_new_tokens=32)
+
+
+@pytest.fixture(scope="session")
+def stories260k_export(stories260k_dir, tmp_path_factory):
+    """``(workdir, summary)`` of a quick stories260k drafter training run (session-scoped)."""
+    from dspark_jax.train import run
+    from dspark_jax.trainer import TRAIN_PRESETS
+    import dataclasses
+
+    os.environ.setdefault("DSPARK_MODELS", str(MODELS_DIR))
+    workdir = tmp_path_factory.mktemp("train_stories")
+    cfg = dataclasses.replace(TRAIN_PRESETS["stories260k"], workdir=str(workdir), **QUICK_TRAIN)
+    summary = run(cfg)
+    return workdir, summary

@@ -1,0 +1,135 @@
+"""``python -m dspark_jax.generate``: one request, speculative (lossless) or plain.
+
+Examples::
+
+    python -m dspark_jax.generate --target stories260k --drafter runs/stories260k/export \\
+        --prompt "Once upon a time" --max-new-tokens 128 --temperature 0 --compare-ar --json
+    python -m dspark_jax.generate --target smollm2-135m-instruct --prompt "What is the capital of France?"
+
+Without ``--drafter`` it decodes autoregressively with the target alone. Exit
+status 2 with a one-line ``error:`` message on bad input (missing model files,
+a drafter exported for another target, an empty or too-long prompt, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dspark_jax.generate",
+        description="Generate text from a target model, speculatively with a DSpark/DFlash drafter "
+                    "(output distributed exactly as the target alone) or autoregressively without one.")
+    p.add_argument("--target", required=True,
+                   help="preset (stories260k, smollm2-135m-instruct) or path to a .gguf file, a llama2.c "
+                        ".bin (tok*.bin beside it) or a Hugging Face model directory")
+    p.add_argument("--drafter", default=None,
+                   help="drafter export directory written by `python -m dspark_jax.train` "
+                        "(omit for plain autoregressive decoding)")
+    p.add_argument("--prompt", required=True, help="prompt text (must not be empty)")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="wrap the prompt in the tokenizer's chat template (default for chat presets)")
+    chat.add_argument("--no-chat", dest="chat", action="store_false",
+                      help="use the prompt text as is (e.g. an already formatted ChatML string)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="maximum generated tokens (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off (default 1)")
+    p.add_argument("--gamma", type=int, default=None,
+                   help="draft tokens verified per round, 1..block size (default: the drafter's block size)")
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed of the request (default 0)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weight/compute dtype (default float32)")
+    p.add_argument("--compare-ar", action="store_true",
+                   help="also decode autoregressively in the same process and report the speedup")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    return p
+
+
+def run(args: argparse.Namespace) -> dict:
+    import jax.numpy as jnp
+
+    from .api import encode_prompt, load_target
+    from .checkpoint import load_drafter, read_export_meta
+    from .decode import check_compatible, generate_autoregressive, generate_speculative
+    from .errors import DSparkInputError
+    from .presets import preset_info
+
+    if args.max_new_tokens < 1:
+        raise DSparkInputError("--max-new-tokens must be >= 1")
+    if args.temperature < 0:
+        raise DSparkInputError("--temperature must be >= 0")
+    if not 0 < args.top_p <= 1:
+        raise DSparkInputError("--top-p must be in (0, 1]")
+    if args.top_k < 0:
+        raise DSparkInputError("--top-k must be >= 0")
+    if args.drafter:
+        read_export_meta(args.drafter)  # fail fast, before loading the target
+    if args.gamma is not None and not args.drafter:
+        raise DSparkInputError("--gamma needs --drafter")
+    dtype = jnp.dtype(args.dtype)
+    target, tok = load_target(args.target, dtype=dtype)
+    chat = args.chat if args.chat is not None else bool(preset_info(args.target).get("chat"))
+    ids = encode_prompt(tok, args.prompt, chat)
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+              top_p=args.top_p, seed=args.seed)
+    out: dict = {"target": target.cfg.name, "prompt_tokens": len(ids)}
+    if args.drafter:
+        drafter, _ = load_drafter(args.drafter, dtype=dtype)
+        check_compatible(target, drafter)
+        res = generate_speculative(target, drafter, [ids], gamma=args.gamma, **kw)
+        g = res.generations[0]
+        out.update(mode="speculative", variant=drafter.cfg.variant, gamma=args.gamma or drafter.cfg.gamma)
+    else:
+        res = generate_autoregressive(target, [ids], **kw)
+        g = res.generations[0]
+        out.update(mode="autoregressive")
+    out.update(
+        text=tok.decode(g.token_ids, skip_special_tokens=True), token_ids=g.token_ids,
+        finish_reason=g.finish_reason, num_generated_tokens=len(g.token_ids),
+        num_target_passes=g.num_target_passes,
+        tau=g.tau if args.drafter else 1.0,
+        acceptance_rate=g.acceptance_rate,
+        position_acceptance=g.position_acceptance if args.drafter else None,
+        tokens_per_s=res.tokens_per_s, seconds=res.seconds, compile_seconds=res.compile_seconds)
+    if args.compare_ar:
+        if args.drafter:
+            ar = generate_autoregressive(target, [ids], **kw)
+            ag = ar.generations[0]
+            out.update(ar_token_ids=ag.token_ids, ar_text=tok.decode(ag.token_ids, skip_special_tokens=True),
+                       ar_tokens_per_s=ar.tokens_per_s, ar_seconds=ar.seconds,
+                       speedup=out["tokens_per_s"] / ar.tokens_per_s if ar.tokens_per_s else None,
+                       matches_ar=ag.token_ids == g.token_ids)
+        else:
+            out.update(ar_token_ids=g.token_ids, ar_tokens_per_s=res.tokens_per_s, speedup=1.0, matches_ar=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .errors import DSparkInputError
+
+    args = build_parser().parse_args(argv)
+    try:
+        out = run(args)
+    except DSparkInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(out["text"])
+        stats = f"[{out['num_generated_tokens']} tokens, {out['tokens_per_s']:.1f} tokens/s, {out['finish_reason']}"
+        if out["mode"] == "speculative":
+            stats += f", tau {out['tau']:.2f}, acceptance {out['acceptance_rate'] or 0:.2f}"
+        if "speedup" in out and out["speedup"]:
+            stats += f", speedup {out['speedup']:.2f}x vs autoregressive"
+        print(stats + "]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

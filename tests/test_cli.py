@@ -1,0 +1,141 @@
+"""Command-line behaviour: --help documents every flag; bad input exits 2 with one line; main job end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import MODELS_DIR
+
+REPO = Path(__file__).resolve().parents[1]
+SMOLLM2_CHATML = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def cli(module: str, *args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    e = dict(os.environ)
+    e.setdefault("DSPARK_MODELS", str(MODELS_DIR))
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", f"dspark_jax.{module}", *args], capture_output=True, text=True,
+                          env=e, cwd=REPO, timeout=timeout)
+
+
+def assert_one_line_error(p: subprocess.CompletedProcess, *needles: str) -> None:
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    lines = [l for l in p.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    for n in needles:
+        assert n.lower() in lines[0].lower(), (n, lines[0])
+
+
+@pytest.mark.parametrize("module", ["train", "generate"])
+def test_help_documents_every_flag(module):
+    import importlib
+
+    mod = importlib.import_module(f"dspark_jax.{module}")
+    parser = mod.build_parser()
+    p = cli(module, "--help")
+    assert p.returncode == 0, p.stderr
+    for action in parser._actions:
+        for opt in action.option_strings:
+            assert opt in p.stdout, f"{opt} missing from --help"
+        if action.option_strings and action.help is not None:
+            assert action.help.strip(), f"{action.option_strings} has no help text"
+    if module == "train":
+        import dataclasses
+
+        from dspark_jax.trainer import TrainConfig
+
+        for f in dataclasses.fields(TrainConfig):
+            assert f"{f.name}=" in p.stdout, f"config key {f.name} missing from --help"
+
+
+def test_missing_model_files_is_one_line_error(tmp_path):
+    p = cli("generate", "--target", "stories260k", "--prompt", "Once", env={"DSPARK_MODELS": str(tmp_path)})
+    assert_one_line_error(p, "stories260k", "DSPARK_MODELS")
+    p = cli("generate", "--target", str(tmp_path / "nope.gguf"), "--prompt", "Once")
+    assert_one_line_error(p, "does not exist")
+
+
+def test_empty_prompt_is_one_line_error(stories260k_dir):
+    assert_one_line_error(cli("generate", "--target", "stories260k", "--prompt", ""), "empty")
+
+
+def test_prompt_longer_than_context_is_one_line_error(stories260k_dir):
+    p = cli("generate", "--target", "stories260k", "--prompt", "the cat sat on the mat. " * 200)
+    assert_one_line_error(p, "context")
+
+
+def test_bad_train_override_is_one_line_error():
+    assert_one_line_error(cli("train", "no_such_key=3"), "unknown config key")
+    assert_one_line_error(cli("train", "steps=many"), "steps")
+
+
+def test_drafter_for_another_target_is_refused(stories260k_dir, tmp_path):
+    """A drafter exported for a different vocabulary (and one for different weights) is refused."""
+    from flax import nnx
+
+    from dspark_jax.checkpoint import export_drafter
+    from dspark_jax.config import DrafterConfig, TargetConfig
+    from dspark_jax.drafter import Drafter
+
+    other = TargetConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=5, num_heads=8,
+                         num_kv_heads=4, head_dim=8, max_position=512, name="other")
+    export_drafter(Drafter(DrafterConfig.for_target(other, gamma=4), nnx.Rngs(0)), tmp_path / "vocab")
+    p = cli("generate", "--target", "stories260k", "--drafter", str(tmp_path / "vocab"), "--prompt", "Once")
+    assert_one_line_error(p, "vocabulary")
+
+    same_shape = TargetConfig(vocab_size=512, hidden_size=64, intermediate_size=172, num_layers=5, num_heads=8,
+                              num_kv_heads=4, head_dim=8, max_position=512, name="lookalike")
+    d = Drafter(DrafterConfig.for_target(same_shape, gamma=4, target_fingerprint="0123456789abcdef"), nnx.Rngs(0))
+    export_drafter(d, tmp_path / "weights")
+    p = cli("generate", "--target", "stories260k", "--drafter", str(tmp_path / "weights"), "--prompt", "Once")
+    assert_one_line_error(p, "trained for target")
+
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "drafter.json").write_text("{not json")
+    p = cli("generate", "--target", "stories260k", "--drafter", str(tmp_path / "broken"), "--prompt", "Once")
+    assert_one_line_error(p, "corrupt")
+
+
+@pytest.mark.slow
+def test_smollm2_golden_chatml_through_generate():
+    """README golden: the raw ChatML prompt answers 'The capital of France is Paris.' greedily."""
+    p = cli("generate", "--target", "smollm2-135m-instruct", "--prompt", SMOLLM2_CHATML, "--no-chat",
+            "--max-new-tokens", "16", "--temperature", "0", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["text"] == "The capital of France is Paris."
+    assert out["token_ids"][-1] == 2 and out["finish_reason"] == "stop"
+    for key in ("text", "token_ids", "tau", "acceptance_rate", "num_target_passes", "tokens_per_s"):
+        assert key in out
+
+
+@pytest.mark.slow
+def test_main_job_end_to_end(stories260k_export):
+    """train (fixture) -> export -> generate --drafter --compare-ar --json: lossless and reported."""
+    workdir, summary = stories260k_export
+    export = Path(summary["export_dir"])
+    assert (export / "drafter.json").is_file() and (export / "params").is_dir()
+    assert (Path(workdir) / "checkpoints").is_dir() and (Path(workdir) / "metrics.jsonl").is_file()
+    ev = json.loads((Path(workdir) / "eval.json").read_text())
+    assert ev["tau"] >= 1.0 and 0.0 <= ev["acceptance_rate"] <= 1.0
+    p = cli("generate", "--target", "stories260k", "--drafter", str(export), "--prompt", "Once upon a time",
+            "--max-new-tokens", "48", "--temperature", "0", "--compare-ar", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    for key in ("text", "token_ids", "tau", "acceptance_rate", "num_target_passes", "tokens_per_s",
+                "ar_token_ids", "ar_tokens_per_s", "speedup"):
+        assert key in out, key
+    assert out["token_ids"] == out["ar_token_ids"]
+    assert out["tau"] == pytest.approx(len(out["token_ids"]) / out["num_target_passes"], rel=0.1)
+    # sampled request through the same command
+    p = cli("generate", "--target", "stories260k", "--drafter", str(export), "--prompt", "The dog",
+            "--max-new-tokens", "24", "--temperature", "0.8", "--top-k", "50", "--top-p", "0.9", "--gamma", "4",
+            "--seed", "3", "--json")
+    assert p.returncode == 0, p.stderr
+    assert 1 <= len(json.loads(p.stdout)["token_ids"]) <= 24
