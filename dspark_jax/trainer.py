@@ -80,12 +80,12 @@ class TrainConfig:
     prompts_file: str = ""
     num_prompts: int = 2048
     num_eval_prompts: int = 50
-    gen_max_new_tokens: int = 192
+    gen_max_new_tokens: int = 150
     gen_temperature: float = 0.0
     gen_top_p: float = 1.0
     gen_batch_size: int = 128
-    seq_len: int = 224
-    steps: int = 1500
+    seq_len: int = 160
+    steps: int = 800
     batch_size: int = 32
     anchors_per_seq: int = 16
     learning_rate: float = 3e-3

@@ -1,0 +1,594 @@
+"""Exactness tests of the decode loops (:mod:`dspark_jax.decode`).
+
+DESIGN.md "Verification (lossless)" and "Metrics", through the REAL jitted loops:
+
+* stories260K (a real trained model): greedy autoregressive decoding reproduces the
+  published golden ids; speculative decoding equals it token for token on 50 TinyStories
+  prompts with several drafters (random with a random Markov head, a bigram "oracle",
+  and -- marked slow -- the quickly trained one of ``conftest.stories260k_export``).
+* tiny random targets (V = 16) where acceptance is high, so every path of the loop runs:
+  stops inside accepted blocks, max_new_tokens reached inside a block, the context end,
+  gamma = 1 and gamma < block size, DFlash, batch-independence (at T = 0 and, with
+  per-request seeds, bit for bit at T = 1), metric invariants, input errors, NaN weights.
+* the law of the first generated tokens at T > 0 (plain and top-k/top-p) from thousands
+  of seeds, against the exact law enumerated from the target, for both loops.
+
+Compilation dominates the run time, so calls share a few shape signatures: every tiny
+call uses the 16-row "standard batch" (same prompt buffer, cache and step count), and all
+tiny targets / drafters share one config (their weights are arguments, not constants).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax.config import DrafterConfig, TargetConfig
+from dspark_jax.decode import check_compatible, generate_autoregressive, generate_speculative
+from dspark_jax.drafter import Drafter
+from dspark_jax.errors import DSparkInputError
+from dspark_jax.sampling import process_logits, sampling_arrays
+from dspark_jax.target import Target, random_params
+
+GOLDEN = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267,
+          337, 410, 408, 419, 292, 411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394, 261, 370, 432]
+
+
+# ======================================================================================
+# Drafters (swappable: every helper takes any Drafter built for the target)
+# ======================================================================================
+def random_drafter(target: Target, *, gamma=4, seed=0, variant="dspark", markov_rank=None,
+                   num_layers=1, intermediate_size=64, scale=0.5) -> Drafter:
+    """A randomly initialised drafter whose zero-initialised parts (residual output
+    projections, Markov W2, confidence weights) are randomised too, so that the
+    backbone, the Markov correction and the confidence head all act."""
+    t = target.cfg
+    cfg = DrafterConfig.for_target(
+        t, gamma=gamma, variant=variant, num_layers=num_layers, intermediate_size=intermediate_size,
+        markov_rank=t.vocab_size if markov_rank is None else markov_rank,
+        target_fingerprint=getattr(target, "fingerprint", ""))
+    d = Drafter(cfg, nnx.Rngs(seed))
+    rng = np.random.default_rng(seed + 1000)
+
+    def rnd(var, s):
+        var[...] = jnp.asarray(rng.standard_normal(var[...].shape).astype(np.float32) * s)
+
+    rnd(d.layers["wo"], scale / np.sqrt(cfg.num_heads * cfg.head_dim))
+    rnd(d.layers["w_down"], scale / np.sqrt(cfg.intermediate_size))
+    if cfg.markov:
+        rnd(d.markov_w2, 2.0)
+    if cfg.has_confidence:
+        rnd(d.conf_w, 0.3)
+    return d
+
+
+def bigram_table(target: Target, bos: int | None = None) -> np.ndarray:
+    """``[V, V]`` target logits of the next token given a one-token context ``[x]``
+    (or ``[bos, x]``)."""
+    v = target.cfg.vocab_size
+    x = np.arange(v, dtype=np.int32)[:, None]
+    if bos is not None:
+        x = np.concatenate([np.full_like(x, bos), x], axis=1)
+    pos = np.broadcast_to(np.arange(x.shape[1], dtype=np.int32), x.shape)
+    return np.asarray(target(jnp.asarray(x), jnp.asarray(pos)).logits[:, -1])
+
+
+def bigram_drafter(target: Target, *, alpha=1.0, base_scale=0.1, bos=None, **kw) -> Drafter:
+    """A drafter whose Markov head holds the target's bigram logits (``W1 = I``,
+    ``W2 = alpha * bigram``): a good, but not perfect, proposal. ``base_scale`` scales the
+    backbone's base logits (0: none, the proposal is the bigram alone)."""
+    d = random_drafter(target, **kw)
+    assert d.cfg.markov_rank == target.cfg.vocab_size
+    d.markov_w1[...] = jnp.eye(target.cfg.vocab_size, dtype=jnp.float32)
+    d.markov_w2[...] = jnp.asarray(alpha * bigram_table(target, bos))
+    d.final_norm[...] = d.final_norm[...] * base_scale
+    return d
+
+
+# ======================================================================================
+# Checks shared by all tests
+# ======================================================================================
+def assert_same_outputs(ar, sp, rows=None):
+    rows = range(len(ar.generations)) if rows is None else rows
+    for i in rows:
+        a, s = ar.generations[i], sp.generations[i]
+        assert s.token_ids == a.token_ids, f"row {i}: speculative {s.token_ids} != autoregressive {a.token_ids}"
+        assert s.finish_reason == a.finish_reason, f"row {i}"
+
+
+def check_stats(res, gamma_used: int, speculative=True):
+    """DESIGN.md "Metrics" invariants of every generation of a result."""
+    for i, g in enumerate(res.generations):
+        n = len(g.token_ids)
+        assert n >= 1, f"row {i}"
+        if g.num_target_passes == 0:
+            assert n == 1 and np.isnan(g.tau)  # only the prefill token
+        else:
+            # tau = tokens emitted by the verification passes / passes (the prefill token
+            # and the prefill pass are both excluded); stopped tokens never counted.
+            assert g.tau == pytest.approx((n - 1) / g.num_target_passes, rel=1e-12), f"row {i}"
+            assert 1.0 <= g.tau <= (gamma_used + 1 if speculative else 1.0)
+        if not speculative:
+            assert g.acceptance_rate is None and g.position_acceptance == []
+            continue
+        G = len(g.position_reached)
+        reached, acc = np.array(g.position_reached), np.array(g.position_accepted)
+        assert g.num_accepted <= g.num_verified <= gamma_used * g.num_target_passes, f"row {i}"
+        assert g.num_accepted <= n - 1, f"row {i}"
+        if g.num_verified:
+            assert 0.0 <= g.acceptance_rate <= 1.0
+            assert g.acceptance_rate == pytest.approx(g.num_accepted / g.num_verified)
+        else:
+            assert g.acceptance_rate is None
+        assert acc.sum() == g.num_accepted, f"row {i}: per-position accepts {acc} vs {g.num_accepted}"
+        assert np.all(acc <= reached), f"row {i}"
+        assert np.all(reached[1:] <= acc[:-1]), f"row {i}: reached {reached} accepted {acc}"
+        assert reached[0] <= g.num_target_passes
+        assert np.all(reached[gamma_used:] == 0), f"row {i}: positions past gamma={gamma_used} reached"
+        # every emitted token is an accepted draft or the one correction/bonus of a pass
+        assert n - 1 <= g.num_accepted + g.num_target_passes
+        for k in range(G):
+            pa = g.position_acceptance[k]
+            assert (pa is None) == (reached[k] == 0)
+            if pa is not None:
+                assert pa == pytest.approx(acc[k] / reached[k])
+
+
+# ======================================================================================
+# stories260K (real model)
+# ======================================================================================
+@pytest.fixture(scope="module")
+def s260k(stories260k):
+    from dspark_jax.model_io import params_fingerprint
+
+    cfg, params, tok = stories260k
+    return Target(cfg, params, fingerprint=params_fingerprint(params)), tok
+
+
+@pytest.mark.exactness
+def test_stories260k_greedy_golden(s260k):
+    target, tok = s260k
+    assert tok.encode("Once upon a time") == GOLDEN[:5]
+    # Both prompts in one call (one compilation); [1] alone gives the same ids.
+    res = generate_autoregressive(target, [GOLDEN[:5], [1]], max_new_tokens=35, temperature=0)
+    assert res.generations[0].token_ids == GOLDEN[5:40]
+    assert res.generations[1].token_ids == GOLDEN[1:36]
+    assert all(g.finish_reason == "length" for g in res.generations)
+    check_stats(res, 1, speculative=False)
+
+
+@pytest.fixture(scope="module")
+def s260k_prompts(s260k):
+    from dspark_jax.data import tinystories_openings
+
+    _, tok = s260k
+    prompts = [tok.encode(t) for t in tinystories_openings()[:50]]
+    assert len(prompts) == 50
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def s260k_ar(s260k, s260k_prompts):
+    target, _ = s260k
+    return generate_autoregressive(target, s260k_prompts, max_new_tokens=48, temperature=0)
+
+
+# "trained" uses the session's quickly trained drafter (conftest.stories260k_export).
+@pytest.fixture(scope="module", params=["random", "bigram", pytest.param("trained", marks=pytest.mark.slow)])
+def s260k_drafter(request, s260k):
+    target, _ = s260k
+    if request.param == "random":
+        return random_drafter(target, gamma=4, markov_rank=target.cfg.vocab_size)
+    if request.param == "bigram":  # same config as "random": shares its compilation
+        return bigram_drafter(target, gamma=4, alpha=3.0, base_scale=0.0, bos=1)
+    from dspark_jax.checkpoint import load_drafter
+
+    try:
+        _, summary = request.getfixturevalue("stories260k_export")
+    except pytest.FixtureLookupError:
+        pytest.skip("no stories260k_export fixture")
+    return load_drafter(summary["export_dir"])[0]
+
+
+@pytest.mark.exactness
+def test_stories260k_speculative_equals_autoregressive(s260k, s260k_prompts, s260k_ar, s260k_drafter):
+    target, _ = s260k
+    sp = generate_speculative(target, s260k_drafter, s260k_prompts, max_new_tokens=48, temperature=0)
+    assert_same_outputs(s260k_ar, sp)
+    check_stats(sp, s260k_drafter.cfg.gamma)
+    check_stats(s260k_ar, 1, speculative=False)
+    assert sum(g.num_verified for g in sp.generations) > 0
+
+
+# ======================================================================================
+# Tiny targets and the standard batch
+# ======================================================================================
+V = 16
+MAX_POS = 64
+TINY = TargetConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=8, max_position=MAX_POS, tie_embeddings=False,
+                    bos_id=None, eos_ids=(), name="tiny")
+
+
+def tiny_params(kind: str, seed=1):
+    """``peaked``: a random target with low-entropy, mostly bigram-like predictions
+    (a bigram drafter gets ~30-40% acceptance); ``bigram``: attention and MLP outputs are
+    zero, so the next token depends on the current token only and a bigram drafter is
+    perfect at T = 0."""
+    p = random_params(TINY, seed=seed, scale=0.15)
+    p["embed"] = p["embed"] / (10 * 0.15)  # unit-variance embeddings
+    p["lm_head"] = p["lm_head"] * (0.8 / 0.15)  # peaked logits
+    if kind == "bigram":
+        p["layers"]["wo"][:] = 0.0
+        p["layers"]["w_down"][:] = 0.0
+    return p
+
+
+@pytest.fixture(scope="module")
+def peaked():
+    # No fingerprint: every tiny target shares one compiled loop (the fingerprint is a
+    # static attribute of the module, so distinct fingerprints would recompile).
+    return Target(TINY, tiny_params("peaked"))
+
+
+@pytest.fixture(scope="module")
+def pure_bigram():
+    return Target(TINY, tiny_params("bigram"))
+
+
+def standard_batch(seed=0):
+    """16 prompts + per-row max_new_tokens, one shape signature for every tiny call.
+
+    Row 0: a 60-token prompt with max_new 20 (stops at the 64-token context end);
+    row 1: a 63-token prompt (room for exactly one token); rows 2-6: one prompt with
+    max_new 1, 2, 3, 7, 13; rows 7-9: max_new 24 (also decoded alone); rows 10-15: short
+    prompts (one of length 1) with assorted max_new.
+    """
+    rng = np.random.default_rng(seed)
+    r = lambda n: [int(x) for x in rng.integers(0, V, n)]  # noqa: E731
+    prompts, max_new = [r(60), r(63)], [20, 5]
+    shared = r(6)
+    for m in (1, 2, 3, 7, 13):
+        prompts.append(shared)
+        max_new.append(m)
+    for n, m in [(5, 24), (9, 24), (3, 24), (1, 17), (12, 5), (7, 9), (2, 16), (10, 11), (4, 19)]:
+        prompts.append(r(n))
+        max_new.append(m)
+    return prompts, max_new
+
+
+PROMPTS, MAX_NEW = standard_batch()
+SEEDS = [1000 + i for i in range(16)]
+ALONE_ROWS = (7, 8, 9)
+
+
+def ar_std(target, **kw):
+    return generate_autoregressive(target, PROMPTS, max_new_tokens=MAX_NEW, seed=SEEDS, **kw)
+
+
+def spec_std(target, drafter, **kw):
+    return generate_speculative(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, seed=SEEDS, **kw)
+
+
+@pytest.fixture(scope="module")
+def drafters(peaked, pure_bigram):
+    """All share one config (one compiled speculative loop)."""
+    return {
+        "random": random_drafter(peaked, seed=3),
+        "bigram": bigram_drafter(peaked, seed=4),
+        "perfect": bigram_drafter(pure_bigram, alpha=50.0, base_scale=0.0, seed=5),
+    }
+
+
+@pytest.fixture(scope="module")
+def ar_peaked(peaked):
+    return ar_std(peaked, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def ar_pure(pure_bigram):
+    return ar_std(pure_bigram, temperature=0)
+
+
+def test_standard_batch_shapes(ar_peaked):
+    """The edge rows behave as designed (the checks below rely on it)."""
+    gens = ar_peaked.generations
+    assert len(gens[0].token_ids) == MAX_POS - 60 and gens[0].finish_reason == "length"
+    assert len(gens[1].token_ids) == 1 and gens[1].finish_reason == "length"
+    for i in range(2, 16):
+        assert len(gens[i].token_ids) == MAX_NEW[i] and gens[i].finish_reason == "length"
+    # rows 2-6 share a prompt: greedy outputs are prefixes of each other
+    for i in range(2, 6):
+        assert gens[i].token_ids == gens[6].token_ids[: MAX_NEW[i]]
+    check_stats(ar_peaked, 1, speculative=False)
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("name,target_name", [("random", "peaked"), ("bigram", "peaked"), ("perfect", "pure_bigram")])
+def test_tiny_speculative_equals_autoregressive(name, target_name, drafters, request):
+    """Greedy speculative == greedy AR on every row of the standard batch: includes the
+    context end (b/c), max_new_tokens 1..13 inside blocks, a one-token prompt."""
+    target = request.getfixturevalue(target_name)
+    ar = request.getfixturevalue("ar_peaked" if target_name == "peaked" else "ar_pure")
+    sp = spec_std(target, drafters[name], temperature=0)
+    assert_same_outputs(ar, sp)
+    check_stats(sp, 4)
+    total = lambda f: sum(getattr(g, f) for g in sp.generations)  # noqa: E731
+    assert total("num_verified") > 0
+    rate = total("num_accepted") / total("num_verified")
+    if name == "bigram":
+        assert rate > 0.2, rate  # the accept path is well covered
+    if name == "perfect":
+        assert rate == 1.0, rate
+        # a full block of gamma drafts + bonus per pass wherever the room allows it
+        g = sp.generations[8]
+        assert g.num_target_passes == -(-(len(g.token_ids) - 1) // 5)
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("gamma", [1, 2])
+def test_gamma_smaller_than_block(gamma, peaked, drafters, ar_peaked):
+    sp = spec_std(peaked, drafters["bigram"], temperature=0, gamma=gamma)
+    assert_same_outputs(ar_peaked, sp)
+    check_stats(sp, gamma)
+    assert max(g.tau for g in sp.generations if g.num_target_passes) <= gamma + 1
+    assert sum(g.num_accepted for g in sp.generations) > 0
+
+
+@pytest.mark.exactness
+def test_dflash_drafter(peaked, ar_peaked):
+    d = random_drafter(peaked, variant="dflash", seed=7)
+    assert d.markov_w2 is None and d.cfg.num_slots == 5
+    sp = spec_std(peaked, d, temperature=0)
+    assert_same_outputs(ar_peaked, sp)
+    check_stats(sp, 4)
+
+
+def _stop_token(ar) -> int:
+    """The token that most often first appears strictly inside the outputs."""
+    counts = Counter()
+    for g in ar.generations:
+        ids = g.token_ids
+        for t in set(ids[1:-1]):
+            if ids.index(t) >= 1:
+                counts[t] += 1
+    return counts.most_common(1)[0][0]
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("name,target_name", [("bigram", "peaked"), ("perfect", "pure_bigram")])
+def test_stop_inside_block(name, target_name, drafters, request):
+    """(a) a stop id hit inside a verified block (with the perfect drafter always an
+    accepted draft followed by more accepted drafts): the output ends exactly at its first
+    occurrence, equals AR truncated there, finish_reason "stop", and nothing after it is
+    counted."""
+    target = request.getfixturevalue(target_name)
+    ar = request.getfixturevalue("ar_peaked" if target_name == "peaked" else "ar_pure")
+    stop = _stop_token(ar)
+    sp = spec_std(target, drafters[name], temperature=0, stop_ids=[stop])
+    ar_stop = ar_std(target, temperature=0, stop_ids=[stop])
+    n_stopped = 0
+    for i, (a, s, a2) in enumerate(zip(ar.generations, sp.generations, ar_stop.generations)):
+        ids = a.token_ids
+        if stop in ids:
+            want, reason = ids[: ids.index(stop) + 1], "stop"
+            n_stopped += 1
+        else:
+            want, reason = ids, "length"
+        assert s.token_ids == want and s.finish_reason == reason, f"row {i}"
+        assert a2.token_ids == want and a2.finish_reason == reason, f"row {i}"
+    assert n_stopped >= 4
+    check_stats(sp, 4)
+    check_stats(ar_stop, 1, speculative=False)
+
+
+@pytest.mark.exactness
+def test_perfect_drafter_acceptance_with_stop(pure_bigram, drafters, ar_pure):
+    """(f) drafts after a stop are not counted: a perfect drafter keeps acceptance 1."""
+    stop = _stop_token(ar_pure)
+    sp = spec_std(pure_bigram, drafters["perfect"], temperature=0, stop_ids=[stop])
+    for i, g in enumerate(sp.generations):
+        if g.num_verified:
+            assert g.acceptance_rate == 1.0, (
+                f"row {i}: perfect drafter, acceptance {g.num_accepted}/{g.num_verified} "
+                f"(finish {g.finish_reason}, {len(g.token_ids)} tokens)")
+
+
+@pytest.mark.exactness
+def test_context_limit(peaked, drafters, ar_peaked):
+    """(c) generation stops at the context end without error; a prompt that fills the
+    context is refused."""
+    sp = spec_std(peaked, drafters["bigram"], temperature=0)
+    for res in (ar_peaked, sp):
+        assert len(PROMPTS[0]) + len(res.generations[0].token_ids) == MAX_POS
+        assert len(res.generations[1].token_ids) == 1
+    for fn in (lambda p: generate_autoregressive(peaked, p, max_new_tokens=4),
+               lambda p: generate_speculative(peaked, drafters["bigram"], p, max_new_tokens=4)):
+        for n in (MAX_POS, MAX_POS + 5):
+            with pytest.raises(DSparkInputError, match="context"):
+                fn([[3] * n])
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_alone_equals_in_batch(temperature, peaked, drafters):
+    """(e) a request's output does not depend on its batch-mates: alone (batch of 1) and
+    in the standard batch of 16 (other prompts, max_new_tokens and seeds) it is identical,
+    also at T = 1 (randomness is per request)."""
+    kw = dict(temperature=temperature)
+    batch_ar = ar_std(peaked, **kw)
+    batch_sp = spec_std(peaked, drafters["bigram"], **kw)
+    for i in ALONE_ROWS:
+        one = dict(max_new_tokens=MAX_NEW[i], seed=SEEDS[i], **kw)
+        a = generate_autoregressive(peaked, [PROMPTS[i]], **one).generations[0]
+        s = generate_speculative(peaked, drafters["bigram"], [PROMPTS[i]], **one).generations[0]
+        assert a.token_ids == batch_ar.generations[i].token_ids, f"row {i} AR"
+        assert s.token_ids == batch_sp.generations[i].token_ids, f"row {i} speculative"
+        assert dataclasses.asdict(s) == dataclasses.asdict(batch_sp.generations[i])
+        if temperature == 0:
+            assert s.token_ids == a.token_ids
+    if temperature > 0:
+        check_stats(batch_sp, 4)
+        # different seeds give different samples (the seeds are really used)
+        again = ar_std(peaked, temperature=temperature)
+        assert [g.token_ids for g in again.generations] == [g.token_ids for g in batch_ar.generations]
+        other = generate_autoregressive(peaked, PROMPTS, max_new_tokens=MAX_NEW, seed=[s + 1 for s in SEEDS],
+                                        temperature=temperature)
+        assert [g.token_ids for g in other.generations] != [g.token_ids for g in batch_ar.generations]
+
+
+def test_input_errors(peaked, drafters):
+    """(g) bad prompts / settings raise DSparkInputError before any compilation."""
+    d = drafters["bigram"]
+    calls = [lambda p, **k: generate_autoregressive(peaked, p, **k),
+             lambda p, **k: generate_speculative(peaked, d, p, **k)]
+    for fn in calls:
+        for bad, match in [([[]], "empty"), ([[1, 2], []], "empty"), ([[1, V]], "outside the vocabulary"),
+                           ([[-1, 3]], "outside the vocabulary"), ([], "no prompts")]:
+            with pytest.raises(DSparkInputError, match=match):
+                fn(bad, max_new_tokens=4)
+        with pytest.raises(DSparkInputError, match="max_new_tokens"):
+            fn([[1, 2]], max_new_tokens=0)
+    for g in (0, 5, -1):
+        with pytest.raises(DSparkInputError, match="gamma"):
+            generate_speculative(peaked, d, [[1, 2]], max_new_tokens=4, gamma=g)
+
+
+def test_incompatible_drafter(peaked):
+    """(h) a drafter built for another vocabulary / width / depth / weights is refused."""
+    from dspark_jax.model_io import params_fingerprint
+
+    p = tiny_params("peaked")
+    fp_target = Target(TINY, p, fingerprint=params_fingerprint(p))
+    others = {
+        "vocabulary": dataclasses.replace(TINY, vocab_size=V + 1),
+        "hidden size": dataclasses.replace(TINY, hidden_size=48),
+        "layers": dataclasses.replace(TINY, num_layers=4),
+    }
+    for what, cfg in others.items():
+        d = Drafter(DrafterConfig.for_target(cfg, gamma=2, num_layers=1, markov_rank=4), nnx.Rngs(0))
+        for t in (peaked, fp_target):
+            with pytest.raises(DSparkInputError, match=what):
+                check_compatible(t, d)
+            with pytest.raises(DSparkInputError, match=what):
+                generate_speculative(t, d, [[1, 2, 3]], max_new_tokens=4)
+    # same architecture, other weights (recorded fingerprint differs)
+    d = Drafter(DrafterConfig.for_target(TINY, gamma=2, num_layers=1, markov_rank=4,
+                                         target_fingerprint="0123456789abcdef"), nnx.Rngs(0))
+    with pytest.raises(DSparkInputError, match="weights"):
+        generate_speculative(fp_target, d, [[1, 2, 3]], max_new_tokens=4)
+    check_compatible(peaked, d)  # a target without a fingerprint cannot be checked: allowed
+
+
+@pytest.mark.exactness
+def test_nan_weights(drafters):
+    """(i) NaN weights -> FloatingPointError with a clear message (not garbage tokens)."""
+    p = tiny_params("peaked")
+    p["layers"]["wq"][1, 3, 5] = np.nan
+    bad = Target(TINY, p)
+    with pytest.raises(FloatingPointError, match="NaN"):
+        ar_std(bad, temperature=0)
+    with pytest.raises(FloatingPointError, match="NaN"):
+        spec_std(bad, drafters["bigram"], temperature=0)
+    with pytest.raises(FloatingPointError, match="NaN"):
+        spec_std(bad, drafters["bigram"], temperature=1.0)
+
+
+# ======================================================================================
+# The law at T > 0 through the real loops
+# ======================================================================================
+DIST_PROMPT = [3, 7, 1, 12]
+N_LAW = 12000  # rows per sampling setting
+SETTINGS = [dict(temperature=1.0, top_k=0, top_p=1.0), dict(temperature=0.7, top_k=6, top_p=0.9)]
+
+
+def exact_law(target, prompt, temperature, top_k, top_p, n_tokens=3) -> np.ndarray:
+    """Exact ``[V] * n_tokens`` joint law of the first generated tokens, by enumerating
+    every prefix through one cache-less target pass (causal: position t sees <= t)."""
+    assert n_tokens == 3
+    v = target.cfg.vocab_size
+    y1, y2 = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
+    seqs = np.concatenate([np.broadcast_to(prompt, (v * v, len(prompt))),
+                           y1.reshape(-1, 1), y2.reshape(-1, 1)], axis=1).astype(np.int32)
+    pos = np.broadcast_to(np.arange(seqs.shape[1], dtype=np.int32), seqs.shape)
+    logits = target(jnp.asarray(seqs), jnp.asarray(pos)).logits[:, len(prompt) - 1:]  # [V*V, 3, V]
+    probs = np.asarray(process_logits(logits, sampling_arrays(v * v, temperature, top_k, top_p)), np.float64)
+    probs /= probs.sum(-1, keepdims=True)
+    p1 = probs[0, 0]
+    p2 = probs[::v, 1]  # rows with y1 = i (any y2)
+    p3 = probs[:, 2].reshape(v, v, v)
+    law = p1[:, None, None] * p2[:, :, None] * p3
+    return law / law.sum()
+
+
+def empirical(res, rows, n_tokens=3) -> np.ndarray:
+    counts = np.zeros((V,) * n_tokens)
+    for i in rows:
+        ids = res.generations[i].token_ids
+        counts[tuple(ids[:n_tokens])] += 1
+    return counts / counts.sum()
+
+
+def tv(a, b) -> float:
+    return 0.5 * float(np.abs(a - b).sum())
+
+
+def tv_bound(law, n, rng, reps=300, q=0.999, slack=1.25) -> float:
+    """``slack`` x the q-quantile of TV(empirical of n draws, law) under the null."""
+    flat = law.reshape(-1)
+    draws = rng.multinomial(n, flat, size=reps) / n
+    return slack * float(np.quantile(0.5 * np.abs(draws - flat).sum(1), q))
+
+
+@pytest.fixture(scope="module")
+def law_runs(peaked, drafters):
+    """One batch per loop: N_LAW rows per sampling setting, seeds 0..2N-1, max_new 6
+    (the first round verifies the full gamma = 4)."""
+    b = N_LAW * len(SETTINGS)
+    kw = dict(max_new_tokens=6, seed=list(range(b)), cache_len=32,
+              temperature=[s["temperature"] for s in SETTINGS for _ in range(N_LAW)],
+              top_k=[s["top_k"] for s in SETTINGS for _ in range(N_LAW)],
+              top_p=[s["top_p"] for s in SETTINGS for _ in range(N_LAW)])
+    prompts = [DIST_PROMPT] * b
+    ar = generate_autoregressive(peaked, prompts, **kw)
+    sp = {name: generate_speculative(peaked, drafters[name], prompts, **kw) for name in ("bigram", "random")}
+    return ar, sp
+
+
+@pytest.mark.exactness
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", range(len(SETTINGS)), ids=["T1", "T0.7-k6-p0.9"])
+def test_law_of_first_tokens(setting, peaked, law_runs):
+    ar, sp = law_runs
+    s = SETTINGS[setting]
+    law = exact_law(peaked, DIST_PROMPT, **s)
+    rows = range(setting * N_LAW, (setting + 1) * N_LAW)
+    rng = np.random.default_rng(setting)
+    bound = tv_bound(law, N_LAW, rng)
+    # The test has power: a slightly different temperature is far outside the bound.
+    off = exact_law(peaked, DIST_PROMPT, **{**s, "temperature": s["temperature"] * 1.15})
+    assert tv(law, off) > 2 * bound, (tv(law, off), bound)
+    results = {"ar": ar, **{f"spec-{k}": v for k, v in sp.items()}}
+    emp = {k: empirical(r, rows) for k, r in results.items()}
+    for k, e in emp.items():
+        assert tv(e, law) < bound, f"{k}: TV {tv(e, law):.4f} to the exact law (bound {bound:.4f})"
+    # speculative vs autoregressive directly (two samples: the bound of one, times sqrt(2))
+    for k in sp:
+        assert tv(emp[f"spec-{k}"], emp["ar"]) < bound * np.sqrt(2), k
+    # later positions: single-token marginals, speculative vs AR
+    for pos in (3, 4, 5):
+        m_ar = np.bincount([ar.generations[i].token_ids[pos] for i in rows], minlength=V) / N_LAW
+        for k, r in sp.items():
+            m_sp = np.bincount([r.generations[i].token_ids[pos] for i in rows], minlength=V) / N_LAW
+            assert tv(m_sp, m_ar) < tv_bound(m_ar, N_LAW, rng) * np.sqrt(2), (k, pos)
+    for k, r in sp.items():
+        gens = [r.generations[i] for i in rows]
+        assert all(len(g.token_ids) == 6 for g in gens)
+        acc = sum(g.num_accepted for g in gens) / sum(g.num_verified for g in gens)
+        assert 0.0 < acc < 1.0, (k, acc)
