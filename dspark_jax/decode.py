@@ -201,10 +201,13 @@ def _spec_decode(t_state, d_state, prompt, prompt_len, limit, sampling,
         emitted_pos = k < n_keep[:, None]
         reached = (k < ell[:, None]) & (k <= res.num_accepted[:, None]) & emitted_pos
         pos_acc = reached & (k < res.num_accepted[:, None])
+        # A stop inside the accepted drafts discards the rest of the block: drafts after it
+        # are not counted as verified (else a perfect drafter would show acceptance < 1).
+        n_verified = jnp.where(n_keep < res.num_emitted, jnp.minimum(ell, n_keep), ell)
         st = s.stats
         stats = DecodeStats(
             passes=st.passes + running, emitted=st.emitted + n_keep,
-            verified=st.verified + ell, accepted=st.accepted + jnp.minimum(res.num_accepted, n_keep),
+            verified=st.verified + n_verified, accepted=st.accepted + jnp.minimum(res.num_accepted, n_keep),
             reached=st.reached + reached, pos_accepted=st.pos_accepted + pos_acc)
         return _Loop(seq, length, finish, out.cache, dcache, stats, s.step + 1)
 

@@ -58,7 +58,7 @@ def test_missing_model_files_is_one_line_error(tmp_path):
     p = cli("generate", "--target", "stories260k", "--prompt", "Once", env={"DSPARK_MODELS": str(tmp_path)})
     assert_one_line_error(p, "stories260k", "DSPARK_MODELS")
     p = cli("generate", "--target", str(tmp_path / "nope.gguf"), "--prompt", "Once")
-    assert_one_line_error(p, "does not exist")
+    assert_one_line_error(p, "not an existing path")
 
 
 def test_empty_prompt_is_one_line_error(stories260k_dir):
