@@ -38,12 +38,15 @@ def export_drafter(drafter: Drafter, path: str | Path, *, calibration: list[floa
       drafter: trained drafter.
       path: export directory.
       calibration: optional per-position temperatures T_1..T_gamma for the
-        confidence head (sequential temperature scaling).
+        confidence head (sequential temperature scaling); default: the
+        drafter's own :attr:`~dspark_jax.drafter.Drafter.calibration`.
       extra: JSON-serialisable metadata (training summary, metrics).
     Returns:
       The absolute export path.
     """
     path = Path(path).absolute()
+    if calibration is None and drafter.calibration is not None:
+        calibration = list(drafter.calibration)
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
@@ -84,7 +87,10 @@ def load_drafter(path: str | Path, dtype: Any = None) -> tuple[Drafter, dict[str
       path: export directory from :func:`export_drafter`.
       dtype: parameter/compute dtype (default: the dtype it was saved in).
     Returns:
-      ``(drafter, meta)`` where ``meta`` has ``calibration`` and ``extra``.
+      ``(drafter, meta)`` where ``meta`` has ``calibration`` and ``extra``; the
+      calibration temperatures are also installed on the drafter
+      (:meth:`~dspark_jax.drafter.Drafter.set_calibration`), so decoding uses
+      calibrated confidences.
     Raises:
       DSparkInputError: missing/corrupt export or parameters that do not match
         the recorded config.
@@ -111,4 +117,8 @@ def load_drafter(path: str | Path, dtype: Any = None) -> tuple[Drafter, dict[str
     state = nnx.state(drafter, nnx.Param)
     nnx.replace_by_pure_dict(state, restored)
     nnx.update(drafter, state)
+    try:
+        drafter.set_calibration(meta.get("calibration"))
+    except (TypeError, ValueError) as e:
+        raise DSparkInputError(f"{path}/drafter.json has an invalid calibration: {e}") from None
     return drafter, meta

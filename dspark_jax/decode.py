@@ -64,6 +64,26 @@ class DecodeStats(NamedTuple):
     pos_accepted: jax.Array
 
 
+class RoundLog(NamedTuple):
+    """Optional per-round record of speculative decoding (``record_rounds=True``).
+
+    Round ``r`` of row ``b`` is loop step ``r``; rows run from step 0 until they
+    finish, so a row's rounds are ``0 .. passes[b] - 1``.
+
+    Attributes:
+      conf_logit: ``[B, R, gamma]`` float32 raw confidence logits z_k of the round's
+        draft (before calibration), for reliability of the predicted survival.
+      accepted: ``[B, R]`` int32 accepted drafts that were emitted.
+      verified: ``[B, R]`` int32 drafts counted as verified (as in :class:`DecodeStats`);
+        position k (1-based) of the round survived iff ``k <= accepted``, and it
+        counts as an observation iff ``k <= verified``.
+    """
+
+    conf_logit: jax.Array
+    accepted: jax.Array
+    verified: jax.Array
+
+
 class _Loop(NamedTuple):
     seq: jax.Array       # [B, S] int32 tokens (prompt + generated), -1 elsewhere
     length: jax.Array    # [B] confirmed tokens; the anchor is seq[length - 1]
@@ -72,6 +92,7 @@ class _Loop(NamedTuple):
     dcache: KVCache | None
     stats: DecodeStats
     step: jax.Array
+    rounds: RoundLog | None = None
 
 
 def _row_keys(base: jax.Array, pos: jax.Array) -> jax.Array:
@@ -161,9 +182,10 @@ def _ar_decode(t_state, prompt, prompt_len, limit, sampling, base_keys, stop_ids
     return jax.lax.while_loop(cond, body, init)
 
 
-@partial(jax.jit, static_argnames=("t_graph", "d_graph", "cache_len", "max_steps"))
+@partial(jax.jit, static_argnames=("t_graph", "d_graph", "cache_len", "max_steps", "record_rounds"))
 def _spec_decode(t_state, d_state, prompt, prompt_len, limit, sampling,
-                 base_keys, stop_ids, max_verify, *, t_graph, d_graph, cache_len: int, max_steps: int):
+                 base_keys, stop_ids, max_verify, *, t_graph, d_graph, cache_len: int, max_steps: int,
+                 record_rounds: bool = False):
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state)
     gamma = drafter.cfg.gamma
@@ -171,7 +193,11 @@ def _spec_decode(t_state, d_state, prompt, prompt_len, limit, sampling,
     seq, length, finish, tcache, dcache = _prefill(target, drafter, prompt, prompt_len, limit, sampling,
                                                    base_keys, stop_ids, cache_len, taps)
     b = prompt.shape[0]
-    init = _Loop(seq, length, finish, tcache, dcache, _zero_stats(b, gamma), jnp.zeros((), jnp.int32))
+    rounds = None
+    if record_rounds:
+        rounds = RoundLog(jnp.zeros((b, max_steps, gamma), jnp.float32),
+                          jnp.zeros((b, max_steps), jnp.int32), jnp.zeros((b, max_steps), jnp.int32))
+    init = _Loop(seq, length, finish, tcache, dcache, _zero_stats(b, gamma), jnp.zeros((), jnp.int32), rounds)
     offs = jnp.arange(gamma + 1, dtype=jnp.int32)
 
     def cond(s: _Loop):
@@ -204,12 +230,18 @@ def _spec_decode(t_state, d_state, prompt, prompt_len, limit, sampling,
         # A stop inside the accepted drafts discards the rest of the block: drafts after it
         # are not counted as verified (else a perfect drafter would show acceptance < 1).
         n_verified = jnp.where(n_keep < res.num_emitted, jnp.minimum(ell, n_keep), ell)
+        n_accepted = jnp.minimum(res.num_accepted, n_keep)
         st = s.stats
         stats = DecodeStats(
             passes=st.passes + running, emitted=st.emitted + n_keep,
-            verified=st.verified + n_verified, accepted=st.accepted + jnp.minimum(res.num_accepted, n_keep),
+            verified=st.verified + n_verified, accepted=st.accepted + n_accepted,
             reached=st.reached + reached, pos_accepted=st.pos_accepted + pos_acc)
-        return _Loop(seq, length, finish, out.cache, dcache, stats, s.step + 1)
+        rounds = s.rounds
+        if rounds is not None:
+            rounds = RoundLog(rounds.conf_logit.at[:, s.step].set(draft.confidence_logit),
+                              rounds.accepted.at[:, s.step].set(n_accepted),
+                              rounds.verified.at[:, s.step].set(n_verified))
+        return _Loop(seq, length, finish, out.cache, dcache, stats, s.step + 1, rounds)
 
     return jax.lax.while_loop(cond, body, init)
 
@@ -227,6 +259,13 @@ class Generation:
       acceptance_rate: accepted drafts / verified drafts (None when nothing verified).
       position_acceptance: conditional acceptance per block position k (None where
         position k was never reached).
+      num_accepted / num_verified: accepted and verified draft tokens.
+      position_reached / position_accepted: per block position k, blocks whose
+        positions 1..k-1 were accepted and k verified / of those, blocks where k was
+        accepted too (``position_accepted[k-1]`` = rounds with >= k accepted drafts).
+      rounds: with ``record_rounds=True``, per-round numpy arrays of this request
+        (see :class:`RoundLog`): ``conf_logit [n, gamma]``, ``accepted [n]``,
+        ``verified [n]`` for its ``n = num_target_passes`` rounds; else None.
     """
 
     token_ids: list[int]
@@ -239,6 +278,7 @@ class Generation:
     num_verified: int = 0
     position_reached: list[int] = dataclasses.field(default_factory=list)
     position_accepted: list[int] = dataclasses.field(default_factory=list)
+    rounds: dict[str, np.ndarray] | None = None
 
 
 @dataclasses.dataclass
@@ -321,6 +361,7 @@ def _run(fn, args, kwargs, key):
 def _results(state: _Loop, lens, gamma: int, speculative: bool) -> list[Generation]:
     seq, length, finish = (np.asarray(x) for x in (state.seq, state.length, state.finish))
     st = jax.tree.map(np.asarray, state.stats)
+    rl = None if state.rounds is None else jax.tree.map(np.asarray, state.rounds)
     gens = []
     for i in range(seq.shape[0]):
         ids = seq[i, lens[i] : length[i]].tolist()
@@ -338,6 +379,9 @@ def _results(state: _Loop, lens, gamma: int, speculative: bool) -> list[Generati
             num_accepted=int(st.accepted[i]), num_verified=int(st.verified[i]),
             position_reached=reached.tolist() if speculative else [],
             position_accepted=acc.tolist() if speculative else [],
+            rounds=None if rl is None else {
+                "conf_logit": rl.conf_logit[i, :passes], "accepted": rl.accepted[i, :passes],
+                "verified": rl.verified[i, :passes]},
         ))
     return gens
 
@@ -394,7 +438,7 @@ def generate_speculative(target: Target, drafter: Drafter, prompts: Sequence[Seq
                          max_new_tokens: int | Sequence[int] = 64, temperature=0.0, top_k=0,
                          top_p=1.0, seed: int | Sequence[int] = 0,
                          stop_ids: Sequence[int] | None = None, gamma: int | None = None,
-                         cache_len: int | None = None) -> BatchResult:
+                         cache_len: int | None = None, record_rounds: bool = False) -> BatchResult:
     """Lossless speculative decoding with a DSpark/DFlash drafter.
 
     Output is distributed exactly as :func:`generate_autoregressive` with the same
@@ -406,6 +450,9 @@ def generate_speculative(target: Target, drafter: Drafter, prompts: Sequence[Seq
       drafter: a drafter built for this target (see :func:`check_compatible`).
       gamma: verification length per round, ``1..drafter.cfg.gamma`` (default:
         the drafter's block size). Drafting always produces the full block.
+      record_rounds: also record every round's raw confidence logits and
+        accepted/verified counts (:attr:`Generation.rounds`), e.g. for
+        calibration reliability; costs ``[B, max_new_tokens, gamma]`` floats.
 
     Returns:
       :class:`BatchResult` with tau, acceptance and per-position acceptance.
@@ -428,7 +475,8 @@ def generate_speculative(target: Target, drafter: Drafter, prompts: Sequence[Seq
     max_steps = int(np.max(limit - lens))
     args = (t_state, d_state, jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(limit), sampling,
             _keys(seed, b), stop, jnp.int32(gamma))
-    statics = dict(t_graph=t_graph, d_graph=d_graph, cache_len=cache_len, max_steps=max_steps)
+    statics = dict(t_graph=t_graph, d_graph=d_graph, cache_len=cache_len, max_steps=max_steps,
+                   record_rounds=bool(record_rounds))
     key = ("spec", prompt.shape, stop.shape, *statics.values())
     state, secs, csecs = _run(_spec_decode, args, statics, key)
     gens = _results(state, lens, g_max, speculative=True)

@@ -13,7 +13,10 @@ Implements DESIGN.md "Drafter" (paper Sections 4-6 and Appendix A3/A4):
 3. base logits ``U_k`` through the drafter's final norm and the *target's* LM
    head (frozen, passed in);
 4. Markov head: ``B(x) = W1[x] @ W2`` added to ``U_k`` (see :mod:`dspark_jax.markov`);
-5. confidence head: ``c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b)``.
+5. confidence head: ``c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b)``, optionally
+   calibrated per position by sequential temperature scaling
+   (``c_k = sigmoid(z_k / T_k)``, :attr:`Drafter.calibration`, fit by
+   :mod:`dspark_jax.calibration`).
 
 The module owns only its own weights. Target pieces (embedding, LM head) come
 from the :class:`~dspark_jax.target.Target` passed to each call.
@@ -94,6 +97,11 @@ class Drafter(nnx.Module):
         else:
             self.conf_w = None
             self.conf_b = None
+        # Per-position confidence temperatures T_1..T_gamma (sequential temperature scaling,
+        # paper A5) or None (uncalibrated). A static tuple of floats, part of the graph
+        # definition (not a parameter): set by `load_drafter` from the export's
+        # `calibration` field, or with `set_calibration`.
+        self.calibration: tuple[float, ...] | None = None
 
     # -- context (KV injection) -------------------------------------------------
 
@@ -161,7 +169,10 @@ class Drafter(nnx.Module):
             m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
             return h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"]), None
 
-        h, _ = jax.lax.scan(layer, x.astype(self.dtype), (params, ctx_k, ctx_v))
+        # `remat` (a static attribute the trainer sets on its compute copy, see
+        # trainer.Trainer): store only each layer's input, recompute the rest in the backward pass.
+        body = jax.checkpoint(layer, prevent_cse=False) if getattr(self, "remat", False) else layer
+        h, _ = jax.lax.scan(body, x.astype(self.dtype), (params, ctx_k, ctx_v))
         return rms_norm(h, self.final_norm[...], cfg.rms_eps)
 
     def block_inputs(self, target: Target, anchors: jax.Array) -> jax.Array:
@@ -203,6 +214,36 @@ class Drafter(nnx.Module):
             return jnp.full(h.shape[:-1], jnp.inf, jnp.float32)
         z = h if e is None else jnp.concatenate([h, e.astype(h.dtype)], axis=-1)
         return (jnp.dot(z, self.conf_w[...]) + self.conf_b[...]).astype(jnp.float32)
+
+    def set_calibration(self, temperatures) -> None:
+        """Sets (or clears, with ``None``) the per-position confidence temperatures.
+
+        Args:
+          temperatures: ``gamma`` positive finite floats ``T_1..T_gamma``; confidences
+            become ``sigmoid(z_k / T_k)``. Only confidence values change, never the
+            draft tokens or their distributions.
+        Raises:
+          ValueError: wrong length, non-positive/non-finite values, or a drafter
+            without a confidence head.
+        """
+        if temperatures is None:
+            self.calibration = None
+            return
+        temps = tuple(float(t) for t in temperatures)
+        if not self.cfg.has_confidence:
+            raise ValueError("this drafter has no confidence head to calibrate")
+        if len(temps) != self.cfg.gamma:
+            raise ValueError(f"calibration needs {self.cfg.gamma} temperatures (one per block position), "
+                             f"got {len(temps)}")
+        if not all(t > 0 and t < float("inf") for t in temps):
+            raise ValueError(f"calibration temperatures must be positive and finite, got {list(temps)}")
+        self.calibration = temps
+
+    def confidence_temperatures(self) -> jax.Array:
+        """``[gamma]`` float32 temperatures in use (ones when uncalibrated)."""
+        if self.calibration is None:
+            return jnp.ones((self.cfg.gamma,), jnp.float32)
+        return jnp.asarray(self.calibration, jnp.float32)
 
     # -- decoding ------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ tau = tokens emitted per target verification pass (accepted drafts + the
 bonus/correction token), aggregated as total emitted / total passes over all
 requests; acceptance rate = accepted drafts / verified drafts; conditional
 acceptance at position k = among blocks whose positions 1..k-1 were accepted
-(and k verified), the fraction where k was accepted.
+(and k verified), the fraction where k was accepted; accept rate @k = the
+fraction of rounds (target passes) with at least k accepted drafts.
 """
 
 from __future__ import annotations
@@ -38,13 +39,20 @@ def aggregate(results: Sequence[BatchResult]) -> dict[str, Any]:
 
 def evaluate_tau(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
                  max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 gamma: int | None = None, batch_size: int = 16, seed: int = 0) -> dict[str, Any]:
+                 gamma: int | None = None, batch_size: int = 16, seed: int = 0,
+                 record_rounds: bool = False) -> dict[str, Any]:
     """Speculative decoding over ``prompts``; returns pooled metrics.
+
+    Args:
+      record_rounds: also return the per-round records of every request under
+        ``"rounds"`` (a list of :attr:`~dspark_jax.decode.Generation.rounds` dicts of
+        numpy arrays, not JSON-serialisable: pop it before writing JSON).
 
     Returns:
       dict with ``tau``, ``acceptance_rate``, ``position_acceptance`` (list over
-      k = 1..gamma), ``num_requests``, ``num_target_passes``, ``tokens_per_s``
-      (compilation excluded) and the settings used.
+      k = 1..gamma), ``accept_rate_at_k`` (list over k = 1..gamma: fraction of
+      rounds with >= k accepted drafts), ``num_requests``, ``num_target_passes``,
+      ``tokens_per_s`` (compilation excluded) and the settings used.
     """
     results = []
     reached = np.zeros(drafter.cfg.gamma)
@@ -53,13 +61,18 @@ def evaluate_tau(target: Target, drafter: Drafter, prompts: Sequence[Sequence[in
         chunk = list(prompts[s : s + batch_size])
         res = generate_speculative(target, drafter, chunk, max_new_tokens=max_new_tokens, temperature=temperature,
                                    top_k=top_k, top_p=top_p, gamma=gamma,
-                                   seed=[seed + s + i for i in range(len(chunk))])
+                                   seed=[seed + s + i for i in range(len(chunk))], record_rounds=record_rounds)
         results.append(res)
         for g in res.generations:
             reached += g.position_reached
             accepted += g.position_accepted
     out = aggregate(results)
     out["position_acceptance"] = [float(a / r) if r else None for a, r in zip(accepted, reached)]
+    g_used = gamma or drafter.cfg.gamma
+    passes = out["num_target_passes"]
+    out["accept_rate_at_k"] = [float(a / passes) if passes else None for a in accepted[:g_used]]
+    if record_rounds:
+        out["rounds"] = [g.rounds for r in results for g in r.generations]
     out.update(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                gamma=gamma or drafter.cfg.gamma)
     return out

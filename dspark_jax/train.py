@@ -5,6 +5,7 @@ Usage::
     python -m dspark_jax.train --preset stories260k [key=value ...]
     python -m dspark_jax.train --config train/smollm2-135m-instruct.yaml steps=200
     python -m dspark_jax.train --preset stories260k --dry-run
+    python -m dspark_jax.train --config train/qwen3-8b.yaml --dry-run --devices 4   # no weights needed
 
 Stages (each resumable; rerunning the same command continues where it stopped):
 1. self-distillation data: the target generates continuations of training
@@ -55,7 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="built-in recipe to start from (default: stories260k)")
     p.add_argument("--config", default=None, help="YAML or JSON file of config keys, applied after --preset")
     p.add_argument("--dry-run", action="store_true",
-                   help="build the drafter abstractly, print parameter counts and memory estimate, then exit")
+                   help="read only the target's config (no weights), build the drafter abstractly, print "
+                        "parameter counts and a per-device memory estimate as JSON, then exit")
+    p.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="with --dry-run: number of devices to plan the per-device batch and memory for "
+                        "(default: the visible devices)")
     p.add_argument("--skip-eval", action="store_true", help="do not evaluate tau after training")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. steps=500 gamma=8")
     return p
@@ -98,42 +103,101 @@ def _apply(cfg, overrides):
         raise DSparkInputError(str(e)) from None
 
 
-def dry_run(cfg: TrainConfig) -> dict:
-    """Abstract drafter build (``nnx.eval_shape``): parameter counts and a per-device memory estimate.
+def estimate_memory(cfg: TrainConfig, tcfg, dcfg, target_params: int, drafter_params: int,
+                    devices: int) -> dict[str, float]:
+    """Rough per-device training memory [GiB] of the data-parallel step, by component.
 
-    The target's files are read for its config; no drafter weights are materialised.
+    Data parallel replicates everything but the batch: the frozen target in
+    ``cfg.dtype``; the drafter's float32 master weights, gradients and AdamW
+    moments (+ a ``cfg.dtype`` compute copy, + an accumulation buffer when
+    ``grad_accum_steps > 1``); and the activations of one micro-batch of
+    ``batch_size / (devices * grad_accum_steps)`` sequences: the target forward
+    (tapped layer outputs, one layer's attention scores and MLP, float32
+    logits), the drafter's context keys/values, the backbone activations kept
+    for the backward pass (one layer's when ``remat``), and the float32
+    vocabulary-sized loss head. Total = weights and optimizer state + the larger of
+    the two activation peaks (target forward; drafter forward/backward). XLA's
+    actual peak differs (fusion, buffer reuse); on CPU this estimate was within
+    -16%..+41% of the compiled step's memory analysis (small configs).
     """
-    import jax
     import jax.numpy as jnp
+
+    cb = jnp.dtype(cfg.dtype).itemsize
+    t, d = tcfg, dcfg
+    micro = max(1, cfg.batch_size // (devices * cfg.grad_accum_steps))
+    L, V, A, S, g, N = cfg.seq_len, t.vocab_size, cfg.anchors_per_seq, d.num_slots, d.gamma, d.num_layers
+    gib = lambda x: round(x / 2**30, 3)  # noqa: E731
+    drafter_bytes = drafter_params * (4 * 4 + (cb if cb < 4 else 0) + (4 if cfg.grad_accum_steps > 1 else 0))
+    target_fwd = micro * (t.num_layers * L * t.hidden_size * cb + 2 * t.num_heads * L * L * 4
+                          + 3 * L * t.intermediate_size * cb + L * V * 4)
+    context = micro * L * (len(d.taps) * t.hidden_size + d.hidden_size + 2 * N * d.num_kv_heads * d.head_dim) * cb
+    blocks = micro * A * S
+    per_layer = blocks * (d.num_heads * L * 4 + 8 * d.hidden_size * cb + 3 * d.intermediate_size * cb)
+    backbone = per_layer + blocks * d.hidden_size * cb * N if cfg.remat else per_layer * N
+    head = micro * A * g * V * 4 * (3 if cfg.remat else 6)
+    # Two activation peaks: inside the target forward, and in the drafter's backward pass (the
+    # target's float32 logits stay alive for p_target through both).
+    train_peak = micro * L * V * 4 + context + backbone + head
+    parts = {"target_weights": target_params * cb, "drafter_weights_grads_adam": drafter_bytes,
+             "target_forward_peak": target_fwd, "drafter_context": context, "drafter_backbone": backbone,
+             "loss_head": head, "drafter_step_peak": train_peak}
+    out = {k: gib(v) for k, v in parts.items()}
+    out["total"] = gib(target_params * cb + drafter_bytes + max(target_fwd, train_peak))
+    return out
+
+
+def dry_run(cfg: TrainConfig, devices: int | None = None) -> dict:
+    """Parameter counts and a per-device memory estimate, without any weights.
+
+    Reads only the target's *config* (llama2.c header, GGUF metadata, Hugging
+    Face ``config.json``, or a built-in config such as ``qwen3-8b``) and builds
+    the drafter abstractly (``nnx.eval_shape``): nothing is loaded or allocated.
+
+    Args:
+      devices: device count to plan for (default: the visible devices).
+    Raises:
+      DSparkInputError: unknown target, missing files, or a drafter config that
+        does not fit the target (e.g. taps beyond its depth).
+    """
+    t0 = time.perf_counter()
+    import jax
     from flax import nnx
 
     from .drafter import Drafter
-    from .presets import resolve_target
+    from .model_io import count_target_params
+    from .presets import target_config
     from .trainer import count_params, drafter_config
 
-    tcfg = resolve_target(cfg.target)[0]  # reads the target's files; the drafter stays abstract
+    tcfg = target_config(cfg.target)
 
     class _T:  # only .cfg and .fingerprint are read by drafter_config
         def __init__(self, c):
             self.cfg, self.fingerprint = c, ""
 
-    dcfg = drafter_config(cfg, _T(tcfg))
-    dtype = jnp.dtype(cfg.dtype)
-    abstract = nnx.eval_shape(lambda: Drafter(dcfg, nnx.Rngs(0), dtype=dtype))
+    try:
+        dcfg = drafter_config(cfg, _T(tcfg))
+    except ValueError as e:
+        raise DSparkInputError(f"drafter config does not fit target {tcfg.name}: {e}") from None
+    abstract = nnx.eval_shape(lambda: Drafter(dcfg, nnx.Rngs(0)))  # float32 master weights, abstract
     n_d = count_params(nnx.state(abstract, nnx.Param))
-    t = tcfg
-    n_t = (t.vocab_size * t.hidden_size * (1 if t.tie_embeddings else 2) + t.num_layers * (
-        t.hidden_size * (t.num_heads + 2 * t.num_kv_heads) * t.head_dim + t.num_heads * t.head_dim * t.hidden_size
-        + 3 * t.hidden_size * t.intermediate_size + 2 * t.hidden_size) + t.hidden_size)
-    n_dev = jax.device_count()
-    per_dev_b = max(1, cfg.batch_size // n_dev)
-    bpe = dtype.itemsize
-    acts = per_dev_b * cfg.seq_len * t.hidden_size * (t.num_layers + len(dcfg.taps)) * bpe
-    logits = per_dev_b * (cfg.seq_len + 4 * cfg.anchors_per_seq * dcfg.gamma) * t.vocab_size * 4
-    mem = n_t * bpe + n_d * (4 * 3 + bpe) + acts + logits
-    report = {"target": t.name, "target_params": n_t, "drafter_params": n_d, "drafter_config": dcfg.to_dict(),
-              "devices": n_dev, "per_device_batch": per_dev_b,
-              "per_device_memory_estimate_gib": round(mem / 2**30, 3)}
+    n_t = count_target_params(tcfg)
+    n_dev = int(devices or jax.device_count())
+    if n_dev < 1:
+        raise DSparkInputError(f"--devices must be >= 1, got {n_dev}")
+    warnings = []
+    if cfg.batch_size % (n_dev * cfg.grad_accum_steps):
+        warnings.append(f"batch_size {cfg.batch_size} is not divisible by {n_dev} devices x "
+                        f"{cfg.grad_accum_steps} micro-batches: training would refuse it")
+    if cfg.seq_len > tcfg.max_position:
+        warnings.append(f"seq_len {cfg.seq_len} exceeds the target's context {tcfg.max_position}")
+    mem = estimate_memory(cfg, tcfg, dcfg, n_t, n_d, n_dev)
+    report = {"target": tcfg.name, "target_config": tcfg.to_dict(), "target_params": n_t, "drafter_params": n_d,
+              "drafter_config": dcfg.to_dict(), "dtype": cfg.dtype, "devices": n_dev,
+              "global_batch": cfg.batch_size, "grad_accum_steps": cfg.grad_accum_steps,
+              "per_device_micro_batch": max(1, cfg.batch_size // (n_dev * cfg.grad_accum_steps)),
+              "tokens_per_step": cfg.batch_size * cfg.seq_len, "remat": cfg.remat,
+              "per_device_memory_estimate_gib": mem["total"], "memory_breakdown_gib": mem,
+              "warnings": warnings, "seconds": round(time.perf_counter() - t0, 2)}
     return report
 
 
@@ -142,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args)
         if args.dry_run:
-            print(json.dumps(dry_run(cfg), indent=2))
+            print(json.dumps(dry_run(cfg, devices=args.devices), indent=2))
             return 0
         run(cfg, evaluate=not args.skip_eval)
     except DSparkInputError as e:
@@ -164,7 +228,8 @@ def run(cfg: TrainConfig, evaluate: bool = True) -> dict:
     from .decode import generate_autoregressive
     from .drafter import Drafter
     from .presets import preset_info
-    from .trainer import Trainer, append_jsonl, count_params, drafter_config, maybe_initialize_distributed
+    from .trainer import (Trainer, append_jsonl, count_params, drafter_config, maybe_initialize_distributed,
+                          truncate_jsonl)
 
     maybe_initialize_distributed()
     t_start = time.perf_counter()
@@ -207,7 +272,8 @@ def run(cfg: TrainConfig, evaluate: bool = True) -> dict:
         bar.refresh()
 
     shards = data_mod.generate_shards(workdir / "data", train_ids, gen, seq_len=cfg.seq_len,
-                                      batch_size=cfg.gen_batch_size, progress=progress)
+                                      shard_size=cfg.gen_shard_size, batch_size=cfg.gen_batch_size,
+                                      progress=progress)
     bar.close()
     data = data_mod.load_shards(shards)
     gen_seconds = time.perf_counter() - t0
@@ -215,19 +281,23 @@ def run(cfg: TrainConfig, evaluate: bool = True) -> dict:
 
     # -- stage 2: training ----------------------------------------------------------------
     dcfg = drafter_config(cfg, target)
-    drafter = Drafter(dcfg, nnx.Rngs(cfg.seed), dtype=dtype)
+    # float32 master weights whatever cfg.dtype: the Trainer computes in cfg.dtype.
+    drafter = Drafter(dcfg, nnx.Rngs(cfg.seed))
     trainer = Trainer(cfg, target, drafter)
     mgr = trainer.checkpoint_manager(workdir / "checkpoints")
     start = trainer.restore_latest(mgr)
     if start:
         print(f"resuming from checkpoint step {start}", file=sys.stderr)
+    lead = jax.process_index() == 0  # one process writes logs (Orbax coordinates the checkpoints)
     metrics_path = workdir / "metrics.jsonl"
+    if lead:  # rows logged after the checkpoint we resume from are about to be redone
+        truncate_jsonl(metrics_path, start)
     it = data_mod.batches(data, cfg.batch_size, cfg.seed, start_step=start)
-    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, disable=not lead)
     t_train = time.perf_counter()
     tok_per_step = cfg.batch_size * cfg.seq_len
     step = start
-    last_log = time.perf_counter()
+    last_log, last_log_step = time.perf_counter(), start
     terms = None
     while step < cfg.steps:
         batch = next(it)
@@ -238,10 +308,11 @@ def run(cfg: TrainConfig, evaluate: bool = True) -> dict:
             now = time.perf_counter()
             row = {"step": step, **{k: float(v) for k, v in terms._asdict().items() if k != "acc_by_pos"},
                    "grad_norm": float(gnorm),
-                   "tokens_per_s": tok_per_step * cfg.log_every / max(now - last_log, 1e-9),
+                   "tokens_per_s": tok_per_step * (step - last_log_step) / max(now - last_log, 1e-9),
                    "elapsed_s": now - t_train}
-            last_log = now
-            append_jsonl(metrics_path, row)
+            last_log, last_log_step = now, step
+            if lead:
+                append_jsonl(metrics_path, row)
             bar.set_postfix(loss=f"{row['loss']:.3f}", tv=f"{row['tv']:.3f}", tau_est=f"{row['tau_est']:.2f}",
                             tok_s=f"{row['tokens_per_s']:.0f}")
         if step % cfg.ckpt_every == 0:
@@ -265,6 +336,15 @@ def run(cfg: TrainConfig, evaluate: bool = True) -> dict:
     # -- stage 3: export -------------------------------------------------------------------
     export = export_drafter(drafter, cfg.export_path(), extra={"train": summary, "config": dataclasses.asdict(cfg)})
     summary["export_dir"] = str(export)
+    # -- stage 3b: confidence calibration (dspark_jax.calibration) --------------------------------
+    # Sequential temperature scaling on target continuations of the held-out eval prompts (never
+    # in the training data): temperatures go into the export, the report into calibration.json.
+    if drafter.cfg.has_confidence and eval_texts:
+        from .calibration import calibrate_training_run
+
+        summary["calibration"] = calibrate_training_run(
+            cfg, target, drafter, data_mod.encode_prompts(tok, eval_texts, chat), export, workdir)
+    # -- end of stage 3b ------------------------------------------------------------------------
     # -- stage 4: held-out evaluation ----------------------------------------------------------
     if evaluate and eval_texts:
         from .evaluate import evaluate_tau

@@ -15,8 +15,24 @@ DESIGN.md "Training". One step:
 
 Data parallel: the step is ``jax.jit`` over a 1-D device mesh ``("data",)`` with
 the batch sharded along it and parameters replicated -- the ``shard_map``/``jit``
-equivalent of ``pmap`` (gradients are averaged across devices by XLA's
-all-reduce). Multi-host: :func:`maybe_initialize_distributed`.
+equivalent of ``pmap``. The loss is one weighted mean over the *global* batch
+(sums over every device's rows divided by the global weight; XLA inserts the
+all-reduces), so an N-device step equals a one-device step on the same global
+batch. Multi-host: :func:`maybe_initialize_distributed`; each process feeds only
+the rows of the global batch that live on its own devices
+(``jax.make_array_from_process_local_data``).
+
+Gradient accumulation (``grad_accum_steps``): the global batch is split into
+micro-batches processed by ``lax.scan`` inside the same jitted step. Anchors are
+drawn once for the whole global batch and every micro-batch contributes weighted
+*sums* (numerators) divided by the global weight (denominator), so the result is
+the big-batch step, not a mean of per-micro-batch means.
+
+Precision: parameters and optimizer state are float32 master copies; with
+``dtype=bfloat16`` the forward pass runs on a bfloat16 cast of them (the frozen
+target lives in bfloat16), the loss and its reductions stay float32.
+``remat=True`` rematerialises each drafter layer and the vocabulary-sized loss
+head in the backward pass (``jax.checkpoint``).
 """
 
 from __future__ import annotations
@@ -25,6 +41,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -39,6 +56,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import DrafterConfig
 from .drafter import Drafter
+from .errors import DSparkInputError
 from .target import Target
 
 
@@ -62,8 +80,13 @@ class TrainConfig:
       learning_rate, warmup_frac, weight_decay, grad_clip: AdamW schedule.
       ce_weight, l1_weight, conf_weight, pos_decay: loss (DESIGN.md "Training").
       time_budget_s [s]: stop training early after this much wall time (0 = off).
-      seed; dtype (``float32``/``bfloat16`` compute); log_every, ckpt_every,
-      keep_checkpoints [steps / count];
+      grad_accum_steps: micro-batches per optimisation step (the global batch
+        is split; same result as one big batch, less activation memory).
+      seed; dtype (``float32``/``bfloat16`` compute; master weights and
+        optimizer state are always float32); remat: rematerialise drafter
+        layers and the loss head in the backward pass (less memory, ~1/3 more
+        compute); log_every, ckpt_every, keep_checkpoints [steps / count];
+      gen_shard_size [sequences]: self-distillation data per resumable shard;
       eval_max_new_tokens [tokens], eval_temperature: held-out evaluation.
     """
 
@@ -97,11 +120,14 @@ class TrainConfig:
     conf_weight: float = 1.0
     pos_decay: float = 4.0
     time_budget_s: float = 0.0
+    grad_accum_steps: int = 1
     seed: int = 0
     dtype: str = "float32"
+    remat: bool = False
     log_every: int = 25
     ckpt_every: int = 250
     keep_checkpoints: int = 3
+    gen_shard_size: int = 256
     eval_max_new_tokens: int = 128
     eval_temperature: float = 0.0
 
@@ -116,7 +142,18 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
         gamma=8, num_layers=2, markov_rank=128, num_prompts=512, num_eval_prompts=16,
         gen_max_new_tokens=160, gen_batch_size=16, seq_len=256, steps=600, batch_size=8,
         anchors_per_seq=16, learning_rate=1e-3, eval_max_new_tokens=96),
+    # Qwen3 recipes for a TPU VM (see train/qwen3-*.yaml): the paper's drafter shape (5 layers,
+    # taps 1/9/17/25/33, gamma 7, Markov rank 256), bf16 compute, float32 master weights.
+    "qwen3-4b": TrainConfig(
+        target="qwen3-4b", workdir="runs/qwen3-4b", prompts="chat", variant="dspark", gamma=7, num_layers=5,
+        markov_rank=256, taps=(1, 9, 17, 25, 33), num_prompts=100_000, num_eval_prompts=32,
+        gen_max_new_tokens=1536, gen_temperature=0.7, gen_top_p=0.8, gen_batch_size=256, gen_shard_size=4096,
+        seq_len=2048, steps=10_000, batch_size=64, grad_accum_steps=4, anchors_per_seq=64,
+        learning_rate=6e-4, warmup_frac=0.04, ce_weight=0.1, l1_weight=0.9, conf_weight=1.0,
+        dtype="bfloat16", remat=True, log_every=50, ckpt_every=500, keep_checkpoints=3, eval_max_new_tokens=512),
 }
+TRAIN_PRESETS["qwen3-8b"] = dataclasses.replace(TRAIN_PRESETS["qwen3-4b"], target="qwen3-8b",
+                                                workdir="runs/qwen3-8b", grad_accum_steps=8)
 
 
 def drafter_config(cfg: TrainConfig, target: Target) -> DrafterConfig:
@@ -153,6 +190,88 @@ def sample_anchors(key: jax.Array, lengths: jax.Array, prompt_lengths: jax.Array
     return (lo[:, None] + jnp.floor(u * (hi - lo + 1)[:, None])).astype(jnp.int32)
 
 
+def position_weights(anchors: jax.Array, lengths: jax.Array, gamma: int, pos_decay: float) -> jax.Array:
+    """``[B, A, gamma]`` float32 loss weights ``exp(-(k-1)/pos_decay)``, 0 past a sequence's end."""
+    k = jnp.arange(gamma, dtype=jnp.int32)
+    valid = (anchors[..., None] + k + 1) < lengths[:, None, None]
+    return jnp.exp(-k.astype(jnp.float32) / pos_decay) * valid
+
+
+def loss_sums(drafter: Drafter, target: Target, tokens: jax.Array, lengths: jax.Array, anchors: jax.Array,
+              cfg: TrainConfig, remat: bool = False) -> dict[str, jax.Array]:
+    """Additive loss statistics of a (micro-)batch: weighted sums, never means.
+
+    Summing these over micro-batches or devices and then :func:`finalize_loss`
+    gives exactly the statistics of the whole batch (the denominator ``w`` is
+    summed too). ``objective`` is ``sum_k w_k (ce_weight CE + l1_weight TV +
+    conf_weight BCE)``; the loss is ``objective / w``.
+
+    Args:
+      tokens: ``[B, L]`` int32; lengths: ``[B]`` int32; anchors: ``[B, A]`` int32.
+      remat: recompute the vocabulary-sized loss head in the backward pass.
+    Returns:
+      dict of float32 scalars (``acc_num``/``acc_den``: ``[gamma]``).
+    """
+    dc = drafter.cfg
+    g = dc.gamma
+    out = target(tokens, jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape), taps=dc.taps)
+    feats = jax.lax.stop_gradient(out.features)
+    t_logits = jax.lax.stop_gradient(out.logits)
+    block = drafter.train_blocks(target, feats, tokens, anchors)
+    k = jnp.arange(g, dtype=jnp.int32)
+    src = anchors[..., None] + k                        # position whose next token is predicted
+    valid = (src + 1) < lengths[:, None, None]          # [B, A, g]
+    src_c = jnp.minimum(src, tokens.shape[1] - 1)
+    tgt_c = jnp.minimum(src + 1, tokens.shape[1] - 1)
+    bidx = jnp.arange(tokens.shape[0])[:, None, None]
+    prev = tokens[bidx, src_c]                          # teacher forcing: x_{k-1} is the true token
+    labels = tokens[bidx, tgt_c]
+    w = position_weights(anchors, lengths, g, cfg.pos_decay)
+
+    def head(hidden, base_logits, t_sel):
+        if remat:  # recompute the [.., V] base logits from the hidden states instead of storing them
+            base_logits = drafter.base_logits(target, hidden)
+        p_t = jax.nn.softmax(t_sel, axis=-1)
+        e = drafter.markov_embedding(prev)
+        logq = jax.nn.log_softmax(base_logits + drafter.markov_bias(e), axis=-1)
+        ce = -jnp.take_along_axis(logq, labels[..., None], axis=-1)[..., 0]
+        tv = 0.5 * jnp.sum(jnp.abs(jnp.exp(logq) - p_t), axis=-1)
+        if dc.has_confidence:
+            z = drafter.confidence_logit(hidden, e)
+            soft = jax.lax.stop_gradient(1.0 - tv)
+            bce = optax.sigmoid_binary_cross_entropy(z, soft) - optax.sigmoid_binary_cross_entropy(
+                jnp.log(soft + 1e-6) - jnp.log1p(-soft + 1e-6), soft)  # minus the label entropy: 0 at optimum
+            conf_err = jnp.abs(jax.nn.sigmoid(z) - soft)
+        else:
+            bce = jnp.zeros_like(tv)
+            conf_err = jnp.zeros_like(tv)
+        return ce, tv, bce, conf_err
+
+    if remat:
+        ce, tv, bce, conf_err = jax.checkpoint(head, prevent_cse=False)(block.hidden, None, t_logits[bidx, src_c])
+    else:
+        ce, tv, bce, conf_err = head(block.hidden, block.logits, t_logits[bidx, src_c])
+    ws = lambda x: jnp.sum(w * x)
+    vf = valid.astype(jnp.float32)
+    full = jnp.all(valid, axis=-1, keepdims=True)       # analytic tau on complete blocks only
+    surv = jnp.cumprod(1.0 - tv, axis=-1)
+    return {
+        "objective": cfg.ce_weight * ws(ce) + cfg.l1_weight * ws(tv) + cfg.conf_weight * ws(bce),
+        "w": jnp.sum(w), "ce": ws(ce), "tv": ws(tv), "bce": ws(bce), "conf_err": ws(conf_err),
+        "acc_num": jnp.sum((1.0 - tv) * vf, axis=(0, 1)), "acc_den": jnp.sum(vf, axis=(0, 1)),
+        "tau_num": jnp.sum(jnp.sum(surv, -1, keepdims=True) * full),
+        "tau_den": jnp.sum(full).astype(jnp.float32),
+    }
+
+
+def finalize_loss(s: dict[str, jax.Array]) -> LossTerms:
+    """Means of the summed statistics of :func:`loss_sums` (the weighted means over the batch)."""
+    denom = jnp.maximum(s["w"], 1e-6)
+    return LossTerms(s["objective"] / denom, s["ce"] / denom, s["tv"] / denom, s["bce"] / denom,
+                     s["conf_err"] / denom, 1.0 + s["tau_num"] / jnp.maximum(s["tau_den"], 1.0),
+                     s["acc_num"] / jnp.maximum(s["acc_den"], 1.0))
+
+
 def drafter_loss(drafter: Drafter, target: Target, tokens: jax.Array, lengths: jax.Array,
                  prompt_lengths: jax.Array, key: jax.Array, cfg: TrainConfig) -> LossTerms:
     """DSpark training loss on a batch (DESIGN.md "Training"; paper Appendix A4).
@@ -164,46 +283,8 @@ def drafter_loss(drafter: Drafter, target: Target, tokens: jax.Array, lengths: j
     Returns:
       :class:`LossTerms` (scalars float32, ``acc_by_pos [gamma]``).
     """
-    dc = drafter.cfg
-    g = dc.gamma
-    out = target(tokens, jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape), taps=dc.taps)
-    feats = jax.lax.stop_gradient(out.features)
-    t_logits = jax.lax.stop_gradient(out.logits)
     anchors = sample_anchors(key, lengths, prompt_lengths, cfg.anchors_per_seq)
-    block = drafter.train_blocks(target, feats, tokens, anchors)
-    k = jnp.arange(g, dtype=jnp.int32)
-    src = anchors[..., None] + k                        # position whose next token is predicted
-    valid = (src + 1) < lengths[:, None, None]          # [B, A, g]
-    src_c = jnp.minimum(src, tokens.shape[1] - 1)
-    tgt_c = jnp.minimum(src + 1, tokens.shape[1] - 1)
-    bidx = jnp.arange(tokens.shape[0])[:, None, None]
-    prev = tokens[bidx, src_c]                          # teacher forcing: x_{k-1} is the true token
-    labels = tokens[bidx, tgt_c]
-    p_t = jax.nn.softmax(t_logits[bidx, src_c], axis=-1)
-    e = drafter.markov_embedding(prev)
-    logits = block.logits + drafter.markov_bias(e)
-    logq = jax.nn.log_softmax(logits, axis=-1)
-    ce = -jnp.take_along_axis(logq, labels[..., None], axis=-1)[..., 0]
-    tv = 0.5 * jnp.sum(jnp.abs(jnp.exp(logq) - p_t), axis=-1)
-    z = drafter.confidence_logit(block.hidden, e)
-    soft = jax.lax.stop_gradient(1.0 - tv)
-    if dc.has_confidence:
-        bce = optax.sigmoid_binary_cross_entropy(z, soft) - optax.sigmoid_binary_cross_entropy(
-            jnp.log(soft + 1e-6) - jnp.log1p(-soft + 1e-6), soft)  # minus the label entropy: 0 at optimum
-        conf_err = jnp.abs(jax.nn.sigmoid(z) - soft)
-    else:
-        bce = jnp.zeros_like(tv)
-        conf_err = jnp.zeros_like(tv)
-    w = jnp.exp(-k.astype(jnp.float32) / cfg.pos_decay) * valid
-    denom = jnp.maximum(jnp.sum(w), 1e-6)
-    mean = lambda x: jnp.sum(w * x) / denom
-    loss = cfg.ce_weight * mean(ce) + cfg.l1_weight * mean(tv) + cfg.conf_weight * mean(bce)
-    vf = valid.astype(jnp.float32)
-    acc = jnp.sum((1.0 - tv) * vf, axis=(0, 1)) / jnp.maximum(jnp.sum(vf, axis=(0, 1)), 1.0)
-    full = jnp.all(valid, axis=-1, keepdims=True)       # analytic tau on complete blocks only
-    surv = jnp.cumprod(1.0 - tv, axis=-1)
-    tau_est = 1.0 + jnp.sum(jnp.sum(surv, -1, keepdims=True) * full) / jnp.maximum(jnp.sum(full), 1.0)
-    return LossTerms(loss, mean(ce), mean(tv), mean(bce), mean(conf_err), tau_est, acc)
+    return finalize_loss(loss_sums(drafter, target, tokens, lengths, anchors, cfg))
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -224,67 +305,183 @@ def maybe_initialize_distributed() -> None:
     """Calls ``jax.distributed.initialize()`` when launched as one of several processes.
 
     Triggered by the standard coordinator variables (``JAX_COORDINATOR_ADDRESS``,
-    or TPU VM pod metadata via ``DSPARK_DISTRIBUTED=1``).
+    or TPU VM pod metadata via ``DSPARK_DISTRIBUTED=1``). Idempotent.
     """
     if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("DSPARK_DISTRIBUTED") == "1":
-        jax.distributed.initialize()
+        try:
+            jax.distributed.initialize()
+        except RuntimeError as e:  # already initialised (e.g. run() called twice in one process)
+            if "already" not in str(e).lower():
+                raise
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+_BATCH_KEYS = ("tokens", "lengths", "prompt_lengths")
+
+
+def replicate(tree: Any, sharding: NamedSharding) -> Any:
+    """Places every leaf (identical on all processes) fully replicated on ``sharding``'s mesh.
+
+    One process: ``jax.device_put``. Several: each process fills its own devices from
+    its host copy (``jax.make_array_from_callback``), which works for meshes spanning
+    devices this process cannot address.
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+
+    def put(x):
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+    return jax.tree.map(put, tree)
 
 
 class Trainer:
     """Holds the jitted step, optimizer and sharding for one drafter/target pair.
 
     Args:
-      cfg: run config.
-      target: frozen target.
-      drafter: drafter to train (its params are replaced by the trained ones).
-      mesh: device mesh (default: all devices on the ``data`` axis).
+      cfg: run config (``grad_accum_steps``, ``dtype``, ``remat`` shape the step).
+      target: frozen target (its weights may be bfloat16).
+      drafter: drafter to train; its parameters become float32 master weights
+        (the drafter passed in is not modified; :meth:`drafter` returns the trained one).
+      mesh: device mesh with a ``data`` axis (default: all devices of all hosts).
     """
 
     def __init__(self, cfg: TrainConfig, target: Target, drafter: Drafter, mesh: Mesh | None = None):
+        if cfg.grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be >= 1, got {cfg.grad_accum_steps}")
         self.cfg = cfg
         self.mesh = mesh or data_mesh()
         self.tx = make_optimizer(cfg)
-        self.d_graph, self.params = nnx.split(drafter, nnx.Param)
+        graph, params = nnx.split(drafter, nnx.Param)
+        compute = jnp.dtype(cfg.dtype)
+
+        def graph_with(**attrs):
+            """The drafter's graph definition with some static attributes replaced (no array copies)."""
+            m = nnx.merge(graph, params)
+            for k, v in attrs.items():
+                setattr(m, k, v)
+            return nnx.split(m, nnx.Param)[0]
+
+        # Master copy: float32 parameters (and optimizer state); the graph that runs the
+        # forward pass may compute in bfloat16 and/or rematerialise its layers.
+        self.d_graph = graph if jnp.dtype(drafter.dtype) == jnp.float32 else graph_with(dtype=jnp.float32)
+        if compute == jnp.float32 and not cfg.remat:
+            c_graph = self.d_graph
+        else:
+            c_graph = graph_with(dtype=compute, remat=cfg.remat)
+        self.params = jax.tree.map(lambda x: x.astype(jnp.float32) if _is_float(x) else x, params)
         self.t_graph, self.t_state = nnx.split(target)
         repl = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
-        self.params = jax.device_put(self.params, repl)
-        self.t_state = jax.device_put(self.t_state, repl)
-        self.opt_state = jax.device_put(self.tx.init(self.params), repl)
-        d_graph, t_graph, tx = self.d_graph, self.t_graph, self.tx
+        self.params = replicate(self.params, repl)
+        self.t_state = replicate(self.t_state, repl)
+        self.opt_state = replicate(self.tx.init(self.params), repl)
+        t_graph, tx, mesh = self.t_graph, self.tx, self.mesh
+        n_micro, gamma = cfg.grad_accum_steps, drafter.cfg.gamma
 
-        def step(params, opt_state, t_state, tokens, lengths, plens, key):
+        def to_compute(p):
+            if compute == jnp.float32:
+                return p
+            return jax.tree.map(lambda x: x.astype(compute) if _is_float(x) else x, p)
+
+        def step(params, opt_state, t_state, tokens, lengths, plens, step_idx):
             target = nnx.merge(t_graph, t_state)
+            key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), step_idx)  # depends only on (seed, step)
+            # Anchors for the whole global batch, drawn once: identical whatever the number of
+            # devices or micro-batches.
+            anchors = sample_anchors(key, lengths, plens, cfg.anchors_per_seq)
+            # Global normaliser: the position weight of every valid target in the global batch.
+            denom = jnp.maximum(jnp.sum(position_weights(anchors, lengths, gamma, cfg.pos_decay)), 1e-6)
 
-            def loss_fn(p):
-                terms = drafter_loss(nnx.merge(d_graph, p), target, tokens, lengths, plens, key, cfg)
-                return terms.loss, terms
+            def micro_loss(p, toks, lens, anc):
+                d = nnx.merge(c_graph, to_compute(p))
+                sums = loss_sums(d, target, toks, lens, anc, cfg, remat=cfg.remat)
+                return sums["objective"] / denom, sums
 
-            (_, terms), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            grad_fn = jax.grad(micro_loss, has_aux=True)
+            if n_micro == 1:
+                grads, sums = grad_fn(params, tokens, lengths, anchors)
+            else:
+                def split(x):
+                    # Row j * n_micro + i goes to micro-batch i: each device keeps its own rows
+                    # (no cross-device shuffle) and every micro-batch spans all devices.
+                    y = x.reshape(x.shape[0] // n_micro, n_micro, *x.shape[1:]).swapaxes(0, 1)
+                    return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, "data")))
+
+                xs = (split(tokens), split(lengths), split(anchors))
+                first = jax.tree.map(lambda x: x[0], xs)
+                zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, params, *first))
+
+                def body(acc, x):
+                    g, s = grad_fn(params, *x)
+                    return jax.tree.map(jnp.add, acc, (g, s)), None
+
+                (grads, sums), _ = jax.lax.scan(body, zeros, xs)
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-            return params, opt_state, terms, optax.global_norm(grads)
+            return params, opt_state, finalize_loss(sums), optax.global_norm(grads)
 
         self._step = jax.jit(step, donate_argnums=(0, 1))
 
     def drafter(self) -> Drafter:
+        """The trained drafter (float32 master weights)."""
         return nnx.merge(self.d_graph, self.params)
+
+    def shard_batch(self, batch: dict[str, np.ndarray]) -> tuple[jax.Array, ...]:
+        """``(tokens, lengths, prompt_lengths)`` as global arrays sharded over the ``data`` axis.
+
+        ``batch`` is the global batch (every process computes the same one from
+        (seed, step)). With several processes each one transfers only the rows
+        that live on its own devices.
+
+        Raises:
+          ValueError: the global batch does not split evenly over devices x micro-batches.
+        """
+        n = batch["tokens"].shape[0]
+        per = self.mesh.shape["data"] * self.cfg.grad_accum_steps
+        if n % per:
+            raise ValueError(f"global batch {n} is not divisible by {self.mesh.shape['data']} devices x "
+                             f"{self.cfg.grad_accum_steps} micro-batches")
+        if jax.process_count() == 1:
+            return tuple(jax.device_put(np.asarray(batch[k]), self.batch_sharding) for k in _BATCH_KEYS)
+        rows = self.local_rows(n)
+        return tuple(jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch[k])[rows],
+                                                            np.shape(batch[k]))
+                     for k in _BATCH_KEYS)
+
+    def local_rows(self, global_batch: int) -> slice:
+        """Rows of a global batch held by this process's devices (contiguous on a 1-D data mesh)."""
+        idx = self.batch_sharding.addressable_devices_indices_map((global_batch,)).values()
+        starts = [i[0].start or 0 for i in idx]
+        stops = [global_batch if i[0].stop is None else i[0].stop for i in idx]
+        lo, hi = min(starts), max(stops)
+        if sum(b - a for a, b in set(zip(starts, stops))) != hi - lo:
+            raise ValueError("this process's devices do not hold a contiguous block of the batch")
+        return slice(lo, hi)
 
     def step(self, batch: dict[str, np.ndarray], step_idx: int) -> tuple[LossTerms, jax.Array]:
         """One optimisation step on a global batch; the anchor key depends only on (seed, step)."""
-        if batch["tokens"].shape[0] % self.mesh.size:
-            raise ValueError(f"global batch {batch['tokens'].shape[0]} is not divisible by {self.mesh.size} devices")
-        put = lambda x: jax.device_put(jnp.asarray(x), self.batch_sharding)
-        key = jax.random.fold_in(jax.random.PRNGKey(self.cfg.seed), step_idx)
+        tokens, lengths, plens = self.shard_batch(batch)
         self.params, self.opt_state, terms, gnorm = self._step(
-            self.params, self.opt_state, self.t_state, put(batch["tokens"]), put(batch["lengths"]),
-            put(batch["prompt_lengths"]), key)
+            self.params, self.opt_state, self.t_state, tokens, lengths, plens, np.int32(step_idx))
         return terms, gnorm
 
     # -- checkpoints -----------------------------------------------------------------
 
     def checkpoint_manager(self, directory: Path) -> ocp.CheckpointManager:
-        opts = ocp.CheckpointManagerOptions(max_to_keep=self.cfg.keep_checkpoints, create=True)
+        """Orbax manager keeping ``keep_checkpoints`` steps.
+
+        Saves are atomic (written to a temporary directory, renamed when complete);
+        temporary directories left by a run killed mid-save are removed on start.
+        """
+        opts = ocp.CheckpointManagerOptions(max_to_keep=self.cfg.keep_checkpoints, create=True,
+                                            cleanup_tmp_directories=True)
         return ocp.CheckpointManager(directory.absolute(), options=opts)
 
     def save(self, mgr: ocp.CheckpointManager, step: int) -> None:
@@ -293,18 +490,38 @@ class Trainer:
         mgr.wait_until_finished()
 
     def restore_latest(self, mgr: ocp.CheckpointManager) -> int:
-        """Restores the newest checkpoint; returns the step to resume from (0 if none)."""
-        latest = mgr.latest_step()
-        if latest is None:
-            return 0
+        """Restores the newest readable checkpoint; returns the step to resume from (0 if none).
+
+        Orbax commits a save atomically (temporary directory, then rename), so a run killed
+        mid-save leaves no half-written step. Should the newest step still be unreadable
+        (damaged on disk) while an older one restores, the damaged ones are reported and
+        deleted (a later save may need their step numbers).
+
+        Raises:
+          DSparkInputError: checkpoints exist but none matches this run (e.g. another config).
+        """
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct,
                                 {"params": nnx.to_pure_dict(self.params), "opt_state": self.opt_state})
-        state = mgr.restore(latest, args=ocp.args.StandardRestore(abstract))
-        nnx.replace_by_pure_dict(self.params, state["params"])
-        repl = NamedSharding(self.mesh, P())
-        self.params = jax.device_put(self.params, repl)
-        self.opt_state = jax.device_put(state["opt_state"], repl)
-        return int(latest)
+        failed: list[tuple[int, str]] = []
+        for step in sorted(mgr.all_steps(), reverse=True):
+            try:
+                state = mgr.restore(step, args=ocp.args.StandardRestore(abstract))
+            except Exception as e:  # orbax raises many types for damaged or mismatched checkpoints
+                failed.append((step, (str(e).splitlines() or [type(e).__name__])[0][:300]))
+                continue
+            for bad, msg in failed:
+                print(f"warning: checkpoint step {bad} is unreadable ({msg}); deleted, resuming from step {step}",
+                      file=sys.stderr)
+                mgr.delete(bad)
+            nnx.replace_by_pure_dict(self.params, state["params"])
+            repl = NamedSharding(self.mesh, P())
+            self.params = replicate(self.params, repl)
+            self.opt_state = replicate(state["opt_state"], repl)
+            return int(step)
+        if failed:
+            raise DSparkInputError(f"no checkpoint in {mgr.directory} matches this run (newest, step {failed[0][0]}: "
+                               f"{failed[0][1]}); use a new workdir or delete the checkpoints")
+        return 0
 
 
 def count_params(tree: Any) -> int:
@@ -314,3 +531,23 @@ def count_params(tree: Any) -> int:
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
+
+
+def truncate_jsonl(path: Path, max_step: int) -> None:
+    """Drops rows with ``step > max_step`` (logged by a killed run after its last checkpoint).
+
+    Rewritten atomically; a torn last line (killed mid-write) is dropped too.
+    """
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if int(row.get("step", 0)) <= max_step:
+            keep.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(k + "\n" for k in keep))
+    os.replace(tmp, path)

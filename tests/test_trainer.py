@@ -127,3 +127,112 @@ def test_overrides_parse_types_and_reject_unknown_keys():
     with pytest.raises(ValueError):
         apply_overrides(CFG, ["steps=abc"])
     assert dataclasses.replace(CFG) == CFG
+
+
+# ----------------------------------------------------------------------------- accumulation, precision, remat
+
+STEP_CFG = dataclasses.replace(CFG, batch_size=8)
+
+
+def _two_steps(cfg, target=None):
+    """(trainer, losses) after two steps on fixed batches of 8 sequences."""
+    target = target or _target()
+    tr = Trainer(cfg, target, Drafter(drafter_config(cfg, target), nnx.Rngs(cfg.seed)))
+    it = batches(_data(), cfg.batch_size, cfg.seed)
+    losses = [float(tr.step(next(it), s)[0].loss) for s in range(2)]
+    return tr, losses
+
+
+def _step_jaxpr(tr) -> str:
+    args = (tr.params, tr.opt_state, tr.t_state, *tr.shard_batch(_data(n=8)), np.int32(0))
+    return str(jax.make_jaxpr(tr._step)(*args))
+
+
+def _assert_params_close(a, b, rtol=1e-5, atol=1e-6):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), _params(a), _params(b))
+
+
+@pytest.fixture(scope="module")
+def big_batch_run():
+    return _two_steps(STEP_CFG)
+
+
+def test_gradient_accumulation_equals_the_big_batch_step(big_batch_run):
+    """4 micro-batches of 2 (numerators and denominators summed) == one batch of 8."""
+    base, base_losses = big_batch_run
+    acc, acc_losses = _two_steps(dataclasses.replace(STEP_CFG, grad_accum_steps=4))
+    _assert_params_close(base, acc)
+    assert acc_losses == pytest.approx(base_losses, rel=1e-5)
+    assert "scan" in _step_jaxpr(acc)
+    with pytest.raises(ValueError, match="not divisible"):
+        acc.step(_data(n=6), 0)
+
+
+def test_remat_gives_the_same_step(big_batch_run):
+    base, base_losses = big_batch_run
+    rem, rem_losses = _two_steps(dataclasses.replace(STEP_CFG, remat=True))
+    assert "remat" in _step_jaxpr(rem) and "remat" not in _step_jaxpr(base)
+    _assert_params_close(base, rem)
+    assert rem_losses == pytest.approx(base_losses, rel=1e-6)
+
+
+def test_bfloat16_compute_keeps_float32_master_weights(big_batch_run):
+    """dtype=bfloat16: bf16 target weights and forward pass, float32 params and optimizer state."""
+    base, base_losses = big_batch_run
+    cfg = dataclasses.replace(STEP_CFG, dtype="bfloat16")
+    target = Target(TCFG, random_params(TCFG, seed=1, scale=0.2), dtype=jnp.bfloat16, fingerprint="tinyfp")
+    tr, losses = _two_steps(cfg, target)
+    assert {x.dtype for x in jax.tree.leaves(tr.params)} == {jnp.dtype(jnp.float32)}
+    assert {x.dtype for x in jax.tree.leaves(tr.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)} == {
+        jnp.dtype(jnp.float32)}
+    assert jnp.dtype(tr.drafter().dtype) == jnp.float32
+    jaxpr = _step_jaxpr(tr)
+    assert "bf16" in jaxpr and "dot_general" in jaxpr
+    assert np.all(np.isfinite(losses)) and losses == pytest.approx(base_losses, rel=2e-2)
+    _assert_params_close(base, tr, rtol=0, atol=5e-2)  # same trajectory up to bf16 rounding (lr 1e-2)
+
+
+def test_damaged_or_partial_latest_checkpoint_does_not_break_restart(tmp_path):
+    """A save interrupted by a kill leaves only an Orbax temporary directory (ignored, cleaned);
+    a damaged newest step is reported and skipped; a checkpoint of another config is refused."""
+    import shutil
+
+    from dspark_jax.errors import DSparkInputError
+
+    target = _target()
+    data = _data()
+
+    def fresh(cfg=CFG):
+        return Trainer(cfg, target, Drafter(drafter_config(cfg, target), nnx.Rngs(cfg.seed)))
+
+    tr = fresh()
+    mgr = tr.checkpoint_manager(tmp_path / "ckpt")
+    it = batches(data, CFG.batch_size, CFG.seed)
+    for s in range(2):
+        tr.step(next(it), s)
+        tr.save(mgr, s + 1)
+        if s == 0:
+            after_one = _params(tr)
+    ck = tmp_path / "ckpt"
+    # a kill in the middle of saving step 3: only the temporary directory exists
+    shutil.copytree(ck / "2", ck / "3.orbax-checkpoint-tmp-1700000000000")
+    for f in (ck / "3.orbax-checkpoint-tmp-1700000000000" / "default").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(b"")
+    # step 2 damaged on disk (its array data truncated)
+    for f in (ck / "2" / "default").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(f.read_bytes()[:5])
+    tr2 = fresh()
+    mgr2 = tr2.checkpoint_manager(ck)
+    assert tr2.restore_latest(mgr2) == 1
+    jax.tree.map(np.testing.assert_array_equal, after_one, _params(tr2))
+    assert mgr2.all_steps() == [1]
+    tr2.step(next(batches(data, CFG.batch_size, CFG.seed, start_step=1)), 1)
+    tr2.save(mgr2, 2)                        # the damaged step's number is free again
+    mgr2.wait_until_finished()
+    assert sorted(p.name for p in ck.iterdir()) == ["1", "2"]   # the temporary directory was cleaned up
+    other = fresh(dataclasses.replace(CFG, num_layers=2))
+    with pytest.raises(DSparkInputError, match="no checkpoint"):
+        other.restore_latest(other.checkpoint_manager(ck))
+    assert mgr2.all_steps() == [1, 2]        # nothing deleted for a mismatched config

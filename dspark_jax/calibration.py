@@ -1,0 +1,645 @@
+"""Calibration of the confidence head: sequential temperature scaling (paper Appendix A5).
+
+DESIGN.md "Drafter" step 4, "Training" (last bullet) and "Metrics". The scheduler
+multiplies confidences into survival probabilities ``a_k = c_1 ... c_k``, so they must
+mean what they say. After training, each block position k gets one temperature
+``T_k`` (``c_k = sigmoid(z_k / T_k)``, ``z_k`` the raw confidence logit), fit left to
+right on held-out data so that the *cumulative* survival ``a_k`` matches the observed
+survival, earlier temperatures held fixed. Scaling never reorders the scores of a
+position, so the ranking the head learned survives.
+
+Data (:func:`collect`): the drafter runs teacher-forced on held-out target-generated
+sequences exactly as in training (:func:`dspark_jax.trainer.drafter_loss`): for every
+anchor block and position k, the raw logit ``z_k`` (``x_{k-1}`` = the true previous
+token) and the exact acceptance probability ``1 - TV_k`` between the drafter's
+``p_draft`` and the target's ``p_target`` (temperature 1 by default, as the training
+label; ``temperature=0`` gives greedy acceptance ``1[argmax q = argmax p]``).
+
+Observed survival, two versions (both computed, documented in every report):
+
+* ``expected``: ``s_k = prod_{i<=k} (1 - TV_i)``, the exact probability that the
+  prefix 1..k is accepted (no sampling noise). **Used for fitting** (Brier score,
+  i.e. squared error against this soft label; in expectation the same objective as
+  the Brier score against sampled outcomes, minus a constant) **and for the headline
+  ECE / Brier**.
+* ``sampled``: binary outcomes ``y_k = prod_{i<=k} 1[u_i < 1 - TV_i]`` with
+  ``u_i ~ U(0, 1)`` (one draw per block, fixed seed): the accept/reject events a
+  verifier would produce. **Used for AUROC** (needs binary labels) and reported as
+  ``ece_sampled`` / ``brier_sampled``. ``fit_on="sampled"`` fits on them instead.
+
+Metrics of the cumulative survival predictions (:func:`metrics`): ECE with 20
+equal-width bins (``sum_b n_b / N * |mean predicted_b - mean observed_b|``), AUROC
+(Mann-Whitney rank statistic, ties get average ranks), Brier score; per position and
+pooled over all (block, position) pairs where the position exists in the sequence.
+
+At decode time the temperatures stored in the export's ``calibration`` field are
+installed on the drafter by :func:`~dspark_jax.checkpoint.load_drafter` and applied by
+:func:`~dspark_jax.markov.sample_block` (confidences only; tokens are unchanged).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .checkpoint import read_export_meta
+from .drafter import Drafter
+from .errors import DSparkInputError
+from .target import Target
+
+__all__ = [
+    "BlockTerms", "CalibrationData", "block_terms", "collect", "heldout_sequences",
+    "expected_survival", "sampled_survival", "predicted_survival", "fit_temperatures",
+    "ece", "brier", "auroc", "reliability", "metrics", "survival_report",
+    "fit_and_store_calibration", "calibrate_training_run", "rounds_survival", "decode_reliability",
+    "jsonable", "T_BOUNDS", "N_BINS",
+]
+
+T_BOUNDS = (0.05, 20.0)   # search range of each temperature
+N_BINS = 20               # ECE / reliability bins (equal width on [0, 1])
+
+
+# ======================================================================================
+# Teacher-forced calibration data
+# ======================================================================================
+class BlockTerms(NamedTuple):
+    """Per-block, per-position teacher-forced terms (all ``[B, A, gamma]``).
+
+    Attributes:
+      z: float32 raw confidence logits ``w . [h_k ; W1[x_{k-1}]] + b``.
+      accept: float32 exact acceptance probability ``1 - TV_k``.
+      valid: bool, the predicted token exists in the sequence (prefix-closed in k).
+    """
+
+    z: jax.Array
+    accept: jax.Array
+    valid: jax.Array
+
+
+def _acceptance(draft_logits: jax.Array, target_logits: jax.Array, temperature: float) -> jax.Array:
+    """``1 - TV(q, p)`` over the last axis; temperature 1 is exactly ``drafter_loss``'s label."""
+    draft_logits = draft_logits.astype(jnp.float32)
+    target_logits = target_logits.astype(jnp.float32)
+    if temperature <= 0:   # greedy: accepted iff the argmaxes agree (first index on ties)
+        return (jnp.argmax(draft_logits, -1) == jnp.argmax(target_logits, -1)).astype(jnp.float32)
+    if temperature == 1.0:
+        q = jnp.exp(jax.nn.log_softmax(draft_logits, axis=-1))
+        p = jax.nn.softmax(target_logits, axis=-1)
+    else:
+        q = jax.nn.softmax(draft_logits / temperature, axis=-1)
+        p = jax.nn.softmax(target_logits / temperature, axis=-1)
+    return 1.0 - 0.5 * jnp.sum(jnp.abs(q - p), axis=-1)
+
+
+def _terms_from_features(drafter: Drafter, target: Target, feats, t_logits, tokens, lengths, anchors,
+                         temperature: float) -> BlockTerms:
+    """The block part of :func:`block_terms` given the target pass (features, logits)."""
+    g = drafter.cfg.gamma
+    block = drafter.train_blocks(target, feats, tokens, anchors)
+    k = jnp.arange(g, dtype=jnp.int32)
+    src = anchors[..., None] + k                        # position whose next token is predicted
+    valid = (src + 1) < lengths[:, None, None]          # [B, A, g]
+    src_c = jnp.minimum(src, tokens.shape[1] - 1)
+    bidx = jnp.arange(tokens.shape[0])[:, None, None]
+    prev = tokens[bidx, src_c]                          # teacher forcing: x_{k-1} is the true token
+    e = drafter.markov_embedding(prev)
+    logits = block.logits + drafter.markov_bias(e)
+    acc = _acceptance(logits, t_logits[bidx, src_c], temperature)
+    z = drafter.confidence_logit(block.hidden, e)
+    return BlockTerms(z, acc, valid)
+
+
+def block_terms(drafter: Drafter, target: Target, tokens: jax.Array, lengths: jax.Array,
+                anchors: jax.Array, temperature: float = 1.0) -> BlockTerms:
+    """Teacher-forced raw confidence logits and exact acceptance, as in training.
+
+    The same computation as :func:`dspark_jax.trainer.drafter_loss` (target pass,
+    many anchor blocks in one drafter pass, Markov correction from the true previous
+    token, ``1 - TV`` at temperature 1), exposed per position instead of reduced to a loss.
+
+    Args:
+      tokens: ``[B, L]`` int32 sequences; lengths: ``[B]`` valid lengths.
+      anchors: ``[B, A]`` int32 anchor positions.
+      temperature: sampling temperature of the acceptance probability (1: the
+        training label; 0: greedy acceptance).
+    Returns:
+      :class:`BlockTerms` of shape ``[B, A, gamma]``.
+    """
+    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    out = target(tokens, pos, taps=drafter.cfg.taps)
+    return _terms_from_features(drafter, target, out.features, out.logits, tokens, lengths, anchors,
+                                float(temperature))
+
+
+@partial(jax.jit, static_argnames=("t_graph", "taps"))
+def _target_pass(t_state, tokens, *, t_graph, taps):
+    target = nnx.merge(t_graph, t_state)
+    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    out = target(tokens, pos, taps=taps)
+    return out.features, out.logits
+
+
+@partial(jax.jit, static_argnames=("t_graph", "d_graph", "temperature"))
+def _blocks_pass(t_state, d_state, feats, t_logits, tokens, lengths, anchors, *, t_graph, d_graph, temperature):
+    target = nnx.merge(t_graph, t_state)
+    drafter = nnx.merge(d_graph, d_state)
+    return _terms_from_features(drafter, target, feats, t_logits, tokens, lengths, anchors, temperature)
+
+
+class CalibrationData(NamedTuple):
+    """Teacher-forced blocks of held-out sequences (numpy; one row per anchor block).
+
+    Attributes:
+      z: ``[N, gamma]`` float32 raw confidence logits.
+      accept: ``[N, gamma]`` float32 exact acceptance probability ``1 - TV_k``.
+      valid: ``[N, gamma]`` bool; prefix-closed (position k valid => 1..k-1 valid).
+      seq: ``[N]`` int index of the source sequence (for splits by sequence).
+    """
+
+    z: np.ndarray
+    accept: np.ndarray
+    valid: np.ndarray
+    seq: np.ndarray
+
+    def take(self, mask: np.ndarray) -> "CalibrationData":
+        return CalibrationData(self.z[mask], self.accept[mask], self.valid[mask], self.seq[mask])
+
+
+def collect(target: Target, drafter: Drafter, data: dict[str, np.ndarray], *, batch_size: int = 8,
+            anchor_stride: int = 1, temperature: float = 1.0, memory_budget_mb: float = 256.0) -> CalibrationData:
+    """Runs the drafter teacher-forced over every anchor block of held-out sequences.
+
+    Anchors are all positions ``prompt_len - 1 .. length - 2`` (every ``anchor_stride``-th),
+    like training's :func:`~dspark_jax.trainer.sample_anchors` range, so every predicted
+    token is target-generated.
+
+    Args:
+      data: ``tokens [N, L]``, ``lengths [N]``, ``prompt_lengths [N]`` (the format of
+        :func:`dspark_jax.data.load_shards` / :func:`heldout_sequences`).
+      batch_size: sequences per target pass; anchors are processed in chunks that
+        keep the block logits under ``memory_budget_mb``.
+      temperature: acceptance temperature (see :func:`block_terms`).
+    Raises:
+      DSparkInputError: no sequence with a block to predict, or a drafter without a
+        confidence head.
+    """
+    if not drafter.cfg.has_confidence:
+        raise DSparkInputError("this drafter has no confidence head (DFlash): nothing to calibrate")
+    tokens = np.asarray(data["tokens"], np.int32)
+    lengths = np.asarray(data["lengths"], np.int32)
+    plens = np.asarray(data["prompt_lengths"], np.int32)
+    n, length = tokens.shape
+    g, v = drafter.cfg.gamma, drafter.cfg.vocab_size
+    cand = np.arange(0, max(length - 1, 1), max(1, int(anchor_stride)), dtype=np.int32)
+    per_anchor = batch_size * g * (4 * v * 4 + drafter.cfg.num_heads * (length + g) * 8)
+    chunk = int(max(1, min(len(cand), memory_budget_mb * 2**20 // max(per_anchor, 1))))
+    t_graph, t_state = nnx.split(target)
+    d_graph, d_state = nnx.split(drafter)
+    out = {"z": [], "accept": [], "valid": [], "seq": []}
+    for s in range(0, n, batch_size):
+        rows = np.arange(s, min(s + batch_size, n))
+        pad = batch_size - len(rows)
+        tok = np.concatenate([tokens[rows], np.zeros((pad, length), np.int32)])
+        lens = np.concatenate([lengths[rows], np.zeros((pad,), np.int32)])
+        lo = np.concatenate([np.maximum(plens[rows] - 1, 0), np.full((pad,), length, np.int32)])
+        feats, t_logits = _target_pass(t_state, jnp.asarray(tok), t_graph=t_graph, taps=drafter.cfg.taps)
+        for c in range(0, len(cand), chunk):
+            anc = cand[c : c + chunk]
+            anc_ok = np.ones(chunk, bool)
+            anc_ok[len(anc):] = False
+            anc = np.pad(anc, (0, chunk - len(anc)))
+            anchors = np.broadcast_to(anc, (batch_size, chunk)).astype(np.int32)
+            terms = _blocks_pass(t_state, d_state, feats, t_logits, jnp.asarray(tok), jnp.asarray(lens),
+                                 jnp.asarray(anchors), t_graph=t_graph, d_graph=d_graph,
+                                 temperature=float(temperature))
+            z, acc, valid = (np.asarray(x) for x in terms)
+            ok = anc_ok[None, :] & (anchors >= lo[:, None]) & (anchors <= lens[:, None] - 2)
+            valid = valid & ok[..., None]
+            keep = valid[..., 0]
+            out["z"].append(z[keep])
+            out["accept"].append(np.clip(acc[keep], 0.0, 1.0))
+            out["valid"].append(valid[keep])
+            out["seq"].append(np.broadcast_to((s + np.arange(batch_size))[:, None], keep.shape)[keep])
+    res = CalibrationData(*(np.concatenate(out[k]) for k in ("z", "accept", "valid", "seq")))
+    if res.z.shape[0] == 0:
+        raise DSparkInputError("no held-out block to calibrate on: sequences are too short")
+    return res
+
+
+def heldout_sequences(target: Target, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int,
+                      seq_len: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                      batch_size: int = 64) -> dict[str, np.ndarray]:
+    """Target-generated continuations of held-out prompts, in the training-shard format.
+
+    Same recipe as :func:`dspark_jax.data.generate_shards` (prompt truncated to
+    ``seq_len - 1``, prompt + continuation truncated/padded to ``seq_len``).
+    """
+    from .decode import generate_autoregressive
+
+    n = len(prompt_ids)
+    toks = np.zeros((n, seq_len), np.int32)
+    lens = np.zeros((n,), np.int32)
+    plens = np.zeros((n,), np.int32)
+    for s in range(0, n, batch_size):
+        batch = [list(p)[: seq_len - 1] for p in prompt_ids[s : s + batch_size]]
+        res = generate_autoregressive(target, batch, max_new_tokens=max_new_tokens, temperature=temperature,
+                                      top_p=top_p, seed=[seed * 1_000_003 + 7_777_777 + s + i
+                                                         for i in range(len(batch))])
+        for i, (p, gen) in enumerate(zip(batch, res.generations)):
+            seq = (p + gen.token_ids)[:seq_len]
+            toks[s + i, : len(seq)] = seq
+            lens[s + i] = len(seq)
+            plens[s + i] = min(len(p), len(seq))
+    return {"tokens": toks, "lengths": lens, "prompt_lengths": plens}
+
+
+# ======================================================================================
+# Survival and sequential temperature scaling
+# ======================================================================================
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, np.float64)))
+
+
+def expected_survival(accept: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """``[N, gamma]`` ``prod_{i<=k} (1 - TV_i)`` (0 where invalid)."""
+    return np.where(valid, np.cumprod(np.where(valid, accept, 1.0), axis=1), 0.0)
+
+
+def sampled_survival(accept: np.ndarray, valid: np.ndarray, seed: int = 0) -> np.ndarray:
+    """``[N, gamma]`` binary survival ``prod_{i<=k} 1[u_i < 1 - TV_i]``, ``u ~ U(0, 1)``, as float."""
+    u = np.random.default_rng(seed).random(accept.shape)
+    return (np.cumprod(u < accept, axis=1) & valid).astype(np.float64)
+
+
+def predicted_survival(z: np.ndarray, temperatures: Sequence[float] | np.ndarray | None = None) -> np.ndarray:
+    """``[N, gamma]`` predicted cumulative survival ``prod_{i<=k} sigmoid(z_i / T_i)``."""
+    z = np.asarray(z, np.float64)
+    t = np.ones(z.shape[-1]) if temperatures is None else np.asarray(temperatures, np.float64)
+    return np.cumprod(_sigmoid(z / t), axis=-1)
+
+
+def _loss_fn(name: str):
+    if name == "brier":
+        return lambda a, o: float(np.mean((a - o) ** 2))
+    if name == "nll":
+        def nll(a, o):
+            a = np.clip(a, 1e-7, 1 - 1e-7)
+            return float(-np.mean(o * np.log(a) + (1 - o) * np.log1p(-a)))
+        return nll
+    raise ValueError(f"loss must be 'brier' or 'nll', got {name!r}")
+
+
+def _minimize_1d(f, lo: float, hi: float, grid: int = 49, iters: int = 40) -> float:
+    """Grid search then golden-section refinement around the best grid point."""
+    xs = np.linspace(lo, hi, grid)
+    vals = [f(x) for x in xs]
+    i = int(np.argmin(vals))
+    a, b = xs[max(i - 1, 0)], xs[min(i + 1, grid - 1)]
+    gr = (np.sqrt(5) - 1) / 2
+    c, d = b - gr * (b - a), a + gr * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(iters):
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - gr * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + gr * (b - a)
+            fd = f(d)
+    best = min([(vals[i], xs[i]), (fc, c), (fd, d)])
+    return float(best[1])
+
+
+def fit_temperatures(z: np.ndarray, observed: np.ndarray, valid: np.ndarray, *, loss: str = "brier",
+                     bounds: tuple[float, float] = T_BOUNDS) -> np.ndarray:
+    """Sequential temperature scaling: one ``T_k`` per position, fit left to right.
+
+    For k = 1..gamma, with ``T_1..T_{k-1}`` fixed, ``T_k`` minimises the loss of the
+    predicted cumulative survival ``a_k = a_{k-1} * sigmoid(z_k / T_k)`` against the
+    observed survival over the blocks where position k exists: a 1-D search on
+    ``log T`` in ``bounds`` (grid, then golden section).
+
+    Args:
+      z: ``[N, gamma]`` raw confidence logits.
+      observed: ``[N, gamma]`` observed survival (expected ``prod (1 - TV)`` or sampled 0/1).
+      valid: ``[N, gamma]`` bool.
+      loss: ``"brier"`` (squared error) or ``"nll"`` (binary cross-entropy, soft labels allowed).
+    Returns:
+      ``[gamma]`` float64 temperatures (positions without data repeat the previous one).
+    """
+    f = _loss_fn(loss)
+    z = np.asarray(z, np.float64)
+    n, g = z.shape
+    lo, hi = np.log(bounds[0]), np.log(bounds[1])
+    temps = np.ones(g)
+    prev = np.ones(n)
+    for k in range(g):
+        m = np.asarray(valid[:, k], bool)
+        if not m.any():
+            temps[k] = temps[k - 1] if k else 1.0
+        else:
+            zk, pk, ok = z[m, k], prev[m], np.asarray(observed, np.float64)[m, k]
+            temps[k] = np.exp(_minimize_1d(lambda lt: f(pk * _sigmoid(zk / np.exp(lt)), ok), lo, hi))
+        prev = prev * _sigmoid(z[:, k] / temps[k])
+    return temps
+
+
+# ======================================================================================
+# Metrics
+# ======================================================================================
+def _bins(pred: np.ndarray, n_bins: int) -> np.ndarray:
+    return np.clip((np.asarray(pred, np.float64) * n_bins).astype(np.int64), 0, n_bins - 1)
+
+
+def ece(pred: np.ndarray, obs: np.ndarray, n_bins: int = N_BINS) -> float:
+    """Expected calibration error: ``sum_b n_b / N * |mean pred_b - mean obs_b|``, equal-width bins."""
+    pred, obs = np.asarray(pred, np.float64).ravel(), np.asarray(obs, np.float64).ravel()
+    if pred.size == 0:
+        return float("nan")
+    b = _bins(pred, n_bins)
+    cnt = np.bincount(b, minlength=n_bins)
+    gap = np.abs(np.bincount(b, pred, n_bins) - np.bincount(b, obs, n_bins))  # n_b * |mean gap|
+    return float(gap.sum() / cnt.sum())
+
+
+def brier(pred: np.ndarray, obs: np.ndarray) -> float:
+    """Mean squared error of the predicted probabilities against the observations."""
+    pred, obs = np.asarray(pred, np.float64).ravel(), np.asarray(obs, np.float64).ravel()
+    return float(np.mean((pred - obs) ** 2)) if pred.size else float("nan")
+
+
+def auroc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Area under the ROC curve by the Mann-Whitney U statistic (ties: average ranks).
+
+    Returns NaN when only one class is present.
+    """
+    s = np.asarray(scores, np.float64).ravel()
+    y = np.asarray(labels).ravel().astype(bool)
+    n_pos, n_neg = int(y.sum()), int((~y).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    order = np.argsort(s, kind="mergesort")
+    sorted_s = s[order]
+    ranks = np.empty(s.size, np.float64)
+    # average rank of each run of ties (1-based ranks)
+    starts = np.r_[0, np.flatnonzero(np.diff(sorted_s)) + 1]
+    ends = np.r_[starts[1:], s.size]
+    avg = (starts + ends + 1) / 2.0
+    ranks[order] = np.repeat(avg, ends - starts)
+    u = ranks[y].sum() - n_pos * (n_pos + 1) / 2.0
+    return float(u / (n_pos * n_neg))
+
+
+def reliability(pred: np.ndarray, obs: np.ndarray, n_bins: int = N_BINS) -> dict[str, list]:
+    """Reliability-diagram table: per equal-width bin, count, mean predicted, mean observed."""
+    pred, obs = np.asarray(pred, np.float64).ravel(), np.asarray(obs, np.float64).ravel()
+    b = _bins(pred, n_bins)
+    cnt = np.bincount(b, minlength=n_bins)
+    sp, so = np.bincount(b, pred, n_bins), np.bincount(b, obs, n_bins)
+    mean = lambda x: [float(v / c) if c else None for v, c in zip(x, cnt)]
+    return {"bin_edges": np.linspace(0, 1, n_bins + 1).tolist(), "count": cnt.tolist(),
+            "mean_predicted": mean(sp), "mean_observed": mean(so)}
+
+
+def _row(p: np.ndarray, o: np.ndarray, y: np.ndarray | None, n_bins: int) -> dict[str, Any]:
+    """One metrics row; ``y`` (binary labels, when they differ from ``o``) adds AUROC and ``*_sampled``."""
+    if p.size == 0:
+        return {"n": 0}
+    row = {"n": int(p.size), "mean_predicted": float(p.mean()), "mean_observed": float(o.mean()),
+           "ece": ece(p, o, n_bins), "brier": brier(p, o)}
+    if y is None:
+        row["auroc"] = auroc(p, o)
+    else:
+        row.update(mean_observed_sampled=float(y.mean()), ece_sampled=ece(p, y, n_bins),
+                   brier_sampled=brier(p, y), auroc=auroc(p, y))
+    return row
+
+
+def metrics(pred: np.ndarray, valid: np.ndarray, obs: np.ndarray, labels: np.ndarray | None = None,
+            n_bins: int = N_BINS) -> dict[str, Any]:
+    """Calibration metrics of cumulative survival predictions, pooled and per position.
+
+    Args:
+      pred: ``[N, gamma]`` predicted survival; valid: ``[N, gamma]`` bool.
+      obs: ``[N, gamma]`` observed survival for ECE / Brier (soft or 0/1).
+      labels: ``[N, gamma]`` 0/1 outcomes for AUROC (and ``*_sampled`` ECE/Brier);
+        ``None``: AUROC against ``obs`` (which should then be binary).
+    Returns:
+      ``{"pooled": row, "per_position": [row] * gamma}``, each row with ``n``,
+      ``mean_predicted``, ``mean_observed``, ``ece``, ``brier``, ``auroc`` (plus
+      ``ece_sampled``, ``brier_sampled``, ``mean_observed_sampled`` with ``labels``).
+    """
+    valid = np.asarray(valid, bool)
+    pred, obs = np.asarray(pred, np.float64), np.asarray(obs, np.float64)
+    lab = None if labels is None else np.asarray(labels, np.float64)
+
+    def row(m):
+        return _row(pred[m], obs[m], None if lab is None else lab[m], n_bins)
+
+    per = []
+    for k in range(valid.shape[1]):
+        m = np.zeros_like(valid)
+        m[:, k] = valid[:, k]
+        per.append(row(m))
+    return {"pooled": row(valid), "per_position": per}
+
+
+def survival_report(data: CalibrationData, temperatures: Sequence[float] | None, *, seed: int = 0,
+                    n_bins: int = N_BINS) -> dict[str, Any]:
+    """Metrics of the predicted cumulative survival (with ``temperatures``, or raw when None)
+    against the expected survival (ECE/Brier) and sampled outcomes (AUROC, ``*_sampled``)."""
+    exp_s = expected_survival(data.accept, data.valid)
+    smp_s = sampled_survival(data.accept, data.valid, seed)
+    pred = predicted_survival(data.z, temperatures)
+    out = metrics(pred, data.valid, exp_s, smp_s, n_bins)
+    out["reliability"] = reliability(pred[data.valid], exp_s[data.valid], n_bins)
+    return out
+
+
+def jsonable(obj: Any) -> Any:
+    """``obj`` with NaN / inf floats replaced by None and numpy scalars by Python ones (strict JSON)."""
+    if isinstance(obj, dict):
+        return {k: jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not np.isfinite(obj):
+        return None
+    return obj
+
+
+# ======================================================================================
+# Fit + store (after training) and decode-time reliability
+# ======================================================================================
+_METHOD = ("sequential temperature scaling (paper A5): c_k = sigmoid(z_k / T_k), T_k fit left to right on "
+           "held-out sequences (earlier T fixed) minimising the {loss} of the predicted cumulative survival "
+           "prod_{{i<=k}} c_i against the {fit_on} observed survival; log T searched in [{lo}, {hi}] "
+           "(grid + golden section)")
+_OBSERVED = ("teacher-forced on held-out target-generated sequences; acceptance probability 1 - TV between "
+             "p_draft and p_target at temperature {t}; 'expected' survival = prod(1 - TV_i) (ECE, Brier), "
+             "'sampled' survival = one Bernoulli draw per position with those probabilities (AUROC, "
+             "ece_sampled, brier_sampled)")
+
+
+def _compact(rep: dict[str, Any]) -> dict[str, Any]:
+    keys = ("ece", "auroc", "brier", "ece_sampled", "brier_sampled", "mean_predicted", "mean_observed", "n")
+    return {k: rep["pooled"].get(k) for k in keys if k in rep["pooled"]}
+
+
+def fit_and_store_calibration(target: Target, drafter: Drafter, heldout_data: dict[str, np.ndarray],
+                              export_dir: str | Path | None, *, fit_fraction: float = 0.5,
+                              temperature: float = 1.0, fit_on: str = "expected", loss: str = "brier",
+                              seed: int = 0, n_bins: int = N_BINS, batch_size: int = 8,
+                              anchor_stride: int = 1) -> dict[str, Any]:
+    """Fits per-position confidence temperatures and stores them in an export.
+
+    The held-out sequences are split by sequence into a fit part (``fit_fraction``)
+    and a test part; temperatures are fit on the fit part, before/after metrics are
+    reported on the test part (headline) and on the fit part. With fewer than two
+    sequences both parts are all of them.
+
+    Args:
+      target / drafter: the frozen target and the trained drafter (its
+        :attr:`~dspark_jax.drafter.Drafter.calibration` is set to the fit).
+      heldout_data: sequences never seen in training (``tokens``, ``lengths``,
+        ``prompt_lengths``; see :func:`heldout_sequences`).
+      export_dir: export whose ``drafter.json`` gets ``calibration`` (the
+        temperatures) and ``extra.calibration`` (pooled before/after metrics);
+        ``None`` writes nothing.
+      temperature: acceptance temperature of the labels (1 = training label).
+      fit_on: ``"expected"`` (``prod (1 - TV)``, default) or ``"sampled"`` (0/1 draws).
+      loss: ``"brier"`` (default) or ``"nll"``.
+    Returns:
+      report dict: ``temperatures``, ``before`` / ``after`` (test part: pooled and
+      per-position ECE, AUROC, Brier + reliability table), ``fit_split`` (pooled
+      before/after on the fit part), sizes, method and timing.
+    Raises:
+      DSparkInputError: drafter without confidence head, no usable held-out data,
+        or ``export_dir`` is not an export.
+    """
+    if fit_on not in ("expected", "sampled"):
+        raise ValueError(f"fit_on must be 'expected' or 'sampled', got {fit_on!r}")
+    t0 = time.perf_counter()
+    meta = read_export_meta(export_dir) if export_dir is not None else None
+    data = collect(target, drafter, heldout_data, batch_size=batch_size, anchor_stride=anchor_stride,
+                   temperature=temperature)
+    seqs = np.unique(data.seq)
+    if len(seqs) >= 2:
+        perm = np.random.default_rng(seed).permutation(seqs)
+        n_fit = int(np.clip(round(fit_fraction * len(seqs)), 1, len(seqs) - 1))
+        fit_mask = np.isin(data.seq, perm[:n_fit])
+        fit, test = data.take(fit_mask), data.take(~fit_mask)
+    else:
+        fit = test = data
+    obs = (expected_survival(fit.accept, fit.valid) if fit_on == "expected"
+           else sampled_survival(fit.accept, fit.valid, seed + 1))
+    temps = fit_temperatures(fit.z, obs, fit.valid, loss=loss)
+    temps_l = [float(t) for t in temps]
+    before, after = survival_report(test, None, seed=seed, n_bins=n_bins), survival_report(test, temps, seed=seed,
+                                                                                          n_bins=n_bins)
+    report = {
+        "temperatures": temps_l,
+        "method": _METHOD.format(loss=loss, fit_on=fit_on, lo=T_BOUNDS[0], hi=T_BOUNDS[1]),
+        "observed": _OBSERVED.format(t=temperature),
+        "acceptance_temperature": temperature, "fit_on": fit_on, "loss": loss, "n_bins": n_bins,
+        "num_sequences": {"fit": int(len(np.unique(fit.seq))), "test": int(len(np.unique(test.seq)))},
+        "num_blocks": {"fit": int(fit.z.shape[0]), "test": int(test.z.shape[0])},
+        "before": before, "after": after,
+        "fit_split": {"before": _compact(survival_report(fit, None, seed=seed, n_bins=n_bins)),
+                      "after": _compact(survival_report(fit, temps, seed=seed, n_bins=n_bins))},
+    }
+    drafter.set_calibration(temps_l)
+    if meta is not None:
+        meta["calibration"] = temps_l
+        meta.setdefault("extra", {})["calibration"] = {
+            "method": report["method"], "acceptance_temperature": temperature,
+            "before": _compact(before), "after": _compact(after)}
+        (Path(export_dir) / "drafter.json").write_text(json.dumps(jsonable(meta), indent=2))
+    report["seconds"] = round(time.perf_counter() - t0, 2)
+    return report
+
+
+def calibrate_training_run(cfg, target: Target, drafter: Drafter, heldout_prompt_ids: Sequence[Sequence[int]],
+                           export_dir: str | Path, workdir: str | Path) -> dict[str, Any]:
+    """The calibration stage of ``python -m dspark_jax.train`` (after export).
+
+    The target generates continuations of the run's held-out prompts (the
+    ``num_eval_prompts`` prompts never used for training data) with the training
+    data settings of ``cfg`` (a :class:`~dspark_jax.trainer.TrainConfig`); the
+    temperatures are fit and stored in the export; the full report goes to
+    ``<workdir>/calibration.json``.
+
+    Returns:
+      compact summary for ``summary.json``: temperatures, pooled before/after
+      ECE / AUROC / Brier on the test half, sizes, seconds.
+    """
+    t0 = time.perf_counter()
+    data = heldout_sequences(target, heldout_prompt_ids, max_new_tokens=cfg.gen_max_new_tokens, seq_len=cfg.seq_len,
+                             temperature=cfg.gen_temperature, top_p=cfg.gen_top_p, seed=cfg.seed,
+                             batch_size=cfg.gen_batch_size)
+    rep = fit_and_store_calibration(target, drafter, data, export_dir, seed=cfg.seed)
+    rep["heldout"] = {"source": "target continuations of the held-out eval prompts", "num_prompts": len(data["lengths"]),
+                      "max_new_tokens": cfg.gen_max_new_tokens, "seq_len": cfg.seq_len,
+                      "gen_temperature": cfg.gen_temperature}
+    rep["seconds"] = round(time.perf_counter() - t0, 2)
+    rep = jsonable(rep)
+    Path(workdir, "calibration.json").write_text(json.dumps(rep, indent=2))
+    return {"temperatures": rep["temperatures"], "before": _compact(rep["before"]), "after": _compact(rep["after"]),
+            "num_sequences": rep["num_sequences"], "num_blocks": rep["num_blocks"],
+            "acceptance_temperature": rep["acceptance_temperature"], "seconds": rep["seconds"],
+            "report": str(Path(workdir, "calibration.json"))}
+
+
+def rounds_survival(rounds: Sequence[dict[str, np.ndarray]], gamma: int) -> tuple[np.ndarray, ...]:
+    """Per-round records of decoding -> ``(z [R, gamma], outcomes [R, gamma], valid [R, gamma])``.
+
+    ``outcomes[r, k-1] = 1[k <= accepted_r]`` (the prefix 1..k survived verification),
+    ``valid[r, k-1] = k <= verified_r`` (position k was verified or lies after an
+    earlier rejection within the verified length).
+    """
+    rs = [r for r in rounds if r is not None and len(r["accepted"])]
+    if not rs:
+        e = np.zeros((0, gamma))
+        return e, e, e.astype(bool)
+    z = np.concatenate([r["conf_logit"] for r in rs]).astype(np.float64)
+    acc = np.concatenate([r["accepted"] for r in rs])
+    ver = np.concatenate([r["verified"] for r in rs])
+    k = np.arange(1, gamma + 1)
+    return z, (k[None, :] <= acc[:, None]).astype(np.float64), k[None, :] <= ver[:, None]
+
+
+def decode_reliability(rounds: Sequence[dict[str, np.ndarray]], gamma: int,
+                       temperatures: Sequence[float] | None, n_bins: int = N_BINS) -> dict[str, Any]:
+    """Calibration of the cumulative survival observed during decoding.
+
+    Predicted ``a_k = prod_{i<=k} sigmoid(z_i / T_i)`` of each round's draft against
+    the binary outcome "positions 1..k all accepted", over the verified positions.
+
+    Returns:
+      ``{"num_rounds", "before": metrics+reliability (raw head), "after": ... (with
+      ``temperatures``; absent when None)}``.
+    """
+    z, y, valid = rounds_survival(rounds, gamma)
+    out: dict[str, Any] = {"num_rounds": int(z.shape[0]),
+                           "observed": "binary survival of verification (positions 1..k accepted), "
+                                       "over verified positions of every decoding round"}
+    if not valid.any():
+        return out
+    for name, t in (("before", None), ("after", temperatures)):
+        if name == "after" and t is None:
+            continue
+        pred = predicted_survival(z, t)
+        rep = metrics(pred, valid, y, None, n_bins)
+        rep["reliability"] = reliability(pred[valid], y[valid], n_bins)
+        out[name] = rep
+    return out

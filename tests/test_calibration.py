@@ -1,0 +1,305 @@
+"""Confidence calibration (:mod:`dspark_jax.calibration`): metrics, sequential temperature
+scaling, consistency with the training loss, storage in the export, decode-time use.
+
+DESIGN.md "Training" (last bullet) and "Metrics"; paper Appendix A5.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax import calibration as C
+from dspark_jax.checkpoint import export_drafter, load_drafter
+from dspark_jax.config import TargetConfig
+from dspark_jax.drafter import Drafter
+from dspark_jax.errors import DSparkInputError
+from dspark_jax.markov import sample_block
+from dspark_jax.sampling import sampling_arrays
+from dspark_jax.target import Target, random_params
+from dspark_jax.trainer import TrainConfig, drafter_config, drafter_loss, sample_anchors
+
+TCFG = TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
+                    num_kv_heads=2, head_dim=8, max_position=128, name="tiny")
+CFG = TrainConfig(gamma=4, num_layers=1, markov_rank=8, anchors_per_seq=6)
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_target():
+    return Target(TCFG, random_params(TCFG, seed=1, scale=0.2), fingerprint="tinyfp")
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_drafter(variant):
+    d = Drafter(drafter_config(dataclasses.replace(CFG, variant=variant), _tiny_target()), nnx.Rngs(0))
+    if d.cfg.has_confidence:  # a confidence head that actually varies
+        rng = np.random.default_rng(0)
+        d.conf_w[...] = jnp.asarray(rng.standard_normal(d.conf_w[...].shape).astype(np.float32) * 0.5)
+    return d
+
+
+def _target():
+    """The tiny target (built once: eager initialisation is slow on CPU); read-only."""
+    return _tiny_target()
+
+
+def _drafter(target, variant="dspark"):
+    """A fresh copy of the tiny drafter (tests may set its calibration)."""
+    return nnx.clone(_tiny_drafter(variant))
+
+
+def _data(n=6, length=40, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"tokens": rng.integers(3, TCFG.vocab_size, (n, length)).astype(np.int32),
+            "lengths": rng.integers(length // 2, length + 1, n).astype(np.int32),
+            "prompt_lengths": np.full(n, 4, np.int32)}
+
+
+# ======================================================================================
+# Metrics against hand-computed cases
+# ======================================================================================
+def test_ece_hand_computed():
+    # one point per bin: ECE = mean |p - o|
+    assert C.ece([0.1, 0.2, 0.8, 0.9], [0, 1, 1, 1]) == pytest.approx((0.1 + 0.8 + 0.2 + 0.1) / 4)
+    # two points in bin [0.10, 0.15): |mean p - mean o| = |0.13 - 0.5|; one in the last bin
+    assert C.ece([0.12, 0.14, 1.0], [0, 1, 1]) == pytest.approx(2 / 3 * 0.37)
+    # soft observations, perfectly calibrated bins
+    assert C.ece([0.3, 0.3, 0.7], [0.1, 0.5, 0.7]) == pytest.approx(0.0, abs=1e-12)
+    # 20 equal-width bins: 0.52 and 0.54 share a bin, 0.56 is in the next one
+    assert C.ece([0.52, 0.54], [0.5, 0.56]) == pytest.approx(0.0, abs=1e-12)
+    assert C.ece([0.52, 0.56], [0.53, 0.53]) == pytest.approx(0.02)
+
+
+def test_brier_hand_computed():
+    assert C.brier([0.1, 0.9, 0.5], [0, 1, 1]) == pytest.approx((0.01 + 0.01 + 0.25) / 3)
+
+
+def test_auroc_hand_computed_and_against_pairs():
+    assert C.auroc([0.1, 0.4, 0.35, 0.8], [0, 0, 1, 1]) == pytest.approx(0.75)
+    assert C.auroc([0.5, 0.5], [0, 1]) == pytest.approx(0.5)          # a tie counts one half
+    assert C.auroc([0.9, 0.1], [0, 1]) == pytest.approx(0.0)
+    assert np.isnan(C.auroc([0.2, 0.3], [1, 1]))                       # one class only
+    rng = np.random.default_rng(0)
+    s = rng.integers(0, 6, 300) / 5.0                                   # many ties
+    y = rng.random(300) < 0.4
+    pos, neg = s[y], s[~y]
+    brute = ((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()) / (len(pos) * len(neg))
+    assert C.auroc(s, y) == pytest.approx(brute)
+
+
+def test_reliability_table_and_metrics_rows():
+    rel = C.reliability([0.12, 0.14, 0.97], [0, 1, 1])
+    assert len(rel["count"]) == 20 and sum(rel["count"]) == 3
+    assert rel["mean_predicted"][2] == pytest.approx(0.13) and rel["mean_observed"][2] == pytest.approx(0.5)
+    assert rel["mean_observed"][0] is None
+    pred = np.array([[0.9, 0.5], [0.8, 0.2]])
+    valid = np.array([[True, True], [True, False]])
+    m = C.metrics(pred, valid, np.array([[1.0, 0.0], [1.0, 0.0]]))
+    assert m["pooled"]["n"] == 3 and m["per_position"][1]["n"] == 1
+    assert m["per_position"][0]["brier"] == pytest.approx((0.01 + 0.04) / 2)
+
+
+# ======================================================================================
+# Sequential temperature scaling
+# ======================================================================================
+def _synthetic(n=20000, seed=0):
+    rng = np.random.default_rng(seed)
+    g = 5
+    z = rng.normal(1.5, 1.5, (n, g)) + np.linspace(1.0, -1.0, g)
+    t_true = np.array([2.0, 0.5, 3.0, 1.0, 1.5])
+    c = 1 / (1 + np.exp(-z / t_true))
+    y = np.cumprod(rng.random((n, g)) < c, axis=1).astype(float)
+    valid = np.ones((n, g), bool)
+    valid[: n // 10, 3:] = False                                       # some blocks end early (prefix-closed)
+    return z, t_true, np.cumprod(c, axis=1), y, valid
+
+
+def test_temperature_scaling_recovers_known_temperatures():
+    z, t_true, surv, y, valid = _synthetic()
+    # exact survival probabilities: the true temperatures are the exact minimiser
+    np.testing.assert_allclose(C.fit_temperatures(z, surv, valid), t_true, rtol=1e-3)
+    # sampled Bernoulli survival: recovered up to sampling noise, with Brier and with NLL
+    np.testing.assert_allclose(C.fit_temperatures(z, y, valid), t_true, rtol=0.15)
+    np.testing.assert_allclose(C.fit_temperatures(z, y, valid, loss="nll"), t_true, rtol=0.15)
+
+
+def test_temperature_scaling_reduces_ece():
+    z, t_true, surv, y, valid = _synthetic(seed=1)
+    temps = C.fit_temperatures(z, y, valid)
+    raw, cal = C.predicted_survival(z), C.predicted_survival(z, temps)
+    assert C.ece(raw[valid], y[valid]) > 0.05
+    assert C.ece(cal[valid], y[valid]) < 0.015
+    assert C.brier(cal[valid], y[valid]) < C.brier(raw[valid], y[valid])
+
+
+def test_scaling_never_reorders_scores():
+    rng = np.random.default_rng(2)
+    z = rng.normal(0, 3, (500, 4))
+    temps = np.array([0.3, 4.0, 1.7, 0.06])
+    c_raw, c_cal = 1 / (1 + np.exp(-z)), 1 / (1 + np.exp(-z / temps))
+    for k in range(4):   # sorted by raw score, calibrated scores never decrease (ties only by saturation)
+        order = np.argsort(z[:, k])
+        assert np.all(np.diff(c_cal[order, k]) >= 0) and np.all(np.diff(c_raw[order, k]) >= 0)
+    a = C.predicted_survival(z, temps)
+    assert np.all(np.diff(a[np.argsort(z[:, 0]), 0]) >= 0)
+    assert np.all(np.diff(a, axis=1) <= 0)                             # survival never increases with k
+    # the per-position AUROC of c_k is therefore invariant under calibration (away from saturation)
+    y = rng.random((500, 4)) < 0.5
+    c_mild = 1 / (1 + np.exp(-z / np.array([0.3, 4.0, 1.7, 0.5])))
+    for k in range(4):
+        assert C.auroc(c_raw[:, k], y[:, k]) == pytest.approx(C.auroc(c_mild[:, k], y[:, k]))
+
+
+def test_survival_helpers():
+    acc = np.array([[0.5, 0.5, 1.0], [1.0, 0.0, 1.0]])
+    valid = np.array([[True, True, False], [True, True, True]])
+    np.testing.assert_allclose(C.expected_survival(acc, valid), [[0.5, 0.25, 0.0], [1.0, 0.0, 0.0]])
+    s = C.sampled_survival(acc, valid, seed=0)
+    assert set(np.unique(s)) <= {0.0, 1.0} and np.all(np.diff(s, axis=1) <= 0)
+    assert s[1, 0] == 1.0 and s[1, 1] == 0.0 and s[0, 2] == 0.0
+
+
+# ======================================================================================
+# Teacher-forced data: the same math as training
+# ======================================================================================
+def test_block_terms_match_drafter_loss():
+    target = _target()
+    d = _drafter(target)
+    b = _data(n=4)
+    toks, lens, pl = (jnp.asarray(b[k]) for k in ("tokens", "lengths", "prompt_lengths"))
+    key = jax.random.PRNGKey(3)
+    anchors = sample_anchors(key, lens, pl, CFG.anchors_per_seq)
+    # one jitted closure (eager op-by-op execution is much slower than compiling)
+    terms, bt, greedy = jax.jit(lambda: (drafter_loss(d, target, toks, lens, pl, key, CFG),
+                                         C.block_terms(d, target, toks, lens, anchors),
+                                         C.block_terms(d, target, toks, lens, anchors, temperature=0.0)))()
+    v = np.asarray(bt.valid, np.float64)
+    acc = (np.asarray(bt.accept) * v).sum((0, 1)) / v.sum((0, 1))
+    np.testing.assert_allclose(acc, np.asarray(terms.acc_by_pos), rtol=1e-5, atol=1e-6)
+    w = np.exp(-np.arange(CFG.gamma) / CFG.pos_decay) * v
+    conf_err = (w * np.abs(1 / (1 + np.exp(-np.asarray(bt.z, np.float64))) - np.asarray(bt.accept))).sum() / w.sum()
+    assert conf_err == pytest.approx(float(terms.conf_err), rel=1e-4)
+    # greedy acceptance is an indicator
+    assert set(np.unique(np.asarray(greedy.accept))) <= {0.0, 1.0}
+
+
+def test_collect_covers_every_anchor_block():
+    target = _target()
+    d = _drafter(target)
+    b = _data(n=5)
+    data = C.collect(target, d, b, batch_size=2, memory_budget_mb=0.05)   # several anchor chunks
+    n_blocks = int(np.sum(np.maximum(b["lengths"] - 2 - (b["prompt_lengths"] - 1) + 1, 0)))
+    assert data.z.shape == (n_blocks, CFG.gamma)
+    assert data.valid[:, 0].all() and np.all(np.diff(data.valid.astype(int), axis=1) <= 0)
+    assert np.all((data.accept >= 0) & (data.accept <= 1))
+    assert sorted(np.unique(data.seq)) == list(range(5))
+
+
+def test_dflash_is_refused():
+    target = _target()
+    with pytest.raises(DSparkInputError, match="no confidence head"):
+        C.collect(target, _drafter(target, "dflash"), _data(n=2))
+
+
+# ======================================================================================
+# Storage in the export and use at decode time
+# ======================================================================================
+def test_fit_and_store_calibration_round_trip(tmp_path):
+    target = _target()
+    d = _drafter(target)
+    export_drafter(d, tmp_path / "export")
+    rep = C.fit_and_store_calibration(target, d, _data(n=6), tmp_path / "export")
+    temps = rep["temperatures"]
+    assert len(temps) == CFG.gamma and all(C.T_BOUNDS[0] <= t <= C.T_BOUNDS[1] for t in temps)
+    for part in ("before", "after"):
+        pooled = rep[part]["pooled"]
+        assert {"ece", "auroc", "brier", "ece_sampled", "brier_sampled"} <= set(pooled)
+        assert len(rep[part]["per_position"]) == CFG.gamma
+    assert rep["num_sequences"] == {"fit": 3, "test": 3}
+    meta = json.loads((tmp_path / "export/drafter.json").read_text())
+    assert meta["calibration"] == pytest.approx(temps)
+    assert meta["extra"]["calibration"]["after"]["ece"] == pytest.approx(rep["after"]["pooled"]["ece"])
+    assert d.calibration == pytest.approx(tuple(temps))
+    loaded, _ = load_drafter(tmp_path / "export")
+    assert loaded.calibration == pytest.approx(tuple(temps))
+    # re-exporting a calibrated drafter keeps its calibration
+    export_drafter(loaded, tmp_path / "again")
+    assert json.loads((tmp_path / "again/drafter.json").read_text())["calibration"] == pytest.approx(temps)
+
+
+def test_invalid_calibration_is_refused(tmp_path):
+    target = _target()
+    d = _drafter(target)
+    with pytest.raises(ValueError, match="temperatures"):
+        d.set_calibration([1.0, 2.0])
+    with pytest.raises(ValueError, match="positive"):
+        d.set_calibration([1.0, 0.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="no confidence head"):
+        _drafter(target, "dflash").set_calibration([1.0] * CFG.gamma)
+    export_drafter(d, tmp_path / "e")
+    meta = json.loads((tmp_path / "e/drafter.json").read_text())
+    meta["calibration"] = [1.0, -1.0, 1.0, 1.0]
+    (tmp_path / "e/drafter.json").write_text(json.dumps(meta))
+    with pytest.raises(DSparkInputError, match="invalid calibration"):
+        load_drafter(tmp_path / "e")
+
+
+def test_sample_block_applies_temperatures_to_confidences_only():
+    target = _target()
+    d = _drafter(target)
+    b = 3
+    ctx = jnp.asarray(np.random.default_rng(0).integers(3, 64, (b, 12)).astype(np.int32))
+    keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(b))
+    samp = sampling_arrays(b, 1.0)
+    temps = jnp.asarray([0.5, 2.0, 1.0, 3.0])
+
+    def draft(conf_temperature):   # traced under jit: eager op-by-op execution is much slower
+        pos = jnp.broadcast_to(jnp.arange(12), (b, 12))
+        out = target(ctx, pos, taps=d.cfg.taps)
+        cache = d.extend_cache(d.init_cache(b, 32), out.features, pos)
+        block = d.draft_block(target, ctx[:, -1], jnp.full((b,), 11, jnp.int32), cache)
+        return sample_block(d, block, ctx[:, -1], keys, samp, conf_temperature=conf_temperature)
+
+    raw, cal = jax.jit(lambda t: (draft(None), draft(t)))(temps)
+    np.testing.assert_array_equal(raw.tokens, cal.tokens)
+    np.testing.assert_array_equal(raw.probs, cal.probs)
+    np.testing.assert_allclose(raw.confidence, jax.nn.sigmoid(raw.confidence_logit), rtol=1e-6)
+    np.testing.assert_allclose(cal.confidence, jax.nn.sigmoid(raw.confidence_logit / temps), rtol=1e-6)
+    d.set_calibration([0.5, 2.0, 1.0, 3.0])                           # the drafter's own calibration is the default
+    np.testing.assert_allclose(jax.jit(lambda: draft(None))().confidence, cal.confidence, rtol=1e-6)
+
+
+def test_decode_round_records_match_counters():
+    """``record_rounds``: per-round logs agree with DecodeStats and give accept_rate@k."""
+    from dspark_jax.decode import generate_speculative
+    from dspark_jax.evaluate import evaluate_tau
+
+    target = _target()
+    d = _drafter(target)
+    d.set_calibration([1.5, 1.0, 0.7, 2.0])
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [3, 4]]
+    # (same shapes as evaluate_tau's call below: one compilation)
+    res = generate_speculative(target, d, prompts, max_new_tokens=20, seed=[0, 1, 2], record_rounds=True)
+    for g in res.generations:
+        r = g.rounds
+        assert r["conf_logit"].shape == (g.num_target_passes, CFG.gamma)
+        assert int(r["accepted"].sum()) == g.num_accepted and int(r["verified"].sum()) == g.num_verified
+        for k in range(1, CFG.gamma + 1):
+            assert int((r["accepted"] >= k).sum()) == g.position_accepted[k - 1]
+    ev = evaluate_tau(target, d, prompts, max_new_tokens=20, record_rounds=True)
+    rounds = ev.pop("rounds")
+    n_rounds = sum(len(r["accepted"]) for r in rounds)
+    assert n_rounds == ev["num_target_passes"]
+    acc = np.concatenate([r["accepted"] for r in rounds])
+    assert ev["accept_rate_at_k"] == pytest.approx([float((acc >= k).mean()) for k in range(1, CFG.gamma + 1)])
+    rel = C.decode_reliability(rounds, CFG.gamma, list(d.calibration))
+    assert rel["num_rounds"] == n_rounds
+    assert rel["before"]["pooled"]["n"] == int(sum(r["verified"].sum() for r in rounds))
+    assert "after" in rel
