@@ -341,7 +341,11 @@ def _prepare(target: Target, prompts: Sequence[Sequence[int]], max_new_tokens, g
 
 def _keys(seeds, b: int) -> jax.Array:
     seeds = np.broadcast_to(np.asarray(seeds, np.int64), (b,))
-    return jnp.stack([jax.random.PRNGKey(int(s)) for s in seeds])
+    # Host-side stack of distinct seeds: jnp.stack over B device arrays is superlinear
+    # (88 s for 8000 requests); this is ~0.1 ms per distinct seed, same keys.
+    uniq, inv = np.unique(seeds, return_inverse=True)
+    keys = np.stack([np.asarray(jax.random.PRNGKey(int(s))) for s in uniq])
+    return jnp.asarray(keys[inv.reshape(-1)])
 
 
 def _run(fn, args, kwargs, key):

@@ -79,7 +79,8 @@ class TrainConfig:
       steps, batch_size [sequences, global], anchors_per_seq: optimisation size.
       learning_rate, warmup_frac, weight_decay, grad_clip: AdamW schedule.
       ce_weight, l1_weight, conf_weight, pos_decay: loss (DESIGN.md "Training").
-      time_budget_s [s]: stop training early after this much wall time (0 = off).
+      time_budget_s [s]: stop training early after this much wall time (0 = off;
+        counted per invocation: rerunning the command continues towards ``steps``).
       grad_accum_steps: micro-batches per optimisation step (the global batch
         is split; same result as one big batch, less activation memory).
       seed; dtype (``float32``/``bfloat16`` compute; master weights and

@@ -97,6 +97,25 @@ def main():
     hlo = tr8._step.lower(tr8.params, tr8.opt_state, tr8.t_state, toks, lens, plens, np.int32(0)).compile().as_text()
     out["hlo_has_all_reduce"] = "all-reduce" in hlo
 
+    # The multi-process code path (each process feeds its own rows with
+    # make_array_from_process_local_data; replicated state via make_array_from_callback),
+    # exercised here by pretending there are two processes: same global arrays.
+    from dspark_jax import trainer as trainer_mod
+
+    real_count = jax.process_count
+    jax.process_count = lambda *a, **k: 2
+    try:
+        out["local_rows"] = [tr8.local_rows(16).start, tr8.local_rows(16).stop]
+        mp = tr8.shard_batch(b)
+        rep = trainer_mod.replicate(params_of(tr8), jax.tree.leaves(tr8.params)[0].sharding)
+    finally:
+        jax.process_count = real_count
+    out["multiprocess_path_same_arrays"] = all(
+        x.sharding == y.sharding and np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(mp, (toks, lens, plens)))
+    out["multiprocess_replicate_ok"] = all(
+        l.sharding.is_fully_replicated and len(l.sharding.device_set) == N_DEV for l in jax.tree.leaves(rep)) and max_diffs(
+        jax.tree.map(np.asarray, rep), params_of(tr8)) == 0.0
+
     # Loss normalisation is global: the 8-way step's first loss equals the single-device
     # weighted mean over the whole global batch, not the mean of per-device means.
     d0 = Drafter(drafter_config(cfg, target), nnx.Rngs(cfg.seed))

@@ -47,6 +47,13 @@ def test_batch_is_really_sharded_and_params_replicated(dp_report):
     assert r["hlo_has_all_reduce"]                              # gradients/loss sums reduced across devices
 
 
+def test_multi_process_feeding_path_builds_the_same_global_arrays(dp_report):
+    """The process-local feeding code (taken when jax.process_count() > 1), run in one process."""
+    r = dp_report
+    assert r["local_rows"] == [0, 16]
+    assert r["multiprocess_path_same_arrays"] and r["multiprocess_replicate_ok"]
+
+
 def test_loss_normalisation_is_global(dp_report):
     """Rows of very different lengths per device: the 8-way loss is the weighted mean over the
     whole global batch (the single-device value), not the mean of per-device means."""

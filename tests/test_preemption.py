@@ -2,7 +2,7 @@
 checkpoints, resume after a kill).
 
 One workdir is SIGKILLed twice -- once during self-distillation data generation, once
-at a seeded random moment after the first checkpoint exists -- and restarted with the
+at a seeded random moment after a (seeded random) checkpoint exists -- and restarted with the
 same command each time; its data shards, logged metrics and exported parameters must
 equal those of an uninterrupted run of the same command in another workdir. A fake
 half-written Orbax save (what a kill in the middle of ``save`` leaves) is planted
@@ -112,9 +112,11 @@ def test_killed_and_restarted_training_equals_uninterrupted_run(stories260k_dir,
     assert not (run / "checkpoints").exists()
 
     # 2) restarted (generation resumes at the first missing shard), killed at a seeded random
-    #    moment after the first checkpoint was committed
-    delay = random.Random(KILL_SEED).uniform(0.0, 0.4)
-    alive = _run_and_kill(run, tmp_path / "kill_train.log", lambda: bool(_steps(run)), delay)
+    #    moment: a random delay after a random checkpoint (at least the first) was committed
+    rng = random.Random(KILL_SEED)
+    after = rng.choice(range(CKPT_EVERY, STEPS - 2 * CKPT_EVERY + 1, CKPT_EVERY))
+    delay = rng.uniform(0.0, 0.05)
+    alive = _run_and_kill(run, tmp_path / "kill_train.log", lambda: max(_steps(run), default=0) >= after, delay)
     log = (tmp_path / "kill_train.log").read_text()
     assert alive and not (run / "export").exists(), log[-2000:]
     killed_at = _steps(run)
@@ -154,6 +156,6 @@ def test_killed_and_restarted_training_equals_uninterrupted_run(stories260k_dir,
 
     diffs = jax.tree.leaves(jax.tree.map(lambda x, y: float(np.max(np.abs(x - y))), pa, pb))
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=0), pa, pb)
-    print(f"\npreemption: shards at gen kill {n}/{N_SHARDS}, kill delay {delay:.3f}s, checkpoints at kill "
+    print(f"\npreemption: shards at gen kill {n}/{N_SHARDS}, kill {delay:.3f}s after checkpoint {after}, checkpoints at kill "
           f"{killed_at}, real tmp dirs at kill {tmp_dirs}, max |param diff| {max(diffs):.3g}, "
           f"{time.perf_counter() - t0:.0f}s")
