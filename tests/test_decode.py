@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
