@@ -331,6 +331,9 @@ def _prepare(target: Target, prompts: Sequence[Sequence[int]], max_new_tokens, g
         need = int((lens + max_new).max()) + gamma + 2
         cache_len = min(_round_up(max(need, tp + 1), 64), _round_up(cfg.max_position, 1))
         cache_len = max(cache_len, min(tp + 1, cfg.max_position))
+    elif cache_len <= int(lens.max()):
+        raise DSparkInputError(
+            f"cache_len={cache_len} leaves no room to generate after the longest prompt ({int(lens.max())} tokens)")
     tp = min(tp, cache_len)
     prompt = np.zeros((b, tp), np.int32)
     for i, p in enumerate(prompts):

@@ -275,14 +275,12 @@ def write_plots(ev: dict[str, Any], out_dir: Path) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .errors import DSparkInputError
+    from .errors import run_cli
 
     args = build_parser().parse_args(argv)
-    try:
-        out = run(args)
-    except DSparkInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    status, out = run_cli(run, args)
+    if status:
+        return status
     summary = {k: out.get(k) for k in ("tau", "acceptance_rate", "accept_rate_at_k", "position_acceptance")}
     dec = (out.get("calibration") or {}).get("decode") or {}
     for name in ("before", "after"):

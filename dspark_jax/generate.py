@@ -110,14 +110,12 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .errors import DSparkInputError
+    from .errors import run_cli
 
     args = build_parser().parse_args(argv)
-    try:
-        out = run(args)
-    except DSparkInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    status, out = run_cli(run, args)
+    if status:
+        return status
     if args.json:
         print(json.dumps(out))
     else:

@@ -170,6 +170,18 @@ def preset_path(spec: str) -> Path:
     )
 
 
+def _existing_path(spec: str) -> Path:
+    """``spec`` as an existing path, else a one-line error listing the presets."""
+    p = Path(spec).expanduser()
+    if not p.exists():
+        raise DSparkInputError(
+            f"unknown target {spec!r}: not an existing path and not a preset "
+            f"(presets: {', '.join(PRESET_INFO)}; paths: a .gguf file, a llama2.c .bin, "
+            "or a Hugging Face model directory)"
+        )
+    return p
+
+
 def resolve_target(spec: str):
     """``(cfg, params, tokenizer)`` for a preset name or a model path.
 
@@ -183,13 +195,7 @@ def resolve_target(spec: str):
     from dspark_jax.model_io import load_target_files
 
     if canonical_preset(spec) is None:
-        p = Path(spec).expanduser()
-        if not p.exists():
-            raise DSparkInputError(
-                f"unknown target {spec!r}: not an existing path and not a preset "
-                f"(presets: {', '.join(PRESET_INFO)}; paths: a .gguf file, a llama2.c .bin, "
-                "or a Hugging Face model directory)"
-            )
+        p = _existing_path(spec)
         return load_target_files(p)
     return load_target_files(preset_path(spec))
 
@@ -221,13 +227,7 @@ def target_config(spec: str):
 
     name = canonical_preset(spec)
     if name is None:
-        p = Path(spec).expanduser()
-        if not p.exists():
-            raise DSparkInputError(
-                f"unknown target {spec!r}: not an existing path and not a preset "
-                f"(presets: {', '.join(PRESET_INFO)}; paths: a .gguf file, a llama2.c .bin, "
-                "or a Hugging Face model directory)"
-            )
+        p = _existing_path(spec)
         return read_target_config(p)
     if name in BUILTIN_HF_CONFIGS:
         snap = _hf_cache_snapshot(BUILTIN_HUB_IDS[name])

@@ -227,7 +227,6 @@ def run(cfg: TrainConfig, evaluate: bool = True) -> dict:
     from .checkpoint import export_drafter
     from .decode import generate_autoregressive
     from .drafter import Drafter
-    from .presets import preset_info
     from .trainer import (Trainer, append_jsonl, count_params, drafter_config, maybe_initialize_distributed,
                           truncate_jsonl)
 
@@ -344,7 +343,6 @@ def run(cfg: TrainConfig, evaluate: bool = True) -> dict:
 
         summary["calibration"] = calibrate_training_run(
             cfg, target, drafter, data_mod.encode_prompts(tok, eval_texts, chat), export, workdir)
-    # -- end of stage 3b ------------------------------------------------------------------------
     # -- stage 4: held-out evaluation ----------------------------------------------------------
     if evaluate and eval_texts:
         from .evaluate import evaluate_tau
