@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, default=None, metavar="N",
                    help="with --dry-run: number of devices to plan the per-device batch and memory for "
                         "(default: the visible devices)")
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                   help="extra training prompts (JSONL with prompt/text/question/turns); same as prompts_file=FILE")
     p.add_argument("--skip-eval", action="store_true", help="do not evaluate tau after training")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. steps=500 gamma=8")
     return p
@@ -93,7 +95,10 @@ def load_config(args: argparse.Namespace) -> TrainConfig:
             cfg = TRAIN_PRESETS[preset]
         data.pop("preset", None)
         cfg = _apply(cfg, {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in data.items()})
-    return _apply(cfg, args.overrides)
+    cfg = _apply(cfg, args.overrides)
+    if args.prompts:
+        cfg = _apply(cfg, {"prompts_file": args.prompts})
+    return cfg
 
 
 def _apply(cfg, overrides):
