@@ -217,7 +217,8 @@ def _spec_decode(t_state, d_state, prompt, prompt_len, limit, sampling,
         vtok = jnp.concatenate([anchor[:, None], draft.tokens], axis=1)
         vpos = p[:, None] + offs
         out = target(vtok, vpos, s.tcache, taps=taps)
-        finite = logits_are_finite(out.logits)
+        # Only positions that verification can read must be finite (anchor .. ell).
+        finite = logits_are_finite(jnp.where((offs[None, :] <= ell[:, None])[..., None], out.logits, 0.0))
         tprobs = process_logits(out.logits, sampling)
         res = verify(verify_keys, draft.tokens, draft.probs, tprobs, ell)
         seq, length, finish, n_keep = _emit(s, res.tokens, res.num_emitted, limit, stop_ids, cache_len)
