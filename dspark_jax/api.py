@@ -51,7 +51,7 @@ def encode_prompt(tokenizer, prompt: str, chat: bool | None = None, spec: str = 
     Raises:
       DSparkInputError: empty prompt.
     """
-    if not prompt:
+    if not prompt or not prompt.strip():
         raise DSparkInputError("the prompt is empty: give some text to continue")
     if chat is None:
         chat = bool(preset_info(spec).get("chat")) if spec else False

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weight/compute dtype (default float32)")
     p.add_argument("--compare-ar", action="store_true",
-                   help="also decode autoregressively in the same process and report the speedup")
+                   help="also decode autoregressively in the same process and report the speedup "
+                        "(both runs are timed after one untimed warm-up run)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     return p
 
@@ -81,6 +82,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.drafter:
         drafter, _ = load_drafter(args.drafter, dtype=dtype)
         check_compatible(target, drafter)
+        if args.compare_ar:  # warm-up run: the timed runs below then compare steady-state speed
+            generate_speculative(target, drafter, [ids], gamma=args.gamma, **kw)
         res = generate_speculative(target, drafter, [ids], gamma=args.gamma, **kw)
         g = res.generations[0]
         out.update(mode="speculative", variant=drafter.cfg.variant, gamma=args.gamma or drafter.cfg.gamma)
@@ -98,6 +101,7 @@ def run(args: argparse.Namespace) -> dict:
         tokens_per_s=res.tokens_per_s, seconds=res.seconds, compile_seconds=res.compile_seconds)
     if args.compare_ar:
         if args.drafter:
+            generate_autoregressive(target, [ids], **kw)  # warm-up, as for the speculative run
             ar = generate_autoregressive(target, [ids], **kw)
             ag = ar.generations[0]
             out.update(ar_token_ids=ag.token_ids, ar_text=tok.decode(ag.token_ids, skip_special_tokens=True),
@@ -120,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out))
     else:
         print(out["text"])
-        stats = f"[{out['num_generated_tokens']} tokens, {out['tokens_per_s']:.1f} tokens/s, {out['finish_reason']}"
+        stats = (f"[{out['mode']}: {out['num_generated_tokens']} tokens, {out['tokens_per_s']:.1f} tokens/s, "
+                 f"{out['finish_reason']}")
         if out["mode"] == "speculative":
             stats += f", tau {out['tau']:.2f}, acceptance {out['acceptance_rate'] or 0:.2f}"
         if "speedup" in out and out["speedup"]:
