@@ -188,10 +188,7 @@ def s260k_drafter(request, s260k):
         return bigram_drafter(target, gamma=4, alpha=3.0, base_scale=0.0, bos=1)
     from dspark_jax.checkpoint import load_drafter
 
-    try:
-        _, summary = request.getfixturevalue("stories260k_export")
-    except pytest.FixtureLookupError:
-        pytest.skip("no stories260k_export fixture")
+    _, summary = request.getfixturevalue("stories260k_export")
     return load_drafter(summary["export_dir"])[0]
 
 

@@ -80,7 +80,9 @@ def test_prompt_sets_load():
     try:
         shared_data_dir()
     except DSparkInputError:
-        pytest.skip("shared data not found (set DSPARK_DATA)")
+        from conftest import require
+
+        require(None, "shared data (prompt sets)", "set DSPARK_DATA=/path/to/shared/data")
     sets = {name: eval_cli.load_prompt_texts(name)[0] for name in eval_cli.PROMPT_SETS}
     for name, texts in sets.items():
         assert texts and all(isinstance(t, str) and t for t in texts), name
