@@ -85,6 +85,32 @@ def _empty_layers(cfg: TargetConfig) -> dict[str, np.ndarray]:
     return {k: np.empty(s, np.float32) for k, s in target_param_shapes(cfg)["layers"].items()}
 
 
+def _stack_layers(cfg: TargetConfig, fetch, describe) -> dict[str, np.ndarray]:
+    """Stacks per-layer tensors into the canonical ``[L, ...]`` layout.
+
+    ``fetch(i, key)`` returns layer ``i``'s tensor for canonical ``key`` as stored
+    (matrices ``[out, in]``, transposed here to ``[in, out]``); ``describe(i, key)``
+    names it in the error raised when its shape does not match ``cfg``.
+    """
+    layers = _empty_layers(cfg)
+    for i in range(cfg.num_layers):
+        for key, dst in layers.items():
+            m = fetch(i, key)
+            m = m.T if m.ndim == 2 else m
+            if m.shape != dst.shape[1:]:
+                raise DSparkInputError(f"{describe(i, key)} has shape {m.shape}, expected {dst.shape[1:]}")
+            dst[i] = m
+    return layers
+
+
+def _canonical(cfg: TargetConfig, layers, embed: np.ndarray, final_norm: np.ndarray, lm_head) -> Params:
+    """Canonical params; ``lm_head()`` (``[V, H]`` as stored) is read only when untied."""
+    params = {"embed": embed, "layers": layers, "final_norm": final_norm}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = np.ascontiguousarray(lm_head().T)
+    return params
+
+
 # --------------------------------------------------------------------------- llama2.c
 
 
@@ -301,22 +327,15 @@ def load_gguf(path: Any) -> tuple[TargetConfig, Params]:
         # A plain-ndarray view avoids numpy.memmap's per-slice overhead (3x faster).
         return _owned_f32(gguf.quants.dequantize(t.data.view(np.ndarray), t.tensor_type))
 
-    layers = _empty_layers(cfg)
     permute = {"wq": nh, "wk": nkv} if arch == "llama" else {}
-    for i in range(cfg.num_layers):
-        for key, dst in layers.items():
-            m = get(f"blk.{i}.{_GGUF_NAMES[key]}.weight")
-            if m.ndim == 2:
-                if key in permute:
-                    m = adjacent_to_half(m, permute[key])
-                m = m.T
-            if m.shape != dst.shape[1:]:
-                raise DSparkInputError(f"GGUF tensor blk.{i}.{_GGUF_NAMES[key]} has shape {m.shape}, expected {dst.shape[1:]}")
-            dst[i] = m
-    params = {"embed": get("token_embd.weight"), "layers": layers, "final_norm": get("output_norm.weight")}
-    if not cfg.tie_embeddings:
-        params["lm_head"] = np.ascontiguousarray(get("output.weight").T)
-    return cfg, params
+
+    def fetch(i: int, key: str) -> np.ndarray:
+        m = get(f"blk.{i}.{_GGUF_NAMES[key]}.weight")
+        return adjacent_to_half(m, permute[key]) if key in permute and m.ndim == 2 else m
+
+    layers = _stack_layers(cfg, fetch, lambda i, key: f"GGUF tensor blk.{i}.{_GGUF_NAMES[key]}")
+    return cfg, _canonical(cfg, layers, get("token_embd.weight"), get("output_norm.weight"),
+                           lambda: get("output.weight"))
 
 
 # --------------------------------------------------------------------------- Hugging Face
@@ -448,18 +467,10 @@ def load_hf_dir(path: str | Path) -> tuple[TargetConfig, Params]:
         "k_norm": "self_attn.k_norm", "mlp_norm": "post_attention_layernorm",
         "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj",
     }
-    layers = _empty_layers(cfg)
-    for i in range(cfg.num_layers):
-        for key, dst in layers.items():
-            m = get(f"model.layers.{i}.{hf[key]}.weight")
-            m = m.T if m.ndim == 2 else m
-            if m.shape != dst.shape[1:]:
-                raise DSparkInputError(f"{path}: layer {i} {hf[key]} has shape {m.shape}, expected {dst.shape[1:]}")
-            dst[i] = m
-    params = {"embed": get("model.embed_tokens.weight"), "layers": layers, "final_norm": get("model.norm.weight")}
-    if not cfg.tie_embeddings:
-        params["lm_head"] = np.ascontiguousarray(get("lm_head.weight").T)
-    return cfg, params
+    layers = _stack_layers(cfg, lambda i, key: get(f"model.layers.{i}.{hf[key]}.weight"),
+                           lambda i, key: f"{path}: layer {i} {hf[key]}")
+    return cfg, _canonical(cfg, layers, get("model.embed_tokens.weight"), get("model.norm.weight"),
+                           lambda: get("lm_head.weight"))
 
 
 # --------------------------------------------------------------------------- dispatch
