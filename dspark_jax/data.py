@@ -7,9 +7,11 @@ inside the train step for features and p_target.
 Prompt sources:
 * ``tinystories``: the opening sentence of each story paragraph of
   ``$DSPARK_DATA/text/tinystories_val_head.txt`` (stories260k);
-* ``chat``: the built-in :data:`CHAT_PROMPTS` plus an optional JSONL file
-  (``{"prompt": ...}``, ``{"text": ...}``, or MT-Bench style ``{"turns": [...]}``),
-  wrapped in the tokenizer's chat template.
+* ``chat``: :func:`chat_training_prompts`, the built-in :data:`CHAT_PROMPTS`
+  interleaved with shared prompt sets that are disjoint from every evaluation
+  slice (Vicuna-Bench, QA, the tail of GSM8K test and HumanEval),
+  plus an optional JSONL file (``{"prompt": ...}``, ``{"text": ...}``, or
+  MT-Bench style ``{"turns": [...]}``), wrapped in the tokenizer's chat template.
 
 Shards are ``shard_XXXXX.npz`` files holding ``tokens [N, L] int32`` (padded
 with 0), ``lengths [N] int32`` and ``prompt_lengths [N] int32``; generation
@@ -168,6 +170,48 @@ def encode_prompts(tokenizer, prompts: Sequence[str], chat: bool) -> list[list[i
             out.append(tokenizer.encode(text, add_bos=False))
         else:
             out.append(tokenizer.encode(p))
+    return out
+
+
+# Evaluation uses the first N (<= EVAL_PROMPT_HOLDOUT) prompts of GSM8K test and HumanEval and
+# all of MT-Bench / Alpaca; training takes only what lies beyond, so no eval prompt is trained on.
+EVAL_PROMPT_HOLDOUT = 100
+_CHAT_TRAIN_SOURCES = (
+    ("vicuna_bench_question.jsonl", 0),
+    ("eagle_qa_question.jsonl", 0),
+    ("HumanEval.jsonl.gz", EVAL_PROMPT_HOLDOUT),
+    ("gsm8k_test.jsonl", EVAL_PROMPT_HOLDOUT),
+)
+
+
+def chat_training_prompts(data_dir: str | Path | None = None) -> list[str]:
+    """Chat prompts for self-distillation, disjoint from the evaluation prompt sets.
+
+    Round-robin over :data:`CHAT_PROMPTS` and the shared sets in
+    ``_CHAT_TRAIN_SOURCES`` (skipping the first :data:`EVAL_PROMPT_HOLDOUT` rows of
+    GSM8K test and HumanEval, which ``python -m dspark_jax.eval`` uses), so any
+    prefix of the list mixes every source. Sets missing from ``data_dir`` are skipped.
+
+    Returns:
+      Deduplicated prompt strings, deterministic order.
+    """
+    base = Path(data_dir) if data_dir else None
+    if base is None:
+        try:
+            base = shared_data_dir()
+        except DSparkInputError:
+            return list(CHAT_PROMPTS)
+    pools = [list(CHAT_PROMPTS)]
+    for name, skip in _CHAT_TRAIN_SOURCES:
+        path = base / "prompts" / name
+        if path.exists():
+            pools.append(read_prompt_file(path)[skip:])
+    out, seen = [], set()
+    for i in range(max(len(p) for p in pools)):
+        for pool in pools:
+            if i < len(pool) and pool[i] not in seen:
+                seen.add(pool[i])
+                out.append(pool[i])
     return out
 
 

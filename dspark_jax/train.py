@@ -248,7 +248,7 @@ def run(cfg: TrainConfig, evaluate: bool = True) -> dict:
     if cfg.prompts == "tinystories":
         texts = data_mod.tinystories_openings()
     elif cfg.prompts == "chat":
-        texts = list(data_mod.CHAT_PROMPTS)
+        texts = data_mod.chat_training_prompts()
     else:
         raise DSparkInputError(f"prompts must be 'tinystories' or 'chat', got {cfg.prompts!r}")
     if cfg.prompts_file:
@@ -257,9 +257,11 @@ def run(cfg: TrainConfig, evaluate: bool = True) -> dict:
     if chat and len(train_texts) < cfg.num_prompts:
         # Few distinct chat prompts: repeat them, the sampled continuations differ.
         train_texts = (train_texts * (cfg.num_prompts // max(1, len(train_texts)) + 1))[: cfg.num_prompts]
-    train_texts = train_texts[: cfg.num_prompts]
-    (workdir / "eval_prompts.json").write_text(json.dumps(eval_texts, indent=1))
     train_ids = data_mod.encode_prompts(tok, train_texts, chat)
+    # A prompt taking more than half the stored length leaves too few target tokens to learn from.
+    train_ids = [ids for ids in train_ids if len(ids) <= cfg.seq_len // 2] or train_ids
+    train_ids = train_ids[: cfg.num_prompts]
+    (workdir / "eval_prompts.json").write_text(json.dumps(eval_texts, indent=1))
 
     # -- stage 1: self-distillation data -----------------------------------------------
     t0 = time.perf_counter()
