@@ -41,7 +41,7 @@ class Draft(NamedTuple):
 
 def sample_block(drafter: Drafter, block: BlockOutput, anchors: jax.Array,
                  keys: jax.Array, sampling: SamplingArrays,
-                 conf_temperature: jax.Array | None = None) -> Draft:
+                 conf_temperature: jax.Array | None = None, step_keys: jax.Array | None = None) -> Draft:
     """Samples x_1..x_gamma left to right with the Markov correction.
 
     Args:
@@ -56,6 +56,10 @@ def sample_block(drafter: Drafter, block: BlockOutput, anchors: jax.Array,
         ``T_k`` (``c_k = sigmoid(z_k / T_k)``); default: the drafter's own
         calibration (:attr:`Drafter.calibration`), ones when it has none. Only the
         confidences change, never the tokens or ``probs``.
+      step_keys: optional ``[B, gamma, 2]`` uint32 keys, one per draft position,
+        used instead of ``fold_in(keys, k)`` (``keys`` is then ignored). The serving
+        engine passes the keys the target samples the same positions with, which
+        couples draft and target draws (same Gumbel noise).
     Returns:
       :class:`Draft`.
     """
@@ -65,16 +69,19 @@ def sample_block(drafter: Drafter, block: BlockOutput, anchors: jax.Array,
     temps = drafter.confidence_temperatures() if conf_temperature is None else conf_temperature
     temps = jnp.broadcast_to(jnp.asarray(temps, jnp.float32), (hidden.shape[0],))
 
+    if step_keys is None:
+        step_keys = jax.vmap(lambda k: jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, k), out_axes=1)(steps)
+    step_keys = jnp.swapaxes(step_keys, 0, 1)   # [gamma, B, 2]
+
     def step(prev, xs):
-        h, u, k, t = xs
+        h, u, kk, t = xs
         e = drafter.markov_embedding(prev)
         q = process_logits(u + drafter.markov_bias(e), sampling)
-        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, k)
-        x = jax.vmap(sample)(step_keys, q).astype(jnp.int32)
+        x = jax.vmap(sample)(kk, q).astype(jnp.int32)
         z = drafter.confidence_logit(h, e)
         c = jax.nn.sigmoid(z / t)
         return x, (x, q, c, z)
 
-    _, (tokens, probs, conf, zs) = jax.lax.scan(step, anchors.astype(jnp.int32), (hidden, logits, steps, temps))
+    _, (tokens, probs, conf, zs) = jax.lax.scan(step, anchors.astype(jnp.int32), (hidden, logits, step_keys, temps))
     sw = lambda a: jnp.swapaxes(a, 0, 1)
     return Draft(sw(tokens), sw(probs), sw(conf), sw(zs))
