@@ -43,6 +43,25 @@ def _field_help() -> str:
     return "\n".join(lines)
 
 
+def tensorboard_writer(logdir: Path):
+    """A TensorBoard ``SummaryWriter`` on ``logdir`` when TensorBoard is installed, else None.
+
+    Uses ``tensorboardX`` or ``torch.utils.tensorboard`` (both need the ``tensorboard``
+    package); training logs JSONL regardless.
+    """
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        return None
+    for mod in ("tensorboardX", "torch.utils.tensorboard"):
+        try:
+            return importlib.import_module(mod).SummaryWriter(str(logdir))
+        except Exception:  # noqa: BLE001 - any import/initialisation failure means: no TensorBoard
+            continue
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dspark_jax.train",
@@ -298,6 +317,7 @@ def run(cfg: TrainConfig, evaluate: bool = True) -> dict:
     metrics_path = workdir / "metrics.jsonl"
     if lead:  # rows logged after the checkpoint we resume from are about to be redone
         truncate_jsonl(metrics_path, start)
+    tb = tensorboard_writer(workdir / "tensorboard") if lead else None
     it = data_mod.batches(data, cfg.batch_size, cfg.seed, start_step=start)
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, disable=not lead)
     t_train = time.perf_counter()
@@ -319,6 +339,11 @@ def run(cfg: TrainConfig, evaluate: bool = True) -> dict:
             last_log, last_log_step = now, step
             if lead:
                 append_jsonl(metrics_path, row)
+            if tb is not None:
+                for k, v in row.items():
+                    if k != "step":
+                        tb.add_scalar(f"train/{k}", v, step)
+                tb.flush()
             bar.set_postfix(loss=f"{row['loss']:.3f}", tv=f"{row['tv']:.3f}", tau_est=f"{row['tau_est']:.2f}",
                             tok_s=f"{row['tokens_per_s']:.0f}")
         if step % cfg.ckpt_every == 0:
@@ -327,6 +352,8 @@ def run(cfg: TrainConfig, evaluate: bool = True) -> dict:
             print(f"time budget of {cfg.time_budget_s:.0f}s reached at step {step}", file=sys.stderr)
             break
     bar.close()
+    if tb is not None:
+        tb.close()
     if mgr.latest_step() != step:
         trainer.save(mgr, step)
     train_seconds = time.perf_counter() - t_train
