@@ -1,0 +1,566 @@
+"""Load benchmark of the HTTP server: throughput and per-user speed against concurrency, per policy.
+
+    python benchmarks/serve_load.py --target smollm2-135m-instruct \\
+        --drafter runs/smollm2-135m-instruct/export --out runs/serve_load
+    python benchmarks/serve_load.py --quick --out /tmp/serve_load          # CI smoke run (stories260K)
+    python benchmarks/serve_load.py --stress --target stories260k --random-drafter 4 --out /tmp/stress
+
+Sweep mode (default): for each policy (``plain``, ``fixed:G`` for each ``--gammas``,
+``greedy``, ``dspark``) a fresh engine is built on the same loaded target/drafter and
+served with uvicorn in this process; real prompts (``--prompts``: MT-Bench first turns
+through the chat template by default, from ``$DSPARK_DATA/prompts``) are sent over
+loopback HTTP as streaming requests by ``c`` concurrent clients (closed loop: a client
+sends its next request when the previous one ends) for each concurrency ``c``. Per level:
+
+* ``output_tok_s``: all generated tokens / wall time of the level;
+* ``per_user_tok_s``: mean over requests of (tokens - 1) / (last token - first token time),
+  the decode speed a user sees once the answer started;
+* ``ttft_s`` (mean, p50, p90) and ``e2e_s`` (mean): client-side time to first token and latency;
+* ``tau`` / ``acceptance_rate``: the server's per-request speculative metrics, pooled.
+
+Each policy's output and per-user tok/s is also reported as a ratio to ``plain`` and to the
+best fixed gamma at the same concurrency. Writes ``OUT/serve_load.json`` and
+``OUT/serve_load.png`` (output tok/s and per-user tok/s against concurrency).
+
+Stress mode (``--stress``): ``--stress-requests`` requests (default 500) at concurrency 64
+with random seeds, temperatures, top-k/top-p, max_tokens, stop strings, streaming or not, and
+``--disconnect-frac`` (default 10%) of clients hanging up early. Then it checks that the
+server is still up, no slot leaked (``/health``: all slots free, nothing running or waiting)
+and every completed response equals the same request sent again alone with the same seed
+(token ids, text and finish reason). Writes ``OUT/stress.json``; exit status 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+QUICK = dict(target="stories260k", random_drafter=4, policies="plain,fixed:1,fixed:2,greedy,dspark",
+             concurrency="1,2,4", num_requests=4, max_tokens=16, num_slots=4, cache_len=128)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python benchmarks/serve_load.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="preset or model path (default smollm2-135m-instruct; "
+                                                   "stories260k with --quick)")
+    p.add_argument("--drafter", default=None, help="drafter export directory")
+    p.add_argument("--random-drafter", type=int, default=None, metavar="GAMMA",
+                   help="use a randomly initialised (untrained) drafter with this block size instead of an export "
+                        "(smoke tests: exercises every policy, acceptance is near zero)")
+    p.add_argument("--policies", default=None,
+                   help="comma-separated policies (default: plain, fixed:G for each --gammas, greedy, dspark)")
+    p.add_argument("--gammas", default="1,2,4,8", help="fixed gammas of the default policy list (default 1,2,4,8)")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="concurrency levels (default 1,2,...,64)")
+    p.add_argument("--num-requests", type=int, default=0,
+                   help="requests per concurrency level (default: max(8, 2 x concurrency))")
+    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens per request (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
+    p.add_argument("--prompts", default=None,
+                   help="prompt set (mt_bench, gsm8k, humaneval, alpaca, tinystories) or JSONL file (default: "
+                        "mt_bench for chat models, tinystories otherwise)")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="send prompts to /v1/chat/completions (default when the tokenizer has a chat template)")
+    chat.add_argument("--no-chat", dest="chat", action="store_false", help="send prompts to /v1/completions")
+    p.add_argument("--num-slots", type=int, default=None, help="engine slots (default: the highest concurrency)")
+    p.add_argument("--cache-len", type=int, default=1024, help="engine cache length (default 1024)")
+    p.add_argument("--buckets", default=None, help="engine token-budget buckets, comma-separated")
+    p.add_argument("--sps-table", default=None,
+                   help="SPS table file shared by all policies (default OUT/sps_table.json: profiled once)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--seed", type=int, default=0, help="seed of the request order and random settings (default 0)")
+    p.add_argument("--out", default="runs/serve_load", help="output directory (default runs/serve_load)")
+    p.add_argument("--quick", action="store_true",
+                   help="CI smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
+    p.add_argument("--stress", action="store_true", help="bounded load test instead of the sweep (see above)")
+    p.add_argument("--stress-requests", type=int, default=500, help="requests of the stress test (default 500)")
+    p.add_argument("--stress-concurrency", type=int, default=64, help="clients of the stress test (default 64)")
+    p.add_argument("--disconnect-frac", type=float, default=0.1,
+                   help="fraction of stress requests whose client disconnects early (default 0.1)")
+    p.add_argument("--stress-policy", default=None, help="policy of the stress server (default dspark / plain)")
+    return p
+
+
+def apply_quick(args: argparse.Namespace) -> None:
+    """``--quick`` fills every option the user left at its default."""
+    defaults = vars(build_parser().parse_args([]))
+    for k, v in QUICK.items():
+        if getattr(args, k) == defaults[k]:
+            setattr(args, k, v)
+    if args.stress and args.stress_requests == defaults["stress_requests"]:
+        args.stress_requests, args.stress_concurrency = 40, 8
+
+
+# --------------------------------------------------------------------------- client side
+
+
+@dataclasses.dataclass
+class Result:
+    """One request as the client saw it."""
+
+    ok: bool
+    status: int = 0
+    start: float = 0.0
+    first: float | None = None
+    end: float = 0.0
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict | None = None
+    spec: dict | None = None
+    error: str = ""
+    disconnected: bool = False
+
+
+def _path(chat: bool) -> str:
+    return "/v1/chat/completions" if chat else "/v1/completions"
+
+
+def _body(prompt: str, chat: bool, **kw) -> dict:
+    b = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    b.update(kw)
+    return b
+
+
+async def stream_request(client, chat: bool, body: dict, hang_up_after: int | None = None) -> Result:
+    """Streams one request; ``hang_up_after=k`` closes the connection after k chunks."""
+    r = Result(ok=False, start=time.perf_counter())
+    body = dict(body, stream=True, return_token_ids=True)
+    n = 0
+    try:
+        async with client.stream("POST", _path(chat), json=body) as resp:
+            r.status = resp.status_code
+            if resp.status_code != 200:
+                r.error = (await resp.aread()).decode(errors="replace")[:300]
+                r.end = time.perf_counter()
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    r.ok = r.finish_reason is not None
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    r.error = obj["error"].get("message", "error")
+                    break
+                n += 1
+                for ch in obj.get("choices", []):
+                    piece = ch.get("delta", {}).get("content") if chat else ch.get("text")
+                    ids = ch.get("token_ids") or []
+                    if (piece or ids) and r.first is None:
+                        r.first = time.perf_counter()
+                    r.text += piece or ""
+                    r.token_ids += ids
+                    if ch.get("finish_reason"):
+                        r.finish_reason = ch["finish_reason"]
+                if "usage" in obj:
+                    r.usage, r.spec = obj["usage"], obj.get("spec_decode")
+                if hang_up_after is not None and n >= hang_up_after:
+                    r.disconnected = True
+                    break
+    except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash of the benchmark
+        r.error = f"{type(e).__name__}: {e}"
+    r.end = time.perf_counter()
+    return r
+
+
+async def plain_request(client, chat: bool, body: dict) -> Result:
+    r = Result(ok=False, start=time.perf_counter())
+    try:
+        resp = await client.post(_path(chat), json=dict(body, stream=False, return_token_ids=True))
+        r.status = resp.status_code
+        obj = resp.json()
+        if resp.status_code != 200:
+            r.error = obj.get("error", {}).get("message", resp.text[:300])
+        else:
+            ch = obj["choices"][0]
+            r.text = ch["message"]["content"] if chat else ch["text"]
+            r.token_ids, r.finish_reason = ch.get("token_ids", []), ch["finish_reason"]
+            r.usage, r.spec, r.ok = obj["usage"], obj.get("spec_decode"), True
+    except Exception as e:  # noqa: BLE001
+        r.error = f"{type(e).__name__}: {e}"
+    r.end = time.perf_counter()
+    r.first = r.first or r.end
+    return r
+
+
+def _client(url: str, concurrency: int):
+    import httpx
+
+    return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(3600.0),
+                             limits=httpx.Limits(max_connections=concurrency + 4,
+                                                 max_keepalive_connections=concurrency + 4))
+
+
+async def run_level(url: str, chat: bool, prompts: list[str], concurrency: int, num_requests: int,
+                    max_tokens: int, temperature: float) -> dict[str, Any]:
+    """One concurrency level: ``num_requests`` streamed requests by ``concurrency`` clients."""
+    queue = list(range(num_requests))
+    results: list[Result] = []
+    async with _client(url, concurrency) as client:
+        async def worker():
+            while queue:
+                i = queue.pop(0)
+                body = _body(prompts[i % len(prompts)], chat, max_tokens=max_tokens, temperature=temperature,
+                             seed=i)
+                results.append(await stream_request(client, chat, body))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return summarize(results, wall, concurrency)
+
+
+def summarize(results: list[Result], wall: float, concurrency: int) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    toks = [r.usage["completion_tokens"] for r in ok]
+    per_user = [(n - 1) / (r.end - r.first) for r, n in zip(ok, toks) if n > 1 and r.first and r.end > r.first]
+    ttft = sorted(r.first - r.start for r in ok if r.first)
+    steps = sum((r.spec or {}).get("num_steps") or 0 for r in ok)
+    emitted = sum(((r.spec or {}).get("tau") or 0) * ((r.spec or {}).get("num_steps") or 0) for r in ok)
+    ver = sum((r.spec or {}).get("num_draft_tokens") or 0 for r in ok)
+    acc = sum((r.spec or {}).get("num_accepted_tokens") or 0 for r in ok)
+
+    def q(xs, p):
+        return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else None
+
+    return {
+        "concurrency": concurrency, "num_requests": len(results), "num_ok": len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "wall_s": wall, "output_tokens": sum(toks),
+        "output_tok_s": sum(toks) / wall if wall > 0 else 0.0,
+        "per_user_tok_s": statistics.fmean(per_user) if per_user else None,
+        "ttft_s": statistics.fmean(ttft) if ttft else None, "ttft_p50_s": q(ttft, 0.5), "ttft_p90_s": q(ttft, 0.9),
+        "e2e_s": statistics.fmean(r.end - r.start for r in ok) if ok else None,
+        "tau": emitted / steps if steps else None,
+        "acceptance_rate": acc / ver if ver else None,
+    }
+
+
+# --------------------------------------------------------------------------- server side
+
+
+def load_models(args):
+    import jax.numpy as jnp
+
+    from dspark_jax.api import load_drafter, load_target
+    from dspark_jax.decode import check_compatible
+
+    dtype = jnp.dtype(args.dtype)
+    target, tok = load_target(args.target, dtype=dtype)
+    drafter = None
+    if args.drafter:
+        drafter, _ = load_drafter(args.drafter, dtype=dtype)
+        check_compatible(target, drafter)
+    elif args.random_drafter:
+        from flax import nnx
+
+        from dspark_jax.config import DrafterConfig
+        from dspark_jax.drafter import Drafter
+
+        drafter = Drafter(DrafterConfig.for_target(target.cfg, gamma=args.random_drafter, num_layers=1,
+                                                   markov_rank=8), nnx.Rngs(args.seed), dtype=dtype)
+    return target, tok, drafter
+
+
+class PolicyServer:
+    """A fresh engine for one policy, served in-process on a free loopback port."""
+
+    def __init__(self, args, target, tok, drafter, policy: str, num_slots: int, max_queue: int):
+        from dspark_jax.serve import ServerThread, _parse_buckets, build_engine, build_server
+
+        t0 = time.perf_counter()
+        self.engine = build_engine(target, drafter, policy=policy, num_slots=num_slots, cache_len=args.cache_len,
+                                   buckets=_parse_buckets(args.buckets), sps_table=args.sps_table)
+        self.startup_s = time.perf_counter() - t0
+        app, self.loop = build_server(self.engine, tok, model_name=args.target, max_queue=max_queue, policy=policy)
+        self.thread = ServerThread(app)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.thread.stop()
+
+    @property
+    def url(self) -> str:
+        return self.thread.url
+
+
+def load_prompts(args, tok) -> list[str]:
+    from dspark_jax.eval import load_prompt_texts
+
+    spec = args.prompts or ("mt_bench" if args.chat else "tinystories")
+    texts, _ = load_prompt_texts(spec)
+    rng = random.Random(args.seed)
+    rng.shuffle(texts)
+    return texts
+
+
+def default_policies(args, has_drafter: bool) -> list[str]:
+    if args.policies:
+        return [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not has_drafter:
+        return ["plain"]
+    return ["plain"] + [f"fixed:{g}" for g in args.gammas.split(",")] + ["greedy", "dspark"]
+
+
+# --------------------------------------------------------------------------- sweep
+
+
+def sweep(args) -> dict[str, Any]:
+    target, tok, drafter = load_models(args)
+    if args.chat is None:
+        args.chat = bool(getattr(tok, "has_chat_template", False))
+    prompts = load_prompts(args, tok)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    num_slots = args.num_slots or max(levels)
+    policies = default_policies(args, drafter is not None)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.sps_table is None and any(p != "plain" for p in policies):
+        args.sps_table = str(out_dir / "sps_table.json")
+    runs: dict[str, list[dict]] = {}
+    startup: dict[str, float] = {}
+    for policy in policies:
+        with PolicyServer(args, target, tok, drafter, policy, num_slots, max_queue=max(levels) * 4) as srv:
+            startup[policy] = srv.startup_s
+            print(f"[{policy}] engine ready in {srv.startup_s:.1f} s", file=sys.stderr)
+            runs[policy] = []
+            for c in levels:
+                n = args.num_requests or max(8, 2 * c)
+                row = asyncio.run(run_level(srv.url, args.chat, prompts, c, n, args.max_tokens, args.temperature))
+                runs[policy].append(row)
+                print(f"[{policy}] c={c:3d}: {row['output_tok_s']:8.1f} tok/s, per user "
+                      f"{_fmt(row['per_user_tok_s'])} tok/s, ttft {_fmt(row['ttft_s'], '.2f')} s, "
+                      f"tau {_fmt(row['tau'], '.2f')}, ok {row['num_ok']}/{row['num_requests']}", file=sys.stderr)
+    add_ratios(runs)
+    result = {"target": args.target, "drafter": args.drafter or (f"random(gamma={args.random_drafter})"
+                                                                   if args.random_drafter else None),
+              "chat": args.chat, "prompts": args.prompts or ("mt_bench" if args.chat else "tinystories"),
+              "max_tokens": args.max_tokens, "temperature": args.temperature, "num_slots": num_slots,
+              "cache_len": args.cache_len, "concurrency": levels, "policies": policies,
+              "engine_startup_s": startup, "device": _device(), "runs": runs}
+    (out_dir / "serve_load.json").write_text(json.dumps(result, indent=2))
+    plot(result, out_dir / "serve_load.png")
+    print(table(result))
+    print(f"wrote {out_dir / 'serve_load.json'} and {out_dir / 'serve_load.png'}", file=sys.stderr)
+    return result
+
+
+def add_ratios(runs: dict[str, list[dict]]) -> None:
+    """Adds ``*_vs_plain`` and ``*_vs_best_fixed`` ratios to every row (same concurrency)."""
+    fixed = [p for p in runs if p.startswith("fixed:")]
+    for i, _ in enumerate(next(iter(runs.values()), [])):
+        for key in ("output_tok_s", "per_user_tok_s"):
+            plain = runs["plain"][i][key] if "plain" in runs else None
+            best = max((runs[p][i][key] or 0.0 for p in fixed), default=None)
+            best_name = max(fixed, key=lambda p: runs[p][i][key] or 0.0) if fixed else None
+            for p in runs:
+                v = runs[p][i][key]
+                runs[p][i][f"{key}_vs_plain"] = v / plain if v and plain else None
+                runs[p][i][f"{key}_vs_best_fixed"] = v / best if v and best else None
+                runs[p][i]["best_fixed"] = best_name
+
+
+def _fmt(x, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(result: dict) -> str:
+    head = ("| policy | concurrency | output tok/s | per-user tok/s | TTFT s | tau | acc. rate | out vs plain "
+            "| out vs best fixed | per-user vs plain | per-user vs best fixed |")
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for p, rows in result["runs"].items():
+        for r in rows:
+            lines.append(f"| {p} | {r['concurrency']} | {_fmt(r['output_tok_s'])} | {_fmt(r['per_user_tok_s'])} | "
+                         f"{_fmt(r['ttft_s'], '.2f')} | {_fmt(r['tau'], '.2f')} | {_fmt(r['acceptance_rate'], '.2f')} | "
+                         f"{_fmt(r['output_tok_s_vs_plain'], '.2f')} | {_fmt(r['output_tok_s_vs_best_fixed'], '.2f')} | "
+                         f"{_fmt(r['per_user_tok_s_vs_plain'], '.2f')} | "
+                         f"{_fmt(r['per_user_tok_s_vs_best_fixed'], '.2f')} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, title in ((axes[0], "output_tok_s", "output tokens/s (all users)"),
+                           (axes[1], "per_user_tok_s", "per-user tokens/s (decode)")):
+        for p, rows in result["runs"].items():
+            xs = [r["concurrency"] for r in rows if r[key]]
+            ys = [r[key] for r in rows if r[key]]
+            ax.plot(xs, ys, marker="o", label=p, linestyle="--" if p.startswith("fixed:") else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(result["concurrency"], [str(c) for c in result["concurrency"]])
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{result['target']}, drafter {result['drafter']}, max_tokens {result['max_tokens']}, "
+                 f"T={result['temperature']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _device() -> str:
+    import jax
+
+    d = jax.devices()[0]
+    return f"{d.platform}:{getattr(d, 'device_kind', '')} x{jax.device_count()} ({os.cpu_count()} host cores)"
+
+
+# --------------------------------------------------------------------------- stress
+
+
+def random_settings(rng: random.Random, max_tokens: int) -> dict:
+    s = {"seed": rng.randrange(2**31), "temperature": rng.choice([0.0, 0.0, 0.5, 1.0, 1.3]),
+         "top_k": rng.choice([0, 0, 1, 5, 40]), "top_p": rng.choice([1.0, 1.0, 0.9, 0.5]),
+         "max_tokens": rng.randint(1, max_tokens)}
+    if rng.random() < 0.2:
+        s["stop"] = rng.choice([".", [" the", "!"], "\n", ["and"]])
+    return s
+
+
+async def stress_load(url: str, chat: bool, prompts: list[str], args) -> list[dict]:
+    rng = random.Random(args.seed)
+    jobs = []
+    for i in range(args.stress_requests):
+        body = _body(rng.choice(prompts), chat, **random_settings(rng, args.max_tokens))
+        streaming = rng.random() < 0.5
+        hang = None
+        if rng.random() < args.disconnect_frac:
+            hang = rng.randint(1, 3) if streaming else rng.uniform(0.0, 0.3)
+        jobs.append({"i": i, "body": body, "stream": streaming, "hang": hang})
+    queue = list(jobs)
+    async with _client(url, args.stress_concurrency) as client:
+        async def one(job):
+            if job["stream"]:
+                return await stream_request(client, chat, job["body"], hang_up_after=job["hang"])
+            if job["hang"] is None:
+                return await plain_request(client, chat, job["body"])
+            task = asyncio.ensure_future(plain_request(client, chat, job["body"]))
+            done, _ = await asyncio.wait({task}, timeout=job["hang"])
+            if task in done:
+                return task.result()
+            task.cancel()  # closes the connection mid-request
+            with __import__("contextlib").suppress(BaseException):
+                await task
+            return Result(ok=False, disconnected=True)
+
+        async def worker():
+            while queue:
+                job = queue.pop(0)
+                job["result"] = await one(job)
+
+        await asyncio.gather(*(worker() for _ in range(args.stress_concurrency)))
+    return jobs
+
+
+async def rerun_alone(url: str, chat: bool, jobs: list[dict]) -> None:
+    async with _client(url, 1) as client:
+        for job in jobs:
+            job["alone"] = await plain_request(client, chat, job["body"])
+
+
+async def wait_idle(url: str, timeout: float = 60.0) -> dict:
+    import httpx
+
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(base_url=url) as c:
+        while True:
+            h = (await c.get("/health")).json()
+            if (h["running"] == 0 and h["waiting"] == 0) or time.monotonic() - t0 > timeout:
+                return h
+            await asyncio.sleep(0.1)
+
+
+def stress(args) -> dict[str, Any]:
+    import httpx
+
+    target, tok, drafter = load_models(args)
+    if args.chat is None:
+        args.chat = bool(getattr(tok, "has_chat_template", False))
+    prompts = load_prompts(args, tok)
+    policy = args.stress_policy or ("dspark" if drafter is not None else "plain")
+    num_slots = args.num_slots or 16
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.sps_table is None and policy != "plain":
+        args.sps_table = str(out_dir / "sps_table.json")
+    t0 = time.perf_counter()
+    with PolicyServer(args, target, tok, drafter, policy, num_slots, max_queue=args.stress_requests) as srv:
+        print(f"[stress] {policy}, {num_slots} slots, engine ready in {srv.startup_s:.1f} s; "
+              f"{args.stress_requests} requests at concurrency {args.stress_concurrency}", file=sys.stderr)
+        jobs = asyncio.run(stress_load(srv.url, args.chat, prompts, args))
+        load_s = time.perf_counter() - t0
+        health = asyncio.run(wait_idle(srv.url))
+        metrics_text = httpx.get(srv.url + "/metrics").text
+        completed = [j for j in jobs if j["result"].ok and not j["result"].disconnected]
+        asyncio.run(rerun_alone(srv.url, args.chat, completed))
+        health_after = asyncio.run(wait_idle(srv.url))
+        alive = srv.loop.alive and srv.thread.thread.is_alive()
+    mismatches = []
+    for j in completed:
+        a, b = j["result"], j["alone"]
+        if not b.ok or (a.token_ids, a.text, a.finish_reason) != (b.token_ids, b.text, b.finish_reason):
+            mismatches.append({"i": j["i"], "body": j["body"], "stream": j["stream"],
+                               "concurrent": [a.token_ids, a.text, a.finish_reason],
+                               "alone": [b.token_ids, b.text, b.finish_reason, b.error]})
+    failed = [j for j in jobs if not j["result"].ok and not j["result"].disconnected]
+    leak = not (health["running"] == 0 and health["waiting"] == 0 and health["free_slots"] == health["num_slots"])
+    leak_after = not (health_after["free_slots"] == health_after["num_slots"])
+    aborted = sum(float(line.split()[-1]) for line in metrics_text.splitlines()
+                  if line.startswith("dspark:request_aborted_total"))
+    report = {
+        "target": args.target, "policy": policy, "num_slots": num_slots, "requests": len(jobs),
+        "concurrency": args.stress_concurrency, "disconnect_frac": args.disconnect_frac,
+        "completed": len(completed), "client_disconnects": sum(j["result"].disconnected for j in jobs),
+        "server_aborted_requests": aborted, "failed": len(failed),
+        "failures": [{"i": j["i"], "status": j["result"].status, "error": j["result"].error} for j in failed[:10]],
+        "load_seconds": load_s, "health_after_load": health, "health_at_end": health_after,
+        "slot_leak": leak or leak_after, "server_alive": alive,
+        "identical_to_alone": len(completed) - len(mismatches), "mismatches": mismatches[:10],
+        "num_mismatches": len(mismatches),
+    }
+    report["passed"] = bool(alive and not report["slot_leak"] and not mismatches and not failed and completed)
+    (out_dir / "stress.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("mismatches", "failures")}, indent=2))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dspark_jax.errors import run_cli
+
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        apply_quick(args)
+    args.target = args.target or "smollm2-135m-instruct"
+    if args.stress:
+        status, rep = run_cli(stress, args)
+        return status or (0 if rep["passed"] else 1)
+    status, _ = run_cli(sweep, args)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
