@@ -277,29 +277,34 @@ def load_models(args):
     return target, tok, drafter
 
 
-class PolicyServer:
-    """A fresh engine for one policy, served in-process on a free loopback port."""
+def engine_for(args, target, drafter, policy: str, num_slots: int, engine=None):
+    """A warmed-up engine running ``policy``: built on first use, then reconfigured.
 
-    def __init__(self, args, target, tok, drafter, policy: str, num_slots: int, max_queue: int):
-        from dspark_jax.serve import ServerThread, _parse_buckets, build_engine, build_server
+    Reconfiguring (``Engine.set_policy`` + ``warmup``) compiles only the step buckets the new
+    policy adds and keeps the SPS table when it covers them, so a sweep pays for compilation
+    once. (The online calibration state carries over, as on a long-running server.)
+    """
+    from dspark_jax.serve import _parse_buckets, build_engine
 
-        t0 = time.perf_counter()
-        self.engine = build_engine(target, drafter, policy=policy, num_slots=num_slots, cache_len=args.cache_len,
-                                   buckets=_parse_buckets(args.buckets), sps_table=args.sps_table)
-        self.startup_s = time.perf_counter() - t0
-        app, self.loop = build_server(self.engine, tok, model_name=args.target, max_queue=max_queue, policy=policy)
-        self.thread = ServerThread(app)
+    t0 = time.perf_counter()
+    if engine is None:
+        engine = build_engine(target, drafter, policy=policy, num_slots=num_slots, cache_len=args.cache_len,
+                              buckets=_parse_buckets(args.buckets), sps_table=args.sps_table)
+    else:
+        engine.set_policy(policy)
+        engine.warmup()
+        if args.sps_table and engine.sps_table is not None:
+            engine.sps_table.save(args.sps_table)
+    engine.reset_metrics()
+    return engine, time.perf_counter() - t0
 
-    def __enter__(self):
-        self.thread.start()
-        return self
 
-    def __exit__(self, *exc):
-        self.thread.stop()
+def serve(engine, tok, args, policy: str, max_queue: int):
+    """``(ServerThread, EngineLoop)``: ``engine`` behind the HTTP server on a free loopback port."""
+    from dspark_jax.serve import ServerThread, build_server
 
-    @property
-    def url(self) -> str:
-        return self.thread.url
+    app, loop = build_server(engine, tok, model_name=args.target, max_queue=max_queue, policy=policy)
+    return ServerThread(app), loop
 
 
 def load_prompts(args, tok) -> list[str]:
@@ -323,8 +328,13 @@ def default_policies(args, has_drafter: bool) -> list[str]:
 # --------------------------------------------------------------------------- sweep
 
 
-def sweep(args) -> dict[str, Any]:
-    target, tok, drafter = load_models(args)
+def sweep(args, models: tuple | None = None, engine=None) -> dict[str, Any]:
+    """The concurrency sweep over every policy.
+
+    ``models``: ``(target, tokenizer, drafter)`` already loaded (default: from ``args``);
+    ``engine``: an idle warmed-up engine on them to reconfigure instead of building one.
+    """
+    target, tok, drafter = models or load_models(args)
     if args.chat is None:
         args.chat = bool(getattr(tok, "has_chat_template", False))
     prompts = load_prompts(args, tok)
@@ -338,9 +348,10 @@ def sweep(args) -> dict[str, Any]:
     runs: dict[str, list[dict]] = {}
     startup: dict[str, float] = {}
     for policy in policies:
-        with PolicyServer(args, target, tok, drafter, policy, num_slots, max_queue=max(levels) * 4) as srv:
-            startup[policy] = srv.startup_s
-            print(f"[{policy}] engine ready in {srv.startup_s:.1f} s", file=sys.stderr)
+        engine, startup[policy] = engine_for(args, target, drafter, policy, num_slots, engine)
+        print(f"[{policy}] engine ready in {startup[policy]:.1f} s", file=sys.stderr)
+        srv, _ = serve(engine, tok, args, policy, max_queue=max(levels) * 4)
+        with srv:
             runs[policy] = []
             for c in levels:
                 n = args.num_requests or max(8, 2 * c)
@@ -507,10 +518,12 @@ def stress(args) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.sps_table is None and policy != "plain":
         args.sps_table = str(out_dir / "sps_table.json")
+    engine, startup_s = engine_for(args, target, drafter, policy, num_slots)
+    print(f"[stress] {policy}, {num_slots} slots, engine ready in {startup_s:.1f} s; "
+          f"{args.stress_requests} requests at concurrency {args.stress_concurrency}", file=sys.stderr)
+    srv, loop = serve(engine, tok, args, policy, max_queue=args.stress_requests)
     t0 = time.perf_counter()
-    with PolicyServer(args, target, tok, drafter, policy, num_slots, max_queue=args.stress_requests) as srv:
-        print(f"[stress] {policy}, {num_slots} slots, engine ready in {srv.startup_s:.1f} s; "
-              f"{args.stress_requests} requests at concurrency {args.stress_concurrency}", file=sys.stderr)
+    with srv:
         jobs = asyncio.run(stress_load(srv.url, args.chat, prompts, args))
         load_s = time.perf_counter() - t0
         health = asyncio.run(wait_idle(srv.url))
@@ -518,7 +531,7 @@ def stress(args) -> dict[str, Any]:
         completed = [j for j in jobs if j["result"].ok and not j["result"].disconnected]
         asyncio.run(rerun_alone(srv.url, args.chat, completed))
         health_after = asyncio.run(wait_idle(srv.url))
-        alive = srv.loop.alive and srv.thread.thread.is_alive()
+        alive = loop.alive and srv.thread.is_alive()
     mismatches = []
     for j in completed:
         a, b = j["result"], j["alone"]

@@ -91,6 +91,9 @@ def build_engine(target, drafter=None, *, policy: str | None = None, num_slots: 
     Args:
       policy: ``plain | fixed:G | threshold:C | greedy | dspark``; ``None`` = ``dspark``
         with a drafter, ``plain`` without.
+      sps_table: an ``SPSTable``, or a JSON path: loaded when it exists (the engine reuses it
+        only if it was measured for this device, model and shape), and after warm-up the
+        table in use (loaded or freshly profiled) is written there.
       eos_token_ids: default: the target's EOS ids.
     Raises:
       DSparkInputError: bad slot count / cache length, or a speculative policy without a drafter.
@@ -109,12 +112,19 @@ def build_engine(target, drafter=None, *, policy: str | None = None, num_slots: 
               eos_token_ids=tuple(eos_token_ids if eos_token_ids is not None else target.cfg.eos_ids))
     if buckets is not None:
         kw["buckets"] = tuple(buckets)
-    if sps_table is not None:
+    table_path = Path(sps_table) if isinstance(sps_table, (str, Path)) else None
+    if table_path is not None:
+        if table_path.exists():
+            kw["sps_table"] = table_path
+    elif sps_table is not None:
         kw["sps_table"] = sps_table
     kw.update(engine_kwargs)
     engine = Engine(target, drafter if policy != "plain" else None, **kw)
     if warmup:
         engine.warmup()
+        if table_path is not None and engine.sps_table is not None:
+            table_path.parent.mkdir(parents=True, exist_ok=True)
+            engine.sps_table.save(table_path)
     return engine
 
 
@@ -124,7 +134,9 @@ def build_server(engine, tokenizer, *, model_name: str, max_queue: int = 256, de
     from .server import EngineLoop, ServerConfig, create_app
 
     loop = EngineLoop(engine, tokenizer, max_queue=max_queue, model_name=model_name)
-    cfg = ServerConfig(model_name=model_name, context_len=int(engine.cache_len), vocab_size=int(tokenizer.vocab_size),
+    tcfg = engine.target.cfg
+    cfg = ServerConfig(model_name=model_name, context_len=int(min(engine.cache_len, tcfg.max_position)),
+                       vocab_size=int(tcfg.vocab_size),
                        default_max_tokens=default_max_tokens, chat_template=chat_template, policy=policy)
     return create_app(loop, tokenizer, cfg), loop
 
@@ -191,6 +203,8 @@ def run(args: argparse.Namespace) -> None:
             raise DSparkInputError(f"{flag} is too small")
     if not 0 < args.port < 65536:
         raise DSparkInputError("--port must be in 1..65535")
+    if args.policy and args.policy.strip().lower() != "plain" and not args.drafter:
+        raise DSparkInputError(f"policy {args.policy!r} needs a drafter (--drafter EXPORT_DIR); use --policy plain")
     if args.drafter:
         read_export_meta(args.drafter)  # fail fast, before loading the target
     chat_template = None

@@ -24,8 +24,9 @@ the engine emitted those tokens in one step or several.
 Per-request speculative metrics are returned in a ``spec_decode`` object beside
 ``usage``: ``num_steps`` (target verification passes the request took part in),
 ``num_draft_tokens`` (draft tokens verified), ``num_accepted_tokens``,
-``acceptance_rate`` = accepted / verified and ``tau`` = tokens emitted per step
-(accepted drafts + the bonus/correction token; DESIGN.md, "Metrics").
+``acceptance_rate`` = accepted / verified and ``tau`` = 1 + accepted / steps, the tokens a
+verification pass gives the request (accepted drafts + the bonus/correction token; DESIGN.md,
+"Metrics").
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ log = logging.getLogger("dspark_jax.server")
 
 __all__ = ["EngineLoop", "QueueFullError", "ServerClosedError", "create_app"]
 
-MAX_SEED = 2**63 - 1
+SEED_RANGE = (-(2**31), 2**31 - 1)  # the engine's PRNG seeds are int32
 MAX_STOP_STRINGS = 16
 
 
@@ -128,7 +129,7 @@ class TrackedRequest:
             "num_draft_tokens": self.num_verified,
             "num_accepted_tokens": self.num_accepted,
             "acceptance_rate": (self.num_accepted / self.num_verified) if self.num_verified else None,
-            "tau": (self.num_engine_tokens / self.num_steps) if self.num_steps else None,
+            "tau": (1.0 + self.num_accepted / self.num_steps) if self.num_steps else None,
         }
 
     def _put(self, ev: RequestEvent) -> None:
@@ -210,48 +211,65 @@ class _EngineCollector:
         yield gauge("dspark:num_free_slots", "Free decode slots.", snap["free_slots"])
         yield counter("dspark:engine_steps", "Engine generate() steps.", snap["steps"])
         for key, metric, doc in (
-                ("drafts", "dspark:spec_decode_num_drafts", "Draft blocks verified (request-steps with at "
-                                                            "least one draft token verified)."),
+                ("drafts", "dspark:spec_decode_num_drafts", "Request-steps that verified at least one draft token."),
                 ("draft_tokens", "dspark:spec_decode_num_draft_tokens", "Draft tokens verified."),
                 ("accepted_tokens", "dspark:spec_decode_num_accepted_tokens", "Draft tokens accepted."),
                 ("emitted_tokens", "dspark:spec_decode_num_emitted_tokens", "Tokens emitted by the engine "
-                                                                            "(accepted drafts + bonus)."),
+                                                                            "(prefill tokens, accepted drafts, "
+                                                                            "corrections and bonus tokens)."),
+                ("rounds", "dspark:spec_decode_num_rounds", "Request-steps (target verification passes summed "
+                                                            "over requests)."),
+                ("packed_tokens", "dspark:engine_packed_tokens", "Tokens in verification passes (anchors + drafts)."),
+                ("draft_steps", "dspark:engine_draft_steps", "Engine steps that ran the drafter."),
+                ("step_seconds", "dspark:engine_busy_seconds", "Seconds spent inside engine steps."),
         ):
-            if key in m:
+            if m.get(key) is not None:
                 yield counter(metric, doc, m[key])
         for key, metric, doc in (
-                ("accepted_per_pos", "dspark:spec_decode_num_accepted_tokens_per_pos",
+                ("position_accepted", "dspark:spec_decode_num_accepted_tokens_per_pos",
                  "Accepted draft tokens by block position (1-based)."),
-                ("reached_per_pos", "dspark:spec_decode_num_verified_tokens_per_pos",
+                ("position_reached", "dspark:spec_decode_num_verified_tokens_per_pos",
                  "Verified draft tokens by block position (1-based)."),
         ):
-            if key in m:
+            if m.get(key) is not None:
                 c = CounterMetricFamily(metric, doc, labels=["model_name", "position"])
                 for i, v in enumerate(_as_list(m[key])):
                     c.add_metric([name, str(i + 1)], float(v))
                 yield c
-        for key, metric, doc in (
-                ("calibration_temperatures", "dspark:calibration_temperature",
-                 "Online-calibrated confidence temperature T_k by block position (1-based)."),
-                ("predicted_acceptance", "dspark:calibration_predicted_acceptance",
-                 "Sliding-window mean predicted acceptance by block position."),
-                ("observed_acceptance", "dspark:calibration_observed_acceptance",
-                 "Sliding-window observed acceptance by block position."),
+        for key, label, metric, doc in (
+                ("budget_hist", "tokens", "dspark:engine_steps_by_budget", "Engine steps by packed-token budget."),
+                ("rows_hist", "rows", "dspark:engine_steps_by_rows", "Engine steps by row bucket."),
         ):
-            if key in m and m[key] is not None:
+            if isinstance(m.get(key), dict):
+                c = CounterMetricFamily(metric, doc, labels=["model_name", label])
+                for k, v in sorted(m[key].items()):
+                    c.add_metric([name, str(k)], float(v))
+                yield c
+        for key, metric, doc in (
+                ("mean_accepted_length", "dspark:spec_decode_mean_accepted_length",
+                 "Cumulative tau: tokens per request-step (accepted drafts + 1)."),
+                ("acceptance_rate", "dspark:spec_decode_acceptance_rate", "Cumulative accepted / verified drafts."),
+                ("compiles", "dspark:engine_compiles", "Compiled step/prefill executables (constant after warm-up)."),
+        ):
+            if isinstance(m.get(key), (int, float)):
+                yield gauge(metric, doc, m[key])
+        cal = m.get("calibration") or {}
+        for key, metric, doc in (
+                ("temperatures", "dspark:calibration_temperature",
+                 "Online-calibrated confidence temperature T_k by block position (1-based)."),
+                ("predicted", "dspark:calibration_predicted_acceptance",
+                 "Sliding-window mean calibrated confidence c_k by block position."),
+                ("observed", "dspark:calibration_observed_acceptance",
+                 "Sliding-window observed conditional acceptance by block position."),
+                ("observations", "dspark:calibration_window_observations",
+                 "Observations in the calibration window by block position."),
+        ):
+            if cal.get(key) is not None:
                 g = GaugeMetricFamily(metric, doc, labels=["model_name", "position"])
-                for i, v in enumerate(_as_list(m[key])):
+                for i, v in enumerate(_as_list(cal[key])):
                     if v is not None and math.isfinite(float(v)):
                         g.add_metric([name, str(i + 1)], float(v))
                 yield g
-        for key, value in sorted(m.items()):  # any other scalar the engine reports
-            if key in _ENGINE_KNOWN or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            yield gauge(f"dspark:engine_{_metric_name(key)}", f"Engine metric {key!r}.", value)
-
-
-_ENGINE_KNOWN = {"drafts", "draft_tokens", "accepted_tokens", "emitted_tokens", "accepted_per_pos", "reached_per_pos",
-                 "calibration_temperatures", "predicted_acceptance", "observed_acceptance"}
 
 
 def _metric_name(key: str) -> str:
@@ -439,7 +457,10 @@ class EngineLoop:
             self._route(t, out, now)
 
     def _route(self, t: TrackedRequest, out, now: float) -> None:
-        t.num_steps += 1
+        # A request that ended at prefill (first token EOS, max_tokens 1) is reported with no
+        # verification pass behind it: it counts no step.
+        if not (t.num_steps == 0 and out.finished and len(out.token_ids) <= 1 and not out.num_verified):
+            t.num_steps += 1
         t.num_verified += int(out.num_verified)
         t.num_accepted += int(out.num_accepted)
         new = [int(i) for i in out.token_ids]
@@ -576,7 +597,7 @@ class _SamplingRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1, description="0 or -1 = off")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     stream: bool = False

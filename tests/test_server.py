@@ -1,0 +1,397 @@
+"""The HTTP server (``dspark_jax.server``) over the real engine, through real HTTP.
+
+One engine for the module (compilation dominates the run time): stories260K target, a
+randomly initialised drafter (block of 2), the deployed ``dspark`` scheduler, 2 slots, a
+64-token context. :class:`TestHTTP` serves it with uvicorn in a thread and drives it with
+httpx: greedy requests are checked token for token against plain autoregressive decoding,
+sampled requests sent concurrently against the same requests sent alone. The quick load
+benchmark then reconfigures the same engine for each policy (no step recompiles: the
+drafter's block size makes ``fixed:2`` reuse the scheduler's buckets).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import MODELS_DIR
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
+                "{% if add_generation_prompt %}assistant:{% endif %}"
+NUM_SLOTS, CACHE_LEN, GAMMA = 2, 64, 2
+
+
+@pytest.fixture(scope="module")
+def models(stories260k_dir):
+    os.environ.setdefault("DSPARK_MODELS", str(MODELS_DIR))
+    from flax import nnx
+
+    from dspark_jax.api import load_target
+    from dspark_jax.config import DrafterConfig
+    from dspark_jax.drafter import Drafter
+
+    target, tok = load_target("stories260k")
+    drafter = Drafter(DrafterConfig.for_target(target.cfg, gamma=GAMMA, num_layers=1, markov_rank=8), nnx.Rngs(0))
+    return target, tok, drafter
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    from dspark_jax.serve import build_engine
+
+    target, _, drafter = models
+    return build_engine(target, drafter, policy="dspark", num_slots=NUM_SLOTS, cache_len=CACHE_LEN)
+
+
+@pytest.fixture(scope="class")
+def server(models, engine):
+    from dspark_jax.serve import ServerThread, build_server
+
+    target, tok, _ = models
+    app, loop = build_server(engine, tok, model_name="stories260k", max_queue=64, default_max_tokens=16,
+                             chat_template=CHAT_TEMPLATE, policy="dspark")
+    with ServerThread(app) as srv:
+        srv.loop, srv.tok, srv.target = loop, tok, target
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _wait_idle(client, timeout: float = 10.0) -> dict:
+    t0 = time.monotonic()
+    while True:
+        h = client.get("/health").json()
+        if (h["running"] == 0 and h["waiting"] == 0) or time.monotonic() - t0 > timeout:
+            return h
+        time.sleep(0.02)
+
+
+def _sse_events(lines) -> list:
+    out = []
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+class TestHTTP:
+    """Everything through HTTP against one running server."""
+
+    # --------------------------------------------------------------------------- completions
+
+
+    def test_completion_greedy_matches_plain_decoding(self, server, client):
+        from dspark_jax.decode import generate_autoregressive
+
+        prompt = "Once upon a time"
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0,
+                                                 "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "text_completion" and body["model"] == "stories260k"
+        ch = body["choices"][0]
+        ids = server.tok.encode(prompt)
+        ref = generate_autoregressive(server.target, [ids], max_new_tokens=24, temperature=0.0).generations[0]
+        assert ch["token_ids"] == ref.token_ids and ch["finish_reason"] == "length"
+        assert ch["text"] == server.tok.decode(ref.token_ids, skip_special_tokens=True)
+        assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 24, "total_tokens": len(ids) + 24}
+        sd = body["spec_decode"]
+        assert 1 <= sd["num_steps"] <= 23 and sd["tau"] == pytest.approx(1 + sd["num_accepted_tokens"] / sd["num_steps"])
+        assert 0 <= sd["num_accepted_tokens"] <= sd["num_draft_tokens"] <= GAMMA * sd["num_steps"]
+        if sd["num_draft_tokens"]:
+            assert sd["acceptance_rate"] == pytest.approx(sd["num_accepted_tokens"] / sd["num_draft_tokens"])
+        # the default max_tokens applies when none is given; token ids work as a prompt too
+        r2 = client.post("/v1/completions", json={"prompt": ids, "temperature": 0})
+        assert r2.status_code == 200 and r2.json()["usage"]["completion_tokens"] == 16
+        assert r2.json()["choices"][0]["text"] == server.tok.decode(ref.token_ids[:16], skip_special_tokens=True)
+
+
+    def test_chat_completion_uses_template(self, server, client):
+        msgs = [{"role": "system", "content": "Tell a story."}, {"role": "user", "content": "A cat and a dog"}]
+        r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 10, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+        msg = body["choices"][0]["message"]
+        assert msg["role"] == "assistant" and isinstance(msg["content"], str)
+        rendered = "system: Tell a story.\nuser: A cat and a dog\nassistant:"
+        assert body["usage"]["prompt_tokens"] == len(server.tok.encode(rendered, add_bos=False))
+        # the same rendered prompt through /v1/completions gives the same answer
+        r2 = client.post("/v1/completions", json={"prompt": server.tok.encode(rendered, add_bos=False),
+                                                  "max_tokens": 10, "temperature": 0})
+        assert r2.json()["choices"][0]["text"] == msg["content"]
+        models = client.get("/v1/models").json()
+        assert models["data"][0]["id"] == "stories260k" and models["data"][0]["max_model_len"] == CACHE_LEN
+
+
+    def test_streaming_sse_format(self, client):
+        req = {"prompt": "Tom and Lily went to the park", "max_tokens": 20, "temperature": 0.8, "seed": 7,
+               "stop": ["park."], "return_token_ids": True}
+        full = client.post("/v1/completions", json=req).json()
+        with client.stream("POST", "/v1/completions", json=dict(req, stream=True,
+                                                                 stream_options={"include_usage": True})) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            events = _sse_events(r.iter_lines())
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+        usage_chunk = chunks[-1]
+        assert usage_chunk["choices"] == [] and usage_chunk["usage"] == full["usage"]
+        finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+        assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
+        assert finals[0]["spec_decode"]["num_steps"] >= 1
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        ids = [i for c in chunks if c["choices"] for i in c["choices"][0].get("token_ids", [])]
+        assert text == full["choices"][0]["text"] and ids == full["choices"][0]["token_ids"]
+
+        with client.stream("POST", "/v1/chat/completions",
+                           json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0,
+                                 "stream": True}) as r:
+            events = _sse_events(r.iter_lines())
+        assert events[-1] == "[DONE]"
+        assert events[0]["object"] == "chat.completion.chunk" and events[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-2]["usage"]["completion_tokens"] == 6
+
+
+    def test_stop_strings_cut_text_and_free_slot(self, server, client):
+        base = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "return_token_ids": True}
+        free = client.post("/v1/completions", json=base).json()["choices"][0]
+        assert "Lily" in free["text"]
+        r = client.post("/v1/completions", json=dict(base, stop=["Lily", "zzz"])).json()
+        ch = r["choices"][0]
+        assert ch["finish_reason"] == "stop" and ch["text"] == free["text"][:free["text"].index("Lily")]
+        # the shortest token prefix whose text contains the stop string
+        n = len(ch["token_ids"])
+        assert ch["token_ids"] == free["token_ids"][:n]
+        assert "Lily" in server.tok.decode(free["token_ids"][:n], skip_special_tokens=True)
+        assert "Lily" not in server.tok.decode(free["token_ids"][:n - 1], skip_special_tokens=True)
+        # a stop token id ends the request too (the engine checks it)
+        sid = free["token_ids"][5]
+        r = client.post("/v1/completions", json=dict(base, stop_token_ids=[sid])).json()["choices"][0]
+        assert r["finish_reason"] == "stop" and r["token_ids"] == free["token_ids"][:free["token_ids"].index(sid) + 1]
+        assert _wait_idle(client)["free_slots"] == NUM_SLOTS
+
+
+    # --------------------------------------------------------------------------- errors
+
+
+    @pytest.mark.parametrize("body,needle", [
+        ({"prompt": ""}, "empty"),
+        ({"prompt": "   "}, "empty"),
+        ({"prompt": []}, "empty"),
+        ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "temperature": -0.1}, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+        ({"prompt": "hi", "top_k": -2}, "top_k"),
+        ({"prompt": "hi", "seed": 2**31}, "seed"),
+        ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+        ({"prompt": "hi", "n": 2}, "n"),
+        ({"prompt": "hi", "stop": [""]}, "stop"),
+        ({"prompt": "hi", "stop_token_ids": [100000]}, "stop_token_ids"),
+        ({"prompt": [5, 100000]}, "vocabulary"),
+        ({"prompt": "word " * 200}, "context"),
+        ({"prompt": "hi", "max_tokens": CACHE_LEN}, "context"),
+        ({"max_tokens": 5}, "prompt"),
+    ])
+    def test_invalid_completion_requests_get_400(self, client, body, needle):
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and needle in err["message"] + str(err["param"])
+
+
+    def test_invalid_bodies_get_400(self, client):
+        r = client.post("/v1/completions", content=b'{"prompt": "hi",', headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+        for body in ({"messages": []}, {"messages": [{"role": "user", "content": ""}]}, {"messages": "hi"},
+                     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}):
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400, (body, r.text)
+            assert r.json()["error"]["message"]
+        r = client.post("/v1/completions", json={"prompt": "hi", "stream": True, "temperature": -1})
+        assert r.status_code == 400  # validated before any event is streamed
+        assert client.get("/health").json()["status"] == "ok"
+
+
+    def test_queue_full_gets_429(self, server, client):
+        old = server.loop.max_queue
+        server.loop.max_queue = 1
+        try:
+            async def burst():
+                async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+                    return await asyncio.gather(*(c.post("/v1/completions", json={
+                        "prompt": "Once upon a time", "max_tokens": 50, "temperature": 0}) for _ in range(8)))
+
+            rs = asyncio.run(burst())
+        finally:
+            server.loop.max_queue = old
+        codes = sorted(r.status_code for r in rs)
+        assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
+        err = next(r for r in rs if r.status_code == 429).json()["error"]
+        assert err["type"] == "rate_limit_error" and "queue is full" in err["message"]
+        assert _metric(client.get("/metrics").text, "dspark:request_rejected_total", status="429") >= codes.count(429)
+        assert _wait_idle(client)["free_slots"] == NUM_SLOTS
+
+
+    # --------------------------------------------------------------------------- disconnects
+
+
+    def test_client_disconnect_frees_slot(self, server, client):
+        long = {"prompt": "Once upon a time", "max_tokens": CACHE_LEN - 8, "temperature": 0}
+        before = _metric(client.get("/metrics").text, "dspark:request_aborted_total")
+        with client.stream("POST", "/v1/completions", json=dict(long, stream=True)) as r:  # streaming: hang up
+            it = r.iter_lines()
+            got = [line for _, line in zip(range(3), it)]
+            assert got[0].startswith("data: ")
+        h = _wait_idle(client)
+        assert h["running"] == 0 and h["free_slots"] == NUM_SLOTS
+        mid = _metric(client.get("/metrics").text, "dspark:request_aborted_total")
+        assert mid == before + 1
+        with pytest.raises(httpx.ReadTimeout):  # non-streaming: the client times out and closes the connection
+            httpx.post(server.url + "/v1/completions", json=long, timeout=httpx.Timeout(60, read=0.05))
+        h = _wait_idle(client)
+        assert h["running"] == 0 and h["free_slots"] == NUM_SLOTS
+        assert _metric(client.get("/metrics").text, "dspark:request_aborted_total") == mid + 1
+        # the server keeps serving
+        assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).status_code == 200
+
+
+    # --------------------------------------------------------------------------- metrics, exactness under load
+
+
+    def test_metrics_expose_spec_decode_counters(self, client):
+        def scrape():
+            return client.get("/metrics").text
+
+        before = scrape()
+        bodies = [client.post("/v1/completions", json={"prompt": p, "max_tokens": 12, "temperature": 0}).json()
+                  for p in ("Once upon a time", "The dog ran")]
+        _wait_idle(client)
+        after = scrape()
+        for name in ("dspark:spec_decode_num_drafts_total", "dspark:spec_decode_num_draft_tokens_total",
+                     "dspark:spec_decode_num_accepted_tokens_total", "dspark:num_requests_running",
+                     "dspark:num_requests_waiting", "dspark:time_to_first_token_seconds_bucket",
+                     "dspark:time_per_output_token_seconds_bucket", "dspark:e2e_request_latency_seconds_count",
+                     "dspark:request_success_total", "dspark:generation_tokens_total", "dspark:prompt_tokens_total"):
+            assert name in after, name
+        assert 'dspark:spec_decode_num_accepted_tokens_per_pos_total{model_name="stories260k",position="1"}' in after
+        assert 'dspark:calibration_temperature{model_name="stories260k",position="1"}' in after
+
+        def delta(name, **kw):
+            return _metric(after, name, **kw) - _metric(before, name, **kw)
+
+        assert delta("dspark:request_success_total", finished_reason="length") == 2
+        assert delta("dspark:generation_tokens_total") == 24
+        assert delta("dspark:time_to_first_token_seconds_count") == 2
+        # the engine's cumulative counters agree with the per-request metrics
+        assert delta("dspark:spec_decode_num_draft_tokens_total") == sum(b["spec_decode"]["num_draft_tokens"]
+                                                                          for b in bodies)
+        assert delta("dspark:spec_decode_num_accepted_tokens_total") == sum(b["spec_decode"]["num_accepted_tokens"]
+                                                                             for b in bodies)
+        assert delta("dspark:spec_decode_num_accepted_tokens_per_pos_total") == \
+            delta("dspark:spec_decode_num_accepted_tokens_total")
+        assert _metric(after, "dspark:num_requests_running") == 0
+        assert _metric(after, "dspark:num_free_slots") == NUM_SLOTS
+
+
+    def test_concurrent_seeded_requests_equal_alone(self, server, client):
+        prompts = ["Once upon a time", "The cat sat on the mat", "Tom and Lily", "One day, a bird", "Sam had a red ball",
+                   "The sun was hot"]
+        reqs = []
+        for i, p in enumerate(prompts):
+            reqs.append({"prompt": p, "max_tokens": 8 + 6 * i, "temperature": [0.0, 0.7, 1.0, 1.3][i % 4],
+                         "top_k": [0, 20, 0, 5][i % 4], "top_p": [1.0, 1.0, 0.9, 0.8][i % 4], "seed": 100 + i,
+                         "return_token_ids": True, "stream": i % 2 == 1, **({"stop": ["."]} if i == 3 else {})})
+
+        async def one(c, body):
+            if not body["stream"]:
+                ch = (await c.post("/v1/completions", json=body)).json()["choices"][0]
+                return ch["token_ids"], ch["text"], ch["finish_reason"]
+            ids, text, fin = [], "", None
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        ch = json.loads(line[6:])["choices"][0]
+                        ids += ch.get("token_ids", [])
+                        text += ch["text"]
+                        fin = ch["finish_reason"] or fin
+            return ids, text, fin
+
+        async def together():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+                return await asyncio.gather(*(one(c, b) for b in reqs))
+
+        concurrent = asyncio.run(together())
+        alone = []
+        for b in reqs:
+            ch = client.post("/v1/completions", json=dict(b, stream=False)).json()["choices"][0]
+            alone.append((ch["token_ids"], ch["text"], ch["finish_reason"]))
+        assert concurrent == alone
+        assert len({tuple(a[0]) for a in alone}) == len(alone)
+        assert _wait_idle(client)["free_slots"] == NUM_SLOTS
+
+
+# --------------------------------------------------------------------------- CLI and benchmark
+
+
+def test_serve_cli_rejects_speculative_policy_without_drafter(capsys):
+    from dspark_jax.serve import main
+
+    assert main(["--target", "stories260k", "--policy", "dspark"]) == 2
+    assert "needs a drafter" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_serve_load_quick_writes_table_json_png(models, engine, tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import serve_load
+    finally:
+        sys.path.pop(0)
+    args = serve_load.build_parser().parse_args([
+        "--quick", "--policies", "plain,fixed:2,dspark", "--concurrency", "1,2", "--num-requests", "2",
+        "--max-tokens", "6", "--num-slots", str(NUM_SLOTS), "--cache-len", str(CACHE_LEN), "--out", str(tmp_path)])
+    serve_load.apply_quick(args)
+    compiles = engine.metrics()["compiles"]
+    res = serve_load.sweep(args, models=models, engine=engine)
+    assert engine.metrics()["compiles"] == compiles  # reconfigured, not recompiled
+    out = capsys.readouterr().out
+    assert "| policy | concurrency | output tok/s |" in out and "| dspark | 2 |" in out
+    assert json.loads((tmp_path / "serve_load.json").read_text()) == json.loads(json.dumps(res))
+    assert res["policies"] == ["plain", "fixed:2", "dspark"] and res["concurrency"] == [1, 2]
+    for p in res["policies"]:
+        for row in res["runs"][p]:
+            assert row["num_ok"] == 2 and row["output_tokens"] == 12 and row["output_tok_s"] > 0, (p, row)
+            assert row["best_fixed"] == "fixed:2" and row["per_user_tok_s"] > 0
+    assert res["runs"]["plain"][0]["output_tok_s_vs_plain"] == pytest.approx(1.0)
+    assert res["runs"]["fixed:2"][1]["output_tok_s_vs_best_fixed"] == pytest.approx(1.0)
+    assert res["runs"]["plain"][0]["acceptance_rate"] is None  # plain decoding verifies no drafts
+    assert (tmp_path / "serve_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "sps_table.json").exists()
