@@ -182,6 +182,80 @@ class Target(nnx.Module):
         new_cache = None if cache is None else KVCache(*new_kv)
         return TargetOutput(logits, features, new_cache)
 
+    def forward_packed(self, tokens: jax.Array, rows: jax.Array, cols: jax.Array, positions: jax.Array,
+                       cache: KVCache, *, num_rows: int, width: int, taps: Sequence[int] = ()) -> TargetOutput:
+        """Decoder pass over tokens of many requests packed into one sequence (serving).
+
+        Packed token ``i`` belongs to cache row ``rows[i]`` (a request's decode slot) and
+        sits at absolute position ``positions[i]``; ``cols[i]`` is its index inside its
+        row's block (0 for the anchor). The projections and the MLP run over the ``K``
+        packed tokens only, so their cost follows the token budget ``K``, not the number
+        of rows times the block size (DESIGN.md "Verification": one compiled pass per
+        token-budget bucket). For attention the queries are scattered into a padded
+        ``[num_rows, width]`` grid so that every row reads its own cache row once: each
+        layer first writes the block's keys/values at ``(rows[i], positions[i])``, then a
+        query at position ``p`` attends to its row's cache slots ``<= p``, i.e. the
+        request's committed context plus the earlier tokens of its own block.
+
+        Args:
+          tokens: ``[K]`` int32 token ids.
+          rows: ``[K]`` int32 cache rows in ``[0, num_rows)``.
+          cols: ``[K]`` int32 in ``[0, width)``; distinct ``(row, col)`` for valid tokens.
+          positions: ``[K]`` int32 absolute positions; a position outside
+            ``[0, cache.length)`` marks a padding token: nothing is written for it and
+            its outputs are garbage (finite).
+          cache: KV cache ``[L, B, S, kvh, hd]`` with ``B >= num_rows``.
+          num_rows: static number of leading cache rows attention reads.
+          width: static maximum tokens per row in this pass.
+          taps: layers whose outputs are returned as features (see :meth:`__call__`).
+
+        Returns:
+          :class:`TargetOutput` with ``logits [K, V]`` float32, ``features [K, n_taps * H]``
+          (or None) and the updated cache.
+        """
+        cfg = self.cfg
+        taps = tuple(int(t) for t in taps)
+        s_len = cache.length
+        valid = (positions >= 0) & (positions < s_len)
+        wpos = jnp.where(valid, positions, s_len)          # out of range: dropped writes
+        qrow = jnp.where(valid, rows, num_rows)
+        qpos = jnp.full((num_rows, width), -1, jnp.int32).at[qrow, cols].set(positions, mode="drop")
+        slots = jnp.arange(s_len, dtype=jnp.int32)
+        mask = slots[None, None, :] <= qpos[:, :, None]     # [R, W, S]; padding queries see nothing
+        grow = jnp.clip(rows, 0, num_rows - 1)
+        gcol = jnp.clip(cols, 0, width - 1)
+        rope_pos = jnp.clip(positions, 0, s_len - 1)[None]
+        layer_params = {k: v[...] for k, v in self.layers.items()}
+        x = self.embed_tokens(tokens).astype(self.dtype)[None]   # [1, K, H]
+        k_tok = tokens.shape[0]
+
+        def layer(h, xs):
+            p, (ck, cv) = xs
+            a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
+            q = (a @ p["wq"]).reshape(1, k_tok, cfg.num_heads, cfg.head_dim)
+            k = (a @ p["wk"]).reshape(1, k_tok, cfg.num_kv_heads, cfg.head_dim)
+            v = (a @ p["wv"]).reshape(1, k_tok, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q = rms_norm(q, p["q_norm"], cfg.rms_eps)
+                k = rms_norm(k, p["k_norm"], cfg.rms_eps)
+            q = apply_rope(q, rope_pos, cfg.rope_theta)[0]
+            k = apply_rope(k, rope_pos, cfg.rope_theta)[0]
+            ck = ck.at[qrow, wpos].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[qrow, wpos].set(v[0].astype(cv.dtype), mode="drop")
+            qg = jnp.zeros((num_rows, width) + q.shape[1:], q.dtype).at[qrow, cols].set(q, mode="drop")
+            attn = attention(qg, ck[:num_rows], cv[:num_rows], mask)[grow, gcol]   # [K, nh*hd]
+            h = h + (attn @ p["wo"])[None]
+            m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
+            h = h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"])
+            return h, ((ck, cv), h[0] if taps else None)
+
+        for t in taps:
+            if not 0 <= t < cfg.num_layers:
+                raise ValueError(f"tap layer {t} out of range for a {cfg.num_layers}-layer target")
+        x, (new_kv, hidden) = jax.lax.scan(layer, x, (layer_params, (cache.k, cache.v)))
+        features = jnp.concatenate([hidden[t] for t in taps], axis=-1) if taps else None
+        return TargetOutput(self.unembed(x[0]), features, KVCache(*new_kv))
+
     def init_cache(self, batch: int, length: int) -> KVCache:
         """An empty cache for ``batch`` rows of ``length`` positions."""
         c = self.cfg

@@ -1,0 +1,951 @@
+"""Serving engine: continuous batching with lossless, throughput-scheduled speculative decoding.
+
+The shape of a JAX serving engine (JetStream style): :meth:`Engine.prefill` a request,
+:meth:`Engine.insert` it into a free decode slot, :meth:`Engine.generate` one step for all
+active slots, :meth:`Engine.free` a slot. DESIGN.md "Pipeline" (serve), "Verification" and
+"Scheduler"; paper Section 7.
+
+Usage::
+
+    from dspark_jax.api import load_target, load_drafter
+    from dspark_jax.engine import Engine, Request, SamplingParams
+
+    target, tok = load_target("stories260k")
+    drafter, _ = load_drafter("runs/stories260k/export")
+    eng = Engine(target, drafter, num_slots=8, cache_len=512, policy="dspark")
+    eng.warmup()                                  # compiles every bucket, profiles SPS
+    req = Request(tok.encode("Once upon a time"), SamplingParams(temperature=0.8, seed=1), "r0")
+    eng.insert(eng.prefill(req), eng.free_slots()[0])
+    text_ids = []
+    while eng.active_slots():
+        for out in eng.generate():                # StepOutput per slot with new tokens
+            text_ids += out.token_ids
+    print(tok.decode(text_ids), eng.metrics()["mean_accepted_length"])
+
+Static shapes
+-------------
+``num_slots`` decode rows and ``cache_len`` cache positions are fixed. The target's and the
+drafter's KV caches (``[L, num_slots, cache_len, kvh, hd]``) and all per-row state live on the
+device between steps and are donated to every step. Logical slots (what callers see) map to
+physical rows; active requests are kept in rows ``0..n-1`` (freeing a slot moves the last
+active row into the hole), so a step only touches the first ``R`` rows, ``R`` the smallest
+row bucket (powers of two and ``num_slots``) holding them. A step is compiled per bucket
+``(R, K)``: ``K == R`` is a plain step (every row verifies only its anchor), ``K > R`` a
+speculative step over ``K`` packed tokens (``rows[i]``, ``positions[i]`` per token; queries are
+scattered into an ``[R, gamma + 1]`` grid for attention so each row reads only its own cache,
+see :meth:`dspark_jax.target.Target.forward_packed`). Everything variable (which rows are
+active, verification lengths, how many packed tokens are real, whether to draft) is a mask or
+a runtime scalar, so after :meth:`Engine.warmup` no step recompiles, whatever the prompt
+lengths (prefill pads to power-of-two buckets), budgets or set of active requests.
+
+One step, one jitted function, no host round-trip inside: pack the anchors and the chosen
+number of drafts of every row -> one target pass -> sample the target's token at every packed
+position -> accept -> write target/drafter caches -> draft the NEXT block of every row (one
+backbone pass + ``lax.scan`` Markov sampler; skipped under ``lax.cond`` when the scheduler
+says drafting does not pay). The host then reads back, once, the emitted tokens and the next
+block's raw confidence logits, and runs the (numpy) scheduler for the next step. The host
+never sees draft token values before they are verified, so every policy is non-anticipating
+by construction (:mod:`dspark_jax.scheduler`).
+
+Exactness (Gumbel-coupled verification)
+----------------------------------------
+The token after position ``t`` of a request is ``sample(fold_in(request_key, t), p_t)``, the
+same key derivation as :func:`dspark_jax.decode.generate_autoregressive`
+(``request_key = PRNGKey(seed)``), where ``sample`` is a Gumbel-max draw and ``p_t`` the
+target's processed distribution (temperature/top-k/top-p). The drafter draws its draft for the
+same position with the SAME key (``markov.sample_block(step_keys=...)``), i.e. with the same
+Gumbel noise. Verification samples the target's own token ``y_j`` at every packed position
+``P + j`` of a row and accepts draft ``x_{j+1}`` iff ``x_{j+1} == y_j`` (and all earlier ones
+were accepted); the first mismatch emits ``y_j`` (the correction), full acceptance emits
+``y_l`` (the bonus). By induction every emitted token equals the target's Gumbel-max sample
+given the true prefix: accepted drafts equal it by the acceptance test, and the correction or
+bonus is it. So the output is, token for token, plain autoregressive sampling with that seed,
+whatever the verification lengths, the policy, the batch-mates or the slot, at any
+temperature/top-k/top-p. (In floating point this holds up to rounding differences between
+matmul shapes, which can only flip exact near-ties.) The draft acceptance rate under this
+coupling is ``P(x == y)`` for shared Gumbel noise rather than ``1 - TV(p, q)``.
+
+Finish handling lives in the engine: EOS ids (the target's plus ``eos_token_ids``) and each
+request's ``stop_token_ids`` end it with ``"stop"`` (the stop token is included, tokens drafted
+after it are dropped), ``max_tokens`` / the context end with ``"length"`` (verification lengths
+are capped so a step never runs past them), non-finite logits with ``"error"``. A finished
+slot is released by the engine at the end of the :meth:`Engine.generate` call that reports it
+(calling :meth:`Engine.free` on it afterwards is a harmless no-op).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from . import scheduler as sch
+from .decode import check_compatible
+from .drafter import Drafter
+from .errors import DSparkInputError
+from .layers import KVCache
+from .markov import sample_block
+from .online_calibration import OnlineCalibrator
+from .sampling import SamplingArrays, logits_are_finite, process_logits, sample
+from .sps import SPSTable, profile_buckets
+from .target import Target
+
+__all__ = ["SamplingParams", "Request", "StepOutput", "Prefix", "Engine", "parse_policy"]
+
+_INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings.
+
+    Attributes:
+      temperature: >= 0; 0 is greedy.
+      top_k: >= 0; 0 is off.
+      top_p: in (0, 1]; 1 is off.
+      seed: PRNG seed in the int32 range (same meaning as ``decode.generate_*(seed=...)``).
+      max_tokens: >= 1, generated tokens at most.
+      stop_token_ids: extra ids that end the request (EOS ids are added by the engine).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    max_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class Request:
+    """A generation request: prompt token ids, sampling settings and a caller id."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str = ""
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What one :meth:`Engine.generate` produced for one slot.
+
+    Attributes:
+      slot: the logical slot.
+      request_id: the request's id.
+      token_ids: new tokens this step (the stop token included; the first token sampled at
+        prefill is delivered with the slot's first step).
+      finished: True when the request ended this step (its slot is free afterwards).
+      finish_reason: ``"stop"``, ``"length"``, ``"error"`` or None while running.
+      num_verified / num_accepted: draft tokens verified / accepted for this slot this step.
+    """
+
+    slot: int
+    request_id: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_verified: int
+    num_accepted: int
+
+
+@dataclasses.dataclass
+class Prefix:
+    """A prefilled request ready for :meth:`Engine.insert` (device caches + first token)."""
+
+    request: Request
+    prompt_len: int
+    bucket_len: int
+    first_token: int
+    finite: bool
+    conf_logit: np.ndarray | None
+    arrays: Any = dataclasses.field(repr=False, default=None)
+
+
+class _State(NamedTuple):
+    tk: jax.Array          # [L, B, S, kvh, hd] target keys
+    tv: jax.Array
+    dk: Any                # [N, B, S, kvh, hd] drafter context keys (None without drafter)
+    dv: Any
+    anchor: jax.Array      # [B] int32 last confirmed token (not yet in the target cache)
+    pos: jax.Array         # [B] int32 its position
+    key: jax.Array         # [B, 2] uint32 request keys
+    temperature: jax.Array  # [B] f32
+    top_k: jax.Array       # [B] int32
+    top_p: jax.Array       # [B] f32
+    draft: jax.Array       # [B, G'] int32 next block's drafts (G' = max(gamma, 1))
+    conf: jax.Array        # [B, G'] f32 their raw confidence logits
+
+
+class _PrefixArrays(NamedTuple):
+    tk: jax.Array
+    tv: jax.Array
+    dk: Any
+    dv: Any
+    key: jax.Array
+    token: jax.Array
+    draft: jax.Array
+    conf: jax.Array
+
+
+def parse_policy(policy: str, gamma: int) -> tuple[str, float | int | None]:
+    """Parses a policy string.
+
+    Args:
+      policy: ``"plain"``, ``"fixed:G"`` (``1 <= G <= gamma``), ``"threshold:C"``
+        (``0 <= C <= 1``), ``"greedy"`` or ``"dspark"``.
+      gamma: the drafter's block size (0 without a drafter: only ``"plain"``).
+    Returns:
+      ``(name, argument)``.
+    Raises:
+      DSparkInputError: unknown policy, bad argument, or a speculative policy without drafter.
+    """
+    if not isinstance(policy, str):
+        raise DSparkInputError(f"policy must be a string, got {policy!r}")
+    name, _, arg = policy.strip().partition(":")
+    name = name.lower()
+    if name == "plain" and not arg:
+        return "plain", None
+    if name not in ("fixed", "threshold", "greedy", "dspark") or (name in ("greedy", "dspark") and arg):
+        raise DSparkInputError(
+            f"unknown policy {policy!r}: use plain, fixed:G, threshold:C, greedy or dspark")
+    if gamma < 1:
+        raise DSparkInputError(f"policy {policy!r} needs a drafter; without one use 'plain'")
+    if name == "fixed":
+        try:
+            g = int(arg)
+        except ValueError:
+            raise DSparkInputError(f"policy {policy!r}: fixed:G needs an integer G") from None
+        if not 1 <= g <= gamma:
+            raise DSparkInputError(f"policy {policy!r}: G must be in [1, {gamma}] for this drafter")
+        return "fixed", g
+    if name == "threshold":
+        try:
+            c = float(arg)
+        except ValueError:
+            raise DSparkInputError(f"policy {policy!r}: threshold:C needs a number C") from None
+        if not 0.0 <= c <= 1.0:
+            raise DSparkInputError(f"policy {policy!r}: C must be in [0, 1]")
+        return "threshold", c
+    return name, None
+
+
+# ------------------------------------------------------------------------------ device code
+
+
+def _fold(keys: jax.Array, pos: jax.Array) -> jax.Array:
+    """``[..., 2]`` keys, ``[...]`` positions -> ``fold_in(key, pos)`` elementwise."""
+    flat_k = keys.reshape(-1, 2)
+    out = jax.vmap(jax.random.fold_in)(flat_k, pos.reshape(-1).astype(jnp.uint32))
+    return out.reshape(pos.shape + (2,))
+
+
+def _draft(target, drafter, anchors, pos, keys, samp, dk, dv):
+    """Next block for every row: ``[R, G]`` tokens and raw confidence logits (coupled keys)."""
+    g = drafter.cfg.gamma
+    block = drafter.draft_block(target, anchors, pos, KVCache(dk, dv))
+    step_keys = _fold(jnp.broadcast_to(keys[:, None], (keys.shape[0], g, 2)),
+                      pos[:, None] + jnp.arange(g, dtype=jnp.int32))
+    d = sample_block(drafter, block, anchors, keys, samp, step_keys=step_keys)
+    return d.tokens.astype(jnp.int32), d.confidence_logit
+
+
+def _step_impl(t_state, d_state, st: _State, ell, active, draft_next, *, t_graph, d_graph,
+               rows: int, tokens: int, gamma: int):
+    target = nnx.merge(t_graph, t_state)
+    drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
+    r_, k_ = rows, tokens
+    s_len = st.tk.shape[2]
+    width = 1 if k_ == r_ else gamma + 1
+    act = active[:r_]
+    n = jnp.where(act, 1 + jnp.clip(ell[:r_], 0, width - 1), 0)
+    ends = jnp.cumsum(n)
+    starts = ends - n
+    i = jnp.arange(k_, dtype=jnp.int32)
+    row = jnp.minimum(jnp.sum(ends[None, :] <= i[:, None], axis=1), r_ - 1).astype(jnp.int32)
+    valid = i < ends[-1]
+    col = jnp.where(valid, i - starts[row], 0)
+    anchor, p0 = st.anchor[:r_], st.pos[:r_]
+    drafts = st.draft[:r_]
+    tok = anchor[row]
+    if width > 1:
+        tok = jnp.where(col == 0, tok, drafts[row, jnp.clip(col - 1, 0, gamma - 1)])
+    pos = jnp.where(valid, p0[row] + col, -1)
+    taps = drafter.cfg.taps if drafter is not None else ()
+    out = target.forward_packed(tok, row, col, pos, KVCache(st.tk, st.tv), num_rows=r_, width=width, taps=taps)
+
+    samp_r = SamplingArrays(st.temperature[:r_], st.top_k[:r_], st.top_p[:r_])
+    samp_k = SamplingArrays(*(a[row] for a in samp_r))
+    keys = _fold(st.key[:r_][row], jnp.maximum(pos, 0))
+    y = sample(keys, process_logits(out.logits, samp_k))
+    prow = jnp.where(valid, row, r_)
+    gp = max(gamma, 1)
+    ypad = jnp.full((r_, gp + 1), -1, jnp.int32).at[prow, col].set(y, mode="drop")
+    bad = (~logits_are_finite(out.logits)).astype(jnp.int32)
+    finite = jnp.zeros((r_,), jnp.int32).at[prow].max(bad, mode="drop") == 0
+
+    if width > 1:
+        kk = jnp.arange(gamma, dtype=jnp.int32)
+        match = (drafts[:, :gamma] == ypad[:, :gamma]) & (kk[None, :] < (n - 1)[:, None])
+        acc = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    else:
+        acc = jnp.zeros((r_,), jnp.int32)
+    acc = jnp.where(act, acc, 0)
+    new_anchor = jnp.where(act, jnp.take_along_axis(ypad, acc[:, None], 1)[:, 0], anchor)
+    new_pos = jnp.where(act, p0 + acc + 1, p0)
+
+    dk, dv, new_draft, new_conf = st.dk, st.dv, drafts, st.conf[:r_]
+    if drafter is not None:
+        ctx = drafter.context_features(out.features[None])
+        ck, cv = drafter.context_kv(ctx, jnp.maximum(pos, 0)[None])       # [N, 1, K, kvh, hd]
+        wpos = jnp.where(valid, pos, s_len)
+        dk = dk.at[:, prow, wpos].set(ck[:, 0].astype(dk.dtype), mode="drop")
+        dv = dv.at[:, prow, wpos].set(cv[:, 0].astype(dv.dtype), mode="drop")
+
+        def do_draft(_):
+            t, z = _draft(target, drafter, new_anchor, new_pos, st.key[:r_], samp_r, dk[:, :r_], dv[:, :r_])
+            return jnp.where(act[:, None], t, drafts), jnp.where(act[:, None], z, st.conf[:r_])
+
+        new_draft, new_conf = jax.lax.cond(draft_next, do_draft, lambda _: (drafts, st.conf[:r_]), None)
+
+    new_st = _State(out.cache.k, out.cache.v, dk, dv,
+                    st.anchor.at[:r_].set(new_anchor), st.pos.at[:r_].set(new_pos), st.key,
+                    st.temperature, st.top_k, st.top_p,
+                    st.draft.at[:r_].set(new_draft), st.conf.at[:r_].set(new_conf))
+    return new_st, (ypad, acc, finite, new_conf)
+
+
+def _prefill_impl(t_state, d_state, tokens, prompt_len, seed, temperature, top_k, top_p, *,
+                  t_graph, d_graph, gamma: int):
+    target = nnx.merge(t_graph, t_state)
+    drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
+    p_len = tokens.shape[1]
+    pos = jnp.arange(p_len, dtype=jnp.int32)[None]
+    key = jax.random.PRNGKey(seed)
+    taps = drafter.cfg.taps if drafter is not None else ()
+    out = target(tokens, pos, target.init_cache(1, p_len), taps=taps, logit_index=prompt_len[None] - 1)
+    samp = SamplingArrays(temperature[None], top_k[None], top_p[None])
+    tok = sample(jax.random.fold_in(key, (prompt_len - 1).astype(jnp.uint32))[None],
+                 process_logits(out.logits, samp)).astype(jnp.int32)
+    finite = logits_are_finite(out.logits)[0]
+    gp = max(gamma, 1)
+    dk = dv = None
+    draft, conf = jnp.zeros((1, gp), jnp.int32), jnp.zeros((1, gp), jnp.float32)
+    if drafter is not None:
+        dc = drafter.extend_cache(drafter.init_cache(1, p_len), out.features,
+                                  jnp.where(pos < prompt_len, pos, -1))
+        dk, dv = dc.k, dc.v
+        draft, conf = _draft(target, drafter, tok, prompt_len[None], key[None], samp, dk, dv)
+    return _PrefixArrays(out.cache.k, out.cache.v, dk, dv, key, tok[0], draft[0], conf[0]), finite
+
+
+def _insert_impl(st: _State, pre: _PrefixArrays, row, pos, temperature, top_k, top_p) -> _State:
+    z = jnp.int32(0)
+
+    def put(cache, part):
+        return None if cache is None else jax.lax.dynamic_update_slice(cache, part.astype(cache.dtype),
+                                                                       (z, row, z, z, z))
+
+    return _State(put(st.tk, pre.tk), put(st.tv, pre.tv), put(st.dk, pre.dk), put(st.dv, pre.dv),
+                  st.anchor.at[row].set(pre.token), st.pos.at[row].set(pos), st.key.at[row].set(pre.key),
+                  st.temperature.at[row].set(temperature), st.top_k.at[row].set(top_k),
+                  st.top_p.at[row].set(top_p), st.draft.at[row].set(pre.draft), st.conf.at[row].set(pre.conf))
+
+
+def _move_impl(st: _State, src, dst) -> _State:
+    def mv(x, axis):
+        if x is None:
+            return None
+        part = jax.lax.dynamic_slice_in_dim(x, src, 1, axis)
+        return jax.lax.dynamic_update_slice_in_dim(x, part, dst, axis)
+
+    return _State(*(mv(x, 1 if i < 4 else 0) for i, x in enumerate(st)))
+
+
+# Compiled executables shared by engines with identical models and shapes (tests build
+# several engines over one model; a server builds one).
+_COMPILED: dict[Any, Any] = {}
+
+
+@dataclasses.dataclass
+class _Slot:
+    request: Request
+    row: int | None
+    prompt_len: int
+    length: int                 # confirmed tokens (prompt + generated)
+    end: int                    # the request ends when length reaches this
+    stops: frozenset
+    pending: list
+    done: str | None = None     # finished at prefill
+    z: np.ndarray | None = None  # raw confidence logits of the block verified next
+    hist: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=3))
+
+
+def _pow2_upto(limit: int, start: int = 1) -> list[int]:
+    out, v = [], start
+    while v < limit:
+        out.append(v)
+        v *= 2
+    return out + [limit]
+
+
+class Engine:
+    """Continuous-batching speculative decoding engine (see the module docstring).
+
+    Args:
+      target: the target model.
+      drafter: a DSpark/DFlash drafter for it (None: only the ``"plain"`` policy).
+      num_slots: decode slots (concurrent requests).
+      cache_len: KV cache positions per slot (prompt + generated tokens must fit).
+      policy: ``"plain"``, ``"fixed:G"``, ``"threshold:C"``, ``"greedy"`` or ``"dspark"``
+        (see :mod:`dspark_jax.scheduler`).
+      buckets: packed-token budgets of speculative steps (default 4, 8, 16, 32, 64, 128);
+        for ``R`` rows the compiled budgets are ``R`` (plain step) and
+        ``min(k, R * (gamma + 1))`` for every ``k > R`` here (``fixed:G`` uses exactly
+        ``R * (G + 1)``).
+      sps_table: an :class:`SPSTable` (or a path to one); reused when it was measured for
+        this device, model, drafter and shape and covers every bucket, else re-profiled.
+      eos_token_ids: extra ids that end every request (the target's EOS ids always do).
+      seed_calibration: start online calibration from the drafter's offline temperatures
+        (:attr:`Drafter.calibration`) instead of ones.
+      profile_iters: timed iterations per bucket when profiling SPS.
+      calibration_window: observations per position kept by online calibration.
+      calibration_lr: its learning rate (0 freezes the temperatures).
+      row_buckets: compiled row counts (default powers of two and ``num_slots``; must end
+        at ``num_slots``).
+      prefill_buckets: compiled prompt lengths (default powers of two from 16 and
+        ``cache_len``); the largest bounds the prompt length.
+
+    Raises:
+      DSparkInputError: bad sizes, unknown policy, or a drafter for another target.
+    """
+
+    def __init__(self, target: Target, drafter: Drafter | None = None, *, num_slots: int = 8,
+                 cache_len: int = 1024, policy: str = "dspark", buckets=None, sps_table=None,
+                 eos_token_ids=(), seed_calibration: bool = True, profile_iters: int = 3,
+                 calibration_window: int = 2048, calibration_lr: float = 0.05,
+                 row_buckets=None, prefill_buckets=None):
+        if num_slots < 1:
+            raise DSparkInputError(f"num_slots must be >= 1, got {num_slots}")
+        if cache_len < 2:
+            raise DSparkInputError(f"cache_len must be >= 2, got {cache_len}")
+        if drafter is not None:
+            check_compatible(target, drafter)
+        self.target, self.drafter = target, drafter
+        self.num_slots, self.cache_len = int(num_slots), int(cache_len)
+        self.gamma = drafter.cfg.gamma if drafter is not None else 0
+        self.eos_ids = tuple(sorted(set(int(t) for t in target.cfg.eos_ids) | set(int(t) for t in (eos_token_ids or ()))))
+        self.ladder = sorted(set(int(b) for b in (buckets if buckets is not None else (4, 8, 16, 32, 64, 128))))
+        if any(b < 1 for b in self.ladder):
+            raise DSparkInputError(f"token buckets must be >= 1, got {self.ladder}")
+        self.profile_iters = int(profile_iters)
+        self.row_buckets = sorted(set(int(r) for r in row_buckets)) if row_buckets else _pow2_upto(self.num_slots)
+        if self.row_buckets[0] < 1 or self.row_buckets[-1] != self.num_slots:
+            raise DSparkInputError(f"row buckets must be >= 1 and end at num_slots={self.num_slots}, "
+                                   f"got {self.row_buckets}")
+        self.prefill_buckets = (sorted(set(int(b) for b in prefill_buckets)) if prefill_buckets
+                                else [b for b in _pow2_upto(self.cache_len, 16) if b <= self.cache_len])
+        if self.prefill_buckets[0] < 1 or self.prefill_buckets[-1] > self.cache_len:
+            raise DSparkInputError(f"prefill buckets must be in [1, cache_len={self.cache_len}], "
+                                   f"got {self.prefill_buckets}")
+        self._examples: dict[int, _PrefixArrays] = {}
+        self._t_graph, self._t_state = nnx.split(target)
+        self._d_graph, self._d_state = nnx.split(drafter) if drafter is not None else (None, None)
+        shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), (self._t_state, self._d_state))
+        self._sig = (self._t_graph, self._d_graph, str(shapes), self.num_slots, self.cache_len)
+        init = drafter.calibration if (drafter is not None and seed_calibration) else None
+        self.calibrator = OnlineCalibrator(max(self.gamma, 1), init, window=calibration_window, lr=calibration_lr)
+        self._state = self._init_state()
+        self._slots: dict[int, _Slot] = {}
+        self._row_slot: list[int] = []
+        self._compiled: dict[Any, Any] = {}
+        self._compiles = 0
+        self._warm = False
+        self._sps_cache: dict = {}
+        self.sps_table: SPSTable | None = None
+        self._given_table = SPSTable.load(sps_table) if isinstance(sps_table, (str,)) or hasattr(sps_table, "__fspath__") else sps_table
+        self._reset_metrics()
+        self.set_policy(policy)
+
+    # ------------------------------------------------------------------ configuration
+
+    def set_policy(self, policy: str) -> None:
+        """Switches the verification-length policy (compiles/profiles missing buckets lazily).
+
+        Raises:
+          DSparkInputError: bad policy string.
+        """
+        self.policy_name, self.policy_arg = parse_policy(policy, self.gamma)
+        self.policy = policy
+        self._sps_cache = {}
+        self._warm = False
+
+    def budgets(self, rows: int) -> list[int]:
+        """Compiled token budgets for ``rows`` rows under the current policy (``rows`` first)."""
+        g = self.gamma
+        if self.policy_name == "plain" or g == 0:
+            return [rows]
+        if self.policy_name == "fixed":
+            return [rows, rows * (self.policy_arg + 1)]
+        top = rows * (g + 1)
+        return sorted({rows} | {min(k, top) for k in self.ladder if k > rows})
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every ``(rows, tokens)`` bucket of the current policy."""
+        return [(r, k) for r in self.row_buckets for k in self.budgets(r)]
+
+    def _meta(self) -> dict:
+        dev = jax.devices()[0]
+        return {"device_kind": f"{dev.platform}:{dev.device_kind}", "model": self.target.cfg.name,
+                "fingerprint": getattr(self.target, "fingerprint", ""),
+                "drafter": None if self.drafter is None else
+                f"{self.drafter.cfg.variant}-g{self.gamma}-n{self.drafter.cfg.num_layers}",
+                "dtype": str(self.target.dtype.__name__ if hasattr(self.target.dtype, "__name__") else self.target.dtype),
+                "num_slots": self.num_slots, "gamma": self.gamma, "cache_len": self.cache_len}
+
+    # ------------------------------------------------------------------ slots
+
+    @property
+    def num_active(self) -> int:
+        return len(self._slots)
+
+    def free_slots(self) -> list[int]:
+        """Free logical slots, ascending."""
+        return [s for s in range(self.num_slots) if s not in self._slots]
+
+    def active_slots(self) -> list[int]:
+        """Occupied logical slots, ascending (including ones finished but not yet reported)."""
+        return sorted(self._slots)
+
+    # ------------------------------------------------------------------ state & compilation
+
+    def _init_state(self) -> _State:
+        t, b, s = self.target, self.num_slots, self.cache_len
+        tc = t.init_cache(b, s)
+        dk = dv = None
+        if self.drafter is not None:
+            dc = self.drafter.init_cache(b, s)
+            dk, dv = dc.k, dc.v
+        gp = max(self.gamma, 1)
+        return _State(tc.k, tc.v, dk, dv, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32),
+                      jnp.zeros((b, 2), jnp.uint32), jnp.ones((b,), jnp.float32), jnp.zeros((b,), jnp.int32),
+                      jnp.ones((b,), jnp.float32), jnp.zeros((b, gp), jnp.int32), jnp.zeros((b, gp), jnp.float32))
+
+    def _compile(self, key, fn, args, donate=()):
+        full = self._sig + key
+        exe = _COMPILED.get(full)
+        if exe is None:
+            exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+            _COMPILED[full] = exe
+            self._compiles += 1
+        self._compiled[key] = exe
+        return exe
+
+    def _step_exe(self, rows: int, tokens: int):
+        key = ("step", rows, tokens)
+        exe = self._compiled.get(key)
+        if exe is None:
+            fn = partial(_step_impl, t_graph=self._t_graph, d_graph=self._d_graph, rows=rows, tokens=tokens,
+                         gamma=self.gamma)
+            b = self.num_slots
+            args = (self._t_state, self._d_state, self._state, np.zeros(b, np.int32), np.zeros(b, bool),
+                    np.bool_(False))
+            exe = self._compile(key, fn, args, donate=(2,))
+        return exe
+
+    def _prefill_exe(self, p_len: int):
+        key = ("prefill", p_len)
+        exe = self._compiled.get(key)
+        if exe is None:
+            fn = partial(_prefill_impl, t_graph=self._t_graph, d_graph=self._d_graph, gamma=self.gamma)
+            args = (self._t_state, self._d_state, np.zeros((1, p_len), np.int32), np.int32(1), np.int32(0),
+                    np.float32(1), np.int32(0), np.float32(1))
+            exe = self._compile(key, fn, args)
+        return exe
+
+    def _insert_exe(self, p_len: int, pre: _PrefixArrays):
+        key = ("insert", p_len)
+        exe = self._compiled.get(key)
+        if exe is None:
+            args = (self._state, pre, np.int32(0), np.int32(0), np.float32(1), np.int32(0), np.float32(1))
+            exe = self._compile(key, _insert_impl, args, donate=(0,))
+        return exe
+
+    def _move_exe(self):
+        exe = self._compiled.get(("move",))
+        if exe is None:
+            exe = self._compile(("move",), _move_impl, (self._state, np.int32(0), np.int32(0)), donate=(0,))
+        return exe
+
+    def _run_step(self, rows, tokens, ell, active, draft_next):
+        exe = self._step_exe(rows, tokens)
+        self._state, out = exe(self._t_state, self._d_state, self._state, ell, active, np.bool_(draft_next))
+        return out
+
+    def warmup(self) -> None:
+        """Compiles every bucket (steps, prefill, insert, row moves) and makes sure an SPS
+        table covers the current policy's buckets (profiling when needed). After it, no step
+        recompiles."""
+        for r, k in self.buckets():
+            self._step_exe(r, k)
+        for p in self.prefill_buckets:
+            if p not in self._examples:
+                exe = self._prefill_exe(p)
+                self._examples[p], _ = exe(self._t_state, self._d_state, np.zeros((1, p), np.int32), np.int32(1),
+                                           np.int32(0), np.float32(1), np.int32(0), np.float32(1))
+            self._insert_exe(p, self._examples[p])
+        self._move_exe()
+        self._ensure_table()
+        self._warm = True
+
+    def _drafts_flags(self) -> list[bool]:
+        return [False] if self.gamma == 0 else [False, True]
+
+    def _ensure_table(self) -> None:
+        if self.policy_name not in ("greedy", "dspark"):
+            return
+        need = self.buckets()
+        for t in (self.sps_table, self._given_table):
+            if t is not None and t.matches(self._meta()) and t.covers(need, self._drafts_flags()):
+                self.sps_table = t
+                return
+        self.profile_sps()
+
+    def profile_sps(self, iters: int | None = None) -> SPSTable:
+        """Times one step of every bucket of the current policy, with and without drafting.
+
+        Safe at any time: profiling steps run with every row inactive, so no request's state
+        changes. Returns (and installs) the :class:`SPSTable`.
+        """
+        b = self.num_slots
+        ell, active = np.zeros(b, np.int32), np.zeros(b, bool)
+
+        def run(r, k, d):
+            out = self._run_step(r, k, ell, active, d)
+            jax.block_until_ready(out)
+
+        self.sps_table = profile_buckets(run, self.buckets(), self._drafts_flags(), self._meta(),
+                                         iters=self.profile_iters if iters is None else iters)
+        self._sps_cache = {}
+        return self.sps_table
+
+    # ------------------------------------------------------------------ requests
+
+    def _validate(self, request: Request) -> None:
+        ids = request.prompt_ids
+        p = request.params
+        cfg = self.target.cfg
+        if not isinstance(p, SamplingParams):
+            raise DSparkInputError("request.params must be a SamplingParams")
+        if ids is None or len(ids) == 0:
+            raise DSparkInputError("the prompt is empty: give at least one token")
+        try:
+            arr = np.asarray(ids, np.int64)
+        except (TypeError, ValueError):
+            raise DSparkInputError("prompt token ids must be integers") from None
+        if arr.ndim != 1:
+            raise DSparkInputError("prompt token ids must be a flat list of integers")
+        bad = arr[(arr < 0) | (arr >= cfg.vocab_size)]
+        if bad.size:
+            raise DSparkInputError(f"prompt token id {int(bad[0])} is outside the vocabulary [0, {cfg.vocab_size})")
+        limit = min(self.cache_len - 1, cfg.max_position - 1, self.prefill_buckets[-1])
+        if len(arr) > limit:
+            raise DSparkInputError(f"the prompt has {len(arr)} tokens but at most {limit} fit "
+                                   f"(cache_len {self.cache_len}, model context {cfg.max_position}, "
+                                   f"largest prefill bucket {self.prefill_buckets[-1]})")
+        if not (math.isfinite(p.temperature) and p.temperature >= 0):
+            raise DSparkInputError(f"temperature must be a finite number >= 0, got {p.temperature}")
+        if int(p.top_k) != p.top_k or p.top_k < 0:
+            raise DSparkInputError(f"top_k must be an integer >= 0, got {p.top_k}")
+        if not (0.0 < p.top_p <= 1.0):
+            raise DSparkInputError(f"top_p must be in (0, 1], got {p.top_p}")
+        if int(p.max_tokens) != p.max_tokens or p.max_tokens < 1:
+            raise DSparkInputError(f"max_tokens must be an integer >= 1, got {p.max_tokens}")
+        if int(p.seed) != p.seed or not _INT32_MIN <= p.seed <= _INT32_MAX:
+            raise DSparkInputError(f"seed must be an integer in [{_INT32_MIN}, {_INT32_MAX}], got {p.seed}")
+        try:
+            [int(t) for t in p.stop_token_ids]
+        except (TypeError, ValueError):
+            raise DSparkInputError("stop_token_ids must be integers") from None
+
+    def prefill(self, request: Request) -> Prefix:
+        """Runs the target (and drafter) over the prompt and samples the first token.
+
+        Raises:
+          DSparkInputError: empty prompt, unknown token id, prompt too long for
+            ``cache_len`` / the model, or bad sampling settings.
+        """
+        self._validate(request)
+        ids = np.asarray(request.prompt_ids, np.int32)
+        n = len(ids)
+        p_len = next(b for b in self.prefill_buckets if b >= n)
+        buf = np.zeros((1, p_len), np.int32)
+        buf[0, :n] = ids
+        sp = request.params
+        pre, finite = self._prefill_exe(p_len)(
+            self._t_state, self._d_state, buf, np.int32(n), np.int32(sp.seed), np.float32(sp.temperature),
+            np.int32(sp.top_k), np.float32(sp.top_p))
+        tok, finite, conf = jax.device_get((pre.token, finite, pre.conf))
+        return Prefix(request, n, p_len, int(tok), bool(finite),
+                      np.asarray(conf, np.float64) if self.gamma else None, pre)
+
+    def insert(self, prefix: Prefix, slot: int) -> None:
+        """Puts a prefilled request into free logical ``slot``.
+
+        Raises:
+          DSparkInputError: slot out of range or busy, or a prefix of another engine.
+        """
+        if not (isinstance(slot, (int, np.integer)) and 0 <= slot < self.num_slots):
+            raise DSparkInputError(f"slot must be in [0, {self.num_slots}), got {slot}")
+        if slot in self._slots:
+            raise DSparkInputError(f"slot {slot} is busy: free it first")
+        if not isinstance(prefix, Prefix) or prefix.bucket_len not in self.prefill_buckets:
+            raise DSparkInputError("insert needs a Prefix made by this engine's prefill")
+        req, sp = prefix.request, prefix.request.params
+        end = min(prefix.prompt_len + int(sp.max_tokens), self.target.cfg.max_position, self.cache_len)
+        stops = frozenset(self.eos_ids) | frozenset(int(t) for t in sp.stop_token_ids)
+        rec = _Slot(req, None, prefix.prompt_len, prefix.prompt_len + 1, end, stops, [prefix.first_token])
+        if not prefix.finite:
+            rec.done, rec.pending = "error", []
+        elif prefix.first_token in stops:
+            rec.done = "stop"
+        elif rec.length >= end:
+            rec.done = "length"
+        self._metrics["emitted_tokens"] += len(rec.pending)
+        self._slots[int(slot)] = rec
+        if rec.done is not None:
+            return
+        row = len(self._row_slot)
+        exe = self._insert_exe(prefix.bucket_len, prefix.arrays)
+        self._state = exe(self._state, prefix.arrays, np.int32(row), np.int32(prefix.prompt_len),
+                          np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p))
+        rec.row = row
+        rec.z = prefix.conf_logit
+        rec.hist.append(rec.z)
+        self._row_slot.append(int(slot))
+
+    def free(self, slot: int) -> None:
+        """Releases ``slot`` (finished, cancelled, disconnected, or a stop string was hit).
+        A free slot is a no-op."""
+        rec = self._slots.pop(int(slot), None)
+        if rec is None or rec.row is None:
+            return
+        last = len(self._row_slot) - 1
+        if rec.row != last:
+            moved = self._row_slot[last]
+            self._state = self._move_exe()(self._state, np.int32(last), np.int32(rec.row))
+            self._row_slot[rec.row] = moved
+            self._slots[moved].row = rec.row
+        self._row_slot.pop()
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _rows_for(self, n: int) -> int:
+        return next(r for r in self.row_buckets if r >= n)
+
+    def _sps_of_total(self, rows: int, n: int, draft: bool) -> np.ndarray:
+        """``[K_max + 1]`` SPS of the bucket a pass of ``t`` packed tokens runs in."""
+        key = (rows, n, draft)
+        arr = self._sps_cache.get(key)
+        if arr is None:
+            budgets = self.budgets(rows)
+            arr = np.zeros(budgets[-1] + 1)
+            arr[n] = self.sps_table.sps(rows, rows, draft)
+            spec = budgets[1:]
+            for t in range(n + 1, len(arr)):
+                k = next((b for b in spec if b >= t), None)
+                arr[t] = 0.0 if k is None else self.sps_table.sps(rows, k, draft)
+            self._sps_cache[key] = arr
+        return arr
+
+    def _want_drafts(self, rows: int, n: int, surv_fc: np.ndarray, cap_fc: np.ndarray) -> bool:
+        """Draft the next block? Compares the best forecast Theta of a drafting step with the
+        Theta of a plain step (forecast survival: latest known confidences or the prior)."""
+        sps_d = self._sps_of_total(rows, n, True)
+        k = sch.best_budget(surv_fc, cap_fc, sps_d, self.budgets(rows))
+        _, _, probs = sch.candidate_order(surv_fc, cap_fc)
+        theta_d = (n + float(np.sum(probs[: k - n]))) * sps_d[k]
+        theta_p = n * self.sps_table.sps(rows, rows, False)
+        return theta_d > theta_p
+
+    def plan(self) -> tuple[np.ndarray, int, int, bool]:
+        """The scheduler's decision for the next step, from host state only.
+
+        Returns:
+          ``(lengths [n] int32 drafts verified per active row, rows R, tokens K, draft_next)``.
+          Depends on confidences and lengths only, never on draft token values (which stay
+          on the device).
+        """
+        slots = [self._slots[s] for s in self._row_slot]
+        n = len(slots)
+        rows = self._rows_for(n)
+        g = self.gamma
+        name = self.policy_name
+        if name == "plain" or g == 0:
+            return np.zeros(n, np.int32), rows, rows, False
+        room = np.array([min(g, rec.end - rec.length - 1) for rec in slots], np.int64).clip(0)
+        has = np.array([rec.z is not None for rec in slots], bool)
+        cap = np.where(has, room, 0)
+        z = np.stack([rec.z if rec.z is not None else np.zeros(g) for rec in slots])
+        surv = np.where(has[:, None], sch.survival(self.calibrator.confidence(z)), 0.0)
+        budgets = self.budgets(rows)
+        draft_next = True
+        if name == "fixed":
+            ell = sch.fixed_lengths(cap, self.policy_arg)
+        elif name == "threshold":
+            ell = sch.threshold_lengths(surv, cap, self.policy_arg)
+        else:
+            prior = self.calibrator.prior_survival()
+
+            def surv_of(zz):
+                return prior if zz is None else sch.survival(self.calibrator.confidence(zz))
+
+            latest = [next((h for h in reversed(rec.hist) if h is not None), None) for rec in slots]
+            fc = np.stack([surv_of(zz) for zz in latest])
+            draft_next = self._want_drafts(rows, n, fc, room)
+            sps = self._sps_of_total(rows, n, draft_next)
+            if name == "greedy":
+                ell = sch.greedy_lengths(surv, cap, sps)
+            else:
+                old = np.stack([surv_of(rec.hist[0] if len(rec.hist) == 3 else None) for rec in slots])
+                ell, _ = sch.deployed_lengths(old, surv, cap, sps, budgets)
+        total = n + int(ell.sum())
+        if total == n:
+            return ell.astype(np.int32), rows, rows, draft_next
+        spec = budgets[1:]
+        if total > spec[-1]:
+            ell = sch.fill_lengths(surv, np.minimum(cap, ell), spec[-1] - n)
+            total = n + int(ell.sum())
+        return ell.astype(np.int32), rows, next(b for b in spec if b >= total), draft_next
+
+    # ------------------------------------------------------------------ decoding
+
+    def generate(self) -> list[StepOutput]:
+        """One speculative (or plain) step for every active slot.
+
+        Returns:
+          one :class:`StepOutput` per slot that produced tokens or finished. Finished slots
+          are free when this returns.
+        """
+        if not self._warm:
+            self.warmup()
+        outs: list[StepOutput] = []
+        for slot in [s for s, rec in self._slots.items() if rec.row is None]:
+            rec = self._slots.pop(slot)
+            outs.append(StepOutput(slot, rec.request.request_id, rec.pending, True, rec.done, 0, 0))
+        n = len(self._row_slot)
+        if n == 0:
+            return outs
+        t0 = time.perf_counter()
+        ell, rows, tokens, draft_next = self.plan()
+        b, g = self.num_slots, self.gamma
+        ell_b = np.zeros(b, np.int32)
+        ell_b[:n] = ell
+        active = np.zeros(b, bool)
+        active[:n] = True
+        out = self._run_step(rows, tokens, ell_b, active, draft_next)
+        ypad, acc, finite, conf = jax.device_get(out)
+        m = self._metrics
+        m["steps"] += 1
+        m["step_seconds"] += time.perf_counter() - t0
+        m["budget_hist"][tokens] = m["budget_hist"].get(tokens, 0) + 1
+        m["rows_hist"][rows] = m["rows_hist"].get(rows, 0) + 1
+        m["draft_steps"] += int(draft_next)
+        m["packed_tokens"] += n + int(ell.sum())
+        verified_rows = ell > 0
+        if g and verified_rows.any():
+            zs = np.stack([self._slots[s].z for s in self._row_slot])
+            self.calibrator.observe(zs[verified_rows], ell[verified_rows], acc[:n][verified_rows])
+            self.calibrator.update()
+        finished = []
+        for r, slot in enumerate(list(self._row_slot)):
+            rec = self._slots[slot]
+            a, l_r = int(acc[r]), int(ell[r])
+            new = [int(t) for t in ypad[r, : a + 1]]
+            reason = None
+            if not finite[r]:
+                new, reason = [], "error"
+            keep = len(new)
+            for j, t in enumerate(new):
+                if t in rec.stops:
+                    keep, reason = j + 1, "stop"
+                    break
+            keep = min(keep, rec.end - rec.length)
+            new = new[:keep]
+            rec.length += keep
+            if reason is None and rec.length >= rec.end:
+                reason = "length"
+            n_ver = min(l_r, keep) if keep < a + 1 else l_r
+            n_acc = min(a, keep)
+            if l_r:
+                m["drafts"] += 1
+                k = np.arange(max(g, 1))
+                reached = (k < l_r) & (k <= a) & (k < keep)
+                m["pos_reached"] += reached
+                m["pos_accepted"] += reached & (k < a)
+            m["draft_tokens"] += n_ver
+            m["accepted_tokens"] += n_acc
+            m["emitted_tokens"] += keep
+            m["rounds"] += 1
+            toks = rec.pending + new
+            rec.pending = []
+            rec.z = np.asarray(conf[r], np.float64) if (draft_next and g) else None
+            rec.hist.append(rec.z)
+            outs.append(StepOutput(slot, rec.request.request_id, toks, reason is not None, reason, n_ver, n_acc))
+            if reason is not None:
+                finished.append(slot)
+        for slot in finished:
+            self.free(slot)
+        return outs
+
+    # ------------------------------------------------------------------ metrics
+
+    def _reset_metrics(self) -> None:
+        g = max(self.gamma, 1)
+        self._metrics = {"steps": 0, "rounds": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                         "emitted_tokens": 0, "packed_tokens": 0, "draft_steps": 0, "step_seconds": 0.0,
+                         "pos_reached": np.zeros(g, np.int64), "pos_accepted": np.zeros(g, np.int64),
+                         "budget_hist": {}, "rows_hist": {}}
+
+    def reset_metrics(self) -> None:
+        """Zeroes the cumulative counters (not the calibration)."""
+        self._reset_metrics()
+
+    def metrics(self) -> dict:
+        """Cumulative counters (DESIGN.md "Metrics").
+
+        Keys: ``steps`` (engine steps), ``rounds`` (request-steps: target verification passes
+        summed over requests), ``drafts`` (rounds that verified >= 1 draft, vLLM's
+        num_drafts), ``draft_tokens`` (verified drafts), ``accepted_tokens``,
+        ``emitted_tokens`` (including first tokens from prefill), ``packed_tokens``,
+        ``draft_steps``, ``step_seconds``, ``mean_accepted_length`` (tau: tokens per round),
+        ``acceptance_rate``, ``position_reached`` / ``position_accepted`` / ``position_acceptance``
+        (per block position), ``budget_hist`` / ``rows_hist`` (chosen buckets),
+        ``calibration`` (online temperatures, predicted vs observed), ``compiles``,
+        ``policy``, ``num_active``.
+        """
+        m = self._metrics
+        reached, acc = m["pos_reached"], m["pos_accepted"]
+        step_emitted = m["emitted_tokens"]
+        return {
+            "policy": self.policy, "num_active": self.num_active,
+            "steps": m["steps"], "rounds": m["rounds"], "drafts": m["drafts"],
+            "draft_tokens": m["draft_tokens"], "accepted_tokens": m["accepted_tokens"],
+            "emitted_tokens": step_emitted, "packed_tokens": m["packed_tokens"],
+            "draft_steps": m["draft_steps"], "step_seconds": m["step_seconds"],
+            "mean_accepted_length": (m["accepted_tokens"] + m["rounds"]) / m["rounds"] if m["rounds"] else None,
+            "acceptance_rate": m["accepted_tokens"] / m["draft_tokens"] if m["draft_tokens"] else None,
+            "position_reached": reached.tolist(), "position_accepted": acc.tolist(),
+            "position_acceptance": [float(a) / r if r else None for a, r in zip(acc, reached)],
+            "budget_hist": dict(sorted(m["budget_hist"].items())),
+            "rows_hist": dict(sorted(m["rows_hist"].items())),
+            "calibration": self.calibrator.stats(),
+            "compiles": self._compiles,
+        }

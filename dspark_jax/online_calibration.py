@@ -1,0 +1,128 @@
+"""Online calibration of the drafter's confidences while serving.
+
+DESIGN.md "Scheduler" (online calibration; seed 004): the scheduler trusts the predicted
+acceptance ``c_k = sigmoid(z_k / T_k)`` of every block position ``k``. Traffic drifts away
+from the held-out data the offline temperatures were fit on, so the engine keeps, per
+position, the last ``window`` verification outcomes (raw confidence logit ``z``, and whether
+position ``k`` was accepted given that verification reached it) and after every step nudges
+``T_k`` by a small multiplicative step against the gradient of the window's binary
+cross-entropy:
+
+    dBCE/dlog T_k = mean_window( -(c - y) * z / T_k ),   T_k <- T_k * exp(-lr * grad)
+
+with the step clipped to ``+-max_step`` (relative) and ``T_k`` to ``[t_min, t_max]``.
+Overconfident predictions (``c > y`` on average with ``z > 0``) raise ``T_k``, which pulls
+``c_k`` towards 1/2; underconfident ones lower it. The temperatures only feed the scheduler:
+draft tokens, their distributions and the emitted tokens never depend on them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["OnlineCalibrator"]
+
+
+class OnlineCalibrator:
+    """Per-position sliding-window temperature tracker.
+
+    Args:
+      gamma: block positions ``G``.
+      init: initial temperatures ``[G]`` (e.g. the drafter's offline calibration), default 1.
+      window: observations kept per position (a ring buffer).
+      lr: learning rate of the log-temperature update.
+      max_step: largest relative change of ``T_k`` per update.
+      min_obs: observations a position needs before it is updated.
+      t_min / t_max: clip range of the temperatures.
+
+    Raises:
+      ValueError: bad sizes or non-positive temperatures.
+    """
+
+    def __init__(self, gamma: int, init=None, *, window: int = 2048, lr: float = 0.05,
+                 max_step: float = 0.02, min_obs: int = 32, t_min: float = 0.05, t_max: float = 20.0):
+        if gamma < 1 or window < 1:
+            raise ValueError("gamma and window must be >= 1")
+        t = np.ones(gamma) if init is None else np.asarray(init, np.float64).reshape(-1)
+        if t.shape != (gamma,) or not np.all((t > 0) & np.isfinite(t)):
+            raise ValueError(f"need {gamma} positive finite initial temperatures, got {t}")
+        self.gamma, self.window, self.lr, self.max_step = gamma, window, lr, max_step
+        self.min_obs, self.t_min, self.t_max = min_obs, t_min, t_max
+        self.temperatures = t.copy()
+        self._z = np.zeros((gamma, window))
+        self._y = np.zeros((gamma, window))
+        self._count = np.zeros(gamma, np.int64)     # total observations ever, per position
+
+    def confidence(self, z: np.ndarray) -> np.ndarray:
+        """Calibrated confidences ``sigmoid(z_k / T_k)``; ``z [..., G]`` raw logits."""
+        z = np.asarray(z, np.float64)
+        with np.errstate(over="ignore"):
+            return 1.0 / (1.0 + np.exp(-z / self.temperatures))
+
+    def observe(self, z: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
+        """Records one verification round per row.
+
+        Args:
+          z: ``[n, G]`` raw confidence logits of the verified drafts.
+          verified: ``[n]`` int drafts verified (``l_r``).
+          accepted: ``[n]`` int leading drafts accepted (``<= l_r``).
+        Position ``k`` (1-based) of row ``r`` is an observation iff ``k <= l_r`` and
+        ``k <= accepted_r + 1`` (verification reached it); its label is ``k <= accepted_r``.
+        """
+        z = np.asarray(z, np.float64)
+        if z.size == 0:
+            return
+        k = np.arange(1, self.gamma + 1)[None, :]
+        ver = np.asarray(verified)[:, None]
+        acc = np.asarray(accepted)[:, None]
+        reached = (k <= ver) & (k <= acc + 1) & np.isfinite(z)
+        label = (k <= acc).astype(np.float64)
+        for pos in range(self.gamma):
+            sel = reached[:, pos]
+            m = int(sel.sum())
+            if not m:
+                continue
+            zs, ys = z[sel, pos][-self.window:], label[sel, pos][-self.window:]
+            m = len(zs)
+            idx = (self._count[pos] + np.arange(m)) % self.window
+            self._z[pos, idx] = zs
+            self._y[pos, idx] = ys
+            self._count[pos] += m
+
+    def update(self) -> None:
+        """One multiplicative step of every position with at least ``min_obs`` observations."""
+        for pos in range(self.gamma):
+            m = int(min(self._count[pos], self.window))
+            if m < self.min_obs:
+                continue
+            z, y = self._z[pos, :m], self._y[pos, :m]
+            t = self.temperatures[pos]
+            c = 1.0 / (1.0 + np.exp(-z / t))
+            grad = float(np.mean(-(c - y) * z / t))
+            step = float(np.clip(-self.lr * grad, -self.max_step, self.max_step))
+            self.temperatures[pos] = float(np.clip(t * np.exp(step), self.t_min, self.t_max))
+
+    def stats(self) -> dict:
+        """Per-position window statistics: ``temperatures``, ``predicted`` (mean calibrated
+        ``c_k``), ``observed`` (conditional acceptance), ``observations`` (window size)."""
+        pred, obs, num = [], [], []
+        for pos in range(self.gamma):
+            m = int(min(self._count[pos], self.window))
+            num.append(m)
+            if m:
+                z, y = self._z[pos, :m], self._y[pos, :m]
+                pred.append(float(np.mean(1.0 / (1.0 + np.exp(-z / self.temperatures[pos])))))
+                obs.append(float(np.mean(y)))
+            else:
+                pred.append(None)
+                obs.append(None)
+        return {"temperatures": [float(t) for t in self.temperatures], "predicted": pred,
+                "observed": obs, "observations": num}
+
+    def prior_survival(self, default: float = 0.5) -> np.ndarray:
+        """``[G]`` survival forecast from the window's observed conditional acceptance
+        (``default`` where a position has no observation yet); used for requests whose own
+        confidences are not available (e.g. the deployed scheduler's stale budget)."""
+        s = self.stats()["observed"]
+        c = np.array([default if v is None else v for v in s], np.float64)
+        return np.cumprod(c)

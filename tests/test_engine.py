@@ -1,0 +1,248 @@
+"""End-to-end tests of the serving engine (:mod:`dspark_jax.engine`) on stories260K.
+
+* Exactness across batching (Gumbel-coupled verification): with requests joining and
+  leaving mid-flight through 2 slots, every policy (plain, fixed gamma, threshold, greedy,
+  deployed DSpark) emits, token for token, what ``decode.generate_autoregressive`` emits for
+  the same request and seed, at temperature 0 and 1 with top-k / top-p.
+* Stop ids, EOS and max_tokens inside the engine; input validation.
+* No recompilation after warm-up while prompt lengths, budgets, policies and the set of
+  active requests change (counted with ``jax.monitoring`` compile events).
+* Non-anticipation: the scheduler's plan does not change when the draft token values on the
+  device change.
+
+One engine (2 slots, gamma 3, buckets (1,1) (1,4) (2,2) (2,8)) is shared by every test so
+that its handful of programs compile once.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax.config import DrafterConfig
+from dspark_jax.decode import generate_autoregressive
+from dspark_jax.drafter import Drafter
+from dspark_jax.engine import Engine, Request, SamplingParams, parse_policy
+from dspark_jax.errors import DSparkInputError
+from dspark_jax.model_io import params_fingerprint
+from dspark_jax.target import Target
+
+GAMMA = 3
+CACHE = 64
+
+TEXTS = ["Once upon a time", "The little dog", "Lily went to the park and saw a big", "One day",
+         "Tom had a red ball. He", "The sun was"]
+SETTINGS = [dict(temperature=0.0, max_tokens=30, seed=0), dict(temperature=1.0, max_tokens=25, seed=3),
+            dict(temperature=0.8, top_k=20, top_p=0.9, max_tokens=40, seed=7),
+            dict(temperature=1.0, top_p=0.5, max_tokens=200, seed=11),     # runs into the cache end
+            dict(temperature=0.5, top_k=5, max_tokens=1, seed=5),           # only the prefill token
+            dict(temperature=0.0, max_tokens=35, seed=2)]
+
+
+@pytest.fixture(scope="module")
+def target(stories260k):
+    cfg, params, _ = stories260k
+    return Target(cfg, params, fingerprint=params_fingerprint(params))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(stories260k):
+    return stories260k[2]
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    """A drafter whose Markov head holds the target's bigram logits (W1 = I, W2 = bigram):
+    good enough that drafts get accepted, so every acceptance path runs."""
+    v = target.cfg.vocab_size
+    cfg = DrafterConfig.for_target(target.cfg, gamma=GAMMA, num_layers=1, intermediate_size=64, markov_rank=v,
+                                   target_fingerprint=target.fingerprint)
+    d = Drafter(cfg, nnx.Rngs(0))
+    x = np.stack([np.full(v, 1), np.arange(v)], axis=1).astype(np.int32)
+    pos = np.broadcast_to(np.arange(2, dtype=np.int32), x.shape)
+    bigram = np.asarray(target(jnp.asarray(x), jnp.asarray(pos)).logits[:, -1])
+    d.markov_w1[...] = jnp.eye(v, dtype=jnp.float32)
+    d.markov_w2[...] = jnp.asarray(bigram)
+    d.final_norm[...] = d.final_norm[...] * 0.1
+    rng = np.random.default_rng(0)
+    d.conf_w[...] = jnp.asarray(rng.standard_normal(d.conf_w[...].shape).astype(np.float32) * 0.1)
+    return d
+
+
+@pytest.fixture(scope="module")
+def engine(target, drafter):
+    eng = Engine(target, drafter, num_slots=2, cache_len=CACHE, policy="fixed:3", buckets=(8,),
+                 prefill_buckets=(32,), profile_iters=1)
+    eng.warmup()
+    eng.set_policy("dspark")
+    eng.warmup()
+    return eng
+
+
+@pytest.fixture(scope="module")
+def requests(tokenizer):
+    return [Request(tokenizer.encode(t), SamplingParams(**s), f"r{i}") for i, (t, s) in enumerate(zip(TEXTS, SETTINGS))]
+
+
+@pytest.fixture(scope="module")
+def reference(target, requests):
+    """Plain autoregressive decoding of every request (one batched call)."""
+    prompts = [r.prompt_ids for r in requests]
+    p = [r.params for r in requests]
+    max_new = [min(x.max_tokens, CACHE - len(r.prompt_ids)) for x, r in zip(p, requests)]
+    res = generate_autoregressive(target, prompts, max_new_tokens=max_new, temperature=[x.temperature for x in p],
+                                  top_k=[x.top_k for x in p], top_p=[x.top_p for x in p], seed=[x.seed for x in p])
+    return {r.request_id: (g.token_ids, g.finish_reason) for r, g in zip(requests, res.generations)}
+
+
+def drive(engine, requests):
+    """Feeds requests one per step into the highest free slot (joins mid-flight); collects
+    every request's tokens and finish reason."""
+    pending = list(requests)
+    toks, reasons = {}, {}
+    steps = 0
+    while pending or engine.active_slots():
+        free = engine.free_slots()
+        if pending and free:
+            engine.insert(engine.prefill(pending.pop(0)), free[-1])
+        for o in engine.generate():
+            assert o.request_id not in reasons, "no output after finishing"
+            toks.setdefault(o.request_id, []).extend(o.token_ids)
+            assert o.num_accepted <= o.num_verified <= GAMMA
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+        steps += 1
+        assert steps < 1000
+    assert engine.free_slots() == [0, 1]
+    return toks, reasons
+
+
+@pytest.mark.parametrize("policy", ["plain", "fixed:3", "threshold:0.3", "greedy", "dspark"])
+def test_policies_match_autoregressive(engine, requests, reference, policy):
+    engine.set_policy(policy)
+    engine.reset_metrics()
+    toks, reasons = drive(engine, requests)
+    for r in requests:
+        ref, why = reference[r.request_id]
+        assert toks[r.request_id] == ref, f"{policy} {r.request_id}: {toks[r.request_id]} != {ref}"
+        assert reasons[r.request_id] == why
+    m = engine.metrics()
+    assert m["emitted_tokens"] == sum(len(t) for t in toks.values())
+    assert m["accepted_tokens"] <= m["draft_tokens"]
+    acc, reached = np.array(m["position_accepted"]), np.array(m["position_reached"])
+    assert acc.sum() == m["accepted_tokens"] and np.all(acc <= reached) and np.all(reached[1:] <= acc[:-1])
+    if policy == "plain":
+        assert m["draft_tokens"] == 0 and m["draft_steps"] == 0
+    if policy == "fixed:3":
+        assert m["accepted_tokens"] > 0 and set(m["budget_hist"]) <= {1, 4, 2, 8}
+
+
+def test_stop_ids_and_eos(engine, requests, reference):
+    engine.set_policy("fixed:3")
+    base = requests[5]
+    ref = reference[base.request_id][0]
+    stop = ref[6]
+    first = ref.index(stop)
+    req = Request(base.prompt_ids, SamplingParams(temperature=0.0, max_tokens=35, stop_token_ids=(stop,)), "s")
+    toks, reasons = drive(engine, [req])
+    assert toks["s"] == ref[: first + 1] and reasons["s"] == "stop"
+    # an extra engine-wide EOS id behaves the same way
+    eng2 = Engine(engine.target, engine.drafter, num_slots=2, cache_len=CACHE, policy="fixed:3", buckets=(8,),
+                  prefill_buckets=(32,), eos_token_ids=(stop,))
+    eng2._compiled = engine._compiled
+    eng2._examples = engine._examples
+    eng2._warm = True
+    req = Request(base.prompt_ids, SamplingParams(temperature=0.0, max_tokens=35), "e")
+    toks, reasons = drive(eng2, [req])
+    assert toks["e"] == ref[: first + 1] and reasons["e"] == "stop"
+
+
+def test_no_recompile_after_warmup(engine, requests):
+    from jax._src import monitoring
+
+    events = []
+
+    def listener(name, secs, **kw):
+        if "compile" in name and "backend" in name:
+            events.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        before = engine.metrics()["compiles"]
+        for policy in ["dspark", "greedy", "plain", "threshold:0.9", "fixed:3"]:
+            engine.set_policy(policy)
+            drive(engine, requests[::-1])       # other prompt lengths / slot assignments / order
+        # cancel mid-flight (client disconnect) and start again
+        engine.insert(engine.prefill(requests[2]), 1)
+        engine.generate()
+        engine.insert(engine.prefill(requests[0]), 0)
+        engine.generate()
+        engine.free(1)
+        engine.free(1)
+        engine.generate()
+        engine.free(0)
+        assert engine.free_slots() == [0, 1]
+    finally:
+        if hasattr(monitoring, "_unregister_event_duration_listener_by_callback"):
+            monitoring._unregister_event_duration_listener_by_callback(listener)
+    assert events == [], f"{len(events)} compilations after warm-up"
+    assert engine.metrics()["compiles"] == before
+
+
+def test_plan_ignores_draft_token_values(engine, requests):
+    """Non-anticipation: the plan reads confidences only; changing the drafted tokens on the
+    device (but not their confidences) leaves it unchanged."""
+    engine.set_policy("dspark")
+    engine.insert(engine.prefill(requests[1]), 0)
+    engine.insert(engine.prefill(requests[3]), 1)
+    for _ in range(3):
+        engine.generate()
+    plan = engine.plan()
+    st = engine._state
+    engine._state = st._replace(draft=jnp.asarray(np.random.default_rng(0).integers(0, 512, st.draft.shape), jnp.int32))
+    plan2 = engine.plan()
+    np.testing.assert_array_equal(plan[0], plan2[0])
+    assert plan[1:] == plan2[1:]
+    engine.free(0)
+    engine.free(1)
+
+
+def test_metrics_and_calibration_exported(engine, requests):
+    engine.set_policy("fixed:3")
+    engine.reset_metrics()
+    drive(engine, requests[:3])
+    m = engine.metrics()
+    cal = m["calibration"]
+    assert len(cal["temperatures"]) == GAMMA and all(t > 0 for t in cal["temperatures"])
+    assert sum(cal["observations"]) > 0
+    assert m["drafts"] > 0 and m["mean_accepted_length"] >= 1.0
+    assert 0.0 <= m["acceptance_rate"] <= 1.0
+    assert engine.sps_table is not None and engine.sps_table.sps(2, 8, True) > 0
+
+
+def test_input_errors(engine, target, drafter):
+    bad = [Request([], SamplingParams()), Request([1, 600], SamplingParams()),
+           Request(list(range(1, 40)), SamplingParams()),
+           Request([1, 2], SamplingParams(temperature=-1.0)), Request([1, 2], SamplingParams(top_p=0.0)),
+           Request([1, 2], SamplingParams(max_tokens=0)), Request([1, 2], SamplingParams(seed=2 ** 40))]
+    for r in bad:
+        with pytest.raises(DSparkInputError):
+            engine.prefill(r)
+    pre = engine.prefill(Request([1, 2, 3], SamplingParams(max_tokens=3)))
+    with pytest.raises(DSparkInputError):
+        engine.insert(pre, 5)
+    engine.insert(pre, 0)
+    with pytest.raises(DSparkInputError):
+        engine.insert(pre, 0)
+    engine.free(0)
+    for p in ["fixed:0", "fixed:9", "fixed:x", "threshold:2", "greedy:1", "nope", ""]:
+        with pytest.raises(DSparkInputError):
+            parse_policy(p, GAMMA)
+    with pytest.raises(DSparkInputError):
+        parse_policy("dspark", 0)
+    assert parse_policy("fixed:1", GAMMA) == ("fixed", 1) and parse_policy("threshold:0.5", 3) == ("threshold", 0.5)
+    with pytest.raises(DSparkInputError):
+        Engine(target, None, num_slots=2, cache_len=CACHE, policy="dspark")
