@@ -308,13 +308,25 @@ def serve(engine, tok, args, policy: str, max_queue: int):
 
 
 def load_prompts(args, tok) -> list[str]:
+    """The prompt texts, shuffled with ``--seed``, keeping those that fit the context with
+    ``--max-tokens`` generated tokens (tokenized as the server will: chat template or not).
+
+    Raises:
+      DSparkInputError: no prompt fits.
+    """
+    from dspark_jax.data import encode_prompts
+    from dspark_jax.errors import DSparkInputError
     from dspark_jax.eval import load_prompt_texts
 
     spec = args.prompts or ("mt_bench" if args.chat else "tinystories")
     texts, _ = load_prompt_texts(spec)
-    rng = random.Random(args.seed)
-    rng.shuffle(texts)
-    return texts
+    ids = encode_prompts(tok, texts, bool(args.chat))
+    fit = [t for t, i in zip(texts, ids) if len(i) + args.max_tokens <= args.cache_len]
+    if not fit:
+        raise DSparkInputError(f"no prompt of {spec!r} fits --cache-len {args.cache_len} with --max-tokens "
+                               f"{args.max_tokens}")
+    random.Random(args.seed).shuffle(fit)
+    return fit
 
 
 def default_policies(args, has_drafter: bool) -> list[str]:
@@ -505,10 +517,11 @@ async def wait_idle(url: str, timeout: float = 60.0) -> dict:
             await asyncio.sleep(0.1)
 
 
-def stress(args) -> dict[str, Any]:
+def stress(args, models: tuple | None = None, engine=None) -> dict[str, Any]:
+    """The bounded load test (``models`` / ``engine``: as in :func:`sweep`)."""
     import httpx
 
-    target, tok, drafter = load_models(args)
+    target, tok, drafter = models or load_models(args)
     if args.chat is None:
         args.chat = bool(getattr(tok, "has_chat_template", False))
     prompts = load_prompts(args, tok)
@@ -518,7 +531,7 @@ def stress(args) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.sps_table is None and policy != "plain":
         args.sps_table = str(out_dir / "sps_table.json")
-    engine, startup_s = engine_for(args, target, drafter, policy, num_slots)
+    engine, startup_s = engine_for(args, target, drafter, policy, num_slots, engine)
     print(f"[stress] {policy}, {num_slots} slots, engine ready in {startup_s:.1f} s; "
           f"{args.stress_requests} requests at concurrency {args.stress_concurrency}", file=sys.stderr)
     srv, loop = serve(engine, tok, args, policy, max_queue=args.stress_requests)

@@ -198,9 +198,10 @@ def run(args: argparse.Namespace) -> None:
     from .decode import check_compatible
     from .errors import DSparkInputError
 
-    for flag, v in (("--max-queue", args.max_queue), ("--default-max-tokens", args.default_max_tokens - 1)):
-        if v < 0:
-            raise DSparkInputError(f"{flag} is too small")
+    if args.max_queue < 0:
+        raise DSparkInputError("--max-queue must be >= 0")
+    if args.default_max_tokens < 1:
+        raise DSparkInputError("--default-max-tokens must be >= 1")
     if not 0 < args.port < 65536:
         raise DSparkInputError("--port must be in 1..65535")
     if args.policy and args.policy.strip().lower() != "plain" and not args.drafter:
@@ -213,7 +214,9 @@ def run(args: argparse.Namespace) -> None:
         if not path.is_file():
             raise DSparkInputError(f"--chat-template file not found: {path}")
         chat_template = path.read_text(encoding="utf-8")
-    log = logging.getLogger("dspark_jax.serve")
+    def say(msg: str) -> None:  # before uvicorn's logging is configured
+        print(f"[dspark_jax.serve] {msg}", file=sys.stderr, flush=True)
+
     dtype = jnp.dtype(args.dtype)
     target, tok = load_target(args.target, dtype=dtype)
     drafter = None
@@ -221,12 +224,13 @@ def run(args: argparse.Namespace) -> None:
         drafter, _ = load_drafter(args.drafter, dtype=dtype)
         check_compatible(target, drafter)
     policy = args.policy or ("dspark" if drafter is not None else "plain")
-    log.info("building the engine (policy %s, %d slots, cache %d) and compiling ...", policy, args.num_slots,
-             args.cache_len)
+    say(f"building the engine (policy {policy}, {args.num_slots} slots, cache {args.cache_len}) and compiling "
+        "every bucket ...")
     t0 = time.monotonic()
     engine = build_engine(target, drafter, policy=policy, num_slots=args.num_slots, cache_len=args.cache_len,
                           buckets=_parse_buckets(args.buckets), sps_table=args.sps_table)
-    log.info("engine ready in %.1f s", time.monotonic() - t0)
+    say(f"engine ready in {time.monotonic() - t0:.1f} s ({engine.metrics()['compiles']} executables); serving "
+        f"on http://{args.host}:{args.port}")
     app, _ = build_server(engine, tok, model_name=args.served_model_name or args.target, max_queue=args.max_queue,
                           default_max_tokens=args.default_max_tokens, chat_template=chat_template, policy=policy)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -395,3 +395,21 @@ def test_serve_load_quick_writes_table_json_png(models, engine, tmp_path, capsys
     assert res["runs"]["plain"][0]["acceptance_rate"] is None  # plain decoding verifies no drafts
     assert (tmp_path / "serve_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "sps_table.json").exists()
+
+
+@pytest.mark.slow
+def test_serve_load_stress_small(models, engine, tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import serve_load
+    finally:
+        sys.path.pop(0)
+    args = serve_load.build_parser().parse_args([
+        "--stress", "--target", "stories260k", "--stress-requests", "30", "--stress-concurrency", "6",
+        "--disconnect-frac", "0.3", "--max-tokens", "24", "--num-slots", str(NUM_SLOTS),
+        "--cache-len", str(CACHE_LEN), "--out", str(tmp_path)])
+    rep = serve_load.stress(args, models=models, engine=engine)
+    assert rep["passed"], rep
+    assert rep["completed"] + rep["client_disconnects"] == 30 and rep["client_disconnects"] >= 3
+    assert rep["identical_to_alone"] == rep["completed"] and not rep["slot_leak"]
+    assert json.loads((tmp_path / "stress.json").read_text())["passed"]
