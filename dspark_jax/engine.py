@@ -850,6 +850,8 @@ class Engine:
         ell_b[:n] = ell
         active = np.zeros(b, bool)
         active[:n] = True
+        if n + int(ell.sum()) > tokens or (tokens == rows and ell.any()):
+            raise RuntimeError(f"scheduler plan {ell.tolist()} does not fit bucket ({rows}, {tokens})")
         out = self._run_step(rows, tokens, ell_b, active, draft_next)
         ypad, acc, finite, conf = jax.device_get(out)
         m = self._metrics
@@ -861,8 +863,8 @@ class Engine:
         m["packed_tokens"] += n + int(ell.sum())
         verified_rows = ell > 0
         if g and verified_rows.any():
-            zs = np.stack([self._slots[s].z for s in self._row_slot])
-            self.calibrator.observe(zs[verified_rows], ell[verified_rows], acc[:n][verified_rows])
+            zs = np.stack([self._slots[s].z for s, v in zip(self._row_slot, verified_rows) if v])
+            self.calibrator.observe(zs, ell[verified_rows], acc[:n][verified_rows])
             self.calibrator.update()
         finished = []
         for r, slot in enumerate(list(self._row_slot)):
