@@ -48,7 +48,10 @@ def engine(models):
     from dspark_jax.serve import build_engine
 
     target, _, drafter = models
-    return build_engine(target, drafter, policy="dspark", num_slots=NUM_SLOTS, cache_len=CACHE_LEN)
+    # Fewer compiled shapes (compilation is most of this module's time): every step runs both
+    # rows, prompts pad to 16 or 64 tokens.
+    return build_engine(target, drafter, policy="dspark", num_slots=NUM_SLOTS, cache_len=CACHE_LEN,
+                        row_buckets=(NUM_SLOTS,), prefill_buckets=(16, CACHE_LEN))
 
 
 @pytest.fixture(scope="class")
