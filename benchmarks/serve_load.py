@@ -280,7 +280,9 @@ def load_models(args):
 def engine_for(args, target, drafter, policy: str, num_slots: int, engine=None):
     """A warmed-up engine running ``policy``: built on first use, then reconfigured.
 
-    Reconfiguring (``Engine.set_policy`` + ``warmup``) compiles only the step buckets the new
+    ``plain`` gets its own engine without a drafter (the baseline is plain decoding, with
+    no drafter context to maintain). The speculative policies share one engine:
+    reconfiguring it (``Engine.set_policy`` + ``warmup``) compiles only the step buckets a
     policy adds and keeps the SPS table when it covers them, so a sweep pays for compilation
     once. (The online calibration state carries over, as on a long-running server.)
     """
@@ -340,11 +342,13 @@ def default_policies(args, has_drafter: bool) -> list[str]:
 # --------------------------------------------------------------------------- sweep
 
 
-def sweep(args, models: tuple | None = None, engine=None) -> dict[str, Any]:
+def sweep(args, models: tuple | None = None, engine=None, plain_engine=None) -> dict[str, Any]:
     """The concurrency sweep over every policy.
 
     ``models``: ``(target, tokenizer, drafter)`` already loaded (default: from ``args``);
-    ``engine``: an idle warmed-up engine on them to reconfigure instead of building one.
+    ``engine``: an idle warmed-up engine with the drafter to reconfigure for the speculative
+    policies, ``plain_engine`` one for ``plain`` (default: built on first use, the plain one
+    without a drafter).
     """
     target, tok, drafter = models or load_models(args)
     if args.chat is None:
@@ -359,10 +363,16 @@ def sweep(args, models: tuple | None = None, engine=None) -> dict[str, Any]:
         args.sps_table = str(out_dir / "sps_table.json")
     runs: dict[str, list[dict]] = {}
     startup: dict[str, float] = {}
+    engine_stats: dict[str, dict] = {}
     for policy in policies:
-        engine, startup[policy] = engine_for(args, target, drafter, policy, num_slots, engine)
+        if policy == "plain":
+            plain_engine, startup[policy] = engine_for(args, target, None, policy, num_slots, plain_engine)
+            engine_p = plain_engine
+        else:
+            engine, startup[policy] = engine_for(args, target, drafter, policy, num_slots, engine)
+            engine_p = engine
         print(f"[{policy}] engine ready in {startup[policy]:.1f} s", file=sys.stderr)
-        srv, _ = serve(engine, tok, args, policy, max_queue=max(levels) * 4)
+        srv, _ = serve(engine_p, tok, args, policy, max_queue=max(levels) * 4)
         with srv:
             runs[policy] = []
             for c in levels:
@@ -372,13 +382,17 @@ def sweep(args, models: tuple | None = None, engine=None) -> dict[str, Any]:
                 print(f"[{policy}] c={c:3d}: {row['output_tok_s']:8.1f} tok/s, per user "
                       f"{_fmt(row['per_user_tok_s'])} tok/s, ttft {_fmt(row['ttft_s'], '.2f')} s, "
                       f"tau {_fmt(row['tau'], '.2f')}, ok {row['num_ok']}/{row['num_requests']}", file=sys.stderr)
+        m = engine_p.metrics()  # the server (and its engine thread) has stopped: safe to read
+        engine_stats[policy] = {k: m.get(k) for k in ("steps", "rounds", "mean_accepted_length", "acceptance_rate",
+                                                      "position_acceptance", "budget_hist", "rows_hist",
+                                                      "draft_steps", "step_seconds", "calibration", "compiles")}
     add_ratios(runs)
-    result = {"target": args.target, "drafter": args.drafter or (f"random(gamma={args.random_drafter})"
-                                                                   if args.random_drafter else None),
+    result = {"target": args.target, "drafter": args.drafter or (f"random(gamma={drafter.cfg.gamma})"
+                                                                   if drafter is not None else None),
               "chat": args.chat, "prompts": args.prompts or ("mt_bench" if args.chat else "tinystories"),
               "max_tokens": args.max_tokens, "temperature": args.temperature, "num_slots": num_slots,
               "cache_len": args.cache_len, "concurrency": levels, "policies": policies,
-              "engine_startup_s": startup, "device": _device(), "runs": runs}
+              "engine_startup_s": startup, "device": _device(), "runs": runs, "engine": engine_stats}
     (out_dir / "serve_load.json").write_text(json.dumps(result, indent=2))
     plot(result, out_dir / "serve_load.png")
     print(table(result))

@@ -383,7 +383,7 @@ def test_serve_load_quick_writes_table_json_png(models, engine, tmp_path, capsys
         "--max-tokens", "6", "--num-slots", str(NUM_SLOTS), "--cache-len", str(CACHE_LEN), "--out", str(tmp_path)])
     serve_load.apply_quick(args)
     compiles = engine.metrics()["compiles"]
-    res = serve_load.sweep(args, models=models, engine=engine)
+    res = serve_load.sweep(args, models=models, engine=engine, plain_engine=engine)
     assert engine.metrics()["compiles"] == compiles  # reconfigured, not recompiled
     out = capsys.readouterr().out
     assert "| policy | concurrency | output tok/s |" in out and "| dspark | 2 |" in out
