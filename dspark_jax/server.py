@@ -272,10 +272,6 @@ class _EngineCollector:
                 yield g
 
 
-def _metric_name(key: str) -> str:
-    return "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in key)
-
-
 def _as_list(x) -> list:
     if hasattr(x, "tolist"):
         x = x.tolist()
