@@ -110,8 +110,8 @@ def _terms_from_features(drafter: Drafter, target: Target, feats, t_logits, toke
     src_c = jnp.minimum(src, tokens.shape[1] - 1)
     bidx = jnp.arange(tokens.shape[0])[:, None, None]
     prev = tokens[bidx, src_c]                          # teacher forcing: x_{k-1} is the true token
-    e = drafter.markov_embedding(prev)
-    logits = block.logits + drafter.markov_bias(e)
+    bias, e = drafter.teacher_forced_heads(block.hidden, prev)
+    logits = block.logits + bias
     acc = _acceptance(logits, t_logits[bidx, src_c], temperature)
     z = drafter.confidence_logit(block.hidden, e)
     return BlockTerms(z, acc, valid)

@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from .config import DrafterConfig
-from .drafter import Drafter
+from .drafter import Drafter, build_drafter
 from .errors import DSparkInputError
 
 FORMAT = "dspark_jax.drafter/1"
@@ -102,7 +102,7 @@ def load_drafter(path: str | Path, dtype: Any = None) -> tuple[Drafter, dict[str
     except (KeyError, TypeError, ValueError) as e:
         raise DSparkInputError(f"{path}/drafter.json has an invalid config: {e}") from None
     dtype = dtype or jnp.dtype(meta.get("dtype", "float32"))
-    abstract = nnx.eval_shape(lambda: Drafter(cfg, nnx.Rngs(0), dtype=dtype))
+    abstract = nnx.eval_shape(lambda: build_drafter(cfg, nnx.Rngs(0), dtype=dtype))
     graphdef, abs_state = nnx.split(abstract)
     target_tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))

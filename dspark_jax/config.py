@@ -174,23 +174,36 @@ def _set_path(cfg: Any, path: list[str], value: Any, full: str) -> Any:
     return dataclasses.replace(cfg, **{head: value})
 
 
+VARIANTS = ("dspark", "dflash", "eagle3")
+MARKOV_HEADS = ("vanilla", "gated", "rnn")
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
-    """Architecture of a DSpark drafter (DESIGN.md "Drafter").
+    """Architecture of a drafter (DESIGN.md "Drafter" and its baselines).
 
     The drafter shares the target's token embedding and LM head (frozen), so its
     width equals the target's hidden size. DFlash is the same model with
     ``variant="dflash"``: no Markov head, no confidence head, and a block of
     anchor + gamma mask slots whose mask slots predict their own position.
+    ``variant="eagle3"`` is the autoregressive baseline of :mod:`dspark_jax.eagle`
+    (one decoder layer over fused low/mid/high target features, one token per step;
+    ``num_layers`` must be 1, no Markov or confidence head).
 
     Attributes:
       variant: ``"dspark"`` (anchor + gamma-1 masks, prediction at every slot,
-        Markov + confidence heads) or ``"dflash"``.
+        Markov + confidence heads), ``"dflash"`` or ``"eagle3"``.
       gamma: block size, the number of draft tokens per drafting round.
       num_layers: backbone transformer layers N.
       num_heads / num_kv_heads / head_dim / intermediate_size: backbone shape.
       taps: target layers whose hidden states form the context features.
       markov_rank: rank r of the factorised bigram ``W1 (V x r) @ W2 (r x V)``.
+      markov_head: sequential head type (paper Section 6): ``"vanilla"`` (the
+        Markov bias ``W1[x_{k-1}] W2``), ``"gated"`` (the same bias with its rank
+        components scaled by ``sigmoid(h_k W_g + b_g)`` from the backbone hidden
+        state) or ``"rnn"`` (a GRU state of width r carried through the block,
+        updated from ``W1[x_{k-1}]``, bias ``s_k W2``). Exports written before this
+        field existed load as ``"vanilla"``.
       rope_theta / rms_eps: backbone RoPE base and norm epsilon.
       vocab_size / hidden_size / target_num_layers / target_name /
         target_fingerprint: the target this drafter was built for; checked
@@ -213,10 +226,16 @@ class DrafterConfig:
     rms_eps: float = 1e-5
     target_name: str = "unnamed"
     target_fingerprint: str = ""
+    markov_head: str = "vanilla"
 
     def __post_init__(self):
-        if self.variant not in ("dspark", "dflash"):
-            raise ValueError(f"variant must be 'dspark' or 'dflash', got {self.variant!r}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {self.variant!r}")
+        if self.markov_head not in MARKOV_HEADS:
+            raise ValueError(f"markov_head must be one of {', '.join(map(repr, MARKOV_HEADS))}, "
+                             f"got {self.markov_head!r}")
+        if self.variant == "eagle3" and self.num_layers != 1:
+            raise ValueError(f"the eagle3 drafter has exactly one decoder layer, got num_layers={self.num_layers}")
         if self.gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {self.gamma}")
         if self.num_heads % self.num_kv_heads:
@@ -238,8 +257,10 @@ class DrafterConfig:
 
     @property
     def num_slots(self) -> int:
-        """Block length fed to the backbone: anchor + gamma-1 masks (DSpark) or + gamma (DFlash)."""
-        return self.gamma if self.variant == "dspark" else self.gamma + 1
+        """Block length fed to the backbone: anchor + gamma-1 masks (DSpark) or + gamma (DFlash).
+
+        For eagle3, the gamma sequential draft steps."""
+        return self.gamma + 1 if self.variant == "dflash" else self.gamma
 
     @classmethod
     def for_target(cls, target: TargetConfig, **overrides: Any) -> "DrafterConfig":

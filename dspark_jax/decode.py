@@ -112,7 +112,7 @@ def _prefill(target, drafter, prompt, prompt_len, limit, sampling, base_keys, st
     dcache = None
     if drafter is not None:
         dcache = drafter.extend_cache(drafter.init_cache(b, cache_len), out.features,
-                                      jnp.where(pos < prompt_len[:, None], pos, -1))
+                                      jnp.where(pos < prompt_len[:, None], pos, -1), target=target, tokens=prompt)
     finite = logits_are_finite(out.logits)
     tok = sample(_row_keys(base_keys, prompt_len - 1), process_logits(out.logits, sampling))
     seq = jnp.full((b, cache_len), -1, jnp.int32)
@@ -152,6 +152,25 @@ def _zero_stats(b: int, gamma: int) -> DecodeStats:
     z = jnp.zeros((b,), jnp.int32)
     zg = jnp.zeros((b, max(gamma, 1)), jnp.int32)
     return DecodeStats(z, z, z, z, zg, zg)
+
+
+def draft_tokens(target: Target, drafter, anchors: jax.Array, anchor_pos: jax.Array, cache,
+                 keys: jax.Array, sampling: SamplingArrays):
+    """One drafting round for every row, whatever the drafter kind.
+
+    DSpark / DFlash: one parallel backbone pass then the ``lax.scan`` Markov sampler;
+    eagle3: ``gamma`` autoregressive single-token steps (:meth:`EagleDrafter.draft`).
+
+    Args:
+      anchors: ``[B]`` int32 last confirmed tokens; anchor_pos: ``[B]`` int32 their positions.
+      cache: the drafter's context cache; keys: ``[B, 2]`` per-row draft keys.
+    Returns:
+      :class:`~dspark_jax.markov.Draft` with ``tokens [B, gamma]`` and ``probs [B, gamma, V]``.
+    """
+    if drafter.cfg.variant == "eagle3":
+        return drafter.draft(target, anchors, anchor_pos, cache, keys, sampling)
+    block = drafter.draft_block(target, anchors, anchor_pos, cache)
+    return sample_block(drafter, block, anchors, keys, sampling)
 
 
 @partial(jax.jit, static_argnames=("t_graph", "cache_len", "max_steps"))
@@ -209,8 +228,7 @@ def _spec_decode(t_state, d_state, prompt, prompt_len, limit, sampling,
         anchor = jnp.take_along_axis(s.seq, p[:, None], 1)[:, 0]
         keys = _row_keys(base_keys, p)
         draft_keys, verify_keys = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
-        block = drafter.draft_block(target, anchor, p, s.dcache)
-        draft = sample_block(drafter, block, anchor, draft_keys, sampling)
+        draft = draft_tokens(target, drafter, anchor, p, s.dcache, draft_keys, sampling)
         # Verification length: fixed by limits only, never by draft values (non-anticipation).
         room = jnp.minimum(limit, cache_len) - s.length - 1
         ell = jnp.where(running, jnp.clip(jnp.minimum(max_verify, room), 0, gamma), 0)
@@ -223,7 +241,8 @@ def _spec_decode(t_state, d_state, prompt, prompt_len, limit, sampling,
         res = verify(verify_keys, draft.tokens, draft.probs, tprobs, ell)
         seq, length, finish, n_keep = _emit(s, res.tokens, res.num_emitted, limit, stop_ids, cache_len)
         finish = jnp.where(running & ~finite, FINISH_ERROR, finish)
-        dcache = drafter.extend_cache(s.dcache, out.features, jnp.where(running[:, None], vpos, -1))
+        dcache = drafter.extend_cache(s.dcache, out.features, jnp.where(running[:, None], vpos, -1),
+                                      target=target, tokens=vtok)
         k = offs[:gamma][None, :]
         emitted_pos = k < n_keep[:, None]
         reached = (k < ell[:, None]) & (k <= res.num_accepted[:, None]) & emitted_pos

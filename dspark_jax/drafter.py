@@ -12,8 +12,18 @@ Implements DESIGN.md "Drafter" (paper Sections 4-6 and Appendix A3/A4):
    at anchor position + i;
 3. base logits ``U_k`` through the drafter's final norm and the *target's* LM
    head (frozen, passed in);
-4. Markov head: ``B(x) = W1[x] @ W2`` added to ``U_k`` (see :mod:`dspark_jax.markov`);
-5. confidence head: ``c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b)``, optionally
+4. sequential (Markov) head adding a bias to ``U_k`` (see :mod:`dspark_jax.markov`), of
+   type ``cfg.markov_head`` (paper Section 6 and its RNN-head ablation):
+
+   * ``vanilla``: ``B_k = e_k W2`` with the Markov embedding ``e_k = W1[x_{k-1}]``;
+   * ``gated``: ``e_k = sigmoid(h_k W_g + b_g) * W1[x_{k-1}]`` (a per-rank-component
+     gate read from the backbone hidden state: how much the previous token should
+     steer position k), ``B_k = e_k W2``;
+   * ``rnn``: a GRU state ``s_k = GRU(s_{k-1}, W1[x_{k-1}])`` (``s_0 = 0``) carries
+     the whole in-block prefix; ``e_k = W1[x_{k-1}] + s_k``, ``B_k = e_k W2`` (the
+     residual form contains the vanilla head: ``s = 0`` recovers it);
+
+5. confidence head: ``c_k = sigmoid(w . [h_k ; e_k] + b)``, optionally
    calibrated per position by sequential temperature scaling
    (``c_k = sigmoid(z_k / T_k)``, :attr:`Drafter.calibration`, fit by
    :mod:`dspark_jax.calibration`).
@@ -82,14 +92,23 @@ class Drafter(nnx.Module):
             w_down=nnx.Param(jnp.zeros((n, cfg.intermediate_size, d), dtype)),
         )
         self.final_norm = nnx.Param(jnp.ones((d,), dtype))
+        w1 = w2 = gate_w = gate_b = rnn_wx = rnn_wh = rnn_b = None
         if cfg.markov:
             r = cfg.markov_rank
-            self.markov_w1 = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, r), dtype) / jnp.sqrt(r))
+            w1 = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, r), dtype) / jnp.sqrt(r))
             # W2 = 0: the Markov correction starts as exactly zero (pure DFlash).
-            self.markov_w2 = nnx.Param(jnp.zeros((r, cfg.vocab_size), dtype))
-        else:
-            self.markov_w1 = None
-            self.markov_w2 = None
+            w2 = nnx.Param(jnp.zeros((r, cfg.vocab_size), dtype))
+            if cfg.markov_head == "gated":
+                gate_w = nnx.Param(jnp.zeros((d, r), dtype))
+                # Gate starts mostly open (sigmoid(2) ~ 0.88): close to the vanilla head.
+                gate_b = nnx.Param(jnp.full((r,), 2.0, dtype))
+            elif cfg.markov_head == "rnn":
+                rnn_wx, rnn_wh = w(r, 3 * r), w(r, 3 * r)
+                rnn_b = nnx.Param(jnp.zeros((3 * r,), dtype))
+        # Each attribute is assigned once (NNX fixes an attribute's data/static status on first set).
+        self.markov_w1, self.markov_w2 = w1, w2
+        self.markov_gate_w, self.markov_gate_b = gate_w, gate_b
+        self.markov_rnn_wx, self.markov_rnn_wh, self.markov_rnn_b = rnn_wx, rnn_wh, rnn_b
         if cfg.has_confidence:
             c_in = d + (cfg.markov_rank if cfg.markov else 0)
             self.conf_w = nnx.Param(jnp.zeros((c_in,), dtype))
@@ -194,10 +213,79 @@ class Drafter(nnx.Module):
     # -- heads ---------------------------------------------------------------------
 
     def markov_embedding(self, prev: jax.Array) -> jax.Array | None:
-        """``[...]`` previous-token ids -> ``[..., r]`` Markov embeddings ``W1[x]``."""
+        """``[...]`` previous-token ids -> ``[..., r]`` Markov embeddings ``W1[x]``.
+
+        The table lookup shared by every head type; the embedding ``e_k`` the
+        heads actually use comes from :meth:`markov_step` / :meth:`teacher_forced_heads`
+        (identical to this for ``markov_head="vanilla"``).
+        """
         if not self.cfg.markov:
             return None
         return jnp.take(self.markov_w1[...], prev, axis=0)
+
+    def markov_init(self, batch_shape: tuple[int, ...]) -> jax.Array | None:
+        """Sequential-head state before position 1: ``[*batch_shape, r]`` zeros (rnn) or None."""
+        if not (self.cfg.markov and self.cfg.markov_head == "rnn"):
+            return None
+        return jnp.zeros(tuple(batch_shape) + (self.cfg.markov_rank,), self.dtype)
+
+    def _gru(self, s: jax.Array, x: jax.Array) -> jax.Array:
+        """One GRU update ``[..., r], [..., r] -> [..., r]`` (reset gate on the recurrent term)."""
+        r = self.cfg.markov_rank
+        gx = x @ self.markov_rnn_wx[...] + self.markov_rnn_b[...]
+        gh = s @ self.markov_rnn_wh[...]
+        reset = jax.nn.sigmoid(gx[..., :r] + gh[..., :r])
+        update = jax.nn.sigmoid(gx[..., r : 2 * r] + gh[..., r : 2 * r])
+        cand = jnp.tanh(gx[..., 2 * r :] + reset * gh[..., 2 * r :])
+        return (1.0 - update) * cand + update * s
+
+    def markov_step(self, state: jax.Array | None, prev: jax.Array,
+                    h: jax.Array) -> tuple[jax.Array | None, jax.Array | None, jax.Array | float]:
+        """One position of the sequential head (paper Section 6; variants in the module doc).
+
+        Args:
+          state: head state from :meth:`markov_init` or the previous step (rnn), else None.
+          prev: ``[...]`` int32 previous token x_{k-1} (the anchor at k = 1).
+          h: ``[..., d]`` backbone hidden state h_k (read by the gated head).
+        Returns:
+          ``(state, e_k [..., r], bias [..., V] float32)``; ``(state, None, 0.0)``
+          for a drafter without a Markov head.
+        """
+        if not self.cfg.markov:
+            return state, None, 0.0
+        x = self.markov_embedding(prev)
+        kind = self.cfg.markov_head
+        if kind == "gated":
+            gate = jax.nn.sigmoid(h.astype(x.dtype) @ self.markov_gate_w[...] + self.markov_gate_b[...])
+            e = gate * x
+        elif kind == "rnn":
+            state = self._gru(state, x)
+            e = x + state
+        else:
+            e = x
+        return state, e, self.markov_bias(e)
+
+    def teacher_forced_heads(self, hidden: jax.Array,
+                             prev: jax.Array) -> tuple[jax.Array | float, jax.Array | None]:
+        """Markov bias and embeddings of whole blocks given their true previous tokens (training).
+
+        Args:
+          hidden: ``[..., gamma, d]`` backbone hidden states.
+          prev: ``[..., gamma]`` int32 true previous tokens (``prev[..., 0]`` = anchor).
+        Returns:
+          ``(bias [..., gamma, V] float32, e [..., gamma, r])``, or ``(0.0, None)``
+          without a Markov head. Equals running :meth:`markov_step` left to right.
+        """
+        if not self.cfg.markov:
+            return 0.0, None
+        if self.cfg.markov_head != "rnn":
+            _, e, bias = self.markov_step(None, prev, hidden)
+            return bias, e
+        x = self.markov_embedding(prev)                     # [..., g, r]
+        xs = jnp.moveaxis(x, -2, 0)                         # [g, ..., r]
+        _, states = jax.lax.scan(lambda s, xk: (self._gru(s, xk),) * 2, self.markov_init(prev.shape[:-1]), xs)
+        e = x + jnp.moveaxis(states, 0, -2)
+        return self.markov_bias(e), e
 
     def markov_bias(self, e: jax.Array | None) -> jax.Array | float:
         """Markov embedding ``[..., r]`` -> ``[..., V]`` float32 logit correction ``e @ W2``."""
@@ -268,13 +356,16 @@ class Drafter(nnx.Module):
         h = self.predicted_slots(self.backbone(x, pos, cache.k, cache.v, ctx_mask)[:, 0])
         return BlockOutput(h, self.base_logits(target, h))
 
-    def extend_cache(self, cache: KVCache, features: jax.Array, positions: jax.Array) -> KVCache:
+    def extend_cache(self, cache: KVCache, features: jax.Array, positions: jax.Array, *,
+                     target: Target | None = None, tokens: jax.Array | None = None) -> KVCache:
         """Projects new target features and writes their K/V at ``positions``.
 
         Args:
           cache: ``[N, B, S, kvh, hd]``.
           features: ``[B, T, n_taps * H]`` from a target prefill/verify pass.
           positions: ``[B, T]`` int32; out-of-range positions are dropped.
+          target / tokens: unused here (KV injection reads features only); accepted so
+            callers can treat every drafter kind alike (the eagle3 drafter needs them).
         """
         k, v = self.context_kv(self.context_features(features), positions)
         return KVCache(
@@ -310,3 +401,13 @@ class Drafter(nnx.Module):
         ctx_mask = jnp.broadcast_to(ctx_mask, (b, anchors.shape[1], s, l))
         h = self.predicted_slots(self.backbone(x, pos, ck, cv, ctx_mask))
         return BlockOutput(h, self.base_logits(target, h))
+
+
+def build_drafter(cfg: DrafterConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+    """The drafter module for ``cfg.variant``: :class:`Drafter` (dspark / dflash) or
+    :class:`~dspark_jax.eagle.EagleDrafter` (eagle3)."""
+    if cfg.variant == "eagle3":
+        from .eagle import EagleDrafter  # eagle builds on this module's BlockOutput
+
+        return EagleDrafter(cfg, rngs, dtype=dtype)
+    return Drafter(cfg, rngs, dtype=dtype)

@@ -50,7 +50,8 @@ def evaluate_tau(target: Target, drafter: Drafter, prompts: Sequence[Sequence[in
 
     Returns:
       dict with ``tau``, ``acceptance_rate``, ``position_acceptance`` (list over
-      k = 1..gamma), ``accept_rate_at_k`` (list over k = 1..gamma: fraction of
+      k = 1..gamma; ``position_reached`` / ``position_accepted``: its counts),
+      ``accept_rate_at_k`` (list over k = 1..gamma: fraction of
       rounds with >= k accepted drafts), ``num_requests``, ``num_target_passes``,
       ``tokens_per_s`` (compilation excluded) and the settings used.
     """
@@ -68,6 +69,9 @@ def evaluate_tau(target: Target, drafter: Drafter, prompts: Sequence[Sequence[in
             accepted += g.position_accepted
     out = aggregate(results)
     out["position_acceptance"] = [float(a / r) if r else None for a, r in zip(accepted, reached)]
+    # Raw counts, so acceptance can be pooled exactly over several prompt sets.
+    out["position_reached"] = [int(r) for r in reached]
+    out["position_accepted"] = [int(a) for a in accepted]
     g_used = gamma or drafter.cfg.gamma
     passes = out["num_target_passes"]
     out["accept_rate_at_k"] = [float(a / passes) if passes else None for a in accepted[:g_used]]

@@ -1,9 +1,11 @@
 """The Markov-head sampler: sequential draft sampling over one block with ``lax.scan``.
 
 Implements DESIGN.md "Drafter" step 3 (paper Section 6, Appendix A4):
-``p_draft_k = process(U_k + W1[x_{k-1}] @ W2)`` with ``x_0`` = the anchor, one row
-lookup and one ``r x V`` matvec per step, plus the confidence head
-``c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b)`` (step 4), divided per position by the
+``p_draft_k = process(U_k + e_k @ W2)`` with ``x_0`` = the anchor and ``e_k`` the
+sequential head's embedding (vanilla: ``W1[x_{k-1}]``; gated / rnn variants:
+:meth:`~dspark_jax.drafter.Drafter.markov_step`), one row lookup and one ``r x V``
+matvec per step, plus the confidence head
+``c_k = sigmoid(w . [h_k ; e_k] + b)`` (step 4), divided per position by the
 calibration temperature ``T_k`` before the sigmoid (sequential temperature scaling,
 :mod:`dspark_jax.calibration`); the temperatures never touch the sampled tokens.
 """
@@ -73,15 +75,17 @@ def sample_block(drafter: Drafter, block: BlockOutput, anchors: jax.Array,
         step_keys = jax.vmap(lambda k: jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, k), out_axes=1)(steps)
     step_keys = jnp.swapaxes(step_keys, 0, 1)   # [gamma, B, 2]
 
-    def step(prev, xs):
+    def step(carry, xs):
+        prev, state = carry
         h, u, kk, t = xs
-        e = drafter.markov_embedding(prev)
-        q = process_logits(u + drafter.markov_bias(e), sampling)
+        state, e, bias = drafter.markov_step(state, prev, h)
+        q = process_logits(u + bias, sampling)
         x = jax.vmap(sample)(kk, q).astype(jnp.int32)
         z = drafter.confidence_logit(h, e)
         c = jax.nn.sigmoid(z / t)
-        return x, (x, q, c, z)
+        return (x, state), (x, q, c, z)
 
-    _, (tokens, probs, conf, zs) = jax.lax.scan(step, anchors.astype(jnp.int32), (hidden, logits, step_keys, temps))
+    init = (anchors.astype(jnp.int32), drafter.markov_init(anchors.shape))
+    _, (tokens, probs, conf, zs) = jax.lax.scan(step, init, (hidden, logits, step_keys, temps))
     sw = lambda a: jnp.swapaxes(a, 0, 1)
     return Draft(sw(tokens), sw(probs), sw(conf), sw(zs))

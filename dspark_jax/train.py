@@ -187,7 +187,7 @@ def dry_run(cfg: TrainConfig, devices: int | None = None) -> dict:
     import jax
     from flax import nnx
 
-    from .drafter import Drafter
+    from .drafter import build_drafter
     from .model_io import count_target_params
     from .presets import target_config
     from .trainer import count_params, drafter_config
@@ -202,7 +202,7 @@ def dry_run(cfg: TrainConfig, devices: int | None = None) -> dict:
         dcfg = drafter_config(cfg, _T(tcfg))
     except ValueError as e:
         raise DSparkInputError(f"drafter config does not fit target {tcfg.name}: {e}") from None
-    abstract = nnx.eval_shape(lambda: Drafter(dcfg, nnx.Rngs(0)))  # float32 master weights, abstract
+    abstract = nnx.eval_shape(lambda: build_drafter(dcfg, nnx.Rngs(0)))  # float32 master weights, abstract
     n_d = count_params(nnx.state(abstract, nnx.Param))
     n_t = count_target_params(tcfg)
     n_dev = int(devices or jax.device_count())
@@ -239,31 +239,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run(cfg: TrainConfig, evaluate: bool = True) -> dict:
-    """Runs all stages for ``cfg``; returns the summary written to ``<workdir>/summary.json``."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
+def prepare_data(cfg: TrainConfig, target, tok) -> tuple[list[Path], list[str]]:
+    """Stage 1: the self-distillation shards and the held-out evaluation prompts of ``cfg``.
+
+    Splits the prompt source into training and held-out prompts (written to
+    ``<workdir>/eval_prompts.json``), then generates the target's continuations of the
+    training prompts into ``<workdir>/data`` (resumable), or, with ``cfg.data_dir``,
+    only lists the shards already there (that folder is never written).
+
+    Returns:
+      ``(shard paths, held-out prompt texts)``.
+    Raises:
+      DSparkInputError: unknown prompt source, or an empty ``data_dir``.
+    """
     from tqdm.auto import tqdm
 
     from . import data as data_mod
-    from .api import load_target
-    from .checkpoint import export_drafter
     from .decode import generate_autoregressive
-    from .drafter import Drafter
-    from .trainer import (Trainer, append_jsonl, count_params, drafter_config, maybe_initialize_distributed,
-                          truncate_jsonl)
 
-    maybe_initialize_distributed()
-    t_start = time.perf_counter()
     workdir = Path(cfg.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    dtype = jnp.dtype(cfg.dtype)
-    target, tok = load_target(cfg.target, dtype=dtype)
     chat = cfg.prompts == "chat"
-
-    # -- prompts ------------------------------------------------------------------------
     if cfg.prompts == "tinystories":
         texts = data_mod.tinystories_openings()
     elif cfg.prompts == "chat":
@@ -273,6 +269,13 @@ def run(cfg: TrainConfig, evaluate: bool = True) -> dict:
     if cfg.prompts_file:
         texts += data_mod.read_prompt_file(cfg.prompts_file)
     train_texts, eval_texts = data_mod.split_prompts(texts, min(cfg.num_eval_prompts, len(texts) // 5), cfg.seed)
+    (workdir / "eval_prompts.json").write_text(json.dumps(eval_texts, indent=1))
+    if cfg.data_dir:
+        # Shared data (read only): e.g. every drafter of a comparison trains on the same shards.
+        shards = sorted(Path(cfg.data_dir).glob("shard_[0-9]*[0-9].npz"))
+        if not shards:
+            raise DSparkInputError(f"data_dir {cfg.data_dir} holds no shard_*.npz files")
+        return shards, eval_texts
     if chat and len(train_texts) < cfg.num_prompts:
         # Few distinct chat prompts: repeat them, the sampled continuations differ.
         train_texts = (train_texts * (cfg.num_prompts // max(1, len(train_texts)) + 1))[: cfg.num_prompts]
@@ -280,10 +283,6 @@ def run(cfg: TrainConfig, evaluate: bool = True) -> dict:
     # A prompt taking more than half the stored length leaves too few target tokens to learn from.
     train_ids = [ids for ids in train_ids if len(ids) <= cfg.seq_len // 2] or train_ids
     train_ids = train_ids[: cfg.num_prompts]
-    (workdir / "eval_prompts.json").write_text(json.dumps(eval_texts, indent=1))
-
-    # -- stage 1: self-distillation data -----------------------------------------------
-    t0 = time.perf_counter()
     bar = tqdm(total=len(train_ids), desc="generate data", unit="seq", dynamic_ncols=True)
 
     def gen(batch, bi):
@@ -300,6 +299,42 @@ def run(cfg: TrainConfig, evaluate: bool = True) -> dict:
                                       shard_size=cfg.gen_shard_size, batch_size=cfg.gen_batch_size,
                                       progress=progress)
     bar.close()
+    return shards, eval_texts
+
+
+def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, target_and_tokenizer=None) -> dict:
+    """Runs all stages for ``cfg``; returns the summary written to ``<workdir>/summary.json``.
+
+    Args:
+      evaluate: run stage 4 (held-out tau).
+      calibrate: fit the confidence temperatures (stage 3b; drafters with a confidence head).
+      target_and_tokenizer: an already loaded ``(target, tokenizer)`` for ``cfg.target``
+        (e.g. several runs in one process); default: loaded from ``cfg.target``.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from tqdm.auto import tqdm
+
+    from . import data as data_mod
+    from .api import load_target
+    from .checkpoint import export_drafter
+    from .drafter import build_drafter
+    from .trainer import (Trainer, append_jsonl, count_params, drafter_config, maybe_initialize_distributed,
+                          truncate_jsonl)
+
+    maybe_initialize_distributed()
+    t_start = time.perf_counter()
+    workdir = Path(cfg.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    dtype = jnp.dtype(cfg.dtype)
+    target, tok = target_and_tokenizer or load_target(cfg.target, dtype=dtype)
+    chat = cfg.prompts == "chat"
+
+    # -- stage 1: self-distillation data -----------------------------------------------
+    t0 = time.perf_counter()
+    shards, eval_texts = prepare_data(cfg, target, tok)
     data = data_mod.load_shards(shards)
     gen_seconds = time.perf_counter() - t0
     n_tokens = int((data["lengths"] - data["prompt_lengths"]).sum())
@@ -307,7 +342,7 @@ def run(cfg: TrainConfig, evaluate: bool = True) -> dict:
     # -- stage 2: training ----------------------------------------------------------------
     dcfg = drafter_config(cfg, target)
     # float32 master weights whatever cfg.dtype: the Trainer computes in cfg.dtype.
-    drafter = Drafter(dcfg, nnx.Rngs(cfg.seed))
+    drafter = build_drafter(dcfg, nnx.Rngs(cfg.seed))
     trainer = Trainer(cfg, target, drafter)
     mgr = trainer.checkpoint_manager(workdir / "checkpoints")
     start = trainer.restore_latest(mgr)
@@ -372,7 +407,7 @@ def run(cfg: TrainConfig, evaluate: bool = True) -> dict:
     # -- stage 3b: confidence calibration (dspark_jax.calibration) --------------------------------
     # Sequential temperature scaling on target continuations of the held-out eval prompts (never
     # in the training data): temperatures go into the export, the report into calibration.json.
-    if drafter.cfg.has_confidence and eval_texts:
+    if calibrate and drafter.cfg.has_confidence and eval_texts:
         from .calibration import calibrate_training_run
 
         summary["calibration"] = calibrate_training_run(

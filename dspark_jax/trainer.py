@@ -68,9 +68,12 @@ class TrainConfig:
       target: preset name or path of the target model.
       workdir: run folder (data shards, Orbax checkpoints, metrics.jsonl).
       export_dir: export folder (default ``<workdir>/export``).
-      variant: ``dspark`` or ``dflash``.
+      variant: ``dspark``, ``dflash`` or ``eagle3`` (the autoregressive baseline of
+        :mod:`dspark_jax.eagle`: always one layer, ``num_layers`` is not used; default
+        taps low/mid/high, :func:`~dspark_jax.eagle.eagle_taps`).
       gamma: block size [tokens]; num_layers: drafter backbone layers;
-      markov_rank: Markov head rank r; taps: tapped target layers (empty = default);
+      markov_rank: Markov head rank r; markov_head: ``vanilla`` / ``gated`` / ``rnn``
+        (:class:`~dspark_jax.config.DrafterConfig`); taps: tapped target layers (empty = default);
       drafter_intermediate_size: FFN width (0 = the target's).
       prompts: ``tinystories`` or ``chat``; prompts_file: extra JSONL prompts;
       num_prompts: training prompts used; num_eval_prompts: held-out prompts;
@@ -89,6 +92,9 @@ class TrainConfig:
         compute); log_every, ckpt_every, keep_checkpoints [steps / count];
       gen_shard_size [sequences]: self-distillation data per resumable shard;
       eval_max_new_tokens [tokens], eval_temperature: held-out evaluation.
+      data_dir: read the self-distillation shards (``shard_*.npz``) from this folder
+        instead of generating them into ``<workdir>/data``; the folder is only read
+        (e.g. several drafters trained on the identical data of one run).
     """
 
     target: str = "stories260k"
@@ -131,6 +137,8 @@ class TrainConfig:
     gen_shard_size: int = 256
     eval_max_new_tokens: int = 128
     eval_temperature: float = 0.0
+    markov_head: str = "vanilla"
+    data_dir: str = ""
 
     def export_path(self) -> Path:
         return Path(self.export_dir) if self.export_dir else Path(self.workdir) / "export"
@@ -160,11 +168,16 @@ TRAIN_PRESETS["qwen3-8b"] = dataclasses.replace(TRAIN_PRESETS["qwen3-4b"], targe
 def drafter_config(cfg: TrainConfig, target: Target) -> DrafterConfig:
     """The :class:`DrafterConfig` a run builds for ``target``."""
     t = target.cfg
-    over: dict[str, Any] = dict(variant=cfg.variant, gamma=cfg.gamma, num_layers=cfg.num_layers,
+    eagle = cfg.variant == "eagle3"
+    over: dict[str, Any] = dict(variant=cfg.variant, gamma=cfg.gamma, num_layers=1 if eagle else cfg.num_layers,
                                 markov_rank=cfg.markov_rank if cfg.variant == "dspark" else 0,
-                                target_fingerprint=target.fingerprint)
+                                markov_head=cfg.markov_head, target_fingerprint=target.fingerprint)
     if cfg.taps:
         over["taps"] = tuple(cfg.taps)
+    elif eagle:
+        from .eagle import eagle_taps
+
+        over["taps"] = eagle_taps(t)
     if cfg.drafter_intermediate_size:
         over["intermediate_size"] = cfg.drafter_intermediate_size
     return DrafterConfig.for_target(t, **over)
@@ -233,8 +246,8 @@ def loss_sums(drafter: Drafter, target: Target, tokens: jax.Array, lengths: jax.
         if remat:  # recompute the [.., V] base logits from the hidden states instead of storing them
             base_logits = drafter.base_logits(target, hidden)
         p_t = jax.nn.softmax(t_sel, axis=-1)
-        e = drafter.markov_embedding(prev)
-        logq = jax.nn.log_softmax(base_logits + drafter.markov_bias(e), axis=-1)
+        bias, e = drafter.teacher_forced_heads(hidden, prev)
+        logq = jax.nn.log_softmax(base_logits + bias, axis=-1)
         ce = -jnp.take_along_axis(logq, labels[..., None], axis=-1)[..., 0]
         tv = 0.5 * jnp.sum(jnp.abs(jnp.exp(logq) - p_t), axis=-1)
         if dc.has_confidence:
