@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -360,7 +361,12 @@ def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, targ
     step = start
     last_log, last_log_step = time.perf_counter(), start
     terms = None
-    while step < cfg.steps:
+    # Preemption notice (TPU VMs, Kubernetes, Slurm send SIGTERM first): finish the step in
+    # flight, checkpoint it and exit, so the restart loses nothing. A second signal kills.
+    preempted = []
+    handler = lambda signum, frame: (preempted.append(signum), signal.signal(signum, signal.SIG_DFL))
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    while step < cfg.steps and not preempted:
         batch = next(it)
         terms, gnorm = trainer.step(batch, step)
         step += 1
@@ -387,10 +393,16 @@ def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, targ
             print(f"time budget of {cfg.time_budget_s:.0f}s reached at step {step}", file=sys.stderr)
             break
     bar.close()
+    for sig, prev in previous.items():
+        signal.signal(sig, prev)
     if tb is not None:
         tb.close()
     if mgr.latest_step() != step:
         trainer.save(mgr, step)
+    if preempted:
+        print(f"stopped by signal {preempted[0]} at step {step}; checkpoint saved, rerun the same command "
+              "to resume", file=sys.stderr)
+        raise SystemExit(128 + preempted[0])
     train_seconds = time.perf_counter() - t_train
     drafter = trainer.drafter()
 

@@ -6,7 +6,8 @@ at a seeded random moment after a (seeded random) checkpoint exists -- and resta
 same command each time; its data shards, logged metrics and exported parameters must
 equal those of an uninterrupted run of the same command in another workdir. A fake
 half-written Orbax save (what a kill in the middle of ``save`` leaves) is planted
-before the last restart: it must be ignored and cleaned up.
+before the next restart: it must be ignored and cleaned up. That restart is then stopped with
+SIGTERM (a preemption notice), which must checkpoint the current step and exit 143.
 """
 
 from __future__ import annotations
@@ -132,9 +133,31 @@ def test_killed_and_restarted_training_equals_uninterrupted_run(stories260k_dir,
         if f.is_file() and f.parent.name == "d":
             f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2])
 
-    # 4) restarted again: runs to the end
+    # 4) restarted, then asked to stop with SIGTERM (a preemption notice) once training
+    #    resumed: it finishes the step in flight, checkpoints it and exits 128 + 15
+    log_path = tmp_path / "sigterm.log"
+    with open(log_path, "w") as f:
+        p = subprocess.Popen(_cmd(run), stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
+        try:
+            deadline = time.monotonic() + 900
+            while f"resuming from checkpoint step {last}" not in log_path.read_text():
+                assert p.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+                time.sleep(0.01)
+            time.sleep(0.3)
+            p.send_signal(signal.SIGTERM)
+            rc = p.wait(timeout=600)
+        finally:
+            p.kill()
+            p.wait()
+    log = log_path.read_text()
+    stopped = _steps(run)[-1]
+    assert rc == 128 + signal.SIGTERM and f"stopped by signal {int(signal.SIGTERM)} at step {stopped}" in log, log[-3000:]
+    assert last < stopped < STEPS - CKPT_EVERY and not (run / "export").exists()
+    assert not [q for q in (run / "checkpoints").iterdir() if not q.name.isdigit()]  # fake tmp cleaned up
+
+    # 5) restarted again: runs to the end
     out = _run(run, tmp_path / "resume.log")
-    assert f"resuming from checkpoint step {last}" in out, out[-3000:]
+    assert f"resuming from checkpoint step {stopped}" in out, out[-3000:]
 
     # same data (generation resumed, not restarted from a corrupt state)
     assert len(_shards(run)) == N_SHARDS
@@ -157,5 +180,5 @@ def test_killed_and_restarted_training_equals_uninterrupted_run(stories260k_dir,
     diffs = jax.tree.leaves(jax.tree.map(lambda x, y: float(np.max(np.abs(x - y))), pa, pb))
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=0), pa, pb)
     print(f"\npreemption: shards at gen kill {n}/{N_SHARDS}, kill {delay:.3f}s after checkpoint {after}, checkpoints at kill "
-          f"{killed_at}, real tmp dirs at kill {tmp_dirs}, max |param diff| {max(diffs):.3g}, "
+          f"{killed_at}, real tmp dirs at kill {tmp_dirs}, SIGTERM at step {stopped}, max |param diff| {max(diffs):.3g}, "
           f"{time.perf_counter() - t0:.0f}s")
