@@ -229,30 +229,40 @@ class Target(nnx.Module):
         x = self.embed_tokens(tokens).astype(self.dtype)[None]   # [1, K, H]
         k_tok = tokens.shape[0]
 
-        def layer(h, xs):
-            p, (ck, cv) = xs
+        kvh, hd = cfg.num_kv_heads, cfg.head_dim
+
+        # The full cache rides in the scan carry and is updated in place (scatter at the
+        # layer index); attention reads only the first ``num_rows`` rows of the layer. Mapping
+        # the cache as scan xs/ys instead would copy every row of every layer each step, which
+        # dominates a serving step when most slots are idle.
+        def layer(carry, p):
+            h, ck_all, cv_all, li = carry
             a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
             q = (a @ p["wq"]).reshape(1, k_tok, cfg.num_heads, cfg.head_dim)
-            k = (a @ p["wk"]).reshape(1, k_tok, cfg.num_kv_heads, cfg.head_dim)
-            v = (a @ p["wv"]).reshape(1, k_tok, cfg.num_kv_heads, cfg.head_dim)
+            k = (a @ p["wk"]).reshape(1, k_tok, kvh, hd)
+            v = (a @ p["wv"]).reshape(1, k_tok, kvh, hd)
             if cfg.qk_norm:
                 q = rms_norm(q, p["q_norm"], cfg.rms_eps)
                 k = rms_norm(k, p["k_norm"], cfg.rms_eps)
             q = apply_rope(q, rope_pos, cfg.rope_theta)[0]
             k = apply_rope(k, rope_pos, cfg.rope_theta)[0]
-            ck = ck.at[qrow, wpos].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[qrow, wpos].set(v[0].astype(cv.dtype), mode="drop")
+            lidx = jnp.full_like(qrow, li)
+            ck_all = ck_all.at[lidx, qrow, wpos].set(k.astype(ck_all.dtype), mode="drop")
+            cv_all = cv_all.at[lidx, qrow, wpos].set(v[0].astype(cv_all.dtype), mode="drop")
+            ck = jax.lax.dynamic_slice(ck_all, (li, 0, 0, 0, 0), (1, num_rows, s_len, kvh, hd))[0]
+            cv = jax.lax.dynamic_slice(cv_all, (li, 0, 0, 0, 0), (1, num_rows, s_len, kvh, hd))[0]
             qg = jnp.zeros((num_rows, width) + q.shape[1:], q.dtype).at[qrow, cols].set(q, mode="drop")
-            attn = attention(qg, ck[:num_rows], cv[:num_rows], mask)[grow, gcol]   # [K, nh*hd]
+            attn = attention(qg, ck, cv, mask)[grow, gcol]   # [K, nh*hd]
             h = h + (attn @ p["wo"])[None]
             m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
             h = h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"])
-            return h, ((ck, cv), h[0] if taps else None)
+            return (h, ck_all, cv_all, li + 1), (h[0] if taps else None)
 
         for t in taps:
             if not 0 <= t < cfg.num_layers:
                 raise ValueError(f"tap layer {t} out of range for a {cfg.num_layers}-layer target")
-        x, (new_kv, hidden) = jax.lax.scan(layer, x, (layer_params, (cache.k, cache.v)))
+        (x, nk, nv, _), hidden = jax.lax.scan(layer, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
+        new_kv = (nk, nv)
         features = jnp.concatenate([hidden[t] for t in taps], axis=-1) if taps else None
         return TargetOutput(self.unembed(x[0]), features, KVCache(*new_kv))
 
