@@ -257,16 +257,11 @@ def summarize(results: list[Result], wall: float, concurrency: int) -> dict[str,
 def load_models(args):
     import jax.numpy as jnp
 
-    from dspark_jax.api import load_drafter, load_target
-    from dspark_jax.decode import check_compatible
+    from dspark_jax.api import load_target_and_drafter
 
     dtype = jnp.dtype(args.dtype)
-    target, tok = load_target(args.target, dtype=dtype)
-    drafter = None
-    if args.drafter:
-        drafter, _ = load_drafter(args.drafter, dtype=dtype)
-        check_compatible(target, drafter)
-    elif args.random_drafter:
+    target, tok, drafter = load_target_and_drafter(args.target, args.drafter, dtype=dtype)
+    if drafter is None and args.random_drafter:
         from flax import nnx
 
         from dspark_jax.config import DrafterConfig

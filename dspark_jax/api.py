@@ -23,7 +23,7 @@ from .model_io import params_fingerprint
 from .presets import preset_info, resolve_target
 from .target import Target
 
-__all__ = ["load_target", "load_drafter", "generate_text", "encode_prompt"]
+__all__ = ["load_target", "load_drafter", "load_target_and_drafter", "generate_text", "encode_prompt"]
 
 
 def load_target(spec: str, dtype: Any = jnp.float32):
@@ -41,6 +41,23 @@ def load_target(spec: str, dtype: Any = jnp.float32):
     cfg, params, tokenizer = resolve_target(spec)
     target = Target(cfg, params, dtype=dtype, fingerprint=params_fingerprint(params))
     return target, tokenizer
+
+
+def load_target_and_drafter(target_spec: str, drafter_dir: str | None, dtype: Any = jnp.float32):
+    """Loads a target and, when ``drafter_dir`` is given, its drafter, checked against it.
+
+    Returns:
+      ``(target, tokenizer, drafter_or_None)``.
+    Raises:
+      DSparkInputError: as :func:`load_target` / :func:`load_drafter`, or a drafter
+        trained for another target (vocabulary, depth, taps or weights).
+    """
+    target, tokenizer = load_target(target_spec, dtype=dtype)
+    drafter = None
+    if drafter_dir:
+        drafter, _ = load_drafter(drafter_dir, dtype=dtype)
+        check_compatible(target, drafter)
+    return target, tokenizer, drafter
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool | None = None, spec: str = "") -> list[int]:

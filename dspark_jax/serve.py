@@ -193,9 +193,8 @@ def run(args: argparse.Namespace) -> None:
     import jax.numpy as jnp
     import uvicorn
 
-    from .api import load_drafter, load_target
+    from .api import load_target_and_drafter
     from .checkpoint import read_export_meta
-    from .decode import check_compatible
     from .errors import DSparkInputError
 
     if args.max_queue < 0:
@@ -218,11 +217,7 @@ def run(args: argparse.Namespace) -> None:
         print(f"[dspark_jax.serve] {msg}", file=sys.stderr, flush=True)
 
     dtype = jnp.dtype(args.dtype)
-    target, tok = load_target(args.target, dtype=dtype)
-    drafter = None
-    if args.drafter:
-        drafter, _ = load_drafter(args.drafter, dtype=dtype)
-        check_compatible(target, drafter)
+    target, tok, drafter = load_target_and_drafter(args.target, args.drafter, dtype=dtype)
     policy = args.policy or ("dspark" if drafter is not None else "plain")
     say(f"building the engine (policy {policy}, {args.num_slots} slots, cache {args.cache_len}) and compiling "
         "every bucket ...")
