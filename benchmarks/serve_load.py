@@ -5,12 +5,15 @@
     python benchmarks/serve_load.py --quick --out /tmp/serve_load          # CI smoke run (stories260K)
     python benchmarks/serve_load.py --stress --target stories260k --random-drafter 4 --out /tmp/stress
 
-Sweep mode (default): for each policy (``plain``, ``fixed:G`` for each ``--gammas``,
-``greedy``, ``dspark``) a fresh engine is built on the same loaded target/drafter and
-served with uvicorn in this process; real prompts (``--prompts``: MT-Bench first turns
-through the chat template by default, from ``$DSPARK_DATA/prompts``) are sent over
-loopback HTTP as streaming requests by ``c`` concurrent clients (closed loop: a client
-sends its next request when the previous one ends) for each concurrency ``c``. Per level:
+Sweep mode (default): every policy (``plain``, ``fixed:G`` for each ``--gammas``,
+``greedy``, ``dspark``) gets its own warmed-up engine on the same loaded target/drafter
+(``plain`` without a drafter), served with uvicorn in this process; real prompts
+(``--prompts``: MT-Bench first turns through the chat template by default, from
+``$DSPARK_DATA/prompts``) are sent over loopback HTTP as streaming requests by ``c``
+concurrent clients (closed loop: a client sends its next request when the previous one ends).
+Policies are interleaved: at each concurrency ``c`` every policy runs back to back,
+``--repeats`` times, and the repeat with the median output tok/s is kept, so that ratios
+between policies are measured side by side. Per level:
 
 * ``output_tok_s``: all generated tokens / wall time of the level;
 * ``per_user_tok_s``: mean over requests of (tokens - 1) / (last token - first token time),
@@ -64,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gammas", default="1,2,4,8", help="fixed gammas of the default policy list (default 1,2,4,8)")
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="concurrency levels (default 1,2,...,64)")
     p.add_argument("--num-requests", type=int, default=0,
-                   help="requests per concurrency level (default: max(8, 2 x concurrency))")
+                   help="requests per concurrency level (default: max(8, WAVES x concurrency))")
+    p.add_argument("--waves", type=int, default=2,
+                   help="requests per client at each level when --num-requests is not given (default 2)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of every policy at each level, interleaved; the median is reported (default 1)")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens per request (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
     p.add_argument("--prompts", default=None,
@@ -337,14 +344,35 @@ def default_policies(args, has_drafter: bool) -> list[str]:
 # --------------------------------------------------------------------------- sweep
 
 
-def sweep(args, models: tuple | None = None, engine=None, plain_engine=None) -> dict[str, Any]:
-    """The concurrency sweep over every policy.
+def _median_run(rows: list[dict]) -> dict:
+    """The repeat with the median output tok/s (the lower middle one for an even count), with
+    every repeat's output and per-user tok/s attached."""
+    order = sorted(rows, key=lambda r: r["output_tok_s"])
+    row = dict(order[(len(order) - 1) // 2])
+    row["repeats"] = len(rows)
+    row["repeat_output_tok_s"] = [r["output_tok_s"] for r in rows]
+    row["repeat_per_user_tok_s"] = [r["per_user_tok_s"] for r in rows]
+    return row
 
-    ``models``: ``(target, tokenizer, drafter)`` already loaded (default: from ``args``);
-    ``engine``: an idle warmed-up engine with the drafter to reconfigure for the speculative
-    policies, ``plain_engine`` one for ``plain`` (default: built on first use, the plain one
-    without a drafter).
+
+def sweep(args, models: tuple | None = None, engine=None, plain_engine=None) -> dict[str, Any]:
+    """The concurrency sweep over every policy, interleaved.
+
+    Every concurrency level runs each policy back to back (``--repeats`` rounds of all
+    policies; the row kept is the repeat with the median output tok/s), so the ratios between
+    policies are measured side by side rather than minutes apart on a noisy machine.
+
+    ``models``: ``(target, tokenizer, drafter)`` already loaded (default: from ``args``).
+    By default every policy gets its own warmed-up engine (``plain`` one without a drafter;
+    compiled executables and the SPS table are shared, each engine keeps its own online
+    calibration). ``engine``: an idle warmed-up engine with the drafter to use for every
+    speculative policy instead (reconfigured with ``set_policy`` before each run, so its
+    calibration carries over); ``plain_engine``: one to use for ``plain``.
     """
+    from dspark_jax.errors import DSparkInputError
+
+    if args.repeats < 1 or args.waves < 1:
+        raise DSparkInputError("--repeats and --waves must be >= 1")
     target, tok, drafter = models or load_models(args)
     if args.chat is None:
         args.chat = bool(getattr(tok, "has_chat_template", False))
@@ -356,37 +384,45 @@ def sweep(args, models: tuple | None = None, engine=None, plain_engine=None) -> 
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.sps_table is None and any(p != "plain" for p in policies):
         args.sps_table = str(out_dir / "sps_table.json")
-    runs: dict[str, list[dict]] = {}
+    engines: dict[str, Any] = {}
     startup: dict[str, float] = {}
-    engine_stats: dict[str, dict] = {}
     for policy in policies:
-        if policy == "plain":
-            plain_engine, startup[policy] = engine_for(args, target, None, policy, num_slots, plain_engine)
-            engine_p = plain_engine
-        else:
-            engine, startup[policy] = engine_for(args, target, drafter, policy, num_slots, engine)
-            engine_p = engine
+        given = plain_engine if policy == "plain" else engine
+        engines[policy], startup[policy] = engine_for(args, target, None if policy == "plain" else drafter,
+                                                      policy, num_slots, given)
         print(f"[{policy}] engine ready in {startup[policy]:.1f} s", file=sys.stderr)
-        srv, _ = serve(engine_p, tok, args, policy, max_queue=max(levels) * 4)
-        with srv:
-            runs[policy] = []
-            for c in levels:
-                n = args.num_requests or max(8, 2 * c)
-                row = asyncio.run(run_level(srv.url, args.chat, prompts, c, n, args.max_tokens, args.temperature))
-                runs[policy].append(row)
-                print(f"[{policy}] c={c:3d}: {row['output_tok_s']:8.1f} tok/s, per user "
+    runs: dict[str, list[dict]] = {p: [] for p in policies}
+    engine_stats: dict[str, dict] = {}
+    for c in levels:
+        n = args.num_requests or max(8, args.waves * c)
+        reps: dict[str, list[dict]] = {p: [] for p in policies}
+        for rep in range(args.repeats):
+            for policy in policies:
+                eng = engines[policy]
+                if eng.policy != policy:  # a shared engine: switch (compiled buckets are kept)
+                    eng.set_policy(policy)
+                    eng.warmup()
+                eng.reset_metrics()
+                srv, _ = serve(eng, tok, args, policy, max_queue=max(levels) * 4)
+                with srv:
+                    row = asyncio.run(run_level(srv.url, args.chat, prompts, c, n, args.max_tokens, args.temperature))
+                m = eng.metrics()  # the server (and its engine thread) has stopped: safe to read
+                row["engine"] = {k: m.get(k) for k in ("steps", "draft_steps", "mean_accepted_length",
+                                                       "acceptance_rate", "budget_hist", "rows_hist", "step_seconds")}
+                engine_stats[policy] = {k: m.get(k) for k in ("position_acceptance", "calibration", "compiles")}
+                reps[policy].append(row)
+                print(f"[{policy}] c={c:3d} #{rep + 1}: {row['output_tok_s']:8.1f} tok/s, per user "
                       f"{_fmt(row['per_user_tok_s'])} tok/s, ttft {_fmt(row['ttft_s'], '.2f')} s, "
-                      f"tau {_fmt(row['tau'], '.2f')}, ok {row['num_ok']}/{row['num_requests']}", file=sys.stderr)
-        m = engine_p.metrics()  # the server (and its engine thread) has stopped: safe to read
-        engine_stats[policy] = {k: m.get(k) for k in ("steps", "rounds", "mean_accepted_length", "acceptance_rate",
-                                                      "position_acceptance", "budget_hist", "rows_hist",
-                                                      "draft_steps", "step_seconds", "calibration", "compiles")}
+                      f"tau {_fmt(row['tau'], '.2f')}, drafting steps {m['draft_steps']}/{m['steps']}, "
+                      f"ok {row['num_ok']}/{row['num_requests']}", file=sys.stderr)
+        for policy in policies:
+            runs[policy].append(_median_run(reps[policy]))
     add_ratios(runs)
     result = {"target": args.target, "drafter": args.drafter or (f"random(gamma={drafter.cfg.gamma})"
                                                                    if drafter is not None else None),
               "chat": args.chat, "prompts": args.prompts or ("mt_bench" if args.chat else "tinystories"),
               "max_tokens": args.max_tokens, "temperature": args.temperature, "num_slots": num_slots,
-              "cache_len": args.cache_len, "concurrency": levels, "policies": policies,
+              "cache_len": args.cache_len, "concurrency": levels, "policies": policies, "repeats": args.repeats,
               "engine_startup_s": startup, "device": _device(), "runs": runs, "engine": engine_stats}
     (out_dir / "serve_load.json").write_text(json.dumps(result, indent=2))
     plot(result, out_dir / "serve_load.png")

@@ -322,7 +322,7 @@ def _step_impl(t_state, d_state, st: _State, ell, active, draft_next, *, t_graph
     return new_st, (ypad, acc, finite, new_conf)
 
 
-def _prefill_impl(t_state, d_state, tokens, prompt_len, seed, temperature, top_k, top_p, *,
+def _prefill_impl(t_state, d_state, tokens, prompt_len, seed, temperature, top_k, top_p, do_draft, *,
                   t_graph, d_graph, gamma: int):
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
@@ -342,7 +342,11 @@ def _prefill_impl(t_state, d_state, tokens, prompt_len, seed, temperature, top_k
         dc = drafter.extend_cache(drafter.init_cache(1, p_len), out.features,
                                   jnp.where(pos < prompt_len, pos, -1))
         dk, dv = dc.k, dc.v
-        draft, conf = _draft(target, drafter, tok, prompt_len[None], key[None], samp, dk, dv)
+        # Drafting the first block costs a drafter pass plus gamma LM-head rows; skipped (under
+        # lax.cond, one executable) while the scheduler is not drafting.
+        draft, conf = jax.lax.cond(do_draft, lambda _: _draft(target, drafter, tok, prompt_len[None], key[None],
+                                                              samp, dk, dv),
+                                   lambda _: (draft, conf), None)
     return _PrefixArrays(out.cache.k, out.cache.v, dk, dv, key, tok[0], draft[0], conf[0]), finite
 
 
@@ -486,6 +490,10 @@ class Engine:
         self.policy = policy
         self._sps_cache = {}
         self._warm = False
+        # Whether the last step drafted; prefill drafts the first block only then (the
+        # throughput-aware policies stop drafting when it does not pay).
+        self._drafting = self.policy_name != "plain"
+
 
     def budgets(self, rows: int) -> list[int]:
         """Compiled token budgets for ``rows`` rows under the current policy (``rows`` first)."""
@@ -566,7 +574,7 @@ class Engine:
         if exe is None:
             fn = partial(_prefill_impl, t_graph=self._t_graph, d_graph=self._d_graph, gamma=self.gamma)
             args = (self._t_state, self._d_state, np.zeros((1, p_len), np.int32), np.int32(1), np.int32(0),
-                    np.float32(1), np.int32(0), np.float32(1))
+                    np.float32(1), np.int32(0), np.float32(1), np.bool_(True))
             exe = self._compile(key, fn, args)
         return exe
 
@@ -599,7 +607,7 @@ class Engine:
             if p not in self._examples:
                 exe = self._prefill_exe(p)
                 self._examples[p], _ = exe(self._t_state, self._d_state, np.zeros((1, p), np.int32), np.int32(1),
-                                           np.int32(0), np.float32(1), np.int32(0), np.float32(1))
+                                           np.int32(0), np.float32(1), np.int32(0), np.float32(1), np.bool_(False))
             self._insert_exe(p, self._examples[p])
         self._move_exe()
         self._ensure_table()
@@ -689,12 +697,13 @@ class Engine:
         buf = np.zeros((1, p_len), np.int32)
         buf[0, :n] = ids
         sp = request.params
+        drafted = bool(self.gamma) and self._drafting
         pre, finite = self._prefill_exe(p_len)(
             self._t_state, self._d_state, buf, np.int32(n), np.int32(sp.seed), np.float32(sp.temperature),
-            np.int32(sp.top_k), np.float32(sp.top_p))
+            np.int32(sp.top_k), np.float32(sp.top_p), np.bool_(drafted))
         tok, finite, conf = jax.device_get((pre.token, finite, pre.conf))
         return Prefix(request, n, p_len, int(tok), bool(finite),
-                      np.asarray(conf, np.float64) if self.gamma else None, pre)
+                      np.asarray(conf, np.float64) if drafted else None, pre)
 
     def insert(self, prefix: Prefix, slot: int) -> None:
         """Puts a prefilled request into free logical ``slot``.
@@ -845,6 +854,7 @@ class Engine:
             return outs
         t0 = time.perf_counter()
         ell, rows, tokens, draft_next = self.plan()
+        self._drafting = bool(draft_next)
         b, g = self.num_slots, self.gamma
         ell_b = np.zeros(b, np.int32)
         ell_b[:n] = ell

@@ -159,8 +159,10 @@ class ServerThread:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
+        # log_config=None: uvicorn's own config would bind handlers to the sys.stderr of the
+        # moment (a test's capture buffer, closed later); the caller's logging setup applies.
         self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=graceful_timeout,
-                                                    access_log=False, lifespan="on"))
+                                                    access_log=False, lifespan="on", log_config=None))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="uvicorn")
 

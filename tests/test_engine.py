@@ -192,6 +192,25 @@ def test_no_recompile_after_warmup(engine, requests):
     assert engine.metrics()["compiles"] == before
 
 
+def test_prefill_drafts_only_while_drafting(engine, requests, reference):
+    """Prefill drafts the first block only while the engine drafts (its confidences are then
+    known); a request prefilled without one and decoded speculatively is still exact."""
+    engine.set_policy("plain")
+    pre = engine.prefill(requests[0])
+    assert pre.conf_logit is None
+    engine.set_policy("fixed:3")
+    drafted = engine.prefill(requests[1])
+    assert drafted.conf_logit is not None and drafted.conf_logit.shape == (GAMMA,)
+    engine.reset_metrics()
+    engine.insert(pre, 0)
+    toks = []
+    while engine.active_slots():
+        for o in engine.generate():
+            toks += o.token_ids
+    assert toks == reference[requests[0].request_id][0]
+    assert engine.metrics()["draft_tokens"] > 0
+
+
 def test_plan_ignores_draft_token_values(engine, requests):
     """Non-anticipation: the plan reads confidences only; changing the drafted tokens on the
     device (but not their confidences) leaves it unchanged."""
