@@ -9,7 +9,10 @@ target in one process:
    into ``OUT/data/data``, or an existing shard folder given by ``--data-dir`` (only read);
 2. every drafter trained on those same shards with the same budget (steps, batch,
    anchors per sequence, learning-rate schedule, seed), through ``dspark_jax.train.run``
-   (checkpoints and exports under ``OUT/<drafter>``; rerunning resumes);
+   (checkpoints and exports under ``OUT/<drafter>``; rerunning resumes); the frozen
+   target runs once per sequence into ONE feature cache ``OUT/feature_cache`` holding
+   the union of every drafter's tap layers (:mod:`dspark_jax.feature_cache`; float32, so
+   training is numerically the uncached one; ``--no-feature-cache`` to recompute per step);
 3. evaluation on the same prompts at temperature 0 and 1 (stories260k: the held-out
    TinyStories openings of the data run; chat targets: the first ``--num-prompts`` first
    turns of MT-Bench, GSM8K, HumanEval and Alpaca with the chat template): tau per
@@ -82,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None,
                    help="existing self-distillation shards (shard_*.npz) to train every drafter on; only read")
     p.add_argument("--eval-batch-size", type=int, default=16)
+    p.add_argument("--no-feature-cache", action="store_true",
+                   help="run the frozen target inside every train step instead of reading its features from "
+                        "the shared cache OUT/feature_cache")
     p.add_argument("--out", required=True, help="output folder (data, runs, results)")
     p.add_argument("--quick", action="store_true", help="CI-sized budget (tiny data, ~30 steps, few prompts)")
     p.add_argument("--seed", type=int, default=0)
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.presets import resolve_target
     from dspark_jax.target import Target
     from dspark_jax.train import prepare_data, run as train_run
-    from dspark_jax.trainer import TRAIN_PRESETS, count_params
+    from dspark_jax.trainer import TRAIN_PRESETS, count_params, drafter_config
 
     import speedup
 
@@ -172,9 +178,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"data: {data_info}", file=sys.stderr)
 
     # -- 2. identical training budget -------------------------------------------------------
+    cfgs = {n: dataclasses.replace(base, workdir=str(out / n), data_dir=str(data_dir), **DRAFTERS[n]) for n in names}
+    cache_info = None
+    if not args.no_feature_cache:
+        # One cache for the union of every drafter's taps (Eagle3's low/mid/high, DSpark/DFlash's
+        # default taps), so each train run opens it instead of rebuilding it for its own taps.
+        from dspark_jax.feature_cache import ensure_feature_cache
+
+        t0 = time.perf_counter()
+        union = sorted({t for c in cfgs.values() for t in drafter_config(c, target).taps})
+        fc = ensure_feature_cache(out / "feature_cache", target, data, union, store_dtype=base.feature_cache_dtype)
+        cache_info = {"dir": str(fc.directory), "layers": fc.manifest["layers"], "dtype": fc.store_dtype,
+                      "seconds": round(time.perf_counter() - t0, 1)}
+        cfgs = {n: dataclasses.replace(c, feature_cache=str(fc.directory)) for n, c in cfgs.items()}
+        print(f"feature cache: {cache_info}", file=sys.stderr)
     drafters, train_info = {}, {}
     for n in names:
-        cfg = dataclasses.replace(base, workdir=str(out / n), data_dir=str(data_dir), **DRAFTERS[n])
+        cfg = cfgs[n]
         print(f"train {n}: {DRAFTERS[n]} steps={cfg.steps} batch={cfg.batch_size}", file=sys.stderr)
         summary = train_run(cfg, evaluate=False, calibrate=False, target_and_tokenizer=(target, tok))
         d, _ = load_drafter(summary["export_dir"])
@@ -233,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         "budget": {"steps": base.steps, "batch_size": base.batch_size, "anchors_per_seq": base.anchors_per_seq,
                    "learning_rate": base.learning_rate, "gamma": base.gamma, "seq_len": base.seq_len,
                    "markov_rank": base.markov_rank, "seed": base.seed, "quick": args.quick},
-        "data": data_info, "drafters": train_info,
+        "data": data_info, "feature_cache": cache_info, "drafters": train_info,
         "eval": {"datasets": {k: len(v) for k, v in prompts.items()}, "max_new_tokens": max_new,
                  "temperatures": temps, "batch_size": ebs},
         "tau": tau, "ratios": ratios,

@@ -1,8 +1,10 @@
 """Training data by self-distillation: prompts -> target continuations -> token-id shards.
 
 DESIGN.md "Pipeline"/"Training": the target generates continuations for prompts
-and only token ids are stored (no hidden-state cache); the frozen target runs
-inside the train step for features and p_target.
+and only token ids are stored; the frozen target runs inside the train step for
+features and p_target, unless a run opts into :mod:`dspark_jax.feature_cache`
+(``feature_cache=DIR``), whose per-sequence arrays join the data dict and are
+indexed by :func:`batches` with the same rows as the tokens.
 
 Prompt sources:
 * ``tinystories``: the opening sentence of each story paragraph of

@@ -11,7 +11,9 @@ Stages (each resumable; rerunning the same command continues where it stopped):
 1. self-distillation data: the target generates continuations of training
    prompts with its own jitted batched decoding -> ``<workdir>/data/shard_*.npz``;
 2. training with Orbax checkpoints in ``<workdir>/checkpoints`` (resumes from the
-   newest one; the data order depends only on (seed, step));
+   newest one; the data order depends only on (seed, step)); with ``feature_cache=DIR``
+   the frozen target's tapped features are first computed once per training sequence
+   into ``DIR`` (:mod:`dspark_jax.feature_cache`) and every step reads them from there;
 3. export to ``<export_dir>`` (drafter params + config + target identity);
 4. evaluation on held-out prompts: tau, acceptance, per-position acceptance ->
    ``<workdir>/eval.json``.
@@ -36,11 +38,20 @@ from .errors import DSparkInputError
 from .trainer import TRAIN_PRESETS, TrainConfig
 
 
+# One-line notes shown after a key's default in --help (full docs: TrainConfig's docstring).
+_FIELD_NOTES = {
+    "feature_cache": "folder of the target-feature cache: target forward once per sequence, not per step "
+                     "(empty = off)",
+    "feature_cache_dtype": "float32 (same numbers as uncached) or bfloat16 (half the disk)",
+}
+
+
 def _field_help() -> str:
     lines = []
     for f in dataclasses.fields(TrainConfig):
         default = f.default
-        lines.append(f"  {f.name}={default!r}")
+        note = f"  # {_FIELD_NOTES[f.name]}" if f.name in _FIELD_NOTES else ""
+        lines.append(f"  {f.name}={default!r}{note}")
     return "\n".join(lines)
 
 
@@ -342,6 +353,18 @@ def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, targ
 
     # -- stage 2: training ----------------------------------------------------------------
     dcfg = drafter_config(cfg, target)
+    cache_seconds = 0.0
+    if cfg.feature_cache:
+        # The frozen target once per sequence (dspark_jax.feature_cache) instead of once per step.
+        from .feature_cache import ensure_feature_cache
+
+        if jax.process_count() > 1:
+            raise DSparkInputError("feature_cache is single-process only for now; leave it empty on multi-host runs")
+        t0 = time.perf_counter()
+        fcache = ensure_feature_cache(cfg.feature_cache, target, data, dcfg.taps, store_dtype=cfg.feature_cache_dtype,
+                                      batch_size=max(1, min(cfg.gen_batch_size, 64)))
+        data = {**data, **fcache.batch_arrays(dcfg.taps)}
+        cache_seconds = time.perf_counter() - t0
     # float32 master weights whatever cfg.dtype: the Trainer computes in cfg.dtype.
     drafter = build_drafter(dcfg, nnx.Rngs(cfg.seed))
     trainer = Trainer(cfg, target, drafter)
@@ -409,7 +432,8 @@ def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, targ
     summary = {
         "target": target.cfg.name, "target_fingerprint": target.fingerprint, "steps": step,
         "train_sequences": int(data["tokens"].shape[0]), "train_generated_tokens": n_tokens,
-        "data_seconds": round(gen_seconds, 1), "train_seconds": round(train_seconds, 1),
+        "data_seconds": round(gen_seconds, 1), "feature_cache_seconds": round(cache_seconds, 1),
+        "train_seconds": round(train_seconds, 1),
         "devices": jax.device_count(), "drafter_params": count_params(nnx.state(drafter, nnx.Param)),
         "final_train_metrics": {k: float(v) for k, v in terms._asdict().items() if k != "acc_by_pos"} if terms else {},
     }

@@ -35,6 +35,10 @@ def test_quick_comparison_writes_outputs(stories260k_dir, tmp_path):
     cfgs = [json.loads((out / n / "config.json").read_text()) for n in names]
     assert len({(c["data_dir"], c["steps"], c["batch_size"], c["anchors_per_seq"], c["gamma"]) for c in cfgs}) == 1
     assert [r["drafters"][n]["variant"] for n in names] == ["dspark", "dflash", "eagle3"]
+    # one shared feature cache holding every drafter's taps (Eagle3's low/mid/high included) + the last layer
+    fc = r["feature_cache"]
+    assert {c["feature_cache"] for c in cfgs} == {fc["dir"]}
+    assert set().union(*(r["drafters"][n]["taps"] for n in names)) <= set(fc["layers"])
     for n in names:
         for t in ("T0", "T1"):
             row = r["tau"][n][t]

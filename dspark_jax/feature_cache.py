@@ -1,0 +1,323 @@
+"""Target-feature cache: the frozen target's tapped hidden states, computed once, memory-mapped.
+
+DESIGN.md "Training" runs the frozen target inside every train step for the
+drafter's context features (step 1 of the drafter, paper Section 3 / DFlash's
+tapped layers) and for ``p_target``. The target is frozen and the
+self-distillation shards are fixed, so over several epochs that forward pass
+recomputes the same numbers every time it meets a sequence. This module runs it
+ONCE per sequence and stores, per tapped layer ``t``, the layer's output
+``[N, L, H]`` as ``layer_XXX.npy`` under a cache directory, read back with
+``np.load(mmap_mode="r")`` (only the rows of a batch are paged in).
+
+What is stored: the union of the tap layers of every drafter that will train on
+the cache plus the target's last layer (``num_layers - 1``). The last layer's
+output is the final hidden state before the final norm, so ``target.unembed``
+of it gives exactly the target's logits; the trainer computes ``p_target`` only
+at the ``B * A * gamma`` gathered positions from it instead of storing
+``[N, L, V]`` logits.
+
+Storage dtype (``store_dtype``): ``float32`` (default; a float32 target's cached
+training is then numerically the uncached one) or ``bfloat16`` (half the disk
+and page-cache, stored as the ``uint16`` bit pattern, exact for a bfloat16
+target). A ``manifest.json`` records the target (fingerprint, name, compute
+dtype), the layers, the storage dtype, the data shape and a sha256 of the
+tokens; :func:`ensure_feature_cache` refuses a cache of another target, data or
+dtype and rebuilds one whose layers do not cover the request. A cache is built
+in a temporary sibling directory and renamed into place, so a killed build
+leaves no partial cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from .errors import DSparkInputError
+from .target import Target
+
+FORMAT_VERSION = 1
+STORE_DTYPES = ("float32", "bfloat16")
+MANIFEST = "manifest.json"
+# Batch keys the trainer recognises (see ``dspark_jax.trainer.loss_sums``).
+FEATURES_KEY = "tap_features"
+LAST_HIDDEN_KEY = "last_hidden"
+
+
+def _layer_file(layer: int) -> str:
+    return f"layer_{layer:03d}.npy"
+
+
+def target_identity(target: Target) -> str:
+    """The weights' fingerprint (``target.fingerprint``, else computed from the weights)."""
+    if target.fingerprint:
+        return target.fingerprint
+    from .model_io import params_fingerprint
+
+    return params_fingerprint(nnx.to_pure_dict(nnx.state(target, nnx.Param)))
+
+
+def tokens_digest(tokens: np.ndarray) -> str:
+    """sha256 (hex) of ``tokens [N, L]`` as little-endian int32, shape included."""
+    a = np.ascontiguousarray(np.asarray(tokens), dtype="<i4")
+    h = hashlib.sha256(f"{a.shape}".encode())
+    h.update(a.tobytes())
+    return h.hexdigest()
+
+
+class TapFeatures:
+    """Lazy ``[N, L, n_taps * H]`` view over per-layer memory-mapped files.
+
+    Indexing with row indices (``view[idx]``) reads only those rows and
+    concatenates the layers in tap order, like ``Target(..., taps=taps).features``.
+    ``bfloat16`` caches come back as ``ml_dtypes.bfloat16`` arrays.
+    """
+
+    def __init__(self, layers: Sequence[np.ndarray], store_dtype: str):
+        self._layers = list(layers)
+        self._bf16 = store_dtype == "bfloat16"
+        n, length, h = self._layers[0].shape
+        self.shape = (n, length, h * len(self._layers))
+        self.dtype = np.dtype(ml_dtypes.bfloat16) if self._bf16 else np.dtype(np.float32)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, idx) -> np.ndarray:
+        parts = [np.asarray(m[idx]) for m in self._layers]
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+        return out.view(ml_dtypes.bfloat16) if self._bf16 else out
+
+    def __array__(self, dtype=None, copy=None):
+        out = self[:]
+        return out if dtype is None else out.astype(dtype)
+
+
+@dataclass(frozen=True)
+class FeatureCache:
+    """An opened cache directory.
+
+    Attributes:
+      directory: the cache folder.
+      manifest: the parsed ``manifest.json``.
+      layers: ``{layer index: [N, L, H] memmap}`` (``float32``, or ``uint16`` bits of bfloat16).
+    """
+
+    directory: Path
+    manifest: dict[str, Any]
+    layers: Mapping[int, np.ndarray]
+
+    @property
+    def store_dtype(self) -> str:
+        return self.manifest["store_dtype"]
+
+    @property
+    def last_layer(self) -> int:
+        return int(self.manifest["num_layers"]) - 1
+
+    def batch_arrays(self, taps: Sequence[int]) -> dict[str, TapFeatures]:
+        """Per-sequence arrays to merge into the training data dict (same row order as ``tokens``).
+
+        Returns:
+          ``{"tap_features": [N, L, len(taps) * H], "last_hidden": [N, L, H]}`` lazy views;
+          ``data.batches`` indexes them with the same sequence indices as the tokens.
+        Raises:
+          DSparkInputError: a tap layer is not in the cache.
+        """
+        missing = sorted(set(int(t) for t in taps) - set(self.layers))
+        if missing:
+            raise DSparkInputError(f"feature cache {self.directory} has layers {sorted(self.layers)}, "
+                                   f"not the requested tap layers {missing}")
+        sd = self.store_dtype
+        return {FEATURES_KEY: TapFeatures([self.layers[int(t)] for t in taps], sd),
+                LAST_HIDDEN_KEY: TapFeatures([self.layers[self.last_layer]], sd)}
+
+
+def expected_manifest(target: Target, tokens: np.ndarray, layers: Sequence[int], store_dtype: str) -> dict[str, Any]:
+    """The manifest a cache of ``target`` over ``tokens`` with ``layers`` has (``layers`` sorted, last included)."""
+    c = target.cfg
+    return {"format": FORMAT_VERSION, "target_name": c.name, "target_fingerprint": target_identity(target),
+            "target_dtype": jnp.dtype(target.dtype).name, "num_layers": c.num_layers, "hidden_size": c.hidden_size,
+            "layers": sorted({int(t) for t in layers} | {c.num_layers - 1}), "store_dtype": store_dtype,
+            "num_sequences": int(tokens.shape[0]), "seq_len": int(tokens.shape[1]),
+            "tokens_sha256": tokens_digest(tokens)}
+
+
+def _mismatch(have: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    keys = ("format", "target_fingerprint", "target_name", "target_dtype", "num_layers", "hidden_size",
+            "store_dtype", "num_sequences", "seq_len", "tokens_sha256")
+    return [f"{k}: cache has {have.get(k)!r}, run needs {want[k]!r}" for k in keys if have.get(k) != want[k]]
+
+
+def open_feature_cache(directory: str | Path, target: Target, data: Mapping[str, np.ndarray],
+                       taps: Sequence[int], store_dtype: str = "float32") -> FeatureCache:
+    """Opens an existing cache and checks it against the run.
+
+    Args:
+      directory: cache folder (written by :func:`build_feature_cache`).
+      target: the frozen target the run trains against.
+      data: the training data dict (``tokens [N, L] int32``, ...), in training row order.
+      taps: tap layers the run needs.
+      store_dtype: ``float32`` or ``bfloat16``.
+    Returns:
+      :class:`FeatureCache` with read-only memory maps.
+    Raises:
+      DSparkInputError: no cache there, or one of another target / data / dtype, or without some of ``taps``.
+    """
+    directory = Path(directory)
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise DSparkInputError(f"no feature cache at {directory} (missing {MANIFEST})")
+    try:
+        have = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DSparkInputError(f"unreadable feature cache manifest {path}: {e.msg}") from None
+    want = expected_manifest(target, data["tokens"], taps, store_dtype)
+    problems = _mismatch(have, want)
+    missing = sorted(set(want["layers"]) - set(have.get("layers", [])))
+    if missing:
+        problems.append(f"layers {missing} are not cached (cache has {have.get('layers')})")
+    if problems:
+        raise DSparkInputError(f"feature cache {directory} does not match this run: " + "; ".join(problems))
+    n, length, h = want["num_sequences"], want["seq_len"], want["hidden_size"]
+    layers = {}
+    for t in have["layers"]:
+        try:
+            m = np.load(directory / _layer_file(t), mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise DSparkInputError(f"feature cache {directory}: cannot read layer {t} ({e}); delete the "
+                                   "folder to rebuild it") from None
+        if m.shape != (n, length, h):
+            raise DSparkInputError(f"feature cache {directory}: layer {t} has shape {m.shape}, expected "
+                                   f"{(n, length, h)}; delete the folder to rebuild it")
+        layers[int(t)] = m
+    return FeatureCache(directory, have, layers)
+
+
+def build_feature_cache(directory: str | Path, target: Target, data: Mapping[str, np.ndarray],
+                        layers: Sequence[int], *, store_dtype: str = "float32", batch_size: int = 16,
+                        progress: bool = True) -> FeatureCache:
+    """Runs the target once over every sequence and writes the cache (atomically).
+
+    One jitted forward (static ``[batch_size, L]`` shape; the last batch is padded
+    with zero rows that are not stored) returns the outputs of ``layers`` plus the
+    last layer; each batch is written into per-layer ``.npy`` memory maps in a
+    temporary sibling folder, which replaces ``directory`` once complete.
+
+    Args:
+      directory: cache folder (replaced if present).
+      target: frozen target (its compute dtype is recorded).
+      data: ``tokens [N, L] int32`` (other keys ignored).
+      layers: tap layers to store (the last layer is always added).
+      store_dtype: ``float32`` or ``bfloat16``.
+      batch_size: sequences per target forward [sequences].
+      progress: show a tqdm bar.
+    Returns:
+      the opened :class:`FeatureCache`.
+    Raises:
+      DSparkInputError: bad ``store_dtype``, ``batch_size`` or layer index.
+    """
+    if store_dtype not in STORE_DTYPES:
+        raise DSparkInputError(f"feature cache dtype must be one of {STORE_DTYPES}, got {store_dtype!r}")
+    if batch_size < 1:
+        raise DSparkInputError(f"feature cache batch_size must be >= 1, got {batch_size}")
+    c = target.cfg
+    bad = [t for t in layers if not 0 <= int(t) < c.num_layers]
+    if bad:
+        raise DSparkInputError(f"tap layers {bad} out of range for the {c.num_layers}-layer target {c.name}")
+    directory = Path(directory)
+    tokens = np.asarray(data["tokens"], np.int32)
+    manifest = expected_manifest(target, tokens, layers, store_dtype)
+    stored = tuple(manifest["layers"])
+    n, length, h = tokens.shape + (c.hidden_size,)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    for stale in directory.parent.glob(f".{directory.name}.tmp-*"):  # left by a killed build
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir()
+    np_store = np.uint16 if store_dtype == "bfloat16" else np.float32
+    outs = {t: np.lib.format.open_memmap(tmp / _layer_file(t), mode="w+", dtype=np_store, shape=(n, length, h))
+            for t in stored}
+    graph, state = nnx.split(target)
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch_size, length))
+    jdt = jnp.bfloat16 if store_dtype == "bfloat16" else jnp.float32
+
+    @jax.jit
+    def forward(state, toks):
+        out = nnx.merge(graph, state)(toks, positions, taps=stored)
+        f = out.features.reshape(toks.shape[0], length, len(stored), h).astype(jdt)
+        return jnp.moveaxis(f, 2, 0)                        # [n_layers, B, L, H]
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=n, desc="feature cache", unit="seq", dynamic_ncols=True)
+    for start in range(0, n, batch_size):
+        rows = tokens[start:start + batch_size]
+        k = rows.shape[0]
+        if k < batch_size:
+            rows = np.concatenate([rows, np.zeros((batch_size - k, length), np.int32)])
+        feats = np.asarray(forward(state, rows))[:, :k]
+        for i, t in enumerate(stored):
+            outs[t][start:start + k] = feats[i].view(np.uint16) if store_dtype == "bfloat16" else feats[i]
+        if bar is not None:
+            bar.update(k)
+    if bar is not None:
+        bar.close()
+    for m in outs.values():
+        m.flush()
+    del outs
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+    if directory.exists():
+        os.replace(directory, old)      # a directory cannot be replaced in one rename
+    os.replace(tmp, directory)
+    shutil.rmtree(old, ignore_errors=True)
+    return open_feature_cache(directory, target, data, stored, store_dtype)
+
+
+def ensure_feature_cache(directory: str | Path, target: Target, data: Mapping[str, np.ndarray],
+                         taps: Sequence[int], *, store_dtype: str = "float32", batch_size: int = 16,
+                         progress: bool = True) -> FeatureCache:
+    """Opens the cache at ``directory``, building it when missing or when it lacks some of ``taps``.
+
+    A cache whose layers do not cover ``taps`` (e.g. another drafter joins a comparison)
+    is rebuilt with the union of its layers and ``taps``. A cache of another target,
+    other tokens or another storage dtype is never silently replaced.
+
+    Raises:
+      DSparkInputError: ``directory`` holds a cache of another target / data / dtype,
+        or something that is not a cache.
+    """
+    directory = Path(directory)
+    taps = sorted({int(t) for t in taps})
+    if not (directory / MANIFEST).is_file():
+        if directory.exists() and any(directory.iterdir()):
+            raise DSparkInputError(f"{directory} exists and is not a feature cache (no {MANIFEST}); "
+                                   "choose an empty or new folder")
+        return build_feature_cache(directory, target, data, taps, store_dtype=store_dtype,
+                                   batch_size=batch_size, progress=progress)
+    try:
+        return open_feature_cache(directory, target, data, taps, store_dtype)
+    except DSparkInputError:
+        have = json.loads((directory / MANIFEST).read_text())
+        want = expected_manifest(target, data["tokens"], taps, store_dtype)
+        problems = _mismatch(have, want)
+        if problems:
+            raise DSparkInputError(f"feature cache {directory} was built for another run ("
+                                   + "; ".join(problems) + "); delete it or set another feature_cache folder") \
+                from None
+        union = sorted(set(have.get("layers", [])) | set(taps))
+        return build_feature_cache(directory, target, data, union, store_dtype=store_dtype,
+                                   batch_size=batch_size, progress=progress)
