@@ -416,3 +416,19 @@ def test_serve_load_stress_small(models, engine, tmp_path):
     assert rep["completed"] + rep["client_disconnects"] == 30 and rep["client_disconnects"] >= 3
     assert rep["identical_to_alone"] == rep["completed"] and not rep["slot_leak"]
     assert json.loads((tmp_path / "stress.json").read_text())["passed"]
+
+
+@pytest.mark.slow
+def test_engine_overhead_benchmark_writes_ratios(stories260k_dir, tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import engine_overhead
+    finally:
+        sys.path.pop(0)
+    assert engine_overhead.main(["--target", "stories260k", "--random-drafter", "2", "--rows", "1,2",
+                                 "--num-slots", "2", "--cache-len", "64", "--prompt-len", "20", "--reps", "2",
+                                 "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "engine_overhead.json").read_text())["results"]
+    assert [r["case"] for r in res] == ["step, 1 rows", "step, 2 rows", "prefill, 20 tokens"]
+    assert all(r["plain_ms"] > 0 and r["drafter_engine_ms"] > 0 and r["ratio"] > 0 for r in res)
+    assert "| step, 2 rows |" in capsys.readouterr().out

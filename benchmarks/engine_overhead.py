@@ -1,0 +1,132 @@
+"""What a drafter costs the serving engine while the scheduler is not drafting.
+
+An engine built with a drafter keeps the drafter's context KV cache current at every step
+(the target pass also returns the tapped hidden states; their context keys/values are
+written for every verified token), so that drafting can resume at any step. When the
+throughput-aware policies (``dspark``, ``greedy``) decide that drafting does not pay, that
+upkeep is the whole difference to a plain engine. This script measures it side by side in
+one process: the same plain step (every row verifies only its anchor, no drafting) of a
+drafter-less engine and of an engine with the drafter, alternated ``--reps`` times per row
+bucket, and the same for a prefill (prefill drafts nothing while the engine does not draft).
+
+    python benchmarks/engine_overhead.py --target smollm2-135m-instruct \\
+        --drafter runs/smollm2-135m-instruct/export --rows 1,16,64 --out runs/engine_overhead
+
+Prints a table (median milliseconds and the ratio drafter engine / plain engine) and writes
+``OUT/engine_overhead.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python benchmarks/engine_overhead.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="smollm2-135m-instruct", help="preset or model path")
+    p.add_argument("--drafter", default=None, help="drafter export directory")
+    p.add_argument("--random-drafter", type=int, default=None, metavar="GAMMA",
+                   help="a randomly initialised drafter with this block size instead of an export")
+    p.add_argument("--rows", default="1,16,64", help="active rows per step, comma-separated (default 1,16,64)")
+    p.add_argument("--num-slots", type=int, default=64, help="engine slots (default 64)")
+    p.add_argument("--cache-len", type=int, default=384, help="engine cache length (default 384)")
+    p.add_argument("--prompt-len", type=int, default=90, help="prompt tokens of the prefill timing (default 90)")
+    p.add_argument("--reps", type=int, default=12, help="timed repeats per engine and measurement (default 12)")
+    p.add_argument("--out", default="runs/engine_overhead", help="output directory")
+    return p
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure(plain, spec, rows: list[int], prompt_len: int, reps: int) -> list[dict[str, Any]]:
+    """Median seconds of ``plain`` and ``spec`` (alternated) for a plain step at each row
+    count and for one prefill of ``prompt_len`` tokens."""
+    import jax
+    import numpy as np
+
+    from dspark_jax.engine import Request, SamplingParams
+
+    b = plain.num_slots
+
+    def step(e, r):
+        ell, act = np.zeros(b, np.int32), np.zeros(b, bool)
+        act[:r] = True
+        return lambda: jax.block_until_ready(e._run_step(r, r, ell, act, False))
+
+    vocab = plain.target.cfg.vocab_size
+    req = Request([int(i) % vocab for i in range(100, 100 + prompt_len)], SamplingParams(temperature=0.0), "p")
+
+    def prefill(e):
+        return lambda: jax.block_until_ready(e.prefill(req).arrays)
+
+    cases = [(f"step, {r} rows", step(plain, r), step(spec, r)) for r in rows]
+    cases.append((f"prefill, {prompt_len} tokens", prefill(plain), prefill(spec)))
+    out = []
+    for name, fp, fs in cases:
+        fp(), fs()                                   # warm (compiled already; caches, allocator)
+        tp, ts = [], []
+        for _ in range(reps):
+            tp.append(_timed(fp))
+            ts.append(_timed(fs))
+        mp, ms = statistics.median(tp), statistics.median(ts)
+        out.append({"case": name, "plain_ms": mp * 1e3, "drafter_engine_ms": ms * 1e3, "ratio": ms / mp})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from flax import nnx
+
+    from dspark_jax.api import load_target_and_drafter
+    from dspark_jax.config import DrafterConfig
+    from dspark_jax.drafter import Drafter
+    from dspark_jax.engine import Engine
+    from dspark_jax.errors import DSparkInputError
+
+    target, _, drafter = load_target_and_drafter(args.target, args.drafter)
+    if drafter is None:
+        if not args.random_drafter:
+            raise DSparkInputError("give --drafter EXPORT_DIR or --random-drafter GAMMA")
+        drafter = Drafter(DrafterConfig.for_target(target.cfg, gamma=args.random_drafter, num_layers=1,
+                                                   markov_rank=8), nnx.Rngs(0))
+    rows = sorted({int(r) for r in args.rows.split(",")})
+    if rows[0] < 1 or rows[-1] > args.num_slots:
+        raise DSparkInputError(f"--rows must be in [1, --num-slots={args.num_slots}]")
+    p_len = max(16, 1 << (args.prompt_len - 1).bit_length())
+    kw = dict(num_slots=args.num_slots, cache_len=args.cache_len, row_buckets=sorted(set(rows) | {args.num_slots}),
+              prefill_buckets=[min(p_len, args.cache_len)])
+    # policy "plain" on both: only the (R, R) buckets compile; the drafter engine still
+    # keeps its drafter context, exactly as when dspark/greedy stop drafting.
+    plain, spec = Engine(target, None, policy="plain", **kw), Engine(target, drafter, policy="plain", **kw)
+    plain.warmup()
+    spec.warmup()
+    res = measure(plain, spec, rows, args.prompt_len, args.reps)
+    lines = ["| case | plain engine ms | engine with drafter ms | ratio |", "| --- | --- | --- | --- |"]
+    lines += [f"| {r['case']} | {r['plain_ms']:.1f} | {r['drafter_engine_ms']:.1f} | {r['ratio']:.3f} |" for r in res]
+    print("\n".join(lines))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import jax
+
+    (out / "engine_overhead.json").write_text(json.dumps(
+        {"target": args.target, "drafter": args.drafter or f"random(gamma={args.random_drafter})",
+         "num_slots": args.num_slots, "cache_len": args.cache_len, "reps": args.reps,
+         "device": str(jax.devices()[0]), "results": res}, indent=2))
+    print(f"wrote {out / 'engine_overhead.json'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
