@@ -8,6 +8,8 @@ upkeep is the whole difference to a plain engine. This script measures it side b
 one process: the same plain step (every row verifies only its anchor, no drafting) of a
 drafter-less engine and of an engine with the drafter, alternated ``--reps`` times per row
 bucket, and the same for a prefill (prefill drafts nothing while the engine does not draft).
+For scale it also times the drafter engine's step when it drafts the next block (one drafter
+pass plus ``gamma`` LM-head rows and the Markov sampler) against the plain step.
 
     python benchmarks/engine_overhead.py --target smollm2-135m-instruct \\
         --drafter runs/smollm2-135m-instruct/export --rows 1,16,64 --out runs/engine_overhead
@@ -60,10 +62,10 @@ def measure(plain, spec, rows: list[int], prompt_len: int, reps: int) -> list[di
 
     b = plain.num_slots
 
-    def step(e, r):
+    def step(e, r, draft=False):
         ell, act = np.zeros(b, np.int32), np.zeros(b, bool)
         act[:r] = True
-        return lambda: jax.block_until_ready(e._run_step(r, r, ell, act, False))
+        return lambda: jax.block_until_ready(e._run_step(r, r, ell, act, draft))
 
     vocab = plain.target.cfg.vocab_size
     req = Request([int(i) % vocab for i in range(100, 100 + prompt_len)], SamplingParams(temperature=0.0), "p")
@@ -73,6 +75,8 @@ def measure(plain, spec, rows: list[int], prompt_len: int, reps: int) -> list[di
 
     cases = [(f"step, {r} rows", step(plain, r), step(spec, r)) for r in rows]
     cases.append((f"prefill, {prompt_len} tokens", prefill(plain), prefill(spec)))
+    # For scale: the same step when it also drafts the next block (what speculation must win back).
+    cases += [(f"step + drafting a block, {r} rows", step(plain, r), step(spec, r, True)) for r in rows]
     out = []
     for name, fp, fs in cases:
         fp(), fs()                                   # warm (compiled already; caches, allocator)

@@ -429,6 +429,7 @@ def test_engine_overhead_benchmark_writes_ratios(stories260k_dir, tmp_path, caps
                                  "--num-slots", "2", "--cache-len", "64", "--prompt-len", "20", "--reps", "2",
                                  "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "engine_overhead.json").read_text())["results"]
-    assert [r["case"] for r in res] == ["step, 1 rows", "step, 2 rows", "prefill, 20 tokens"]
+    assert [r["case"] for r in res] == ["step, 1 rows", "step, 2 rows", "prefill, 20 tokens",
+                                        "step + drafting a block, 1 rows", "step + drafting a block, 2 rows"]
     assert all(r["plain_ms"] > 0 and r["drafter_engine_ms"] > 0 and r["ratio"] > 0 for r in res)
     assert "| step, 2 rows |" in capsys.readouterr().out
