@@ -158,7 +158,11 @@ class StepOutput:
 
 @dataclasses.dataclass
 class Prefix:
-    """A prefilled request ready for :meth:`Engine.insert` (device caches + first token)."""
+    """A prefilled request ready for :meth:`Engine.insert` (device caches + first token).
+
+    ``conf_logit`` (``[gamma]`` raw confidence logits of the first drafted block) is None when
+    prefill did not draft: no drafter, or the engine was not drafting at the time.
+    """
 
     request: Request
     prompt_len: int
@@ -493,7 +497,6 @@ class Engine:
         # Whether the last step drafted; prefill drafts the first block only then (the
         # throughput-aware policies stop drafting when it does not pay).
         self._drafting = self.policy_name != "plain"
-
 
     def budgets(self, rows: int) -> list[int]:
         """Compiled token budgets for ``rows`` rows under the current policy (``rows`` first)."""
