@@ -371,13 +371,20 @@ def test_serve_cli_rejects_speculative_policy_without_drafter(capsys):
     assert "needs a drafter" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_serve_load_quick_writes_table_json_png(models, engine, tmp_path, capsys):
+def _benchmark(name: str):
+    """Imports ``benchmarks/<name>.py`` (the folder is not a package)."""
+    import importlib
+
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import serve_load
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
+
+
+@pytest.mark.slow
+def test_serve_load_quick_writes_table_json_png(models, engine, tmp_path, capsys):
+    serve_load = _benchmark("serve_load")
     args = serve_load.build_parser().parse_args([
         "--quick", "--policies", "plain,fixed:2,dspark", "--concurrency", "1,2", "--num-requests", "2",
         "--max-tokens", "6", "--num-slots", str(NUM_SLOTS), "--cache-len", str(CACHE_LEN), "--out", str(tmp_path)])
@@ -402,11 +409,7 @@ def test_serve_load_quick_writes_table_json_png(models, engine, tmp_path, capsys
 
 @pytest.mark.slow
 def test_serve_load_stress_small(models, engine, tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import serve_load
-    finally:
-        sys.path.pop(0)
+    serve_load = _benchmark("serve_load")
     args = serve_load.build_parser().parse_args([
         "--stress", "--target", "stories260k", "--stress-requests", "30", "--stress-concurrency", "6",
         "--disconnect-frac", "0.3", "--max-tokens", "24", "--num-slots", str(NUM_SLOTS),
@@ -420,11 +423,7 @@ def test_serve_load_stress_small(models, engine, tmp_path):
 
 @pytest.mark.slow
 def test_engine_overhead_benchmark_writes_ratios(stories260k_dir, tmp_path, capsys):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import engine_overhead
-    finally:
-        sys.path.pop(0)
+    engine_overhead = _benchmark("engine_overhead")
     assert engine_overhead.main(["--target", "stories260k", "--random-drafter", "2", "--rows", "1,2",
                                  "--num-slots", "2", "--cache-len", "64", "--prompt-len", "20", "--reps", "2",
                                  "--out", str(tmp_path)]) == 0
