@@ -326,6 +326,26 @@ def _step_impl(t_state, d_state, st: _State, ell, active, draft_next, *, t_graph
     return new_st, (ypad, acc, finite, new_conf)
 
 
+def _catchup_impl(t_state, d_state, st: _State, tok, row, col, pos, *, t_graph, d_graph, rows: int,
+                  width: int):
+    """Rebuilds the drafter context KV of skipped positions (see :meth:`Engine._catch_up`).
+
+    ``tok/row/col/pos`` ``[rows * width]`` pack up to ``width`` already-confirmed tokens per
+    row (``pos == -1``: padding). The target cache already holds every position below each
+    row's anchor, so one packed target pass with taps gives the same features those tokens
+    had; their (recomputed, identical) target keys/values are written back in place.
+    """
+    target = nnx.merge(t_graph, t_state)
+    drafter = nnx.merge(d_graph, d_state)
+    out = target.forward_packed(tok, row, col, pos, KVCache(st.tk, st.tv), num_rows=rows, width=width,
+                                taps=drafter.cfg.taps)
+    ck, cv = drafter.context_kv(drafter.context_features(out.features[None]), jnp.maximum(pos, 0)[None])
+    wpos = jnp.where(pos >= 0, pos, st.dk.shape[2])
+    dk = st.dk.at[:, row, wpos].set(ck[:, 0].astype(st.dk.dtype), mode="drop")
+    dv = st.dv.at[:, row, wpos].set(cv[:, 0].astype(st.dv.dtype), mode="drop")
+    return st._replace(tk=out.cache.k, tv=out.cache.v, dk=dk, dv=dv)
+
+
 def _prefill_impl(t_state, d_state, tokens, prompt_len, seed, temperature, top_k, top_p, do_draft, *,
                   t_graph, d_graph, gamma: int):
     target = nnx.merge(t_graph, t_state)
@@ -394,6 +414,8 @@ class _Slot:
     done: str | None = None     # finished at prefill
     z: np.ndarray | None = None  # raw confidence logits of the block verified next
     hist: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=3))
+    tokens: list = dataclasses.field(default_factory=list)  # confirmed tokens by position
+    stale_from: int | None = None  # drafter context missing from this position on (None: current)
 
 
 def _pow2_upto(limit: int, start: int = 1) -> list[int]:
@@ -430,6 +452,11 @@ class Engine:
         at ``num_slots``).
       prefill_buckets: compiled prompt lengths (default powers of two from 16 and
         ``cache_len``); the largest bounds the prompt length.
+      suspend_after: after this many consecutive steps in which the policy chose not to
+        draft, plain steps stop keeping the drafter context current (they become exactly a
+        drafter-less engine's step); when drafting resumes, the skipped positions are caught
+        up first (:meth:`_catch_up`, one packed target pass per ``gamma + 1`` skipped tokens
+        per row). ``None`` never suspends.
 
     Raises:
       DSparkInputError: bad sizes, unknown policy, or a drafter for another target.
@@ -439,7 +466,7 @@ class Engine:
                  cache_len: int = 1024, policy: str = "dspark", buckets=None, sps_table=None,
                  eos_token_ids=(), seed_calibration: bool = True, profile_iters: int = 3,
                  calibration_window: int = 2048, calibration_lr: float = 0.05,
-                 row_buckets=None, prefill_buckets=None):
+                 row_buckets=None, prefill_buckets=None, suspend_after: int | None = 16):
         if num_slots < 1:
             raise DSparkInputError(f"num_slots must be >= 1, got {num_slots}")
         if cache_len < 2:
@@ -463,6 +490,10 @@ class Engine:
         if self.prefill_buckets[0] < 1 or self.prefill_buckets[-1] > self.cache_len:
             raise DSparkInputError(f"prefill buckets must be in [1, cache_len={self.cache_len}], "
                                    f"got {self.prefill_buckets}")
+        if suspend_after is not None and suspend_after < 0:
+            raise DSparkInputError(f"suspend_after must be >= 0 or None, got {suspend_after}")
+        self.suspend_after = suspend_after
+        self._idle_steps = 0
         self._examples: dict[int, _PrefixArrays] = {}
         self._t_graph, self._t_state = nnx.split(target)
         self._d_graph, self._d_state = nnx.split(drafter) if drafter is not None else (None, None)
@@ -571,6 +602,28 @@ class Engine:
             exe = self._compile(key, fn, args, donate=(2,))
         return exe
 
+    def _bare_step_exe(self, rows: int):
+        """A plain step without drafter context upkeep: the drafter-less engine's program
+        (the drafter caches ride along untouched)."""
+        key = ("bare_step", rows)
+        exe = self._compiled.get(key)
+        if exe is None:
+            fn = partial(_step_impl, t_graph=self._t_graph, d_graph=None, rows=rows, tokens=rows, gamma=self.gamma)
+            b = self.num_slots
+            args = (self._t_state, None, self._state, np.zeros(b, np.int32), np.zeros(b, bool), np.bool_(False))
+            exe = self._compile(key, fn, args, donate=(2,))
+        return exe
+
+    def _catchup_exe(self, rows: int):
+        key = ("catchup", rows)
+        exe = self._compiled.get(key)
+        if exe is None:
+            w = self.gamma + 1
+            fn = partial(_catchup_impl, t_graph=self._t_graph, d_graph=self._d_graph, rows=rows, width=w)
+            z = np.zeros(rows * w, np.int32)
+            exe = self._compile(key, fn, (self._t_state, self._d_state, self._state, z, z, z, z), donate=(2,))
+        return exe
+
     def _prefill_exe(self, p_len: int):
         key = ("prefill", p_len)
         exe = self._compiled.get(key)
@@ -606,6 +659,10 @@ class Engine:
         recompiles."""
         for r, k in self.buckets():
             self._step_exe(r, k)
+        if self.drafter is not None and self.suspend_after is not None:
+            for r in self.row_buckets:
+                self._bare_step_exe(r)
+                self._catchup_exe(r)
         for p in self.prefill_buckets:
             if p not in self._examples:
                 exe = self._prefill_exe(p)
@@ -723,7 +780,8 @@ class Engine:
         req, sp = prefix.request, prefix.request.params
         end = min(prefix.prompt_len + int(sp.max_tokens), self.target.cfg.max_position, self.cache_len)
         stops = frozenset(self.eos_ids) | frozenset(int(t) for t in sp.stop_token_ids)
-        rec = _Slot(req, None, prefix.prompt_len, prefix.prompt_len + 1, end, stops, [prefix.first_token])
+        rec = _Slot(req, None, prefix.prompt_len, prefix.prompt_len + 1, end, stops, [prefix.first_token],
+                    tokens=[int(t) for t in req.prompt_ids] + [prefix.first_token])
         if not prefix.finite:
             rec.done, rec.pending = "error", []
         elif prefix.first_token in stops:
@@ -837,6 +895,52 @@ class Engine:
             total = n + int(ell.sum())
         return ell.astype(np.int32), rows, next(b for b in spec if b >= total), draft_next
 
+    # ------------------------------------------------------------------ drafter suspension
+
+    def _suspend_now(self, rows: int, tokens: int, draft_next: bool) -> bool:
+        """Whether this step runs without drafter context upkeep (a plain step, no drafting,
+        after ``suspend_after`` consecutive non-drafting steps)."""
+        return (self.drafter is not None and self.suspend_after is not None and tokens == rows
+                and not draft_next and self._idle_steps >= self.suspend_after)
+
+    def _catch_up(self) -> None:
+        """Writes the drafter context of every position a suspended step skipped.
+
+        Each active row whose context stops at ``stale_from`` gets its confirmed tokens at
+        positions ``[stale_from, anchor)`` re-run through the target (packed, ``gamma + 1``
+        tokens per row per pass, taps on) and their context keys/values written, so that
+        drafting resumes exactly as if upkeep had never stopped. Costs about one packed
+        target pass per ``gamma + 1`` skipped tokens of the longest gap.
+        """
+        slots = [self._slots[s] for s in self._row_slot]
+        if all(rec.stale_from is None for rec in slots):
+            return
+        rows = self._rows_for(len(slots))
+        w = self.gamma + 1
+        exe = self._catchup_exe(rows)
+        m = self._metrics
+        while True:
+            tok, row, col, pos = (np.zeros(rows * w, np.int32) for _ in range(4))
+            pos -= 1
+            i = 0
+            for r, rec in enumerate(slots):
+                if rec.stale_from is None:
+                    continue
+                a = rec.stale_from
+                b = min(a + w, rec.length - 1)
+                k = b - a
+                tok[i:i + k] = rec.tokens[a:b]
+                row[i:i + k], col[i:i + k], pos[i:i + k] = r, np.arange(k), np.arange(a, b)
+                i += k
+                rec.stale_from = b
+            if i == 0:
+                break
+            self._state = exe(self._t_state, self._d_state, self._state, tok, row, col, pos)
+            m["catchup_passes"] += 1
+            m["catchup_tokens"] += i
+        for rec in slots:
+            rec.stale_from = None
+
     # ------------------------------------------------------------------ decoding
 
     def generate(self) -> list[StepOutput]:
@@ -865,7 +969,18 @@ class Engine:
         active[:n] = True
         if n + int(ell.sum()) > tokens or (tokens == rows and ell.any()):
             raise RuntimeError(f"scheduler plan {ell.tolist()} does not fit bucket ({rows}, {tokens})")
-        out = self._run_step(rows, tokens, ell_b, active, draft_next)
+        if self._suspend_now(rows, tokens, draft_next):
+            for rec in (self._slots[s] for s in self._row_slot):
+                if rec.stale_from is None:
+                    rec.stale_from = rec.length - 1
+            self._state, out = self._bare_step_exe(rows)(self._t_state, None, self._state, ell_b, active,
+                                                         np.bool_(False))
+            m_bare = 1
+        else:
+            self._catch_up()
+            out = self._run_step(rows, tokens, ell_b, active, draft_next)
+            m_bare = 0
+        self._idle_steps = 0 if (draft_next or tokens > rows) else self._idle_steps + 1
         ypad, acc, finite, conf = jax.device_get(out)
         m = self._metrics
         m["steps"] += 1
@@ -873,6 +988,7 @@ class Engine:
         m["budget_hist"][tokens] = m["budget_hist"].get(tokens, 0) + 1
         m["rows_hist"][rows] = m["rows_hist"].get(rows, 0) + 1
         m["draft_steps"] += int(draft_next)
+        m["suspended_steps"] += m_bare
         m["packed_tokens"] += n + int(ell.sum())
         verified_rows = ell > 0
         if g and verified_rows.any():
@@ -909,6 +1025,7 @@ class Engine:
             m["accepted_tokens"] += n_acc
             m["emitted_tokens"] += keep
             m["rounds"] += 1
+            rec.tokens.extend(new)
             toks = rec.pending + new
             rec.pending = []
             rec.z = np.asarray(conf[r], np.float64) if (draft_next and g) else None
@@ -926,6 +1043,7 @@ class Engine:
         g = max(self.gamma, 1)
         self._metrics = {"steps": 0, "rounds": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
                          "emitted_tokens": 0, "packed_tokens": 0, "draft_steps": 0, "step_seconds": 0.0,
+                         "suspended_steps": 0, "catchup_passes": 0, "catchup_tokens": 0,
                          "pos_reached": np.zeros(g, np.int64), "pos_accepted": np.zeros(g, np.int64),
                          "budget_hist": {}, "rows_hist": {}}
 
@@ -940,7 +1058,9 @@ class Engine:
         summed over requests), ``drafts`` (rounds that verified >= 1 draft, vLLM's
         num_drafts), ``draft_tokens`` (verified drafts), ``accepted_tokens``,
         ``emitted_tokens`` (including first tokens from prefill), ``packed_tokens``,
-        ``draft_steps``, ``step_seconds``, ``mean_accepted_length`` (tau: tokens per round),
+        ``draft_steps``, ``step_seconds``, ``suspended_steps`` (plain steps without drafter
+        context upkeep), ``catchup_passes`` / ``catchup_tokens`` (target passes and tokens that
+        rebuilt skipped drafter context), ``mean_accepted_length`` (tau: tokens per round),
         ``acceptance_rate``, ``position_reached`` / ``position_accepted`` / ``position_acceptance``
         (per block position), ``budget_hist`` / ``rows_hist`` (chosen buckets),
         ``calibration`` (online temperatures, predicted vs observed), ``compiles``,
@@ -955,6 +1075,8 @@ class Engine:
             "draft_tokens": m["draft_tokens"], "accepted_tokens": m["accepted_tokens"],
             "emitted_tokens": step_emitted, "packed_tokens": m["packed_tokens"],
             "draft_steps": m["draft_steps"], "step_seconds": m["step_seconds"],
+            "suspended_steps": m["suspended_steps"], "catchup_passes": m["catchup_passes"],
+            "catchup_tokens": m["catchup_tokens"],
             "mean_accepted_length": (m["accepted_tokens"] + m["rounds"]) / m["rounds"] if m["rounds"] else None,
             "acceptance_rate": m["accepted_tokens"] / m["draft_tokens"] if m["draft_tokens"] else None,
             "position_reached": reached.tolist(), "position_accepted": acc.tolist(),

@@ -74,8 +74,9 @@ def drafter(target):
 
 @pytest.fixture(scope="module")
 def engine(target, drafter):
+    # suspend_after=2: every test also runs the drafter-free plain steps and the catch-up.
     eng = Engine(target, drafter, num_slots=2, cache_len=CACHE, policy="fixed:3", buckets=(8,),
-                 prefill_buckets=(32,), profile_iters=1)
+                 prefill_buckets=(32,), profile_iters=1, suspend_after=2)
     eng.warmup()
     eng.set_policy("dspark")
     eng.warmup()
@@ -209,6 +210,49 @@ def test_prefill_drafts_only_while_drafting(engine, requests, reference):
             toks += o.token_ids
     assert toks == reference[requests[0].request_id][0]
     assert engine.metrics()["draft_tokens"] > 0
+
+
+def test_suspended_drafter_catches_up(engine, requests, reference):
+    """Plain steps after ``suspend_after`` non-drafting steps skip the drafter context; when
+    drafting resumes, the catch-up rebuilds it to what continuous upkeep would have written
+    (same drafter KV at every confirmed position, same drafted confidences), and the output
+    stays exact."""
+    ref_eng = Engine(engine.target, engine.drafter, num_slots=2, cache_len=CACHE, policy="plain", buckets=(8,),
+                     prefill_buckets=(32,), profile_iters=1, suspend_after=None)
+    ref_eng._compiled, ref_eng._examples = engine._compiled, engine._examples
+    ref_eng.sps_table = engine.sps_table
+    toks = {}
+    for eng in (engine, ref_eng):
+        eng.set_policy("plain")
+        eng.reset_metrics()
+        eng.insert(eng.prefill(requests[0]), 0)
+        eng.insert(eng.prefill(requests[2]), 1)
+        out = {0: [], 1: []}
+        for _ in range(7):
+            for o in eng.generate():
+                out[o.slot] += o.token_ids
+        eng.set_policy("fixed:3")
+        for o in eng.generate():               # catch-up, then a step that drafts
+            out[o.slot] += o.token_ids
+        toks[id(eng)] = out
+    m, m_ref = engine.metrics(), ref_eng.metrics()
+    assert m["suspended_steps"] == 5 and m_ref["suspended_steps"] == 0
+    assert m["catchup_passes"] >= 2 and m["catchup_tokens"] == 2 * 5 and m_ref["catchup_passes"] == 0
+    assert toks[id(engine)] == toks[id(ref_eng)]
+    for slot in (0, 1):
+        rec, rec_ref = engine._slots[slot], ref_eng._slots[slot]
+        assert rec.length == rec_ref.length and rec.stale_from is None
+        np.testing.assert_allclose(rec.z, rec_ref.z, rtol=1e-4, atol=1e-5)
+        r, n = rec.row, rec.length - 1
+        for a, b in ((engine._state.dk, ref_eng._state.dk), (engine._state.dv, ref_eng._state.dv)):
+            np.testing.assert_allclose(np.asarray(a[:, r, :n]), np.asarray(b[:, ref_eng._slots[slot].row, :n]),
+                                       rtol=1e-4, atol=1e-5)
+    for eng in (engine, ref_eng):
+        while eng.active_slots():
+            for o in eng.generate():
+                toks[id(eng)][o.slot] += o.token_ids
+        assert toks[id(eng)][0] == reference[requests[0].request_id][0]
+        assert toks[id(eng)][1] == reference[requests[2].request_id][0]
 
 
 def test_plan_ignores_draft_token_values(engine, requests):
