@@ -2,14 +2,18 @@
 
 An engine built with a drafter keeps the drafter's context KV cache current at every step
 (the target pass also returns the tapped hidden states; their context keys/values are
-written for every verified token), so that drafting can resume at any step. When the
-throughput-aware policies (``dspark``, ``greedy``) decide that drafting does not pay, that
-upkeep is the whole difference to a plain engine. This script measures it side by side in
-one process: the same plain step (every row verifies only its anchor, no drafting) of a
-drafter-less engine and of an engine with the drafter, alternated ``--reps`` times per row
-bucket, and the same for a prefill (prefill drafts nothing while the engine does not draft).
-For scale it also times the drafter engine's step when it drafts the next block (one drafter
-pass plus ``gamma`` LM-head rows and the Markov sampler) against the plain step.
+written for every verified token), so that drafting can resume at any step. After
+``suspend_after`` non-drafting steps it drops that upkeep (drafter suspension, see
+:mod:`dspark_jax.engine`) and pays a catch-up pass when drafting resumes. This script
+measures, side by side in one process, each case against the same plain step (every row
+verifies only its anchor, no drafting) of a drafter-less engine, alternated ``--reps`` times:
+
+* the step with drafter upkeep (what a non-drafting engine pays before suspension);
+* the suspended step (should cost what the plain engine's step costs);
+* a prefill (prefill drafts nothing while the engine does not draft);
+* one catch-up pass (``gamma + 1`` skipped tokens per row), the price of resuming;
+* the step that also drafts the next block (one drafter pass plus ``gamma`` LM-head rows and
+  the Markov sampler): what speculation must win back.
 
     python benchmarks/engine_overhead.py --target smollm2-135m-instruct \\
         --drafter runs/smollm2-135m-instruct/export --rows 1,16,64 --out runs/engine_overhead
@@ -62,10 +66,34 @@ def measure(plain, spec, rows: list[int], prompt_len: int, reps: int) -> list[di
 
     b = plain.num_slots
 
+    ell, act_all = np.zeros(b, np.int32), np.zeros(b, bool)
+
     def step(e, r, draft=False):
-        ell, act = np.zeros(b, np.int32), np.zeros(b, bool)
+        act = act_all.copy()
         act[:r] = True
         return lambda: jax.block_until_ready(e._run_step(r, r, ell, act, draft))
+
+    def bare_step(e, r):
+        act = act_all.copy()
+        act[:r] = True
+        exe = e._bare_step_exe(r)
+
+        def run():
+            e._state, out = exe(e._t_state, None, e._state, ell, act, np.bool_(False))
+            jax.block_until_ready(out)
+        return run
+
+    def catch_up(e, r):
+        w = e.gamma + 1
+        tok = np.full(r * w, 1, np.int32)
+        row = np.repeat(np.arange(r, dtype=np.int32), w)
+        col = np.tile(np.arange(w, dtype=np.int32), r)
+        exe = e._catchup_exe(r)
+
+        def run():
+            e._state = exe(e._t_state, e._d_state, e._state, tok, row, col, col)
+            jax.block_until_ready(e._state.dk)
+        return run
 
     vocab = plain.target.cfg.vocab_size
     req = Request([int(i) % vocab for i in range(100, 100 + prompt_len)], SamplingParams(temperature=0.0), "p")
@@ -73,8 +101,11 @@ def measure(plain, spec, rows: list[int], prompt_len: int, reps: int) -> list[di
     def prefill(e):
         return lambda: jax.block_until_ready(e.prefill(req).arrays)
 
-    cases = [(f"step, {r} rows", step(plain, r), step(spec, r)) for r in rows]
+    cases = [(f"step with drafter upkeep, {r} rows", step(plain, r), step(spec, r)) for r in rows]
+    cases += [(f"step, drafter suspended, {r} rows", step(plain, r), bare_step(spec, r)) for r in rows]
     cases.append((f"prefill, {prompt_len} tokens", prefill(plain), prefill(spec)))
+    cases += [(f"catch-up pass ({spec.gamma + 1} tokens/row), {r} rows", step(plain, r), catch_up(spec, r))
+              for r in rows]
     # For scale: the same step when it also drafts the next block (what speculation must win back).
     cases += [(f"step + drafting a block, {r} rows", step(plain, r), step(spec, r, True)) for r in rows]
     out = []
@@ -111,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     p_len = max(16, 1 << (args.prompt_len - 1).bit_length())
     kw = dict(num_slots=args.num_slots, cache_len=args.cache_len, row_buckets=sorted(set(rows) | {args.num_slots}),
               prefill_buckets=[min(p_len, args.cache_len)])
-    # policy "plain" on both: only the (R, R) buckets compile; the drafter engine still
-    # keeps its drafter context, exactly as when dspark/greedy stop drafting.
+    # policy "plain" on both: only the (R, R) buckets compile (plus, for the drafter engine,
+    # its suspended steps and catch-up passes).
     plain, spec = Engine(target, None, policy="plain", **kw), Engine(target, drafter, policy="plain", **kw)
     plain.warmup()
     spec.warmup()

@@ -12,8 +12,9 @@ Sweep mode (default): every policy (``plain``, ``fixed:G`` for each ``--gammas``
 ``$DSPARK_DATA/prompts``) are sent over loopback HTTP as streaming requests by ``c``
 concurrent clients (closed loop: a client sends its next request when the previous one ends).
 Policies are interleaved: at each concurrency ``c`` every policy runs back to back,
-``--repeats`` times, and the repeat with the median output tok/s is kept, so that ratios
-between policies are measured side by side. Per level:
+``--repeats`` times (the order rotates every repeat and level), and the repeat with the
+median output tok/s is kept, so that ratios between policies are measured side by side.
+Per level:
 
 * ``output_tok_s``: all generated tokens / wall time of the level;
 * ``per_user_tok_s``: mean over requests of (tokens - 1) / (last token - first token time),
@@ -397,7 +398,9 @@ def sweep(args, models: tuple | None = None, engine=None, plain_engine=None) -> 
         n = args.num_requests or max(8, args.waves * c)
         reps: dict[str, list[dict]] = {p: [] for p in policies}
         for rep in range(args.repeats):
-            for policy in policies:
+            # rotate the order every repeat so that no policy always runs first or after the same one
+            k = (rep + levels.index(c)) % len(policies)
+            for policy in policies[k:] + policies[:k]:
                 eng = engines[policy]
                 if eng.policy != policy:  # a shared engine: switch (compiled buckets are kept)
                     eng.set_policy(policy)
@@ -407,13 +410,15 @@ def sweep(args, models: tuple | None = None, engine=None, plain_engine=None) -> 
                 with srv:
                     row = asyncio.run(run_level(srv.url, args.chat, prompts, c, n, args.max_tokens, args.temperature))
                 m = eng.metrics()  # the server (and its engine thread) has stopped: safe to read
-                row["engine"] = {k: m.get(k) for k in ("steps", "draft_steps", "mean_accepted_length",
+                row["engine"] = {k: m.get(k) for k in ("steps", "draft_steps", "suspended_steps",
+                                                       "catchup_tokens", "mean_accepted_length",
                                                        "acceptance_rate", "budget_hist", "rows_hist", "step_seconds")}
                 engine_stats[policy] = {k: m.get(k) for k in ("position_acceptance", "calibration", "compiles")}
                 reps[policy].append(row)
                 print(f"[{policy}] c={c:3d} #{rep + 1}: {row['output_tok_s']:8.1f} tok/s, per user "
                       f"{_fmt(row['per_user_tok_s'])} tok/s, ttft {_fmt(row['ttft_s'], '.2f')} s, "
-                      f"tau {_fmt(row['tau'], '.2f')}, drafting steps {m['draft_steps']}/{m['steps']}, "
+                      f"tau {_fmt(row['tau'], '.2f')}, drafting steps {m['draft_steps']}/{m['steps']} "
+                      f"(suspended {m['suspended_steps']}), "
                       f"ok {row['num_ok']}/{row['num_requests']}", file=sys.stderr)
         for policy in policies:
             runs[policy].append(_median_run(reps[policy]))

@@ -47,6 +47,18 @@ block's raw confidence logits, and runs the (numpy) scheduler for the next step.
 never sees draft token values before they are verified, so every policy is non-anticipating
 by construction (:mod:`dspark_jax.scheduler`).
 
+Drafter suspension
+------------------
+A step also writes the drafter's context keys/values of every verified token (from the
+target's tapped hidden states), so that drafting can resume at any step. When the policy has
+not drafted for ``suspend_after`` consecutive steps (the throughput-aware policies stop
+drafting when it does not pay; ``plain`` never drafts), plain steps drop that upkeep and run
+the drafter-less engine's program, so a non-drafting engine costs what plain decoding costs.
+The host keeps every request's confirmed tokens; when drafting resumes, a catch-up pass
+re-runs the skipped tokens through the target (packed, taps on, the target cache already
+holds their context) and writes their drafter context before the step, which then drafts
+exactly as with continuous upkeep.
+
 Exactness (Gumbel-coupled verification)
 ----------------------------------------
 The token after position ``t`` of a request is ``sample(fold_in(request_key, t), p_t)``, the
@@ -162,6 +174,8 @@ class Prefix:
 
     ``conf_logit`` (``[gamma]`` raw confidence logits of the first drafted block) is None when
     prefill did not draft: no drafter, or the engine was not drafting at the time.
+    ``has_context`` is False when prefill skipped the drafter context because the drafter was
+    suspended (the prompt is caught up if drafting resumes).
     """
 
     request: Request
@@ -171,6 +185,7 @@ class Prefix:
     finite: bool
     conf_logit: np.ndarray | None
     arrays: Any = dataclasses.field(repr=False, default=None)
+    has_context: bool = True
 
 
 class _State(NamedTuple):
@@ -346,8 +361,8 @@ def _catchup_impl(t_state, d_state, st: _State, tok, row, col, pos, *, t_graph, 
     return st._replace(tk=out.cache.k, tv=out.cache.v, dk=dk, dv=dv)
 
 
-def _prefill_impl(t_state, d_state, tokens, prompt_len, seed, temperature, top_k, top_p, do_draft, *,
-                  t_graph, d_graph, gamma: int):
+def _prefill_impl(t_state, d_state, tokens, prompt_len, seed, temperature, top_k, top_p, do_draft, do_context,
+                  *, t_graph, d_graph, gamma: int):
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
     p_len = tokens.shape[1]
@@ -363,8 +378,12 @@ def _prefill_impl(t_state, d_state, tokens, prompt_len, seed, temperature, top_k
     dk = dv = None
     draft, conf = jnp.zeros((1, gp), jnp.int32), jnp.zeros((1, gp), jnp.float32)
     if drafter is not None:
-        dc = drafter.extend_cache(drafter.init_cache(1, p_len), out.features,
-                                  jnp.where(pos < prompt_len, pos, -1))
+        empty = drafter.init_cache(1, p_len)
+        # The drafter context is skipped (lax.cond, one executable) while the drafter is
+        # suspended; drafting implies context.
+        dc = jax.lax.cond(do_context | do_draft,
+                          lambda _: drafter.extend_cache(empty, out.features, jnp.where(pos < prompt_len, pos, -1)),
+                          lambda _: empty, None)
         dk, dv = dc.k, dc.v
         # Drafting the first block costs a drafter pass plus gamma LM-head rows; skipped (under
         # lax.cond, one executable) while the scheduler is not drafting.
@@ -630,7 +649,7 @@ class Engine:
         if exe is None:
             fn = partial(_prefill_impl, t_graph=self._t_graph, d_graph=self._d_graph, gamma=self.gamma)
             args = (self._t_state, self._d_state, np.zeros((1, p_len), np.int32), np.int32(1), np.int32(0),
-                    np.float32(1), np.int32(0), np.float32(1), np.bool_(True))
+                    np.float32(1), np.int32(0), np.float32(1), np.bool_(True), np.bool_(True))
             exe = self._compile(key, fn, args)
         return exe
 
@@ -667,7 +686,8 @@ class Engine:
             if p not in self._examples:
                 exe = self._prefill_exe(p)
                 self._examples[p], _ = exe(self._t_state, self._d_state, np.zeros((1, p), np.int32), np.int32(1),
-                                           np.int32(0), np.float32(1), np.int32(0), np.float32(1), np.bool_(False))
+                                           np.int32(0), np.float32(1), np.int32(0), np.float32(1), np.bool_(False),
+                                           np.bool_(False))
             self._insert_exe(p, self._examples[p])
         self._move_exe()
         self._ensure_table()
@@ -758,12 +778,13 @@ class Engine:
         buf[0, :n] = ids
         sp = request.params
         drafted = bool(self.gamma) and self._drafting
+        context = bool(self.gamma) and (drafted or not self._suspended())
         pre, finite = self._prefill_exe(p_len)(
             self._t_state, self._d_state, buf, np.int32(n), np.int32(sp.seed), np.float32(sp.temperature),
-            np.int32(sp.top_k), np.float32(sp.top_p), np.bool_(drafted))
+            np.int32(sp.top_k), np.float32(sp.top_p), np.bool_(drafted), np.bool_(context))
         tok, finite, conf = jax.device_get((pre.token, finite, pre.conf))
         return Prefix(request, n, p_len, int(tok), bool(finite),
-                      np.asarray(conf, np.float64) if drafted else None, pre)
+                      np.asarray(conf, np.float64) if drafted else None, pre, has_context=context)
 
     def insert(self, prefix: Prefix, slot: int) -> None:
         """Puts a prefilled request into free logical ``slot``.
@@ -798,6 +819,7 @@ class Engine:
                           np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p))
         rec.row = row
         rec.z = prefix.conf_logit
+        rec.stale_from = None if prefix.has_context else 0
         rec.hist.append(rec.z)
         self._row_slot.append(int(slot))
 
@@ -897,11 +919,15 @@ class Engine:
 
     # ------------------------------------------------------------------ drafter suspension
 
+    def _suspended(self) -> bool:
+        """Whether the policy has not drafted for ``suspend_after`` consecutive steps."""
+        return (self.drafter is not None and self.suspend_after is not None
+                and self._idle_steps >= self.suspend_after)
+
     def _suspend_now(self, rows: int, tokens: int, draft_next: bool) -> bool:
         """Whether this step runs without drafter context upkeep (a plain step, no drafting,
-        after ``suspend_after`` consecutive non-drafting steps)."""
-        return (self.drafter is not None and self.suspend_after is not None and tokens == rows
-                and not draft_next and self._idle_steps >= self.suspend_after)
+        while suspended)."""
+        return tokens == rows and not draft_next and self._suspended()
 
     def _catch_up(self) -> None:
         """Writes the drafter context of every position a suspended step skipped.

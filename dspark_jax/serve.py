@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sps-table", default=None,
                    help="JSON SPS table (verify steps/s per bucket): loaded if it exists and matches the device "
                         "and model, else profiled at start-up and written there")
+    p.add_argument("--suspend-after", type=int, default=16,
+                   help="consecutive non-drafting steps after which plain steps stop updating the drafter's "
+                        "context (caught up when drafting resumes; -1: never suspend; default 16)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests allowed to wait for a slot; more get HTTP 429 (default 256)")
     p.add_argument("--default-max-tokens", type=int, default=256,
@@ -225,7 +228,8 @@ def run(args: argparse.Namespace) -> None:
         "every bucket ...")
     t0 = time.monotonic()
     engine = build_engine(target, drafter, policy=policy, num_slots=args.num_slots, cache_len=args.cache_len,
-                          buckets=_parse_buckets(args.buckets), sps_table=args.sps_table)
+                          buckets=_parse_buckets(args.buckets), sps_table=args.sps_table,
+                          suspend_after=None if args.suspend_after == -1 else args.suspend_after)
     say(f"engine ready in {time.monotonic() - t0:.1f} s ({engine.metrics()['compiles']} executables); serving "
         f"on http://{args.host}:{args.port}")
     app, _ = build_server(engine, tok, model_name=args.served_model_name or args.target, max_queue=args.max_queue,

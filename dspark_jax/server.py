@@ -221,6 +221,10 @@ class _EngineCollector:
                                                             "over requests)."),
                 ("packed_tokens", "dspark:engine_packed_tokens", "Tokens in verification passes (anchors + drafts)."),
                 ("draft_steps", "dspark:engine_draft_steps", "Engine steps that ran the drafter."),
+                ("suspended_steps", "dspark:engine_suspended_steps",
+                 "Plain engine steps that skipped drafter context upkeep (drafter suspended)."),
+                ("catchup_tokens", "dspark:engine_catchup_tokens",
+                 "Tokens re-run through the target to rebuild skipped drafter context."),
                 ("step_seconds", "dspark:engine_busy_seconds", "Seconds spent inside engine steps."),
         ):
             if m.get(key) is not None:

@@ -213,10 +213,10 @@ def test_prefill_drafts_only_while_drafting(engine, requests, reference):
 
 
 def test_suspended_drafter_catches_up(engine, requests, reference):
-    """Plain steps after ``suspend_after`` non-drafting steps skip the drafter context; when
-    drafting resumes, the catch-up rebuilds it to what continuous upkeep would have written
-    (same drafter KV at every confirmed position, same drafted confidences), and the output
-    stays exact."""
+    """Plain steps (and prefills) after ``suspend_after`` non-drafting steps skip the drafter
+    context; when drafting resumes, the catch-up rebuilds it to what continuous upkeep would
+    have written (same drafter KV at every confirmed position, same drafted confidences), and
+    the output stays exact."""
     ref_eng = Engine(engine.target, engine.drafter, num_slots=2, cache_len=CACHE, policy="plain", buckets=(8,),
                      prefill_buckets=(32,), profile_iters=1, suspend_after=None)
     ref_eng._compiled, ref_eng._examples = engine._compiled, engine._examples
@@ -225,10 +225,14 @@ def test_suspended_drafter_catches_up(engine, requests, reference):
     for eng in (engine, ref_eng):
         eng.set_policy("plain")
         eng.reset_metrics()
+        eng._idle_steps = 0
         eng.insert(eng.prefill(requests[0]), 0)
-        eng.insert(eng.prefill(requests[2]), 1)
         out = {0: [], 1: []}
-        for _ in range(7):
+        for i in range(9):
+            if i == 7:          # joins while the drafter is suspended: prefill skips its context
+                pre = eng.prefill(requests[2])
+                assert pre.has_context is (eng is ref_eng)
+                eng.insert(pre, 1)
             for o in eng.generate():
                 out[o.slot] += o.token_ids
         eng.set_policy("fixed:3")
@@ -236,16 +240,17 @@ def test_suspended_drafter_catches_up(engine, requests, reference):
             out[o.slot] += o.token_ids
         toks[id(eng)] = out
     m, m_ref = engine.metrics(), ref_eng.metrics()
-    assert m["suspended_steps"] == 5 and m_ref["suspended_steps"] == 0
-    assert m["catchup_passes"] >= 2 and m["catchup_tokens"] == 2 * 5 and m_ref["catchup_passes"] == 0
+    assert m["suspended_steps"] == 7 and m_ref["suspended_steps"] == 0
+    # row 0: positions P0+2 .. P0+8 (7 tokens); row 1: its prompt and 2 generated tokens
+    assert m["catchup_tokens"] == 7 + len(requests[2].prompt_ids) + 2 and m_ref["catchup_tokens"] == 0
     assert toks[id(engine)] == toks[id(ref_eng)]
     for slot in (0, 1):
         rec, rec_ref = engine._slots[slot], ref_eng._slots[slot]
         assert rec.length == rec_ref.length and rec.stale_from is None
         np.testing.assert_allclose(rec.z, rec_ref.z, rtol=1e-4, atol=1e-5)
-        r, n = rec.row, rec.length - 1
+        n = rec.length - 1
         for a, b in ((engine._state.dk, ref_eng._state.dk), (engine._state.dv, ref_eng._state.dv)):
-            np.testing.assert_allclose(np.asarray(a[:, r, :n]), np.asarray(b[:, ref_eng._slots[slot].row, :n]),
+            np.testing.assert_allclose(np.asarray(a[:, rec.row, :n]), np.asarray(b[:, rec_ref.row, :n]),
                                        rtol=1e-4, atol=1e-5)
     for eng in (engine, ref_eng):
         while eng.active_slots():

@@ -302,7 +302,8 @@ class TestHTTP:
                      "dspark:spec_decode_num_accepted_tokens_total", "dspark:num_requests_running",
                      "dspark:num_requests_waiting", "dspark:time_to_first_token_seconds_bucket",
                      "dspark:time_per_output_token_seconds_bucket", "dspark:e2e_request_latency_seconds_count",
-                     "dspark:request_success_total", "dspark:generation_tokens_total", "dspark:prompt_tokens_total"):
+                     "dspark:request_success_total", "dspark:generation_tokens_total", "dspark:prompt_tokens_total",
+                     "dspark:engine_suspended_steps_total", "dspark:engine_catchup_tokens_total"):
             assert name in after, name
         assert 'dspark:spec_decode_num_accepted_tokens_per_pos_total{model_name="stories260k",position="1"}' in after
         assert 'dspark:calibration_temperature{model_name="stories260k",position="1"}' in after
@@ -428,7 +429,9 @@ def test_engine_overhead_benchmark_writes_ratios(stories260k_dir, tmp_path, caps
                                  "--num-slots", "2", "--cache-len", "64", "--prompt-len", "20", "--reps", "2",
                                  "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "engine_overhead.json").read_text())["results"]
-    assert [r["case"] for r in res] == ["step, 1 rows", "step, 2 rows", "prefill, 20 tokens",
-                                        "step + drafting a block, 1 rows", "step + drafting a block, 2 rows"]
+    assert [r["case"] for r in res] == [
+        "step with drafter upkeep, 1 rows", "step with drafter upkeep, 2 rows", "step, drafter suspended, 1 rows",
+        "step, drafter suspended, 2 rows", "prefill, 20 tokens", "catch-up pass (3 tokens/row), 1 rows",
+        "catch-up pass (3 tokens/row), 2 rows", "step + drafting a block, 1 rows", "step + drafting a block, 2 rows"]
     assert all(r["plain_ms"] > 0 and r["drafter_engine_ms"] > 0 and r["ratio"] > 0 for r in res)
-    assert "| step, 2 rows |" in capsys.readouterr().out
+    assert "| step, drafter suspended, 2 rows |" in capsys.readouterr().out
