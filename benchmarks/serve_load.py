@@ -420,6 +420,8 @@ def sweep(args, models: tuple | None = None, engine=None, plain_engine=None) -> 
                       f"tau {_fmt(row['tau'], '.2f')}, drafting steps {m['draft_steps']}/{m['steps']} "
                       f"(suspended {m['suspended_steps']}), "
                       f"ok {row['num_ok']}/{row['num_requests']}", file=sys.stderr)
+                if row["num_ok"] < row["num_requests"]:
+                    print(f"[{policy}] c={c:3d}: FAILED requests: {row['errors']}", file=sys.stderr)
         for policy in policies:
             runs[policy].append(_median_run(reps[policy]))
     add_ratios(runs)
@@ -634,8 +636,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.stress:
         status, rep = run_cli(stress, args)
         return status or (0 if rep["passed"] else 1)
-    status, _ = run_cli(sweep, args)
-    return status
+    status, res = run_cli(sweep, args)
+    failed = [(p, r["concurrency"]) for p, rows in (res or {}).get("runs", {}).items() for r in rows
+              if r["num_ok"] < r["num_requests"]]
+    if failed:
+        print(f"requests failed in {failed}; see the errors in serve_load.json", file=sys.stderr)
+    return status or (1 if failed else 0)
 
 
 if __name__ == "__main__":

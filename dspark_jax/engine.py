@@ -778,7 +778,7 @@ class Engine:
         buf[0, :n] = ids
         sp = request.params
         drafted = bool(self.gamma) and self._drafting
-        context = bool(self.gamma) and (drafted or not self._suspended())
+        context = drafted or not self._suspended()   # always True without a drafter
         pre, finite = self._prefill_exe(p_len)(
             self._t_state, self._d_state, buf, np.int32(n), np.int32(sp.seed), np.float32(sp.temperature),
             np.int32(sp.top_k), np.float32(sp.top_p), np.bool_(drafted), np.bool_(context))
@@ -939,7 +939,7 @@ class Engine:
         target pass per ``gamma + 1`` skipped tokens of the longest gap.
         """
         slots = [self._slots[s] for s in self._row_slot]
-        if all(rec.stale_from is None for rec in slots):
+        if self.drafter is None or all(rec.stale_from is None for rec in slots):
             return
         rows = self._rows_for(len(slots))
         w = self.gamma + 1

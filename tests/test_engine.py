@@ -141,6 +141,16 @@ def test_policies_match_autoregressive(engine, requests, reference, policy):
         assert m["accepted_tokens"] > 0 and set(m["budget_hist"]) <= {1, 4, 2, 8}
 
 
+def test_engine_without_drafter_matches_autoregressive(target, requests, reference):
+    eng = Engine(target, None, num_slots=2, cache_len=CACHE, policy="plain", prefill_buckets=(32,))
+    toks, reasons = drive(eng, requests)
+    for r in requests:
+        assert toks[r.request_id] == reference[r.request_id][0]
+        assert reasons[r.request_id] == reference[r.request_id][1]
+    m = eng.metrics()
+    assert m["suspended_steps"] == 0 and m["catchup_tokens"] == 0 and m["draft_steps"] == 0
+
+
 def test_stop_ids_and_eos(engine, requests, reference):
     engine.set_policy("fixed:3")
     base = requests[5]
