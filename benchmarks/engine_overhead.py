@@ -10,7 +10,8 @@ verifies only its anchor, no drafting) of a drafter-less engine, alternated ``--
 
 * the step with drafter upkeep (what a non-drafting engine pays before suspension);
 * the suspended step (should cost what the plain engine's step costs);
-* a prefill (prefill drafts nothing while the engine does not draft);
+* a prefill (prefill drafts nothing while the engine does not draft), with the drafter context
+  and with the drafter suspended (no context: it is caught up if drafting resumes);
 * one catch-up pass (``gamma + 1`` skipped tokens per row), the price of resuming;
 * the step that also drafts the next block (one drafter pass plus ``gamma`` LM-head rows and
   the Markov sampler): what speculation must win back.
@@ -98,12 +99,16 @@ def measure(plain, spec, rows: list[int], prompt_len: int, reps: int) -> list[di
     vocab = plain.target.cfg.vocab_size
     req = Request([int(i) % vocab for i in range(100, 100 + prompt_len)], SamplingParams(temperature=0.0), "p")
 
-    def prefill(e):
-        return lambda: jax.block_until_ready(e.prefill(req).arrays)
+    def prefill(e, suspended=False):
+        def run():
+            e._idle_steps = e.suspend_after if suspended else 0   # what the last steps decided
+            jax.block_until_ready(e.prefill(req).arrays)
+        return run
 
     cases = [(f"step with drafter upkeep, {r} rows", step(plain, r), step(spec, r)) for r in rows]
     cases += [(f"step, drafter suspended, {r} rows", step(plain, r), bare_step(spec, r)) for r in rows]
     cases.append((f"prefill, {prompt_len} tokens", prefill(plain), prefill(spec)))
+    cases.append((f"prefill, drafter suspended, {prompt_len} tokens", prefill(plain), prefill(spec, True)))
     cases += [(f"catch-up pass ({spec.gamma + 1} tokens/row), {r} rows", step(plain, r), catch_up(spec, r))
               for r in rows]
     # For scale: the same step when it also drafts the next block (what speculation must win back).

@@ -431,7 +431,8 @@ def test_engine_overhead_benchmark_writes_ratios(stories260k_dir, tmp_path, caps
     res = json.loads((tmp_path / "engine_overhead.json").read_text())["results"]
     assert [r["case"] for r in res] == [
         "step with drafter upkeep, 1 rows", "step with drafter upkeep, 2 rows", "step, drafter suspended, 1 rows",
-        "step, drafter suspended, 2 rows", "prefill, 20 tokens", "catch-up pass (3 tokens/row), 1 rows",
+        "step, drafter suspended, 2 rows", "prefill, 20 tokens", "prefill, drafter suspended, 20 tokens",
+        "catch-up pass (3 tokens/row), 1 rows",
         "catch-up pass (3 tokens/row), 2 rows", "step + drafting a block, 1 rows", "step + drafting a block, 2 rows"]
     assert all(r["plain_ms"] > 0 and r["drafter_engine_ms"] > 0 and r["ratio"] > 0 for r in res)
     assert "| step, drafter suspended, 2 rows |" in capsys.readouterr().out
