@@ -276,12 +276,20 @@ def _draft(target, drafter, anchors, pos, keys, samp, dk, dv):
     return d.tokens.astype(jnp.int32), d.confidence_logit
 
 
+def _write_context(drafter, features, row, pos, dk, dv):
+    """Writes the drafter context K/V of ``[K]`` packed tokens (tapped ``features [K, F]``) at
+    ``(row, pos)``; ``pos < 0`` marks padding (nothing written)."""
+    ck, cv = drafter.context_kv(drafter.context_features(features[None]), jnp.maximum(pos, 0)[None])
+    wpos = jnp.where(pos >= 0, pos, dk.shape[2])            # out of range: dropped writes
+    return (dk.at[:, row, wpos].set(ck[:, 0].astype(dk.dtype), mode="drop"),
+            dv.at[:, row, wpos].set(cv[:, 0].astype(dv.dtype), mode="drop"))
+
+
 def _step_impl(t_state, d_state, st: _State, ell, active, draft_next, *, t_graph, d_graph,
                rows: int, tokens: int, gamma: int):
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
     r_, k_ = rows, tokens
-    s_len = st.tk.shape[2]
     width = 1 if k_ == r_ else gamma + 1
     act = active[:r_]
     n = jnp.where(act, 1 + jnp.clip(ell[:r_], 0, width - 1), 0)
@@ -322,11 +330,7 @@ def _step_impl(t_state, d_state, st: _State, ell, active, draft_next, *, t_graph
 
     dk, dv, new_draft, new_conf = st.dk, st.dv, drafts, st.conf[:r_]
     if drafter is not None:
-        ctx = drafter.context_features(out.features[None])
-        ck, cv = drafter.context_kv(ctx, jnp.maximum(pos, 0)[None])       # [N, 1, K, kvh, hd]
-        wpos = jnp.where(valid, pos, s_len)
-        dk = dk.at[:, prow, wpos].set(ck[:, 0].astype(dk.dtype), mode="drop")
-        dv = dv.at[:, prow, wpos].set(cv[:, 0].astype(dv.dtype), mode="drop")
+        dk, dv = _write_context(drafter, out.features, prow, pos, dk, dv)
 
         def do_draft(_):
             t, z = _draft(target, drafter, new_anchor, new_pos, st.key[:r_], samp_r, dk[:, :r_], dv[:, :r_])
@@ -354,10 +358,7 @@ def _catchup_impl(t_state, d_state, st: _State, tok, row, col, pos, *, t_graph, 
     drafter = nnx.merge(d_graph, d_state)
     out = target.forward_packed(tok, row, col, pos, KVCache(st.tk, st.tv), num_rows=rows, width=width,
                                 taps=drafter.cfg.taps)
-    ck, cv = drafter.context_kv(drafter.context_features(out.features[None]), jnp.maximum(pos, 0)[None])
-    wpos = jnp.where(pos >= 0, pos, st.dk.shape[2])
-    dk = st.dk.at[:, row, wpos].set(ck[:, 0].astype(st.dk.dtype), mode="drop")
-    dv = st.dv.at[:, row, wpos].set(cv[:, 0].astype(st.dv.dtype), mode="drop")
+    dk, dv = _write_context(drafter, out.features, row, pos, st.dk, st.dv)
     return st._replace(tk=out.cache.k, tv=out.cache.v, dk=dk, dv=dv)
 
 
