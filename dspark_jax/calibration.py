@@ -111,7 +111,7 @@ def _terms_from_features(drafter: Drafter, target: Target, feats, t_logits, toke
     bidx = jnp.arange(tokens.shape[0])[:, None, None]
     prev = tokens[bidx, src_c]                          # teacher forcing: x_{k-1} is the true token
     bias, e = drafter.teacher_forced_heads(block.hidden, prev)
-    logits = block.logits + bias
+    logits = drafter.to_target_logits(block.logits + bias)   # -inf off a draft vocabulary
     acc = _acceptance(logits, t_logits[bidx, src_c], temperature)
     z = drafter.confidence_logit(block.hidden, e)
     return BlockTerms(z, acc, valid)

@@ -4,8 +4,9 @@ An export directory holds:
 
 * ``drafter.json`` -- format version, :class:`~dspark_jax.config.DrafterConfig`
   (which records the target it was trained for: name, vocab, hidden size, depth,
-  taps, weights fingerprint), per-position calibration temperatures and the
-  training summary;
+  taps, weights fingerprint), per-position calibration temperatures, the draft
+  vocabulary's target ids (``draft_vocab``, drafters with ``draft_vocab_size > 0``)
+  and the training summary;
 * ``params/`` -- the drafter parameters as an Orbax ``StandardCheckpointer`` tree.
 
 ``load_drafter(path)`` rebuilds the module from these two alone.
@@ -55,7 +56,8 @@ def export_drafter(drafter: Drafter, path: str | Path, *, calibration: list[floa
     ckptr.save(path / "params", nnx.to_pure_dict(params))
     ckptr.wait_until_finished()
     meta = {"format": FORMAT, "config": drafter.cfg.to_dict(),
-            "dtype": jnp.dtype(drafter.dtype).name, "calibration": calibration, "extra": extra or {}}
+            "dtype": jnp.dtype(drafter.dtype).name, "calibration": calibration,
+            "draft_vocab": list(getattr(drafter, "draft_vocab", None) or []) or None, "extra": extra or {}}
     (path / "drafter.json").write_text(json.dumps(meta, indent=2))
     return path
 
@@ -121,4 +123,9 @@ def load_drafter(path: str | Path, dtype: Any = None) -> tuple[Drafter, dict[str
         drafter.set_calibration(meta.get("calibration"))
     except (TypeError, ValueError) as e:
         raise DSparkInputError(f"{path}/drafter.json has an invalid calibration: {e}") from None
+    if cfg.draft_vocab_size:
+        try:
+            drafter.set_draft_vocab(meta.get("draft_vocab") or [])
+        except (TypeError, ValueError) as e:
+            raise DSparkInputError(f"{path}/drafter.json has an invalid draft vocabulary: {e}") from None
     return drafter, meta

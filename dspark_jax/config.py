@@ -182,8 +182,8 @@ MARKOV_HEADS = ("vanilla", "gated", "rnn")
 class DrafterConfig:
     """Architecture of a drafter (DESIGN.md "Drafter" and its baselines).
 
-    The drafter shares the target's token embedding and LM head (frozen), so its
-    width equals the target's hidden size. DFlash is the same model with
+    The drafter shares the target's token embedding and LM head (frozen); its width is the
+    target's hidden size unless ``width`` says otherwise. DFlash is the same model with
     ``variant="dflash"``: no Markov head, no confidence head, and a block of
     anchor + gamma mask slots whose mask slots predict their own position.
     ``variant="eagle3"`` is the autoregressive baseline of :mod:`dspark_jax.eagle`
@@ -205,6 +205,16 @@ class DrafterConfig:
         updated from ``W1[x_{k-1}]``, bias ``s_k W2``). Exports written before this
         field existed load as ``"vanilla"``.
       rope_theta / rms_eps: backbone RoPE base and norm epsilon.
+      width: the backbone's residual width d (0 = the target's hidden size H). When
+        ``d != H`` the anchor embedding enters through a learned ``H x d`` projection
+        and the final hidden state leaves through a ``d x H`` one before the target's
+        frozen LM head, so a tiny target can get a wider drafter (and a big one a
+        narrower drafter). Exports written before this field existed load as 0.
+      draft_vocab_size: N > 0 drafts over a draft vocabulary of N target ids (Eagle3's
+        ``draft_vocab_size``, FR-Spec; DESIGN.md "Drafter" 5): the LM head is the frozen
+        target head restricted to those ids, the Markov head's W2 and the sampler work on N
+        columns, and q is mapped back to target ids with exact zeros elsewhere (lossless).
+        The ids themselves live in the export (:meth:`Drafter.set_draft_vocab`). 0 = full V.
       vocab_size / hidden_size / target_num_layers / target_name /
         target_fingerprint: the target this drafter was built for; checked
         before decoding (a drafter for another vocab or model is refused).
@@ -227,6 +237,8 @@ class DrafterConfig:
     target_name: str = "unnamed"
     target_fingerprint: str = ""
     markov_head: str = "vanilla"
+    width: int = 0
+    draft_vocab_size: int = 0
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -238,6 +250,13 @@ class DrafterConfig:
             raise ValueError(f"the eagle3 drafter has exactly one decoder layer, got num_layers={self.num_layers}")
         if self.gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {self.gamma}")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [0, {self.vocab_size}] (0 = the full vocabulary), "
+                             f"got {self.draft_vocab_size}")
+        if self.draft_vocab_size and self.variant == "eagle3":
+            raise ValueError("a draft vocabulary is supported for dspark/dflash drafters, not eagle3")
+        if self.width < 0 or (self.width and self.variant == "eagle3"):
+            raise ValueError(f"width must be >= 0 (0 = the target's hidden size) and 0 for eagle3, got {self.width}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("drafter num_heads must be a multiple of num_kv_heads")
         if not self.taps:
@@ -250,6 +269,16 @@ class DrafterConfig:
     @property
     def markov(self) -> bool:
         return self.variant == "dspark" and self.markov_rank > 0
+
+    @property
+    def draft_size(self) -> int:
+        """Size of the vocabulary the drafter drafts over: ``draft_vocab_size`` or V."""
+        return self.draft_vocab_size or self.vocab_size
+
+    @property
+    def model_width(self) -> int:
+        """The backbone's residual width d: ``width``, or the target's hidden size when 0."""
+        return self.width or self.hidden_size
 
     @property
     def has_confidence(self) -> bool:

@@ -310,3 +310,34 @@ def batches(data: dict[str, np.ndarray], batch_size: int, seed: int,
         idx = perm[i * batch_size : (i + 1) * batch_size]
         yield {k: v[idx] for k, v in data.items()}
         step += 1
+
+
+def draft_vocabulary(data: dict[str, np.ndarray], size: int, vocab_size: int) -> np.ndarray:
+    """The ``size`` most frequent target-generated token ids of the training data (FR-Spec /
+    Eagle3 ``draft_vocab_size``; DESIGN.md "Drafter" 5).
+
+    Only generated positions count (``prompt_lengths <= i < lengths``): they are what the
+    drafter has to predict. Ties (and ids never generated, when fewer than ``size`` distinct
+    ids were) are ranked by how often the id occurs anywhere in the sequences, then by id.
+
+    Args:
+      data: :func:`load_shards` arrays (``tokens [n, L]``, ``lengths [n]``, ``prompt_lengths [n]``).
+      size: N, 1 <= N <= ``vocab_size``.
+      vocab_size: the target's V.
+    Returns:
+      ``[N]`` int32 token ids, ascending.
+    Raises:
+      DSparkInputError: ``size`` out of range or a token id outside ``[0, vocab_size)``.
+    """
+    if not 1 <= size <= vocab_size:
+        raise DSparkInputError(f"draft vocabulary size must be in [1, {vocab_size}], got {size}")
+    tokens = np.asarray(data["tokens"])
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise DSparkInputError(f"training tokens outside [0, {vocab_size}): cannot build a draft vocabulary")
+    col = np.arange(tokens.shape[1])[None, :]
+    gen = (col >= np.asarray(data["prompt_lengths"])[:, None]) & (col < np.asarray(data["lengths"])[:, None])
+    anywhere = col < np.asarray(data["lengths"])[:, None]
+    generated = np.bincount(tokens[gen], minlength=vocab_size)
+    seen = np.bincount(tokens[anywhere], minlength=vocab_size)
+    order = np.lexsort((np.arange(vocab_size), -seen, -generated))   # last key is the primary one
+    return np.sort(order[:size]).astype(np.int32)

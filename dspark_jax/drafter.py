@@ -50,7 +50,8 @@ class BlockOutput(NamedTuple):
 
     Attributes:
       hidden: ``[..., gamma, d]`` final-normed hidden state per predicted position.
-      logits: ``[..., gamma, V]`` float32 base logits ``U_k`` (no Markov bias).
+      logits: ``[..., gamma, N]`` float32 base logits ``U_k`` (no Markov bias) over the draft
+        vocabulary: N = V, or ``cfg.draft_vocab_size`` (map with :meth:`Drafter.to_target_probs`).
     """
 
     hidden: jax.Array
@@ -69,7 +70,7 @@ class Drafter(nnx.Module):
     def __init__(self, cfg: DrafterConfig, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg
         self.dtype = dtype
-        d, n = cfg.hidden_size, cfg.num_layers
+        d, n, big_h = cfg.model_width, cfg.num_layers, cfg.hidden_size
         qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         f_in = len(cfg.taps) * cfg.hidden_size
         init = nnx.initializers.lecun_normal()
@@ -92,12 +93,18 @@ class Drafter(nnx.Module):
             w_down=nnx.Param(jnp.zeros((n, cfg.intermediate_size, d), dtype)),
         )
         self.final_norm = nnx.Param(jnp.ones((d,), dtype))
+        # Width adapters around the target's frozen embedding (H) and LM head (H): only when d != H.
+        self.embed_in = w(big_h, d) if d != big_h else None
+        self.proj_out = w(d, big_h) if d != big_h else None
         w1 = w2 = gate_w = gate_b = rnn_wx = rnn_wh = rnn_b = None
         if cfg.markov:
             r = cfg.markov_rank
-            w1 = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, r), dtype) / jnp.sqrt(r))
+            # With a draft vocabulary, W1 has one row per draft token plus one shared row for
+            # every previous token outside it (an anchor can be any target token).
+            n_w1 = cfg.draft_size + (1 if cfg.draft_vocab_size else 0)
+            w1 = nnx.Param(jax.random.normal(rngs.params(), (n_w1, r), dtype) / jnp.sqrt(r))
             # W2 = 0: the Markov correction starts as exactly zero (pure DFlash).
-            w2 = nnx.Param(jnp.zeros((r, cfg.vocab_size), dtype))
+            w2 = nnx.Param(jnp.zeros((r, cfg.draft_size), dtype))
             if cfg.markov_head == "gated":
                 gate_w = nnx.Param(jnp.zeros((d, r), dtype))
                 # Gate starts mostly open (sigmoid(2) ~ 0.88): close to the vanilla head.
@@ -121,6 +128,77 @@ class Drafter(nnx.Module):
         # definition (not a parameter): set by `load_drafter` from the export's
         # `calibration` field, or with `set_calibration`.
         self.calibration: tuple[float, ...] | None = None
+        # Draft vocabulary (cfg.draft_vocab_size > 0): the N target ids the drafter drafts over,
+        # ascending. Static like `calibration` (set by `load_drafter` from the export, or by the
+        # trainer from its data with `set_draft_vocab`).
+        self.draft_vocab: tuple[int, ...] | None = None
+
+    # -- draft vocabulary ---------------------------------------------------------
+
+    def set_draft_vocab(self, ids) -> None:
+        """Installs the draft vocabulary (DESIGN.md "Drafter" 5).
+
+        Args:
+          ids: ``draft_vocab_size`` distinct target token ids (any order; stored ascending,
+            so ties between equal logits break towards the lower target id exactly as
+            :func:`~dspark_jax.sampling.process_logits` does on the full vocabulary).
+        Raises:
+          ValueError: the drafter has no draft vocabulary, wrong count, duplicates or ids
+            outside ``[0, V)``.
+        """
+        n, v = self.cfg.draft_vocab_size, self.cfg.vocab_size
+        if not n:
+            raise ValueError("this drafter drafts over the full vocabulary (draft_vocab_size=0)")
+        ids = tuple(sorted(int(i) for i in ids))
+        if len(ids) != n or len(set(ids)) != n:
+            raise ValueError(f"draft vocabulary needs {n} distinct token ids, got {len(ids)} "
+                             f"({len(set(ids))} distinct)")
+        if ids[0] < 0 or ids[-1] >= v:
+            raise ValueError(f"draft vocabulary ids must lie in [0, {v}), got {ids[0]}..{ids[-1]}")
+        self.draft_vocab = ids
+
+    def draft_vocab_ids(self) -> jax.Array | None:
+        """``[N]`` int32 target ids of the draft vocabulary (ascending), or None (full vocabulary).
+
+        Raises:
+          ValueError: ``draft_vocab_size > 0`` but no vocabulary was installed.
+        """
+        if not self.cfg.draft_vocab_size:
+            return None
+        if self.draft_vocab is None:
+            raise ValueError(f"drafter has draft_vocab_size={self.cfg.draft_vocab_size} but no draft "
+                             "vocabulary installed (load it with load_drafter or call set_draft_vocab)")
+        return jnp.asarray(self.draft_vocab, jnp.int32)
+
+    def draft_index(self, tokens: jax.Array) -> jax.Array:
+        """``[...]`` target ids -> ``[...]`` int32 draft-vocabulary indices (N for ids outside it;
+        the identity without a draft vocabulary)."""
+        ids = self.draft_vocab_ids()
+        if ids is None:
+            return tokens.astype(jnp.int32)
+        n = self.cfg.draft_vocab_size
+        table = jnp.full((self.cfg.vocab_size,), n, jnp.int32).at[ids].set(jnp.arange(n, dtype=jnp.int32))
+        return table[tokens]
+
+    def to_target_ids(self, draft_tokens: jax.Array) -> jax.Array:
+        """``[...]`` draft-vocabulary indices -> target token ids."""
+        ids = self.draft_vocab_ids()
+        return draft_tokens.astype(jnp.int32) if ids is None else ids[draft_tokens]
+
+    def to_target_probs(self, q: jax.Array) -> jax.Array:
+        """``[..., N]`` draft-space probabilities -> ``[..., V]`` with exact zeros off the draft
+        vocabulary (the q the verifier sees; the identity without a draft vocabulary)."""
+        ids = self.draft_vocab_ids()
+        if ids is None:
+            return q
+        return jnp.zeros(q.shape[:-1] + (self.cfg.vocab_size,), q.dtype).at[..., ids].set(q)
+
+    def to_target_logits(self, logits: jax.Array) -> jax.Array:
+        """``[..., N]`` draft-space logits -> ``[..., V]`` with ``-inf`` off the draft vocabulary."""
+        ids = self.draft_vocab_ids()
+        if ids is None:
+            return logits
+        return jnp.full(logits.shape[:-1] + (self.cfg.vocab_size,), -jnp.inf, logits.dtype).at[..., ids].set(logits)
 
     # -- context (KV injection) -------------------------------------------------
 
@@ -195,8 +273,13 @@ class Drafter(nnx.Module):
         return rms_norm(h, self.final_norm[...], cfg.rms_eps)
 
     def block_inputs(self, target: Target, anchors: jax.Array) -> jax.Array:
-        """``[...]`` anchor ids -> ``[..., num_slots, d]``: anchor embedding then mask embeddings."""
+        """``[...]`` anchor ids -> ``[..., num_slots, d]``: anchor embedding then mask embeddings.
+
+        The anchor's target embedding (width H) is projected to d when ``cfg.width`` differs.
+        """
         a = target.embed_tokens(anchors).astype(self.dtype)[..., None, :]
+        if self.embed_in is not None:
+            a = a @ self.embed_in[...]
         m = jnp.broadcast_to(self.mask_embed[...], anchors.shape + (self.cfg.num_slots - 1, a.shape[-1]))
         return jnp.concatenate([a, m], axis=-2)
 
@@ -206,8 +289,17 @@ class Drafter(nnx.Module):
         return h[..., :g, :] if self.cfg.variant == "dspark" else h[..., 1 : g + 1, :]
 
     def base_logits(self, target: Target, h: jax.Array) -> jax.Array:
-        """``[..., d]`` -> ``[..., V]`` float32 via the target's frozen LM head."""
+        """``[..., d]`` -> ``[..., N]`` float32 via the target's frozen LM head (N = V, or the draft
+        vocabulary's size: those columns of the head only).
+
+        A drafter narrower or wider than the target (``cfg.width``) projects ``d -> H`` first.
+        """
+        if self.proj_out is not None:
+            h = h @ self.proj_out[...]
         w = jax.lax.stop_gradient(target.lm_head_weight())
+        ids = self.draft_vocab_ids()
+        if ids is not None:
+            w = jnp.take(w, ids, axis=1)   # [H, N]: only the draft vocabulary's rows of the head
         return jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
 
     # -- heads ---------------------------------------------------------------------
@@ -221,7 +313,7 @@ class Drafter(nnx.Module):
         """
         if not self.cfg.markov:
             return None
-        return jnp.take(self.markov_w1[...], prev, axis=0)
+        return jnp.take(self.markov_w1[...], self.draft_index(prev), axis=0)
 
     def markov_init(self, batch_shape: tuple[int, ...]) -> jax.Array | None:
         """Sequential-head state before position 1: ``[*batch_shape, r]`` zeros (rnn) or None."""
@@ -248,7 +340,7 @@ class Drafter(nnx.Module):
           prev: ``[...]`` int32 previous token x_{k-1} (the anchor at k = 1).
           h: ``[..., d]`` backbone hidden state h_k (read by the gated head).
         Returns:
-          ``(state, e_k [..., r], bias [..., V] float32)``; ``(state, None, 0.0)``
+          ``(state, e_k [..., r], bias [..., N] float32)``; ``(state, None, 0.0)``
           for a drafter without a Markov head.
         """
         if not self.cfg.markov:
@@ -273,7 +365,7 @@ class Drafter(nnx.Module):
           hidden: ``[..., gamma, d]`` backbone hidden states.
           prev: ``[..., gamma]`` int32 true previous tokens (``prev[..., 0]`` = anchor).
         Returns:
-          ``(bias [..., gamma, V] float32, e [..., gamma, r])``, or ``(0.0, None)``
+          ``(bias [..., gamma, N] float32, e [..., gamma, r])``, or ``(0.0, None)``
           without a Markov head. Equals running :meth:`markov_step` left to right.
         """
         if not self.cfg.markov:
@@ -288,7 +380,7 @@ class Drafter(nnx.Module):
         return self.markov_bias(e), e
 
     def markov_bias(self, e: jax.Array | None) -> jax.Array | float:
-        """Markov embedding ``[..., r]`` -> ``[..., V]`` float32 logit correction ``e @ W2``."""
+        """Markov embedding ``[..., r]`` -> ``[..., N]`` float32 logit correction ``e @ W2`` (draft space)."""
         if e is None:
             return 0.0
         return jnp.dot(e, self.markov_w2[...], preferred_element_type=jnp.float32)
@@ -345,7 +437,7 @@ class Drafter(nnx.Module):
           anchor_pos: ``[B]`` int32 its position P; context = cache positions < P.
           cache: context K/V ``[N, B, S, kvh, hd]`` filled by :meth:`extend_cache`.
         Returns:
-          :class:`BlockOutput` with ``[B, gamma, d]`` and ``[B, gamma, V]``.
+          :class:`BlockOutput` with ``[B, gamma, d]`` and ``[B, gamma, N]``.
         """
         s = self.cfg.num_slots
         x = self.block_inputs(target, anchors)[:, None]                       # [B, 1, S, d]
@@ -387,7 +479,7 @@ class Drafter(nnx.Module):
           tokens: ``[B, L]`` int32 sequence.
           anchors: ``[B, A]`` int32 anchor positions (0 <= a < L).
         Returns:
-          :class:`BlockOutput` with ``[B, A, gamma, d]`` and ``[B, A, gamma, V]``.
+          :class:`BlockOutput` with ``[B, A, gamma, d]`` and ``[B, A, gamma, N]``.
         """
         b, l = tokens.shape
         s = self.cfg.num_slots

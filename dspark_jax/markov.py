@@ -27,7 +27,8 @@ class Draft(NamedTuple):
     Attributes:
       tokens: ``[B, gamma]`` int32 draft tokens x_1..x_gamma.
       probs: ``[B, gamma, V]`` float32, the exact distribution q_k each draft token
-        was sampled from (handed to the verifier unchanged).
+        was sampled from (handed to the verifier unchanged), in target ids: exact zeros
+        off a draft vocabulary.
       confidence: ``[B, gamma]`` float32 c_k in (0, 1], the predicted probability
         that position k is accepted given that verification reached it
         (calibrated: ``sigmoid(z_k / T_k)``).
@@ -48,7 +49,8 @@ def sample_block(drafter: Drafter, block: BlockOutput, anchors: jax.Array,
 
     Args:
       drafter: supplies the Markov and confidence heads.
-      block: backbone output, ``hidden [B, gamma, d]`` and ``logits [B, gamma, V]``.
+      block: backbone output, ``hidden [B, gamma, d]`` and ``logits [B, gamma, N]`` (N = V or
+        the draft vocabulary's size; tokens and ``probs`` come back in target ids).
       anchors: ``[B]`` int32 x_0.
       keys: ``[B, 2]`` uint32 per-row PRNG keys for this round; step k uses
         ``fold_in(key, k)`` so a row's draft depends only on its own key.
@@ -63,7 +65,9 @@ def sample_block(drafter: Drafter, block: BlockOutput, anchors: jax.Array,
         engine passes the keys the target samples the same positions with, which
         couples draft and target draws (same Gumbel noise).
     Returns:
-      :class:`Draft`.
+      :class:`Draft`. When every row is greedy (temperature 0), a batch-level ``lax.cond``
+      takes an argmax path with no softmax or random draw over the vocabulary (same tokens
+      and the same one-hot q as the sampled path would give).
     """
     hidden = jnp.swapaxes(block.hidden, 0, 1)   # [gamma, B, d]
     logits = jnp.swapaxes(block.logits, 0, 1)   # [gamma, B, V]
@@ -75,12 +79,26 @@ def sample_block(drafter: Drafter, block: BlockOutput, anchors: jax.Array,
         step_keys = jax.vmap(lambda k: jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, k), out_axes=1)(steps)
     step_keys = jnp.swapaxes(step_keys, 0, 1)   # [gamma, B, 2]
 
+    vocab = drafter.cfg.vocab_size
+    all_greedy = jnp.all(jnp.asarray(sampling.temperature) <= 0.0)
+
+    def greedy(logits, kk):
+        # Exactly what process_logits + sample give a greedy row (one-hot at the first argmax),
+        # without the softmax and the random draw over the vocabulary.
+        x = drafter.to_target_ids(jnp.argmax(logits, axis=-1))
+        return x, jax.nn.one_hot(x, vocab, dtype=jnp.float32)
+
+    def sampled(logits, kk):
+        # Sampled in target space (zeros off the draft vocabulary) so the draw consumes the
+        # same per-token noise as the target's with the same key (the engine's coupled draws).
+        q = drafter.to_target_probs(process_logits(logits, sampling))
+        return jax.vmap(sample)(kk, q).astype(jnp.int32), q
+
     def step(carry, xs):
         prev, state = carry
         h, u, kk, t = xs
         state, e, bias = drafter.markov_step(state, prev, h)
-        q = process_logits(u + bias, sampling)
-        x = jax.vmap(sample)(kk, q).astype(jnp.int32)
+        x, q = jax.lax.cond(all_greedy, greedy, sampled, u + bias, kk)
         z = drafter.confidence_logit(h, e)
         c = jax.nn.sigmoid(z / t)
         return (x, state), (x, q, c, z)

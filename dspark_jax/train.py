@@ -367,6 +367,8 @@ def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, targ
         cache_seconds = time.perf_counter() - t0
     # float32 master weights whatever cfg.dtype: the Trainer computes in cfg.dtype.
     drafter = build_drafter(dcfg, nnx.Rngs(cfg.seed))
+    if dcfg.draft_vocab_size:   # from the data, so a resumed run rebuilds the same vocabulary
+        drafter.set_draft_vocab(data_mod.draft_vocabulary(data, dcfg.draft_vocab_size, target.cfg.vocab_size))
     trainer = Trainer(cfg, target, drafter)
     mgr = trainer.checkpoint_manager(workdir / "checkpoints")
     start = trainer.restore_latest(mgr)

@@ -80,7 +80,13 @@ class TrainConfig:
       gamma: block size [tokens]; num_layers: drafter backbone layers;
       markov_rank: Markov head rank r; markov_head: ``vanilla`` / ``gated`` / ``rnn``
         (:class:`~dspark_jax.config.DrafterConfig`); taps: tapped target layers (empty = default);
-      drafter_intermediate_size: FFN width (0 = the target's).
+      drafter_intermediate_size: FFN width (0 = the target's, scaled by drafter_width / H).
+      draft_vocab_size: N > 0 drafts over the N most frequent target-generated tokens of
+        the training data (:func:`dspark_jax.data.draft_vocabulary`; stored in the export);
+        0 = the full vocabulary.
+      drafter_width: the drafter's residual width d (0 = the target's hidden size H; a
+        tiny target trains a better drafter wider than itself). Heads keep the target's
+        count with ``head_dim = d / num_heads``; dspark/dflash only.
       prompts: ``tinystories`` or ``chat``; prompts_file: extra JSONL prompts;
       num_prompts: training prompts used; num_eval_prompts: held-out prompts;
       gen_max_new_tokens [tokens], gen_temperature, gen_top_p, gen_batch_size:
@@ -120,6 +126,7 @@ class TrainConfig:
     markov_rank: int = 64
     taps: tuple[int, ...] = ()
     drafter_intermediate_size: int = 0
+    drafter_width: int = 0
     prompts: str = "tinystories"
     prompts_file: str = ""
     num_prompts: int = 2048
@@ -152,6 +159,7 @@ class TrainConfig:
     eval_max_new_tokens: int = 128
     eval_temperature: float = 0.0
     markov_head: str = "vanilla"
+    draft_vocab_size: int = 0
     data_dir: str = ""
     feature_cache: str = ""
     feature_cache_dtype: str = "float32"
@@ -187,13 +195,20 @@ def drafter_config(cfg: TrainConfig, target: Target) -> DrafterConfig:
     eagle = cfg.variant == "eagle3"
     over: dict[str, Any] = dict(variant=cfg.variant, gamma=cfg.gamma, num_layers=1 if eagle else cfg.num_layers,
                                 markov_rank=cfg.markov_rank if cfg.variant == "dspark" else 0,
-                                markov_head=cfg.markov_head, target_fingerprint=target.fingerprint)
+                                markov_head=cfg.markov_head, target_fingerprint=target.fingerprint,
+                                draft_vocab_size=cfg.draft_vocab_size)
     if cfg.taps:
         over["taps"] = tuple(cfg.taps)
     elif eagle:
         from .eagle import eagle_taps
 
         over["taps"] = eagle_taps(t)
+    if cfg.drafter_width and cfg.drafter_width != t.hidden_size and not eagle:
+        if cfg.drafter_width % t.num_heads:
+            raise DSparkInputError(f"drafter_width={cfg.drafter_width} is not a multiple of the target's "
+                                   f"{t.num_heads} heads")
+        over.update(width=cfg.drafter_width, head_dim=cfg.drafter_width // t.num_heads,
+                    intermediate_size=int(round(t.intermediate_size * cfg.drafter_width / t.hidden_size)))
     if cfg.drafter_intermediate_size:
         over["intermediate_size"] = cfg.drafter_intermediate_size
     return DrafterConfig.for_target(t, **over)
@@ -283,9 +298,20 @@ def loss_sums(drafter: Drafter, target: Target, tokens: jax.Array, lengths: jax.
             base_logits = drafter.base_logits(target, hidden)
         p_t = jax.nn.softmax(t_sel, axis=-1)
         bias, e = drafter.teacher_forced_heads(hidden, prev)
-        logq = jax.nn.log_softmax(base_logits + bias, axis=-1)
-        ce = -jnp.take_along_axis(logq, labels[..., None], axis=-1)[..., 0]
-        tv = 0.5 * jnp.sum(jnp.abs(jnp.exp(logq) - p_t), axis=-1)
+        logq = jax.nn.log_softmax(base_logits + bias, axis=-1)   # [..., N] draft space
+        ids = drafter.draft_vocab_ids()
+        if ids is None:
+            ce = -jnp.take_along_axis(logq, labels[..., None], axis=-1)[..., 0]
+            tv = 0.5 * jnp.sum(jnp.abs(jnp.exp(logq) - p_t), axis=-1)
+        else:
+            # q is zero off the draft vocabulary, so the target's mass there counts in full
+            # towards TV; a label off the vocabulary cannot be predicted and has no CE term.
+            li = drafter.draft_index(labels)
+            inside = li < dc.draft_vocab_size
+            ce = jnp.where(inside, -jnp.take_along_axis(logq, jnp.minimum(li, dc.draft_vocab_size - 1)[..., None],
+                                                         axis=-1)[..., 0], 0.0)
+            p_in = jnp.take(p_t, ids, axis=-1)
+            tv = 0.5 * (jnp.sum(jnp.abs(jnp.exp(logq) - p_in), axis=-1) + jnp.maximum(1.0 - jnp.sum(p_in, -1), 0.0))
         if dc.has_confidence:
             z = drafter.confidence_logit(hidden, e)
             soft = jax.lax.stop_gradient(1.0 - tv)

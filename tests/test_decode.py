@@ -29,6 +29,7 @@ import pytest
 from flax import nnx
 
 from dspark_jax.config import DrafterConfig, TargetConfig
+from dspark_jax.data import draft_vocabulary
 from dspark_jax.decode import check_compatible, generate_autoregressive, generate_speculative
 from dspark_jax.drafter import Drafter
 from dspark_jax.errors import DSparkInputError
@@ -43,16 +44,20 @@ GOLDEN = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 31
 # Drafters (swappable: every helper takes any Drafter built for the target)
 # ======================================================================================
 def random_drafter(target: Target, *, gamma=4, seed=0, variant="dspark", markov_rank=None,
-                   num_layers=1, intermediate_size=64, scale=0.5) -> Drafter:
+                   num_layers=1, intermediate_size=64, scale=0.5, draft_vocab=None, width=0) -> Drafter:
     """A randomly initialised drafter whose zero-initialised parts (residual output
     projections, Markov W2, confidence weights) are randomised too, so that the
-    backbone, the Markov correction and the confidence head all act."""
+    backbone, the Markov correction and the confidence head all act. ``draft_vocab``:
+    target ids of a reduced draft vocabulary; ``width``: a backbone width other than H."""
     t = target.cfg
     cfg = DrafterConfig.for_target(
         t, gamma=gamma, variant=variant, num_layers=num_layers, intermediate_size=intermediate_size,
         markov_rank=t.vocab_size if markov_rank is None else markov_rank,
-        target_fingerprint=getattr(target, "fingerprint", ""))
+        target_fingerprint=getattr(target, "fingerprint", ""),
+        draft_vocab_size=len(draft_vocab) if draft_vocab is not None else 0, width=width)
     d = Drafter(cfg, nnx.Rngs(seed))
+    if draft_vocab is not None:
+        d.set_draft_vocab(draft_vocab)
     rng = np.random.default_rng(seed + 1000)
 
     def rnd(var, s):
@@ -334,6 +339,29 @@ def test_gamma_smaller_than_block(gamma, peaked, drafters, ar_peaked):
     assert_same_outputs(ar_peaked, sp)
     check_stats(sp, gamma)
     assert max(g.tau for g in sp.generations if g.num_target_passes) <= gamma + 1
+    assert sum(g.num_accepted for g in sp.generations) > 0
+
+
+@pytest.mark.exactness
+def test_draft_vocabulary_and_width_greedy(peaked, ar_peaked):
+    """A drafter that drafts over 6 of the 16 ids and is wider than the target decodes
+    exactly like the target at T=0 (the output law at T>0: tests/test_drafter_law.py)."""
+    # The draft vocabulary of the AR outputs (as the trainer builds it from its data), and a
+    # bigram Markov head restricted to it, so that drafts are often accepted.
+    toks = [[0] + g.token_ids for g in ar_peaked.generations]
+    width = max(map(len, toks))
+    data = {"tokens": np.array([t + [0] * (width - len(t)) for t in toks]), "lengths": np.array(list(map(len, toks))),
+            "prompt_lengths": np.ones(len(toks), np.int64)}
+    ids = draft_vocabulary(data, 6, V)
+    d = random_drafter(peaked, seed=9, draft_vocab=ids, width=48, markov_rank=7)
+    assert d.markov_w2.shape == (7, 6) and d.markov_w1.shape == (7, 7) and d.proj_out.shape == (48, 32)
+    big = bigram_table(peaked)
+    d.markov_w1[...] = jnp.eye(7, dtype=jnp.float32)
+    d.markov_w2[...] = jnp.asarray(np.concatenate([big[ids][:, ids], big[:, ids].mean(0, keepdims=True)]))
+    d.final_norm[...] = d.final_norm[...] * 0.1
+    sp = spec_std(peaked, d, temperature=0)
+    assert_same_outputs(ar_peaked, sp)
+    check_stats(sp, 4)
     assert sum(g.num_accepted for g in sp.generations) > 0
 
 

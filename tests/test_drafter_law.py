@@ -83,9 +83,35 @@ def _target_probs(target, setting):
     return p, first[:, None] * second, second
 
 
+@pytest.fixture(scope="module")
+def models_draft_vocab(models):
+    """The same target with a drafter that drafts over 4 of the 6 ids (x = 1 and 4 never)."""
+    target, _ = models
+    tcfg = target.cfg
+    dcfg = DrafterConfig.for_target(tcfg, gamma=G, num_layers=1, markov_rank=4, taps=(0, 1), draft_vocab_size=4)
+    drafter = Drafter(dcfg, nnx.Rngs(2))
+    drafter.set_draft_vocab(DRAFT_IDS)
+    rng = np.random.default_rng(1)
+    drafter.final_norm[...] = jnp.full(drafter.final_norm.shape, 0.05, jnp.float32)
+    drafter.markov_w2[...] = jnp.asarray(rng.normal(size=drafter.markov_w2.shape) * 1.5, jnp.float32)
+    return target, drafter
+
+
+DRAFT_IDS = (0, 2, 3, 5)
+
+
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: f"T{s['temperature']}-k{s['top_k']}-p{s['top_p']}")
 def test_two_token_law_through_real_drafter(models, setting):
-    target, drafter = models
+    _check_two_token_law(*models, setting)
+
+
+@pytest.mark.parametrize("setting", [SETTINGS[1], SETTINGS[3]], ids=["T1", "T1-k3"])
+def test_two_token_law_with_draft_vocabulary(models_draft_vocab, setting):
+    """Lossless with a reduced draft vocabulary: q is zero off it and verification corrects."""
+    _check_two_token_law(*models_draft_vocab, setting, draft_ids=DRAFT_IDS)
+
+
+def _check_two_token_law(target, drafter, setting, draft_ids=None):
     block = _block(target, drafter)
     p_all, law, cond2 = _target_probs(target, setting)
 
@@ -116,7 +142,13 @@ def test_two_token_law_through_real_drafter(models, setting):
     assert tv1 < 0.01 and tv2 < 0.01, (tv1, tv2)
     # The test is only meaningful if accepts, corrections and second-position outcomes all occur.
     acc = np.asarray(res.num_accepted)
-    assert 0.05 < (acc >= 1).mean() < 0.98 and (acc >= 2).mean() > 0.02, np.bincount(acc)
+    # (with a draft vocabulary, second-position accepts are rarer: 0.2% at top-k 3)
+    assert 0.05 < (acc >= 1).mean() < 0.98 and (acc >= 2).mean() > (0.02 if draft_ids is None else 0.001), \
+        np.bincount(acc)
+    if draft_ids is not None:   # never drafted off the draft vocabulary, q exactly 0 there
+        off = np.setdiff1d(np.arange(V), draft_ids)
+        assert not np.isin(np.asarray(draft.tokens), off).any()
+        assert np.all(np.asarray(draft.probs)[..., off] == 0.0)
 
 
 def test_recorded_q_is_the_sampling_law(models):
