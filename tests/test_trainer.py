@@ -104,6 +104,42 @@ def test_export_round_trip(tmp_path):
                  nnx.to_pure_dict(nnx.state(d2, nnx.Param)))
 
 
+def test_draft_vocabulary_tv_and_export(tmp_path):
+    """The trainer's draft-space TV (target mass off the draft vocabulary counted in full) equals
+    1 - acceptance computed in target space with q exactly 0 off it; the ids and the width
+    survive the export; a drafter without its ids is refused."""
+    from dspark_jax.calibration import block_terms
+    from dspark_jax.data import draft_vocabulary
+    from dspark_jax.errors import DSparkInputError
+    from dspark_jax.trainer import loss_sums
+
+    target = _target()
+    cfg = dataclasses.replace(CFG, draft_vocab_size=16, drafter_width=48)
+    dcfg = drafter_config(cfg, target)
+    assert dcfg.draft_vocab_size == 16 and dcfg.model_width == 48 and dcfg.head_dim == 12
+    d = Drafter(dcfg, nnx.Rngs(0))
+    data = _data()
+    ids = draft_vocabulary(data, 16, TCFG.vocab_size)
+    d.set_draft_vocab(ids)
+    rng = np.random.default_rng(0)
+    d.markov_w2[...] = jnp.asarray(rng.normal(size=d.markov_w2.shape), jnp.float32)
+    toks, lens = jnp.asarray(data["tokens"][:4]), jnp.asarray(data["lengths"][:4])
+    anchors = jnp.asarray(rng.integers(3, 15, (4, 3)), jnp.int32)
+    sums = loss_sums(d, target, toks, lens, anchors, cfg)
+    bt = block_terms(d, target, toks, lens, anchors, temperature=1.0)
+    np.testing.assert_allclose(np.asarray(sums["acc_num"]),
+                               np.sum(np.asarray(bt.accept) * np.asarray(bt.valid), axis=(0, 1)), rtol=1e-5, atol=1e-6)
+    path = export_drafter(d, tmp_path / "export")
+    d2, _ = load_drafter(path)
+    assert d2.draft_vocab == tuple(int(i) for i in ids) and d2.cfg == dcfg
+    meta = (path / "drafter.json").read_text().replace('"draft_vocab": [', '"draft_vocab": [99999, ')
+    (path / "drafter.json").write_text(meta)
+    with pytest.raises(DSparkInputError, match="draft vocabulary"):
+        load_drafter(path)
+    with pytest.raises(ValueError, match="no draft vocabulary installed"):
+        Drafter(dcfg, nnx.Rngs(0)).draft_vocab_ids()
+
+
 def test_corrupt_export_is_refused(tmp_path):
     from dspark_jax.errors import DSparkInputError
 
