@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from . import auto_verify
 from .drafter import Drafter
 from .errors import DSparkInputError
 from .layers import KVCache
@@ -93,6 +94,7 @@ class _Loop(NamedTuple):
     stats: DecodeStats
     step: jax.Array
     rounds: RoundLog | None = None
+    auto: Any = None      # _Auto with num_speculative_tokens="auto", else None
 
 
 def _row_keys(base: jax.Array, pos: jax.Array) -> jax.Array:
@@ -201,10 +203,38 @@ def _ar_decode(t_state, prompt, prompt_len, limit, sampling, base_keys, stop_ids
     return jax.lax.while_loop(cond, body, init)
 
 
-@partial(jax.jit, static_argnames=("t_graph", "d_graph", "cache_len", "max_steps", "record_rounds"))
+class _Auto(NamedTuple):
+    """Loop state of ``num_speculative_tokens="auto"`` (:mod:`dspark_jax.auto_verify`)."""
+
+    draft_on: jax.Array   # [] bool: this round drafts
+    idle: jax.Array       # [] int32 rounds since the last drafting round
+    width: jax.Array      # [] int32 index of the width verified last round (for statistics)
+
+
+def _verify_pass(target, drafter, w: int, gamma: int, s: _Loop, anchor, p, drafts, dprobs, verify_keys,
+                 ell, sampling, *, taps):
+    """Verification pass of ``w + 1`` tokens (anchor + ``w`` drafts) for every row, with the
+    drafter's context written; outputs padded to ``gamma + 1`` so every width has one shape."""
+    running = s.finish == FINISH_RUNNING
+    offs = jnp.arange(w + 1, dtype=jnp.int32)
+    vtok = jnp.concatenate([anchor[:, None], drafts[:, :w]], axis=1)
+    vpos = p[:, None] + offs
+    out = target(vtok, vpos, s.tcache, taps=taps)
+    # Only positions that verification can read must be finite (anchor .. ell).
+    finite = logits_are_finite(jnp.where((offs[None, :] <= ell[:, None])[..., None], out.logits, 0.0))
+    res = verify(verify_keys, drafts[:, :w], dprobs[:, :w], process_logits(out.logits, sampling),
+                 jnp.minimum(ell, w))
+    dcache = drafter.extend_cache(s.dcache, out.features, jnp.where(running[:, None], vpos, -1),
+                                  target=target, tokens=vtok)
+    toks = jnp.pad(res.tokens, ((0, 0), (0, gamma - w)), constant_values=-1)
+    return out.cache, dcache, toks, res.num_emitted, res.num_accepted, finite
+
+
+@partial(jax.jit, static_argnames=("t_graph", "d_graph", "cache_len", "max_steps", "record_rounds", "widths",
+                                   "probe_every"))
 def _spec_decode(t_state, d_state, prompt, prompt_len, limit, sampling,
-                 base_keys, stop_ids, max_verify, *, t_graph, d_graph, cache_len: int, max_steps: int,
-                 record_rounds: bool = False):
+                 base_keys, stop_ids, max_verify, costs=None, *, t_graph, d_graph, cache_len: int, max_steps: int,
+                 record_rounds: bool = False, widths: tuple[int, ...] | None = None, probe_every: int = 8):
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state)
     gamma = drafter.cfg.gamma
@@ -216,7 +246,11 @@ def _spec_decode(t_state, d_state, prompt, prompt_len, limit, sampling,
     if record_rounds:
         rounds = RoundLog(jnp.zeros((b, max_steps, gamma), jnp.float32),
                           jnp.zeros((b, max_steps), jnp.int32), jnp.zeros((b, max_steps), jnp.int32))
-    init = _Loop(seq, length, finish, tcache, dcache, _zero_stats(b, gamma), jnp.zeros((), jnp.int32), rounds)
+    auto = None
+    if widths is not None:
+        auto = _Auto(jnp.ones((), bool), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+        t_verify, t_draft = costs[0], costs[1]
+    init = _Loop(seq, length, finish, tcache, dcache, _zero_stats(b, gamma), jnp.zeros((), jnp.int32), rounds, auto)
     offs = jnp.arange(gamma + 1, dtype=jnp.int32)
 
     def cond(s: _Loop):
@@ -228,29 +262,47 @@ def _spec_decode(t_state, d_state, prompt, prompt_len, limit, sampling,
         anchor = jnp.take_along_axis(s.seq, p[:, None], 1)[:, 0]
         keys = _row_keys(base_keys, p)
         draft_keys, verify_keys = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
-        draft = draft_tokens(target, drafter, anchor, p, s.dcache, draft_keys, sampling)
-        # Verification length: fixed by limits only, never by draft values (non-anticipation).
         room = jnp.minimum(limit, cache_len) - s.length - 1
-        ell = jnp.where(running, jnp.clip(jnp.minimum(max_verify, room), 0, gamma), 0)
-        vtok = jnp.concatenate([anchor[:, None], draft.tokens], axis=1)
-        vpos = p[:, None] + offs
-        out = target(vtok, vpos, s.tcache, taps=taps)
-        # Only positions that verification can read must be finite (anchor .. ell).
-        finite = logits_are_finite(jnp.where((offs[None, :] <= ell[:, None])[..., None], out.logits, 0.0))
-        tprobs = process_logits(out.logits, sampling)
-        res = verify(verify_keys, draft.tokens, draft.probs, tprobs, ell)
-        seq, length, finish, n_keep = _emit(s, res.tokens, res.num_emitted, limit, stop_ids, cache_len)
+        new_auto = None
+        if widths is None:
+            d = draft_tokens(target, drafter, anchor, p, s.dcache, draft_keys, sampling)
+            drafts, dprobs, conf, zlog = d.tokens, d.probs, d.confidence, d.confidence_logit
+            # Verification length: fixed by limits only, never by draft values (non-anticipation).
+            ell = jnp.where(running, jnp.clip(jnp.minimum(max_verify, room), 0, gamma), 0)
+            tcache, dcache, toks, n_emit, n_acc, finite = _verify_pass(
+                target, drafter, gamma, gamma, s, anchor, p, drafts, dprobs, verify_keys, ell, sampling, taps=taps)
+        else:
+            v = drafter.cfg.vocab_size
+
+            def drafted(_):
+                d = draft_tokens(target, drafter, anchor, p, s.dcache, draft_keys, sampling)
+                return d.tokens, d.probs, d.confidence, d.confidence_logit
+
+            def skipped(_):
+                z = jnp.zeros((b, gamma), jnp.float32)
+                return jnp.zeros((b, gamma), jnp.int32), jnp.zeros((b, gamma, v), jnp.float32), z, z
+
+            drafts, dprobs, conf, zlog = jax.lax.cond(s.auto.draft_on, drafted, skipped, None)
+            # Width from confidences only, chunk by chunk (auto_verify: non-anticipating).
+            wi = jnp.where(s.auto.draft_on, auto_verify.choose_width(conf, running, widths, t_verify), 0)
+            ell = jnp.where(running, jnp.clip(jnp.minimum(jnp.asarray(widths, jnp.int32)[wi], room), 0, gamma), 0)
+            branches = [partial(_verify_pass, target, drafter, w, gamma, taps=taps) for w in widths]
+            tcache, dcache, toks, n_emit, n_acc, finite = jax.lax.switch(
+                wi, branches, s, anchor, p, drafts, dprobs, verify_keys, ell, sampling)
+            pays = auto_verify.should_draft(conf, running, widths, t_verify, t_draft)
+            idle = jnp.where(s.auto.draft_on, 0, s.auto.idle + 1)
+            draft_next = jnp.where(s.auto.draft_on, pays, idle >= probe_every)
+            new_auto = _Auto(draft_next, idle, wi)
+        seq, length, finish, n_keep = _emit(s, toks, n_emit, limit, stop_ids, cache_len)
         finish = jnp.where(running & ~finite, FINISH_ERROR, finish)
-        dcache = drafter.extend_cache(s.dcache, out.features, jnp.where(running[:, None], vpos, -1),
-                                      target=target, tokens=vtok)
         k = offs[:gamma][None, :]
         emitted_pos = k < n_keep[:, None]
-        reached = (k < ell[:, None]) & (k <= res.num_accepted[:, None]) & emitted_pos
-        pos_acc = reached & (k < res.num_accepted[:, None])
+        reached = (k < ell[:, None]) & (k <= n_acc[:, None]) & emitted_pos
+        pos_acc = reached & (k < n_acc[:, None])
         # A stop inside the accepted drafts discards the rest of the block: drafts after it
         # are not counted as verified (else a perfect drafter would show acceptance < 1).
-        n_verified = jnp.where(n_keep < res.num_emitted, jnp.minimum(ell, n_keep), ell)
-        n_accepted = jnp.minimum(res.num_accepted, n_keep)
+        n_verified = jnp.where(n_keep < n_emit, jnp.minimum(ell, n_keep), ell)
+        n_accepted = jnp.minimum(n_acc, n_keep)
         st = s.stats
         stats = DecodeStats(
             passes=st.passes + running, emitted=st.emitted + n_keep,
@@ -258,10 +310,10 @@ def _spec_decode(t_state, d_state, prompt, prompt_len, limit, sampling,
             reached=st.reached + reached, pos_accepted=st.pos_accepted + pos_acc)
         rounds = s.rounds
         if rounds is not None:
-            rounds = RoundLog(rounds.conf_logit.at[:, s.step].set(draft.confidence_logit),
+            rounds = RoundLog(rounds.conf_logit.at[:, s.step].set(zlog),
                               rounds.accepted.at[:, s.step].set(n_accepted),
                               rounds.verified.at[:, s.step].set(n_verified))
-        return _Loop(seq, length, finish, out.cache, dcache, stats, s.step + 1, rounds)
+        return _Loop(seq, length, finish, tcache, dcache, stats, s.step + 1, rounds, new_auto)
 
     return jax.lax.while_loop(cond, body, init)
 
@@ -461,11 +513,53 @@ def generate_autoregressive(target: Target, prompts: Sequence[Sequence[int]], *,
     return BatchResult(gens, secs, csecs)
 
 
+_COST_TABLES: dict[Any, Any] = {}
+
+
+def _cost_table(target: Target, drafter: Drafter, cache_len: int):
+    """Measured once per model shapes and cache length (costs do not depend on weight values)."""
+    from .cost_table import measure_costs
+
+    key = (target.cfg, jnp.dtype(target.dtype).name, drafter.cfg, jnp.dtype(drafter.dtype).name, cache_len)
+    if key not in _COST_TABLES:
+        if len(_COST_TABLES) >= 8:   # bounded: a long-lived process sees few distinct shapes
+            _COST_TABLES.pop(next(iter(_COST_TABLES)))
+        _COST_TABLES[key] = measure_costs(target, drafter, cache_len=cache_len, repeats=5)
+    return _COST_TABLES[key]
+
+
+def resolve_num_speculative_tokens(num_speculative_tokens, gamma, block_size: int, default="auto"):
+    """``num_speculative_tokens`` (int or ``"auto"``), with the deprecated ``gamma`` alias.
+
+    Returns:
+      ``"auto"`` or an int in ``[1, block_size]``.
+    Raises:
+      DSparkInputError: both given, or a value outside ``[1, block_size]`` / not ``"auto"``.
+    """
+    if gamma is not None:
+        if num_speculative_tokens is not None:
+            raise DSparkInputError("give num_speculative_tokens or its deprecated alias gamma, not both")
+        num_speculative_tokens = gamma
+    n = default if num_speculative_tokens is None else num_speculative_tokens
+    if isinstance(n, str):
+        if n.strip().lower() == "auto":
+            return "auto"
+        try:
+            n = int(n)
+        except ValueError:
+            raise DSparkInputError(f"num_speculative_tokens must be an integer or 'auto', got {n!r}") from None
+    if isinstance(n, bool) or not 1 <= int(n) <= block_size:
+        raise DSparkInputError(f"num_speculative_tokens must be in [1, {block_size}] for this drafter "
+                               f"(its block size) or 'auto', got {n}")
+    return int(n)
+
+
 def generate_speculative(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
                          max_new_tokens: int | Sequence[int] = 64, temperature=0.0, top_k=0,
                          top_p=1.0, seed: int | Sequence[int] = 0,
-                         stop_ids: Sequence[int] | None = None, gamma: int | None = None,
-                         cache_len: int | None = None, record_rounds: bool = False) -> BatchResult:
+                         stop_ids: Sequence[int] | None = None, num_speculative_tokens: int | str | None = None,
+                         gamma: int | None = None, cache_len: int | None = None, record_rounds: bool = False,
+                         cost_table=None) -> BatchResult:
     """Lossless speculative decoding with a DSpark/DFlash drafter.
 
     Output is distributed exactly as :func:`generate_autoregressive` with the same
@@ -475,24 +569,29 @@ def generate_speculative(target: Target, drafter: Drafter, prompts: Sequence[Seq
       target / prompts / max_new_tokens / temperature / top_k / top_p / seed /
         stop_ids / cache_len: as in :func:`generate_autoregressive`.
       drafter: a drafter built for this target (see :func:`check_compatible`).
-      gamma: verification length per round, ``1..drafter.cfg.gamma`` (default:
-        the drafter's block size). Drafting always produces the full block.
+      num_speculative_tokens: draft tokens verified per round, ``1..drafter.cfg.gamma`` (the
+        drafter's block size; drafting always produces the full block), or ``"auto"``
+        (:mod:`dspark_jax.auto_verify`: per round the width among a few compiled ones that
+        maximises expected tokens/s from the calibrated confidences and the measured cost
+        table, 0 when drafting does not pay). Default: the block size. ``"auto"`` chooses one
+        width for the whole batch and is meant for one request at a time.
+      gamma: deprecated alias of ``num_speculative_tokens``.
       record_rounds: also record every round's raw confidence logits and
         accepted/verified counts (:attr:`Generation.rounds`), e.g. for
         calibration reliability; costs ``[B, max_new_tokens, gamma]`` floats.
+      cost_table: :class:`~dspark_jax.cost_table.CostTable` for ``"auto"`` (default: measured
+        on first use for these model shapes and cache length, a few seconds, then reused).
 
     Returns:
       :class:`BatchResult` with tau, acceptance and per-position acceptance.
 
     Raises:
-      DSparkInputError: bad prompts, bad gamma, or a drafter for another target.
+      DSparkInputError: bad prompts, bad num_speculative_tokens, or a drafter for another target.
       FloatingPointError: the target produced NaN/inf logits.
     """
     check_compatible(target, drafter)
     g_max = drafter.cfg.gamma
-    gamma = g_max if gamma is None else int(gamma)
-    if not 1 <= gamma <= g_max:
-        raise DSparkInputError(f"gamma must be in [1, {g_max}] for this drafter, got {gamma}")
+    n_spec = resolve_num_speculative_tokens(num_speculative_tokens, gamma, g_max, default=g_max)
     prompt, lens, limit, cache_len = _prepare(target, prompts, max_new_tokens, g_max, cache_len)
     b = prompt.shape[0]
     stop = jnp.asarray(list(stop_ids if stop_ids is not None else target.cfg.eos_ids) or [-2], jnp.int32)
@@ -500,10 +599,19 @@ def generate_speculative(target: Target, drafter: Drafter, prompts: Sequence[Seq
     t_graph, t_state = nnx.split(target)
     d_graph, d_state = nnx.split(drafter)
     max_steps = int(np.max(limit - lens))
+    widths, costs = None, None
+    if n_spec == "auto":
+        if drafter.cfg.variant == "eagle3":
+            raise DSparkInputError("num_speculative_tokens='auto' needs a block drafter (dspark/dflash), not eagle3")
+        widths = auto_verify.default_widths(g_max)
+        table = cost_table if cost_table is not None else _cost_table(target, drafter, cache_len)
+        greedy = bool(np.all(np.asarray(sampling.temperature) <= 0))
+        costs = (jnp.asarray(table.verify_array(widths)),
+                 jnp.float32(table.t_draft_greedy if greedy else table.t_draft_sampled))
     args = (t_state, d_state, jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(limit), sampling,
-            _keys(seed, b), stop, jnp.int32(gamma))
+            _keys(seed, b), stop, jnp.int32(g_max if n_spec == "auto" else n_spec), costs)
     statics = dict(t_graph=t_graph, d_graph=d_graph, cache_len=cache_len, max_steps=max_steps,
-                   record_rounds=bool(record_rounds))
+                   record_rounds=bool(record_rounds), widths=widths)
     key = ("spec", prompt.shape, stop.shape, *statics.values())
     state, secs, csecs = _run(_spec_decode, args, statics, key)
     gens = _results(state, lens, g_max, speculative=True)

@@ -332,6 +332,29 @@ def test_tiny_speculative_equals_autoregressive(name, target_name, drafters, req
         assert g.num_target_passes == -(-(len(g.token_ids) - 1) // 5)
 
 
+def cost_table(t_verify, t_draft=0.5):
+    """A hand-made cost table for the tiny drafters' widths (0, 1, 2, 4) [seconds]."""
+    from dspark_jax.cost_table import CostTable
+
+    return CostTable(widths=(0, 1, 2, 4), t_verify=tuple(t_verify), t_draft_greedy=t_draft, t_draft_sampled=t_draft,
+                     t_step=t_verify[0], t_context=0.0, cache_len=64)
+
+
+# Verification nearly free: long widths win; costly: the width follows the confidences.
+CHEAP, COSTLY = cost_table((1.0, 1.02, 1.04, 1.08), 0.1), cost_table((1.0, 1.5, 2.0, 3.0), 0.3)
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("table", [CHEAP, COSTLY], ids=["cheap", "costly"])
+def test_auto_num_speculative_tokens_greedy(table, peaked, drafters, ar_peaked):
+    """num_speculative_tokens="auto": greedy output equals AR whatever widths it picks."""
+    sp = spec_std(peaked, drafters["bigram"], temperature=0, num_speculative_tokens="auto", cost_table=table)
+    assert_same_outputs(ar_peaked, sp)
+    passes = sum(g.num_target_passes for g in sp.generations)
+    verified = sum(g.num_verified for g in sp.generations)
+    assert 0 < verified < 4 * passes if table is COSTLY else verified > 2 * passes, (verified, passes)
+
+
 @pytest.mark.exactness
 @pytest.mark.parametrize("gamma", [1, 2])
 def test_gamma_smaller_than_block(gamma, peaked, drafters, ar_peaked):
@@ -608,6 +631,8 @@ def law_runs(peaked, drafters):
     prompts = [DIST_PROMPT] * b
     ar = generate_autoregressive(peaked, prompts, **kw)
     sp = {name: generate_speculative(peaked, drafters[name], prompts, **kw) for name in ("bigram", "random")}
+    sp["bigram-auto"] = generate_speculative(peaked, drafters["bigram"], prompts, num_speculative_tokens="auto",
+                                             cost_table=COSTLY, **kw)
     return ar, sp
 
 
