@@ -1,0 +1,165 @@
+"""Cost table of batch-1 decoding on this machine, with plain-decoding references.
+
+In one process (DESIGN.md "Performance anchors"; the cost table behind
+``num_speculative_tokens="auto"``, :mod:`dspark_jax.cost_table`):
+
+* ``t_step_ms``: a plain decode step (batch 1, no drafter);
+* ``t_verify_ms``: verified tokens (1 .. block_size + 1) -> ms, each length its own compiled
+  program (target pass + rejection sampling + drafter context write);
+* ``t_draft_ms`` / ``t_draft_sampled_ms``: one drafting round (backbone + Markov sampler +
+  confidences) at T=0 / T=1, at the drafter's draft vocabulary;
+* ``t_context_ms``: writing ``block_size + 1`` tokens' drafter context alone;
+* ``ar_tokens_per_s``: plain JAX decoding of real prompts (batch 1, greedy, compilation excluded);
+* ``hf_tokens_per_s``: ``transformers`` ``generate`` on the same weights and prompts (fp32,
+  2 torch threads, sdpa attention);
+* ``bandwidth_bound_tokens_per_s``: measured read bandwidth (a jitted sum over a 1 GiB float32
+  array, median of 5) / the target's weight bytes read per step.
+
+All medians of alternated repeats. CLI::
+
+    python benchmarks/decode_costs.py --target smollm2-135m-instruct --random-drafter \\
+        --draft-vocab-size 8192 --json decode_costs.json
+    python benchmarks/decode_costs.py --target stories260k --drafter runs/stories260k/export
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from speedup import hf_generate, hf_llama_from_params  # noqa: E402  (benchmark helpers, same folder)
+
+
+def read_bandwidth_gb_s(gib: float = 1.0, repeats: int = 5) -> float:
+    """Read bandwidth [GB/s]: a jitted sum over ``gib`` GiB of float32, median of ``repeats``."""
+    n = int(gib * 2 ** 30) // 4
+    x = jnp.ones((n,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        ts.append(time.perf_counter() - t0)
+    del x
+    return n * 4 / statistics.median(ts) / 1e9
+
+
+def random_drafter(target, preset: str, draft_vocab_size: int, seed: int = 0):
+    """The preset's drafter architecture with random weights (costs do not depend on values).
+    With a draft vocabulary, its ids are the ``draft_vocab_size`` lowest (any ids cost the same)."""
+    from dspark_jax.drafter import build_drafter
+    from dspark_jax.presets import canonical_preset
+    from dspark_jax.trainer import TRAIN_PRESETS, TrainConfig, drafter_config
+
+    import dataclasses
+
+    cfg = TRAIN_PRESETS.get(canonical_preset(preset) or "", TrainConfig())
+    if draft_vocab_size >= 0:
+        cfg = dataclasses.replace(cfg, draft_vocab_size=draft_vocab_size)
+    d = build_drafter(drafter_config(cfg, target), nnx.Rngs(seed))
+    if d.cfg.draft_vocab_size:
+        d.set_draft_vocab(range(d.cfg.draft_vocab_size))
+    return d
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dspark_jax.api import encode_prompt
+    from dspark_jax.checkpoint import load_drafter
+    from dspark_jax.cost_table import measure_costs
+    from dspark_jax.decode import generate_autoregressive
+    from dspark_jax.eval import load_prompt_texts
+    from dspark_jax.model_io import params_fingerprint
+    from dspark_jax.presets import preset_info, resolve_target
+    from dspark_jax.target import Target
+
+    ap = argparse.ArgumentParser(description="Batch-1 cost table (plain step, verify per length, draft, context).")
+    ap.add_argument("--target", required=True, help="preset name or model path")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--drafter", help="export directory")
+    src.add_argument("--random-drafter", action="store_true", help="the preset's drafter shape, random weights")
+    ap.add_argument("--draft-vocab-size", type=int, default=-1,
+                    help="with --random-drafter: draft vocabulary size (0 = full; default: the preset's)")
+    ap.add_argument("--prompts", default=None, help="prompt set for the tokens/s references (default: by preset)")
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--cache-len", type=int, default=0, help="KV-cache length (default: as generate uses)")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+
+    cfg, params, tok = resolve_target(args.target)
+    target = Target(cfg, params, fingerprint=params_fingerprint(params))
+    if args.drafter:
+        drafter, meta = load_drafter(args.drafter)
+    else:
+        drafter, meta = random_drafter(target, args.target, args.draft_vocab_size), {}
+    chat = bool(preset_info(args.target).get("chat"))
+    texts, _ = load_prompt_texts(args.prompts or ("mt_bench" if chat else "tinystories"), meta)
+    prompts = [encode_prompt(tok, t, chat) for t in texts[: args.num_prompts]]
+    g = drafter.cfg.gamma
+    need = max(map(len, prompts)) + args.max_new_tokens + g + 2
+    cache_len = args.cache_len or min(-(-need // 64) * 64, cfg.max_position)
+
+    table = measure_costs(target, drafter, widths=range(g + 1), cache_len=cache_len, repeats=args.repeats)
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, cache_len=cache_len)
+    generate_autoregressive(target, [prompts[0]], **kw)   # compile
+    hf = None if args.no_hf else hf_llama_from_params(cfg, params)
+    if hf is not None:
+        import torch
+
+        torch.set_num_threads(2)
+        hf.config._attn_implementation = "sdpa"
+        hf_generate(hf, prompts[0], 4, 0.0, 0, list(cfg.eos_ids))
+    ar_t = ar_s = hf_t = hf_s = 0.0
+    for p in prompts:   # alternated prompt by prompt
+        a = generate_autoregressive(target, [p], **kw)
+        ar_t, ar_s = ar_t + a.num_tokens, ar_s + a.seconds
+        if hf is not None:
+            ids, secs = hf_generate(hf, p, args.max_new_tokens, 0.0, 0, list(cfg.eos_ids))
+            hf_t, hf_s = hf_t + len(ids), hf_s + secs
+    bw = read_bandwidth_gb_s()
+    weight_bytes = sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(nnx.state(target)))
+    d_params = sum(int(np.asarray(x).size) for x in jax.tree.leaves(nnx.state(drafter, nnx.Param)))
+    res = {
+        "target": cfg.name, "drafter": args.drafter or "random", "block_size": g,
+        "draft_vocab_size": drafter.cfg.draft_vocab_size or cfg.vocab_size, "drafter_params": d_params,
+        "cache_len": cache_len, **table.to_json(),
+        "ar_tokens_per_s": ar_t / max(ar_s, 1e-9),
+        "hf_tokens_per_s": (hf_t / max(hf_s, 1e-9)) if hf is not None else None,
+        "read_bandwidth_gb_s": bw, "target_weight_bytes": weight_bytes,
+        "bandwidth_bound_tokens_per_s": bw * 1e9 / weight_bytes,
+    }
+    res["t_verify_ms"] = {w + 1: v for w, v in res["t_verify_ms"].items()}   # keyed by verified tokens
+    res["draft_over_step"] = res["t_draft_ms"] / res["t_step_ms"]
+    res["ar_over_bound"] = res["ar_tokens_per_s"] / res["bandwidth_bound_tokens_per_s"]
+    if res["hf_tokens_per_s"]:
+        res["ar_over_hf"] = res["ar_tokens_per_s"] / res["hf_tokens_per_s"]
+    rows = [("t_step_ms", res["t_step_ms"]), ("t_draft_ms (T=0)", res["t_draft_ms"]),
+            ("t_draft_ms (T=1)", res["t_draft_sampled_ms"]), ("t_context_ms", res["t_context_ms"])]
+    rows += [(f"t_verify_ms[{k} tokens]", v) for k, v in res["t_verify_ms"].items()]
+    rows += [("ar_tokens_per_s", res["ar_tokens_per_s"]), ("hf_tokens_per_s", res["hf_tokens_per_s"]),
+             ("bandwidth_bound_tokens_per_s", res["bandwidth_bound_tokens_per_s"]),
+             ("draft / step", res["draft_over_step"]), ("ar / bound", res["ar_over_bound"]),
+             ("ar / hf", res.get("ar_over_hf"))]
+    print(f"{cfg.name}  drafter={res['drafter']}  draft vocab={res['draft_vocab_size']}  cache={cache_len}")
+    for k, v in rows:
+        print(f"  {k:<32} {'-' if v is None else f'{v:10.3f}'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
