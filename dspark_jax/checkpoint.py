@@ -24,11 +24,13 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from .config import DrafterConfig
+from .config import LEGACY_MARKOV_HEADS, DrafterConfig
 from .drafter import Drafter, build_drafter
 from .errors import DSparkInputError
 
-FORMAT = "dspark_jax.drafter/1"
+FORMAT = "dspark_jax.drafter/2"
+# Format 1 named the first Markov-head variants "gated"/"rnn" (now "gated_v0"/"rnn_v0").
+_FORMATS = ("dspark_jax.drafter/1", FORMAT)
 
 
 def export_drafter(drafter: Drafter, path: str | Path, *, calibration: list[float] | None = None,
@@ -77,8 +79,9 @@ def read_export_meta(path: str | Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DSparkInputError(f"{meta_path} is corrupt: {e}") from None
-    if meta.get("format") != FORMAT:
-        raise DSparkInputError(f"{meta_path}: unsupported export format {meta.get('format')!r} (expected {FORMAT})")
+    if meta.get("format") not in _FORMATS:
+        raise DSparkInputError(f"{meta_path}: unsupported export format {meta.get('format')!r} "
+                               f"(expected one of {', '.join(_FORMATS)})")
     return meta
 
 
@@ -100,7 +103,10 @@ def load_drafter(path: str | Path, dtype: Any = None) -> tuple[Drafter, dict[str
     path = Path(path).absolute()
     meta = read_export_meta(path)
     try:
-        cfg = DrafterConfig.from_dict(meta["config"])
+        conf = dict(meta["config"])
+        if meta.get("format") == _FORMATS[0] and conf.get("markov_head") in LEGACY_MARKOV_HEADS:
+            conf["markov_head"] = LEGACY_MARKOV_HEADS[conf["markov_head"]]
+        cfg = DrafterConfig.from_dict(conf)
     except (KeyError, TypeError, ValueError) as e:
         raise DSparkInputError(f"{path}/drafter.json has an invalid config: {e}") from None
     dtype = dtype or jnp.dtype(meta.get("dtype", "float32"))

@@ -175,7 +175,9 @@ def _set_path(cfg: Any, path: list[str], value: Any, full: str) -> Any:
 
 
 VARIANTS = ("dspark", "dflash", "eagle3")
-MARKOV_HEADS = ("vanilla", "gated", "rnn")
+MARKOV_HEADS = ("vanilla", "gated", "rnn", "gated_v0", "rnn_v0")
+# Exports of format 1 wrote "gated"/"rnn" for the first head variants; they load under these names.
+LEGACY_MARKOV_HEADS = {"gated": "gated_v0", "rnn": "rnn_v0"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,12 +200,14 @@ class DrafterConfig:
       num_heads / num_kv_heads / head_dim / intermediate_size: backbone shape.
       taps: target layers whose hidden states form the context features.
       markov_rank: rank r of the factorised bigram ``W1 (V x r) @ W2 (r x V)``.
-      markov_head: sequential head type (paper Section 6): ``"vanilla"`` (the
-        Markov bias ``W1[x_{k-1}] W2``), ``"gated"`` (the same bias with its rank
-        components scaled by ``sigmoid(h_k W_g + b_g)`` from the backbone hidden
-        state) or ``"rnn"`` (a GRU state of width r carried through the block,
-        updated from ``W1[x_{k-1}]``, bias ``s_k W2``). Exports written before this
-        field existed load as ``"vanilla"``.
+      markov_head: sequential head type (paper Section 6; DeepSpec's heads), with
+        ``e = W1[x_{k-1}]``: ``"vanilla"`` (bias ``e W2``); ``"gated"`` (``g = sigmoid(W_g
+        [h_k; e] + b_g)``, bias ``(g * e) W2``); ``"rnn"`` (``s_0 = 0``, ``[a; c; o] =
+        split3(W [s_{k-1}; e; h_k] + b)`` of width r each, ``u = sigmoid(a)``, ``s_k = u *
+        s_{k-1} + (1 - u) * tanh(c)``, bias ``tanh(o) W2``). ``"gated_v0"`` / ``"rnn_v0"``:
+        this project's first variants (gate from ``h_k`` alone; a GRU with ``e + s_k``),
+        the names format-1 exports' ``"gated"`` / ``"rnn"`` load under. Exports written
+        before this field existed load as ``"vanilla"``.
       rope_theta / rms_eps: backbone RoPE base and norm epsilon.
       width: the backbone's residual width d (0 = the target's hidden size H). When
         ``d != H`` the anchor embedding enters through a learned ``H x d`` projection

@@ -13,15 +13,16 @@ Implements DESIGN.md "Drafter" (paper Sections 4-6 and Appendix A3/A4):
 3. base logits ``U_k`` through the drafter's final norm and the *target's* LM
    head (frozen, passed in);
 4. sequential (Markov) head adding a bias to ``U_k`` (see :mod:`dspark_jax.markov`), of
-   type ``cfg.markov_head`` (paper Section 6 and its RNN-head ablation):
+   type ``cfg.markov_head`` (paper Section 6; DeepSpec's GatedMarkovHead / RNNHead), with
+   the Markov embedding ``e = W1[x_{k-1}]``:
 
-   * ``vanilla``: ``B_k = e_k W2`` with the Markov embedding ``e_k = W1[x_{k-1}]``;
-   * ``gated``: ``e_k = sigmoid(h_k W_g + b_g) * W1[x_{k-1}]`` (a per-rank-component
-     gate read from the backbone hidden state: how much the previous token should
-     steer position k), ``B_k = e_k W2``;
-   * ``rnn``: a GRU state ``s_k = GRU(s_{k-1}, W1[x_{k-1}])`` (``s_0 = 0``) carries
-     the whole in-block prefix; ``e_k = W1[x_{k-1}] + s_k``, ``B_k = e_k W2`` (the
-     residual form contains the vanilla head: ``s = 0`` recovers it);
+   * ``vanilla``: ``B_k = e W2``;
+   * ``gated``: ``g = sigmoid(W_g [h_k; e] + b_g)``, ``B_k = (g * e) W2``;
+   * ``rnn``: ``s_0 = 0``, ``[a; c; o] = split3(W [s_{k-1}; e; h_k] + b)``,
+     ``u = sigmoid(a)``, ``s_k = u * s_{k-1} + (1 - u) * tanh(c)``, ``B_k = tanh(o) W2``
+     (carries the whole in-block prefix);
+   * ``gated_v0`` / ``rnn_v0``: the first variants of this project (gate from ``h_k`` alone;
+     a GRU state added to ``e``), kept so that their exports still load;
 
 5. confidence head: ``c_k = sigmoid(w . [h_k ; e_k] + b)``, optionally
    calibrated per position by sequential temperature scaling
@@ -105,11 +106,15 @@ class Drafter(nnx.Module):
             w1 = nnx.Param(jax.random.normal(rngs.params(), (n_w1, r), dtype) / jnp.sqrt(r))
             # W2 = 0: the Markov correction starts as exactly zero (pure DFlash).
             w2 = nnx.Param(jnp.zeros((r, cfg.draft_size), dtype))
-            if cfg.markov_head == "gated":
-                gate_w = nnx.Param(jnp.zeros((d, r), dtype))
+            if cfg.markov_head in ("gated", "gated_v0"):
+                gate_in = d + r if cfg.markov_head == "gated" else d
+                gate_w = nnx.Param(jnp.zeros((gate_in, r), dtype))
                 # Gate starts mostly open (sigmoid(2) ~ 0.88): close to the vanilla head.
                 gate_b = nnx.Param(jnp.full((r,), 2.0, dtype))
             elif cfg.markov_head == "rnn":
+                rnn_wx = w(2 * r + d, 3 * r)   # W over [s_{k-1}; e; h_k]
+                rnn_b = nnx.Param(jnp.zeros((3 * r,), dtype))
+            elif cfg.markov_head == "rnn_v0":
                 rnn_wx, rnn_wh = w(r, 3 * r), w(r, 3 * r)
                 rnn_b = nnx.Param(jnp.zeros((3 * r,), dtype))
         # Each attribute is assigned once (NNX fixes an attribute's data/static status on first set).
@@ -317,12 +322,20 @@ class Drafter(nnx.Module):
 
     def markov_init(self, batch_shape: tuple[int, ...]) -> jax.Array | None:
         """Sequential-head state before position 1: ``[*batch_shape, r]`` zeros (rnn) or None."""
-        if not (self.cfg.markov and self.cfg.markov_head == "rnn"):
+        if not (self.cfg.markov and self.cfg.markov_head in ("rnn", "rnn_v0")):
             return None
         return jnp.zeros(tuple(batch_shape) + (self.cfg.markov_rank,), self.dtype)
 
+    def _rnn(self, s: jax.Array, e: jax.Array, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """DeepSpec's RNN head, one position: ``(s_{k-1}, e, h_k) -> (s_k, tanh(o))``, each ``[..., r]``."""
+        r = self.cfg.markov_rank
+        z = jnp.concatenate([s, e, h.astype(e.dtype)], axis=-1) @ self.markov_rnn_wx[...] + self.markov_rnn_b[...]
+        u = jax.nn.sigmoid(z[..., :r])
+        s = u * s + (1.0 - u) * jnp.tanh(z[..., r : 2 * r])
+        return s, jnp.tanh(z[..., 2 * r :])
+
     def _gru(self, s: jax.Array, x: jax.Array) -> jax.Array:
-        """One GRU update ``[..., r], [..., r] -> [..., r]`` (reset gate on the recurrent term)."""
+        """``rnn_v0``: one GRU update ``[..., r], [..., r] -> [..., r]`` (reset gate on the recurrent term)."""
         r = self.cfg.markov_rank
         gx = x @ self.markov_rnn_wx[...] + self.markov_rnn_b[...]
         gh = s @ self.markov_rnn_wh[...]
@@ -348,9 +361,14 @@ class Drafter(nnx.Module):
         x = self.markov_embedding(prev)
         kind = self.cfg.markov_head
         if kind == "gated":
+            z = jnp.concatenate([h.astype(x.dtype), x], axis=-1)
+            e = jax.nn.sigmoid(z @ self.markov_gate_w[...] + self.markov_gate_b[...]) * x
+        elif kind == "gated_v0":
             gate = jax.nn.sigmoid(h.astype(x.dtype) @ self.markov_gate_w[...] + self.markov_gate_b[...])
             e = gate * x
         elif kind == "rnn":
+            state, e = self._rnn(state, x, h)
+        elif kind == "rnn_v0":
             state = self._gru(state, x)
             e = x + state
         else:
@@ -370,13 +388,20 @@ class Drafter(nnx.Module):
         """
         if not self.cfg.markov:
             return 0.0, None
-        if self.cfg.markov_head != "rnn":
+        kind = self.cfg.markov_head
+        if kind not in ("rnn", "rnn_v0"):
             _, e, bias = self.markov_step(None, prev, hidden)
             return bias, e
         x = self.markov_embedding(prev)                     # [..., g, r]
         xs = jnp.moveaxis(x, -2, 0)                         # [g, ..., r]
-        _, states = jax.lax.scan(lambda s, xk: (self._gru(s, xk),) * 2, self.markov_init(prev.shape[:-1]), xs)
-        e = x + jnp.moveaxis(states, 0, -2)
+        init = self.markov_init(prev.shape[:-1])
+        if kind == "rnn":
+            hs = jnp.moveaxis(hidden, -2, 0)
+            _, es = jax.lax.scan(lambda s, xh: self._rnn(s, *xh), init, (xs, hs))
+            e = jnp.moveaxis(es, 0, -2)
+        else:
+            _, states = jax.lax.scan(lambda s, xk: (self._gru(s, xk),) * 2, init, xs)
+            e = x + jnp.moveaxis(states, 0, -2)
         return self.markov_bias(e), e
 
     def markov_bias(self, e: jax.Array | None) -> jax.Array | float:

@@ -29,7 +29,7 @@ from dspark_jax.target import Target, random_params
 
 V, G, N = 6, 3, 40_000
 CTX = [1, 4, 2, 5]
-HEADS = ["vanilla", "gated", "rnn"]
+HEADS = ["vanilla", "gated", "rnn"]   # the legacy gated_v0 / rnn_v0: load and round-trip tests only
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def make_drafter(target, head, seed=1) -> Drafter:
     d = Drafter(cfg, nnx.Rngs(seed))
     rng = np.random.default_rng(seed)
     d.final_norm[...] = jnp.full(d.final_norm.shape, 0.05, jnp.float32)  # flat base logits: the head dominates
-    for name in ("markov_w2", "conf_w", "markov_gate_w", "markov_rnn_wx", "markov_rnn_wh"):
+    for name in ("markov_w2", "conf_w", "markov_gate_w", "markov_rnn_wx", "markov_rnn_wh", "markov_rnn_b"):
         var = getattr(d, name)
         if var is not None:
             var[...] = jnp.asarray(rng.normal(size=var[...].shape) * (1.5 if name == "markov_w2" else 1.0),
@@ -131,7 +131,7 @@ def test_what_each_head_reads(drawn):
         if len(rows) < 100:
             continue
         spread = max(spread, float(np.max(np.abs(q[rows, 2] - q[rows[0], 2]))))
-    if d.cfg.markov_head == "rnn":
+    if d.cfg.markov_head in ("rnn", "rnn_v0"):
         assert spread > 0.02, "the RNN head ignored the earlier prefix"
     else:
         assert spread < 1e-5, "a Markov head read more than the previous token"
@@ -147,7 +147,7 @@ def test_gate_reads_the_hidden_state(target):
     assert np.all(np.abs(np.asarray(e)) <= np.abs(np.asarray(d.markov_embedding(prev))) + 1e-7)  # gate in (0, 1)
 
 
-@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("head", HEADS + ["gated_v0", "rnn_v0"])
 def test_export_round_trip(target, head, tmp_path):
     from dspark_jax.checkpoint import export_drafter, load_drafter
 
@@ -157,6 +157,49 @@ def test_export_round_trip(target, head, tmp_path):
     assert loaded.cfg.markov_head == head
     for a, b in zip(jax.tree.leaves(nnx.state(d, nnx.Param)), jax.tree.leaves(nnx.state(loaded, nnx.Param))):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("head", ["gated", "rnn"])
+def test_format1_export_loads_under_its_versioned_head_name(target, head, tmp_path):
+    """A format-1 export's "gated"/"rnn" meant the first variants: it loads as gated_v0/rnn_v0
+    and drafts exactly what it drafted before."""
+    from dspark_jax.checkpoint import export_drafter, load_drafter
+
+    d = make_drafter(target, head + "_v0")
+    path = export_drafter(d, tmp_path / head)
+    meta = json.loads((path / "drafter.json").read_text())
+    meta["format"], meta["config"]["markov_head"] = "dspark_jax.drafter/1", head
+    (path / "drafter.json").write_text(json.dumps(meta))
+    loaded, _ = load_drafter(path)
+    assert loaded.cfg.markov_head == head + "_v0"
+    blk = block_of(target, d, 4)
+    keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(4, dtype=jnp.uint32))
+    run = lambda m: sample_block(m, blk, jnp.full((4,), CTX[-1], jnp.int32), keys, sampling_arrays(4, 1.0))
+    np.testing.assert_array_equal(run(d).probs, run(loaded).probs)
+
+
+def test_reference_maths(target):
+    """gated and rnn compute DeepSpec's equations (written out here in numpy)."""
+    rng = np.random.default_rng(3)
+    h = rng.normal(size=(2, 16)).astype(np.float32)
+    prev = np.array([3, 5], np.int32)
+    sig = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
+    d = make_drafter(target, "gated")
+    e = np.asarray(d.markov_w1[...])[prev]
+    g = sig(np.concatenate([h, e], -1) @ np.asarray(d.markov_gate_w[...]) + np.asarray(d.markov_gate_b[...]))
+    _, _, bias = d.markov_step(None, jnp.asarray(prev), jnp.asarray(h))
+    np.testing.assert_allclose(bias, (g * e) @ np.asarray(d.markov_w2[...]), rtol=1e-5, atol=1e-5)
+    d = make_drafter(target, "rnn")
+    r, w, b = 4, np.asarray(d.markov_rnn_wx[...]), np.asarray(d.markov_rnn_b[...])
+    s = np.zeros((2, r), np.float32)
+    state = d.markov_init((2,))
+    for k in range(3):   # three positions, the state carried
+        e = np.asarray(d.markov_w1[...])[prev]
+        z = np.concatenate([s, e, h], -1) @ w + b
+        u = sig(z[:, :r])
+        s = u * s + (1 - u) * np.tanh(z[:, r : 2 * r])
+        state, _, bias = d.markov_step(state, jnp.asarray(prev), jnp.asarray(h))
+        np.testing.assert_allclose(bias, np.tanh(z[:, 2 * r :]) @ np.asarray(d.markov_w2[...]), rtol=1e-4, atol=1e-4)
 
 
 def test_export_without_markov_head_field_loads_as_vanilla(target, tmp_path):
