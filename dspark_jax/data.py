@@ -341,3 +341,186 @@ def draft_vocabulary(data: dict[str, np.ndarray], size: int, vocab_size: int) ->
     seen = np.bincount(tokens[anywhere], minlength=vocab_size)
     order = np.lexsort((np.arange(vocab_size), -seen, -generated))   # last key is the primary one
     return np.sort(order[:size]).astype(np.int32)
+
+
+# -- distillation on a corpus ----------------------------------------------------------------
+# A corpus row is either plain text (every token after the first is a target) or a chat turn:
+# the messages before an assistant reply and the reply (only the reply's tokens are targets).
+CorpusRow = tuple  # ("text", str) | ("chat", list[dict[str, str]], str)
+
+
+def read_corpus(path: str | Path) -> list[CorpusRow]:
+    """Distillation rows from a text or JSONL file.
+
+    Formats:
+      * ``.txt``: documents separated by blank lines, each a ``("text", doc)`` row;
+      * ``.jsonl`` / ``.jsonl.gz`` rows: ``{"text": ...}``; ``{"prompt": ..., "response": ...}``
+        (also ``completion`` / ``output`` for the reply); ``{"messages": [{"role", "content"}, ...]}``
+        (one chat row per assistant message, with every message before it as context).
+    Raises:
+      DSparkInputError: missing file, bad JSON, a row of none of these shapes, or no rows.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DSparkInputError(f"corpus file not found: {path}")
+    rows: list[CorpusRow] = []
+    if path.suffix == ".txt":
+        docs = re.split(r"\n\s*\n", path.read_text(encoding="utf-8"))
+        rows = [("text", d.strip()) for d in docs if d.strip()]
+    else:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DSparkInputError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+                reply = next((row[k] for k in ("response", "completion", "output") if k in row), None) \
+                    if isinstance(row, dict) else None
+                if isinstance(row, dict) and isinstance(row.get("messages"), list):
+                    msgs = row["messages"]
+                    for i, m in enumerate(msgs):
+                        if not (isinstance(m, dict) and "role" in m and "content" in m):
+                            raise DSparkInputError(f"{path}:{n}: messages need 'role' and 'content'")
+                        if m["role"] == "assistant" and i > 0:
+                            rows.append(("chat", [dict(x) for x in msgs[:i]], str(m["content"])))
+                elif isinstance(row, dict) and "prompt" in row and reply is not None:
+                    rows.append(("chat", [{"role": "user", "content": str(row["prompt"])}], str(reply)))
+                elif isinstance(row, dict) and "text" in row:
+                    rows.append(("text", str(row["text"])))
+                else:
+                    raise DSparkInputError(f"{path}:{n}: expected 'text', 'prompt' + 'response', or 'messages'")
+    if not rows:
+        raise DSparkInputError(f"corpus {path} has no rows")
+    return rows
+
+
+def corpus_row_text(row: CorpusRow) -> str:
+    """All the text of a row (for the contamination guard)."""
+    if row[0] == "text":
+        return row[1]
+    return "\n".join([m["content"] for m in row[1]] + [row[2]])
+
+
+def encode_corpus_row(tokenizer, row: CorpusRow, chat: bool) -> tuple[list[int], int]:
+    """``(token ids, prompt length)``: the tokens before ``prompt length`` are context only.
+
+    Chat rows with ``chat=True`` use the tokenizer's chat template: the prompt is the
+    template of the earlier messages with the generation prompt, the sequence the template
+    with the reply appended (so the reply's end-of-turn token is a target too).
+
+    Raises:
+      DSparkInputError: the template does not extend the prompt (then the reply's span is unknown).
+    """
+    if row[0] == "text":
+        return tokenizer.encode(row[1]), 1
+    msgs, reply = row[1], row[2]
+    if chat:
+        p_text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+        prompt = tokenizer.encode(p_text, add_bos=False)
+        full_text = tokenizer.apply_chat_template(msgs + [{"role": "assistant", "content": reply}],
+                                                  add_generation_prompt=False)
+        full = tokenizer.encode(full_text, add_bos=False)
+        if full[: len(prompt)] != prompt:
+            raise DSparkInputError("the chat template's reply does not extend its prompt; cannot mark the reply span")
+        return full, len(prompt)
+    prompt = tokenizer.encode("\n".join(m["content"] for m in msgs))
+    return prompt + tokenizer.encode(" " + reply, add_bos=False), len(prompt)
+
+
+def write_sequence_shards(out_dir: str | Path, seqs: Sequence[tuple[list[int], int]], *, seq_len: int,
+                          shard_size: int = 256, prefix: str = "corpus") -> list[Path]:
+    """Writes ``(ids, prompt_len)`` sequences as shards (:func:`load_shards` format), truncated
+    to ``seq_len``; sequences with no target token inside ``seq_len`` are skipped.
+
+    Returns:
+      Paths of the shards (rewritten every call: cheap, no generation involved).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    keep = [(list(ids)[:seq_len], p) for ids, p in seqs if min(len(ids), seq_len) > max(p, 1)]
+    paths = []
+    for s, start in enumerate(range(0, len(keep), shard_size)):
+        chunk = keep[start : start + shard_size]
+        toks = np.zeros((len(chunk), seq_len), np.int32)
+        lens = np.array([len(ids) for ids, _ in chunk], np.int32)
+        plens = np.array([max(p, 1) for _, p in chunk], np.int32)
+        for i, (ids, _) in enumerate(chunk):
+            toks[i, : len(ids)] = ids
+        path = out_dir / f"{prefix}_{s:05d}.npz"
+        tmp = path.with_name(path.stem + ".tmp.npz")
+        np.savez(tmp, tokens=toks, lengths=lens, prompt_lengths=plens)
+        os.replace(tmp, path)
+        paths.append(path)
+    return paths
+
+
+# -- contamination guard -------------------------------------------------------------------------
+# What `python -m dspark_jax.eval` and the benchmarks evaluate on: every row of these sets
+# (first EVAL_PROMPT_HOLDOUT rows of the large ones), including their copies inside Spec-Bench.
+_EVAL_SETS = (("mt_bench_question.jsonl", None), ("eagle_alpaca_question.jsonl", None),
+              ("eagle_gsm8k_question.jsonl", None), ("eagle_humaneval_question.jsonl", None),
+              ("gsm8k_test.jsonl", EVAL_PROMPT_HOLDOUT), ("HumanEval.jsonl.gz", EVAL_PROMPT_HOLDOUT))
+_MIN_GUARD_CHARS = 24   # shorter eval strings would match ordinary phrases
+
+
+def _normalise(text: str) -> str:
+    return " ".join(re.sub(r"[^\w]+", " ", text.lower()).split())
+
+
+def evaluation_texts(held_out: Sequence[str] = (), data_dir: str | Path | None = None) -> list[str]:
+    """Every prompt an evaluation uses: ``held_out`` (a run's held-out prompts) plus the
+    shared evaluation sets (all MT-Bench turns, the EAGLE subsets, the first
+    :data:`EVAL_PROMPT_HOLDOUT` rows of GSM8K test and HumanEval). Missing files are skipped."""
+    texts = list(held_out)
+    base = Path(data_dir) if data_dir else None
+    if base is None:
+        try:
+            base = shared_data_dir()
+        except DSparkInputError:
+            return texts
+    for name, n in _EVAL_SETS:
+        path = base / "prompts" / name
+        if not path.exists():
+            continue
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()][:n]
+        for r in rows:
+            texts += [str(t) for t in r.get("turns", [])] or [str(r.get("question") or r.get("prompt") or "")]
+    return [t for t in texts if t]
+
+
+def drop_contaminated(texts: Sequence[str], eval_texts: Sequence[str]) -> list[bool]:
+    """Which training texts contain an evaluation prompt (contamination guard).
+
+    A text is contaminated when it contains (after lower-casing and collapsing punctuation
+    and whitespace) any evaluation prompt of at least 24 characters, or equals a shorter
+    one. Catches verbatim and lightly reformatted copies (Spec-Bench's MT-Bench / GSM8K
+    rows, a corpus that includes the held-out TinyStories openings).
+
+    Returns:
+      ``[len(texts)]`` booleans, True = drop.
+    """
+    long_ev = sorted({e for e in map(_normalise, eval_texts) if len(e) >= _MIN_GUARD_CHARS}, key=len)
+    short_ev = {e for e in map(_normalise, eval_texts) if 0 < len(e) < _MIN_GUARD_CHARS}
+    out = []
+    for t in texts:
+        n = _normalise(t)
+        out.append(n in short_ev or any(e in n for e in long_ev))
+    return out
+
+
+def sampled_rows(rows: Sequence[int], frac: float) -> list[bool]:
+    """Which prompt rows (global indices) get a sampled continuation in a mix with fraction
+    ``frac`` of sampled data: row i iff ``floor((i + 1) frac) > floor(i frac)``, an even spread
+    that depends only on the row index (so resumed generation makes the same choice).
+
+    Raises:
+      DSparkInputError: ``frac`` outside [0, 1].
+    """
+    if not 0.0 <= frac <= 1.0:
+        raise DSparkInputError(f"gen_sampled_frac must be in [0, 1], got {frac}")
+    return [int((r + 1) * frac) > int(r * frac) for r in rows]

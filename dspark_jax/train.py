@@ -278,16 +278,25 @@ def prepare_data(cfg: TrainConfig, target, tok) -> tuple[list[Path], list[str]]:
         texts = data_mod.chat_training_prompts()
     else:
         raise DSparkInputError(f"prompts must be 'tinystories' or 'chat', got {cfg.prompts!r}")
+    n_builtin = len(texts)
     if cfg.prompts_file:
         texts += data_mod.read_prompt_file(cfg.prompts_file)
     train_texts, eval_texts = data_mod.split_prompts(texts, min(cfg.num_eval_prompts, len(texts) // 5), cfg.seed)
     (workdir / "eval_prompts.json").write_text(json.dumps(eval_texts, indent=1))
+    guard = data_mod.evaluation_texts(eval_texts)
+    if cfg.prompts_file and len(texts) > n_builtin:   # user prompts: keep evaluation prompts out
+        drop = data_mod.drop_contaminated(train_texts, guard)
+        if any(drop):
+            print(f"contamination guard: dropped {sum(drop)} training prompts that contain an evaluation prompt",
+                  file=sys.stderr)
+        train_texts = [t for t, d in zip(train_texts, drop) if not d]
+    corpus_shards = _corpus_shards(cfg, tok, chat, guard, workdir)
     if cfg.data_dir:
         # Shared data (read only): e.g. every drafter of a comparison trains on the same shards.
         shards = sorted(Path(cfg.data_dir).glob("shard_[0-9]*[0-9].npz"))
         if not shards:
             raise DSparkInputError(f"data_dir {cfg.data_dir} holds no shard_*.npz files")
-        return shards, eval_texts
+        return shards + corpus_shards, eval_texts
     if chat and len(train_texts) < cfg.num_prompts:
         # Few distinct chat prompts: repeat them, the sampled continuations differ.
         train_texts = (train_texts * (cfg.num_prompts // max(1, len(train_texts)) + 1))[: cfg.num_prompts]
@@ -298,9 +307,13 @@ def prepare_data(cfg: TrainConfig, target, tok) -> tuple[list[Path], list[str]]:
     bar = tqdm(total=len(train_ids), desc="generate data", unit="seq", dynamic_ncols=True)
 
     def gen(batch, bi):
-        res = generate_autoregressive(target, batch, max_new_tokens=cfg.gen_max_new_tokens,
-                                      temperature=cfg.gen_temperature, top_p=cfg.gen_top_p,
-                                      seed=[cfg.seed * 1_000_003 + bi * 4096 + i for i in range(len(batch))])
+        sampled = data_mod.sampled_rows([bi * cfg.gen_batch_size + i for i in range(len(batch))],
+                                        cfg.gen_sampled_frac)
+        res = generate_autoregressive(
+            target, batch, max_new_tokens=cfg.gen_max_new_tokens,
+            temperature=[cfg.gen_sample_temperature if s else cfg.gen_temperature for s in sampled],
+            top_p=[cfg.gen_sample_top_p if s else cfg.gen_top_p for s in sampled],
+            seed=[cfg.seed * 1_000_003 + bi * 4096 + i for i in range(len(batch))])
         return [g.token_ids for g in res.generations]
 
     def progress(done, total):
@@ -311,7 +324,27 @@ def prepare_data(cfg: TrainConfig, target, tok) -> tuple[list[Path], list[str]]:
                                       shard_size=cfg.gen_shard_size, batch_size=cfg.gen_batch_size,
                                       progress=progress)
     bar.close()
-    return shards, eval_texts
+    return shards + corpus_shards, eval_texts
+
+
+def _corpus_shards(cfg: TrainConfig, tok, chat: bool, guard: list[str], workdir: Path) -> list[Path]:
+    """Shards of ``cfg.corpus`` (no generation), contaminated rows dropped; [] without a corpus."""
+    from . import data as data_mod
+
+    if not cfg.corpus:
+        return []
+    rows = data_mod.read_corpus(cfg.corpus)
+    drop = data_mod.drop_contaminated([data_mod.corpus_row_text(r) for r in rows], guard)
+    rows = [r for r, d in zip(rows, drop) if not d]
+    if cfg.corpus_max_sequences:
+        rows = rows[: cfg.corpus_max_sequences]
+    print(f"corpus {cfg.corpus}: {len(rows)} rows ({sum(drop)} dropped by the contamination guard)",
+          file=sys.stderr)
+    seqs = [data_mod.encode_corpus_row(tok, r, chat) for r in rows]
+    for old in (workdir / "data_corpus").glob("corpus_*.npz"):
+        old.unlink()
+    return data_mod.write_sequence_shards(workdir / "data_corpus", seqs, seq_len=cfg.seq_len,
+                                          shard_size=cfg.gen_shard_size)
 
 
 def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, target_and_tokenizer=None) -> dict:

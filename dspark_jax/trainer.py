@@ -103,6 +103,16 @@ class TrainConfig:
         layers and the loss head in the backward pass (less memory, ~1/3 more
         compute); log_every, ckpt_every, keep_checkpoints [steps / count];
       gen_shard_size [sequences]: self-distillation data per resumable shard;
+      gen_sampled_frac: fraction of the generated continuations sampled at a serving
+        temperature (``gen_sample_temperature``, ``gen_sample_top_p``; DeepSpec uses 0.7 / 0.8)
+        instead of ``gen_temperature``, spread evenly over the prompts (teaches the drafter and
+        its confidence head the sampled regime);
+      corpus: a text or JSONL file (:func:`dspark_jax.data.read_corpus`: plain text,
+        prompt/response or chat ``messages``) distilled on directly: no generation, one target
+        forward per sequence in the train step; only response tokens are targets of chat rows.
+        Mixed with the generated data (``corpus_max_sequences`` caps it, 0 = all). Rows that
+        contain an evaluation prompt are dropped (:func:`dspark_jax.data.drop_contaminated`),
+        and so are such prompts of ``prompts_file``;
       eval_max_new_tokens [tokens], eval_temperature: held-out evaluation.
       data_dir: read the self-distillation shards (``shard_*.npz``) from this folder
         instead of generating them into ``<workdir>/data``; the folder is only read
@@ -156,6 +166,11 @@ class TrainConfig:
     ckpt_every: int = 250
     keep_checkpoints: int = 3
     gen_shard_size: int = 256
+    gen_sampled_frac: float = 0.0
+    gen_sample_temperature: float = 0.7
+    gen_sample_top_p: float = 0.8
+    corpus: str = ""
+    corpus_max_sequences: int = 0
     eval_max_new_tokens: int = 128
     eval_temperature: float = 0.0
     markov_head: str = "vanilla"
