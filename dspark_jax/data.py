@@ -353,7 +353,7 @@ def read_corpus(path: str | Path) -> list[CorpusRow]:
     """Distillation rows from a text or JSONL file.
 
     Formats:
-      * ``.txt``: documents separated by blank lines, each a ``("text", doc)`` row;
+      * ``.txt``: documents separated by blank lines or ``<|endoftext|>``, each a ``("text", doc)`` row;
       * ``.jsonl`` / ``.jsonl.gz`` rows: ``{"text": ...}``; ``{"prompt": ..., "response": ...}``
         (also ``completion`` / ``output`` for the reply); ``{"messages": [{"role", "content"}, ...]}``
         (one chat row per assistant message, with every message before it as context).
@@ -365,7 +365,7 @@ def read_corpus(path: str | Path) -> list[CorpusRow]:
         raise DSparkInputError(f"corpus file not found: {path}")
     rows: list[CorpusRow] = []
     if path.suffix == ".txt":
-        docs = re.split(r"\n\s*\n", path.read_text(encoding="utf-8"))
+        docs = re.split(r"\n\s*\n|<\|endoftext\|>", path.read_text(encoding="utf-8"))
         rows = [("text", d.strip()) for d in docs if d.strip()]
     else:
         opener = gzip.open if path.suffix == ".gz" else open
