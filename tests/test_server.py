@@ -300,8 +300,8 @@ class TestHTTP:
         with pytest.raises(openai.BadRequestError, match="response_format"):
             oc.chat.completions.create(model="stories260k", messages=msgs, max_tokens=2,
                                        response_format={"type": "json_object"})
-        with pytest.raises(openai.BadRequestError, match="temperature"):
-            oc.completions.create(model="stories260k", prompt=prompt, max_tokens=2, temperature=float("nan"))
+        with pytest.raises(openai.BadRequestError, match="logprobs"):
+            oc.chat.completions.create(model="stories260k", messages=msgs, max_tokens=2, top_logprobs=2)
         # the engine's own counters agree with the per-request counts (no stop strings here)
         assert _wait_idle(client)["free_slots"] == NUM_SLOTS
         after = client.get("/metrics").text
