@@ -59,8 +59,8 @@ re-runs the skipped tokens through the target (packed, taps on, the target cache
 holds their context) and writes their drafter context before the step, which then drafts
 exactly as with continuous upkeep.
 
-Exactness (Gumbel-coupled verification)
-----------------------------------------
+Exactness (Gumbel-coupled verification, ``verification="coupled"``, the default)
+----------------------------------------------------------------------------------
 The token after position ``t`` of a request is ``sample(fold_in(request_key, t), p_t)``, the
 same key derivation as :func:`dspark_jax.decode.generate_autoregressive`
 (``request_key = PRNGKey(seed)``), where ``sample`` is a Gumbel-max draw and ``p_t`` the
@@ -75,7 +75,39 @@ bonus is it. So the output is, token for token, plain autoregressive sampling wi
 whatever the verification lengths, the policy, the batch-mates or the slot, at any
 temperature/top-k/top-p. (In floating point this holds up to rounding differences between
 matmul shapes, which can only flip exact near-ties.) The draft acceptance rate under this
-coupling is ``P(x == y)`` for shared Gumbel noise rather than ``1 - TV(p, q)``.
+coupling is ``P(x == y)`` for shared Gumbel noise rather than ``1 - TV(p, q)``. The
+acceptance test itself is :func:`dspark_jax.verifier.coupled_accept`.
+
+Rejection-sampling verification (``verification="rejection"``)
+---------------------------------------------------------------
+The paper's mode (DESIGN.md "Verification (lossless)"): drafts are drawn with independent
+keys (``fold_in(fold_in(request_key, t), 2)``), each drafted block keeps its q
+(``[num_slots, gamma, V]`` on the device), and a speculative step scatters the target's p of
+the packed tokens to a ``[R, gamma + 1, V]`` grid and calls :func:`dspark_jax.verifier.verify`
+with one key per row and anchor position ``P`` (``fold_in(fold_in(request_key, P), 1)``;
+anchors strictly increase, so no round reuses noise). Output law: exactly plain sampling
+(tested in ``tests/test_verifier.py`` with the same law tests as coupled draws), but not
+token-for-token plain decoding with the seed; acceptance ``1 - TV(p, q)``, higher at T > 0.
+Plain (non-speculative) steps sample as coupled mode does. Greedy output is identical in both.
+Online calibration observes the acceptance of the mode in use.
+
+Per-request logit processing
+----------------------------
+``SamplingParams.logit_bias`` and ``min_tokens`` (EOS / stop ids at ``-inf`` while fewer than
+``min_tokens`` tokens were generated) form a sparse per-row table ``(ids, val, until)``
+of ``max_logit_bias + max_stop_ids`` entries, added to the RAW logits of the target (p) and
+of the drafter (q: its base logits, the Markov correction being additive) before
+temperature / top-k / top-p, so both modes stay lossless for the biased target. The step
+applies it under ``lax.cond`` only when some active row needs it. ``logprobs`` are the
+target's ``log_softmax`` of its raw logits at every emitted position (vLLM's default "raw"
+mode: before bias / temperature / filtering), with the top ``n <= 20``; the step computes
+them (log-softmax + top-k over V per packed token) under ``lax.cond`` only when some active
+row asked, and the host reads them back only then. Both flags are runtime scalars: no
+recompilation.
+
+Drafter kinds: DSpark / DFlash drafters (:class:`~dspark_jax.drafter.Drafter`). Eagle3
+(:class:`~dspark_jax.eagle.EagleDrafter`, autoregressive over its own cache) is refused at
+construction with a :class:`DSparkInputError`; evaluate it with :mod:`dspark_jax.decode`.
 
 Finish handling lives in the engine: EOS ids (the target's plus ``eos_token_ids``) and each
 request's ``stop_token_ids`` end it with ``"stop"`` (the stop token is included, tokens drafted
