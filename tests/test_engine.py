@@ -183,9 +183,15 @@ def test_no_recompile_after_warmup(engine, requests):
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         before = engine.metrics()["compiles"]
+        # logit_bias / logprobs / min_tokens are runtime flags of the same programs
+        feats = [Request(r.prompt_ids, SamplingParams(temperature=r.params.temperature, max_tokens=12, seed=i,
+                                                      logit_bias=((5, -3.0),) * (i % 2), logprobs=(3 if i % 3 else None),
+                                                      min_tokens=4 * (i % 2)), f"f{i}")
+                 for i, r in enumerate(requests)]
         for policy in ["dspark", "greedy", "plain", "threshold:0.9", "fixed:3"]:
             engine.set_policy(policy)
             drive(engine, requests[::-1])       # other prompt lengths / slot assignments / order
+            drive(engine, feats)
         # cancel mid-flight (client disconnect) and start again
         engine.insert(engine.prefill(requests[2]), 1)
         engine.generate()
