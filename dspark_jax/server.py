@@ -242,6 +242,16 @@ class OutputState:
         return _spec_dict(self.num_steps, self.num_emitted, self.num_verified, self.num_accepted)
 
 
+def event_from_output(out, first: bool) -> RequestEvent:
+    """The :class:`RequestEvent` of one engine ``StepOutput`` (not an error); ``first``: the
+    request's first output (it carries the token sampled at prefill)."""
+    finish = (out.finish_reason or "stop") if out.finished else None
+    lps = getattr(out, "logprobs", None)
+    return RequestEvent("final" if finish else "delta", token_ids=[int(i) for i in out.token_ids],
+                        logprobs=list(lps) if lps is not None else None, num_verified=int(out.num_verified),
+                        num_accepted=int(out.num_accepted), with_prefill_token=first, finish_reason=finish)
+
+
 def _spec_dict(steps: int, emitted: int, verified: int, accepted: int) -> dict[str, Any]:
     return {"num_steps": steps, "num_draft_tokens": verified, "num_accepted_tokens": accepted,
             "acceptance_rate": (accepted / verified) if verified else None,
@@ -604,10 +614,7 @@ class EngineLoop:
             t._put(RequestEvent("error", message="the engine reported an error for this request (non-finite "
                                                  "logits)", status=500))
             return
-        lps = getattr(out, "logprobs", None)
-        ev = RequestEvent("final" if finish else "delta", token_ids=[int(i) for i in out.token_ids],
-                          logprobs=list(lps) if lps is not None else None, num_verified=int(out.num_verified),
-                          num_accepted=int(out.num_accepted), with_prefill_token=not t.started, finish_reason=finish)
+        ev = event_from_output(out, first=not t.started)
         t.started = True
         if finish is not None:
             self._free_slot(t)
