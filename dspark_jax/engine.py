@@ -1376,14 +1376,14 @@ class Engine:
         rebuilt skipped drafter context), ``mean_accepted_length`` (tau: tokens per round),
         ``acceptance_rate``, ``position_reached`` / ``position_accepted`` / ``position_acceptance``
         (per block position), ``budget_hist`` / ``rows_hist`` (chosen buckets),
-        ``calibration`` (online temperatures, predicted vs observed), ``compiles``,
-        ``policy``, ``num_active``.
+        ``calibration`` (online temperatures, predicted vs observed: the acceptance of the
+        verification mode in use), ``compiles``, ``policy``, ``verification``, ``num_active``.
         """
         m = self._metrics
         reached, acc = m["pos_reached"], m["pos_accepted"]
         step_emitted = m["emitted_tokens"]
         return {
-            "policy": self.policy, "num_active": self.num_active,
+            "policy": self.policy, "verification": self.verification, "num_active": self.num_active,
             "steps": m["steps"], "rounds": m["rounds"], "drafts": m["drafts"],
             "draft_tokens": m["draft_tokens"], "accepted_tokens": m["accepted_tokens"],
             "emitted_tokens": step_emitted, "packed_tokens": m["packed_tokens"],
