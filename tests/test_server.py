@@ -53,10 +53,11 @@ def engine(models):
     from dspark_jax.serve import build_engine
 
     target, _, drafter = models
-    # Fewer compiled shapes (compilation is most of this module's time): every step runs both
-    # rows, prompts pad to 16 or 64 tokens.
+    # Few compiled shapes (compilation is most of this module's time; each costs ~7 s on 2
+    # cores): every step runs both rows, every prompt pads to 64 tokens, and the token budgets
+    # are the plain step (2) and the full block (2 x 3), which fixed:2 and plain reuse.
     return build_engine(target, drafter, policy="dspark", num_slots=NUM_SLOTS, cache_len=CACHE_LEN,
-                        row_buckets=(NUM_SLOTS,), prefill_buckets=(16, CACHE_LEN))
+                        row_buckets=(NUM_SLOTS,), prefill_buckets=(CACHE_LEN,), buckets=(NUM_SLOTS * (GAMMA + 1),))
 
 
 @pytest.fixture(scope="class")
