@@ -373,6 +373,22 @@ def test_no_half_character_at_any_cut(server, client, tok):
     assert r["text"] == full[:full.index("\u732b")] and r["token_ids"] == script[:6] and r["finish_reason"] == "stop"
 
 
+def test_detokenization_is_incremental(server, client, tok, monkeypatch):
+    """No re-decoding of the output: the server never decodes more than one id at a time
+    (the llama2.c detokenizer works on piece bytes; only logprob token strings decode one id)."""
+    sizes = []
+    real = type(tok).decode
+
+    def counting(self, ids, skip_special_tokens=False):
+        sizes.append(len(ids))
+        return real(self, ids, skip_special_tokens)
+
+    monkeypatch.setattr(type(tok), "decode", counting)
+    r = client.post("/v1/completions", json={"prompt": [3, 4, 5], "max_tokens": 100, "stop": ["zzzz"],
+                                             "logprobs": 1}).json()
+    assert r["usage"]["completion_tokens"] == 100 and sizes and max(sizes) == 1
+
+
 def test_stop_string_matching(server, client, tok):
     ids = [11, 12, 13]
     free = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 30, "temperature": 0,
