@@ -495,6 +495,15 @@ def test_input_errors(peaked, drafters):
                 fn(bad, max_new_tokens=4)
         with pytest.raises(DSparkInputError, match="max_new_tokens"):
             fn([[1, 2]], max_new_tokens=0)
+        # NaN/inf settings are refused (they used to decode <unk> tokens), per request too
+        for kw, match in [(dict(temperature=float("nan")), "temperature must be a finite number"),
+                          (dict(temperature=[0.5, float("inf")]), "temperature must be a finite number"),
+                          (dict(top_p=float("nan")), "top_p must be a finite number"),
+                          (dict(top_k=float("inf")), "top_k must be a finite number"),
+                          (dict(temperature=-1.0), "temperature must be >= 0"),
+                          (dict(top_p=0.0), r"top_p must be in \(0, 1\]")]:
+            with pytest.raises(DSparkInputError, match=match):
+                fn([[1, 2], [3, 4]], max_new_tokens=4, **kw)
     for g in (0, 5, -1):
         with pytest.raises(DSparkInputError, match="gamma"):
             generate_speculative(peaked, d, [[1, 2]], max_new_tokens=4, gamma=g)
