@@ -597,6 +597,11 @@ class _Slot:
         return self.has_bias or self.length - self.prompt_len < self.min_tokens
 
 
+def _is_int(x) -> bool:
+    """An integer value (Python or numpy), not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def _lp_entry(chosen, top_v, top_i, n: int) -> tuple[float, list[tuple[int, float]]]:
     """One token's ``(logprob, [(id, logprob)] * n)`` from device arrays."""
     return float(chosen), [(int(top_i[m]), float(top_v[m])) for m in range(n)]
@@ -971,11 +976,11 @@ class Engine:
             raise DSparkInputError("stop_token_ids must be integers") from None
         self._logit_bias(p)
         n_lp = p.logprobs
-        if n_lp is not None and (isinstance(n_lp, bool) or int(n_lp) != n_lp or not 0 <= n_lp <= 20):
+        if n_lp is not None and not (_is_int(n_lp) and 0 <= n_lp <= 20):
             raise DSparkInputError(f"logprobs must be None or an integer in [0, 20], got {n_lp!r}")
         if n_lp is not None and n_lp > self._n_top:
             raise DSparkInputError(f"logprobs must be <= {self._n_top} (the vocabulary size), got {n_lp}")
-        if isinstance(p.min_tokens, bool) or int(p.min_tokens) != p.min_tokens or p.min_tokens < 0:
+        if not (_is_int(p.min_tokens) and p.min_tokens >= 0):
             raise DSparkInputError(f"min_tokens must be an integer >= 0, got {p.min_tokens!r}")
         if p.min_tokens > p.max_tokens:
             raise DSparkInputError(f"min_tokens ({p.min_tokens}) must be <= max_tokens ({p.max_tokens})")
@@ -999,7 +1004,7 @@ class Engine:
             pairs = list(lb.items()) if isinstance(lb, dict) else [tuple(e) for e in lb]
             out = {}
             for t, b in pairs:
-                if isinstance(t, bool) or int(t) != t:
+                if not _is_int(t) or isinstance(b, (bool, str)):
                     raise ValueError
                 out[int(t)] = float(b)
         except (TypeError, ValueError):
