@@ -479,13 +479,20 @@ def test_eagle3_drafter_is_refused_at_start(target):
         Engine(target, None, num_slots=1, cache_len=CACHE, policy="plain", verification="typical")
 
 
-def test_rejection_verification_mode(target, drafter, requests, reference, full_logits):
+@pytest.fixture(scope="module")
+def rejection_engine(target, drafter):
+    """One slot, rejection-sampling verification (its own programs: the state carries q)."""
+    return Engine(target, drafter, num_slots=1, cache_len=CACHE, policy="fixed:3", buckets=(8,),
+                  prefill_buckets=(32,), profile_iters=1, suspend_after=None, verification="rejection")
+
+
+def test_rejection_verification_mode(rejection_engine, requests, reference):
     """verification="rejection": greedy output equals plain decoding exactly; at T>0 it runs
     with logit_bias (a banned token never appears) and accepts drafts. (Its output law is
-    pinned by the shared distribution tests of tests/test_verifier.py.)"""
-    eng = Engine(target, drafter, num_slots=1, cache_len=CACHE, policy="fixed:3", buckets=(8,),
-                 prefill_buckets=(32,), profile_iters=1, suspend_after=None, verification="rejection")
-    assert eng.verification == "rejection"
+    pinned by the shared distribution tests of tests/test_verifier.py and by the PIT test
+    below.)"""
+    eng = rejection_engine
+    assert eng.verification == "rejection" and eng.metrics()["verification"] == "rejection"
     greedy = [r for r in requests if r.params.temperature == 0.0]
     toks, reasons = drive_one(eng, greedy)
     for r in greedy:
@@ -512,3 +519,38 @@ def drive_one(engine, requests):
                 if o.finished:
                     reasons[o.request_id] = o.finish_reason
     return toks, reasons
+
+
+def test_rejection_mode_output_law_pit(rejection_engine, tokenizer, full_logits):
+    """verification="rejection" at T=1 (top-k 50): the tokens a speculative step emits follow
+    the target's law given their prefix. Randomised probability integral transform: for a
+    token y drawn from p, ``F(y - 1) + U p(y)`` is uniform; a Kolmogorov-Smirnov test over
+    ~500 such values catches a misaligned p or q (wrong position or row) in the engine's
+    rejection path, which greedy decoding cannot see."""
+    eng = rejection_engine
+    eng.reset_metrics()
+    prompt = tokenizer.encode("Lily went to the park and saw a big")
+    rng = np.random.default_rng(0)
+    u = []
+    for seed in range(100):
+        sp = SamplingParams(temperature=1.0, top_k=50, max_tokens=7, seed=seed)
+        eng.insert(eng.prefill(Request(prompt, sp, "p")), 0)
+        toks = []
+        while eng.active_slots():
+            for o in eng.generate():
+                toks += o.token_ids
+        seq = np.zeros(CACHE, np.int32)
+        seq[: len(prompt) + len(toks)] = prompt + toks
+        lg = full_logits(seq)
+        for j in range(1, len(toks)):             # tokens after the prefill's (verified ones)
+            x = lg[len(prompt) + j - 1]
+            keep = x >= np.sort(x)[-50]                   # top-50 (no ties in these logits)
+            p = np.where(keep, np.exp(x - x.max()), 0.0)
+            p /= p.sum()
+            y = toks[j]
+            u.append(p[:y].sum() + rng.random() * p[y])
+    u = np.sort(np.asarray(u))
+    n = len(u)
+    d = max(np.max(np.arange(1, n + 1) / n - u), np.max(u - np.arange(n) / n))
+    assert n > 300 and d < 1.63 / np.sqrt(n), (n, d)       # KS at the 1% level
+    assert eng.metrics()["accepted_tokens"] > 0
