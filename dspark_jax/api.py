@@ -16,12 +16,13 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 
 from .checkpoint import load_drafter
-from .decode import check_compatible, generate_autoregressive, generate_speculative
+from .decode import check_compatible, check_sampling, generate_autoregressive, generate_speculative
 from .drafter import Drafter
 from .errors import DSparkInputError
 from .model_io import params_fingerprint
 from .presets import preset_info, resolve_target
 from .target import Target
+from .tokenizer import decode_complete
 
 __all__ = ["load_target", "load_drafter", "load_target_and_drafter", "generate_text", "encode_prompt"]
 
@@ -83,11 +84,21 @@ def generate_text(target: Target, tokenizer, prompt: str | Sequence[int], *, dra
                   seed: int = 0, gamma: int | None = None, chat: bool = False) -> dict[str, Any]:
     """Generates one completion, speculatively when a drafter is given.
 
+    Args:
+      prompt: text (tokenized, with the chat template when ``chat``) or token ids.
+      temperature: finite, >= 0 (0 = greedy). top_k: integer >= 0 (0 = off).
+      top_p: in (0, 1] (1 = off). seed: PRNG seed of the request.
     Returns:
-      dict with ``text``, ``token_ids``, ``finish_reason``, ``tau``,
-      ``acceptance_rate``, ``num_target_passes``, ``tokens_per_s`` (compilation
+      dict with ``text`` (UTF-8-safe: never ends in half a character), ``token_ids``,
+      ``finish_reason``, ``tau`` (tokens per target verification pass, the prefill token
+      excluded, as defined in :class:`dspark_jax.decode.Generation`; None when no pass
+      ran), ``acceptance_rate``, ``num_target_passes``, ``tokens_per_s`` (compilation
       excluded) and ``position_acceptance``.
+    Raises:
+      DSparkInputError: empty prompt, NaN/inf or out-of-range sampling settings (one
+        line naming the setting), a drafter for another target.
     """
+    check_sampling(temperature, top_k, top_p)
     ids = list(prompt) if not isinstance(prompt, str) else encode_prompt(tokenizer, prompt, chat)
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if drafter is not None:
@@ -97,10 +108,10 @@ def generate_text(target: Target, tokenizer, prompt: str | Sequence[int], *, dra
         res = generate_autoregressive(target, [ids], **kw)
     g = res.generations[0]
     return {
-        "text": tokenizer.decode(g.token_ids, skip_special_tokens=True),
+        "text": decode_complete(tokenizer, g.token_ids),
         "token_ids": g.token_ids,
         "finish_reason": g.finish_reason,
-        "tau": g.tau,
+        "tau": g.tau if g.num_target_passes else None,
         "acceptance_rate": g.acceptance_rate,
         "num_target_passes": g.num_target_passes,
         "tokens_per_s": res.tokens_per_s,

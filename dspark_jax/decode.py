@@ -327,7 +327,14 @@ class Generation:
       finish_reason: ``"stop"`` (stop/EOS token), ``"length"`` (max_new_tokens or
         context end) or ``"error"`` (non-finite logits).
       num_target_passes: target verification passes after prefill.
-      tau: mean tokens emitted per target pass (accepted drafts + bonus/correction).
+      tau: mean tokens emitted per target verification pass. THE definition used by
+        ``generate --json``, the Python API, the server (``spec_decode.tau``) and its
+        ``/metrics`` (``dspark:spec_decode_mean_accepted_length``): ``(len(token_ids) - 1) /
+        num_target_passes``. The first generated token comes from prefill; each pass
+        emits its accepted drafts plus the correction/bonus token, fewer when a stop (token
+        or string) or the length limit ends the request inside the block (nothing after
+        the stop is counted, and a pass that adds no token to the output is not a pass).
+        NaN here (None in JSON outputs) when no pass ran.
       acceptance_rate: accepted drafts / verified drafts (None when nothing verified).
       position_acceptance: conditional acceptance per block position k (None where
         position k was never reached).
@@ -414,6 +421,32 @@ def _prepare(target: Target, prompts: Sequence[Sequence[int]], max_new_tokens, g
     return prompt, lens, limit, cache_len
 
 
+def check_sampling(temperature=0.0, top_k=0, top_p=1.0) -> None:
+    """Refuses sampling settings the samplers cannot honour (scalars or per-request sequences).
+
+    Raises:
+      DSparkInputError: a NaN/inf or negative temperature, a top_p outside (0, 1] (NaN
+        included), or a top_k that is not an integer >= 0. One line naming the setting.
+    """
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
+        try:
+            arr = np.asarray(value, np.float64).reshape(-1)
+        except (TypeError, ValueError):
+            raise DSparkInputError(f"{name} must be a number, got {value!r}") from None
+        bad = arr[~np.isfinite(arr)]
+        if bad.size:
+            raise DSparkInputError(f"{name} must be a finite number, got {float(bad[0])}")
+    t = np.asarray(temperature, np.float64).reshape(-1)
+    if np.any(t < 0):
+        raise DSparkInputError(f"temperature must be >= 0 (0 is greedy), got {float(t[t < 0][0])}")
+    p = np.asarray(top_p, np.float64).reshape(-1)
+    if np.any((p <= 0) | (p > 1)):
+        raise DSparkInputError(f"top_p must be in (0, 1], got {float(p[(p <= 0) | (p > 1)][0])}")
+    k = np.asarray(top_k, np.float64).reshape(-1)
+    if np.any((k < 0) | (k != np.round(k))):
+        raise DSparkInputError(f"top_k must be an integer >= 0 (0 is off), got {float(k[(k < 0) | (k != np.round(k))][0])}")
+
+
 def _keys(seeds, b: int) -> jax.Array:
     seeds = np.broadcast_to(np.asarray(seeds, np.int64), (b,))
     # Host-side stack of distinct seeds: jnp.stack over B device arrays is superlinear
@@ -494,9 +527,11 @@ def generate_autoregressive(target: Target, prompts: Sequence[Sequence[int]], *,
       :class:`BatchResult`; seconds exclude compilation.
 
     Raises:
-      DSparkInputError: empty prompt, unknown token id, prompt too long.
+      DSparkInputError: empty prompt, unknown token id, prompt too long, NaN/inf or
+        out-of-range sampling settings (:func:`check_sampling`).
       FloatingPointError: the target produced NaN/inf logits.
     """
+    check_sampling(temperature, top_k, top_p)
     prompt, lens, limit, cache_len = _prepare(target, prompts, max_new_tokens, 0, cache_len)
     b = prompt.shape[0]
     stop = jnp.asarray(list(stop_ids if stop_ids is not None else target.cfg.eos_ids) or [-2], jnp.int32)
@@ -586,12 +621,14 @@ def generate_speculative(target: Target, drafter: Drafter, prompts: Sequence[Seq
       :class:`BatchResult` with tau, acceptance and per-position acceptance.
 
     Raises:
-      DSparkInputError: bad prompts, bad num_speculative_tokens, or a drafter for another target.
+      DSparkInputError: bad prompts, bad num_speculative_tokens, NaN/inf or out-of-range
+        sampling settings, or a drafter for another target.
       FloatingPointError: the target produced NaN/inf logits.
     """
     check_compatible(target, drafter)
     g_max = drafter.cfg.gamma
     n_spec = resolve_num_speculative_tokens(num_speculative_tokens, gamma, g_max, default=g_max)
+    check_sampling(temperature, top_k, top_p)
     prompt, lens, limit, cache_len = _prepare(target, prompts, max_new_tokens, g_max, cache_len)
     b = prompt.shape[0]
     stop = jnp.asarray(list(stop_ids if stop_ids is not None else target.cfg.eos_ids) or [-2], jnp.int32)

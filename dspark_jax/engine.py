@@ -59,8 +59,8 @@ re-runs the skipped tokens through the target (packed, taps on, the target cache
 holds their context) and writes their drafter context before the step, which then drafts
 exactly as with continuous upkeep.
 
-Exactness (Gumbel-coupled verification)
-----------------------------------------
+Exactness (Gumbel-coupled verification, ``verification="coupled"``, the default)
+----------------------------------------------------------------------------------
 The token after position ``t`` of a request is ``sample(fold_in(request_key, t), p_t)``, the
 same key derivation as :func:`dspark_jax.decode.generate_autoregressive`
 (``request_key = PRNGKey(seed)``), where ``sample`` is a Gumbel-max draw and ``p_t`` the
@@ -75,7 +75,39 @@ bonus is it. So the output is, token for token, plain autoregressive sampling wi
 whatever the verification lengths, the policy, the batch-mates or the slot, at any
 temperature/top-k/top-p. (In floating point this holds up to rounding differences between
 matmul shapes, which can only flip exact near-ties.) The draft acceptance rate under this
-coupling is ``P(x == y)`` for shared Gumbel noise rather than ``1 - TV(p, q)``.
+coupling is ``P(x == y)`` for shared Gumbel noise rather than ``1 - TV(p, q)``. The
+acceptance test itself is :func:`dspark_jax.verifier.coupled_accept`.
+
+Rejection-sampling verification (``verification="rejection"``)
+---------------------------------------------------------------
+The paper's mode (DESIGN.md "Verification (lossless)"): drafts are drawn with independent
+keys (``fold_in(fold_in(request_key, t), 2)``), each drafted block keeps its q
+(``[num_slots, gamma, V]`` on the device), and a speculative step scatters the target's p of
+the packed tokens to a ``[R, gamma + 1, V]`` grid and calls :func:`dspark_jax.verifier.verify`
+with one key per row and anchor position ``P`` (``fold_in(fold_in(request_key, P), 1)``;
+anchors strictly increase, so no round reuses noise). Output law: exactly plain sampling
+(tested in ``tests/test_verifier.py`` with the same law tests as coupled draws), but not
+token-for-token plain decoding with the seed; acceptance ``1 - TV(p, q)``, higher at T > 0.
+Plain (non-speculative) steps sample as coupled mode does. Greedy output is identical in both.
+Online calibration observes the acceptance of the mode in use.
+
+Per-request logit processing
+----------------------------
+``SamplingParams.logit_bias`` and ``min_tokens`` (EOS / stop ids at ``-inf`` while fewer than
+``min_tokens`` tokens were generated) form a sparse per-row table ``(ids, val, until)``
+of ``max_logit_bias + max_stop_ids`` entries, added to the RAW logits of the target (p) and
+of the drafter (q: its base logits, the Markov correction being additive) before
+temperature / top-k / top-p, so both modes stay lossless for the biased target. The step
+applies it under ``lax.cond`` only when some active row needs it. ``logprobs`` are the
+target's ``log_softmax`` of its raw logits at every emitted position (vLLM's default "raw"
+mode: before bias / temperature / filtering), with the top ``n <= 20``; the step computes
+them (log-softmax + top-k over V per packed token) under ``lax.cond`` only when some active
+row asked, and the host reads them back only then. Both flags are runtime scalars: no
+recompilation.
+
+Drafter kinds: DSpark / DFlash drafters (:class:`~dspark_jax.drafter.Drafter`). Eagle3
+(:class:`~dspark_jax.eagle.EagleDrafter`, autoregressive over its own cache) is refused at
+construction with a :class:`DSparkInputError`; evaluate it with :mod:`dspark_jax.decode`.
 
 Finish handling lives in the engine: EOS ids (the target's plus ``eos_token_ids``) and each
 request's ``stop_token_ids`` end it with ``"stop"`` (the stop token is included, tokens drafted
@@ -109,6 +141,7 @@ from .online_calibration import OnlineCalibrator
 from .sampling import SamplingArrays, logits_are_finite, process_logits, sample
 from .sps import SPSTable, profile_buckets
 from .target import Target
+from .verifier import coupled_accept, verify
 
 __all__ = ["SamplingParams", "Request", "StepOutput", "Prefix", "Engine", "parse_policy"]
 
@@ -126,6 +159,18 @@ class SamplingParams:
       seed: PRNG seed in the int32 range (same meaning as ``decode.generate_*(seed=...)``).
       max_tokens: >= 1, generated tokens at most.
       stop_token_ids: extra ids that end the request (EOS ids are added by the engine).
+      logit_bias: ``((token_id, bias), ...)``: ``bias`` is added to the raw logit of
+        ``token_id`` before temperature / top-k / top-p, identically for the target's p and
+        the drafter's q (so verification stays lossless); at most ``Engine.max_logit_bias``
+        entries, finite biases (a repeated id: the last entry wins).
+      logprobs: None (off) or ``n`` in ``[0, 20]``: every emitted token comes with its
+        logprob and the ``n`` most likely (id, logprob) alternatives. Logprobs are the
+        TARGET's ``log_softmax`` of its RAW logits at that position (vLLM's default "raw"
+        mode: before logit_bias / min_tokens / temperature / top-k / top-p), never the
+        drafter's.
+      min_tokens: EOS ids and ``stop_token_ids`` are masked out of sampling (logit -inf, as
+        vLLM does) and cannot end the request before ``min_tokens`` tokens were generated;
+        ``<= max_tokens``.
     """
 
     temperature: float = 1.0
@@ -134,6 +179,9 @@ class SamplingParams:
     seed: int = 0
     max_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    min_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -157,6 +205,9 @@ class StepOutput:
       finished: True when the request ended this step (its slot is free afterwards).
       finish_reason: ``"stop"``, ``"length"``, ``"error"`` or None while running.
       num_verified / num_accepted: draft tokens verified / accepted for this slot this step.
+      logprobs: None unless the request set ``SamplingParams.logprobs``; else aligned with
+        ``token_ids``: per token ``(logprob, [(id, logprob), ...] top-n, most likely first)``
+        from the target's log-softmax of its raw logits (see :class:`SamplingParams`).
     """
 
     slot: int
@@ -166,6 +217,7 @@ class StepOutput:
     finish_reason: str | None
     num_verified: int
     num_accepted: int
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclasses.dataclass
@@ -186,6 +238,8 @@ class Prefix:
     conf_logit: np.ndarray | None
     arrays: Any = dataclasses.field(repr=False, default=None)
     has_context: bool = True
+    first_logprob: tuple[float, list[tuple[int, float]]] | None = None
+    bias: Any = dataclasses.field(repr=False, default=None)
 
 
 class _State(NamedTuple):
@@ -201,6 +255,12 @@ class _State(NamedTuple):
     top_p: jax.Array       # [B] f32
     draft: jax.Array       # [B, G'] int32 next block's drafts (G' = max(gamma, 1))
     conf: jax.Array        # [B, G'] f32 their raw confidence logits
+    # Sparse additive logit bias (logit_bias and min_tokens' stop masking), applied to the
+    # logits predicting the token after position ``pos`` iff ``pos < bias_until``:
+    bias_ids: jax.Array    # [B, NB] int32 token ids (padding: id 0, until INT32_MIN)
+    bias_val: jax.Array    # [B, NB] f32 additive bias (-inf masks)
+    bias_until: jax.Array  # [B, NB] int32
+    qprob: Any             # [B, G, V] f32 q of the drafts (rejection mode only, else None)
 
 
 class _PrefixArrays(NamedTuple):
@@ -212,6 +272,7 @@ class _PrefixArrays(NamedTuple):
     token: jax.Array
     draft: jax.Array
     conf: jax.Array
+    qprob: Any             # [G, V] (rejection mode) or None
 
 
 def parse_policy(policy: str, gamma: int) -> tuple[str, float | int | None]:
@@ -266,14 +327,52 @@ def _fold(keys: jax.Array, pos: jax.Array) -> jax.Array:
     return out.reshape(pos.shape + (2,))
 
 
-def _draft(target, drafter, anchors, pos, keys, samp, dk, dv):
-    """Next block for every row: ``[R, G]`` tokens and raw confidence logits (coupled keys)."""
+def _apply_bias(logits, row, pos, ids, val, until):
+    """Adds the sparse per-row logit bias to ``logits [..., V]``.
+
+    ``row`` / ``pos`` ``[...]`` (the shape of ``logits`` without V): the row of each
+    distribution and the position whose NEXT token it predicts; ``ids / val / until``
+    ``[R, NB]``. Entry ``e`` of row ``r`` adds ``val[r, e]`` to logit ``ids[r, e]`` iff
+    ``pos < until[r, e]`` (``logit_bias``: until = INT32_MAX; min_tokens' stop masking:
+    ``-inf`` until the position of the ``min_tokens``-th generated token). Padding entries
+    never apply (until = INT32_MIN) and add exactly 0.
+    """
+    shape = logits.shape
+    flat = logits.reshape(-1, shape[-1])
+    r, p = row.reshape(-1), pos.reshape(-1)
+    on = p[:, None] < until[r]
+    add = jnp.where(on, val[r], 0.0).astype(flat.dtype)
+    flat = flat.at[jnp.arange(flat.shape[0])[:, None], ids[r]].add(add)
+    return flat.reshape(shape)
+
+
+def _maybe_bias(use_bias, logits, row, pos, st):
+    """:func:`_apply_bias` under ``lax.cond``: free (one executable) when no row uses it."""
+    return jax.lax.cond(use_bias, lambda x: _apply_bias(x, row, pos, st[0], st[1], st[2]), lambda x: x, logits)
+
+
+def _draft(target, drafter, anchors, pos, keys, samp, dk, dv, bias, use_bias, mode):
+    """Next block for every row: ``[R, G]`` tokens, raw confidence logits and, in rejection
+    mode, ``[R, G, V]`` q (else None).
+
+    Draft position ``k`` predicts the token after position ``pos + k``. Coupled mode draws it
+    with the key the target samples that token with (``fold_in(request_key, pos + k)``, shared
+    Gumbel noise); rejection mode with an independent key (``fold_in(that, 2)``). The rows'
+    logit bias (``bias = (ids, val, until)``) is added to the base logits, i.e. to q's logits
+    (the Markov correction is additive), exactly as to the target's.
+    """
     g = drafter.cfg.gamma
+    r_ = anchors.shape[0]
     block = drafter.draft_block(target, anchors, pos, KVCache(dk, dv))
-    step_keys = _fold(jnp.broadcast_to(keys[:, None], (keys.shape[0], g, 2)),
-                      pos[:, None] + jnp.arange(g, dtype=jnp.int32))
+    dpos = pos[:, None] + jnp.arange(g, dtype=jnp.int32)
+    block = block._replace(logits=_maybe_bias(use_bias, block.logits,
+                                              jnp.broadcast_to(jnp.arange(r_, dtype=jnp.int32)[:, None], dpos.shape),
+                                              dpos, bias))
+    step_keys = _fold(jnp.broadcast_to(keys[:, None], (r_, g, 2)), dpos)
+    if mode == "rejection":
+        step_keys = _fold(step_keys, jnp.full(dpos.shape, 2, jnp.int32))
     d = sample_block(drafter, block, anchors, keys, samp, step_keys=step_keys)
-    return d.tokens.astype(jnp.int32), d.confidence_logit
+    return d.tokens.astype(jnp.int32), d.confidence_logit, (d.probs if mode == "rejection" else None)
 
 
 def _write_context(drafter, features, row, pos, dk, dv):
@@ -285,8 +384,17 @@ def _write_context(drafter, features, row, pos, dk, dv):
             dv.at[:, row, wpos].set(cv[:, 0].astype(dv.dtype), mode="drop"))
 
 
-def _step_impl(t_state, d_state, st: _State, ell, active, draft_next, *, t_graph, d_graph,
-               rows: int, tokens: int, gamma: int):
+def _logprobs(raw_logits, emitted, n_top: int):
+    """Target logprobs (raw mode): ``log_softmax`` of the raw logits ``[K, V]``, the emitted
+    tokens' ``[K]`` logprobs and the ``n_top`` most likely ``(ids, logprobs)`` ``[K, n_top]``."""
+    lsm = jax.nn.log_softmax(raw_logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lsm, jnp.maximum(emitted, 0)[:, None], axis=-1)[:, 0]
+    top_v, top_i = jax.lax.top_k(lsm, n_top)
+    return chosen, top_v, top_i.astype(jnp.int32)
+
+
+def _step_impl(t_state, d_state, st: _State, ell, active, draft_next, use_bias, want_lp, *, t_graph, d_graph,
+               rows: int, tokens: int, gamma: int, mode: str = "coupled", n_top: int = 20):
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
     r_, k_ = rows, tokens
@@ -308,41 +416,70 @@ def _step_impl(t_state, d_state, st: _State, ell, active, draft_next, *, t_graph
     taps = drafter.cfg.taps if drafter is not None else ()
     out = target.forward_packed(tok, row, col, pos, KVCache(st.tk, st.tv), num_rows=r_, width=width, taps=taps)
 
+    bias = (st.bias_ids[:r_], st.bias_val[:r_], st.bias_until[:r_])
     samp_r = SamplingArrays(st.temperature[:r_], st.top_k[:r_], st.top_p[:r_])
     samp_k = SamplingArrays(*(a[row] for a in samp_r))
-    keys = _fold(st.key[:r_][row], jnp.maximum(pos, 0))
-    y = sample(keys, process_logits(out.logits, samp_k))
+    probs = process_logits(_maybe_bias(use_bias, out.logits, row, pos, bias), samp_k)
     prow = jnp.where(valid, row, r_)
     gp = max(gamma, 1)
-    ypad = jnp.full((r_, gp + 1), -1, jnp.int32).at[prow, col].set(y, mode="drop")
     bad = (~logits_are_finite(out.logits)).astype(jnp.int32)
     finite = jnp.zeros((r_,), jnp.int32).at[prow].max(bad, mode="drop") == 0
 
-    if width > 1:
-        kk = jnp.arange(gamma, dtype=jnp.int32)
-        match = (drafts[:, :gamma] == ypad[:, :gamma]) & (kk[None, :] < (n - 1)[:, None])
-        acc = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    if width > 1 and mode == "rejection":
+        # Rejection sampling (verifier.verify): p on the [R, G+1] grid; one round key per
+        # row and anchor position, independent of the draft keys (fold_in(., 2)) and of
+        # every other round (anchor positions strictly increase).
+        p_grid = jnp.zeros((r_, gamma + 1, probs.shape[-1]), jnp.float32).at[prow, col].set(probs, mode="drop")
+        vkeys = _fold(_fold(st.key[:r_], p0), jnp.ones((r_,), jnp.int32))
+        res = verify(vkeys, drafts[:, :gamma], st.qprob[:r_], p_grid, n - 1)
+        ypad, acc = res.tokens, res.num_accepted
     else:
-        acc = jnp.zeros((r_,), jnp.int32)
+        # Coupled draws (verifier.coupled_accept): the target's own sample at every packed
+        # position with plain decoding's key; drafts were drawn with the same keys.
+        keys = _fold(st.key[:r_][row], jnp.maximum(pos, 0))
+        y = sample(keys, probs)
+        ypad = jnp.full((r_, gp + 1), -1, jnp.int32).at[prow, col].set(y, mode="drop")
+        if width > 1:
+            acc = coupled_accept(drafts[:, :gamma], ypad, n - 1).num_accepted
+        else:
+            acc = jnp.zeros((r_,), jnp.int32)
     acc = jnp.where(act, acc, 0)
     new_anchor = jnp.where(act, jnp.take_along_axis(ypad, acc[:, None], 1)[:, 0], anchor)
     new_pos = jnp.where(act, p0 + acc + 1, p0)
 
+    def lp_on(_):
+        c, tv, ti = _logprobs(out.logits, ypad[row, col], n_top)
+        return (jnp.zeros((r_, gp + 1), jnp.float32).at[prow, col].set(c, mode="drop"),
+                jnp.zeros((r_, gp + 1, n_top), jnp.float32).at[prow, col].set(tv, mode="drop"),
+                jnp.zeros((r_, gp + 1, n_top), jnp.int32).at[prow, col].set(ti, mode="drop"))
+
+    def lp_off(_):
+        return (jnp.zeros((r_, gp + 1), jnp.float32), jnp.zeros((r_, gp + 1, n_top), jnp.float32),
+                jnp.zeros((r_, gp + 1, n_top), jnp.int32))
+
+    # Logprobs cost a log-softmax and a top-k over V per packed token: only when some row
+    # asked (lax.cond: one executable, nothing computed otherwise).
+    lp = jax.lax.cond(want_lp, lp_on, lp_off, None)
+
     dk, dv, new_draft, new_conf = st.dk, st.dv, drafts, st.conf[:r_]
+    new_q = st.qprob[:r_] if st.qprob is not None else None
     if drafter is not None:
         dk, dv = _write_context(drafter, out.features, prow, pos, dk, dv)
 
         def do_draft(_):
-            t, z = _draft(target, drafter, new_anchor, new_pos, st.key[:r_], samp_r, dk[:, :r_], dv[:, :r_])
-            return jnp.where(act[:, None], t, drafts), jnp.where(act[:, None], z, st.conf[:r_])
+            t, z, q = _draft(target, drafter, new_anchor, new_pos, st.key[:r_], samp_r, dk[:, :r_], dv[:, :r_],
+                             bias, use_bias, mode)
+            q = None if q is None else jnp.where(act[:, None, None], q, new_q)
+            return jnp.where(act[:, None], t, drafts), jnp.where(act[:, None], z, st.conf[:r_]), q
 
-        new_draft, new_conf = jax.lax.cond(draft_next, do_draft, lambda _: (drafts, st.conf[:r_]), None)
+        new_draft, new_conf, new_q = jax.lax.cond(draft_next, do_draft, lambda _: (drafts, st.conf[:r_], new_q),
+                                                  None)
 
-    new_st = _State(out.cache.k, out.cache.v, dk, dv,
-                    st.anchor.at[:r_].set(new_anchor), st.pos.at[:r_].set(new_pos), st.key,
-                    st.temperature, st.top_k, st.top_p,
-                    st.draft.at[:r_].set(new_draft), st.conf.at[:r_].set(new_conf))
-    return new_st, (ypad, acc, finite, new_conf)
+    new_st = st._replace(tk=out.cache.k, tv=out.cache.v, dk=dk, dv=dv,
+                         anchor=st.anchor.at[:r_].set(new_anchor), pos=st.pos.at[:r_].set(new_pos),
+                         draft=st.draft.at[:r_].set(new_draft), conf=st.conf.at[:r_].set(new_conf),
+                         qprob=st.qprob if (st.qprob is None or drafter is None) else st.qprob.at[:r_].set(new_q))
+    return new_st, (ypad, acc, finite, new_conf, lp)
 
 
 def _catchup_impl(t_state, d_state, st: _State, tok, row, col, pos, *, t_graph, d_graph, rows: int,
@@ -363,7 +500,10 @@ def _catchup_impl(t_state, d_state, st: _State, tok, row, col, pos, *, t_graph, 
 
 
 def _prefill_impl(t_state, d_state, tokens, prompt_len, seed, temperature, top_k, top_p, do_draft, do_context,
-                  *, t_graph, d_graph, gamma: int):
+                  bias_ids, bias_val, bias_until, *, t_graph, d_graph, gamma: int, mode: str = "coupled",
+                  n_top: int = 20):
+    """Prefill of one request: caches, the first token (biased like every later one), its
+    raw target logprobs (one row: always computed, cheap) and optionally the first block."""
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
     p_len = tokens.shape[1]
@@ -372,12 +512,17 @@ def _prefill_impl(t_state, d_state, tokens, prompt_len, seed, temperature, top_k
     taps = drafter.cfg.taps if drafter is not None else ()
     out = target(tokens, pos, target.init_cache(1, p_len), taps=taps, logit_index=prompt_len[None] - 1)
     samp = SamplingArrays(temperature[None], top_k[None], top_p[None])
+    bias = (bias_ids[None], bias_val[None], bias_until[None])
+    zero = jnp.zeros((1,), jnp.int32)
+    logits = _apply_bias(out.logits, zero, prompt_len[None] - 1, *bias)
     tok = sample(jax.random.fold_in(key, (prompt_len - 1).astype(jnp.uint32))[None],
-                 process_logits(out.logits, samp)).astype(jnp.int32)
+                 process_logits(logits, samp)).astype(jnp.int32)
+    lp = _logprobs(out.logits, tok, n_top)
     finite = logits_are_finite(out.logits)[0]
     gp = max(gamma, 1)
     dk = dv = None
     draft, conf = jnp.zeros((1, gp), jnp.int32), jnp.zeros((1, gp), jnp.float32)
+    q = jnp.zeros((1, gamma, target.cfg.vocab_size), jnp.float32) if mode == "rejection" else None
     if drafter is not None:
         empty = drafter.init_cache(1, p_len)
         # The drafter context is skipped (lax.cond, one executable) while the drafter is
@@ -388,13 +533,15 @@ def _prefill_impl(t_state, d_state, tokens, prompt_len, seed, temperature, top_k
         dk, dv = dc.k, dc.v
         # Drafting the first block costs a drafter pass plus gamma LM-head rows; skipped (under
         # lax.cond, one executable) while the scheduler is not drafting.
-        draft, conf = jax.lax.cond(do_draft, lambda _: _draft(target, drafter, tok, prompt_len[None], key[None],
-                                                              samp, dk, dv),
-                                   lambda _: (draft, conf), None)
-    return _PrefixArrays(out.cache.k, out.cache.v, dk, dv, key, tok[0], draft[0], conf[0]), finite
+        draft, conf, q = jax.lax.cond(do_draft, lambda _: _draft(target, drafter, tok, prompt_len[None], key[None],
+                                                                 samp, dk, dv, bias, jnp.bool_(True), mode),
+                                      lambda _: (draft, conf, q), None)
+    return (_PrefixArrays(out.cache.k, out.cache.v, dk, dv, key, tok[0], draft[0], conf[0],
+                          None if q is None else q[0]), finite, lp)
 
 
-def _insert_impl(st: _State, pre: _PrefixArrays, row, pos, temperature, top_k, top_p) -> _State:
+def _insert_impl(st: _State, pre: _PrefixArrays, row, pos, temperature, top_k, top_p, bias_ids, bias_val,
+                 bias_until) -> _State:
     z = jnp.int32(0)
 
     def put(cache, part):
@@ -404,7 +551,10 @@ def _insert_impl(st: _State, pre: _PrefixArrays, row, pos, temperature, top_k, t
     return _State(put(st.tk, pre.tk), put(st.tv, pre.tv), put(st.dk, pre.dk), put(st.dv, pre.dv),
                   st.anchor.at[row].set(pre.token), st.pos.at[row].set(pos), st.key.at[row].set(pre.key),
                   st.temperature.at[row].set(temperature), st.top_k.at[row].set(top_k),
-                  st.top_p.at[row].set(top_p), st.draft.at[row].set(pre.draft), st.conf.at[row].set(pre.conf))
+                  st.top_p.at[row].set(top_p), st.draft.at[row].set(pre.draft), st.conf.at[row].set(pre.conf),
+                  st.bias_ids.at[row].set(bias_ids), st.bias_val.at[row].set(bias_val),
+                  st.bias_until.at[row].set(bias_until),
+                  None if st.qprob is None else st.qprob.at[row].set(pre.qprob))
 
 
 def _move_impl(st: _State, src, dst) -> _State:
@@ -436,6 +586,25 @@ class _Slot:
     hist: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=3))
     tokens: list = dataclasses.field(default_factory=list)  # confirmed tokens by position
     stale_from: int | None = None  # drafter context missing from this position on (None: current)
+    min_tokens: int = 0         # stops cannot end the request before this many generated tokens
+    has_bias: bool = False      # the request has logit_bias entries
+    n_lp: int | None = None     # SamplingParams.logprobs
+    pending_lp: list = dataclasses.field(default_factory=list)  # logprobs of ``pending``
+
+    def biased(self) -> bool:
+        """Whether a step must apply this row's bias table (logit_bias, or min_tokens masking
+        still active at the anchor position: ``length - prompt_len`` tokens generated)."""
+        return self.has_bias or self.length - self.prompt_len < self.min_tokens
+
+
+def _is_int(x) -> bool:
+    """An integer value (Python or numpy), not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _lp_entry(chosen, top_v, top_i, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """One token's ``(logprob, [(id, logprob)] * n)`` from device arrays."""
+    return float(chosen), [(int(top_i[m]), float(top_v[m])) for m in range(n)]
 
 
 def _pow2_upto(limit: int, start: int = 1) -> list[int]:
@@ -477,16 +646,41 @@ class Engine:
         drafter-less engine's step); when drafting resumes, the skipped positions are caught
         up first (:meth:`_catch_up`, one packed target pass per ``gamma + 1`` skipped tokens
         per row). ``None`` never suspends.
+      verification: ``"coupled"`` (default: draft and target share per-position noise, a
+        draft is accepted iff it equals the target's own sample, so every response equals
+        plain decoding with its seed) or ``"rejection"`` (the paper's rejection sampling,
+        higher acceptance at T > 0, same output law; keeps each drafted block's q,
+        ``[num_slots, gamma, V]`` float32, on the device). DESIGN.md "Verification
+        (lossless)"; :mod:`dspark_jax.verifier`.
+      max_logit_bias: capacity of ``SamplingParams.logit_bias`` per request (static: the
+        per-row bias table has ``max_logit_bias + max_stop_ids`` entries).
+      max_stop_ids: capacity for EOS + ``stop_token_ids`` of a request with ``min_tokens``.
 
     Raises:
-      DSparkInputError: bad sizes, unknown policy, or a drafter for another target.
+      DSparkInputError: bad sizes, unknown policy or verification mode, a drafter for
+        another target, or a drafter kind the engine cannot serve (eagle3).
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, *, num_slots: int = 8,
                  cache_len: int = 1024, policy: str = "dspark", buckets=None, sps_table=None,
                  eos_token_ids=(), seed_calibration: bool = True, profile_iters: int = 3,
                  calibration_window: int = 2048, calibration_lr: float = 0.05,
-                 row_buckets=None, prefill_buckets=None, suspend_after: int | None = 16):
+                 row_buckets=None, prefill_buckets=None, suspend_after: int | None = 16,
+                 verification: str = "coupled", max_logit_bias: int = 300, max_stop_ids: int = 64):
+        if verification not in ("coupled", "rejection"):
+            raise DSparkInputError(f"verification must be 'coupled' or 'rejection', got {verification!r}")
+        if drafter is not None and (getattr(drafter.cfg, "variant", "") == "eagle3"
+                                    or not hasattr(drafter, "context_kv")):
+            raise DSparkInputError(
+                f"the serving engine cannot serve a {getattr(drafter.cfg, 'variant', type(drafter).__name__)} "
+                "drafter (it drafts autoregressively from its own cache); serve a dspark/dflash drafter, "
+                "or evaluate eagle3 with dspark_jax.decode / dspark_jax.eval")
+        if max_logit_bias < 0 or max_stop_ids < 0:
+            raise DSparkInputError(f"max_logit_bias and max_stop_ids must be >= 0, got {max_logit_bias}, "
+                                   f"{max_stop_ids}")
+        self.verification = verification
+        self.max_logit_bias, self.max_stop_ids = int(max_logit_bias), int(max_stop_ids)
+        self._nb = max(1, self.max_logit_bias + self.max_stop_ids)
         if num_slots < 1:
             raise DSparkInputError(f"num_slots must be >= 1, got {num_slots}")
         if cache_len < 2:
@@ -518,7 +712,9 @@ class Engine:
         self._t_graph, self._t_state = nnx.split(target)
         self._d_graph, self._d_state = nnx.split(drafter) if drafter is not None else (None, None)
         shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), (self._t_state, self._d_state))
-        self._sig = (self._t_graph, self._d_graph, str(shapes), self.num_slots, self.cache_len)
+        self._n_top = min(20, target.cfg.vocab_size)
+        self._sig = (self._t_graph, self._d_graph, str(shapes), self.num_slots, self.cache_len, verification,
+                     self._nb, self._n_top)
         init = drafter.calibration if (drafter is not None and seed_calibration) else None
         self.calibrator = OnlineCalibrator(max(self.gamma, 1), init, window=calibration_window, lr=calibration_lr)
         self._state = self._init_state()
@@ -596,9 +792,14 @@ class Engine:
             dc = self.drafter.init_cache(b, s)
             dk, dv = dc.k, dc.v
         gp = max(self.gamma, 1)
+        nb = self._nb
+        q = (jnp.zeros((b, self.gamma, t.cfg.vocab_size), jnp.float32)
+             if (self.verification == "rejection" and self.gamma) else None)
         return _State(tc.k, tc.v, dk, dv, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32),
                       jnp.zeros((b, 2), jnp.uint32), jnp.ones((b,), jnp.float32), jnp.zeros((b,), jnp.int32),
-                      jnp.ones((b,), jnp.float32), jnp.zeros((b, gp), jnp.int32), jnp.zeros((b, gp), jnp.float32))
+                      jnp.ones((b,), jnp.float32), jnp.zeros((b, gp), jnp.int32), jnp.zeros((b, gp), jnp.float32),
+                      jnp.zeros((b, nb), jnp.int32), jnp.zeros((b, nb), jnp.float32),
+                      jnp.full((b, nb), _INT32_MIN, jnp.int32), q)
 
     def _compile(self, key, fn, args, donate=()):
         full = self._sig + key
@@ -615,10 +816,10 @@ class Engine:
         exe = self._compiled.get(key)
         if exe is None:
             fn = partial(_step_impl, t_graph=self._t_graph, d_graph=self._d_graph, rows=rows, tokens=tokens,
-                         gamma=self.gamma)
+                         gamma=self.gamma, mode=self.verification, n_top=self._n_top)
             b = self.num_slots
             args = (self._t_state, self._d_state, self._state, np.zeros(b, np.int32), np.zeros(b, bool),
-                    np.bool_(False))
+                    np.bool_(False), np.bool_(False), np.bool_(False))
             exe = self._compile(key, fn, args, donate=(2,))
         return exe
 
@@ -628,9 +829,11 @@ class Engine:
         key = ("bare_step", rows)
         exe = self._compiled.get(key)
         if exe is None:
-            fn = partial(_step_impl, t_graph=self._t_graph, d_graph=None, rows=rows, tokens=rows, gamma=self.gamma)
+            fn = partial(_step_impl, t_graph=self._t_graph, d_graph=None, rows=rows, tokens=rows, gamma=self.gamma,
+                         mode=self.verification, n_top=self._n_top)
             b = self.num_slots
-            args = (self._t_state, None, self._state, np.zeros(b, np.int32), np.zeros(b, bool), np.bool_(False))
+            args = (self._t_state, None, self._state, np.zeros(b, np.int32), np.zeros(b, bool), np.bool_(False),
+                    np.bool_(False), np.bool_(False))
             exe = self._compile(key, fn, args, donate=(2,))
         return exe
 
@@ -648,9 +851,10 @@ class Engine:
         key = ("prefill", p_len)
         exe = self._compiled.get(key)
         if exe is None:
-            fn = partial(_prefill_impl, t_graph=self._t_graph, d_graph=self._d_graph, gamma=self.gamma)
+            fn = partial(_prefill_impl, t_graph=self._t_graph, d_graph=self._d_graph, gamma=self.gamma,
+                         mode=self.verification, n_top=self._n_top)
             args = (self._t_state, self._d_state, np.zeros((1, p_len), np.int32), np.int32(1), np.int32(0),
-                    np.float32(1), np.int32(0), np.float32(1), np.bool_(True), np.bool_(True))
+                    np.float32(1), np.int32(0), np.float32(1), np.bool_(True), np.bool_(True)) + self._no_bias()
             exe = self._compile(key, fn, args)
         return exe
 
@@ -658,7 +862,8 @@ class Engine:
         key = ("insert", p_len)
         exe = self._compiled.get(key)
         if exe is None:
-            args = (self._state, pre, np.int32(0), np.int32(0), np.float32(1), np.int32(0), np.float32(1))
+            args = (self._state, pre, np.int32(0), np.int32(0), np.float32(1), np.int32(0),
+                    np.float32(1)) + self._no_bias()
             exe = self._compile(key, _insert_impl, args, donate=(0,))
         return exe
 
@@ -668,9 +873,15 @@ class Engine:
             exe = self._compile(("move",), _move_impl, (self._state, np.int32(0), np.int32(0)), donate=(0,))
         return exe
 
-    def _run_step(self, rows, tokens, ell, active, draft_next):
+    def _no_bias(self):
+        """An empty per-row bias table (``ids, val, until`` ``[NB]``)."""
+        nb = self._nb
+        return (np.zeros(nb, np.int32), np.zeros(nb, np.float32), np.full(nb, _INT32_MIN, np.int32))
+
+    def _run_step(self, rows, tokens, ell, active, draft_next, use_bias=False, want_lp=False):
         exe = self._step_exe(rows, tokens)
-        self._state, out = exe(self._t_state, self._d_state, self._state, ell, active, np.bool_(draft_next))
+        self._state, out = exe(self._t_state, self._d_state, self._state, ell, active, np.bool_(draft_next),
+                               np.bool_(use_bias), np.bool_(want_lp))
         return out
 
     def warmup(self) -> None:
@@ -686,9 +897,9 @@ class Engine:
         for p in self.prefill_buckets:
             if p not in self._examples:
                 exe = self._prefill_exe(p)
-                self._examples[p], _ = exe(self._t_state, self._d_state, np.zeros((1, p), np.int32), np.int32(1),
-                                           np.int32(0), np.float32(1), np.int32(0), np.float32(1), np.bool_(False),
-                                           np.bool_(False))
+                self._examples[p], _, _ = exe(self._t_state, self._d_state, np.zeros((1, p), np.int32),
+                                              np.int32(1), np.int32(0), np.float32(1), np.int32(0), np.float32(1),
+                                              np.bool_(False), np.bool_(False), *self._no_bias())
             self._insert_exe(p, self._examples[p])
         self._move_exe()
         self._ensure_table()
@@ -763,6 +974,65 @@ class Engine:
             [int(t) for t in p.stop_token_ids]
         except (TypeError, ValueError):
             raise DSparkInputError("stop_token_ids must be integers") from None
+        self._logit_bias(p)
+        n_lp = p.logprobs
+        if n_lp is not None and not (_is_int(n_lp) and 0 <= n_lp <= 20):
+            raise DSparkInputError(f"logprobs must be None or an integer in [0, 20], got {n_lp!r}")
+        if n_lp is not None and n_lp > self._n_top:
+            raise DSparkInputError(f"logprobs must be <= {self._n_top} (the vocabulary size), got {n_lp}")
+        if not (_is_int(p.min_tokens) and p.min_tokens >= 0):
+            raise DSparkInputError(f"min_tokens must be an integer >= 0, got {p.min_tokens!r}")
+        if p.min_tokens > p.max_tokens:
+            raise DSparkInputError(f"min_tokens ({p.min_tokens}) must be <= max_tokens ({p.max_tokens})")
+        if p.min_tokens and len(self._stops(p)) > self.max_stop_ids:
+            raise DSparkInputError(f"min_tokens with {len(self._stops(p))} EOS/stop_token_ids: at most "
+                                   f"{self.max_stop_ids} are supported")
+
+    def _stops(self, p: SamplingParams) -> frozenset:
+        return frozenset(self.eos_ids) | frozenset(int(t) for t in p.stop_token_ids)
+
+    def _logit_bias(self, p: SamplingParams) -> dict[int, float]:
+        """Validated ``{token_id: bias}`` of ``p.logit_bias`` (a repeated id: last wins).
+
+        Raises:
+          DSparkInputError: not (id, bias) pairs, an id outside the vocabulary, a non-finite
+            bias, or more than ``max_logit_bias`` entries.
+        """
+        lb = p.logit_bias
+        v = self.target.cfg.vocab_size
+        try:
+            pairs = list(lb.items()) if isinstance(lb, dict) else [tuple(e) for e in lb]
+            out = {}
+            for t, b in pairs:
+                if not _is_int(t) or isinstance(b, (bool, str)):
+                    raise ValueError
+                out[int(t)] = float(b)
+        except (TypeError, ValueError):
+            raise DSparkInputError("logit_bias must be a sequence of (token_id, bias) pairs with integer "
+                                   "ids and numeric biases") from None
+        for t, b in out.items():
+            if not 0 <= t < v:
+                raise DSparkInputError(f"logit_bias token id {t} is outside the vocabulary [0, {v})")
+            if not math.isfinite(b):
+                raise DSparkInputError(f"logit_bias for token {t} must be finite, got {b}")
+        if len(out) > self.max_logit_bias:
+            raise DSparkInputError(f"logit_bias has {len(out)} entries; at most {self.max_logit_bias} are supported")
+        return out
+
+    def _bias_table(self, p: SamplingParams, prompt_len: int):
+        """The request's ``(ids, val, until)`` ``[NB]`` bias table (see :func:`_apply_bias`):
+        logit_bias entries (always on), then, with ``min_tokens``, every EOS / stop id at
+        ``-inf`` for the positions predicting generated tokens ``0 .. min_tokens - 1``."""
+        ids, val, until = self._no_bias()
+        i = 0
+        for t, b in self._logit_bias(p).items():
+            ids[i], val[i], until[i] = t, b, _INT32_MAX
+            i += 1
+        if p.min_tokens:
+            for t in sorted(t for t in self._stops(p) if 0 <= t < self.target.cfg.vocab_size):
+                ids[i], val[i], until[i] = t, -np.inf, prompt_len + int(p.min_tokens) - 1
+                i += 1
+        return ids, val, until
 
     def prefill(self, request: Request) -> Prefix:
         """Runs the target (and drafter) over the prompt and samples the first token.
@@ -780,12 +1050,18 @@ class Engine:
         sp = request.params
         drafted = bool(self.gamma) and self._drafting
         context = drafted or not self._suspended()   # always True without a drafter
-        pre, finite = self._prefill_exe(p_len)(
+        bias = self._bias_table(sp, n)
+        pre, finite, lp = self._prefill_exe(p_len)(
             self._t_state, self._d_state, buf, np.int32(n), np.int32(sp.seed), np.float32(sp.temperature),
-            np.int32(sp.top_k), np.float32(sp.top_p), np.bool_(drafted), np.bool_(context))
+            np.int32(sp.top_k), np.float32(sp.top_p), np.bool_(drafted), np.bool_(context), *bias)
         tok, finite, conf = jax.device_get((pre.token, finite, pre.conf))
+        first_lp = None
+        if sp.logprobs is not None:
+            c, tv, ti = jax.device_get(lp)
+            first_lp = _lp_entry(c[0], tv[0], ti[0], sp.logprobs)
         return Prefix(request, n, p_len, int(tok), bool(finite),
-                      np.asarray(conf, np.float64) if drafted else None, pre, has_context=context)
+                      np.asarray(conf, np.float64) if drafted else None, pre, has_context=context,
+                      first_logprob=first_lp, bias=bias)
 
     def insert(self, prefix: Prefix, slot: int) -> None:
         """Puts a prefilled request into free logical ``slot``.
@@ -801,12 +1077,14 @@ class Engine:
             raise DSparkInputError("insert needs a Prefix made by this engine's prefill")
         req, sp = prefix.request, prefix.request.params
         end = min(prefix.prompt_len + int(sp.max_tokens), self.target.cfg.max_position, self.cache_len)
-        stops = frozenset(self.eos_ids) | frozenset(int(t) for t in sp.stop_token_ids)
+        stops = self._stops(sp)
         rec = _Slot(req, None, prefix.prompt_len, prefix.prompt_len + 1, end, stops, [prefix.first_token],
-                    tokens=[int(t) for t in req.prompt_ids] + [prefix.first_token])
+                    tokens=[int(t) for t in req.prompt_ids] + [prefix.first_token],
+                    min_tokens=int(sp.min_tokens), has_bias=bool(self._logit_bias(sp)), n_lp=sp.logprobs,
+                    pending_lp=[prefix.first_logprob] if sp.logprobs is not None else [])
         if not prefix.finite:
-            rec.done, rec.pending = "error", []
-        elif prefix.first_token in stops:
+            rec.done, rec.pending, rec.pending_lp = "error", [], []
+        elif prefix.first_token in stops and rec.min_tokens == 0:
             rec.done = "stop"
         elif rec.length >= end:
             rec.done = "length"
@@ -816,8 +1094,9 @@ class Engine:
             return
         row = len(self._row_slot)
         exe = self._insert_exe(prefix.bucket_len, prefix.arrays)
+        bias = prefix.bias if prefix.bias is not None else self._bias_table(sp, prefix.prompt_len)
         self._state = exe(self._state, prefix.arrays, np.int32(row), np.int32(prefix.prompt_len),
-                          np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p))
+                          np.float32(sp.temperature), np.int32(sp.top_k), np.float32(sp.top_p), *bias)
         rec.row = row
         rec.z = prefix.conf_logit
         rec.stale_from = None if prefix.has_context else 0
@@ -982,7 +1261,8 @@ class Engine:
         outs: list[StepOutput] = []
         for slot in [s for s, rec in self._slots.items() if rec.row is None]:
             rec = self._slots.pop(slot)
-            outs.append(StepOutput(slot, rec.request.request_id, rec.pending, True, rec.done, 0, 0))
+            outs.append(StepOutput(slot, rec.request.request_id, rec.pending, True, rec.done, 0, 0,
+                                   rec.pending_lp if rec.n_lp is not None else None))
         n = len(self._row_slot)
         if n == 0:
             return outs
@@ -996,19 +1276,24 @@ class Engine:
         active[:n] = True
         if n + int(ell.sum()) > tokens or (tokens == rows and ell.any()):
             raise RuntimeError(f"scheduler plan {ell.tolist()} does not fit bucket ({rows}, {tokens})")
+        recs = [self._slots[s] for s in self._row_slot]
+        use_bias = any(rec.biased() for rec in recs)
+        want_lp = any(rec.n_lp is not None for rec in recs)
         if self._suspend_now(rows, tokens, draft_next):
-            for rec in (self._slots[s] for s in self._row_slot):
+            for rec in recs:
                 if rec.stale_from is None:
                     rec.stale_from = rec.length - 1
             self._state, out = self._bare_step_exe(rows)(self._t_state, None, self._state, ell_b, active,
-                                                         np.bool_(False))
+                                                         np.bool_(False), np.bool_(use_bias), np.bool_(want_lp))
             m_bare = 1
         else:
             self._catch_up()
-            out = self._run_step(rows, tokens, ell_b, active, draft_next)
+            out = self._run_step(rows, tokens, ell_b, active, draft_next, use_bias, want_lp)
             m_bare = 0
         self._idle_steps = 0 if (draft_next or tokens > rows) else self._idle_steps + 1
-        ypad, acc, finite, conf = jax.device_get(out)
+        # The logprob arrays are only read back when some row asked for them.
+        ypad, acc, finite, conf = jax.device_get(out[:4])
+        lpc, lpv, lpi = jax.device_get(out[4]) if want_lp else (None, None, None)
         m = self._metrics
         m["steps"] += 1
         m["step_seconds"] += time.perf_counter() - t0
@@ -1031,8 +1316,9 @@ class Engine:
             if not finite[r]:
                 new, reason = [], "error"
             keep = len(new)
+            gen = rec.length - rec.prompt_len       # tokens generated before new[0]
             for j, t in enumerate(new):
-                if t in rec.stops:
+                if t in rec.stops and gen + j >= rec.min_tokens:
                     keep, reason = j + 1, "stop"
                     break
             keep = min(keep, rec.end - rec.length)
@@ -1055,9 +1341,14 @@ class Engine:
             rec.tokens.extend(new)
             toks = rec.pending + new
             rec.pending = []
+            lps = None
+            if rec.n_lp is not None:
+                lps = rec.pending_lp + [_lp_entry(lpc[r, j], lpv[r, j], lpi[r, j], rec.n_lp) for j in range(keep)]
+                rec.pending_lp = []
             rec.z = np.asarray(conf[r], np.float64) if (draft_next and g) else None
             rec.hist.append(rec.z)
-            outs.append(StepOutput(slot, rec.request.request_id, toks, reason is not None, reason, n_ver, n_acc))
+            outs.append(StepOutput(slot, rec.request.request_id, toks, reason is not None, reason, n_ver, n_acc,
+                                   lps))
             if reason is not None:
                 finished.append(slot)
         for slot in finished:
@@ -1090,14 +1381,14 @@ class Engine:
         rebuilt skipped drafter context), ``mean_accepted_length`` (tau: tokens per round),
         ``acceptance_rate``, ``position_reached`` / ``position_accepted`` / ``position_acceptance``
         (per block position), ``budget_hist`` / ``rows_hist`` (chosen buckets),
-        ``calibration`` (online temperatures, predicted vs observed), ``compiles``,
-        ``policy``, ``num_active``.
+        ``calibration`` (online temperatures, predicted vs observed: the acceptance of the
+        verification mode in use), ``compiles``, ``policy``, ``verification``, ``num_active``.
         """
         m = self._metrics
         reached, acc = m["pos_reached"], m["pos_accepted"]
         step_emitted = m["emitted_tokens"]
         return {
-            "policy": self.policy, "num_active": self.num_active,
+            "policy": self.policy, "verification": self.verification, "num_active": self.num_active,
             "steps": m["steps"], "rounds": m["rounds"], "drafts": m["drafts"],
             "draft_tokens": m["draft_tokens"], "accepted_tokens": m["accepted_tokens"],
             "emitted_tokens": step_emitted, "packed_tokens": m["packed_tokens"],

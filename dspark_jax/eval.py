@@ -108,12 +108,17 @@ def load_prompt_texts(spec: str, export_meta: dict | None = None) -> tuple[list[
 
 
 def _validate(args: argparse.Namespace) -> None:
+    import math
+
     from .errors import DSparkInputError
 
     if args.num_prompts < 1:
         raise DSparkInputError("--num-prompts must be >= 1")
     if args.max_new_tokens < 1:
         raise DSparkInputError("--max-new-tokens must be >= 1")
+    if not math.isfinite(args.temperature) or not math.isfinite(args.top_p):
+        name = "--temperature" if not math.isfinite(args.temperature) else "--top-p"
+        raise DSparkInputError(f"{name} must be a finite number")
     if args.temperature < 0:
         raise DSparkInputError("--temperature must be >= 0")
     if not 0 < args.top_p <= 1:

@@ -6,9 +6,13 @@ Examples::
         --prompt "Once upon a time" --max-new-tokens 128 --temperature 0 --compare-ar --json
     python -m dspark_jax.generate --target smollm2-135m-instruct --prompt "What is the capital of France?"
 
-Without ``--drafter`` it decodes autoregressively with the target alone. Exit
+Without ``--drafter`` it decodes autoregressively with the target alone. ``text`` never ends
+in half a character (a multi-byte character the last token did not complete is dropped).
+``tau`` follows :class:`dspark_jax.decode.Generation` (tokens per target verification pass,
+the prefill token excluded; 1.0 for autoregressive decoding; null when no pass ran). Exit
 status 2 with a one-line ``error:`` message on bad input (missing model files,
-a drafter exported for another target, an empty or too-long prompt, ...).
+a drafter exported for another target, an empty or too-long prompt, a NaN/inf sampling
+setting, ...).
 """
 
 from __future__ import annotations
@@ -56,18 +60,17 @@ def run(args: argparse.Namespace) -> dict:
 
     from .api import encode_prompt, load_target
     from .checkpoint import load_drafter, read_export_meta
-    from .decode import check_compatible, generate_autoregressive, generate_speculative
+    from .decode import check_compatible, check_sampling, generate_autoregressive, generate_speculative
     from .errors import DSparkInputError
     from .presets import preset_info
+    from .tokenizer import decode_complete
 
     if args.max_new_tokens < 1:
         raise DSparkInputError("--max-new-tokens must be >= 1")
-    if args.temperature < 0:
-        raise DSparkInputError("--temperature must be >= 0")
-    if not 0 < args.top_p <= 1:
-        raise DSparkInputError("--top-p must be in (0, 1]")
-    if args.top_k < 0:
-        raise DSparkInputError("--top-k must be >= 0")
+    try:
+        check_sampling(args.temperature, args.top_k, args.top_p)
+    except DSparkInputError as e:
+        raise DSparkInputError(f"--{str(e).replace('_', '-', 1)}") from None
     if args.drafter:
         read_export_meta(args.drafter)  # fail fast, before loading the target
     if args.gamma is not None and not args.drafter:
@@ -92,10 +95,10 @@ def run(args: argparse.Namespace) -> dict:
         g = res.generations[0]
         out.update(mode="autoregressive")
     out.update(
-        text=tok.decode(g.token_ids, skip_special_tokens=True), token_ids=g.token_ids,
+        text=decode_complete(tok, g.token_ids), token_ids=g.token_ids,
         finish_reason=g.finish_reason, num_generated_tokens=len(g.token_ids),
         num_target_passes=g.num_target_passes,
-        tau=g.tau if args.drafter else 1.0,
+        tau=g.tau if g.num_target_passes else None,
         acceptance_rate=g.acceptance_rate,
         position_acceptance=g.position_acceptance if args.drafter else None,
         tokens_per_s=res.tokens_per_s, seconds=res.seconds, compile_seconds=res.compile_seconds)
@@ -104,7 +107,7 @@ def run(args: argparse.Namespace) -> dict:
             generate_autoregressive(target, [ids], **kw)  # warm-up, as for the speculative run
             ar = generate_autoregressive(target, [ids], **kw)
             ag = ar.generations[0]
-            out.update(ar_token_ids=ag.token_ids, ar_text=tok.decode(ag.token_ids, skip_special_tokens=True),
+            out.update(ar_token_ids=ag.token_ids, ar_text=decode_complete(tok, ag.token_ids),
                        ar_tokens_per_s=ar.tokens_per_s, ar_seconds=ar.seconds,
                        speedup=out["tokens_per_s"] / ar.tokens_per_s if ar.tokens_per_s else None,
                        matches_ar=ag.token_ids == g.token_ids)
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print(out["text"])
         stats = (f"[{out['mode']}: {out['num_generated_tokens']} tokens, {out['tokens_per_s']:.1f} tokens/s, "
                  f"{out['finish_reason']}")
-        if out["mode"] == "speculative":
+        if out["mode"] == "speculative" and out["tau"] is not None:
             stats += f", tau {out['tau']:.2f}, acceptance {out['acceptance_rate'] or 0:.2f}"
         if "speedup" in out and out["speedup"]:
             stats += f", speedup {out['speedup']:.2f}x vs autoregressive"

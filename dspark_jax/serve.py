@@ -15,20 +15,25 @@ request does not pay compilation. Policies: ``plain`` (no drafter), ``fixed:G`` 
 draft tokens per request), ``threshold:C`` (confidence threshold), ``greedy`` (the clean
 greedy Theta scheduler) and ``dspark`` (the deployed scheduler). Ctrl-C drains: requests
 in flight finish (up to ``--graceful-timeout`` seconds), then the engine thread stops.
-Exit status 2 with a one-line ``error:`` message on bad input.
+``--api-key`` (or ``DSPARK_API_KEY``) requires ``Authorization: Bearer KEY`` on every ``/v1``
+route (401 otherwise; ``/health`` and ``/metrics`` stay open unless
+``--api-key-health-metrics``). ``--verification`` picks the engine's lossless verification
+(``coupled`` or ``rejection``). Exit status 2 with a one-line ``error:`` message on bad
+input, including a drafter the engine cannot serve (e.g. eagle3).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["build_engine", "build_server", "ServerThread", "main"]
+__all__ = ["build_engine", "warmup_engine", "build_server", "ServerThread", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,8 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "context (caught up when drafting resumes; -1: never suspend; default 16)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests allowed to wait for a slot; more get HTTP 429 (default 256)")
-    p.add_argument("--default-max-tokens", type=int, default=256,
-                   help="max_tokens of requests that give none (capped to the context room; default 256)")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="max_tokens of requests that give none, both endpoints (capped to the context room; "
+                        "default: vLLM's: 16 for /v1/completions, the rest of the context for chat)")
+    p.add_argument("--verification", default="coupled", choices=["coupled", "rejection"],
+                   help="lossless verification: coupled (Gumbel-coupled, the default) or rejection (standard "
+                        "speculative rejection sampling: higher acceptance at T > 0, same output law)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise; default: the "
+                        "DSPARK_API_KEY environment variable, else no key)")
+    p.add_argument("--api-key-health-metrics", action="store_true",
+                   help="with --api-key, /health and /metrics need the key too (default: they stay open)")
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat-template file overriding the tokenizer's (needed for models without one)")
     p.add_argument("--served-model-name", default=None, help="the `model` name in responses (default: --target)")
@@ -124,23 +138,37 @@ def build_engine(target, drafter=None, *, policy: str | None = None, num_slots: 
     kw.update(engine_kwargs)
     engine = Engine(target, drafter if policy != "plain" else None, **kw)
     if warmup:
-        engine.warmup()
-        if table_path is not None and engine.sps_table is not None:
-            table_path.parent.mkdir(parents=True, exist_ok=True)
-            engine.sps_table.save(table_path)
+        warmup_engine(engine, sps_table)
     return engine
 
 
-def build_server(engine, tokenizer, *, model_name: str, max_queue: int = 256, default_max_tokens: int = 256,
-                 chat_template: str | None = None, policy: str = ""):
-    """``(app, engine_loop)``: the FastAPI app around an engine (the loop starts with the app)."""
+def warmup_engine(engine, sps_table: Any = None) -> None:
+    """Compiles every shape of ``engine`` (and profiles its SPS table); when ``sps_table`` is
+    a path, writes the table in use there."""
+    engine.warmup()
+    if isinstance(sps_table, (str, Path)) and engine.sps_table is not None:
+        path = Path(sps_table)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        engine.sps_table.save(path)
+
+
+def build_server(engine, tokenizer, *, model_name: str, max_queue: int = 256, default_max_tokens: int | None = None,
+                 chat_template: str | None = None, policy: str = "", api_key: str | None = None,
+                 api_key_health_metrics: bool = False):
+    """``(app, engine_loop)``: the FastAPI app around an engine (the loop starts with the app).
+
+    ``default_max_tokens`` None: vLLM's defaults (16 for completions, the rest of the
+    context for chat). ``api_key``: see :class:`dspark_jax.server.ServerConfig`.
+    """
     from .server import EngineLoop, ServerConfig, create_app
 
     loop = EngineLoop(engine, tokenizer, max_queue=max_queue, model_name=model_name)
     tcfg = engine.target.cfg
     cfg = ServerConfig(model_name=model_name, context_len=int(min(engine.cache_len, tcfg.max_position)),
                        vocab_size=int(tcfg.vocab_size),
-                       default_max_tokens=default_max_tokens, chat_template=chat_template, policy=policy)
+                       default_max_tokens=default_max_tokens, chat_template=chat_template, policy=policy,
+                       api_key=api_key or None, auth_health_metrics=bool(api_key_health_metrics),
+                       max_logit_bias=int(getattr(engine, "max_logit_bias", 1024)))
     return create_app(loop, tokenizer, cfg), loop
 
 
@@ -204,8 +232,11 @@ def run(args: argparse.Namespace) -> None:
 
     if args.max_queue < 0:
         raise DSparkInputError("--max-queue must be >= 0")
-    if args.default_max_tokens < 1:
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
         raise DSparkInputError("--default-max-tokens must be >= 1")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("DSPARK_API_KEY")
+    if args.api_key_health_metrics and not api_key:
+        raise DSparkInputError("--api-key-health-metrics needs --api-key (or DSPARK_API_KEY)")
     if not 0 < args.port < 65536:
         raise DSparkInputError("--port must be in 1..65535")
     if args.policy and args.policy.strip().lower() != "plain" and not args.drafter:
@@ -224,16 +255,21 @@ def run(args: argparse.Namespace) -> None:
     dtype = jnp.dtype(args.dtype)
     target, tok, drafter = load_target_and_drafter(args.target, args.drafter, dtype=dtype)
     policy = args.policy or ("dspark" if drafter is not None else "plain")
-    say(f"building the engine (policy {policy}, {args.num_slots} slots, cache {args.cache_len}) and compiling "
-        "every bucket ...")
     t0 = time.monotonic()
+    # Built without warm-up first: a drafter or setting the engine refuses (e.g. an eagle3
+    # drafter) is one `error:` line before anything is compiled.
     engine = build_engine(target, drafter, policy=policy, num_slots=args.num_slots, cache_len=args.cache_len,
-                          buckets=_parse_buckets(args.buckets), sps_table=args.sps_table,
-                          suspend_after=None if args.suspend_after == -1 else args.suspend_after)
+                          buckets=_parse_buckets(args.buckets), sps_table=args.sps_table, warmup=False,
+                          suspend_after=None if args.suspend_after == -1 else args.suspend_after,
+                          verification=args.verification)
+    say(f"compiling the engine (policy {policy}, verification {args.verification}, {args.num_slots} slots, "
+        f"cache {args.cache_len}) for every bucket ...")
+    warmup_engine(engine, args.sps_table)
     say(f"engine ready in {time.monotonic() - t0:.1f} s ({engine.metrics()['compiles']} executables); serving "
         f"on http://{args.host}:{args.port}")
     app, _ = build_server(engine, tok, model_name=args.served_model_name or args.target, max_queue=args.max_queue,
-                          default_max_tokens=args.default_max_tokens, chat_template=chat_template, policy=policy)
+                          default_max_tokens=args.default_max_tokens, chat_template=chat_template, policy=policy,
+                          api_key=api_key, api_key_health_metrics=args.api_key_health_metrics)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.graceful_timeout)
 

@@ -6,27 +6,43 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 
 Architecture (DESIGN.md, "serve"): one background thread, :class:`EngineLoop`, owns the
 :class:`~dspark_jax.engine.Engine` and is the only thread that touches JAX. Each iteration
-it (1) frees the slots of aborted requests (client disconnects), (2) admits waiting
-requests into free slots (``prefill`` + ``insert``), (3) runs one speculative step for all
-active slots (``generate``), detokenizes, applies stop strings and hands each request its
-new text with ``loop.call_soon_threadsafe`` to an ``asyncio.Queue``. The asyncio side
-only validates, tokenizes, enqueues and formats, so it never blocks on the engine. The
-waiting queue is bounded (``max_queue``): a full queue answers 429. Invalid requests get
-400 with a reason. Shutdown (uvicorn's graceful drain, then the app's lifespan end) stops
-the thread after failing whatever is still queued with 503.
+it (1) frees the slots of aborted requests (client disconnects, stop strings), (2) admits
+waiting requests into free slots (``prefill`` + ``insert``), (3) runs one speculative step
+for all active slots (``generate``) and hands each request its new token ids (and logprobs,
+speculative counts) with ``loop.call_soon_threadsafe`` to an ``asyncio.Queue``. It never
+detokenizes. The asyncio side validates, tokenizes, enqueues, and per request
+(:class:`OutputState`) detokenizes incrementally (``Tokenizer.detokenizer``: UTF-8-safe,
+O(1) per token, never a half character), matches stop strings and formats. The waiting
+queue is bounded (``max_queue``): a full queue answers 429. Shutdown (uvicorn's graceful
+drain, then the app's lifespan end) stops the thread after failing whatever is still
+queued with 503.
+
+Requests: every field the server does not honour is refused with 400 naming it (the
+request models forbid undeclared fields); declared fields with values the engine cannot
+honour (``presence_penalty`` != 0, ``echo``, ...) are refused too. A ``model`` other than
+the served name gets 404 (as vLLM). ``max_tokens`` defaults as in vLLM: 16 for
+completions, the rest of the context for chat (``--default-max-tokens`` overrides both).
+``n`` > 1 runs ``n`` requests: choice ``i`` is exactly what the same request with
+``seed + i`` (wrapped into int32) returns as its only choice. ``logit_bias``,
+``logprobs`` / ``top_logprobs`` and ``min_tokens`` are passed to the engine
+(:class:`~dspark_jax.engine.SamplingParams`); logprobs are the target's raw log-softmax
+(vLLM's default). ``min_tokens`` also holds back stop strings until that many tokens
+were generated (as vLLM).
 
 Exactness: the engine's output for a request depends only on its prompt, sampling
-parameters and seed, never on its batch-mates (the exactness issue). Stop strings are
-matched token by token on the detokenized text (the shortest prefix of the generated ids
-whose text contains a stop string ends the request), so the response is the same whether
-the engine emitted those tokens in one step or several.
+parameters and seed, never on its batch-mates (the exactness issue). A stop string ends
+the request at the first token whose text completes an occurrence (the text is cut
+before it; the token is kept in ``token_ids``), so the response is the same whether the
+engine emitted those tokens in one step or several.
 
 Per-request speculative metrics are returned in a ``spec_decode`` object beside
-``usage``: ``num_steps`` (target verification passes the request took part in),
-``num_draft_tokens`` (draft tokens verified), ``num_accepted_tokens``,
-``acceptance_rate`` = accepted / verified and ``tau`` = 1 + accepted / steps, the tokens a
-verification pass gives the request (accepted drafts + the bonus/correction token; DESIGN.md,
-"Metrics").
+``usage``: ``num_steps`` (target verification passes that gave the response at least
+one token), ``num_draft_tokens`` (draft tokens verified, none counted after a stop),
+``num_accepted_tokens`` (accepted drafts in the response), ``acceptance_rate`` = accepted
+/ verified and ``tau`` = ``(completion_tokens - 1) / num_steps``: returned tokens per
+verification pass, the first token (sampled at prefill) excluded. This is
+:class:`dspark_jax.decode.Generation`'s tau, the one definition (``generate --json``, the
+Python API and ``/metrics``' ``dspark:spec_decode_mean_accepted_length`` use it too).
 """
 
 from __future__ import annotations
@@ -57,10 +73,14 @@ from .errors import DSparkInputError
 
 log = logging.getLogger("dspark_jax.server")
 
-__all__ = ["EngineLoop", "QueueFullError", "ServerClosedError", "create_app"]
+__all__ = ["EngineLoop", "OutputState", "QueueFullError", "ServerClosedError", "ServerConfig", "create_app",
+           "choice_seed"]
 
 SEED_RANGE = (-(2**31), 2**31 - 1)  # the engine's PRNG seeds are int32
 MAX_STOP_STRINGS = 16
+MAX_N = 16           # choices per request
+MAX_LOGPROBS = 20    # top alternatives per token (vLLM's default max_logprobs)
+LOGIT_BIAS_RANGE = 100.0
 
 
 class QueueFullError(RuntimeError):
@@ -71,21 +91,34 @@ class ServerClosedError(RuntimeError):
     """The engine loop is stopped or stopping (HTTP 503)."""
 
 
+def choice_seed(seed: int, i: int) -> int:
+    """The seed of choice ``i`` of a request with ``seed``: ``seed + i`` wrapped into int32."""
+    lo = SEED_RANGE[0]
+    return (int(seed) + int(i) - lo) % 2**32 + lo
+
+
 # --------------------------------------------------------------------------- request tracking
 
 
 @dataclasses.dataclass
 class RequestEvent:
-    """What the engine thread hands a request's asyncio queue.
+    """What the engine thread hands a request's asyncio queue: one engine output.
 
-    ``kind``: ``"delta"`` (new text/ids, more to come), ``"final"`` (the request ended;
+    ``kind``: ``"delta"`` (new tokens, more to come), ``"final"`` (the request ended;
     ``finish_reason`` is ``stop``/``length``/``abort``), ``"error"`` (``message`` and the
-    HTTP ``status`` it maps to).
+    HTTP ``status`` it maps to). ``index``: the choice. ``token_ids`` / ``logprobs``: as
+    ``StepOutput`` (logprobs None unless requested). ``num_verified`` / ``num_accepted``:
+    the step's draft counts. ``with_prefill_token``: ``token_ids[0]`` was sampled at
+    prefill (the request's first output), so not by this step's verification pass.
     """
 
     kind: Literal["delta", "final", "error"]
-    text: str = ""
+    index: int = 0
     token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list | None = None
+    num_verified: int = 0
+    num_accepted: int = 0
+    with_prefill_token: bool = False
     finish_reason: str | None = None
     message: str = ""
     status: int = 500
@@ -93,50 +126,136 @@ class RequestEvent:
 
 @dataclasses.dataclass(eq=False)
 class TrackedRequest:
-    """A request between the HTTP handler and the engine thread.
+    """An engine request between the HTTP handler and the engine thread (one per choice).
 
-    The engine thread writes the progress fields; the handler only reads them after
-    the final event (the queue hand-off orders the accesses).
+    The engine thread writes ``slot``/``admitted_at``/``started``/``done``; the handler
+    reads ``done`` only to decide whether an abort is still needed.
     """
 
     request: Any  # dspark_jax.engine.Request
-    stop: tuple[str, ...]
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    index: int = 0
     arrival: float = dataclasses.field(default_factory=time.monotonic)
     slot: int | None = None
-    token_ids: list[int] = dataclasses.field(default_factory=list)  # after stop-string truncation
-    num_engine_tokens: int = 0  # tokens the engine emitted (before stop-string truncation)
-    text: str = ""
-    sent_text: str = ""  # prefix of ``text`` already handed out as deltas
-    num_steps: int = 0
-    num_verified: int = 0
-    num_accepted: int = 0
     admitted_at: float | None = None
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    finish_reason: str | None = None
-    done: bool = False  # set by the engine thread when the final/error event is queued
+    started: bool = False  # the first output (with the prefill token) was handed out
+    done: bool = False     # set by the engine thread when the final/error event is queued
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
 
-    def spec_decode(self) -> dict[str, Any]:
-        """Per-request speculative metrics (DESIGN.md, "Metrics")."""
-        return {
-            "num_steps": self.num_steps,
-            "num_draft_tokens": self.num_verified,
-            "num_accepted_tokens": self.num_accepted,
-            "acceptance_rate": (self.num_accepted / self.num_verified) if self.num_verified else None,
-            "tau": (1.0 + self.num_accepted / self.num_steps) if self.num_steps else None,
-        }
-
     def _put(self, ev: RequestEvent) -> None:
+        ev.index = self.index
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+
+@dataclasses.dataclass
+class Update:
+    """What one engine output adds to a choice: ``text`` safe to send now (complete
+    characters, nothing that could still become a stop string), the ``token_ids`` kept
+    (after a stop-string cut), their ``logprobs`` (or None) and ``finish_reason`` (None
+    while running)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list | None
+    finish_reason: str | None
+
+
+class OutputState:
+    """One choice's output on the asyncio side: incremental detokenization, stop
+    strings, logprobs and speculative counts.
+
+    Args:
+      tracked: the engine request.
+      tokenizer: a :class:`dspark_jax.tokenizer.Tokenizer` (``detokenizer()``).
+      stop: stop strings (non-empty).
+      min_tokens: stop strings are not matched before this many generated tokens.
+    """
+
+    def __init__(self, tracked: TrackedRequest, tokenizer, stop: tuple[str, ...] = (), min_tokens: int = 0):
+        self.tracked = tracked
+        self.detok = tokenizer.detokenizer(skip_special_tokens=True)
+        self.stop = tuple(stop)
+        self.hold = max((len(x) for x in self.stop), default=1) - 1
+        self.min_tokens = int(min_tokens)
+        self.text = ""
+        self.sent = 0  # characters of ``text`` handed out
+        self.token_ids: list[int] = []
+        self.logprobs: list | None = None
+        self.num_steps = self.num_emitted = self.num_verified = self.num_accepted = 0
+        self.finish_reason: str | None = None
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+
+    @property
+    def index(self) -> int:
+        return self.tracked.index
+
+    def feed(self, ev: RequestEvent) -> Update:
+        """Applies one ``delta``/``final`` event (see :class:`RequestEvent`)."""
+        ids = [int(i) for i in ev.token_ids]
+        keep, finish = len(ids), (ev.finish_reason or "stop") if ev.kind == "final" else None
+        for j, tid in enumerate(ids):
+            before = len(self.text)
+            self.text += self.detok.step(tid)
+            if self.stop and len(self.token_ids) + j + 1 >= self.min_tokens and len(self.text) > before:
+                # an occurrence that ends in this token's text (earlier ones were found earlier,
+                # or held back by min_tokens)
+                hits = [k for k in (self.text.find(x, max(0, before - len(x) + 1)) for x in self.stop) if k >= 0]
+                if hits:
+                    self.text, keep, finish = self.text[:min(hits)], j + 1, "stop"
+                    break
+        pre = 1 if ev.with_prefill_token else 0
+        total_pass, kept_pass = max(0, len(ids) - pre), max(0, keep - pre)
+        n_ver, n_acc = int(ev.num_verified), int(ev.num_accepted)
+        if kept_pass < total_pass:  # a stop string inside the block: nothing after it counts
+            n_ver, n_acc = min(n_ver, kept_pass), min(n_acc, kept_pass)
+        if kept_pass:
+            self.num_steps += 1
+            self.num_emitted += kept_pass
+        self.num_verified += n_ver
+        self.num_accepted += n_acc
+        new_ids = ids[:keep]
+        new_lps = None
+        if ev.logprobs is not None:
+            new_lps = list(ev.logprobs[:keep])
+            self.logprobs = (self.logprobs or []) + new_lps
+        self.token_ids += new_ids
+        if new_ids and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        if finish is not None:
+            end = len(self.text)
+            self.finish_reason, self.finished_at = finish, time.monotonic()
+        else:
+            end = max(self.sent, len(self.text) - self.hold)
+        text, self.sent = self.text[self.sent:end], end
+        return Update(text, new_ids, new_lps, finish)
+
+    def spec_decode(self) -> dict[str, Any]:
+        """Per-choice speculative metrics (tau as :class:`dspark_jax.decode.Generation`)."""
+        return _spec_dict(self.num_steps, self.num_emitted, self.num_verified, self.num_accepted)
+
+
+def event_from_output(out, first: bool) -> RequestEvent:
+    """The :class:`RequestEvent` of one engine ``StepOutput`` (not an error); ``first``: the
+    request's first output (it carries the token sampled at prefill)."""
+    finish = (out.finish_reason or "stop") if out.finished else None
+    lps = getattr(out, "logprobs", None)
+    return RequestEvent("final" if finish else "delta", token_ids=[int(i) for i in out.token_ids],
+                        logprobs=list(lps) if lps is not None else None, num_verified=int(out.num_verified),
+                        num_accepted=int(out.num_accepted), with_prefill_token=first, finish_reason=finish)
+
+
+def _spec_dict(steps: int, emitted: int, verified: int, accepted: int) -> dict[str, Any]:
+    return {"num_steps": steps, "num_draft_tokens": verified, "num_accepted_tokens": accepted,
+            "acceptance_rate": (accepted / verified) if verified else None,
+            "tau": (emitted / steps) if steps else None}
 
 
 # --------------------------------------------------------------------------- metrics
@@ -175,7 +294,23 @@ class ServerMetrics:
                                     buckets=lat + (160.0, 320.0, 640.0), **lbl)
         self.step_seconds = Histogram("dspark:engine_step_seconds", "Wall time of one engine generate() step.",
                                       buckets=lat, **lbl)
-        self.registry.register(_EngineCollector(loop, model_name))
+        # Speculative counts of the responses (summed over finished requests, the same numbers
+        # as each response's ``spec_decode``: after stop strings and stop tokens).
+        self._spec_lock = threading.Lock()
+        self.spec = {"rounds": 0, "emitted": 0, "draft_tokens": 0, "accepted_tokens": 0}
+        self.registry.register(_EngineCollector(loop, model_name, self))
+
+    def add_spec(self, rounds: int, emitted: int, draft_tokens: int, accepted_tokens: int) -> None:
+        """Adds one finished request's ``spec_decode`` counts (any thread)."""
+        with self._spec_lock:
+            self.spec["rounds"] += rounds
+            self.spec["emitted"] += emitted
+            self.spec["draft_tokens"] += draft_tokens
+            self.spec["accepted_tokens"] += accepted_tokens
+
+    def spec_snapshot(self) -> dict[str, int]:
+        with self._spec_lock:
+            return dict(self.spec)
 
     def labels(self, **kw):
         return dict(model_name=self.model_name, **kw)
@@ -184,8 +319,8 @@ class ServerMetrics:
 class _EngineCollector:
     """Scrape-time gauges/counters from the engine loop's last snapshot."""
 
-    def __init__(self, loop: "EngineLoop", model_name: str):
-        self.loop, self.model_name = loop, model_name
+    def __init__(self, loop: "EngineLoop", model_name: str, server_metrics: "ServerMetrics"):
+        self.loop, self.model_name, self.server_metrics = loop, model_name, server_metrics
 
     def describe(self):
         return []
@@ -210,15 +345,31 @@ class _EngineCollector:
         yield gauge("dspark:num_slots", "Decode slots of the engine.", snap["num_slots"])
         yield gauge("dspark:num_free_slots", "Free decode slots.", snap["free_slots"])
         yield counter("dspark:engine_steps", "Engine generate() steps.", snap["steps"])
+        spec = self.server_metrics.spec_snapshot()
+        for key, metric, doc in (
+                ("draft_tokens", "dspark:spec_decode_num_draft_tokens", "Draft tokens verified (finished requests; "
+                                                                        "drafts after a stop are not counted)."),
+                ("accepted_tokens", "dspark:spec_decode_num_accepted_tokens", "Draft tokens accepted and returned "
+                                                                              "(finished requests)."),
+                ("emitted", "dspark:spec_decode_num_emitted_tokens", "Returned tokens that came from target "
+                                                                      "verification passes (finished requests; "
+                                                                      "the prefill token excluded)."),
+                ("rounds", "dspark:spec_decode_num_rounds", "Target verification passes that gave a finished "
+                                                            "request at least one returned token."),
+        ):
+            yield counter(metric, doc, spec[key])
+        yield gauge("dspark:spec_decode_mean_accepted_length", "tau: returned tokens per target verification "
+                    "pass, the prefill token excluded (num_emitted_tokens / num_rounds; decode.Generation.tau).",
+                    spec["emitted"] / spec["rounds"] if spec["rounds"] else float("nan"))
+        yield gauge("dspark:spec_decode_acceptance_rate", "Accepted / verified draft tokens (finished requests).",
+                    spec["accepted_tokens"] / spec["draft_tokens"] if spec["draft_tokens"] else float("nan"))
         for key, metric, doc in (
                 ("drafts", "dspark:spec_decode_num_drafts", "Request-steps that verified at least one draft token."),
-                ("draft_tokens", "dspark:spec_decode_num_draft_tokens", "Draft tokens verified."),
-                ("accepted_tokens", "dspark:spec_decode_num_accepted_tokens", "Draft tokens accepted."),
-                ("emitted_tokens", "dspark:spec_decode_num_emitted_tokens", "Tokens emitted by the engine "
-                                                                            "(prefill tokens, accepted drafts, "
-                                                                            "corrections and bonus tokens)."),
-                ("rounds", "dspark:spec_decode_num_rounds", "Request-steps (target verification passes summed "
-                                                            "over requests)."),
+                ("emitted_tokens", "dspark:engine_emitted_tokens", "Tokens the engine emitted (prefill tokens, "
+                                                                   "accepted drafts, corrections and bonus tokens; "
+                                                                   "before stop strings)."),
+                ("rounds", "dspark:engine_rounds", "Engine request-steps (target verification passes summed "
+                                                   "over requests)."),
                 ("packed_tokens", "dspark:engine_packed_tokens", "Tokens in verification passes (anchors + drafts)."),
                 ("draft_steps", "dspark:engine_draft_steps", "Engine steps that ran the drafter."),
                 ("suspended_steps", "dspark:engine_suspended_steps",
@@ -250,9 +401,6 @@ class _EngineCollector:
                     c.add_metric([name, str(k)], float(v))
                 yield c
         for key, metric, doc in (
-                ("mean_accepted_length", "dspark:spec_decode_mean_accepted_length",
-                 "Cumulative tau: tokens per request-step (accepted drafts + 1)."),
-                ("acceptance_rate", "dspark:spec_decode_acceptance_rate", "Cumulative accepted / verified drafts."),
                 ("compiles", "dspark:engine_compiles", "Compiled step/prefill executables (constant after warm-up)."),
         ):
             if isinstance(m.get(key), (int, float)):
@@ -289,9 +437,9 @@ class EngineLoop:
     """The background thread that drives an :class:`~dspark_jax.engine.Engine`.
 
     Args:
-      engine: a warmed-up engine (``prefill/insert/generate/free``); only this thread
-        calls it after :meth:`start`.
-      tokenizer: ``decode(ids, skip_special_tokens=True)`` gives response text.
+      engine: a warmed-up engine (``prefill/insert/generate/free/active_slots/free_slots/
+        metrics``, ``num_slots``); only this thread calls it after :meth:`start`.
+      tokenizer: kept for callers (the loop itself never detokenizes).
       max_queue: waiting requests (not yet in a slot) beyond which :meth:`submit`
         raises :class:`QueueFullError`; may be changed at run time.
       model_name: the ``model`` label of the metrics.
@@ -304,7 +452,7 @@ class EngineLoop:
         self.num_slots = int(engine.num_slots)
         self._cv = threading.Condition()
         self._waiting: collections.deque[TrackedRequest] = collections.deque()
-        self._aborts: set[str] = set()
+        self._aborts: dict[str, bool] = {}  # request id -> count it as a client abort
         self._running: dict[int, TrackedRequest] = {}
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -336,26 +484,29 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
-    def submit(self, tracked: TrackedRequest) -> None:
-        """Queues a request for admission.
+    def submit(self, *tracked: TrackedRequest) -> None:
+        """Queues requests for admission, all or none (the ``n`` choices of one HTTP request).
 
         Raises:
-          QueueFullError: ``max_queue`` requests are already waiting.
+          QueueFullError: fewer than ``len(tracked)`` places left in the waiting queue.
           ServerClosedError: the loop is stopping or not running.
         """
         with self._cv:
             if self._stopping or self._thread is None:
                 raise ServerClosedError("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
+            if len(self._waiting) + len(tracked) > self.max_queue:
                 raise QueueFullError(f"the waiting queue is full ({len(self._waiting)} requests waiting, "
                                      f"max_queue={self.max_queue}, {self.num_slots} slots busy): retry later")
-            self._waiting.append(tracked)
+            self._waiting.extend(tracked)
             self._cv.notify_all()
 
-    def abort(self, request_id: str) -> None:
-        """Asks the engine thread to drop a request (waiting or running) and free its slot."""
+    def abort(self, request_id: str, count: bool = True) -> None:
+        """Asks the engine thread to drop a request (waiting or running) and free its slot.
+
+        ``count``: a client abort (``dspark:request_aborted``); False when the request
+        ended on the asyncio side (a stop string)."""
         with self._cv:
-            self._aborts.add(request_id)
+            self._aborts[request_id] = self._aborts.get(request_id, False) or count
             self._cv.notify_all()
 
     def snapshot(self) -> dict[str, Any]:
@@ -375,15 +526,15 @@ class EngineLoop:
                         self._cv.wait()
                     if self._stopping:
                         break
-                    aborts, self._aborts = self._aborts, set()
+                    aborts, self._aborts = self._aborts, {}
                     dropped = [t for t in self._waiting if t.request_id in aborts]
                     if dropped:
                         self._waiting = collections.deque(t for t in self._waiting if t.request_id not in aborts)
                 for t in dropped:
-                    self._finish(t, "abort")
+                    self._abort(t, aborts[t.request_id])
                 for slot, t in list(self._running.items()):
                     if t.request_id in aborts:
-                        self._finish(t, "abort")
+                        self._abort(t, aborts[t.request_id])
                 self._admit()
                 self._update_snapshot()
                 if self._running:
@@ -419,7 +570,6 @@ class EngineLoop:
                 self.engine.insert(prefix, free[0])
             except DSparkInputError as e:
                 t.done = True
-                self.metrics.request_rejected.labels(**self.metrics.labels(status="400")).inc()
                 t._put(RequestEvent("error", message=str(e), status=400))
                 continue
             except Exception as e:  # noqa: BLE001 - a failed prefill must not take the server down
@@ -442,100 +592,42 @@ class EngineLoop:
             log.exception("engine step failed")
             self.last_error = f"{type(e).__name__}: {e}"
             for t in list(self._running.values()):
-                t.finish_reason = "error"
                 self._free_slot(t)
                 t.done = True
                 t._put(RequestEvent("error", message=f"engine step failed: {type(e).__name__}: {e}", status=500))
             return
-        now = time.monotonic()
         self._steps += 1
-        self.metrics.step_seconds.labels(**self.metrics.labels()).observe(now - t0)
+        self.metrics.step_seconds.labels(**self.metrics.labels()).observe(time.monotonic() - t0)
         for out in outs:
             t = self._running.get(out.slot)
             if t is None or t.request_id != out.request_id:
                 continue
-            self._route(t, out, now)
+            self._route(t, out)
 
-    def _route(self, t: TrackedRequest, out, now: float) -> None:
-        # A request that ended at prefill (first token EOS, max_tokens 1) is reported with no
-        # verification pass behind it: it counts no step.
-        if not (t.num_steps == 0 and out.finished and len(out.token_ids) <= 1 and not out.num_verified):
-            t.num_steps += 1
-        t.num_verified += int(out.num_verified)
-        t.num_accepted += int(out.num_accepted)
-        new = [int(i) for i in out.token_ids]
-        t.num_engine_tokens += len(new)
+    def _route(self, t: TrackedRequest, out) -> None:
         finish = out.finish_reason if out.finished else None
         if out.finished and finish is None:
             finish = "stop"
         if finish == "error":
             self._free_slot(t)
             t.done = True
-            t._put(RequestEvent("error", message="the engine reported an error for this request", status=500))
+            t._put(RequestEvent("error", message="the engine reported an error for this request (non-finite "
+                                                 "logits)", status=500))
             return
-        start = len(t.token_ids)
-        ids = t.token_ids + new
-        if t.stop:
-            cut = None
-            for k in range(start + 1, len(ids) + 1):  # the shortest prefix whose text holds a stop string
-                text_k = self.tokenizer.decode(ids[:k], skip_special_tokens=True)
-                hits = [i for i in (text_k.find(s) for s in t.stop) if i >= 0]
-                if hits:
-                    cut = (k, text_k[:min(hits)])
-                    break
-            if cut is not None:
-                ids, text = ids[:cut[0]], cut[1]
-                finish = "stop"
-            else:
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        else:
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        t.token_ids, t.text = ids, text
-        if new and t.first_token_at is None:
-            t.first_token_at = now
-            self.metrics.ttft.labels(**self.metrics.labels()).observe(now - t.arrival)
+        ev = event_from_output(out, first=not t.started)
+        t.started = True
         if finish is not None:
-            self._finish(t, finish)
-            return
-        delta = self._safe_delta(t)
-        if delta or new:
-            t._put(RequestEvent("delta", text=delta, token_ids=new))
+            self._free_slot(t)
+            t.done = True
+        t._put(ev)
 
-    def _safe_delta(self, t: TrackedRequest) -> str:
-        """New text that can no longer change: holds back a trailing partial UTF-8
-        character (U+FFFD) and anything that could be the start of a stop string."""
-        text = t.text
-        if not text.startswith(t.sent_text):
-            return ""  # the tokenizer rewrote earlier text (rare): wait for the final event
-        end = len(text)
-        while end > len(t.sent_text) and text[end - 1] == "\ufffd":
-            end -= 1
-        if t.stop:
-            hold = max(len(s) for s in t.stop) - 1
-            end = max(len(t.sent_text), min(end, len(text) - hold))
-        delta = text[len(t.sent_text):end]
-        t.sent_text += delta
-        return delta
-
-    def _finish(self, t: TrackedRequest, reason: str) -> None:
+    def _abort(self, t: TrackedRequest, count: bool) -> None:
         if t.slot is not None:
             self._free_slot(t)
-        t.finish_reason = reason
-        t.finished_at = time.monotonic()
         t.done = True
-        m = self.metrics
-        if reason == "abort":
-            m.request_aborted.labels(**m.labels()).inc()
-            t._put(RequestEvent("final", finish_reason="abort"))
-            return
-        m.request_success.labels(**m.labels(finished_reason=reason)).inc()
-        m.generation_tokens.labels(**m.labels()).inc(len(t.token_ids))
-        m.e2e.labels(**m.labels()).observe(t.finished_at - t.arrival)
-        if t.first_token_at is not None and len(t.token_ids) > 1:
-            m.tpot.labels(**m.labels()).observe((t.finished_at - t.first_token_at) / (len(t.token_ids) - 1))
-        delta = t.text[len(t.sent_text):] if t.text.startswith(t.sent_text) else ""
-        t.sent_text = t.text
-        t._put(RequestEvent("final", text=delta, finish_reason=reason))
+        if count:
+            self.metrics.request_aborted.labels(**self.metrics.labels()).inc()
+        t._put(RequestEvent("final", finish_reason="abort"))
 
     def _free_slot(self, t: TrackedRequest) -> None:
         slot, t.slot = t.slot, None
@@ -583,48 +675,67 @@ def _error_response(status: int, message: str, param: str | None = None,
                         content={"error": {"message": message, "type": kind, "param": param, "code": status}})
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+class _Strict(BaseModel):
+    """Refuses undeclared fields: a field the server does not honour is a 400, never ignored."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
-class _SamplingRequest(BaseModel):
-    """Fields shared by completions and chat completions (OpenAI names, vLLM extensions)."""
+class StreamOptions(_Strict):
+    include_usage: bool = Field(False, description="stream a last chunk with ``usage`` (and ``choices: []``); "
+                                                   "every other chunk then has ``usage: null``")
 
-    model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1, description="maximum generated tokens")
+class _SamplingRequest(_Strict):
+    """Fields shared by completions and chat completions (OpenAI names, vLLM extensions).
+
+    Every declared field is honoured; fields that are declared only to refuse values the
+    engine cannot honour say so (``presence_penalty``/``frequency_penalty`` must be 0).
+    """
+
+    model: str | None = Field(None, description="must be the served name (GET /v1/models); omitted: that one")
+    max_tokens: int | None = Field(None, ge=1, description="maximum generated tokens (default: 16 for completions, "
+                                                           "the rest of the context for chat)")
     temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1, description="0 or -1 = off")
-    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1],
+                             description="PRNG seed; choice i of n uses seed + i (wrapped into int32)")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: Any = None
+    n: int = Field(1, ge=1, le=MAX_N, description="choices; choice i = the same request with seed + i")
+    presence_penalty: float = Field(0.0, allow_inf_nan=False, description="only 0 (penalties would change the "
+                                                                          "target's distribution)")
+    frequency_penalty: float = Field(0.0, allow_inf_nan=False, description="only 0")
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100] "
+                                                                   "added to its logit (target and drafter alike)")
+    min_tokens: int = Field(0, ge=0, description="EOS, stop_token_ids and stop strings cannot end the request "
+                                                 "before this many tokens")
     return_token_ids: bool = Field(False, description="add the generated token ids to each choice")
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="log-probability of each token and of its n most likely alternatives")
+    echo: bool = Field(False, description="only false")
+    best_of: int | None = Field(None, description="only 1")
+    suffix: str | None = Field(None, description="only null")
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict] | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = Field(False, description="log-probability of each token")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                     description="alternatives per token; needs logprobs: true")
     add_generation_prompt: bool = True
 
 
@@ -635,17 +746,31 @@ class ChatCompletionRequest(_SamplingRequest):
 class ServerConfig:
     """Static facts the handlers need.
 
-    ``context_len``: prompt + generated tokens must fit (the engine's cache length).
-    ``default_max_tokens``: used when a request gives no ``max_tokens`` (capped to the
-    room left in the context). ``chat_template``: overrides the tokenizer's template.
+    Attributes:
+      model_name: the served name: ``/v1/models`` lists it, a request naming another
+        model gets 404.
+      context_len: prompt + generated tokens must fit (the engine's cache length).
+      vocab_size: token ids must be in ``[0, vocab_size)``.
+      default_max_tokens: None: vLLM's defaults for a request without ``max_tokens``
+        (16 for completions, the rest of the context for chat); an int overrides both
+        (capped to the room left in the context).
+      chat_template: overrides the tokenizer's template.
+      policy: reported by ``/health``.
+      api_key: when set, every ``/v1`` route needs ``Authorization: Bearer <api_key>``
+        (401 otherwise, as vLLM's ``--api-key``).
+      auth_health_metrics: with ``api_key``, ``/health`` and ``/metrics`` need it too.
+      max_logit_bias: most ``logit_bias`` entries per request (the engine's limit).
     """
 
     model_name: str
     context_len: int
     vocab_size: int
-    default_max_tokens: int = 256
+    default_max_tokens: int | None = None
     chat_template: str | None = None
     policy: str = ""
+    api_key: str | None = None
+    auth_health_metrics: bool = False
+    max_logit_bias: int = 1024
 
 
 def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_params_cls=None,
@@ -654,11 +779,19 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
 
     The app's lifespan starts the loop (if needed) and stops it at shutdown. The
     engine's ``SamplingParams``/``Request`` classes default to :mod:`dspark_jax.engine`'s.
+    The loop's engine may be any object with the engine's interface (tests inject a fake).
     """
     if sampling_params_cls is None or request_cls is None:
         from .engine import Request as request_cls, SamplingParams as sampling_params_cls  # noqa: N813
 
     metrics = loop.metrics
+    piece_cache: dict[int, str] = {}
+
+    def token_str(i: int) -> str:
+        s = piece_cache.get(i)
+        if s is None:
+            s = piece_cache[i] = tokenizer.decode([int(i)], skip_special_tokens=False)
+        return s
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -672,6 +805,23 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
     app.state.engine_loop = loop
     app.state.config = config
 
+    if config.api_key:
+        expected = f"Bearer {config.api_key}".encode()
+        protected_extra = ("/health", "/metrics") if config.auth_health_metrics else ()
+
+        @app.middleware("http")
+        async def _auth(request: HTTPRequest, call_next):
+            path = request.url.path
+            if request.method != "OPTIONS" and (path.startswith("/v1") or path in protected_extra):
+                given = request.headers.get("authorization", "").encode()
+                if not secrets.compare_digest(given, expected):
+                    metrics.request_rejected.labels(**metrics.labels(status="401")).inc()
+                    resp = _error_response(401, "Unauthorized: send the server's API key as "
+                                                "'Authorization: Bearer <key>'", None, "authentication_error")
+                    resp.headers["WWW-Authenticate"] = "Bearer"
+                    return resp
+            return await call_next(request)
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_req: HTTPRequest, exc: RequestValidationError):
         errs = exc.errors()
@@ -681,8 +831,12 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
                 parts.append(f"the request body is not valid JSON ({e.get('ctx', {}).get('error', 'parse error')})")
                 continue
             loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+            name = ".".join(loc) or "body"
             param = param or (".".join(loc) or None)
-            parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}")
+            if e.get("type") == "extra_forbidden":
+                parts.append(f"{name}: unsupported parameter (this server does not honour it)")
+            else:
+                parts.append(f"{name}: {e.get('msg', 'invalid')}")
         metrics.request_rejected.labels(**metrics.labels(status="400")).inc()
         return _error_response(400, "; ".join(parts) or "invalid request", param)
 
@@ -706,25 +860,34 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "dspark_jax", "max_model_len": config.context_len}]}
+                                            "owned_by": "dspark_jax", "root": config.model_name, "parent": None,
+                                            "max_model_len": config.context_len}]}
 
-    def sampling(req: _SamplingRequest, prompt_len: int, max_tokens: int | None):
-        if req.n != 1:
-            raise _APIError(400, "n must be 1: one completion per request is supported", "n")
+    def check_model(req: _SamplingRequest) -> None:
+        if req.model is not None and req.model != config.model_name:
+            raise _APIError(404, f"The model `{req.model}` does not exist (this server serves "
+                                 f"`{config.model_name}`).", "model", "NotFoundError")
+
+    def sampling(req: _SamplingRequest, prompt_len: int, max_tokens: int | None, chat: bool):
+        """``(params per choice, stop strings, logprobs n or None)`` of a validated request."""
         if req.presence_penalty or req.frequency_penalty:
-            raise _APIError(400, "presence_penalty and frequency_penalty are not supported (would change the "
-                                 "target's distribution)", "presence_penalty")
-        if req.logprobs not in (None, False, 0):
-            raise _APIError(400, "logprobs are not supported", "logprobs")
+            raise _APIError(400, "presence_penalty and frequency_penalty must be 0 (penalties would change the "
+                                 "target's distribution)",
+                            "presence_penalty" if req.presence_penalty else "frequency_penalty")
+        if req.stream_options is not None and not req.stream:
+            raise _APIError(400, "stream_options can only be given with stream: true", "stream_options")
         room = config.context_len - prompt_len
         if room < 1:
             raise _APIError(400, f"the prompt has {prompt_len} tokens; the context length is {config.context_len} "
-                                 "and leaves no room to generate", "prompt")
+                                 "and leaves no room to generate", "prompt" if not chat else "messages")
         if max_tokens is None:
-            max_tokens = min(config.default_max_tokens, room)
+            default = config.default_max_tokens if config.default_max_tokens is not None else (room if chat else 16)
+            max_tokens = min(default, room)
         elif prompt_len + max_tokens > config.context_len:
             raise _APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context "
                                  f"length {config.context_len}", "max_tokens")
+        if req.min_tokens > max_tokens:
+            raise _APIError(400, f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > MAX_STOP_STRINGS:
             raise _APIError(400, f"at most {MAX_STOP_STRINGS} stop strings", "stop")
@@ -735,19 +898,50 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
         if bad:
             raise _APIError(400, f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {config.vocab_size})",
                             "stop_token_ids")
+        bias: dict[int, float] = {}
+        for key, value in (req.logit_bias or {}).items():
+            try:
+                tid = int(key)
+            except ValueError:
+                raise _APIError(400, f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+            if not 0 <= tid < config.vocab_size:
+                raise _APIError(400, f"logit_bias token id {tid} is outside the vocabulary [0, {config.vocab_size})",
+                                "logit_bias")
+            if not (math.isfinite(value) and -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE):
+                raise _APIError(400, f"logit_bias[{key!r}] = {value}: biases must be in [-100, 100]", "logit_bias")
+            bias[tid] = float(value)
+        if len(bias) > config.max_logit_bias:
+            raise _APIError(400, f"logit_bias has {len(bias)} entries; at most {config.max_logit_bias}", "logit_bias")
+        if chat:
+            if req.top_logprobs is not None and not req.logprobs:
+                raise _APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+            n_lp = (req.top_logprobs or 0) if req.logprobs else None
+        else:
+            n_lp = req.logprobs
         seed = req.seed if req.seed is not None else secrets.randbits(31)
-        params = sampling_params_cls(temperature=float(req.temperature), top_k=max(int(req.top_k), 0),
-                                     top_p=float(req.top_p), seed=int(seed), max_tokens=int(max_tokens),
-                                     stop_token_ids=stop_ids)
-        return params, tuple(stop)
+        kw = dict(temperature=float(req.temperature), top_k=max(int(req.top_k), 0), top_p=float(req.top_p),
+                  max_tokens=int(max_tokens), stop_token_ids=stop_ids)
+        if bias:
+            kw["logit_bias"] = tuple(sorted(bias.items()))
+        if n_lp is not None:
+            kw["logprobs"] = int(n_lp)
+        if req.min_tokens:
+            kw["min_tokens"] = int(req.min_tokens)
+        try:
+            params = [sampling_params_cls(seed=choice_seed(seed, i), **kw) for i in range(req.n)]
+        except TypeError as e:  # an engine without logit_bias / logprobs / min_tokens
+            field = next((k for k in ("logit_bias", "logprobs", "min_tokens") if k in str(e)), None)
+            raise _APIError(400, f"{field or 'a sampling parameter'} is not supported by this engine",
+                            field) from None
+        return params, tuple(stop), n_lp
 
-    def check_ids(ids: list[int]) -> list[int]:
+    def check_ids(ids: list[int], param: str = "prompt") -> list[int]:
         if not ids:
-            raise _APIError(400, "the prompt is empty", "prompt")
+            raise _APIError(400, "the prompt is empty", param)
         bad = [i for i in ids if not 0 <= i < config.vocab_size]
         if bad:
             raise _APIError(400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {config.vocab_size})",
-                            "prompt")
+                            param)
         return ids
 
     def completion_prompt(req: CompletionRequest) -> list[int]:
@@ -757,8 +951,12 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
                 raise _APIError(400, "one prompt per request is supported (got a batch of "
                                      f"{len(p)})", "prompt")
             p = p[0]
-        if req.echo or (req.best_of not in (None, 1)) or req.suffix:
-            raise _APIError(400, "echo, best_of > 1 and suffix are not supported", "echo")
+        if req.echo:
+            raise _APIError(400, "echo is not supported", "echo")
+        if req.best_of not in (None, 1):
+            raise _APIError(400, "best_of must be 1 (use n for several choices)", "best_of")
+        if req.suffix:
+            raise _APIError(400, "suffix is not supported", "suffix")
         if isinstance(p, str):
             if not p.strip():
                 raise _APIError(400, "the prompt is empty: give some text to continue", "prompt")
@@ -774,7 +972,8 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
             if isinstance(c, list):
                 parts = []
                 for part in c:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str) or set(part) - {"type",
+                                                                                                          "text"}:
                         raise _APIError(400, f"messages[{i}].content: only text parts are supported",
                                         f"messages.{i}.content")
                     parts.append(part["text"])
@@ -797,73 +996,143 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
                 text = tokenizer.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
         except DSparkInputError as e:
             raise _APIError(400, str(e), "messages") from None
-        return check_ids(tokenizer.encode(text, add_bos=False))
+        return check_ids(tokenizer.encode(text, add_bos=False), "messages")
+
+    def logprobs_obj(chat: bool, lps: list | None, offset: int) -> tuple[dict | None, int]:
+        """OpenAI's logprobs object for some tokens, and the text offset after them."""
+        if lps is None:
+            return None, offset
+        if chat:
+            content = []
+            for tid, (lp, top) in lps:
+                t = token_str(tid)
+                content.append({"token": t, "logprob": _finite_lp(lp), "bytes": list(t.encode("utf-8")),
+                                "top_logprobs": [{"token": token_str(a), "logprob": _finite_lp(b),
+                                                  "bytes": list(token_str(a).encode("utf-8"))} for a, b in top]})
+            return {"content": content}, offset
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, (lp, top) in lps:
+            t = token_str(tid)
+            tokens.append(t)
+            token_lps.append(_finite_lp(lp))
+            tops.append({token_str(a): _finite_lp(b) for a, b in top})
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+    def finish_metrics(st: OutputState) -> None:
+        m = metrics
+        m.request_success.labels(**m.labels(finished_reason=st.finish_reason)).inc()
+        m.generation_tokens.labels(**m.labels()).inc(len(st.token_ids))
+        arrival = st.tracked.arrival
+        now = st.finished_at or time.monotonic()
+        m.e2e.labels(**m.labels()).observe(now - arrival)
+        if st.first_token_at is not None:
+            m.ttft.labels(**m.labels()).observe(st.first_token_at - arrival)
+            if len(st.token_ids) > 1:
+                m.tpot.labels(**m.labels()).observe((now - st.first_token_at) / (len(st.token_ids) - 1))
+        m.add_spec(st.num_steps, st.num_emitted, st.num_verified, st.num_accepted)
+
+    def apply(st: OutputState, ev: RequestEvent) -> Update:
+        up = st.feed(ev)
+        if up.finish_reason is not None:
+            if not st.tracked.done:  # a stop string: the engine is still generating for it
+                loop.abort(st.tracked.request_id, count=False)
+            finish_metrics(st)
+        return up
 
     async def run(http: HTTPRequest, ids: list[int], req: _SamplingRequest, max_tokens: int | None, chat: bool):
-        params, stop = sampling(req, len(ids), max_tokens)
+        params, stop, n_lp = sampling(req, len(ids), max_tokens, chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         aloop = asyncio.get_running_loop()
-        tracked = TrackedRequest(request=request_cls(prompt_ids=ids, params=params, request_id=rid), stop=stop,
-                                 loop=aloop, queue=asyncio.Queue())
+        queue: asyncio.Queue = asyncio.Queue()
+        tracked = [TrackedRequest(request=request_cls(prompt_ids=ids, params=p,
+                                                      request_id=rid if len(params) == 1 else f"{rid}-{i}"),
+                                  loop=aloop, queue=queue, index=i) for i, p in enumerate(params)]
+        states = [OutputState(t, tokenizer, stop, req.min_tokens) for t in tracked]
         try:
-            loop.submit(tracked)
+            loop.submit(*tracked)
         except QueueFullError as e:
             raise _APIError(429, str(e), None, "rate_limit_error") from None
         except ServerClosedError as e:
             raise _APIError(503, str(e), None, "server_error") from None
         watcher = asyncio.create_task(_watch_disconnect(http, tracked, loop))
         created = int(time.time())
+        ctx = _StreamCtx(rid, created, config.model_name, chat, req.return_token_ids, n_lp is not None,
+                         bool(req.stream_options and req.stream_options.include_usage))
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(
-                _sse(tracked, watcher, loop, config, chat, created, include_usage, req.return_token_ids),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+            return StreamingResponse(_sse(states, queue, watcher, loop, ctx, apply, logprobs_obj),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
         try:
-            while True:
-                ev = await tracked.queue.get()
+            while any(st.finish_reason is None for st in states):
+                ev = await queue.get()
+                st = states[ev.index]
+                if st.finish_reason is not None:
+                    continue  # the engine's answer to our stop-string abort
                 if ev.kind == "error":
                     raise _APIError(ev.status, ev.message, None,
                                     "invalid_request_error" if ev.status == 400 else "server_error")
-                if ev.kind == "final":
-                    break
+                if ev.finish_reason == "abort":  # the client is gone; nobody reads this
+                    return _error_response(499, "client disconnected")
+                apply(st, ev)
         finally:
             watcher.cancel()
-            if not tracked.done:
-                loop.abort(rid)
-        if ev.finish_reason == "abort":  # the client is gone; nobody reads this
-            return _error_response(499, "client disconnected")
-        choice: dict[str, Any] = {"index": 0, "finish_reason": ev.finish_reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": tracked.text}
-        else:
-            choice["text"] = tracked.text
-        if req.return_token_ids:
-            choice["token_ids"] = tracked.token_ids
+            for t, st in zip(tracked, states):
+                if not t.done and st.finish_reason is None:
+                    loop.abort(t.request_id, count=False)
+        choices = []
+        for st in states:
+            choice: dict[str, Any] = {"index": st.index, "finish_reason": st.finish_reason,
+                                      "logprobs": logprobs_obj(chat, _zip_lps(st.token_ids, st.logprobs), 0)[0]}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": st.text}
+            else:
+                choice["text"] = st.text
+            if req.return_token_ids:
+                choice["token_ids"] = st.token_ids
+            choices.append(choice)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": config.model_name, "choices": [choice], "usage": _usage(tracked),
-                "spec_decode": tracked.spec_decode()}
+                "model": config.model_name, "choices": choices, "usage": _usage(len(ids), states),
+                "spec_decode": _spec_total(states)}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, http: HTTPRequest):
+        check_model(req)
         ids = completion_prompt(req)
         return await run(http, ids, req, req.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, http: HTTPRequest):
+        check_model(req)
         ids = chat_prompt(req)
         return await run(http, ids, req, req.max_completion_tokens or req.max_tokens, chat=True)
 
     return app
 
 
-def _usage(t: TrackedRequest) -> dict[str, int]:
-    n_prompt = len(t.request.prompt_ids)
-    return {"prompt_tokens": n_prompt, "completion_tokens": len(t.token_ids),
-            "total_tokens": n_prompt + len(t.token_ids)}
+def _finite_lp(x: float) -> float:
+    """JSON has no -inf: clamp as vLLM does."""
+    x = float(x)
+    return max(x, -9999.0) if not math.isnan(x) else -9999.0
 
 
-async def _watch_disconnect(http: HTTPRequest, tracked: TrackedRequest, loop: EngineLoop) -> None:
-    """Waits for the client to go away, then aborts the request (frees its slot)."""
+def _zip_lps(ids: list[int], lps: list | None) -> list | None:
+    return None if lps is None else list(zip(ids, lps))
+
+
+def _usage(n_prompt: int, states: list[OutputState]) -> dict[str, int]:
+    n_gen = sum(len(st.token_ids) for st in states)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+
+
+def _spec_total(states: list[OutputState]) -> dict[str, Any]:
+    return _spec_dict(sum(st.num_steps for st in states), sum(st.num_emitted for st in states),
+                      sum(st.num_verified for st in states), sum(st.num_accepted for st in states))
+
+
+async def _watch_disconnect(http: HTTPRequest, tracked: list[TrackedRequest], loop: EngineLoop) -> None:
+    """Waits for the client to go away, then aborts the request's choices (frees their slots)."""
     try:
         while True:
             msg = await http.receive()
@@ -873,65 +1142,90 @@ async def _watch_disconnect(http: HTTPRequest, tracked: TrackedRequest, loop: En
         return
     except Exception:  # noqa: BLE001 - a broken receive channel means the client is gone
         pass
-    if not tracked.done:
-        loop.abort(tracked.request_id)
+    for t in tracked:
+        if not t.done:
+            loop.abort(t.request_id)
 
 
-async def _sse(tracked: TrackedRequest, watcher: asyncio.Task, loop: EngineLoop, config: ServerConfig, chat: bool,
-               created: int, include_usage: bool, return_token_ids: bool) -> AsyncIterator[str]:
-    """OpenAI chunk stream: ``data: {json}\\n\\n`` per event, then ``data: [DONE]``."""
-    rid = tracked.request_id
-    obj = "chat.completion.chunk" if chat else "text_completion"
+@dataclasses.dataclass
+class _StreamCtx:
+    rid: str
+    created: int
+    model: str
+    chat: bool
+    return_token_ids: bool
+    logprobs: bool
+    include_usage: bool
 
-    def chunk(text: str | None, finish: str | None, ids: list[int] | None = None, first: bool = False,
-              extra: dict | None = None) -> str:
-        if chat:
+
+async def _sse(states: list[OutputState], queue: asyncio.Queue, watcher: asyncio.Task, loop: EngineLoop,
+               ctx: _StreamCtx, apply, logprobs_obj) -> AsyncIterator[str]:
+    """OpenAI chunk stream: ``data: {json}\\n\\n`` per chunk, then ``data: [DONE]``.
+
+    Per choice: (chat) a first chunk with the role, content chunks, one chunk with its
+    ``finish_reason`` (and its ``spec_decode``). With ``stream_options.include_usage``
+    every chunk has ``usage: null`` and a last chunk has ``choices: []`` and the usage of
+    the whole request (and its ``spec_decode``), as OpenAI and vLLM do.
+    """
+    obj = "chat.completion.chunk" if ctx.chat else "text_completion"
+    offsets = [0] * len(states)
+
+    def chunk(index: int, text: str | None, finish: str | None, ids: list[int] | None = None, lps=None,
+              first: bool = False, extra: dict | None = None) -> str:
+        if ctx.chat:
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        if return_token_ids and ids is not None:
+            choice = {"index": index, "text": text or "", "logprobs": lps, "finish_reason": finish}
+        if ctx.return_token_ids and ids is not None:
             choice["token_ids"] = ids
-        body = {"id": rid, "object": obj, "created": created, "model": config.model_name, "choices": [choice]}
+        body: dict[str, Any] = {"id": ctx.rid, "object": obj, "created": ctx.created, "model": ctx.model,
+                                "choices": [choice]}
+        if ctx.include_usage:
+            body["usage"] = None
         if extra:
             body.update(extra)
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     try:
-        if chat:
-            yield chunk("", None, first=True)
-        sent_ids = 0
-        while True:
-            ev = await tracked.queue.get()
+        if ctx.chat:
+            for st in states:
+                yield chunk(st.index, "", None, first=True)
+        while any(st.finish_reason is None for st in states):
+            ev = await queue.get()
+            st = states[ev.index]
+            if st.finish_reason is not None:
+                continue
             if ev.kind == "error":
                 err = {"error": {"message": ev.message, "type": "server_error" if ev.status >= 500
                                  else "invalid_request_error", "param": None, "code": ev.status}}
                 yield f"data: {json.dumps(err)}\n\n"
                 break
-            if ev.kind == "final":
-                if ev.finish_reason == "abort":
-                    return
-                ids = tracked.token_ids[sent_ids:]
-                if ev.text or ids:
-                    yield chunk(ev.text, None, ids)
-                final_extra = {"usage": _usage(tracked), "spec_decode": tracked.spec_decode()}
-                yield chunk(None if chat else "", ev.finish_reason, [] if return_token_ids else None,
-                            extra=final_extra)
-                if include_usage:
-                    body = {"id": rid, "object": obj, "created": created, "model": config.model_name,
-                            "choices": [], **final_extra}
-                    yield f"data: {json.dumps(body)}\n\n"
-                break
-            ids = ev.token_ids
-            sent_ids += len(ids)
-            if ev.text or return_token_ids:
-                yield chunk(ev.text, None, ids)
+            if ev.finish_reason == "abort":
+                return
+            up = apply(st, ev)
+            lps = None
+            if ctx.logprobs and up.token_ids:
+                lps, offsets[st.index] = logprobs_obj(ctx.chat, _zip_lps(up.token_ids, up.logprobs),
+                                                      offsets[st.index])
+            if up.text or (up.token_ids and (ctx.return_token_ids or ctx.logprobs)):
+                yield chunk(st.index, up.text, None, up.token_ids, lps)
+            if up.finish_reason is not None:
+                yield chunk(st.index, None if ctx.chat else "", up.finish_reason,
+                            [] if ctx.return_token_ids else None, extra={"spec_decode": st.spec_decode()})
+        else:
+            if ctx.include_usage:
+                n_prompt = len(states[0].tracked.request.prompt_ids)
+                body = {"id": ctx.rid, "object": obj, "created": ctx.created, "model": ctx.model, "choices": [],
+                        "usage": _usage(n_prompt, states), "spec_decode": _spec_total(states)}
+                yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         watcher.cancel()
-        if not tracked.done:
-            loop.abort(rid)
+        for st in states:
+            if not st.tracked.done and st.finish_reason is None:
+                loop.abort(st.tracked.request_id)

@@ -50,6 +50,14 @@ class Tokenizer(abc.ABC):
         """The vocabulary string of one id (as stored, not decoded)."""
         return self.decode([i])
 
+    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        """A fresh :class:`IncrementalDetokenizer` for one generated sequence.
+
+        The default decodes a sliding window of a few ids per step (vLLM's prefix/read
+        offsets); subclasses with a streaming decoder override it.
+        """
+        return _WindowDetokenizer(self, skip_special_tokens)
+
     @property
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)
@@ -247,25 +255,33 @@ class Llama2cTokenizer(Tokenizer):
             push(i)
         return [tok[i] for i in range(n) if alive[i]]
 
+    def piece_bytes(self, i: int, prev: int | None, skip_special_tokens: bool = False) -> bytes:
+        """The bytes id ``i`` decodes to after id ``prev`` (``run.c`` rules): control ids (and
+        id 0 when skipping special tokens) give ``b""``, a piece right after BOS loses its
+        leading space, ``<0xHH>`` is one raw byte."""
+        i = int(i)
+        if i in self._control or (skip_special_tokens and i == 0):
+            return b""
+        p = self.pieces[i]
+        if prev == self.bos_id and p[:1] == b" ":
+            p = p[1:]
+        if len(p) == 6 and p[:3] == b"<0x" and p[5:] == b">":
+            try:
+                p = bytes([int(p[3:5], 16)])
+            except ValueError:
+                pass
+        return p
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         out = bytearray()
         prev = None
         for i in ids:
-            i = int(i)
-            if i in self._control or (skip_special_tokens and i == 0):
-                prev = i
-                continue
-            p = self.pieces[i]
-            if prev == self.bos_id and p[:1] == b" ":
-                p = p[1:]
-            if len(p) == 6 and p[:3] == b"<0x" and p[5:] == b">":
-                try:
-                    p = bytes([int(p[3:5], 16)])
-                except ValueError:
-                    pass
-            out += p
-            prev = i
+            out += self.piece_bytes(i, prev, skip_special_tokens)
+            prev = int(i)
         return out.decode("utf-8", errors="replace")
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        return _Llama2cDetokenizer(self, skip_special_tokens)
 
 
 # --------------------------------------------------------------------------- byte-level BPE
@@ -302,6 +318,9 @@ class BPETokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        return _StreamDetokenizer(self.tok, skip_special_tokens)
 
 
 def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
@@ -426,6 +445,12 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        backend = getattr(self.tok, "backend_tokenizer", None)  # fast tokenizers only
+        if backend is not None:
+            return _StreamDetokenizer(backend, skip_special_tokens)
+        return _WindowDetokenizer(self, skip_special_tokens)
+
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
@@ -434,3 +459,83 @@ class HFTokenizer(Tokenizer):
         return self.tok.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
+
+
+# --------------------------------------------------------------------------- incremental detokenization
+
+
+class IncrementalDetokenizer(abc.ABC):
+    """Turns one generated sequence's ids into text as they arrive, UTF-8-safe.
+
+    :meth:`step` returns only complete characters: the bytes of a character split
+    across tokens are held back until the token that completes it (a sequence that
+    ends inside a character never shows the half character as U+FFFD). Each step
+    costs O(1) in the length of the output (no re-decoding of the whole text).
+    ``"".join(step(i) for i in ids)`` equals ``decode(ids)`` whenever ``ids`` ends on a
+    character boundary. Build one with :meth:`Tokenizer.detokenizer`.
+    """
+
+    @abc.abstractmethod
+    def step(self, token_id: int) -> str:
+        """Feeds one id; returns the new complete text (possibly ``""``)."""
+
+    def extend(self, token_ids: Sequence[int]) -> str:
+        """Feeds several ids; returns their new complete text."""
+        return "".join(self.step(int(i)) for i in token_ids)
+
+
+class _Llama2cDetokenizer(IncrementalDetokenizer):
+    """llama2.c pieces through an incremental UTF-8 decoder (``run.c``'s decode rules)."""
+
+    def __init__(self, tok: "Llama2cTokenizer", skip_special_tokens: bool):
+        import codecs
+
+        self.tok, self.skip = tok, skip_special_tokens
+        self.prev: int | None = None
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, token_id: int) -> str:
+        b = self.tok.piece_bytes(token_id, self.prev, self.skip)
+        self.prev = int(token_id)
+        return self.utf8.decode(b, final=False)
+
+
+class _StreamDetokenizer(IncrementalDetokenizer):
+    """``tokenizers.decoders.DecodeStream`` over a ``tokenizers.Tokenizer``."""
+
+    def __init__(self, tok: Any, skip_special_tokens: bool):
+        from tokenizers.decoders import DecodeStream
+
+        self.tok = tok
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        return self.stream.step(self.tok, int(token_id)) or ""
+
+
+class _WindowDetokenizer(IncrementalDetokenizer):
+    """Any tokenizer: decodes a short window of recent ids per step (vLLM's offsets)."""
+
+    def __init__(self, tok: Tokenizer, skip_special_tokens: bool):
+        self.tok, self.skip = tok, skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+
+    def step(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=self.skip)
+        now = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=self.skip)
+        if len(now) > len(before) and not now.endswith("\ufffd") and now.startswith(before):
+            self.prefix, self.read = self.read, len(self.ids)
+            return now[len(before):]
+        return ""
+
+
+def decode_complete(tokenizer: Tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """The text of generated ``ids`` without a trailing partial character.
+
+    Same as ``tokenizer.decode(ids, skip_special_tokens)`` except that bytes of a
+    character the last tokens did not complete are dropped instead of showing as
+    U+FFFD (a generation cut by a length limit or a stop). O(len(ids)).
+    """
+    return tokenizer.detokenizer(skip_special_tokens).extend(ids)

@@ -1,6 +1,16 @@
-"""Lossless verification of draft blocks by rejection sampling.
+"""Lossless verification of draft blocks: rejection sampling and coupled draws.
 
-DESIGN.md, "Verification (lossless)"; Leviathan et al. 2023 ("Fast Inference from
+DESIGN.md, "Verification (lossless)" names two serving modes; both live here, side by side,
+and are covered by the same distribution tests (``tests/test_verifier.py``):
+
+* :func:`verify` -- rejection sampling (the paper's mode, highest acceptance), below;
+* :func:`verify_coupled` / :func:`coupled_accept` -- coupled draws: draft and target sample
+  every position with the SAME key (Gumbel noise); a draft is accepted iff it equals the
+  target's own sample, so every response equals plain decoding with its seed, token for
+  token, at some acceptance cost at T > 0 (``P(x == y)`` under shared noise instead of
+  ``1 - TV(p, q)``).
+
+Rejection sampling: Leviathan et al. 2023 ("Fast Inference from
 Transformers via Speculative Decoding", Alg. 1) and Chen et al. 2023 ("Accelerating Large
 Language Model Decoding with Speculative Sampling", Alg. 2, "modified rejection sampling").
 
@@ -25,7 +35,7 @@ import jax.numpy as jnp
 
 from dspark_jax.sampling import _categorical
 
-__all__ = ["VerifyOutput", "verify"]
+__all__ = ["VerifyOutput", "verify", "verify_coupled", "coupled_accept"]
 
 
 class VerifyOutput(NamedTuple):
@@ -168,3 +178,71 @@ def verify(
         keys, jnp.asarray(draft_tokens, jnp.int32), draft_probs, target_probs,
         jnp.asarray(lengths, jnp.int32),
     )
+
+
+def coupled_accept(draft_tokens: jax.Array, target_tokens: jax.Array, lengths: jax.Array) -> VerifyOutput:
+    """Coupled-draw verification given the target's own samples (the serving engine's path).
+
+    DESIGN.md "Verification (lossless)", coupled draws. ``target_tokens[b, j]`` is the
+    target's sample for block position ``j`` (the token after position ``P + j``) drawn with
+    the key the drafter used for ``draft_tokens[b, j]``. Draft ``j`` is accepted iff it
+    equals ``target_tokens[b, j]`` and every earlier verified draft was accepted; the
+    emitted tokens are ``target_tokens[b, :num_accepted + 1]`` (accepted drafts equal the
+    target's samples; the last one is the correction or, after full acceptance, the bonus).
+    So the output is exactly the target's sample at every position: lossless for ANY draft
+    distribution, and equal to plain decoding with the same keys.
+
+    Args:
+      draft_tokens: ``[B, G] int32``.
+      target_tokens: ``[B, G+1] int32`` target samples at block positions ``0..G`` (entries
+        past ``lengths[b]`` are never read into the result beyond ``-1`` padding).
+      lengths: ``[B] int32`` verification lengths, clipped to ``[0, G]``; must not depend
+        on the draft values (non-anticipation).
+
+    Returns:
+      :class:`VerifyOutput` (``tokens`` padded with ``-1`` after the next token).
+    """
+    b, g = draft_tokens.shape
+    if target_tokens.shape != (b, g + 1):
+        raise ValueError(f"shape mismatch: draft_tokens {draft_tokens.shape}, target_tokens "
+                         f"{target_tokens.shape} (expected [B, G], [B, G+1])")
+    target_tokens = jnp.asarray(target_tokens, jnp.int32)
+    length = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, g)
+    k = jnp.arange(g, dtype=jnp.int32)
+    match = (jnp.asarray(draft_tokens, jnp.int32) == target_tokens[:, :g]) & (k[None, :] < length[:, None])
+    num_accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    next_token = jnp.take_along_axis(target_tokens, num_accepted[:, None], 1)[:, 0]
+    out_pos = jnp.arange(g + 1, dtype=jnp.int32)
+    tokens = jnp.where(out_pos[None, :] <= num_accepted[:, None], target_tokens, -1)
+    return VerifyOutput(num_accepted=num_accepted, next_token=next_token, tokens=tokens,
+                        num_emitted=num_accepted + 1, accepted=k[None, :] < num_accepted[:, None])
+
+
+@jax.jit
+def verify_coupled(keys: jax.Array, draft_tokens: jax.Array, target_probs: jax.Array,
+                   lengths: jax.Array) -> VerifyOutput:
+    """Coupled-draw verification of a batch of draft blocks (lossless; DESIGN.md
+    "Verification (lossless)", second serving mode).
+
+    The target's token at block position ``j`` of row ``b`` is
+    ``sampling.sample(keys[b, j], target_probs[b, j])`` (Gumbel-max); the draft
+    ``draft_tokens[b, j]`` must have been drawn with the same ``keys[b, j]`` from its q
+    (e.g. ``markov.sample_block(step_keys=keys[:, :G])``) for acceptance to be high, but
+    correctness holds for any drafts: see :func:`coupled_accept`.
+
+    Args:
+      keys: ``[B, G+1, 2] uint32`` per-position keys (the serving engine uses
+        ``fold_in(request_key, P + j)``, the key plain decoding samples that token with).
+      draft_tokens: ``[B, G] int32``.
+      target_probs: ``[B, G+1, V] float32`` processed target distributions.
+      lengths: ``[B] int32``, clipped to ``[0, G]``; non-anticipating.
+
+    Returns:
+      :class:`VerifyOutput`.
+    """
+    b, g = draft_tokens.shape
+    if target_probs.shape[:2] != (b, g + 1) or keys.shape[:2] != (b, g + 1):
+        raise ValueError(f"shape mismatch: keys {keys.shape}, draft_tokens {draft_tokens.shape}, "
+                         f"target_probs {target_probs.shape} (expected [B, G+1, 2], [B, G], [B, G+1, V])")
+    y = jax.vmap(jax.vmap(_categorical))(keys, jnp.asarray(target_probs, jnp.float32))
+    return coupled_accept(draft_tokens, y, lengths)

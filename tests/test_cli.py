@@ -132,10 +132,74 @@ def test_main_job_end_to_end(stories260k_export):
                 "ar_token_ids", "ar_tokens_per_s", "speedup"):
         assert key in out, key
     assert out["token_ids"] == out["ar_token_ids"]
-    assert out["tau"] == pytest.approx(len(out["token_ids"]) / out["num_target_passes"], rel=0.1)
+    # tau: tokens per verification pass, the prefill token excluded (decode.Generation.tau)
+    assert out["tau"] == pytest.approx((len(out["token_ids"]) - 1) / out["num_target_passes"])
     # sampled request through the same command
     p = cli("generate", "--target", "stories260k", "--drafter", str(export), "--prompt", "The dog",
             "--max-new-tokens", "24", "--temperature", "0.8", "--top-k", "50", "--top-p", "0.9", "--gamma", "4",
             "--seed", "3", "--json")
     assert p.returncode == 0, p.stderr
     assert 1 <= len(json.loads(p.stdout)["token_ids"]) <= 24
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--temperature", "nan"], "--temperature must be a finite number"),
+    (["--temperature", "inf"], "--temperature must be a finite number"),
+    (["--top-p", "nan"], "--top-p must be a finite number"),
+    (["--temperature", "-0.5"], "--temperature must be >= 0"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+])
+def test_nan_sampling_settings_are_one_line_errors(flags, needle, capsys):
+    """Refused before any model is loaded (the target below does not exist)."""
+    from dspark_jax.generate import main
+
+    assert main(["--target", "/nonexistent.gguf", "--prompt", "Once", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=float("nan")), dict(temperature=float("-inf")),
+                                dict(top_p=float("nan")), dict(top_k=float("nan"))])
+def test_python_api_refuses_nan_sampling_settings(kw):
+    import numpy as np
+
+    from dspark_jax.api import generate_text
+    from dspark_jax.decode import generate_autoregressive
+    from dspark_jax.errors import DSparkInputError
+
+    name = next(iter(kw))
+    with pytest.raises(DSparkInputError, match=f"^{name} must be a finite number"):
+        generate_text(None, None, "Once upon a time", **kw)  # refused before the model is touched
+    with pytest.raises(DSparkInputError, match=name):
+        generate_autoregressive(None, [[1, 2]], **{name: np.array([0.5, kw[name]])})
+
+
+def test_serve_cli_refuses_eagle3_drafter_in_one_line(stories260k, tmp_path, capsys):
+    """The engine refuses an eagle3 drafter; `serve` turns it into one `error:` line, exit 2."""
+    from flax import nnx
+
+    from dspark_jax.checkpoint import export_drafter
+    from dspark_jax.config import DrafterConfig
+    from dspark_jax.eagle import eagle_taps
+    from dspark_jax.drafter import build_drafter
+    from dspark_jax.model_io import params_fingerprint
+    from dspark_jax.serve import main
+
+    cfg, params, _ = stories260k
+    dcfg = DrafterConfig.for_target(cfg, variant="eagle3", num_layers=1, gamma=2, markov_rank=0,
+                                    taps=eagle_taps(cfg), target_fingerprint=params_fingerprint(params))
+    export_drafter(build_drafter(dcfg, nnx.Rngs(0)), tmp_path / "eagle")
+    assert main(["--target", "stories260k", "--drafter", str(tmp_path / "eagle"), "--num-slots", "1",
+                 "--cache-len", "64"]) == 2
+    err = [l for l in capsys.readouterr().err.strip().splitlines() if l.strip()]
+    assert len(err) == 1 and err[0].startswith("error: ") and "eagle3" in err[0], err
+
+
+def test_serve_cli_flags(capsys):
+    from dspark_jax.serve import build_parser, main
+
+    args = build_parser().parse_args(["--target", "stories260k"])
+    assert args.verification == "coupled" and args.api_key is None and args.default_max_tokens is None
+    assert build_parser().parse_args(["--target", "x", "--verification", "rejection"]).verification == "rejection"
+    assert main(["--target", "stories260k", "--api-key-health-metrics"]) == 2
+    assert "needs --api-key" in capsys.readouterr().err

@@ -448,6 +448,50 @@ def test_perfect_drafter_acceptance_with_stop(pure_bigram, drafters, ar_pure):
 
 
 @pytest.mark.exactness
+def test_one_tau_in_decode_engine_and_server(pure_bigram, drafters, ar_pure):
+    """One definition of tau and acceptance: with a perfect drafter and a stop token inside
+    accepted blocks, the Python API's numbers (decode, gamma G) equal the server's
+    ``spec_decode`` for the same requests served by the engine verifying G drafts per step."""
+    from types import SimpleNamespace
+
+    from dspark_jax.engine import Engine, Request, SamplingParams
+    from dspark_jax.server import OutputState, TrackedRequest, event_from_output
+
+    stop = _stop_token(ar_pure)
+    d = drafters["perfect"]
+    g_used = d.cfg.gamma
+    # the same call as test_perfect_drafter_acceptance_with_stop (one compiled loop)
+    res = spec_std(pure_bigram, d, temperature=0, stop_ids=[stop]).generations
+    rows = [i for i, g in enumerate(res) if len(PROMPTS[i]) < 32 and MAX_NEW[i] > 8][:4]
+    prompts, max_new, seeds, ref = ([PROMPTS[i] for i in rows], [MAX_NEW[i] for i in rows],
+                                    [SEEDS[i] for i in rows], [res[i] for i in rows])
+    assert any(g.finish_reason == "stop" and len(g.token_ids) - 1 < g.num_target_passes * (g_used + 1)
+               for g in ref), "no stop inside a block: pick another stop token"
+    eng = Engine(pure_bigram, d, num_slots=1, cache_len=64, policy=f"fixed:{g_used}", eos_token_ids=(),
+                 buckets=(g_used + 1,), row_buckets=(1,), prefill_buckets=(32,), seed_calibration=False,
+                 profile_iters=1, suspend_after=None)
+    tok = SimpleNamespace(detokenizer=lambda skip_special_tokens=True: SimpleNamespace(step=lambda i: ""))
+    for p, m, sd, g in zip(prompts, max_new, seeds, ref):
+        req = Request(list(p), SamplingParams(temperature=0.0, seed=sd, max_tokens=m, stop_token_ids=(stop,)), "r")
+        eng.insert(eng.prefill(req), 0)
+        st = OutputState(TrackedRequest(req, None, None), tok)
+        first = True
+        while st.finish_reason is None:
+            for out in eng.generate():
+                st.feed(event_from_output(out, first))
+                first = False
+        assert st.token_ids == g.token_ids and st.finish_reason == g.finish_reason
+        spec = st.spec_decode()
+        assert spec["num_steps"] == g.num_target_passes
+        assert (spec["num_draft_tokens"], spec["num_accepted_tokens"]) == (g.num_verified, g.num_accepted)
+        if g.num_target_passes:
+            assert spec["tau"] == pytest.approx(g.tau) == pytest.approx((len(g.token_ids) - 1) / g.num_target_passes)
+            assert spec["acceptance_rate"] == g.acceptance_rate == 1.0
+        else:
+            assert spec["tau"] is None
+
+
+@pytest.mark.exactness
 def test_context_limit(peaked, drafters, ar_peaked):
     """(c) generation stops at the context end without error; a prompt that fills the
     context is refused."""
@@ -502,6 +546,15 @@ def test_input_errors(peaked, drafters):
                 fn(bad, max_new_tokens=4)
         with pytest.raises(DSparkInputError, match="max_new_tokens"):
             fn([[1, 2]], max_new_tokens=0)
+        # NaN/inf settings are refused (they used to decode <unk> tokens), per request too
+        for kw, match in [(dict(temperature=float("nan")), "temperature must be a finite number"),
+                          (dict(temperature=[0.5, float("inf")]), "temperature must be a finite number"),
+                          (dict(top_p=float("nan")), "top_p must be a finite number"),
+                          (dict(top_k=float("inf")), "top_k must be a finite number"),
+                          (dict(temperature=-1.0), "temperature must be >= 0"),
+                          (dict(top_p=0.0), r"top_p must be in \(0, 1\]")]:
+            with pytest.raises(DSparkInputError, match=match):
+                fn([[1, 2], [3, 4]], max_new_tokens=4, **kw)
     for g in (0, 5, -1):
         with pytest.raises(DSparkInputError, match="gamma"):
             generate_speculative(peaked, d, [[1, 2]], max_new_tokens=4, gamma=g)

@@ -183,9 +183,15 @@ def test_no_recompile_after_warmup(engine, requests):
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         before = engine.metrics()["compiles"]
+        # logit_bias / logprobs / min_tokens are runtime flags of the same programs
+        feats = [Request(r.prompt_ids, SamplingParams(temperature=r.params.temperature, max_tokens=12, seed=i,
+                                                      logit_bias=((5, -3.0),) * (i % 2), logprobs=(3 if i % 3 else None),
+                                                      min_tokens=4 * (i % 2)), f"f{i}")
+                 for i, r in enumerate(requests)]
         for policy in ["dspark", "greedy", "plain", "threshold:0.9", "fixed:3"]:
             engine.set_policy(policy)
             drive(engine, requests[::-1])       # other prompt lengths / slot assignments / order
+            drive(engine, feats)
         # cancel mid-flight (client disconnect) and start again
         engine.insert(engine.prefill(requests[2]), 1)
         engine.generate()
@@ -324,3 +330,227 @@ def test_input_errors(engine, target, drafter):
     assert parse_policy("fixed:1", GAMMA) == ("fixed", 1) and parse_policy("threshold:0.5", 3) == ("threshold", 0.5)
     with pytest.raises(DSparkInputError):
         Engine(target, None, num_slots=2, cache_len=CACHE, policy="dspark")
+
+
+# ------------------------------------------------------------------ issue 14: logit_bias, logprobs, min_tokens,
+# verification modes, drafter kinds
+
+
+@pytest.fixture(scope="module")
+def full_logits(target):
+    """``ids [CACHE] -> raw target logits [CACHE, V]`` of one full causal forward (no cache):
+    the plain-decoding reference of the tests below."""
+    graph, state = nnx.split(target)
+    pos = jnp.arange(CACHE, dtype=jnp.int32)[None]
+    fn = jax.jit(lambda st, ids: nnx.merge(graph, st)(ids[None], pos).logits[0])
+    return lambda ids: np.asarray(fn(state, jnp.asarray(ids, jnp.int32)), np.float64)
+
+
+def plain_reference(full_logits, target, prompt, sp: SamplingParams):
+    """Plain autoregressive decoding with logit_bias / min_tokens applied to the raw logits
+    (then temperature / top-k / top-p via ``process_logits``), the token after position ``t``
+    drawn with ``fold_in(PRNGKey(seed), t)`` like ``generate_autoregressive``. Returns
+    ``(tokens, finish_reason, raw_logprobs [n, V])``."""
+    from dspark_jax.sampling import process_logits, sample, sampling_arrays
+
+    stops = set(target.cfg.eos_ids) | set(sp.stop_token_ids)
+    ids, out, lps = list(prompt), [], []
+    key = jax.random.PRNGKey(sp.seed)
+    end = min(len(prompt) + sp.max_tokens, CACHE)
+    samp = sampling_arrays(1, sp.temperature, sp.top_k, sp.top_p)
+    while len(ids) < end:
+        buf = np.zeros(CACHE, np.int32)
+        buf[: len(ids)] = ids
+        raw = full_logits(buf)[len(ids) - 1]
+        lg = raw.copy()
+        for t, b in sp.logit_bias:
+            lg[t] += b
+        if len(out) < sp.min_tokens:
+            lg[sorted(stops)] = -np.inf
+        probs = process_logits(jnp.asarray(lg[None], jnp.float32), samp)
+        tok = int(sample(jax.random.fold_in(key, len(ids) - 1)[None], probs)[0])
+        lps.append(raw - np.logaddexp.reduce(raw))
+        out.append(tok)
+        ids.append(tok)
+        if tok in stops and len(out) - 1 >= sp.min_tokens:
+            return out, "stop", np.stack(lps)
+    return out, "length", np.stack(lps)
+
+
+def test_logit_bias_matches_plain_decoding_with_bias(engine, target, tokenizer, full_logits):
+    """logit_bias at T=0 changes the greedy path exactly as plain decoding with the bias does,
+    and speculative decoding (every policy) with the bias equals plain decoding with it; at
+    T>0 too (coupled verification: same keys)."""
+    prompt = tokenizer.encode("Once upon a time")
+    base = SamplingParams(temperature=0.0, max_tokens=30)
+    ref0, _, _ = plain_reference(full_logits, target, prompt, base)
+    bias = ((ref0[2], -100.0), (ref0[0], -5.0), (int(np.argsort(full_logits(np.r_[prompt, np.zeros(CACHE - len(prompt), int)])[len(prompt) - 1])[-3]), 4.0))
+    cases = [SamplingParams(temperature=0.0, max_tokens=30, logit_bias=bias),
+             SamplingParams(temperature=0.8, top_k=20, max_tokens=30, seed=4, logit_bias=bias)]
+    for sp in cases:
+        ref, why, _ = plain_reference(full_logits, target, prompt, sp)
+        if sp.temperature == 0:
+            assert ref != ref0 and ref0[2] not in ref
+        for policy in ("plain", "fixed:3", "dspark"):
+            engine.set_policy(policy)
+            toks, reasons = drive(engine, [Request(prompt, sp, "b")])
+            assert toks["b"] == ref, f"{policy} T={sp.temperature}"
+            assert reasons["b"] == why
+
+
+def test_logprobs_are_target_raw_logprobs(engine, target, requests, full_logits):
+    """logprobs: the target's log-softmax of its raw logits at every emitted position (prefill
+    token included), within 1e-4 of plain decoding's, top-n sorted; None when not asked."""
+    engine.set_policy("fixed:3")
+    base = requests[2]
+    sp = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=20, seed=7, logprobs=5,
+                        logit_bias=((13, 2.0),))
+    other = Request(requests[0].prompt_ids, SamplingParams(temperature=0.0, max_tokens=10), "no-lp")
+    zero = Request(requests[1].prompt_ids, SamplingParams(temperature=1.0, max_tokens=5, logprobs=0), "zero")
+    got = {"lp": [], "no-lp": [], "zero": []}
+    toks = {"lp": [], "no-lp": [], "zero": []}
+    engine.insert(engine.prefill(Request(base.prompt_ids, sp, "lp")), 0)
+    engine.insert(engine.prefill(other), 1)
+    pending = [zero]
+    while engine.active_slots() or pending:
+        if pending and engine.free_slots():
+            engine.insert(engine.prefill(pending.pop()), engine.free_slots()[0])
+        for o in engine.generate():
+            toks[o.request_id] += o.token_ids
+            if o.request_id == "no-lp":
+                assert o.logprobs is None
+            else:
+                assert o.logprobs is not None and len(o.logprobs) == len(o.token_ids)
+                got[o.request_id] += o.logprobs
+    ref, _, ref_lp = plain_reference(full_logits, target, base.prompt_ids, sp)
+    assert toks["lp"] == ref and len(got["lp"]) == len(ref)
+    for j, (t, (lp, top)) in enumerate(zip(ref, got["lp"])):
+        assert abs(lp - ref_lp[j, t]) < 1e-4
+        order = np.argsort(-ref_lp[j])[:5]
+        assert [i for i, _ in top] == order.tolist()
+        np.testing.assert_allclose([v for _, v in top], ref_lp[j, order], atol=1e-4)
+    assert all(top == [] for _, top in got["zero"]) and len(got["zero"]) == 5
+
+
+def test_min_tokens_suppresses_stops(engine, target, requests, reference, full_logits):
+    """min_tokens: EOS / stop ids are masked out of sampling (and cannot end the request)
+    before min_tokens tokens; afterwards they stop it as usual. Spec == plain with masking."""
+    base = requests[5]
+    ref = reference[base.request_id][0]
+    stop = ref[1]
+    sp = SamplingParams(temperature=0.0, max_tokens=35, stop_token_ids=(stop,), min_tokens=12)
+    want, why, _ = plain_reference(full_logits, target, base.prompt_ids, sp)
+    assert stop not in want[:12] and len(want) > 12
+    for policy in ("plain", "fixed:3"):
+        engine.set_policy(policy)
+        toks, reasons = drive(engine, [Request(base.prompt_ids, sp, "m")])
+        assert toks["m"] == want and reasons["m"] == why
+    # without min_tokens the same request stops at once
+    toks, reasons = drive(engine, [Request(base.prompt_ids, SamplingParams(temperature=0.0, max_tokens=35,
+                                                                           stop_token_ids=(stop,)), "n")])
+    assert toks["n"] == ref[:2] and reasons["n"] == "stop"
+
+
+def test_new_sampling_params_are_validated(engine):
+    cases = {"logit_bias": [SamplingParams(logit_bias=((512, 1.0),)), SamplingParams(logit_bias=((-1, 1.0),)),
+                            SamplingParams(logit_bias=((3, float("nan")),)),
+                            SamplingParams(logit_bias=((3, float("inf")),)), SamplingParams(logit_bias=((3,),))],
+             "logprobs": [SamplingParams(logprobs=21), SamplingParams(logprobs=-1)],
+             "min_tokens": [SamplingParams(min_tokens=5, max_tokens=4), SamplingParams(min_tokens=-1)]}
+    for field, params in cases.items():
+        for sp in params:
+            with pytest.raises(DSparkInputError, match=field):
+                engine.prefill(Request([1, 2, 3], sp))
+    too_many = SamplingParams(logit_bias=tuple((i, 1.0) for i in range(engine.max_logit_bias + 1)))
+    with pytest.raises(DSparkInputError, match="logit_bias"):
+        engine.prefill(Request([1, 2, 3], too_many))
+
+
+def test_eagle3_drafter_is_refused_at_start(target):
+    from dspark_jax.drafter import build_drafter
+    from dspark_jax.eagle import eagle_taps
+
+    cfg = DrafterConfig.for_target(target.cfg, variant="eagle3", num_layers=1, gamma=GAMMA, markov_rank=0,
+                                   taps=eagle_taps(target.cfg), target_fingerprint=target.fingerprint)
+    with pytest.raises(DSparkInputError, match="eagle3") as e:
+        Engine(target, build_drafter(cfg, nnx.Rngs(0)), num_slots=1, cache_len=CACHE)
+    assert "\n" not in str(e.value)
+    with pytest.raises(DSparkInputError, match="verification"):
+        Engine(target, None, num_slots=1, cache_len=CACHE, policy="plain", verification="typical")
+
+
+@pytest.fixture(scope="module")
+def rejection_engine(target, drafter):
+    """One slot, rejection-sampling verification (its own programs: the state carries q)."""
+    return Engine(target, drafter, num_slots=1, cache_len=CACHE, policy="fixed:3", buckets=(8,),
+                  prefill_buckets=(32,), profile_iters=1, suspend_after=None, verification="rejection")
+
+
+def test_rejection_verification_mode(rejection_engine, requests, reference):
+    """verification="rejection": greedy output equals plain decoding exactly; at T>0 it runs
+    with logit_bias (a banned token never appears) and accepts drafts. (Its output law is
+    pinned by the shared distribution tests of tests/test_verifier.py and by the PIT test
+    below.)"""
+    eng = rejection_engine
+    assert eng.verification == "rejection" and eng.metrics()["verification"] == "rejection"
+    greedy = [r for r in requests if r.params.temperature == 0.0]
+    toks, reasons = drive_one(eng, greedy)
+    for r in greedy:
+        assert toks[r.request_id] == reference[r.request_id][0] and reasons[r.request_id] == reference[r.request_id][1]
+    ban = reference[requests[1].request_id][0][:3]
+    sampled = [Request(r.prompt_ids, SamplingParams(temperature=1.0, max_tokens=24, seed=i,
+                                                    logit_bias=tuple((t, -100.0) for t in ban)), f"t{i}")
+               for i, r in enumerate(requests[:4])]
+    eng.reset_metrics()
+    toks, _ = drive_one(eng, sampled)
+    assert all(t not in ban for v in toks.values() for t in v)
+    m = eng.metrics()
+    assert m["accepted_tokens"] > 0 and m["draft_tokens"] > m["accepted_tokens"]
+
+
+def drive_one(engine, requests):
+    """Requests one after another through slot 0."""
+    toks, reasons = {}, {}
+    for r in requests:
+        engine.insert(engine.prefill(r), 0)
+        while engine.active_slots():
+            for o in engine.generate():
+                toks.setdefault(o.request_id, []).extend(o.token_ids)
+                if o.finished:
+                    reasons[o.request_id] = o.finish_reason
+    return toks, reasons
+
+
+def test_rejection_mode_output_law_pit(rejection_engine, tokenizer, full_logits):
+    """verification="rejection" at T=1 (top-k 50): the tokens a speculative step emits follow
+    the target's law given their prefix. Randomised probability integral transform: for a
+    token y drawn from p, ``F(y - 1) + U p(y)`` is uniform; a Kolmogorov-Smirnov test over
+    ~500 such values catches a misaligned p or q (wrong position or row) in the engine's
+    rejection path, which greedy decoding cannot see."""
+    eng = rejection_engine
+    eng.reset_metrics()
+    prompt = tokenizer.encode("Lily went to the park and saw a big")
+    rng = np.random.default_rng(0)
+    u = []
+    for seed in range(100):
+        sp = SamplingParams(temperature=1.0, top_k=50, max_tokens=7, seed=seed)
+        eng.insert(eng.prefill(Request(prompt, sp, "p")), 0)
+        toks = []
+        while eng.active_slots():
+            for o in eng.generate():
+                toks += o.token_ids
+        seq = np.zeros(CACHE, np.int32)
+        seq[: len(prompt) + len(toks)] = prompt + toks
+        lg = full_logits(seq)
+        for j in range(1, len(toks)):             # tokens after the prefill's (verified ones)
+            x = lg[len(prompt) + j - 1]
+            keep = x >= np.sort(x)[-50]                   # top-50 (no ties in these logits)
+            p = np.where(keep, np.exp(x - x.max()), 0.0)
+            p /= p.sum()
+            y = toks[j]
+            u.append(p[:y].sum() + rng.random() * p[y])
+    u = np.sort(np.asarray(u))
+    n = len(u)
+    d = max(np.max(np.arange(1, n + 1) / n - u), np.max(u - np.arange(n) / n))
+    assert n > 300 and d < 1.63 / np.sqrt(n), (n, d)       # KS at the 1% level
+    assert eng.metrics()["accepted_tokens"] > 0

@@ -48,6 +48,8 @@ def fake_export(tmp_path):
     (["--num-prompts", "0"], "--num-prompts must be >= 1"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--temperature", "nan"], "--temperature must be a finite number"),
+    (["--top-p", "inf"], "--top-p must be a finite number"),
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--prompts", "no_such_set"], "neither a prompt set"),

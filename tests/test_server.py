@@ -2,11 +2,15 @@
 
 One engine for the module (compilation dominates the run time): stories260K target, a
 randomly initialised drafter (block of 2), the deployed ``dspark`` scheduler, 2 slots, a
-64-token context. :class:`TestHTTP` serves it with uvicorn in a thread and drives it with
-httpx: greedy requests are checked token for token against plain autoregressive decoding,
-sampled requests sent concurrently against the same requests sent alone. The quick load
-benchmark then reconfigures the same engine for each policy (no step recompiles: the
-drafter's block size makes ``fixed:2`` reuse the scheduler's buckets).
+64-token context. :class:`TestHTTP` serves it with uvicorn in a thread (behind an API
+key) and drives it with httpx and with the official ``openai`` client: greedy requests
+are checked token for token against plain autoregressive decoding, sampled requests sent
+concurrently against the same requests sent alone, logprobs and logit_bias through the
+engine. The quick load benchmark then reconfigures the same engine for each policy (no
+step recompiles: the drafter's block size makes ``fixed:2`` reuse the scheduler's
+buckets). HTTP-only behaviour (validation, auth, model names, n, stream options,
+defaults, detokenization, tau accounting, queue limits, disconnects) is tested over a fake
+engine in ``tests/test_server_http.py``, without compiling anything.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
                 "{% if add_generation_prompt %}assistant:{% endif %}"
 NUM_SLOTS, CACHE_LEN, GAMMA = 2, 64, 2
+API_KEY = "test-key"
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +53,11 @@ def engine(models):
     from dspark_jax.serve import build_engine
 
     target, _, drafter = models
-    # Fewer compiled shapes (compilation is most of this module's time): every step runs both
-    # rows, prompts pad to 16 or 64 tokens.
+    # Few compiled shapes (compilation is most of this module's time; each costs ~7 s on 2
+    # cores): every step runs both rows, every prompt pads to 64 tokens, and the token budgets
+    # are the plain step (2) and the full block (2 x 3), which fixed:2 and plain reuse.
     return build_engine(target, drafter, policy="dspark", num_slots=NUM_SLOTS, cache_len=CACHE_LEN,
-                        row_buckets=(NUM_SLOTS,), prefill_buckets=(16, CACHE_LEN))
+                        row_buckets=(NUM_SLOTS,), prefill_buckets=(CACHE_LEN,), buckets=(NUM_SLOTS * (GAMMA + 1),))
 
 
 @pytest.fixture(scope="class")
@@ -59,8 +65,8 @@ def server(models, engine):
     from dspark_jax.serve import ServerThread, build_server
 
     target, tok, _ = models
-    app, loop = build_server(engine, tok, model_name="stories260k", max_queue=64, default_max_tokens=16,
-                             chat_template=CHAT_TEMPLATE, policy="dspark")
+    app, loop = build_server(engine, tok, model_name="stories260k", max_queue=64, chat_template=CHAT_TEMPLATE,
+                             policy="dspark", api_key=API_KEY)
     with ServerThread(app) as srv:
         srv.loop, srv.tok, srv.target = loop, tok, target
         yield srv
@@ -68,7 +74,7 @@ def server(models, engine):
 
 @pytest.fixture
 def client(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
         yield c
 
 
@@ -124,11 +130,12 @@ class TestHTTP:
         assert ch["text"] == server.tok.decode(ref.token_ids, skip_special_tokens=True)
         assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 24, "total_tokens": len(ids) + 24}
         sd = body["spec_decode"]
-        assert 1 <= sd["num_steps"] <= 23 and sd["tau"] == pytest.approx(1 + sd["num_accepted_tokens"] / sd["num_steps"])
+        # tau: tokens per verification pass, the prefill token excluded (decode.Generation.tau)
+        assert 1 <= sd["num_steps"] <= 23 and sd["tau"] == pytest.approx(23 / sd["num_steps"])
         assert 0 <= sd["num_accepted_tokens"] <= sd["num_draft_tokens"] <= GAMMA * sd["num_steps"]
         if sd["num_draft_tokens"]:
             assert sd["acceptance_rate"] == pytest.approx(sd["num_accepted_tokens"] / sd["num_draft_tokens"])
-        # the default max_tokens applies when none is given; token ids work as a prompt too
+        # vLLM's default max_tokens (16) applies when none is given; token ids work as a prompt too
         r2 = client.post("/v1/completions", json={"prompt": ids, "temperature": 0})
         assert r2.status_code == 200 and r2.json()["usage"]["completion_tokens"] == 16
         assert r2.json()["choices"][0]["text"] == server.tok.decode(ref.token_ids[:16], skip_special_tokens=True)
@@ -178,7 +185,8 @@ class TestHTTP:
             events = _sse_events(r.iter_lines())
         assert events[-1] == "[DONE]"
         assert events[0]["object"] == "chat.completion.chunk" and events[0]["choices"][0]["delta"]["role"] == "assistant"
-        assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-2]["usage"]["completion_tokens"] == 6
+        assert events[-2]["choices"][0]["finish_reason"] == "length" and "usage" not in events[-2]
+        assert sum(len(e["choices"][0]["delta"].get("content") or "") for e in events[:-1]) > 0
 
 
     def test_stop_strings_cut_text_and_free_slot(self, server, client):
@@ -198,131 +206,6 @@ class TestHTTP:
         r = client.post("/v1/completions", json=dict(base, stop_token_ids=[sid])).json()["choices"][0]
         assert r["finish_reason"] == "stop" and r["token_ids"] == free["token_ids"][:free["token_ids"].index(sid) + 1]
         assert _wait_idle(client)["free_slots"] == NUM_SLOTS
-
-
-    # --------------------------------------------------------------------------- errors
-
-
-    @pytest.mark.parametrize("body,needle", [
-        ({"prompt": ""}, "empty"),
-        ({"prompt": "   "}, "empty"),
-        ({"prompt": []}, "empty"),
-        ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
-        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-        ({"prompt": "hi", "temperature": -0.1}, "temperature"),
-        ({"prompt": "hi", "top_p": 0}, "top_p"),
-        ({"prompt": "hi", "top_p": 1.5}, "top_p"),
-        ({"prompt": "hi", "top_k": -2}, "top_k"),
-        ({"prompt": "hi", "seed": 2**31}, "seed"),
-        ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
-        ({"prompt": "hi", "n": 2}, "n"),
-        ({"prompt": "hi", "stop": [""]}, "stop"),
-        ({"prompt": "hi", "stop_token_ids": [100000]}, "stop_token_ids"),
-        ({"prompt": [5, 100000]}, "vocabulary"),
-        ({"prompt": "word " * 200}, "context"),
-        ({"prompt": "hi", "max_tokens": CACHE_LEN}, "context"),
-        ({"max_tokens": 5}, "prompt"),
-    ])
-    def test_invalid_completion_requests_get_400(self, client, body, needle):
-        r = client.post("/v1/completions", json=body)
-        assert r.status_code == 400, (body, r.text)
-        err = r.json()["error"]
-        assert err["type"] == "invalid_request_error" and needle in err["message"] + str(err["param"])
-
-
-    def test_invalid_bodies_get_400(self, client):
-        r = client.post("/v1/completions", content=b'{"prompt": "hi",', headers={"content-type": "application/json"})
-        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
-        for body in ({"messages": []}, {"messages": [{"role": "user", "content": ""}]}, {"messages": "hi"},
-                     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}):
-            r = client.post("/v1/chat/completions", json=body)
-            assert r.status_code == 400, (body, r.text)
-            assert r.json()["error"]["message"]
-        r = client.post("/v1/completions", json={"prompt": "hi", "stream": True, "temperature": -1})
-        assert r.status_code == 400  # validated before any event is streamed
-        assert client.get("/health").json()["status"] == "ok"
-
-
-    def test_queue_full_gets_429(self, server, client):
-        old = server.loop.max_queue
-        server.loop.max_queue = 1
-        try:
-            async def burst():
-                async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
-                    return await asyncio.gather(*(c.post("/v1/completions", json={
-                        "prompt": "Once upon a time", "max_tokens": 50, "temperature": 0}) for _ in range(8)))
-
-            rs = asyncio.run(burst())
-        finally:
-            server.loop.max_queue = old
-        codes = sorted(r.status_code for r in rs)
-        assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
-        err = next(r for r in rs if r.status_code == 429).json()["error"]
-        assert err["type"] == "rate_limit_error" and "queue is full" in err["message"]
-        assert _metric(client.get("/metrics").text, "dspark:request_rejected_total", status="429") >= codes.count(429)
-        assert _wait_idle(client)["free_slots"] == NUM_SLOTS
-
-
-    # --------------------------------------------------------------------------- disconnects
-
-
-    def test_client_disconnect_frees_slot(self, server, client):
-        long = {"prompt": "Once upon a time", "max_tokens": CACHE_LEN - 8, "temperature": 0}
-        before = _metric(client.get("/metrics").text, "dspark:request_aborted_total")
-        with client.stream("POST", "/v1/completions", json=dict(long, stream=True)) as r:  # streaming: hang up
-            it = r.iter_lines()
-            got = [line for _, line in zip(range(3), it)]
-            assert got[0].startswith("data: ")
-        h = _wait_idle(client)
-        assert h["running"] == 0 and h["free_slots"] == NUM_SLOTS
-        mid = _metric(client.get("/metrics").text, "dspark:request_aborted_total")
-        assert mid == before + 1
-        with pytest.raises(httpx.ReadTimeout):  # non-streaming: the client times out and closes the connection
-            httpx.post(server.url + "/v1/completions", json=long, timeout=httpx.Timeout(60, read=0.05))
-        h = _wait_idle(client)
-        assert h["running"] == 0 and h["free_slots"] == NUM_SLOTS
-        assert _metric(client.get("/metrics").text, "dspark:request_aborted_total") == mid + 1
-        # the server keeps serving
-        assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).status_code == 200
-
-
-    # --------------------------------------------------------------------------- metrics, exactness under load
-
-
-    def test_metrics_expose_spec_decode_counters(self, client):
-        def scrape():
-            return client.get("/metrics").text
-
-        before = scrape()
-        bodies = [client.post("/v1/completions", json={"prompt": p, "max_tokens": 12, "temperature": 0}).json()
-                  for p in ("Once upon a time", "The dog ran")]
-        _wait_idle(client)
-        after = scrape()
-        for name in ("dspark:spec_decode_num_drafts_total", "dspark:spec_decode_num_draft_tokens_total",
-                     "dspark:spec_decode_num_accepted_tokens_total", "dspark:num_requests_running",
-                     "dspark:num_requests_waiting", "dspark:time_to_first_token_seconds_bucket",
-                     "dspark:time_per_output_token_seconds_bucket", "dspark:e2e_request_latency_seconds_count",
-                     "dspark:request_success_total", "dspark:generation_tokens_total", "dspark:prompt_tokens_total",
-                     "dspark:engine_suspended_steps_total", "dspark:engine_catchup_tokens_total"):
-            assert name in after, name
-        assert 'dspark:spec_decode_num_accepted_tokens_per_pos_total{model_name="stories260k",position="1"}' in after
-        assert 'dspark:calibration_temperature{model_name="stories260k",position="1"}' in after
-
-        def delta(name, **kw):
-            return _metric(after, name, **kw) - _metric(before, name, **kw)
-
-        assert delta("dspark:request_success_total", finished_reason="length") == 2
-        assert delta("dspark:generation_tokens_total") == 24
-        assert delta("dspark:time_to_first_token_seconds_count") == 2
-        # the engine's cumulative counters agree with the per-request metrics
-        assert delta("dspark:spec_decode_num_draft_tokens_total") == sum(b["spec_decode"]["num_draft_tokens"]
-                                                                          for b in bodies)
-        assert delta("dspark:spec_decode_num_accepted_tokens_total") == sum(b["spec_decode"]["num_accepted_tokens"]
-                                                                             for b in bodies)
-        assert delta("dspark:spec_decode_num_accepted_tokens_per_pos_total") == \
-            delta("dspark:spec_decode_num_accepted_tokens_total")
-        assert _metric(after, "dspark:num_requests_running") == 0
-        assert _metric(after, "dspark:num_free_slots") == NUM_SLOTS
 
 
     def test_concurrent_seeded_requests_equal_alone(self, server, client):
@@ -349,7 +232,8 @@ class TestHTTP:
             return ids, text, fin
 
         async def together():
-            async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60,
+                                         headers={"Authorization": f"Bearer {API_KEY}"}) as c:
                 return await asyncio.gather(*(one(c, b) for b in reqs))
 
         concurrent = asyncio.run(together())
@@ -360,6 +244,75 @@ class TestHTTP:
         assert concurrent == alone
         assert len({tuple(a[0]) for a in alone}) == len(alone)
         assert _wait_idle(client)["free_slots"] == NUM_SLOTS
+
+
+    def test_openai_client(self, server, client):
+        """The official ``openai`` client: completions and chat, streamed and not, logprobs,
+        logit_bias, n, errors; and the engine's counters agree with the responses."""
+        import openai
+
+        before = client.get("/metrics").text
+        oc = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert [m.id for m in oc.models.list()] == ["stories260k"]
+        prompt = "Once upon a time"
+        ids = server.tok.encode(prompt)
+        ref = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                   "return_token_ids": True}).json()["choices"][0]
+        # completions, greedy, with logprobs: the greedy token is the most likely one (raw logprobs)
+        c = oc.completions.create(model="stories260k", prompt=prompt, max_tokens=12, temperature=0, logprobs=3)
+        ch = c.choices[0]
+        assert ch.text == ref["text"] and ch.finish_reason == "length" and c.usage.completion_tokens == 12
+        lp = ch.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+        for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+            assert chosen <= 0 and 1 <= len(top) <= 3 and chosen == pytest.approx(max(top.values()), abs=1e-5)
+        # logit_bias -100 on the third greedy token changes the third token, and only from there
+        third = ref["token_ids"][2]
+        b = oc.completions.create(model="stories260k", prompt=prompt, max_tokens=12, temperature=0,
+                                  logit_bias={str(third): -100}, extra_body={"return_token_ids": True})
+        got = b.choices[0].model_extra["token_ids"]
+        assert got[:2] == ref["token_ids"][:2] and got[2] != third and third not in got
+        # streamed completions add up to the same text
+        text = "".join(e.choices[0].text for e in oc.completions.create(
+            model="stories260k", prompt=prompt, max_tokens=12, temperature=0, stream=True) if e.choices)
+        assert text == ref["text"]
+        # chat, not streamed and streamed (usage chunk), with logprobs
+        msgs = [{"role": "user", "content": "A cat and a dog"}]
+        r = oc.chat.completions.create(model="stories260k", messages=msgs, max_tokens=8, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+        content = r.choices[0].logprobs.content
+        assert len(content) == r.usage.completion_tokens == 8
+        assert all(len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-5)
+                   for t in content)
+        events = list(oc.chat.completions.create(model="stories260k", messages=msgs, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+        assert "".join(e.choices[0].delta.content or "" for e in events if e.choices) == r.choices[0].message.content
+        assert events[-1].choices == [] and events[-1].usage.completion_tokens == 8
+        assert all(e.usage is None for e in events[:-1])
+        # n = 2: choice 1 is the request with seed + 1
+        two = oc.completions.create(model="stories260k", prompt=prompt, max_tokens=10, temperature=1.0, seed=5, n=2)
+        one = oc.completions.create(model="stories260k", prompt=prompt, max_tokens=10, temperature=1.0, seed=6)
+        assert two.choices[1].text == one.choices[0].text and two.usage.completion_tokens == 20
+        # refusals the client maps to its exceptions
+        with pytest.raises(openai.NotFoundError):
+            oc.completions.create(model="gpt-4", prompt=prompt, max_tokens=2)
+        with pytest.raises(openai.BadRequestError, match="response_format"):
+            oc.chat.completions.create(model="stories260k", messages=msgs, max_tokens=2,
+                                       response_format={"type": "json_object"})
+        with pytest.raises(openai.BadRequestError, match="logprobs"):
+            oc.chat.completions.create(model="stories260k", messages=msgs, max_tokens=2, top_logprobs=2)
+        # the engine's own counters agree with the per-request counts (no stop strings here)
+        assert _wait_idle(client)["free_slots"] == NUM_SLOTS
+        after = client.get("/metrics").text
+
+        def delta(name):
+            return _metric(after, name) - _metric(before, name)
+
+        assert delta("dspark:spec_decode_num_accepted_tokens_per_pos_total") == \
+            delta("dspark:spec_decode_num_accepted_tokens_total")
+        assert delta("dspark:spec_decode_num_rounds_total") == delta("dspark:engine_rounds_total")
 
 
 # --------------------------------------------------------------------------- CLI and benchmark

@@ -153,3 +153,95 @@ def test_hf_tokenizer_missing(tmp_path):
 
     with pytest.raises(DSparkInputError):
         HFTokenizer(tmp_path)
+
+
+# ----------------------------------------------------------------------------- incremental detokenization
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+# The issue's SmolLM2 example: "café", the Japanese word for cat and a smiley emoji.
+MULTIBYTE = "Write the word 'café' and the Japanese word for cat: 猫 (ねこ), then a smiley emoji 😊. Ω≈ç√ 🚀"
+TEXTS = st.text(alphabet=st.sampled_from(list("ab c.\né猫ねこ😊🚀Ωç√ü") + ["\u0301"]), max_size=40)
+
+
+def check_every_cut(tok, ids):
+    """At every cut the streamed text is decode_complete's, holds no U+FFFD from a split
+    character and is a prefix of the full text; the whole stream equals decode()."""
+    from dspark_jax.tokenizer import decode_complete
+
+    full = tok.decode(ids, skip_special_tokens=True)
+    assert "\ufffd" not in full
+    d, acc = tok.detokenizer(), ""
+    for k, i in enumerate(ids, 1):
+        acc += d.step(i)
+        assert "\ufffd" not in acc and full.startswith(acc), (k, acc)
+        assert acc == decode_complete(tok, ids[:k])
+    assert acc == full
+
+
+def test_llama2c_detokenizer_every_cut(tok512):
+    ids = tok512.encode(MULTIBYTE, add_bos=False)
+    assert len(ids) > len(MULTIBYTE.encode()) // 4  # byte fallback: characters split over tokens
+    check_every_cut(tok512, ids)
+    check_every_cut(tok512, [1] + tok512.encode(MULTIBYTE, add_bos=False))  # the space after BOS is dropped
+
+
+def test_smollm2_detokenizer_every_cut(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = tok.encode(MULTIBYTE)
+    pieces = [tok.decode([i]) for i in ids]
+    assert any("\ufffd" in p for p in pieces)  # some tokens hold only part of a character
+    check_every_cut(tok, ids)
+    check_every_cut(tok, tok.encode(CHATML) + ids)  # special tokens are skipped
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=TEXTS)
+def test_property_llama2c_detokenizer(tok512, text):
+    check_every_cut(tok512, tok512.encode(text, add_bos=False))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(text=TEXTS)
+def test_property_smollm2_detokenizer(smollm2_tokenizer, text):
+    check_every_cut(smollm2_tokenizer, smollm2_tokenizer.encode(text))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(0, 511), max_size=30))
+def test_property_llama2c_stream_equals_decode_on_any_ids(tok512, ids):
+    """Arbitrary ids (invalid UTF-8 included): the stream plus a final flush is decode()."""
+    d = tok512.detokenizer()
+    assert d.extend(ids) + d.utf8.decode(b"", final=True) == tok512.decode(ids, skip_special_tokens=True)
+
+
+def test_hf_detokenizer(tmp_path, write_tiny_hf_tokenizer):
+    from dspark_jax.tokenizer import HFTokenizer, _WindowDetokenizer
+
+    write_tiny_hf_tokenizer(tmp_path)
+    tok = HFTokenizer(tmp_path)
+    ids = [3, 4, 5, 6, 7]
+    d = tok.detokenizer()
+    assert "".join(d.step(i) for i in ids) == tok.decode(ids, skip_special_tokens=True)
+    w = _WindowDetokenizer(tok, True)
+    assert w.extend(ids) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_window_detokenizer_holds_split_characters(tok512):
+    from dspark_jax.tokenizer import _WindowDetokenizer
+
+    ids = tok512.encode(MULTIBYTE * 3, add_bos=False)
+    sizes = []
+
+    class Counting:
+        def decode(self, ids, skip_special_tokens=False):
+            sizes.append(len(ids))
+            return tok512.decode(ids, skip_special_tokens)
+
+    w, acc = _WindowDetokenizer(Counting(), True), ""
+    for i in ids:
+        acc += w.step(i)
+        assert "\ufffd" not in acc and (MULTIBYTE * 3).startswith(acc.lstrip(" "))
+    assert acc == tok512.decode(ids)
+    assert max(sizes) <= 8 < len(ids)  # a short window per step, never the whole output

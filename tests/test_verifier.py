@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from dspark_jax.sampling import process_logits, sample, sampling_arrays
-from dspark_jax.verifier import VerifyOutput, verify
+from dspark_jax.verifier import VerifyOutput, coupled_accept, verify, verify_coupled
 
 pytestmark = pytest.mark.exactness
 
@@ -156,9 +156,14 @@ def _rows(table, n):
     return jnp.broadcast_to(table, (n,) + table.shape)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def simulate_two_tokens(n, key, p1, p2, p3, q1, q2, length_probs):
+@functools.partial(jax.jit, static_argnums=(0, 8))
+def simulate_two_tokens(n, key, p1, p2, p3, q1, q2, length_probs, mode="rejection"):
     """n independent samples of the first two stream tokens.
+
+    ``mode="rejection"``: :func:`verify`; ``mode="coupled"``: :func:`verify_coupled`, where
+    the drafter draws stream position ``j`` with the key the target samples it with (one
+    key per sample and stream position, as the serving engine's ``fold_in(request_key, t)``);
+    round 2 redrafts position 1 with position 1's key.
 
     Round 1: the Markov drafter draws x1 ~ q1, x2 ~ q2[x1]; the verification length is
     drawn from ``length_probs`` independently of the drafts (non-anticipating); the target
@@ -168,6 +173,19 @@ def simulate_two_tokens(n, key, p1, p2, p3, q1, q2, length_probs):
     Returns (y1, y2, round-1 num_emitted, round-1 tokens [n, G+1]).
     """
     kx1, kx2, klen, kv1, kz, kv2 = jax.random.split(key, 6)
+    if mode == "coupled":
+        k0, k1, k2 = (jax.random.split(k, n) for k in (kx1, kx2, kv1))
+        x1 = sample(k0, _rows(q1, n))
+        x2 = sample(k1, q2[x1])
+        lengths = sample(klen, _rows(length_probs, n))
+        out = verify_coupled(jnp.stack([k0, k1, k2], axis=1), jnp.stack([x1, x2], axis=1),
+                             jnp.stack([_rows(p1, n), p2[x1], p3[x1, x2]], axis=1), lengths)
+        y1 = out.tokens[:, 0]
+        z = sample(k1, q2[y1])
+        out2 = verify_coupled(jnp.stack([k1, k2], axis=1), z[:, None], jnp.stack([p2[y1], p3[y1, z]], axis=1),
+                              jnp.ones((n,), jnp.int32))
+        y2 = jnp.where(out.num_emitted >= 2, out.tokens[:, 1], out2.tokens[:, 0])
+        return y1, y2, out.num_emitted, out.tokens
     x1 = sample(kx1, _rows(q1, n))
     q2_x1 = q2[x1]
     x2 = sample(kx2, q2_x1)
@@ -206,21 +224,30 @@ LENGTH_POLICIES = {
 }
 
 
-@pytest.mark.parametrize("policy", sorted(LENGTH_POLICIES))
+# Coupled draws' token law does not involve the lengths: one length policy is enough.
+@pytest.mark.parametrize("policy,mode", [(p, "rejection") for p in sorted(LENGTH_POLICIES)]
+                         + [("uniform012", "coupled")])
 @pytest.mark.parametrize("config", SAMPLING_CONFIGS)
-def test_monte_carlo_law_of_first_two_tokens(config, policy):
+def test_monte_carlo_law_of_first_two_tokens(config, policy, mode):
+    """Both serving verification modes (DESIGN.md "Verification (lossless)") under the same
+    law test: first token ~ p1, first two ~ p1(y1) p2(y2 | y1)."""
     p1, p2, p3, q1, q2 = make_tables(11, *config)
     length_probs = jnp.asarray(LENGTH_POLICIES[policy], jnp.float32)
     seed = 1000 + 10 * SAMPLING_CONFIGS.index(config) + sorted(LENGTH_POLICIES).index(policy)
+    seed += 500 * (mode == "coupled")
     y1, y2, n_em, tokens = jax.device_get(
         simulate_two_tokens(
-            N_MC, jax.random.PRNGKey(seed), *_as_f32(p1, p2, p3, q1, q2), length_probs
+            N_MC, jax.random.PRNGKey(seed), *_as_f32(p1, p2, p3, q1, q2), length_probs, mode
         )
     )
     first = np.bincount(y1, minlength=V) / N_MC
     joint = np.bincount(y1 * V + y2, minlength=V * V).reshape(V, V) / N_MC
     assert _tv(first, p1) < 0.01
     assert _tv(joint, p1[:, None] * p2) < 0.01
+    if mode == "coupled":
+        # Coupled acceptance is P(x == y) under shared noise: below rejection's 1 - TV, > 0.
+        assert 0.0 < float(np.mean(n_em > 1)) < 1.0
+        return
     # The whole round's law (which tokens, how many) matches the enumeration too:
     # a mixture over the independently drawn lengths.
     law = defaultdict(float)
@@ -541,3 +568,42 @@ def test_verify_properties(seed, shape, equal_pq, zero_frac):
     # padding never matters
     d2, q2, p2 = _poison_padding(drafts, q, p, lengths, seed % 1000)
     _assert_same(out, verify(keys, d2, q2, p2, lengths))
+
+
+# ======================================================================================
+# 5. Coupled draws (the serving engine's default mode)
+# ======================================================================================
+def test_coupled_output_is_plain_sampling_with_the_same_keys():
+    """verify_coupled emits, position by position, exactly ``sample(keys[j], p_j)``: the
+    plain-decoding token with that key, whatever the drafts (random or drawn with the same
+    keys) and the lengths; it accepts a draft iff it equals that sample."""
+    b, g, v = 64, 3, 5
+    rng = np.random.default_rng(0)
+    p = jax.nn.softmax(jnp.asarray(rng.normal(size=(b, g + 1, v)) * 2, jnp.float32), axis=-1)
+    q = jax.nn.softmax(jnp.asarray(rng.normal(size=(b, g, v)) * 2, jnp.float32), axis=-1)
+    keys = jax.random.split(jax.random.PRNGKey(3), b * (g + 1)).reshape(b, g + 1, 2)
+    plain = np.asarray(jax.vmap(sample)(keys, p))                  # [b, g+1]
+    lengths = jnp.asarray(rng.integers(0, g + 1, b), jnp.int32)
+    for drafts in (jax.vmap(sample)(keys[:, :g], q), jnp.asarray(rng.integers(0, v, (b, g)), jnp.int32)):
+        out = jax.device_get(verify_coupled(keys, drafts, p, lengths))
+        d = np.asarray(drafts)
+        for r in range(b):
+            a = int(out.num_accepted[r])
+            assert a <= int(lengths[r])
+            np.testing.assert_array_equal(out.tokens[r, : a + 1], plain[r, : a + 1])
+            assert np.all(out.tokens[r, a + 1:] == -1) and out.next_token[r] == plain[r, a]
+            np.testing.assert_array_equal(d[r, :a], plain[r, :a])
+            if a < int(lengths[r]):
+                assert d[r, a] != plain[r, a]
+    # shared noise makes acceptance high when q is close to p
+    near = verify_coupled(keys, jax.vmap(sample)(keys[:, :g], p[:, :g]), p, jnp.full((b,), g, jnp.int32))
+    assert int(np.asarray(near.num_accepted).sum()) == b * g
+
+
+def test_coupled_accept_greedy_and_padding():
+    drafts = jnp.asarray([[1, 2, 3], [1, 0, 3], [4, 2, 3], [1, 2, 5]], jnp.int32)
+    y = jnp.asarray([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, -7]], jnp.int32)
+    out = jax.device_get(coupled_accept(drafts, y, jnp.asarray([3, 3, 3, 2], jnp.int32)))
+    np.testing.assert_array_equal(out.num_accepted, [3, 1, 0, 2])
+    np.testing.assert_array_equal(out.tokens, [[1, 2, 3, 4], [1, 2, -1, -1], [1, -1, -1, -1], [1, 2, 3, -1]])
+    np.testing.assert_array_equal(out.next_token, [4, 2, 1, 3])

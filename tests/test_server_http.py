@@ -1,0 +1,522 @@
+"""The HTTP server's own behaviour over a fake engine (``tests/fake_engine.py``): no JAX
+compilation, so these run in seconds. Validation (every unhonoured field refused, NaN/inf
+refused), model names (404), ``n`` > 1, ``stream_options``, ``max_tokens`` defaults, API
+keys, logprobs / logit_bias / min_tokens plumbing, UTF-8-safe detokenization at every cut,
+stop strings, one tau definition (a stop inside an accepted block), queue limits,
+disconnects and metrics. ``tests/test_server.py`` checks the real engine end to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from fake_engine import FakeEngine
+
+CACHE_LEN, NUM_SLOTS = 128, 4
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
+                "{% if add_generation_prompt %}assistant:{% endif %}"
+CAT = [234, 143, 174]  # tok512's byte tokens of U+732B (cat), 3 UTF-8 bytes
+
+
+@pytest.fixture(scope="module")
+def tok(stories260k_dir):
+    from dspark_jax.tokenizer import Llama2cTokenizer
+
+    return Llama2cTokenizer.from_file(stories260k_dir / "tok512.bin")
+
+
+def _serve(tok, engine=None, **cfg):
+    from dspark_jax.serve import ServerThread
+    from dspark_jax.server import EngineLoop, ServerConfig, create_app
+
+    engine = engine or FakeEngine(vocab_size=tok.vocab_size, num_slots=NUM_SLOTS, cache_len=CACHE_LEN)
+    loop = EngineLoop(engine, tok, max_queue=cfg.pop("max_queue", 64), model_name="fake-model")
+    config = ServerConfig(model_name="fake-model", context_len=CACHE_LEN, vocab_size=tok.vocab_size,
+                          chat_template=CHAT_TEMPLATE, policy="fake", max_logit_bias=engine.max_logit_bias, **cfg)
+    srv = ServerThread(create_app(loop, tok, config)).start()
+    srv.engine, srv.loop, srv.tok = engine, loop, tok
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server(tok):
+    srv = _serve(tok)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+def _sse(lines) -> list:
+    out = []
+    for line in lines:
+        if line:
+            assert line.startswith("data: "), line
+            out.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+    return out
+
+
+def _stream(client, path, body) -> list:
+    with client.stream("POST", path, json=dict(body, stream=True)) as r:
+        assert r.status_code == 200, r.read()
+        return _sse(r.iter_lines())
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and all(
+                f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _wait_idle(client, timeout: float = 10.0) -> dict:
+    t0 = time.monotonic()
+    while True:
+        h = client.get("/health").json()
+        if (h["running"] == 0 and h["waiting"] == 0) or time.monotonic() - t0 > timeout:
+            return h
+        time.sleep(0.01)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _declared(model) -> set[str]:
+    return set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.text(min_size=1, max_size=24), value=st.one_of(st.none(), st.booleans(), st.integers(),
+                                                              st.text(max_size=5), st.lists(st.integers(), max_size=3)))
+def test_property_any_undeclared_field_is_refused(name, value):
+    from pydantic import ValidationError
+
+    from dspark_jax.server import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
+
+    base = {CompletionRequest: {"prompt": "hi"},
+            ChatCompletionRequest: {"messages": [{"role": "user", "content": "hi"}]},
+            ChatMessage: {"role": "user", "content": "hi"}, StreamOptions: {}}
+    for model, body in base.items():
+        if name in _declared(model):
+            continue
+        with pytest.raises(ValidationError) as e:
+            model.model_validate({**body, name: value})
+        assert any(err["type"] == "extra_forbidden" and err["loc"][-1] == name for err in e.value.errors())
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/completions", {"prompt": "hi", "ignore_eos": True}, "ignore_eos"),
+    ("/v1/completions", {"prompt": "hi", "user": "me"}, "user"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "text"}},
+     "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages.0.name"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5},
+     "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"7": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"512": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, "n"),
+])
+def test_unhonoured_fields_get_400_naming_them(client, path, body, field):
+    r = client.post(path, json=body)
+    assert r.status_code == 400, (body, r.text)
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == field, err
+    assert field.split(".")[-1] in err["message"], err
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"prompt": ""}, "empty"),
+    ({"prompt": "   "}, "empty"),
+    ({"prompt": []}, "empty"),
+    ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "temperature": -0.1}, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hi", "top_k": -2}, "top_k"),
+    ({"prompt": "hi", "seed": 2**31}, "seed"),
+    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "hi", "stop": [""]}, "stop"),
+    ({"prompt": "hi", "stop_token_ids": [100000]}, "stop_token_ids"),
+    ({"prompt": [5, 100000]}, "vocabulary"),
+    ({"prompt": "word " * 200}, "context"),
+    ({"prompt": "hi", "max_tokens": CACHE_LEN}, "context"),
+    ({"max_tokens": 5}, "prompt"),
+])
+def test_invalid_completion_requests_get_400(client, body, needle):
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400, (body, r.text)
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and needle in err["message"] + str(err["param"])
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_inf_sampling_values_get_400(client, field, value):
+    for path, body in (("/v1/completions", '{"prompt": "hi", "%s": %s}'),
+                       ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "%s": %s}')):
+        r = client.post(path, content=(body % (field, value)).encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 400, (path, field, value, r.text)
+        assert r.json()["error"]["param"] == field
+    r = client.post("/v1/completions", content=b'{"prompt": "hi", "logit_bias": {"5": NaN}}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+
+
+def test_invalid_bodies_get_400(client):
+    r = client.post("/v1/completions", content=b'{"prompt": "hi",', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    for body in ({"messages": []}, {"messages": [{"role": "user", "content": ""}]}, {"messages": "hi"},
+                 {"messages": [{"role": "wizard", "content": "hi"}]},
+                 {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}):
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"prompt": "hi", "stream": True, "temperature": -1})
+    assert r.status_code == 400  # validated before any event is streamed
+    assert client.get("/health").json()["status"] == "ok"
+
+
+def test_model_names(client):
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["fake-model"] and models["data"][0]["max_model_len"] == CACHE_LEN
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})):
+        r = client.post(path, json=dict(body, model="gpt-4"))
+        assert r.status_code == 404 and "gpt-4" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["type"] == "NotFoundError"
+        assert client.post(path, json=dict(body, model="fake-model")).status_code == 200
+        assert client.post(path, json=body).status_code == 200  # omitted: the served model
+
+
+# --------------------------------------------------------------------------- defaults, n, streaming options
+
+
+def test_max_tokens_defaults_are_vllms(server, client):
+    r = client.post("/v1/completions", json={"prompt": "Once upon a time"}).json()
+    assert r["usage"]["completion_tokens"] == 16 and r["choices"][0]["finish_reason"] == "length"
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] == CACHE_LEN  # the rest of the context
+    ids = list(range(5, 5 + CACHE_LEN - 4))  # room for 4: the completions default is capped to it
+    assert client.post("/v1/completions", json={"prompt": ids}).json()["usage"]["completion_tokens"] == 4
+
+
+def test_n_choices_are_the_same_request_with_seed_plus_i(client):
+    for path, base in (("/v1/completions", {"prompt": "Once upon a time"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        body = dict(base, max_tokens=9, temperature=0.8, seed=2**31 - 2, return_token_ids=True)
+        r = client.post(path, json=dict(body, n=3)).json()
+        assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+        singles = [client.post(path, json=dict(body, seed=s)).json() for s in (2**31 - 2, 2**31 - 1, -(2**31))]
+        for c, one in zip(r["choices"], singles):
+            assert c["token_ids"] == one["choices"][0]["token_ids"]
+            assert c.get("text", c.get("message")) == one["choices"][0].get("text", one["choices"][0].get("message"))
+        assert len({tuple(c["token_ids"]) for c in r["choices"]}) == 3
+        assert r["usage"]["completion_tokens"] == sum(s["usage"]["completion_tokens"] for s in singles)
+        assert r["usage"]["prompt_tokens"] == singles[0]["usage"]["prompt_tokens"]
+        # streamed: every choice's chunks carry its index and add up to the same text
+        events = _stream(client, path, dict(body, n=3))
+        assert events[-1] == "[DONE]"
+        for c in r["choices"]:
+            chunks = [e["choices"][0] for e in events[:-1] if e["choices"] and e["choices"][0]["index"] == c["index"]]
+            ids = [i for ch in chunks for i in ch.get("token_ids", [])]
+            assert ids == c["token_ids"]
+            if path == "/v1/completions":
+                assert "".join(ch["text"] for ch in chunks) == c["text"]
+            else:
+                assert "".join(ch["delta"].get("content") or "" for ch in chunks) == c["message"]["content"]
+            assert [ch["finish_reason"] for ch in chunks if ch["finish_reason"]] == [c["finish_reason"]]
+
+
+def test_stream_options_include_usage(client):
+    body = {"prompt": "Once upon a time", "max_tokens": 7, "temperature": 0}
+    plain = _stream(client, "/v1/completions", body)
+    assert all("usage" not in e for e in plain[:-1])  # no include_usage: no usage anywhere
+    events = _stream(client, "/v1/completions", dict(body, stream_options={"include_usage": True}))
+    chunks = events[:-1]
+    assert all(c["usage"] is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 7
+    assert last["usage"] == client.post("/v1/completions", json=body).json()["usage"]
+    assert last["spec_decode"]["num_steps"] >= 1
+    chat = _stream(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6,
+                                                   "stream_options": {"include_usage": False}})
+    assert chat[0]["choices"][0]["delta"]["role"] == "assistant" and all("usage" not in e for e in chat[:-1])
+    assert chat[-2]["choices"][0]["finish_reason"] == "length"
+
+
+# --------------------------------------------------------------------------- API key
+
+
+def test_api_key(tok):
+    for protect in (False, True):
+        srv = _serve(tok, api_key="s3cret", auth_health_metrics=protect)
+        try:
+            with httpx.Client(base_url=srv.url, timeout=30) as c:
+                body = {"prompt": "hi", "max_tokens": 2}
+                for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                    r = c.post("/v1/completions", json=body, headers=headers)
+                    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
+                    assert c.get("/v1/models", headers=headers).status_code == 401
+                ok = {"Authorization": "Bearer s3cret"}
+                assert c.post("/v1/completions", json=body, headers=ok).status_code == 200
+                assert c.get("/v1/models", headers=ok).status_code == 200
+                for path in ("/health", "/metrics"):
+                    assert c.get(path).status_code == (401 if protect else 200)
+                    assert c.get(path, headers=ok).status_code == 200
+        finally:
+            srv.stop()
+
+
+# --------------------------------------------------------------------------- sampling parameters reach the engine
+
+
+def test_logit_bias_logprobs_min_tokens_reach_the_engine(server, client):
+    eng = server.engine
+    ids = [5, 6, 7, 8]
+    free = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 6, "temperature": 0,
+                                                "return_token_ids": True}).json()["choices"][0]["token_ids"]
+    third = free[2]
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 6, "temperature": 0,
+                                             "return_token_ids": True, "logit_bias": {str(third): -100}}).json()
+    assert r["choices"][0]["token_ids"][:2] == free[:2] and r["choices"][0]["token_ids"][2] != third
+    assert eng.requests[-1].params.logit_bias == ((third, -100.0),)
+    # completions logprobs: n alternatives per token, aligned with the text
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 5, "temperature": 0, "logprobs": 2}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert eng.requests[-1].params.logprobs == 2
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
+    assert all(len(t) <= 2 for t in lp["top_logprobs"]) and lp["text_offset"][0] == 0
+    assert "".join(lp["tokens"]) == r["choices"][0]["text"]
+    # chat: logprobs bool + top_logprobs
+    msgs = [{"role": "user", "content": "Hi"}]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "logprobs": True,
+                                                  "top_logprobs": 3}).json()
+    content = r["choices"][0]["logprobs"]["content"]
+    assert eng.requests[-1].params.logprobs == 3 and len(content) == 4
+    assert all(len(c["top_logprobs"]) == 3 and c["bytes"] == list(c["token"].encode()) for c in content)
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "logprobs": True}).json()
+    assert eng.requests[-1].params.logprobs == 0 and all(c["top_logprobs"] == [] for c in
+                                                          r["choices"][0]["logprobs"]["content"])
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4}).json()
+    assert eng.requests[-1].params.logprobs is None and r["choices"][0]["logprobs"] is None
+    # streamed logprobs add up to the same
+    events = _stream(client, "/v1/completions", {"prompt": ids, "max_tokens": 5, "temperature": 0, "logprobs": 2})
+    toks = [t for e in events[:-1] if e["choices"] and e["choices"][0]["logprobs"]
+            for t in e["choices"][0]["logprobs"]["tokens"]]
+    assert toks == lp["tokens"]
+    # min_tokens: EOS cannot end the request before it
+    eng.scripts[(9, 9, 9)] = [40, 41, 2, 42, 43, 44, 45]
+    r = client.post("/v1/completions", json={"prompt": [9, 9, 9], "max_tokens": 6, "return_token_ids": True}).json()
+    assert r["choices"][0]["token_ids"] == [40, 41, 2] and r["choices"][0]["finish_reason"] == "stop"
+    r = client.post("/v1/completions", json={"prompt": [9, 9, 9], "max_tokens": 6, "min_tokens": 4,
+                                             "return_token_ids": True}).json()
+    assert eng.requests[-1].params.min_tokens == 4 and 2 not in r["choices"][0]["token_ids"][:4]
+
+
+# --------------------------------------------------------------------------- detokenization, stop strings, tau
+
+
+def test_no_half_character_at_any_cut(server, client, tok):
+    from dspark_jax.tokenizer import decode_complete
+
+    prompt = [7, 7, 7]
+    script = [280, 294, 410] + CAT + [433, 261] + CAT + CAT + [334]
+    server.engine.scripts[tuple(prompt)] = script
+    chat_prompt = tok.encode(CHAT_TEMPLATE.replace("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                                                   "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}",
+                                                   "user: x\nassistant:"), add_bos=False)
+    server.engine.scripts[tuple(chat_prompt)] = script
+    full = tok.decode(script, skip_special_tokens=True)
+    assert "\ufffd" not in full and full.count("\u732b") == 3
+    for k in range(1, len(script) + 1):
+        want = decode_complete(tok, script[:k])
+        assert "\ufffd" not in want and full.startswith(want)
+        body = {"prompt": prompt, "max_tokens": k, "return_token_ids": True}
+        r = client.post("/v1/completions", json=body).json()["choices"][0]
+        assert r["token_ids"] == script[:k] and r["text"] == want, (k, r)
+        events = _stream(client, "/v1/completions", body)
+        assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == want
+        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                         "max_tokens": k}).json()["choices"][0]["message"]["content"]
+        assert chat == want
+    # a stop string made of a split character and a cut right after the stop
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 20, "stop": ["\u732b"],
+                                             "return_token_ids": True}).json()["choices"][0]
+    assert r["text"] == full[:full.index("\u732b")] and r["token_ids"] == script[:6] and r["finish_reason"] == "stop"
+
+
+def test_detokenization_is_incremental(server, client, tok, monkeypatch):
+    """No re-decoding of the output: the server never decodes more than one id at a time
+    (the llama2.c detokenizer works on piece bytes; only logprob token strings decode one id)."""
+    sizes = []
+    real = type(tok).decode
+
+    def counting(self, ids, skip_special_tokens=False):
+        sizes.append(len(ids))
+        return real(self, ids, skip_special_tokens)
+
+    monkeypatch.setattr(type(tok), "decode", counting)
+    r = client.post("/v1/completions", json={"prompt": [3, 4, 5], "max_tokens": 100, "stop": ["zzzz"],
+                                             "logprobs": 1}).json()
+    assert r["usage"]["completion_tokens"] == 100 and sizes and max(sizes) == 1
+
+
+def test_stop_string_matching(server, client, tok):
+    ids = [11, 12, 13]
+    free = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 30, "temperature": 0,
+                                                "return_token_ids": True}).json()["choices"][0]
+    text = free["text"]
+    needle = text[10:14]
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 30, "temperature": 0, "stop": [needle, "zzzz"],
+                                             "return_token_ids": True}).json()["choices"][0]
+    assert r["finish_reason"] == "stop" and r["text"] == text[:text.index(needle)]
+    n = len(r["token_ids"])  # the shortest token prefix whose text contains the stop string
+    assert r["token_ids"] == free["token_ids"][:n]
+    assert needle in tok.decode(free["token_ids"][:n]) and needle not in tok.decode(free["token_ids"][:n - 1])
+    events = _stream(client, "/v1/completions", {"prompt": ids, "max_tokens": 30, "temperature": 0,
+                                                 "stop": [needle], "return_token_ids": True})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == r["text"]
+    # min_tokens holds back stop strings too (as vLLM)
+    late = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 30, "temperature": 0, "stop": [needle],
+                                                "min_tokens": n + 1, "return_token_ids": True}).json()["choices"][0]
+    assert len(late["token_ids"]) > n
+    assert _wait_idle(client)["free_slots"] == NUM_SLOTS
+
+
+def test_tau_with_a_stop_inside_an_accepted_block(server, client, tok):
+    """Blocks: prefill token, then 3 tokens (2 accepted drafts + bonus), 1, 2. A stop after the
+    first accepted draft of the first block: 2 tokens, 1 pass, 1 accepted of 1 verified (the
+    draft after the stop is not counted), tau = (2 - 1) / 1 = 1.0, not 1 + accepted/steps = 2."""
+    prompt = [21, 22, 23]
+    script = [280, 294, 410, 265, 344, 264, 426, 300, 301]
+    server.engine.scripts[tuple(prompt)] = script
+    before = client.get("/metrics").text
+    bodies = []
+    stop_text = tok.decode(script[1:2])
+    for extra in ({"stop": [stop_text]}, {"stop_token_ids": [script[1]]}):  # a stop string, then a stop token
+        r = client.post("/v1/completions", json=dict(extra, prompt=prompt, max_tokens=9,
+                                                     return_token_ids=True)).json()
+        assert r["choices"][0]["token_ids"] == script[:2], r
+        sd = r["spec_decode"]
+        assert (sd["num_steps"], sd["num_draft_tokens"], sd["num_accepted_tokens"]) == (1, 1, 1), sd
+        assert sd["tau"] == pytest.approx((r["usage"]["completion_tokens"] - 1) / sd["num_steps"]) == 1.0
+        bodies.append(r)
+    full = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 9}).json()["spec_decode"]
+    # 9 tokens: prefill + 3 + 1 + 2 + 3 -> 4 passes, 8 pass tokens, accepted 2 + 0 + 1 + 2
+    assert (full["num_steps"], full["num_accepted_tokens"], full["tau"]) == (4, 5, 2.0)
+    bodies.append({"spec_decode": full})
+    _wait_idle(client)
+    after = client.get("/metrics").text
+
+    def delta(name):
+        return _metric(after, name) - _metric(before, name)
+
+    assert delta("dspark:spec_decode_num_rounds_total") == sum(b["spec_decode"]["num_steps"] for b in bodies) == 6
+    assert delta("dspark:spec_decode_num_emitted_tokens_total") == 1 + 1 + 8
+    assert delta("dspark:spec_decode_num_accepted_tokens_total") == 1 + 1 + 5
+    tau_all = _metric(after, "dspark:spec_decode_mean_accepted_length")
+    assert tau_all == pytest.approx(_metric(after, "dspark:spec_decode_num_emitted_tokens_total")
+                                    / _metric(after, "dspark:spec_decode_num_rounds_total"))
+
+
+# --------------------------------------------------------------------------- load, disconnects, metrics
+
+
+def test_queue_full_gets_429(tok):
+    srv = _serve(tok, FakeEngine(vocab_size=tok.vocab_size, num_slots=1, cache_len=CACHE_LEN, step_delay=0.01),
+                 max_queue=1)
+    try:
+        async def burst():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+                return await asyncio.gather(*(c.post("/v1/completions", json={
+                    "prompt": "Once upon a time", "max_tokens": 20}) for _ in range(8)))
+
+        rs = asyncio.run(burst())
+        codes = sorted(r.status_code for r in rs)
+        assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
+        err = next(r for r in rs if r.status_code == 429).json()["error"]
+        assert err["type"] == "rate_limit_error" and "queue is full" in err["message"]
+        with httpx.Client(base_url=srv.url) as c:
+            # n choices are queued all or none
+            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 2})
+            assert r.status_code == 429
+            assert _metric(c.get("/metrics").text, "dspark:request_rejected_total", status="429") >= codes.count(429)
+            assert _wait_idle(c)["free_slots"] == 1
+    finally:
+        srv.stop()
+
+
+def test_client_disconnect_frees_slot(tok):
+    srv = _serve(tok, FakeEngine(vocab_size=tok.vocab_size, num_slots=2, cache_len=CACHE_LEN, step_delay=0.01))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as client:
+            long = {"prompt": "Once upon a time", "max_tokens": CACHE_LEN - 8}
+            before = _metric(client.get("/metrics").text, "dspark:request_aborted_total")
+            with client.stream("POST", "/v1/completions", json=dict(long, stream=True)) as r:  # hang up mid-stream
+                got = [line for _, line in zip(range(3), r.iter_lines())]
+                assert got[0].startswith("data: ")
+            h = _wait_idle(client)
+            assert h["running"] == 0 and h["free_slots"] == 2
+            mid = _metric(client.get("/metrics").text, "dspark:request_aborted_total")
+            assert mid == before + 1
+            with pytest.raises(httpx.ReadTimeout):  # non-streaming: the client times out and closes
+                httpx.post(srv.url + "/v1/completions", json=dict(long, n=2), timeout=httpx.Timeout(30, read=0.05))
+            h = _wait_idle(client)
+            assert h["running"] == 0 and h["free_slots"] == 2
+            assert _metric(client.get("/metrics").text, "dspark:request_aborted_total") == mid + 2
+            assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_metrics_count_requests_and_spec_decode(client):
+    before = client.get("/metrics").text
+    bodies = [client.post("/v1/completions", json={"prompt": p, "max_tokens": 12}).json()
+              for p in ("Once upon a time", "The dog ran")]
+    _wait_idle(client)
+    after = client.get("/metrics").text
+    for name in ("dspark:num_requests_running", "dspark:num_requests_waiting", "dspark:time_to_first_token_seconds_bucket",
+                 "dspark:time_per_output_token_seconds_bucket", "dspark:e2e_request_latency_seconds_count",
+                 "dspark:request_success_total", "dspark:generation_tokens_total", "dspark:prompt_tokens_total",
+                 "dspark:spec_decode_mean_accepted_length", "dspark:spec_decode_acceptance_rate"):
+        assert name in after, name
+
+    def delta(name, **kw):
+        return _metric(after, name, **kw) - _metric(before, name, **kw)
+
+    assert delta("dspark:request_success_total", finished_reason="length") == 2
+    assert delta("dspark:generation_tokens_total") == 24
+    assert delta("dspark:time_to_first_token_seconds_count") == 2
+    for key, name in (("num_draft_tokens", "dspark:spec_decode_num_draft_tokens_total"),
+                      ("num_accepted_tokens", "dspark:spec_decode_num_accepted_tokens_total"),
+                      ("num_steps", "dspark:spec_decode_num_rounds_total")):
+        assert delta(name) == sum(b["spec_decode"][key] for b in bodies), name
+    assert _metric(after, "dspark:num_free_slots") == NUM_SLOTS
