@@ -16,7 +16,8 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 
 from .checkpoint import load_drafter
-from .decode import check_compatible, check_sampling, generate_autoregressive, generate_speculative
+from .decode import (check_compatible, check_sampling, generate_autoregressive, generate_speculative,
+                     resolve_num_speculative_tokens)
 from .drafter import Drafter
 from .errors import DSparkInputError
 from .model_io import params_fingerprint
@@ -81,13 +82,18 @@ def encode_prompt(tokenizer, prompt: str, chat: bool | None = None, spec: str = 
 
 def generate_text(target: Target, tokenizer, prompt: str | Sequence[int], *, drafter: Drafter | None = None,
                   max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                  seed: int = 0, gamma: int | None = None, chat: bool = False) -> dict[str, Any]:
+                  seed: int = 0, num_speculative_tokens: int | str | None = None, gamma: int | None = None,
+                  chat: bool = False) -> dict[str, Any]:
     """Generates one completion, speculatively when a drafter is given.
 
     Args:
       prompt: text (tokenized, with the chat template when ``chat``) or token ids.
       temperature: finite, >= 0 (0 = greedy). top_k: integer >= 0 (0 = off).
       top_p: in (0, 1] (1 = off). seed: PRNG seed of the request.
+      num_speculative_tokens: draft tokens verified per round (1..the drafter's block size) or
+        ``"auto"``, the default for block drafters (:mod:`dspark_jax.auto_verify`; the first call
+        measures this machine's cost table). At T > 0 the sampled tokens then depend on the
+        lengths it chose (the output law does not). ``gamma``: deprecated alias.
     Returns:
       dict with ``text`` (UTF-8-safe: never ends in half a character), ``token_ids``,
       ``finish_reason``, ``tau`` (tokens per target verification pass, the prefill token
@@ -103,7 +109,9 @@ def generate_text(target: Target, tokenizer, prompt: str | Sequence[int], *, dra
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if drafter is not None:
         check_compatible(target, drafter)
-        res = generate_speculative(target, drafter, [ids], gamma=gamma, **kw)
+        n_spec = resolve_num_speculative_tokens(num_speculative_tokens, gamma, drafter.cfg.gamma,
+                                                default="auto" if drafter.cfg.variant != "eagle3" else None)
+        res = generate_speculative(target, drafter, [ids], num_speculative_tokens=n_spec, **kw)
     else:
         res = generate_autoregressive(target, [ids], **kw)
     g = res.generations[0]

@@ -576,6 +576,8 @@ def resolve_num_speculative_tokens(num_speculative_tokens, gamma, block_size: in
             raise DSparkInputError("give num_speculative_tokens or its deprecated alias gamma, not both")
         num_speculative_tokens = gamma
     n = default if num_speculative_tokens is None else num_speculative_tokens
+    if n is None:
+        return block_size
     if isinstance(n, str):
         if n.strip().lower() == "auto":
             return "auto"
@@ -584,8 +586,8 @@ def resolve_num_speculative_tokens(num_speculative_tokens, gamma, block_size: in
         except ValueError:
             raise DSparkInputError(f"num_speculative_tokens must be an integer or 'auto', got {n!r}") from None
     if isinstance(n, bool) or not 1 <= int(n) <= block_size:
-        raise DSparkInputError(f"num_speculative_tokens must be in [1, {block_size}] for this drafter "
-                               f"(its block size) or 'auto', got {n}")
+        raise DSparkInputError(f"num_speculative_tokens (alias gamma) must be in [1, {block_size}] for this "
+                               f"drafter (its block size) or 'auto', got {n}")
     return int(n)
 
 

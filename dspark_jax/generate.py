@@ -43,8 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off (default 1)")
-    p.add_argument("--gamma", type=int, default=None,
-                   help="draft tokens verified per round, 1..block size (default: the drafter's block size)")
+    p.add_argument("--num-speculative-tokens", default=None, metavar="N|auto",
+                   help="draft tokens verified per round: 1..the drafter's block size, or 'auto' (default: "
+                        "per round the length that maximises expected tokens/s from the drafter's confidences "
+                        "and costs measured on this machine at start-up; 0 when drafting does not pay)")
+    p.add_argument("--gamma", type=int, default=None, help=argparse.SUPPRESS)   # deprecated alias
     p.add_argument("--seed", type=int, default=0, help="PRNG seed of the request (default 0)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weight/compute dtype (default float32)")
@@ -60,7 +63,8 @@ def run(args: argparse.Namespace) -> dict:
 
     from .api import encode_prompt, load_target
     from .checkpoint import load_drafter, read_export_meta
-    from .decode import check_compatible, check_sampling, generate_autoregressive, generate_speculative
+    from .decode import (check_compatible, check_sampling, generate_autoregressive, generate_speculative,
+                         resolve_num_speculative_tokens)
     from .errors import DSparkInputError
     from .presets import preset_info
     from .tokenizer import decode_complete
@@ -73,8 +77,13 @@ def run(args: argparse.Namespace) -> dict:
         raise DSparkInputError(f"--{str(e).replace('_', '-', 1)}") from None
     if args.drafter:
         read_export_meta(args.drafter)  # fail fast, before loading the target
-    if args.gamma is not None and not args.drafter:
-        raise DSparkInputError("--gamma needs --drafter")
+    if args.gamma is not None:
+        if args.num_speculative_tokens is not None:
+            raise DSparkInputError("give --num-speculative-tokens or its deprecated alias --gamma, not both")
+        print("note: --gamma is deprecated, use --num-speculative-tokens", file=sys.stderr)
+        args.num_speculative_tokens = str(args.gamma)
+    if args.num_speculative_tokens is not None and not args.drafter:
+        raise DSparkInputError("--num-speculative-tokens needs --drafter")
     dtype = jnp.dtype(args.dtype)
     target, tok = load_target(args.target, dtype=dtype)
     chat = args.chat if args.chat is not None else bool(preset_info(args.target).get("chat"))
@@ -85,11 +94,14 @@ def run(args: argparse.Namespace) -> dict:
     if args.drafter:
         drafter, _ = load_drafter(args.drafter, dtype=dtype)
         check_compatible(target, drafter)
+        n_spec = resolve_num_speculative_tokens(args.num_speculative_tokens, None, drafter.cfg.gamma,
+                                                default="auto" if drafter.cfg.variant != "eagle3" else None)
         if args.compare_ar:  # warm-up run: the timed runs below then compare steady-state speed
-            generate_speculative(target, drafter, [ids], gamma=args.gamma, **kw)
-        res = generate_speculative(target, drafter, [ids], gamma=args.gamma, **kw)
+            generate_speculative(target, drafter, [ids], num_speculative_tokens=n_spec, **kw)
+        res = generate_speculative(target, drafter, [ids], num_speculative_tokens=n_spec, **kw)
         g = res.generations[0]
-        out.update(mode="speculative", variant=drafter.cfg.variant, gamma=args.gamma or drafter.cfg.gamma)
+        out.update(mode="speculative", variant=drafter.cfg.variant, num_speculative_tokens=n_spec,
+                   block_size=drafter.cfg.gamma)
     else:
         res = generate_autoregressive(target, [ids], **kw)
         g = res.generations[0]
