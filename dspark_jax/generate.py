@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft tokens verified per round: 1..the drafter's block size, or 'auto' (default: "
                         "per round the length that maximises expected tokens/s from the drafter's confidences "
                         "and costs measured on this machine at start-up; 0 when drafting does not pay)")
-    p.add_argument("--gamma", type=int, default=None, help=argparse.SUPPRESS)   # deprecated alias
+    p.add_argument("--gamma", type=int, default=None,
+                   help="deprecated alias of --num-speculative-tokens (removed in the next release)")
     p.add_argument("--seed", type=int, default=0, help="PRNG seed of the request (default 0)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weight/compute dtype (default float32)")
