@@ -516,7 +516,9 @@ def fit_and_store_calibration(target: Target, drafter: Drafter, heldout_data: di
       export_dir: export whose ``drafter.json`` gets ``calibration`` (the
         temperatures) and ``extra.calibration`` (pooled before/after metrics);
         ``None`` writes nothing.
-      temperature: acceptance temperature of the labels (1 = training label).
+      temperature: acceptance temperature of the labels (1 = training label; 0 = greedy
+        acceptance, argmax agreement: the fit is then stored as the drafter's greedy
+        calibration, ``calibration_greedy`` in the export, used for rows decoding at T = 0).
       fit_on: ``"expected"`` (``prod (1 - TV)``, default) or ``"sampled"`` (0/1 draws).
       loss: ``"brier"`` (default) or ``"nll"``.
     Returns:
@@ -558,10 +560,11 @@ def fit_and_store_calibration(target: Target, drafter: Drafter, heldout_data: di
         "fit_split": {"before": _compact(survival_report(fit, None, seed=seed, n_bins=n_bins)),
                       "after": _compact(survival_report(fit, temps, seed=seed, n_bins=n_bins))},
     }
-    drafter.set_calibration(temps_l)
+    greedy = temperature <= 0
+    drafter.set_calibration(temps_l, greedy=greedy)
     if meta is not None:
-        meta["calibration"] = temps_l
-        meta.setdefault("extra", {})["calibration"] = {
+        meta["calibration_greedy" if greedy else "calibration"] = temps_l
+        meta.setdefault("extra", {})["calibration_greedy" if greedy else "calibration"] = {
             "method": report["method"], "acceptance_temperature": temperature,
             "before": _compact(before), "after": _compact(after)}
         (Path(export_dir) / "drafter.json").write_text(json.dumps(jsonable(meta), indent=2))
@@ -588,6 +591,10 @@ def calibrate_training_run(cfg, target: Target, drafter: Drafter, heldout_prompt
                              temperature=cfg.gen_temperature, top_p=cfg.gen_top_p, seed=cfg.seed,
                              batch_size=cfg.gen_batch_size)
     rep = fit_and_store_calibration(target, drafter, data, export_dir, seed=cfg.seed)
+    # Greedy decoding accepts on argmax agreement, not with probability 1 - TV: its own fit.
+    rep_greedy = fit_and_store_calibration(target, drafter, data, export_dir, seed=cfg.seed, temperature=0.0)
+    rep["greedy"] = {"temperatures": rep_greedy["temperatures"], "before": _compact(rep_greedy["before"]),
+                     "after": _compact(rep_greedy["after"])}
     rep["heldout"] = {"source": "target continuations of the held-out eval prompts", "num_prompts": len(data["lengths"]),
                       "max_new_tokens": cfg.gen_max_new_tokens, "seq_len": cfg.seq_len,
                       "gen_temperature": cfg.gen_temperature}
@@ -595,6 +602,7 @@ def calibrate_training_run(cfg, target: Target, drafter: Drafter, heldout_prompt
     rep = jsonable(rep)
     Path(workdir, "calibration.json").write_text(json.dumps(rep, indent=2))
     return {"temperatures": rep["temperatures"], "before": _compact(rep["before"]), "after": _compact(rep["after"]),
+            "greedy": rep["greedy"],
             "num_sequences": rep["num_sequences"], "num_blocks": rep["num_blocks"],
             "acceptance_temperature": rep["acceptance_temperature"], "seconds": rep["seconds"],
             "report": str(Path(workdir, "calibration.json"))}

@@ -59,6 +59,7 @@ def export_drafter(drafter: Drafter, path: str | Path, *, calibration: list[floa
     ckptr.wait_until_finished()
     meta = {"format": FORMAT, "config": drafter.cfg.to_dict(),
             "dtype": jnp.dtype(drafter.dtype).name, "calibration": calibration,
+            "calibration_greedy": list(getattr(drafter, "calibration_greedy", None) or []) or None,
             "draft_vocab": list(getattr(drafter, "draft_vocab", None) or []) or None, "extra": extra or {}}
     (path / "drafter.json").write_text(json.dumps(meta, indent=2))
     return path
@@ -127,6 +128,8 @@ def load_drafter(path: str | Path, dtype: Any = None) -> tuple[Drafter, dict[str
     nnx.update(drafter, state)
     try:
         drafter.set_calibration(meta.get("calibration"))
+        if meta.get("calibration_greedy"):
+            drafter.set_calibration(meta["calibration_greedy"], greedy=True)
     except (TypeError, ValueError) as e:
         raise DSparkInputError(f"{path}/drafter.json has an invalid calibration: {e}") from None
     if cfg.draft_vocab_size:

@@ -133,6 +133,9 @@ class Drafter(nnx.Module):
         # definition (not a parameter): set by `load_drafter` from the export's
         # `calibration` field, or with `set_calibration`.
         self.calibration: tuple[float, ...] | None = None
+        # Temperatures fit on greedy acceptance (argmax agreement), used for rows decoding at
+        # T = 0; None: greedy rows use `calibration` too.
+        self.calibration_greedy: tuple[float, ...] | None = None
         # Draft vocabulary (cfg.draft_vocab_size > 0): the N target ids the drafter drafts over,
         # ascending. Static like `calibration` (set by `load_drafter` from the export, or by the
         # trainer from its data with `set_draft_vocab`).
@@ -420,19 +423,25 @@ class Drafter(nnx.Module):
         z = h if e is None else jnp.concatenate([h, e.astype(h.dtype)], axis=-1)
         return (jnp.dot(z, self.conf_w[...]) + self.conf_b[...]).astype(jnp.float32)
 
-    def set_calibration(self, temperatures) -> None:
+    def set_calibration(self, temperatures, greedy: bool = False) -> None:
         """Sets (or clears, with ``None``) the per-position confidence temperatures.
 
         Args:
           temperatures: ``gamma`` positive finite floats ``T_1..T_gamma``; confidences
             become ``sigmoid(z_k / T_k)``. Only confidence values change, never the
             draft tokens or their distributions.
+          greedy: set the temperatures of rows decoding at T = 0 (fit on greedy acceptance,
+            argmax agreement, which differs from sampled acceptance ``1 - TV``) instead of
+            the default ones.
         Raises:
           ValueError: wrong length, non-positive/non-finite values, or a drafter
             without a confidence head.
         """
         if temperatures is None:
-            self.calibration = None
+            if greedy:
+                self.calibration_greedy = None
+            else:
+                self.calibration = None
             return
         temps = tuple(float(t) for t in temperatures)
         if not self.cfg.has_confidence:
@@ -442,13 +451,18 @@ class Drafter(nnx.Module):
                              f"got {len(temps)}")
         if not all(t > 0 and t < float("inf") for t in temps):
             raise ValueError(f"calibration temperatures must be positive and finite, got {list(temps)}")
-        self.calibration = temps
+        if greedy:
+            self.calibration_greedy = temps
+        else:
+            self.calibration = temps
 
-    def confidence_temperatures(self) -> jax.Array:
-        """``[gamma]`` float32 temperatures in use (ones when uncalibrated)."""
-        if self.calibration is None:
+    def confidence_temperatures(self, greedy: bool = False) -> jax.Array:
+        """``[gamma]`` float32 temperatures in use (ones when uncalibrated); ``greedy``: those of
+        rows at T = 0 (the greedy fit when there is one)."""
+        temps = self.calibration_greedy if greedy and self.calibration_greedy is not None else self.calibration
+        if temps is None:
             return jnp.ones((self.cfg.gamma,), jnp.float32)
-        return jnp.asarray(self.calibration, jnp.float32)
+        return jnp.asarray(temps, jnp.float32)
 
     # -- decoding ------------------------------------------------------------------
 

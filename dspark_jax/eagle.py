@@ -210,7 +210,7 @@ class EagleDrafter(nnx.Module):
             raise ValueError("this drafter has no confidence head to calibrate")
         self.calibration = None
 
-    def confidence_temperatures(self) -> jax.Array:
+    def confidence_temperatures(self, greedy: bool = False) -> jax.Array:
         return jnp.ones((self.cfg.gamma,), jnp.float32)
 
     # -- decoding --------------------------------------------------------------------------

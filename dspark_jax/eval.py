@@ -186,7 +186,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
     }
     if has_conf:
-        temps = list(drafter.calibration) if drafter.calibration is not None else None
+        cal = drafter.calibration_greedy if (args.temperature <= 0 and drafter.calibration_greedy) \
+            else drafter.calibration   # the temperatures decoding used for these rows
+        temps = list(cal) if cal is not None else None
         rel = decode_reliability(rounds or [], g_max, temps)
         out["calibration"] = {"temperatures": temps, "decode": rel,
                               "heldout_fit": ((meta.get("extra") or {}).get("calibration"))}

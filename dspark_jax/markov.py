@@ -58,7 +58,8 @@ def sample_block(drafter: Drafter, block: BlockOutput, anchors: jax.Array,
         verifier applies to the target's logits.
       conf_temperature: optional ``[gamma]`` per-position confidence temperatures
         ``T_k`` (``c_k = sigmoid(z_k / T_k)``); default: the drafter's own
-        calibration (:attr:`Drafter.calibration`), ones when it has none. Only the
+        calibration (:attr:`Drafter.calibration`; :attr:`Drafter.calibration_greedy` for
+        rows at temperature 0 when it has one), ones when it has none. Only the
         confidences change, never the tokens or ``probs``.
       step_keys: optional ``[B, gamma, 2]`` uint32 keys, one per draft position,
         used instead of ``fold_in(keys, k)`` (``keys`` is then ignored). The serving
@@ -72,8 +73,13 @@ def sample_block(drafter: Drafter, block: BlockOutput, anchors: jax.Array,
     hidden = jnp.swapaxes(block.hidden, 0, 1)   # [gamma, B, d]
     logits = jnp.swapaxes(block.logits, 0, 1)   # [gamma, B, V]
     steps = jnp.arange(hidden.shape[0], dtype=jnp.uint32)
-    temps = drafter.confidence_temperatures() if conf_temperature is None else conf_temperature
-    temps = jnp.broadcast_to(jnp.asarray(temps, jnp.float32), (hidden.shape[0],))
+    g, b = hidden.shape[0], hidden.shape[1]
+    if conf_temperature is None:   # per row: the greedy fit for rows at T = 0
+        row_greedy = jnp.broadcast_to(jnp.asarray(sampling.temperature) <= 0.0, (b,))
+        temps = jnp.where(row_greedy[None, :], drafter.confidence_temperatures(greedy=True)[:, None],
+                          drafter.confidence_temperatures()[:, None])                          # [gamma, B]
+    else:
+        temps = jnp.broadcast_to(jnp.asarray(conf_temperature, jnp.float32)[:, None], (g, b))
 
     if step_keys is None:
         step_keys = jax.vmap(lambda k: jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, k), out_axes=1)(steps)
@@ -100,7 +106,7 @@ def sample_block(drafter: Drafter, block: BlockOutput, anchors: jax.Array,
         state, e, bias = drafter.markov_step(state, prev, h)
         x, q = jax.lax.cond(all_greedy, greedy, sampled, u + bias, kk)
         z = drafter.confidence_logit(h, e)
-        c = jax.nn.sigmoid(z / t)
+        c = jax.nn.sigmoid(z / t)   # t: [B]
         return (x, state), (x, q, c, z)
 
     init = (anchors.astype(jnp.int32), drafter.markov_init(anchors.shape))

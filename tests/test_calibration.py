@@ -232,6 +232,13 @@ def test_fit_and_store_calibration_round_trip(tmp_path):
     # re-exporting a calibrated drafter keeps its calibration
     export_drafter(loaded, tmp_path / "again")
     assert json.loads((tmp_path / "again/drafter.json").read_text())["calibration"] == pytest.approx(temps)
+    # a greedy fit (argmax-agreement labels) is stored beside it and used for rows at T = 0 only
+    rep0 = C.fit_and_store_calibration(target, loaded, _data(n=6), tmp_path / "again", temperature=0.0)
+    loaded2, _ = load_drafter(tmp_path / "again")
+    assert loaded2.calibration == pytest.approx(tuple(temps))
+    assert loaded2.calibration_greedy == pytest.approx(tuple(rep0["temperatures"]))
+    for greedy, want in ((True, rep0["temperatures"]), (False, temps)):
+        np.testing.assert_allclose(loaded2.confidence_temperatures(greedy=greedy), want, rtol=1e-6)
 
 
 def test_invalid_calibration_is_refused(tmp_path):
