@@ -100,6 +100,7 @@ import numpy as np
 from flax import nnx
 
 from . import scheduler as sch
+from . import sharding as shd
 from .decode import check_compatible
 from .drafter import Drafter
 from .errors import DSparkInputError
@@ -438,6 +439,30 @@ class _Slot:
     stale_from: int | None = None  # drafter context missing from this position on (None: current)
 
 
+def _serving_mesh(mesh):
+    """``None`` / a :class:`jax.sharding.Mesh` / a spec string -> ``None`` or a mesh whose
+    non-``model`` axes have size 1.
+
+    Raises:
+      DSparkInputError: bad spec, or ``data``/``fsdp`` larger than 1.
+    """
+    if mesh is None or (isinstance(mesh, str) and not mesh.strip()):
+        return None
+    if not isinstance(mesh, jax.sharding.Mesh):
+        try:
+            spec = shd.parse_mesh(mesh)
+            if "model" not in spec and -1 not in spec.values():
+                spec["model"] = -1
+            mesh = shd.make_mesh(spec)
+        except ValueError as e:
+            raise DSparkInputError(str(e)) from None
+    extra = {a: n for a, n in dict(mesh.shape).items() if a != "model" and n > 1}
+    if extra:
+        raise DSparkInputError(f"the engine shards over 'model' only (tensor parallel); mesh "
+                               f"{shd.describe(mesh)} also splits {', '.join(extra)}: use mesh=model:N")
+    return mesh
+
+
 def _pow2_upto(limit: int, start: int = 1) -> list[int]:
     out, v = [], start
     while v < limit:
@@ -477,16 +502,26 @@ class Engine:
         drafter-less engine's step); when drafting resumes, the skipped positions are caught
         up first (:meth:`_catch_up`, one packed target pass per ``gamma + 1`` skipped tokens
         per row). ``None`` never suspends.
+      mesh: tensor-parallel serving (DESIGN.md "Scale: a device mesh"): a
+        :class:`jax.sharding.Mesh` or a spec such as ``"model:8"``
+        (:func:`dspark_jax.sharding.make_mesh`). The target's and the drafter's weights are
+        sharded over ``model`` by :func:`dspark_jax.sharding.tree_shardings` (heads, MLP,
+        vocabulary), both KV caches over their KV heads (replicated where ``model`` does not
+        divide them), the small per-row state replicated; every program is compiled with
+        these output shardings, so the state keeps its layout between steps and no step
+        recompiles. Outputs equal the one-device engine's (up to float rounding in sharded
+        reductions). ``None`` (default): no mesh, the default device, as before.
 
     Raises:
-      DSparkInputError: bad sizes, unknown policy, or a drafter for another target.
+      DSparkInputError: bad sizes, unknown policy, a drafter for another target, or a mesh
+        with ``data``/``fsdp`` axes larger than 1 (the engine shards over ``model`` only).
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, *, num_slots: int = 8,
                  cache_len: int = 1024, policy: str = "dspark", buckets=None, sps_table=None,
                  eos_token_ids=(), seed_calibration: bool = True, profile_iters: int = 3,
                  calibration_window: int = 2048, calibration_lr: float = 0.05,
-                 row_buckets=None, prefill_buckets=None, suspend_after: int | None = 16):
+                 row_buckets=None, prefill_buckets=None, suspend_after: int | None = 16, mesh=None):
         if num_slots < 1:
             raise DSparkInputError(f"num_slots must be >= 1, got {num_slots}")
         if cache_len < 2:
@@ -517,8 +552,13 @@ class Engine:
         self._examples: dict[int, _PrefixArrays] = {}
         self._t_graph, self._t_state = nnx.split(target)
         self._d_graph, self._d_state = nnx.split(drafter) if drafter is not None else (None, None)
+        self.mesh = _serving_mesh(mesh)
+        if self.mesh is not None:
+            self._t_state = shd.place(self._t_state, shd.tree_shardings(self._t_state, self.mesh, target.cfg))
+            if drafter is not None:
+                self._d_state = shd.place(self._d_state, shd.tree_shardings(self._d_state, self.mesh, drafter.cfg))
         shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), (self._t_state, self._d_state))
-        self._sig = (self._t_graph, self._d_graph, str(shapes), self.num_slots, self.cache_len)
+        self._sig = (self._t_graph, self._d_graph, str(shapes), self.num_slots, self.cache_len, self.mesh)
         init = drafter.calibration if (drafter is not None and seed_calibration) else None
         self.calibrator = OnlineCalibrator(max(self.gamma, 1), init, window=calibration_window, lr=calibration_lr)
         self._state = self._init_state()
@@ -596,15 +636,40 @@ class Engine:
             dc = self.drafter.init_cache(b, s)
             dk, dv = dc.k, dc.v
         gp = max(self.gamma, 1)
-        return _State(tc.k, tc.v, dk, dv, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32),
-                      jnp.zeros((b, 2), jnp.uint32), jnp.ones((b,), jnp.float32), jnp.zeros((b,), jnp.int32),
-                      jnp.ones((b,), jnp.float32), jnp.zeros((b, gp), jnp.int32), jnp.zeros((b, gp), jnp.float32))
+        st = _State(tc.k, tc.v, dk, dv, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32),
+                    jnp.zeros((b, 2), jnp.uint32), jnp.ones((b,), jnp.float32), jnp.zeros((b,), jnp.int32),
+                    jnp.ones((b,), jnp.float32), jnp.zeros((b, gp), jnp.int32), jnp.zeros((b, gp), jnp.float32))
+        if self.mesh is not None:
+            st = shd.place(st, self._state_shardings(_State))
+        return st
+
+    def _state_shardings(self, kind):
+        """Shardings of a :class:`_State` or :class:`_PrefixArrays` (``kind``) on the mesh: KV
+        caches over their KV heads (``[L, B, S, kvh, hd]``), everything else replicated."""
+        mesh, repl = self.mesh, shd.replicated(self.mesh)
+
+        def cache(cfg):
+            return shd.cache_sharding(mesh, cfg.num_kv_heads, (1, 1, 1, cfg.num_kv_heads, cfg.head_dim))
+
+        t = cache(self.target.cfg)
+        d = cache(self.drafter.cfg) if self.drafter is not None else None
+        return kind(t, t, d, d, *([repl] * (len(kind._fields) - 4)))
+
+    def _out_shardings(self, kind):
+        """``out_shardings`` of the program ``kind`` (``step``, ``prefill``, ...)."""
+        repl = shd.replicated(self.mesh)
+        if kind in ("step", "bare_step"):
+            return self._state_shardings(_State), repl
+        if kind == "prefill":
+            return self._state_shardings(_PrefixArrays), repl
+        return self._state_shardings(_State)             # catchup, insert, move
 
     def _compile(self, key, fn, args, donate=()):
         full = self._sig + key
         exe = _COMPILED.get(full)
         if exe is None:
-            exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+            kw = {} if self.mesh is None else {"out_shardings": self._out_shardings(key[0])}
+            exe = jax.jit(fn, donate_argnums=donate, **kw).lower(*args).compile()
             _COMPILED[full] = exe
             self._compiles += 1
         self._compiled[key] = exe
