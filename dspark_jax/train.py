@@ -229,7 +229,9 @@ def estimate_memory(cfg: TrainConfig, tcfg, dcfg, target_params: int, drafter_pa
                            + 2 * N * d.num_kv_heads * d.head_dim * cb / kd_)
     blocks = micro * A * S
     per_layer = blocks * (d.num_heads * L * 4 / hd_ + 8 * d.hidden_size * cb + 3 * d.intermediate_size * cb / id_)
-    backbone = per_layer + blocks * d.hidden_size * cb * N if cfg.remat else per_layer * N
+    # Stored for the backward pass (each layer's input with remat, else every layer's activations),
+    # plus one layer's worth held during its backward step (recomputed activations and cotangents).
+    backbone = (blocks * d.hidden_size * cb * N + 2 * per_layer) if cfg.remat else per_layer * (N + 1)
     head = micro * A * g * V * 4 * (3 if cfg.remat else 6) / vt
     # Two activation peaks: inside the target forward, and in the drafter's backward pass (the
     # target's float32 logits stay alive for p_target through both).
