@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the `model` name in responses (default: --target)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weight/compute dtype (default float32)")
+    p.add_argument("--mesh", default=None, metavar="model:N",
+                   help="tensor-parallel serving over N devices: weights, KV caches and drafter sharded over "
+                        "'model' (default: one device); plan memory first with python -m dspark_jax.train "
+                        "--config RECIPE --dry-run --serve --mesh model:N")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
@@ -229,7 +233,8 @@ def run(args: argparse.Namespace) -> None:
     t0 = time.monotonic()
     engine = build_engine(target, drafter, policy=policy, num_slots=args.num_slots, cache_len=args.cache_len,
                           buckets=_parse_buckets(args.buckets), sps_table=args.sps_table,
-                          suspend_after=None if args.suspend_after == -1 else args.suspend_after)
+                          suspend_after=None if args.suspend_after == -1 else args.suspend_after,
+                          mesh=args.mesh or None)
     say(f"engine ready in {time.monotonic() - t0:.1f} s ({engine.metrics()['compiles']} executables); serving "
         f"on http://{args.host}:{args.port}")
     app, _ = build_server(engine, tok, model_name=args.served_model_name or args.target, max_queue=args.max_queue,

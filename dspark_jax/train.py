@@ -551,7 +551,14 @@ def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, targ
         from .feature_cache import ensure_feature_cache
 
         if jax.process_count() > 1:
-            raise DSparkInputError("feature_cache is single-process only for now; leave it empty on multi-host runs")
+            # A mesh inside one process (any data/fsdp/model split of its devices) works: the cached rows are
+            # sharded over the batch axes like the tokens. Several processes would each need the whole cache on
+            # a local or shared disk, and its build (the target over every sequence) is not split among them.
+            raise DSparkInputError(
+                f"feature_cache needs a single process (this run has {jax.process_count()}): the cache is built by "
+                "one process running the target over every training sequence into one folder, which the other "
+                "hosts cannot see; leave feature_cache empty on multi-host runs (the target then runs in the "
+                "step, sharded over the mesh)")
         t0 = time.perf_counter()
         fcache = ensure_feature_cache(cfg.feature_cache, target, data, dcfg.taps, store_dtype=cfg.feature_cache_dtype,
                                       batch_size=max(1, min(cfg.gen_batch_size, 64)))
