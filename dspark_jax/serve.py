@@ -226,7 +226,12 @@ def run(args: argparse.Namespace) -> None:
         print(f"[dspark_jax.serve] {msg}", file=sys.stderr, flush=True)
 
     dtype = jnp.dtype(args.dtype)
-    target, tok, drafter = load_target_and_drafter(args.target, args.drafter, dtype=dtype)
+    mesh = None
+    if args.mesh:   # weights go straight from the host to their shards (an 8B target never lands on one chip)
+        from .engine import _serving_mesh
+
+        mesh = _serving_mesh(args.mesh)
+    target, tok, drafter = load_target_and_drafter(args.target, args.drafter, dtype=dtype, mesh=mesh)
     policy = args.policy or ("dspark" if drafter is not None else "plain")
     say(f"building the engine (policy {policy}, {args.num_slots} slots, cache {args.cache_len}) and compiling "
         "every bucket ...")
@@ -234,7 +239,7 @@ def run(args: argparse.Namespace) -> None:
     engine = build_engine(target, drafter, policy=policy, num_slots=args.num_slots, cache_len=args.cache_len,
                           buckets=_parse_buckets(args.buckets), sps_table=args.sps_table,
                           suspend_after=None if args.suspend_after == -1 else args.suspend_after,
-                          mesh=args.mesh or None)
+                          mesh=mesh)
     say(f"engine ready in {time.monotonic() - t0:.1f} s ({engine.metrics()['compiles']} executables); serving "
         f"on http://{args.host}:{args.port}")
     app, _ = build_server(engine, tok, model_name=args.served_model_name or args.target, max_queue=args.max_queue,

@@ -533,7 +533,15 @@ def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, targ
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     dtype = jnp.dtype(cfg.dtype)
-    target, tok = target_and_tokenizer or load_target(cfg.target, dtype=dtype)
+    mesh = None
+    if cfg.mesh:   # the target's weights go straight from the host to their shards
+        from .sharding import make_mesh
+
+        try:
+            mesh = make_mesh(cfg.mesh)
+        except ValueError as e:
+            raise DSparkInputError(str(e)) from None
+    target, tok = target_and_tokenizer or load_target(cfg.target, dtype=dtype, mesh=mesh)
     chat = cfg.prompts == "chat"
 
     # -- stage 1: self-distillation data -----------------------------------------------
@@ -566,7 +574,7 @@ def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, targ
         cache_seconds = time.perf_counter() - t0
     # float32 master weights whatever cfg.dtype: the Trainer computes in cfg.dtype.
     drafter = build_drafter(dcfg, nnx.Rngs(cfg.seed))
-    trainer = Trainer(cfg, target, drafter)
+    trainer = Trainer(cfg, target, drafter, mesh=mesh)
     mgr = trainer.checkpoint_manager(workdir / "checkpoints")
     start = trainer.restore_latest(mgr)
     if start:

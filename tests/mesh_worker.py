@@ -37,7 +37,7 @@ TCFG = TargetConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_l
                     num_kv_heads=8, head_dim=8, max_position=256, name="tiny-mesh", eos_ids=())
 CFG = TrainConfig(steps=6, batch_size=16, anchors_per_seq=8, gamma=4, num_layers=1, markov_rank=16,
                   learning_rate=1e-2, seq_len=48)
-MESHES = {"1x8": "data:1,model:8", "2x4": "data:2,model:4", "8x1": "data:8,model:1"}
+MESHES = {"1x8": "data:1,model:8", "2x4": "data:2,model:4", "8x1": "data:8,model:1", "fsdp2x4": "fsdp:2,model:4"}
 STEPS = 2
 
 
@@ -147,7 +147,7 @@ def memory_checks(out, target, tr, ma):
                      "ratio": est["total_bytes"] / actual, "breakdown_gib": est}
 
 
-def engine_checks(out, target, drafter):
+def engine_checks(out, target, drafter, params):
     prompts = [[5, 17, 33, 2, 9, 41], [7, 7, 100, 3], [11, 250, 4, 4, 4, 4, 60, 1, 2]]
     settings = [dict(temperature=0.0, max_tokens=20, seed=0), dict(temperature=1.0, max_tokens=18, seed=3),
                 dict(temperature=1.0, top_k=20, max_tokens=16, seed=7)]
@@ -173,7 +173,11 @@ def engine_checks(out, target, drafter):
     res["accepted_1dev"] = ref_acc
     res["tokens_1dev"] = ref
     for spec, devs in (("model:8", jax.devices()),):
-        eng = Engine(target, drafter, mesh=shd.make_mesh(spec, devs), **kw)
+        mesh = shd.make_mesh(spec, devs)
+        # The target's weights go from the host straight to their shards (Target(mesh=...)).
+        sharded_target = Target(TCFG, params, fingerprint="tinymeshfp", mesh=mesh)
+        res["target_built_sharded_spec"] = str(sharded_target.layers["wq"][...].sharding.spec)
+        eng = Engine(sharded_target, drafter, mesh=mesh, **kw)
         t0 = time.perf_counter()
         eng.warmup()
         compiles = eng.metrics()["compiles"]
@@ -201,7 +205,8 @@ def main():
     assert jax.device_count() == N_DEV, jax.devices()
     t_start = time.perf_counter()
     out = {"devices": jax.device_count()}
-    target = Target(TCFG, random_params(TCFG, seed=1, scale=0.2), fingerprint="tinymeshfp")
+    params = random_params(TCFG, seed=1, scale=0.2)
+    target = Target(TCFG, params, fingerprint="tinymeshfp")
     try:
         shd.make_mesh("data:3,model:4")
         out["bad_mesh_error"] = None
@@ -221,7 +226,7 @@ def main():
     d.markov_w2[...] = jnp.asarray(np.asarray(target(jnp.asarray(x), jnp.asarray(pos)).logits[:, -1]))
     d.final_norm[...] = d.final_norm[...] * 0.1
     t0 = time.perf_counter()
-    engine_checks(out, target, d)
+    engine_checks(out, target, d, params)
     out["engine_seconds"] = round(time.perf_counter() - t0, 1)
     out["seconds"] = round(time.perf_counter() - t_start, 1)
     print(json.dumps(out))

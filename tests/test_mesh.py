@@ -4,7 +4,7 @@ With 8 forced CPU devices (subprocess ``tests/mesh_worker.py``, one process for 
 so programs compile once), on a tiny target whose heads, KV heads, MLP and vocabulary the
 mesh divides:
 
-* a training step on meshes 1x8, 2x4 and 8x1 equals the one-device step (parameters allclose);
+* a training step on meshes 1x8, 2x4, 8x1 (data x model) and fsdp:2,model:4 equals the one-device step (parameters allclose);
 * the compiled programs really are sharded: per-device parameter/optimizer bytes about
   1/model of the total, collectives in the HLO;
 * a checkpoint saved under the 2x4 mesh restores on 1 device and on a model:4 mesh with
@@ -62,6 +62,9 @@ def test_training_programs_are_really_sharded(report):
         assert r["wq_spec"] == r["opt_mu_wq_spec"] == "P(None, None, 'model')"
         assert "all-reduce" in r["collectives"], name
     assert t["8x1"]["drafter_param_fraction_dev0"] == 1.0 and t["8x1"]["wq_spec"] == "P()"
+    # fsdp: the hidden (embed) dimension over `fsdp` too, optimizer state alike: ~1/8 per device
+    assert t["fsdp2x4"]["wq_spec"] == t["fsdp2x4"]["opt_mu_wq_spec"] == "P(None, 'fsdp', 'model')"
+    assert t["fsdp2x4"]["opt_state_fraction_dev0"] < 1.3 / 8
     assert all(r["batch_spec"] == "P(('data', 'fsdp'),)" for r in t.values())
     # per-device argument bytes shrink with `model`
     arg = {k: r["memory_analysis_bytes"]["argument_size_in_bytes"] for k, r in t.items()}
@@ -90,6 +93,7 @@ def test_tensor_parallel_engine_matches_one_device_engine(report):
     assert r["accepted"] == e["accepted_1dev"]
     assert r["recompiles_after_warmup"] == 0
     assert r["cache_spec"] == r["drafter_cache_spec"] == "P(None, None, None, 'model')"
+    assert e["target_built_sharded_spec"] == "P(None, None, 'model')"
     assert 1 / 8 <= r["target_param_fraction_dev0"] < 1.15 / 8
     assert 1 / 8 <= r["drafter_param_fraction_dev0"] < 1.15 / 8
     assert "all-reduce" in r["step_collectives"]
