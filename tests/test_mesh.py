@@ -4,7 +4,7 @@ With 8 forced CPU devices (subprocess ``tests/mesh_worker.py``, one process for 
 so programs compile once), on a tiny target whose heads, KV heads, MLP and vocabulary the
 mesh divides:
 
-* a training step on meshes 1x8, 2x4, 8x1 (data x model) and fsdp:2,model:4 equals the one-device step (parameters allclose);
+* a training step on meshes 1x8, 2x4 and 8x1 (data x model) equals the one-device step (parameters allclose);
 * the compiled programs really are sharded: per-device parameter/optimizer bytes about
   1/model of the total, collectives in the HLO;
 * a checkpoint saved under the 2x4 mesh restores on 1 device and on a model:4 mesh with
@@ -45,7 +45,8 @@ def report() -> dict:
 
 def test_sharded_training_step_equals_one_device_step(report):
     assert report["devices"] == 8
-    for name, r in report["train"].items():
+    for name in ("1x8", "2x4", "8x1"):
+        r = report["train"][name]
         assert r["params_allclose"], (name, r.get("params_error"))
         assert r["max_abs_param_diff_vs_1dev"] < 1e-5, name
         for a, b in zip(report["train_losses_1dev"], r["losses"]):
@@ -63,11 +64,12 @@ def test_training_programs_are_really_sharded(report):
         assert "all-reduce" in r["collectives"], name
     assert t["8x1"]["drafter_param_fraction_dev0"] == 1.0 and t["8x1"]["wq_spec"] == "P()"
     # fsdp: the hidden (embed) dimension over `fsdp` too, optimizer state alike: ~1/8 per device
-    assert t["fsdp2x4"]["wq_spec"] == t["fsdp2x4"]["opt_mu_wq_spec"] == "P(None, 'fsdp', 'model')"
-    assert t["fsdp2x4"]["opt_state_fraction_dev0"] < 1.3 / 8
+    f = t["fsdp2x4_layout"]
+    assert f["wq_spec"] == f["opt_mu_wq_spec"] == "P(None, 'fsdp', 'model')"
+    assert f["opt_state_fraction_dev0"] < 1.3 / 8
     assert all(r["batch_spec"] == "P(('data', 'fsdp'),)" for r in t.values())
     # per-device argument bytes shrink with `model`
-    arg = {k: r["memory_analysis_bytes"]["argument_size_in_bytes"] for k, r in t.items()}
+    arg = {k: t[k]["memory_analysis_bytes"]["argument_size_in_bytes"] for k in ("1x8", "2x4", "8x1")}
     assert arg["1x8"] < arg["2x4"] < arg["8x1"]
 
 
@@ -133,28 +135,27 @@ def test_replication_fallback_for_dimensions_the_mesh_does_not_divide():
     assert shd.logical_spec(("mlp", "vocab"), (8, 8), mesh) == shd.P("model")
 
 
-def test_dry_run_cli_mesh_fit_line_and_bad_mesh(tmp_path):
-    env = dict(os.environ, DSPARK_MODELS=str(tmp_path), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1",
-               JAX_PLATFORMS="cpu")
-    base = [sys.executable, "-m", "dspark_jax.train", "--config", str(REPO / "train/qwen3-8b.yaml"), "--dry-run",
-            "--devices", "8", "--device-memory-gib", "16"]
-    p = subprocess.run(base + ["--mesh", "data:2,model:4"], capture_output=True, text=True, env=env, cwd=tmp_path,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr
-    r = json.loads(p.stdout)
+def test_dry_run_cli_mesh_fit_line_and_bad_mesh(tmp_path, monkeypatch, capsys):
+    """The train CLI's dry run (in process: the built-in Qwen3-8B config, no files)."""
+    from dspark_jax.train import main
+
+    for k, v in dict(DSPARK_MODELS=str(tmp_path), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1").items():
+        monkeypatch.setenv(k, v)
+    base = ["--config", str(REPO / "train/qwen3-8b.yaml"), "--dry-run", "--devices", "8", "--device-memory-gib", "16"]
+    assert main(base + ["--mesh", "data:2,model:4"]) == 0
+    out = capsys.readouterr()
+    r = json.loads(out.out)
     assert r["mesh"] == "data:2,fsdp:1,model:4" and r["fits"] and r["per_device_micro_batch"] == 4
     assert r["summary"].startswith("per-device total: ") and r["summary"].endswith("(fits 16 GiB)")
-    assert r["summary"] in p.stderr
+    assert out.err.strip() == r["summary"]
     mem = r["memory_breakdown_gib"]
     assert mem["target_weights"] == pytest.approx(8_190_735_360 * 2 / 4 / 2**30, rel=0.01)   # bf16 / model
-    s = subprocess.run(base + ["--serve", "--mesh", "model:8", "--num-slots", "64", "--cache-len", "4096"],
-                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
-    assert s.returncode == 0, s.stderr
-    r = json.loads(s.stdout)
+    assert main(base + ["--mesh", "data:8"]) == 0                # pure data parallel: does not fit a v5e chip
+    assert json.loads(capsys.readouterr().out)["summary"].endswith("(does not fit 16 GiB)")
+    assert main(base + ["--serve", "--mesh", "model:8", "--num-slots", "64", "--cache-len", "4096"]) == 0
+    r = json.loads(capsys.readouterr().out)
     kv = 2 * 36 * 64 * 4096 * 8 * 128 * 2 / 8 / 2**30           # K and V, bf16, 8 KV heads over model:8
     assert r["memory_breakdown_gib"]["target_kv_cache"] == pytest.approx(kv, rel=1e-3) and r["fits"]
     assert r["summary"].endswith("(fits 16 GiB)")
-    b = subprocess.run(base + ["--mesh", "data:3,model:4"], capture_output=True, text=True, env=env, cwd=tmp_path,
-                       timeout=300)
-    assert b.returncode == 2
-    assert b.stderr.strip() == "error: mesh data:3,model:4 needs 12 devices (3 x 4), but 8 are available"
+    assert main(base + ["--mesh", "data:3,model:4"]) == 2
+    assert capsys.readouterr().err.strip() == "error: mesh data:3,model:4 needs 12 devices (3 x 4), but 8 are available"
