@@ -610,7 +610,8 @@ class Engine:
                 "drafter": None if self.drafter is None else
                 f"{self.drafter.cfg.variant}-g{self.gamma}-n{self.drafter.cfg.num_layers}",
                 "dtype": str(self.target.dtype.__name__ if hasattr(self.target.dtype, "__name__") else self.target.dtype),
-                "num_slots": self.num_slots, "gamma": self.gamma, "cache_len": self.cache_len}
+                "num_slots": self.num_slots, "gamma": self.gamma, "cache_len": self.cache_len,
+                **({} if self.mesh is None else {"mesh": shd.describe(self.mesh)})}
 
     # ------------------------------------------------------------------ slots
 
