@@ -99,7 +99,7 @@ def test_tensor_parallel_engine_matches_one_device_engine(report):
     assert 1 / 8 <= r["target_param_fraction_dev0"] < 1.15 / 8
     assert 1 / 8 <= r["drafter_param_fraction_dev0"] < 1.15 / 8
     assert "all-reduce" in r["step_collectives"]
-    assert "model only" in e["data_axis_error"]
+    assert "shards over 'model' only" in e["data_axis_error"]
 
 
 def test_bad_mesh_is_one_line_error(report):
