@@ -47,6 +47,7 @@ _FIELD_NOTES = {
     "feature_cache": "folder of the target-feature cache: target forward once per sequence, not per step "
                      "(empty = off)",
     "feature_cache_dtype": "float32 (same numbers as uncached) or bfloat16 (half the disk)",
+    "mesh": "device mesh over data/fsdp/model, e.g. data:2,model:4 (empty = every device on data)",
 }
 
 
