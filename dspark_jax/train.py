@@ -237,7 +237,12 @@ def estimate_memory(cfg: TrainConfig, tcfg, dcfg, target_params: int, drafter_pa
     # Two activation peaks: inside the target forward, and in the drafter's backward pass (the
     # target's float32 logits stay alive for p_target through both).
     train_peak = micro * L * V * 4 / vt + context + backbone + head
-    parts = {"target_weights": t_bytes, "drafter_weights_grads_adam": drafter_bytes,
+    parts = {"target_weights": t_bytes,
+             "drafter_weights": d_elems * (4 + (cb if cb < 4 else 0)),   # float32 master (+ compute copy)
+             "drafter_grads": d_elems * (4 + (4 if cfg.grad_accum_steps > 1 else 0)),   # (+ accumulator)
+             "optimizer_state": d_elems * 8,                                # AdamW moments, sharded like params
+             "drafter_weights_grads_adam": drafter_bytes,
+             "activations": max(target_fwd, train_peak),
              "target_forward_peak": target_fwd, "drafter_context": context, "drafter_backbone": backbone,
              "loss_head": head, "drafter_step_peak": train_peak}
     out = {k: gib(v) for k, v in parts.items()}
