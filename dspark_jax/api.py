@@ -28,24 +28,26 @@ from .tokenizer import decode_complete
 __all__ = ["load_target", "load_drafter", "load_target_and_drafter", "generate_text", "encode_prompt"]
 
 
-def load_target(spec: str, dtype: Any = jnp.float32):
+def load_target(spec: str, dtype: Any = jnp.float32, mesh=None):
     """Loads a target by preset name or path.
 
     Args:
       spec: ``stories260k``, ``smollm2-135m-instruct``, or a path to a ``.gguf``
         file, a llama2.c ``.bin`` or a Hugging Face directory.
       dtype: weight/compute dtype (float32 on CPU; bfloat16 on accelerators).
+      mesh: optional device mesh: the weights go from the host straight to their shards
+        (see :class:`~dspark_jax.target.Target`); None: the default device.
     Returns:
       ``(target, tokenizer)``.
     Raises:
       DSparkInputError: unknown preset or missing/corrupt files.
     """
     cfg, params, tokenizer = resolve_target(spec)
-    target = Target(cfg, params, dtype=dtype, fingerprint=params_fingerprint(params))
+    target = Target(cfg, params, dtype=dtype, fingerprint=params_fingerprint(params), mesh=mesh)
     return target, tokenizer
 
 
-def load_target_and_drafter(target_spec: str, drafter_dir: str | None, dtype: Any = jnp.float32):
+def load_target_and_drafter(target_spec: str, drafter_dir: str | None, dtype: Any = jnp.float32, mesh=None):
     """Loads a target and, when ``drafter_dir`` is given, its drafter, checked against it.
 
     Returns:
@@ -54,7 +56,7 @@ def load_target_and_drafter(target_spec: str, drafter_dir: str | None, dtype: An
       DSparkInputError: as :func:`load_target` / :func:`load_drafter`, or a drafter
         trained for another target (vocabulary, depth, taps or weights).
     """
-    target, tokenizer = load_target(target_spec, dtype=dtype)
+    target, tokenizer = load_target(target_spec, dtype=dtype, mesh=mesh)
     drafter = None
     if drafter_dir:
         drafter, _ = load_drafter(drafter_dir, dtype=dtype)

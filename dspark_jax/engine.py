@@ -132,6 +132,7 @@ import numpy as np
 from flax import nnx
 
 from . import scheduler as sch
+from . import sharding as shd
 from .decode import check_compatible
 from .drafter import Drafter
 from .errors import DSparkInputError
@@ -607,6 +608,30 @@ def _lp_entry(chosen, top_v, top_i, n: int) -> tuple[float, list[tuple[int, floa
     return float(chosen), [(int(top_i[m]), float(top_v[m])) for m in range(n)]
 
 
+def _serving_mesh(mesh):
+    """``None`` / a :class:`jax.sharding.Mesh` / a spec string -> ``None`` or a mesh whose
+    non-``model`` axes have size 1.
+
+    Raises:
+      DSparkInputError: bad spec, or ``data``/``fsdp`` larger than 1.
+    """
+    if mesh is None or (isinstance(mesh, str) and not mesh.strip()):
+        return None
+    if not isinstance(mesh, jax.sharding.Mesh):
+        try:
+            spec = shd.parse_mesh(mesh)
+            if "model" not in spec and -1 not in spec.values():
+                spec["model"] = -1
+            mesh = shd.make_mesh(spec)
+        except ValueError as e:
+            raise DSparkInputError(str(e)) from None
+    extra = {a: n for a, n in dict(mesh.shape).items() if a != "model" and n > 1}
+    if extra:
+        raise DSparkInputError(f"the engine shards over 'model' only (tensor parallel); mesh "
+                               f"{shd.describe(mesh)} also splits {', '.join(extra)}: use mesh=model:N")
+    return mesh
+
+
 def _pow2_upto(limit: int, start: int = 1) -> list[int]:
     out, v = [], start
     while v < limit:
@@ -655,10 +680,20 @@ class Engine:
       max_logit_bias: capacity of ``SamplingParams.logit_bias`` per request (static: the
         per-row bias table has ``max_logit_bias + max_stop_ids`` entries).
       max_stop_ids: capacity for EOS + ``stop_token_ids`` of a request with ``min_tokens``.
+      mesh: tensor-parallel serving (DESIGN.md "Scale: a device mesh"): a
+        :class:`jax.sharding.Mesh` or a spec such as ``"model:8"``
+        (:func:`dspark_jax.sharding.make_mesh`). The target's and the drafter's weights are
+        sharded over ``model`` by :func:`dspark_jax.sharding.tree_shardings` (heads, MLP,
+        vocabulary), both KV caches over their KV heads (replicated where ``model`` does not
+        divide them), the small per-row state replicated; every program is compiled with
+        these output shardings, so the state keeps its layout between steps and no step
+        recompiles. Outputs equal the one-device engine's (up to float rounding in sharded
+        reductions). ``None`` (default): no mesh, the default device, as before.
 
     Raises:
       DSparkInputError: bad sizes, unknown policy or verification mode, a drafter for
-        another target, or a drafter kind the engine cannot serve (eagle3).
+        another target, a drafter kind the engine cannot serve (eagle3), or a mesh with
+        ``data``/``fsdp`` axes larger than 1 (the engine shards over ``model`` only).
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, *, num_slots: int = 8,
@@ -666,7 +701,7 @@ class Engine:
                  eos_token_ids=(), seed_calibration: bool = True, profile_iters: int = 3,
                  calibration_window: int = 2048, calibration_lr: float = 0.05,
                  row_buckets=None, prefill_buckets=None, suspend_after: int | None = 16,
-                 verification: str = "coupled", max_logit_bias: int = 300, max_stop_ids: int = 64):
+                 verification: str = "coupled", max_logit_bias: int = 300, max_stop_ids: int = 64, mesh=None):
         if verification not in ("coupled", "rejection"):
             raise DSparkInputError(f"verification must be 'coupled' or 'rejection', got {verification!r}")
         if drafter is not None and (getattr(drafter.cfg, "variant", "") == "eagle3"
@@ -711,10 +746,15 @@ class Engine:
         self._examples: dict[int, _PrefixArrays] = {}
         self._t_graph, self._t_state = nnx.split(target)
         self._d_graph, self._d_state = nnx.split(drafter) if drafter is not None else (None, None)
+        self.mesh = _serving_mesh(mesh)
+        if self.mesh is not None:
+            self._t_state = shd.place(self._t_state, shd.tree_shardings(self._t_state, self.mesh, target.cfg))
+            if drafter is not None:
+                self._d_state = shd.place(self._d_state, shd.tree_shardings(self._d_state, self.mesh, drafter.cfg))
         shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), (self._t_state, self._d_state))
         self._n_top = min(20, target.cfg.vocab_size)
         self._sig = (self._t_graph, self._d_graph, str(shapes), self.num_slots, self.cache_len, verification,
-                     self._nb, self._n_top)
+                     self._nb, self._n_top, self.mesh)
         init = drafter.calibration if (drafter is not None and seed_calibration) else None
         self.calibrator = OnlineCalibrator(max(self.gamma, 1), init, window=calibration_window, lr=calibration_lr)
         self._state = self._init_state()
@@ -766,7 +806,8 @@ class Engine:
                 "drafter": None if self.drafter is None else
                 f"{self.drafter.cfg.variant}-g{self.gamma}-n{self.drafter.cfg.num_layers}",
                 "dtype": str(self.target.dtype.__name__ if hasattr(self.target.dtype, "__name__") else self.target.dtype),
-                "num_slots": self.num_slots, "gamma": self.gamma, "cache_len": self.cache_len}
+                "num_slots": self.num_slots, "gamma": self.gamma, "cache_len": self.cache_len,
+                **({} if self.mesh is None else {"mesh": shd.describe(self.mesh)})}
 
     # ------------------------------------------------------------------ slots
 
@@ -795,17 +836,46 @@ class Engine:
         nb = self._nb
         q = (jnp.zeros((b, self.gamma, t.cfg.vocab_size), jnp.float32)
              if (self.verification == "rejection" and self.gamma) else None)
-        return _State(tc.k, tc.v, dk, dv, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32),
-                      jnp.zeros((b, 2), jnp.uint32), jnp.ones((b,), jnp.float32), jnp.zeros((b,), jnp.int32),
-                      jnp.ones((b,), jnp.float32), jnp.zeros((b, gp), jnp.int32), jnp.zeros((b, gp), jnp.float32),
-                      jnp.zeros((b, nb), jnp.int32), jnp.zeros((b, nb), jnp.float32),
-                      jnp.full((b, nb), _INT32_MIN, jnp.int32), q)
+        st = _State(tc.k, tc.v, dk, dv, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32),
+                    jnp.zeros((b, 2), jnp.uint32), jnp.ones((b,), jnp.float32), jnp.zeros((b,), jnp.int32),
+                    jnp.ones((b,), jnp.float32), jnp.zeros((b, gp), jnp.int32), jnp.zeros((b, gp), jnp.float32),
+                    jnp.zeros((b, nb), jnp.int32), jnp.zeros((b, nb), jnp.float32),
+                    jnp.full((b, nb), _INT32_MIN, jnp.int32), q)
+        if self.mesh is not None:
+            st = shd.place(st, self._state_shardings(_State))
+        return st
+
+    def _state_shardings(self, kind):
+        """Shardings of a :class:`_State` or :class:`_PrefixArrays` (``kind``) on the mesh: KV
+        caches over their KV heads (``[L, B, S, kvh, hd]``), everything else replicated (and
+        None where the state holds None: no drafter, or no q outside rejection mode)."""
+        mesh, repl = self.mesh, shd.replicated(self.mesh)
+
+        def cache(cfg):
+            return shd.cache_sharding(mesh, cfg.num_kv_heads, (1, 1, 1, cfg.num_kv_heads, cfg.head_dim))
+
+        t = cache(self.target.cfg)
+        d = cache(self.drafter.cfg) if self.drafter is not None else None
+        rest = {f: repl for f in kind._fields[4:]}
+        if not (self.verification == "rejection" and self.gamma):
+            rest["qprob"] = None
+        return kind(t, t, d, d, **rest)
+
+    def _out_shardings(self, kind):
+        """``out_shardings`` of the program ``kind`` (``step``, ``prefill``, ...)."""
+        repl = shd.replicated(self.mesh)
+        if kind in ("step", "bare_step"):
+            return self._state_shardings(_State), repl
+        if kind == "prefill":
+            return self._state_shardings(_PrefixArrays), repl
+        return self._state_shardings(_State)             # catchup, insert, move
 
     def _compile(self, key, fn, args, donate=()):
         full = self._sig + key
         exe = _COMPILED.get(full)
         if exe is None:
-            exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+            kw = {} if self.mesh is None else {"out_shardings": self._out_shardings(key[0])}
+            exe = jax.jit(fn, donate_argnums=donate, **kw).lower(*args).compile()
             _COMPILED[full] = exe
             self._compiles += 1
         self._compiled[key] = exe

@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the `model` name in responses (default: --target)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weight/compute dtype (default float32)")
+    p.add_argument("--mesh", default=None, metavar="model:N",
+                   help="tensor-parallel serving over N devices: weights, KV caches and drafter sharded over "
+                        "'model' (default: one device); plan memory first with python -m dspark_jax.train "
+                        "--config RECIPE --dry-run --serve --mesh model:N")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
@@ -253,7 +257,12 @@ def run(args: argparse.Namespace) -> None:
         print(f"[dspark_jax.serve] {msg}", file=sys.stderr, flush=True)
 
     dtype = jnp.dtype(args.dtype)
-    target, tok, drafter = load_target_and_drafter(args.target, args.drafter, dtype=dtype)
+    mesh = None
+    if args.mesh:   # weights go straight from the host to their shards (an 8B target never lands on one chip)
+        from .engine import _serving_mesh
+
+        mesh = _serving_mesh(args.mesh)
+    target, tok, drafter = load_target_and_drafter(args.target, args.drafter, dtype=dtype, mesh=mesh)
     policy = args.policy or ("dspark" if drafter is not None else "plain")
     t0 = time.monotonic()
     # Built without warm-up first: a drafter or setting the engine refuses (e.g. an eagle3
@@ -261,7 +270,7 @@ def run(args: argparse.Namespace) -> None:
     engine = build_engine(target, drafter, policy=policy, num_slots=args.num_slots, cache_len=args.cache_len,
                           buckets=_parse_buckets(args.buckets), sps_table=args.sps_table, warmup=False,
                           suspend_after=None if args.suspend_after == -1 else args.suspend_after,
-                          verification=args.verification)
+                          verification=args.verification, mesh=mesh)
     say(f"compiling the engine (policy {policy}, verification {args.verification}, {args.num_slots} slots, "
         f"cache {args.cache_len}) for every bucket ...")
     warmup_engine(engine, args.sps_table)

@@ -71,23 +71,34 @@ class Target(nnx.Module):
         bfloat16 on accelerators). Logits are always returned in float32.
       fingerprint: identifier of the exact weights (see
         :func:`dspark_jax.model_io.params_fingerprint`), recorded in drafters.
+      mesh: optional :class:`jax.sharding.Mesh`: each weight goes from the host straight to
+        its shards (:func:`dspark_jax.sharding.tree_shardings`, DESIGN.md "Scale: a device
+        mesh"), so a target larger than one device's memory never lands on one device.
+        ``None``: the default device (as before).
 
     Raises:
       ValueError: a parameter is missing or has the wrong shape for ``cfg``.
     """
 
     def __init__(self, cfg: TargetConfig, params: dict[str, Any], dtype: Any = jnp.float32,
-                 fingerprint: str = ""):
+                 fingerprint: str = "", mesh=None):
         self.cfg = cfg
         self.dtype = dtype
         self.fingerprint = fingerprint
         _check_params(cfg, params)
-        cast = lambda a: nnx.Param(jnp.asarray(a, dtype))
-        self.embed = cast(params["embed"])
-        self.final_norm = cast(params["final_norm"])
-        self.lm_head = None if cfg.tie_embeddings else cast(params["lm_head"])
+        if mesh is None:
+            cast = lambda a, s=None: nnx.Param(jnp.asarray(a, dtype))
+        else:
+            from .sharding import place, tree_shardings
+
+            shardings = tree_shardings(params, mesh, cfg)
+            cast = lambda a, s: nnx.Param(place(np.asarray(a).astype(jnp.dtype(dtype)), s))
+        sh = shardings if mesh is not None else {"layers": {}}
+        self.embed = cast(params["embed"], sh.get("embed"))
+        self.final_norm = cast(params["final_norm"], sh.get("final_norm"))
+        self.lm_head = None if cfg.tie_embeddings else cast(params["lm_head"], sh.get("lm_head"))
         keys = _LAYER_KEYS + (("q_norm", "k_norm") if cfg.qk_norm else ())
-        self.layers = nnx.Dict({k: cast(params["layers"][k]) for k in keys})
+        self.layers = nnx.Dict({k: cast(params["layers"][k], sh["layers"].get(k)) for k in keys})
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """``[...]`` int32 token ids -> ``[..., H]`` embeddings."""

@@ -15,7 +15,11 @@ DESIGN.md "Training". One step:
 
 Data parallel: the step is ``jax.jit`` over a 1-D device mesh ``("data",)`` with
 the batch sharded along it and parameters replicated -- the ``shard_map``/``jit``
-equivalent of ``pmap``. The loss is one weighted mean over the *global* batch
+equivalent of ``pmap``. With ``mesh=data:D,model:M`` (:mod:`dspark_jax.sharding`,
+DESIGN.md "Scale: a device mesh") the frozen target and the drafter are also sharded
+over ``model`` (heads, MLP, vocabulary; replicated where ``M`` does not divide them),
+the optimizer state like its parameters, and ``fsdp`` shards parameters' ``embed``
+dimension; the jitted step has explicit in/out shardings, XLA inserts the collectives. The loss is one weighted mean over the *global* batch
 (sums over every device's rows divided by the global weight; XLA inserts the
 all-reduces), so an N-device step equals a one-device step on the same global
 batch. Multi-host: :func:`maybe_initialize_distributed`; each process feeds only
@@ -60,6 +64,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from . import sharding as shd
 from .config import DrafterConfig
 from .drafter import Drafter
 from .errors import DSparkInputError
@@ -125,6 +130,10 @@ class TrainConfig:
         it lacks this drafter's taps, refused when it belongs to another target or data.
       feature_cache_dtype: ``float32`` (cached training equals uncached) or ``bfloat16``
         (half the disk and memory).
+      mesh: device mesh ``axis:size,...`` over ``data``, ``fsdp`` and ``model``
+        (:func:`dspark_jax.sharding.make_mesh`), e.g. ``data:2,model:4`` on 8 devices; one
+        size may be -1 (the rest). Empty: every device on ``data`` (pure data parallel,
+        parameters replicated: the layout before meshes existed).
     """
 
     target: str = "stories260k"
@@ -178,6 +187,7 @@ class TrainConfig:
     data_dir: str = ""
     feature_cache: str = ""
     feature_cache_dtype: str = "float32"
+    mesh: str = ""
 
     def export_path(self) -> Path:
         return Path(self.export_dir) if self.export_dir else Path(self.workdir) / "export"
@@ -442,14 +452,22 @@ class Trainer:
       target: frozen target (its weights may be bfloat16).
       drafter: drafter to train; its parameters become float32 master weights
         (the drafter passed in is not modified; :meth:`drafter` returns the trained one).
-      mesh: device mesh with a ``data`` axis (default: all devices of all hosts).
+      mesh: device mesh with a ``data`` axis and optionally ``fsdp`` / ``model`` axes
+        (default: ``cfg.mesh`` via :func:`dspark_jax.sharding.make_mesh`, or every device of
+        every host on ``data`` when that is empty). Parameters of the target and drafter and
+        the optimizer state are laid out by :func:`dspark_jax.sharding.tree_shardings`.
+
+    Raises:
+      ValueError: ``grad_accum_steps < 1`` or a bad ``cfg.mesh``.
     """
 
     def __init__(self, cfg: TrainConfig, target: Target, drafter: Drafter, mesh: Mesh | None = None):
         if cfg.grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {cfg.grad_accum_steps}")
         self.cfg = cfg
-        self.mesh = mesh or data_mesh()
+        if mesh is None:
+            mesh = shd.make_mesh(cfg.mesh) if cfg.mesh else data_mesh()
+        self.mesh = mesh
         self.tx = make_optimizer(cfg)
         graph, params = nnx.split(drafter, nnx.Param)
         compute = jnp.dtype(cfg.dtype)
@@ -471,11 +489,15 @@ class Trainer:
         self.params = jax.tree.map(lambda x: x.astype(jnp.float32) if _is_float(x) else x, params)
         self.t_graph, self.t_state = nnx.split(target)
         repl = NamedSharding(self.mesh, P())
-        self.batch_sharding = NamedSharding(self.mesh, P("data"))
-        self.params = replicate(self.params, repl)
-        self.t_state = replicate(self.t_state, repl)
-        self.opt_state = replicate(self.tx.init(self.params), repl)
+        self.batch_sharding = shd.batch_sharding(self.mesh)
+        self.param_shardings = shd.tree_shardings(self.params, self.mesh, drafter.cfg)
+        self.target_shardings = shd.tree_shardings(self.t_state, self.mesh, target.cfg)
+        self.opt_shardings = shd.tree_shardings(jax.eval_shape(self.tx.init, self.params), self.mesh, drafter.cfg)
+        self.params = shd.place(self.params, self.param_shardings)
+        self.t_state = shd.place(self.t_state, self.target_shardings)
+        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
         t_graph, tx, mesh = self.t_graph, self.tx, self.mesh
+        batch_axis = shd.batch_axes(mesh)
         n_micro, gamma = cfg.grad_accum_steps, drafter.cfg.gamma
 
         def to_compute(p):
@@ -505,7 +527,7 @@ class Trainer:
                     # Row j * n_micro + i goes to micro-batch i: each device keeps its own rows
                     # (no cross-device shuffle) and every micro-batch spans all devices.
                     y = x.reshape(x.shape[0] // n_micro, n_micro, *x.shape[1:]).swapaxes(0, 1)
-                    return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, "data")))
+                    return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, batch_axis)))
 
                 xs = (split(tokens), split(lengths), split(anchors), jax.tree.map(split, cached))
                 first = jax.tree.map(lambda x: x[0], xs)
@@ -520,7 +542,8 @@ class Trainer:
             params = optax.apply_updates(params, updates)
             return params, opt_state, finalize_loss(sums), optax.global_norm(grads)
 
-        self._step = jax.jit(step, donate_argnums=(0, 1))
+        self._step = jax.jit(step, donate_argnums=(0, 1),
+                             out_shardings=(self.param_shardings, self.opt_shardings, repl, repl))
 
     def drafter(self) -> Drafter:
         """The trained drafter (float32 master weights)."""
@@ -542,9 +565,10 @@ class Trainer:
           ValueError: the global batch does not split evenly over devices x micro-batches.
         """
         n = batch["tokens"].shape[0]
-        per = self.mesh.shape["data"] * self.cfg.grad_accum_steps
+        n_data = shd.axis_size(self.mesh, shd.batch_axes(self.mesh))
+        per = n_data * self.cfg.grad_accum_steps
         if n % per:
-            raise ValueError(f"global batch {n} is not divisible by {self.mesh.shape['data']} devices x "
+            raise ValueError(f"global batch {n} is not divisible by {n_data} devices x "
                              f"{self.cfg.grad_accum_steps} micro-batches")
         keys = _BATCH_KEYS + (_CACHED_KEYS if all(k in batch for k in _CACHED_KEYS) else ())
         if jax.process_count() == 1:
@@ -555,7 +579,8 @@ class Trainer:
                      for k in keys)
 
     def local_rows(self, global_batch: int) -> slice:
-        """Rows of a global batch held by this process's devices (contiguous on a 1-D data mesh)."""
+        """Rows of a global batch held by this process's devices (contiguous when the process's
+        devices form a block of the batch axes; devices along ``model`` hold the same rows)."""
         idx = self.batch_sharding.addressable_devices_indices_map((global_batch,)).values()
         starts = [i[0].start or 0 for i in idx]
         stops = [global_batch if i[0].stop is None else i[0].stop for i in idx]
@@ -614,9 +639,10 @@ class Trainer:
                       file=sys.stderr)
                 mgr.delete(bad)
             nnx.replace_by_pure_dict(self.params, state["params"])
-            repl = NamedSharding(self.mesh, P())
-            self.params = replicate(self.params, repl)
-            self.opt_state = replicate(state["opt_state"], repl)
+            # Orbax restores into the abstract tree's shardings (this trainer's mesh, whatever
+            # the mesh that saved it); place() is a no-op then, and lays out anything else.
+            self.params = shd.place(self.params, self.param_shardings)
+            self.opt_state = shd.place(state["opt_state"], self.opt_shardings)
             return int(step)
         if failed:
             raise DSparkInputError(f"no checkpoint in {mgr.directory} matches this run (newest, step {failed[0][0]}: "
