@@ -88,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--drafter", help="export directory")
     src.add_argument("--random-drafter", action="store_true", help="the preset's drafter shape, random weights")
-    ap.add_argument("--draft-vocab-size", type=int, default=-1,
-                    help="with --random-drafter: draft vocabulary size (0 = full; default: the preset's)")
+    ap.add_argument("--draft-vocab-size", default="-1",
+                    help="with --random-drafter: draft vocabulary size (0 = full; default: the preset's); a "
+                         "comma-separated list measures one cost table per size (drafting and verification "
+                         "only, in the same process, alternated) and writes them under 'draft_vocab_sweep'")
     ap.add_argument("--prompts", default=None, help="prompt set for the tokens/s references (default: by preset)")
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -101,10 +103,11 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg, params, tok = resolve_target(args.target)
     target = Target(cfg, params, fingerprint=params_fingerprint(params))
+    sizes = [int(v) for v in str(args.draft_vocab_size).split(",") if v.strip()]
     if args.drafter:
         drafter, meta = load_drafter(args.drafter)
     else:
-        drafter, meta = random_drafter(target, args.target, args.draft_vocab_size), {}
+        drafter, meta = random_drafter(target, args.target, sizes[0]), {}
     chat = bool(preset_info(args.target).get("chat"))
     texts, _ = load_prompt_texts(args.prompts or ("mt_bench" if chat else "tinystories"), meta)
     prompts = [encode_prompt(tok, t, chat) for t in texts[: args.num_prompts]]
@@ -156,6 +159,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cfg.name}  drafter={res['drafter']}  draft vocab={res['draft_vocab_size']}  cache={cache_len}")
     for k, v in rows:
         print(f"  {k:<32} {'-' if v is None else f'{v:10.3f}'}")
+    if len(sizes) > 1 and not args.drafter:
+        res["draft_vocab_sweep"] = sweep = {}
+        tables = {n: [] for n in sizes}
+        for _ in range(3):   # alternate the sizes: each value is the median of three cost tables
+            for n in sizes:
+                d = random_drafter(target, args.target, n)
+                tables[n].append(measure_costs(target, d, widths=(0, g), cache_len=cache_len,
+                                               repeats=max(3, args.repeats // 3)))
+        print(f"\n  {'draft vocab':>12} {'t_draft_ms T=0':>15} {'T=1':>8} {'t_verify_ms[' + str(g + 1) + ']':>15}")
+        for n in sizes:
+            med = lambda f: statistics.median(f(t) for t in tables[n])  # noqa: E731
+            row = {"t_draft_ms": 1e3 * med(lambda t: t.t_draft_greedy),
+                   "t_draft_sampled_ms": 1e3 * med(lambda t: t.t_draft_sampled),
+                   "t_verify_full_block_ms": 1e3 * med(lambda t: t.t_verify[-1])}
+            sweep[n or cfg.vocab_size] = row
+            print(f"  {n or cfg.vocab_size:>12} {row['t_draft_ms']:>15.2f} {row['t_draft_sampled_ms']:>8.2f} "
+                  f"{row['t_verify_full_block_ms']:>15.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return 0
