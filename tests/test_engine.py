@@ -479,6 +479,14 @@ def test_eagle3_drafter_is_refused_at_start(target):
         Engine(target, None, num_slots=1, cache_len=CACHE, policy="plain", verification="typical")
 
 
+def test_rejection_engine_without_drafter(target, requests, reference):
+    """A drafter-less engine in rejection mode decodes plainly (no q is kept)."""
+    eng = Engine(target, None, num_slots=2, cache_len=CACHE, policy="plain", prefill_buckets=(32,),
+                 verification="rejection")     # shares the programs of the coupled drafter-less engine
+    toks, reasons = drive_one(eng, requests[:1])
+    assert toks["r0"] == reference["r0"][0] and eng._state.qprob is None
+
+
 @pytest.fixture(scope="module")
 def rejection_engine(target, drafter):
     """One slot, rejection-sampling verification (its own programs: the state carries q)."""
