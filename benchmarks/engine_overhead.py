@@ -80,7 +80,8 @@ def measure(plain, spec, rows: list[int], prompt_len: int, reps: int) -> list[di
         exe = e._bare_step_exe(r)
 
         def run():
-            e._state, out = exe(e._t_state, None, e._state, ell, act, np.bool_(False))
+            e._state, out = exe(e._t_state, None, e._state, ell, act, np.bool_(False), np.bool_(False),
+                                np.bool_(False))    # draft_next, use_bias, want_lp
             jax.block_until_ready(out)
         return run
 

@@ -523,7 +523,7 @@ def _prefill_impl(t_state, d_state, tokens, prompt_len, seed, temperature, top_k
     gp = max(gamma, 1)
     dk = dv = None
     draft, conf = jnp.zeros((1, gp), jnp.int32), jnp.zeros((1, gp), jnp.float32)
-    q = jnp.zeros((1, gamma, target.cfg.vocab_size), jnp.float32) if mode == "rejection" else None
+    q = jnp.zeros((1, gamma, target.cfg.vocab_size), jnp.float32) if (mode == "rejection" and gamma) else None
     if drafter is not None:
         empty = drafter.init_cache(1, p_len)
         # The drafter context is skipped (lax.cond, one executable) while the drafter is
@@ -753,8 +753,9 @@ class Engine:
                 self._d_state = shd.place(self._d_state, shd.tree_shardings(self._d_state, self.mesh, drafter.cfg))
         shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), (self._t_state, self._d_state))
         self._n_top = min(20, target.cfg.vocab_size)
-        self._sig = (self._t_graph, self._d_graph, str(shapes), self.num_slots, self.cache_len, verification,
-                     self._nb, self._n_top, self.mesh)
+        # Without a drafter both modes compile to the same programs (plain steps only).
+        self._sig = (self._t_graph, self._d_graph, str(shapes), self.num_slots, self.cache_len,
+                     verification if drafter is not None else "", self._nb, self._n_top, self.mesh)
         init = drafter.calibration if (drafter is not None and seed_calibration) else None
         self.calibrator = OnlineCalibrator(max(self.gamma, 1), init, window=calibration_window, lr=calibration_lr)
         self._state = self._init_state()
@@ -1143,7 +1144,8 @@ class Engine:
             raise DSparkInputError(f"slot must be in [0, {self.num_slots}), got {slot}")
         if slot in self._slots:
             raise DSparkInputError(f"slot {slot} is busy: free it first")
-        if not isinstance(prefix, Prefix) or prefix.bucket_len not in self.prefill_buckets:
+        if (not isinstance(prefix, Prefix) or prefix.bucket_len not in self.prefill_buckets
+                or (prefix.arrays is not None and (prefix.arrays.qprob is None) != (self._state.qprob is None))):
             raise DSparkInputError("insert needs a Prefix made by this engine's prefill")
         req, sp = prefix.request, prefix.request.params
         end = min(prefix.prompt_len + int(sp.max_tokens), self.target.cfg.max_position, self.cache_len)

@@ -479,6 +479,14 @@ def test_eagle3_drafter_is_refused_at_start(target):
         Engine(target, None, num_slots=1, cache_len=CACHE, policy="plain", verification="typical")
 
 
+def test_rejection_engine_without_drafter(target, requests, reference):
+    """A drafter-less engine in rejection mode decodes plainly (no q is kept)."""
+    eng = Engine(target, None, num_slots=2, cache_len=CACHE, policy="plain", prefill_buckets=(32,),
+                 verification="rejection")     # shares the programs of the coupled drafter-less engine
+    toks, reasons = drive_one(eng, requests[:1])
+    assert toks["r0"] == reference["r0"][0] and eng._state.qprob is None
+
+
 @pytest.fixture(scope="module")
 def rejection_engine(target, drafter):
     """One slot, rejection-sampling verification (its own programs: the state carries q)."""
@@ -521,36 +529,46 @@ def drive_one(engine, requests):
     return toks, reasons
 
 
-def test_rejection_mode_output_law_pit(rejection_engine, tokenizer, full_logits):
-    """verification="rejection" at T=1 (top-k 50): the tokens a speculative step emits follow
-    the target's law given their prefix. Randomised probability integral transform: for a
-    token y drawn from p, ``F(y - 1) + U p(y)`` is uniform; a Kolmogorov-Smirnov test over
-    ~500 such values catches a misaligned p or q (wrong position or row) in the engine's
-    rejection path, which greedy decoding cannot see."""
+def test_rejection_mode_replays_verify(rejection_engine, tokenizer, full_logits):
+    """verification="rejection" at T=1 (top-k 50), white box: every speculative step emits
+    exactly what :func:`dspark_jax.verifier.verify` emits for the block on the device (drafts
+    and their stored q), the target's p recomputed by plain full forwards at the block's
+    positions, and the engine's round key ``fold_in(fold_in(PRNGKey(seed), P), 1)``. The
+    output law then follows from verify's (tests/test_verifier.py). Also: every draft has
+    q > 0 under its stored q (it was drawn from it). Catches a misaligned p, q or key, which
+    greedy decoding cannot see."""
+    from dspark_jax.sampling import process_logits, sampling_arrays
+    from dspark_jax.verifier import verify
+
     eng = rejection_engine
     eng.reset_metrics()
-    prompt = tokenizer.encode("Lily went to the park and saw a big")
-    rng = np.random.default_rng(0)
-    u = []
-    for seed in range(100):
-        sp = SamplingParams(temperature=1.0, top_k=50, max_tokens=7, seed=seed)
-        eng.insert(eng.prefill(Request(prompt, sp, "p")), 0)
-        toks = []
+    samp = sampling_arrays(1, 1.0, 50, 1.0)
+    checked = 0
+    for seed, text in enumerate(["Lily went to the park and saw a big", "Once upon a time", "The sun was"]):
+        prompt = tokenizer.encode(text)
+        sp = SamplingParams(temperature=1.0, top_k=50, max_tokens=40, seed=seed)
+        eng.insert(eng.prefill(Request(prompt, sp, "x")), 0)
         while eng.active_slots():
-            for o in eng.generate():
-                toks += o.token_ids
-        seq = np.zeros(CACHE, np.int32)
-        seq[: len(prompt) + len(toks)] = prompt + toks
-        lg = full_logits(seq)
-        for j in range(1, len(toks)):             # tokens after the prefill's (verified ones)
-            x = lg[len(prompt) + j - 1]
-            keep = x >= np.sort(x)[-50]                   # top-50 (no ties in these logits)
-            p = np.where(keep, np.exp(x - x.max()), 0.0)
-            p /= p.sum()
-            y = toks[j]
-            u.append(p[:y].sum() + rng.random() * p[y])
-    u = np.sort(np.asarray(u))
-    n = len(u)
-    d = max(np.max(np.arange(1, n + 1) / n - u), np.max(u - np.arange(n) / n))
-    assert n > 300 and d < 1.63 / np.sqrt(n), (n, d)       # KS at the 1% level
-    assert eng.metrics()["accepted_tokens"] > 0
+            rec = eng._slots[0]
+            st = eng._state
+            drafts, q = np.asarray(st.draft[0]), np.asarray(st.qprob[0])
+            pos, anchor = int(st.pos[0]), int(st.anchor[0])
+            ctx, n_pending = list(rec.tokens), len(rec.pending)   # the prefill token rides the first step
+            assert pos == len(ctx) - 1 and anchor == ctx[-1]
+            (o,) = eng.generate()
+            ell = o.num_verified
+            if ell == 0 or o.finished:
+                continue
+            np.testing.assert_allclose(q.sum(-1), 1.0, atol=1e-5)
+            assert np.all(q[np.arange(GAMMA), drafts[:GAMMA]] > 0)
+            seq = np.zeros(CACHE, np.int32)
+            seq[: len(ctx) + GAMMA] = ctx + drafts[:GAMMA].tolist()
+            lg = full_logits(seq)[pos: pos + GAMMA + 1]
+            p = process_logits(jnp.asarray(lg[None], jnp.float32), samp)
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), pos), 1)
+            res = verify(key[None], jnp.asarray(drafts[None, :GAMMA]), jnp.asarray(q[None]), p,
+                         jnp.asarray([ell], jnp.int32))
+            want = [int(t) for t in np.asarray(res.tokens[0]) if t >= 0]
+            assert o.token_ids[n_pending:] == want and o.num_accepted == int(res.num_accepted[0])
+            checked += 1
+    assert checked >= 10 and eng.metrics()["accepted_tokens"] > 0
