@@ -145,7 +145,7 @@ def _body(prompt: str, chat: bool, **kw) -> dict:
 async def stream_request(client, chat: bool, body: dict, hang_up_after: int | None = None) -> Result:
     """Streams one request; ``hang_up_after=k`` closes the connection after k chunks."""
     r = Result(ok=False, start=time.perf_counter())
-    body = dict(body, stream=True, return_token_ids=True)
+    body = dict(body, stream=True, return_token_ids=True, stream_options={"include_usage": True})
     n = 0
     try:
         async with client.stream("POST", _path(chat), json=body) as resp:

@@ -1467,7 +1467,9 @@ class Engine:
             "draft_steps": m["draft_steps"], "step_seconds": m["step_seconds"],
             "suspended_steps": m["suspended_steps"], "catchup_passes": m["catchup_passes"],
             "catchup_tokens": m["catchup_tokens"],
-            "mean_accepted_length": (m["accepted_tokens"] + m["rounds"]) / m["rounds"] if m["rounds"] else None,
+            # tau as decode.Generation defines it: tokens the verification rounds emitted (a stop
+            # inside an accepted block cuts it) per round; the prefill token is not a round's.
+            "mean_accepted_length": m["emitted_tokens"] / m["rounds"] if m["rounds"] else None,
             "acceptance_rate": m["accepted_tokens"] / m["draft_tokens"] if m["draft_tokens"] else None,
             "position_reached": reached.tolist(), "position_accepted": acc.tolist(),
             "position_acceptance": [float(a) / r if r else None for a, r in zip(acc, reached)],
