@@ -1409,6 +1409,7 @@ class Engine:
             m["draft_tokens"] += n_ver
             m["accepted_tokens"] += n_acc
             m["emitted_tokens"] += keep
+            m["round_tokens"] += keep
             m["rounds"] += 1
             rec.tokens.extend(new)
             toks = rec.pending + new
@@ -1432,7 +1433,7 @@ class Engine:
     def _reset_metrics(self) -> None:
         g = max(self.gamma, 1)
         self._metrics = {"steps": 0, "rounds": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
-                         "emitted_tokens": 0, "packed_tokens": 0, "draft_steps": 0, "step_seconds": 0.0,
+                         "emitted_tokens": 0, "round_tokens": 0, "packed_tokens": 0, "draft_steps": 0, "step_seconds": 0.0,
                          "suspended_steps": 0, "catchup_passes": 0, "catchup_tokens": 0,
                          "pos_reached": np.zeros(g, np.int64), "pos_accepted": np.zeros(g, np.int64),
                          "budget_hist": {}, "rows_hist": {}}
@@ -1469,7 +1470,7 @@ class Engine:
             "catchup_tokens": m["catchup_tokens"],
             # tau as decode.Generation defines it: tokens the verification rounds emitted (a stop
             # inside an accepted block cuts it) per round; the prefill token is not a round's.
-            "mean_accepted_length": m["emitted_tokens"] / m["rounds"] if m["rounds"] else None,
+            "mean_accepted_length": m["round_tokens"] / m["rounds"] if m["rounds"] else None,
             "acceptance_rate": m["accepted_tokens"] / m["draft_tokens"] if m["draft_tokens"] else None,
             "position_reached": reached.tolist(), "position_accepted": acc.tolist(),
             "position_acceptance": [float(a) / r if r else None for a, r in zip(acc, reached)],
