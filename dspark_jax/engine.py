@@ -121,6 +121,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import math
 import time
 from functools import partial
@@ -147,6 +148,7 @@ from .verifier import coupled_accept, verify
 __all__ = ["SamplingParams", "Request", "StepOutput", "Prefix", "Engine", "parse_policy"]
 
 _INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+_log = logging.getLogger("dspark_jax.engine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -743,6 +745,8 @@ class Engine:
             raise DSparkInputError(f"suspend_after must be >= 0 or None, got {suspend_after}")
         self.suspend_after = suspend_after
         self._idle_steps = 0
+        self._was_suspended = False
+        self._decision: dict | None = None   # the dspark/greedy policy's last drafting decision
         self._examples: dict[int, _PrefixArrays] = {}
         self._t_graph, self._t_state = nnx.split(target)
         self._d_graph, self._d_state = nnx.split(drafter) if drafter is not None else (None, None)
@@ -1217,7 +1221,20 @@ class Engine:
         _, _, probs = sch.candidate_order(surv_fc, cap_fc)
         theta_d = (n + float(np.sum(probs[: k - n]))) * sps_d[k]
         theta_p = n * self.sps_table.sps(rows, rows, False)
-        return theta_d > theta_p
+        # Resuming from suspension first costs the catch-up passes over the skipped tokens
+        # (one packed pass of the widest bucket per gamma + 1 of the longest gap): drafting
+        # must win that back within a horizon of `suspend_after` steps' worth of tokens.
+        catchup_s = 0.0
+        if self._suspended():
+            gap = max((rec.length - 1 - rec.stale_from for rec in map(self._slots.get, self._row_slot)
+                       if rec.stale_from is not None), default=0)
+            w = self.gamma + 1
+            catchup_s = -(-gap // w) / max(self.sps_table.sps(rows, rows * w, False), 1e-9)
+        horizon = n * max(self.suspend_after or 16, 1)      # tokens the decision is made for
+        draft = theta_d > theta_p and catchup_s + horizon / theta_d < horizon / theta_p
+        self._decision = {"tokens_per_s_drafting": theta_d, "tokens_per_s_plain": theta_p,
+                          "catchup_seconds": catchup_s, "draft": bool(draft)}
+        return draft
 
     def plan(self) -> tuple[np.ndarray, int, int, bool]:
         """The scheduler's decision for the next step, from host state only.
@@ -1275,6 +1292,20 @@ class Engine:
         """Whether the policy has not drafted for ``suspend_after`` consecutive steps."""
         return (self.drafter is not None and self.suspend_after is not None
                 and self._idle_steps >= self.suspend_after)
+
+    def _log_drafting_change(self) -> None:
+        """One log line when drafting is suspended or resumes, with the scheduler's reason."""
+        now = self._suspended()
+        if now == self._was_suspended:
+            return
+        self._was_suspended = now
+        d = self._decision or {}
+        why = (f"expected {d.get('tokens_per_s_drafting', float('nan')):.1f} tokens/s drafting vs "
+               f"{d.get('tokens_per_s_plain', float('nan')):.1f} plain (SPS table)")
+        if now:
+            _log.info("suspending drafting after %d steps without drafts: %s", self._idle_steps, why)
+        else:
+            _log.info("resuming drafting: %s; catch-up %.3f s", why, d.get("catchup_seconds", 0.0))
 
     def _suspend_now(self, rows: int, tokens: int, draft_next: bool) -> bool:
         """Whether this step runs without drafter context upkeep (a plain step, no drafting,
@@ -1363,6 +1394,7 @@ class Engine:
             out = self._run_step(rows, tokens, ell_b, active, draft_next, use_bias, want_lp)
             m_bare = 0
         self._idle_steps = 0 if (draft_next or tokens > rows) else self._idle_steps + 1
+        self._log_drafting_change()
         # The logprob arrays are only read back when some row asked for them.
         ypad, acc, finite, conf = jax.device_get(out[:4])
         lpc, lpv, lpi = jax.device_get(out[4]) if want_lp else (None, None, None)
@@ -1455,13 +1487,19 @@ class Engine:
         ``acceptance_rate``, ``position_reached`` / ``position_accepted`` / ``position_acceptance``
         (per block position), ``budget_hist`` / ``rows_hist`` (chosen buckets),
         ``calibration`` (online temperatures, predicted vs observed: the acceptance of the
-        verification mode in use), ``compiles``, ``policy``, ``verification``, ``num_active``.
+        verification mode in use), ``compiles``, ``policy``, ``verification``, ``num_active``,
+        ``scheduler_decision`` (expected tokens/s drafting vs plain and the priced catch-up of
+        the last dspark/greedy decision) and ``drafting_suspended``.
         """
         m = self._metrics
         reached, acc = m["pos_reached"], m["pos_accepted"]
         step_emitted = m["emitted_tokens"]
         return {
             "policy": self.policy, "verification": self.verification, "num_active": self.num_active,
+            # The dspark/greedy policy's last drafting decision: expected tokens/s with and without
+            # drafting (SPS table x forecast acceptance), the catch-up it priced in; None before one.
+            "scheduler_decision": dict(self._decision) if self._decision else None,
+            "drafting_suspended": self._suspended(),
             "steps": m["steps"], "rounds": m["rounds"], "drafts": m["drafts"],
             "draft_tokens": m["draft_tokens"], "accepted_tokens": m["accepted_tokens"],
             "emitted_tokens": step_emitted, "packed_tokens": m["packed_tokens"],

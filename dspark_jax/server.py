@@ -380,6 +380,19 @@ class _EngineCollector:
         ):
             if m.get(key) is not None:
                 yield counter(metric, doc, m[key])
+        dec = m.get("scheduler_decision")
+        if dec:   # why the dspark policy drafts or not (engine.Engine._want_drafts)
+            g = GaugeMetricFamily("dspark:scheduler_expected_tokens_per_s",
+                                  "The scheduler's expected output tokens/s of its next step with and without "
+                                  "drafting (SPS table x forecast acceptance).", labels=["model_name", "mode"])
+            g.add_metric([name, "drafting"], float(dec["tokens_per_s_drafting"]))
+            g.add_metric([name, "plain"], float(dec["tokens_per_s_plain"]))
+            yield g
+            yield gauge("dspark:scheduler_catchup_seconds", "Catch-up cost priced into the last decision to resume "
+                        "drafting (0 unless suspended).", dec["catchup_seconds"])
+        if m.get("drafting_suspended") is not None:
+            yield gauge("dspark:scheduler_drafting_suspended", "1 while the drafter is suspended (plain steps "
+                        "without drafter context upkeep).", int(m["drafting_suspended"]))
         for key, metric, doc in (
                 ("position_accepted", "dspark:spec_decode_num_accepted_tokens_per_pos",
                  "Accepted draft tokens by block position (1-based)."),

@@ -572,3 +572,27 @@ def test_rejection_mode_replays_verify(rejection_engine, tokenizer, full_logits)
             assert o.token_ids[n_pending:] == want and o.num_accepted == int(res.num_accepted[0])
             checked += 1
     assert checked >= 10 and eng.metrics()["accepted_tokens"] > 0
+
+
+def test_dspark_policy_reports_its_decision(engine, requests, caplog):
+    """The dspark policy exposes why it drafts or not (expected tokens/s both ways, the priced
+    catch-up) and logs one line when it suspends and when it resumes drafting."""
+    import logging
+
+    engine.set_policy("dspark")
+    engine.reset_metrics()
+    with caplog.at_level(logging.INFO, logger="dspark_jax.engine"):
+        drive(engine, requests)
+        # A policy that always drafts resumes a suspended drafter: the other transition.
+        engine.set_policy("fixed:3")
+        drive(engine, requests[:1])
+    dec = engine.metrics()["scheduler_decision"]
+    assert dec is not None and dec["tokens_per_s_drafting"] > 0 and dec["tokens_per_s_plain"] > 0
+    wins = dec["tokens_per_s_drafting"] > dec["tokens_per_s_plain"]
+    if dec["catchup_seconds"] == 0:
+        assert dec["draft"] == wins
+    else:   # resuming must also pay back the catch-up
+        assert wins or not dec["draft"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "dspark_jax.engine"]
+    assert any(m.startswith("suspending drafting") and "tokens/s drafting vs" in m for m in lines), lines
+    assert any(m.startswith("resuming drafting") for m in lines), lines
