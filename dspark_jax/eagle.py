@@ -200,7 +200,7 @@ class EagleDrafter(nnx.Module):
         """No confidence head: ``+inf`` (confidence 1) of shape ``h.shape[:-1]``."""
         return jnp.full(h.shape[:-1], jnp.inf, jnp.float32)
 
-    def set_calibration(self, temperatures) -> None:
+    def set_calibration(self, temperatures, greedy: bool = False) -> None:
         """Only ``None`` is accepted (there is no confidence head to calibrate).
 
         Raises:
@@ -209,6 +209,25 @@ class EagleDrafter(nnx.Module):
         if temperatures is not None:
             raise ValueError("this drafter has no confidence head to calibrate")
         self.calibration = None
+
+    calibration_greedy = None
+    draft_vocab = None
+
+    def draft_vocab_ids(self):
+        """Always the full vocabulary (``draft_vocab_size`` is for block drafters): None."""
+        return None
+
+    def draft_index(self, tokens):
+        return tokens.astype(jnp.int32)
+
+    def to_target_ids(self, draft_tokens):
+        return draft_tokens.astype(jnp.int32)
+
+    def to_target_probs(self, q):
+        return q
+
+    def to_target_logits(self, logits):
+        return logits
 
     def confidence_temperatures(self, greedy: bool = False) -> jax.Array:
         return jnp.ones((self.cfg.gamma,), jnp.float32)
