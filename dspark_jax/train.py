@@ -593,7 +593,10 @@ def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, targ
     # -- stage 2: training ----------------------------------------------------------------
     dcfg = drafter_config(cfg, target)
     cache_seconds = 0.0
-    if cfg.feature_cache:
+    fc_dir = cfg.feature_cache
+    if fc_dir == "auto":   # <workdir>/feature_cache where it can be used (one process), else off
+        fc_dir = str(workdir / "feature_cache") if jax.process_count() == 1 else ""
+    if fc_dir:
         # The frozen target once per sequence (dspark_jax.feature_cache) instead of once per step.
         from .feature_cache import ensure_feature_cache
 
@@ -607,7 +610,7 @@ def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, targ
                 "hosts cannot see; leave feature_cache empty on multi-host runs (the target then runs in the "
                 "step, sharded over the mesh)")
         t0 = time.perf_counter()
-        fcache = ensure_feature_cache(cfg.feature_cache, target, data, dcfg.taps, store_dtype=cfg.feature_cache_dtype,
+        fcache = ensure_feature_cache(fc_dir, target, data, dcfg.taps, store_dtype=cfg.feature_cache_dtype,
                                       batch_size=max(1, min(cfg.gen_batch_size, 64)))
         data = {**data, **fcache.batch_arrays(dcfg.taps)}
         cache_seconds = time.perf_counter() - t0

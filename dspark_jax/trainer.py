@@ -128,6 +128,7 @@ class TrainConfig:
         (saves the target forward of every step: 1.45x per DSpark step for the stories260k
         preset on 2 CPU cores, more where the target dominates the step). Built when missing, extended when
         it lacks this drafter's taps, refused when it belongs to another target or data.
+        ``auto``: ``<workdir>/feature_cache`` on a single-process run, off on several.
       feature_cache_dtype: ``float32`` (cached training equals uncached) or ``bfloat16``
         (half the disk and memory).
       mesh: device mesh ``axis:size,...`` over ``data``, ``fsdp`` and ``model``
@@ -194,7 +195,9 @@ class TrainConfig:
 
 
 TRAIN_PRESETS: dict[str, TrainConfig] = {
-    "stories260k": TrainConfig(),
+    # A drafter twice the target's width (1.78x its parameters) trained from a feature cache:
+    # held-out tau 4.05 after 1100 steps (docs/results.md, session 5).
+    "stories260k": TrainConfig(drafter_width=128, steps=1100, feature_cache="auto"),
     "smollm2-135m-instruct": TrainConfig(
         target="smollm2-135m-instruct", workdir="runs/smollm2-135m-instruct", prompts="chat",
         gamma=8, num_layers=2, markov_rank=128, num_prompts=512, num_eval_prompts=16,
