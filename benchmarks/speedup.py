@@ -209,10 +209,13 @@ def measure_speed(target, drafters: dict[str, Any], prompts: Sequence[Sequence[i
       tau, step timings [ms] and the bound ``tau * T_target_step / (T_draft + T_verify)``.
     """
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature)
+    # A value may be (drafter, num_speculative_tokens): the same drafter at several lengths / auto.
+    n_spec = {n: (d[1] if isinstance(d, tuple) else None) for n, d in drafters.items()}
+    drafters = {n: (d[0] if isinstance(d, tuple) else d) for n, d in drafters.items()}
     # warm-up (compilation of every prompt shape happens outside the timed runs anyway)
     generate_autoregressive(target, [prompts[0]], seed=seed, **kw)
-    for d in drafters.values():
-        generate_speculative(target, d, [prompts[0]], seed=seed, **kw)
+    for n, d in drafters.items():
+        generate_speculative(target, d, [prompts[0]], seed=seed, num_speculative_tokens=n_spec[n], **kw)
     ar = {"tokens": 0, "seconds": 0.0}
     sp = {n: {"tokens": 0, "seconds": 0.0, "passes": 0, "emitted": 0, "same_as_ar": 0} for n in drafters}
     hf = {"tokens": 0, "seconds": 0.0, "same_as_ar": 0} if hf_model is not None else None
@@ -225,7 +228,7 @@ def measure_speed(target, drafters: dict[str, Any], prompts: Sequence[Sequence[i
         ar["seconds"] += a.seconds
         ref = a.generations[0].token_ids
         for n, d in drafters.items():
-            s = generate_speculative(target, d, [p], seed=seed + i, **kw)
+            s = generate_speculative(target, d, [p], seed=seed + i, num_speculative_tokens=n_spec[n], **kw)
             g = s.generations[0]
             sp[n]["tokens"] += s.num_tokens
             sp[n]["seconds"] += s.seconds
@@ -276,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--num-speculative-tokens", default="",
+                    help="comma-separated lengths and/or 'auto' to compare (default: the block size)")
     args = ap.parse_args(argv)
     cfg, params, tok = resolve_target(args.target)
     target = Target(cfg, params, fingerprint=params_fingerprint(params))
@@ -284,7 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     chat = bool(preset_info(args.target).get("chat"))
     ids = [encode_prompt(tok, t, chat) for t in texts[: args.num_prompts]]
     hf = None if args.no_hf else hf_llama_from_params(cfg, params)
-    res = measure_speed(target, {"drafter": drafter}, ids, max_new_tokens=args.max_new_tokens,
+    lengths = [v.strip() for v in args.num_speculative_tokens.split(",") if v.strip()]
+    entries = ({f"drafter-{v}": (drafter, v if v == "auto" else int(v)) for v in lengths} if lengths
+               else {"drafter": drafter})
+    res = measure_speed(target, entries, ids, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, hf_model=hf)
     print(json.dumps(res, indent=2))
     return 0
