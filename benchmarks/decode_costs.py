@@ -25,6 +25,7 @@ All medians of alternated repeats. CLI::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -61,8 +62,6 @@ def random_drafter(target, preset: str, draft_vocab_size: int, seed: int = 0):
     from dspark_jax.drafter import build_drafter
     from dspark_jax.presets import canonical_preset
     from dspark_jax.trainer import TRAIN_PRESETS, TrainConfig, drafter_config
-
-    import dataclasses
 
     cfg = TRAIN_PRESETS.get(canonical_preset(preset) or "", TrainConfig())
     if draft_vocab_size >= 0:

@@ -18,7 +18,6 @@ CLI::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys

@@ -312,6 +312,27 @@ def fits_line(total_gib: float, device_memory_gib: float | None) -> str:
     return f"per-device total: {total_gib:.2f} GiB ({verdict} {device_memory_gib:g} GiB)"
 
 
+def _recipe_configs(cfg: TrainConfig):
+    """``(TargetConfig, DrafterConfig)`` of a recipe from the target's config alone (no weights).
+
+    Raises:
+      DSparkInputError: the drafter config does not fit the target.
+    """
+    from .presets import target_config
+    from .trainer import drafter_config
+
+    tcfg = target_config(cfg.target)
+
+    class _T:  # only .cfg and .fingerprint are read by drafter_config
+        def __init__(self, c):
+            self.cfg, self.fingerprint = c, ""
+
+    try:
+        return tcfg, drafter_config(cfg, _T(tcfg))
+    except ValueError as e:
+        raise DSparkInputError(f"drafter config does not fit target {tcfg.name}: {e}") from None
+
+
 def dry_run(cfg: TrainConfig, devices: int | None = None, mesh: str | None = None,
             device_memory_gib: float | None = None) -> dict:
     """Parameter counts and a per-device memory estimate, without any weights.
@@ -335,19 +356,9 @@ def dry_run(cfg: TrainConfig, devices: int | None = None, mesh: str | None = Non
 
     from .drafter import build_drafter
     from .model_io import count_target_params
-    from .presets import target_config
-    from .trainer import count_params, drafter_config
+    from .trainer import count_params
 
-    tcfg = target_config(cfg.target)
-
-    class _T:  # only .cfg and .fingerprint are read by drafter_config
-        def __init__(self, c):
-            self.cfg, self.fingerprint = c, ""
-
-    try:
-        dcfg = drafter_config(cfg, _T(tcfg))
-    except ValueError as e:
-        raise DSparkInputError(f"drafter config does not fit target {tcfg.name}: {e}") from None
+    tcfg, dcfg = _recipe_configs(cfg)
     abstract = nnx.eval_shape(lambda: build_drafter(dcfg, nnx.Rngs(0)))  # float32 master weights, abstract
     n_d = count_params(nnx.state(abstract, nnx.Param))
     n_t = count_target_params(tcfg)
@@ -390,21 +401,9 @@ def serve_dry_run(cfg: TrainConfig, *, num_slots: int, cache_len: int, devices: 
     """
     import jax
 
-    from .presets import target_config
-    from .trainer import drafter_config
-
     if num_slots < 1 or cache_len < 2:
         raise DSparkInputError(f"--num-slots must be >= 1 and --cache-len >= 2, got {num_slots} and {cache_len}")
-    tcfg = target_config(cfg.target)
-
-    class _T:
-        def __init__(self, c):
-            self.cfg, self.fingerprint = c, ""
-
-    try:
-        dcfg = drafter_config(cfg, _T(tcfg))
-    except ValueError as e:
-        raise DSparkInputError(f"drafter config does not fit target {tcfg.name}: {e}") from None
+    tcfg, dcfg = _recipe_configs(cfg)
     n_dev = int(devices or jax.device_count())
     mesh = mesh if mesh else (cfg.mesh or f"model:{n_dev}")
     sizes = _mesh_sizes(mesh, n_dev)

@@ -19,13 +19,13 @@ import asyncio
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from conftest import MODELS_DIR
+from server_helpers import metric, wait_idle
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
@@ -76,25 +76,6 @@ def server(models, engine):
 def client(server):
     with httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
         yield c
-
-
-def _metric(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def _wait_idle(client, timeout: float = 10.0) -> dict:
-    t0 = time.monotonic()
-    while True:
-        h = client.get("/health").json()
-        if (h["running"] == 0 and h["waiting"] == 0) or time.monotonic() - t0 > timeout:
-            return h
-        time.sleep(0.02)
 
 
 def _sse_events(lines) -> list:
@@ -205,7 +186,7 @@ class TestHTTP:
         sid = free["token_ids"][5]
         r = client.post("/v1/completions", json=dict(base, stop_token_ids=[sid])).json()["choices"][0]
         assert r["finish_reason"] == "stop" and r["token_ids"] == free["token_ids"][:free["token_ids"].index(sid) + 1]
-        assert _wait_idle(client)["free_slots"] == NUM_SLOTS
+        assert wait_idle(client)["free_slots"] == NUM_SLOTS
 
 
     def test_concurrent_seeded_requests_equal_alone(self, server, client):
@@ -243,7 +224,7 @@ class TestHTTP:
             alone.append((ch["token_ids"], ch["text"], ch["finish_reason"]))
         assert concurrent == alone
         assert len({tuple(a[0]) for a in alone}) == len(alone)
-        assert _wait_idle(client)["free_slots"] == NUM_SLOTS
+        assert wait_idle(client)["free_slots"] == NUM_SLOTS
 
 
     def test_openai_client(self, server, client):
@@ -304,11 +285,11 @@ class TestHTTP:
         with pytest.raises(openai.BadRequestError, match="logprobs"):
             oc.chat.completions.create(model="stories260k", messages=msgs, max_tokens=2, top_logprobs=2)
         # the engine's own counters agree with the per-request counts (no stop strings here)
-        assert _wait_idle(client)["free_slots"] == NUM_SLOTS
+        assert wait_idle(client)["free_slots"] == NUM_SLOTS
         after = client.get("/metrics").text
 
         def delta(name):
-            return _metric(after, name) - _metric(before, name)
+            return metric(after, name) - metric(before, name)
 
         assert delta("dspark:spec_decode_num_accepted_tokens_per_pos_total") == \
             delta("dspark:spec_decode_num_accepted_tokens_total")

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fake_engine import FakeEngine
+from server_helpers import metric, wait_idle
 
 CACHE_LEN, NUM_SLOTS = 128, 4
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
@@ -70,24 +70,6 @@ def _stream(client, path, body) -> list:
     with client.stream("POST", path, json=dict(body, stream=True)) as r:
         assert r.status_code == 200, r.read()
         return _sse(r.iter_lines())
-
-
-def _metric(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if (line.startswith(name + "{") or line.startswith(name + " ")) and all(
-                f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def _wait_idle(client, timeout: float = 10.0) -> dict:
-    t0 = time.monotonic()
-    while True:
-        h = client.get("/health").json()
-        if (h["running"] == 0 and h["waiting"] == 0) or time.monotonic() - t0 > timeout:
-            return h
-        time.sleep(0.01)
 
 
 # --------------------------------------------------------------------------- validation
@@ -408,7 +390,7 @@ def test_stop_string_matching(server, client, tok):
     late = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 30, "temperature": 0, "stop": [needle],
                                                 "min_tokens": n + 1, "return_token_ids": True}).json()["choices"][0]
     assert len(late["token_ids"]) > n
-    assert _wait_idle(client)["free_slots"] == NUM_SLOTS
+    assert wait_idle(client)["free_slots"] == NUM_SLOTS
 
 
 def test_tau_with_a_stop_inside_an_accepted_block(server, client, tok):
@@ -433,18 +415,18 @@ def test_tau_with_a_stop_inside_an_accepted_block(server, client, tok):
     # 9 tokens: prefill + 3 + 1 + 2 + 3 -> 4 passes, 8 pass tokens, accepted 2 + 0 + 1 + 2
     assert (full["num_steps"], full["num_accepted_tokens"], full["tau"]) == (4, 5, 2.0)
     bodies.append({"spec_decode": full})
-    _wait_idle(client)
+    wait_idle(client)
     after = client.get("/metrics").text
 
     def delta(name):
-        return _metric(after, name) - _metric(before, name)
+        return metric(after, name) - metric(before, name)
 
     assert delta("dspark:spec_decode_num_rounds_total") == sum(b["spec_decode"]["num_steps"] for b in bodies) == 6
     assert delta("dspark:spec_decode_num_emitted_tokens_total") == 1 + 1 + 8
     assert delta("dspark:spec_decode_num_accepted_tokens_total") == 1 + 1 + 5
-    tau_all = _metric(after, "dspark:spec_decode_mean_accepted_length")
-    assert tau_all == pytest.approx(_metric(after, "dspark:spec_decode_num_emitted_tokens_total")
-                                    / _metric(after, "dspark:spec_decode_num_rounds_total"))
+    tau_all = metric(after, "dspark:spec_decode_mean_accepted_length")
+    assert tau_all == pytest.approx(metric(after, "dspark:spec_decode_num_emitted_tokens_total")
+                                    / metric(after, "dspark:spec_decode_num_rounds_total"))
 
 
 # --------------------------------------------------------------------------- load, disconnects, metrics
@@ -468,8 +450,8 @@ def test_queue_full_gets_429(tok):
             # n choices are queued all or none
             r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 2})
             assert r.status_code == 429
-            assert _metric(c.get("/metrics").text, "dspark:request_rejected_total", status="429") >= codes.count(429)
-            assert _wait_idle(c)["free_slots"] == 1
+            assert metric(c.get("/metrics").text, "dspark:request_rejected_total", status="429") >= codes.count(429)
+            assert wait_idle(c)["free_slots"] == 1
     finally:
         srv.stop()
 
@@ -479,19 +461,19 @@ def test_client_disconnect_frees_slot(tok):
     try:
         with httpx.Client(base_url=srv.url, timeout=30) as client:
             long = {"prompt": "Once upon a time", "max_tokens": CACHE_LEN - 8}
-            before = _metric(client.get("/metrics").text, "dspark:request_aborted_total")
+            before = metric(client.get("/metrics").text, "dspark:request_aborted_total")
             with client.stream("POST", "/v1/completions", json=dict(long, stream=True)) as r:  # hang up mid-stream
                 got = [line for _, line in zip(range(3), r.iter_lines())]
                 assert got[0].startswith("data: ")
-            h = _wait_idle(client)
+            h = wait_idle(client)
             assert h["running"] == 0 and h["free_slots"] == 2
-            mid = _metric(client.get("/metrics").text, "dspark:request_aborted_total")
+            mid = metric(client.get("/metrics").text, "dspark:request_aborted_total")
             assert mid == before + 1
             with pytest.raises(httpx.ReadTimeout):  # non-streaming: the client times out and closes
                 httpx.post(srv.url + "/v1/completions", json=dict(long, n=2), timeout=httpx.Timeout(30, read=0.05))
-            h = _wait_idle(client)
+            h = wait_idle(client)
             assert h["running"] == 0 and h["free_slots"] == 2
-            assert _metric(client.get("/metrics").text, "dspark:request_aborted_total") == mid + 2
+            assert metric(client.get("/metrics").text, "dspark:request_aborted_total") == mid + 2
             assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).status_code == 200
     finally:
         srv.stop()
@@ -501,7 +483,7 @@ def test_metrics_count_requests_and_spec_decode(client):
     before = client.get("/metrics").text
     bodies = [client.post("/v1/completions", json={"prompt": p, "max_tokens": 12}).json()
               for p in ("Once upon a time", "The dog ran")]
-    _wait_idle(client)
+    wait_idle(client)
     after = client.get("/metrics").text
     for name in ("dspark:num_requests_running", "dspark:num_requests_waiting", "dspark:time_to_first_token_seconds_bucket",
                  "dspark:time_per_output_token_seconds_bucket", "dspark:e2e_request_latency_seconds_count",
@@ -510,7 +492,7 @@ def test_metrics_count_requests_and_spec_decode(client):
         assert name in after, name
 
     def delta(name, **kw):
-        return _metric(after, name, **kw) - _metric(before, name, **kw)
+        return metric(after, name, **kw) - metric(before, name, **kw)
 
     assert delta("dspark:request_success_total", finished_reason="length") == 2
     assert delta("dspark:generation_tokens_total") == 24
@@ -519,4 +501,4 @@ def test_metrics_count_requests_and_spec_decode(client):
                       ("num_accepted_tokens", "dspark:spec_decode_num_accepted_tokens_total"),
                       ("num_steps", "dspark:spec_decode_num_rounds_total")):
         assert delta(name) == sum(b["spec_decode"][key] for b in bodies), name
-    assert _metric(after, "dspark:num_free_slots") == NUM_SLOTS
+    assert metric(after, "dspark:num_free_slots") == NUM_SLOTS
