@@ -871,8 +871,8 @@ class Engine:
         repl = shd.replicated(self.mesh)
         if kind in ("step", "bare_step"):
             return self._state_shardings(_State), repl
-        if kind == "prefill":
-            return self._state_shardings(_PrefixArrays), repl
+        if kind == "prefill":   # (prefix arrays, finite, logprobs)
+            return self._state_shardings(_PrefixArrays), repl, repl
         return self._state_shardings(_State)             # catchup, insert, move
 
     def _compile(self, key, fn, args, donate=()):
