@@ -63,7 +63,8 @@ RATIOS = [("dspark-2L", "dflash-2L", "1.16-1.18 (same depth)"), ("dspark-2L", "d
           ("dspark-2L", "eagle3", "1.27-1.31")]
 # A budget that exercises every stage in well under 90 s on 2 cores (CI).
 QUICK = dict(num_prompts=48, num_eval_prompts=8, gen_max_new_tokens=40, gen_batch_size=48, seq_len=56,
-             batch_size=8, anchors_per_seq=8, log_every=10, ckpt_every=1000, gamma=4)
+             batch_size=8, anchors_per_seq=8, log_every=10, ckpt_every=1000, gamma=4,
+             drafter_width=0)   # a smoke run: the target's width keeps it short
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     base = TRAIN_PRESETS[args.target]
     over: dict[str, Any] = dict(workdir=str(out / "data"), seed=args.seed)
     if args.quick:
-        over.update(QUICK, steps=24)
+        over.update(QUICK, steps=12)
         num_prompts, max_new, speed_n = min(num_prompts, 3), min(max_new, 24), min(speed_n, 2)
     for k, v in (("steps", args.steps), ("batch_size", args.batch_size), ("gamma", args.gamma)):
         if v is not None:

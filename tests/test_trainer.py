@@ -125,8 +125,8 @@ def test_draft_vocabulary_tv_and_export(tmp_path):
     d.markov_w2[...] = jnp.asarray(rng.normal(size=d.markov_w2.shape), jnp.float32)
     toks, lens = jnp.asarray(data["tokens"][:4]), jnp.asarray(data["lengths"][:4])
     anchors = jnp.asarray(rng.integers(3, 15, (4, 3)), jnp.int32)
-    sums = loss_sums(d, target, toks, lens, anchors, cfg)
-    bt = block_terms(d, target, toks, lens, anchors, temperature=1.0)
+    sums = jax.jit(lambda a: loss_sums(d, target, toks, lens, a, cfg))(anchors)
+    bt = jax.jit(lambda a: block_terms(d, target, toks, lens, a, temperature=1.0))(anchors)
     np.testing.assert_allclose(np.asarray(sums["acc_num"]),
                                np.sum(np.asarray(bt.accept) * np.asarray(bt.valid), axis=(0, 1)), rtol=1e-5, atol=1e-6)
     path = export_drafter(d, tmp_path / "export")
