@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-len", type=int, default=0, help="KV-cache length (default: as generate uses)")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--sweep-rounds", type=int, default=3,
+                    help="draft-vocabulary sweep: cost tables per size, alternated (each compiles anew)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
 
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(sizes) > 1 and not args.drafter:
         res["draft_vocab_sweep"] = sweep = {}
         tables = {n: [] for n in sizes}
-        for _ in range(3):   # alternate the sizes: each value is the median of three cost tables
+        for _ in range(args.sweep_rounds):   # alternate the sizes: each value is the median of the rounds
             for n in sizes:
                 d = random_drafter(target, args.target, n)
                 tables[n].append(measure_costs(target, d, widths=(0, g), cache_len=cache_len,

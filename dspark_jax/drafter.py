@@ -304,10 +304,11 @@ class Drafter(nnx.Module):
         """
         if self.proj_out is not None:
             h = h @ self.proj_out[...]
-        w = jax.lax.stop_gradient(target.lm_head_weight())
         ids = self.draft_vocab_ids()
-        if ids is not None:
-            w = jnp.take(w, ids, axis=1)   # [H, N]: only the draft vocabulary's rows of the head
+        if ids is not None:   # only the draft vocabulary's rows of the head: [N, H]
+            rows = jax.lax.stop_gradient(target.lm_head_rows(ids)).astype(h.dtype)
+            return jnp.einsum("...h,nh->...n", h, rows, preferred_element_type=jnp.float32)
+        w = jax.lax.stop_gradient(target.lm_head_weight())
         return jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
 
     # -- heads ---------------------------------------------------------------------

@@ -108,6 +108,14 @@ class Target(nnx.Module):
         """``[H, V]`` output projection (the transposed embedding when tied)."""
         return self.embed[...].T if self.lm_head is None else self.lm_head[...]
 
+    def lm_head_rows(self, ids: jax.Array) -> jax.Array:
+        """``[N, H]`` output-projection rows of the token ids ``ids [N]`` (a draft vocabulary):
+        a contiguous row gather of the embedding when tied, so that restricting the head costs
+        ``N x H`` reads rather than a strided column gather of ``[H, V]``."""
+        if self.lm_head is None:
+            return jnp.take(self.embed[...], ids, axis=0)
+        return jnp.take(self.lm_head[...], ids, axis=1).T
+
     def unembed(self, h: jax.Array) -> jax.Array:
         """Final norm + LM head: ``[..., H]`` -> ``[..., V]`` float32 logits."""
         h = rms_norm(h, self.final_norm[...], self.cfg.rms_eps)
