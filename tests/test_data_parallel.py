@@ -8,26 +8,13 @@ a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-TESTS = Path(__file__).resolve().parent
+from forced_devices import run_worker
 
 
 @pytest.fixture(scope="module")
 def dp_report() -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    p = subprocess.run([sys.executable, str(TESTS / "dp_worker.py")], capture_output=True, text=True, env=env,
-                       cwd=TESTS.parent, timeout=900)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_worker("dp_worker.py", timeout=900)
 
 
 def test_eight_way_step_equals_one_device_step(dp_report):

@@ -19,14 +19,12 @@ Mesh parsing, the replication fallback and the dry-run CLI run in-process (one d
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from dspark_jax import sharding as shd
+from forced_devices import run_worker
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -34,13 +32,7 @@ REPO = TESTS.parent
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    p = subprocess.run([sys.executable, str(TESTS / "mesh_worker.py")], capture_output=True, text=True, env=env,
-                       cwd=REPO, timeout=1200)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_worker("mesh_worker.py", timeout=1200)
 
 
 def test_sharded_training_step_equals_one_device_step(report):
