@@ -368,6 +368,11 @@ def _draft(target, drafter, anchors, pos, keys, samp, dk, dv, bias, use_bias, mo
     r_ = anchors.shape[0]
     block = drafter.draft_block(target, anchors, pos, KVCache(dk, dv))
     dpos = pos[:, None] + jnp.arange(g, dtype=jnp.int32)
+    if drafter.cfg.draft_vocab_size:   # the table holds target ids; a draft vocabulary's logits are indexed by N
+        b_ids, b_val, b_until = bias
+        d_ids = drafter.draft_index(b_ids)
+        inside = d_ids < drafter.cfg.draft_vocab_size      # ids outside are never drafted anyway
+        bias = (jnp.where(inside, d_ids, 0), jnp.where(inside, b_val, 0.0), b_until)
     block = block._replace(logits=_maybe_bias(use_bias, block.logits,
                                               jnp.broadcast_to(jnp.arange(r_, dtype=jnp.int32)[:, None], dpos.shape),
                                               dpos, bias))
