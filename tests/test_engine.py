@@ -582,10 +582,12 @@ def test_dspark_policy_reports_its_decision(engine, requests, caplog):
     engine.set_policy("dspark")
     engine.reset_metrics()
     with caplog.at_level(logging.INFO, logger="dspark_jax.engine"):
-        drive(engine, requests)
-        # A policy that always drafts resumes a suspended drafter: the other transition.
-        engine.set_policy("fixed:3")
+        drive(engine, requests)            # records decisions (whether it drafts depends on timings)
+        engine.set_policy("plain")         # never drafts: suspends after suspend_after=2 steps
         drive(engine, requests[:1])
+        engine.set_policy("fixed:3")       # always drafts: resumes
+        drive(engine, requests[:1])
+        engine.set_policy("dspark")
     dec = engine.metrics()["scheduler_decision"]
     assert dec is not None and dec["tokens_per_s_drafting"] > 0 and dec["tokens_per_s_plain"] > 0
     wins = dec["tokens_per_s_drafting"] > dec["tokens_per_s_plain"]
