@@ -5,13 +5,13 @@ length is +16-18% over DFlash and +27-31% over Eagle3 when all are trained on th
 data, and a 2-layer DSpark beats the 5-layer DFlash. This script reproduces it on one
 target in one process:
 
-1. self-distillation data generated ONCE (the train stage, :func:`dspark_jax.train.prepare_data`)
+1. self-distillation data generated ONCE (the train stage, :func:`dspark_jax.training.cli.prepare_data`)
    into ``OUT/data/data``, or an existing shard folder given by ``--data-dir`` (only read);
 2. every drafter trained on those same shards with the same budget (steps, batch,
-   anchors per sequence, learning-rate schedule, seed), through ``dspark_jax.train.run``
+   anchors per sequence, learning-rate schedule, seed), through ``dspark_jax.training.cli.run``
    (checkpoints and exports under ``OUT/<drafter>``; rerunning resumes); the frozen
    target runs once per sequence into ONE feature cache ``OUT/feature_cache`` holding
-   the union of every drafter's tap layers (:mod:`dspark_jax.feature_cache`; float32, so
+   the union of every drafter's tap layers (:mod:`dspark_jax.training.feature_cache`; float32, so
    training is numerically the uncached one; ``--no-feature-cache`` to recompute per step);
 3. evaluation on the same prompts at temperature 0 and 1 (stories260k: the held-out
    TinyStories openings of the data run; chat targets: the first ``--num-prompts`` first
@@ -59,36 +59,60 @@ DEFAULT_DRAFTERS = ["dspark-2L", "dflash-2L", "dflash-5L", "eagle3", "dspark-2L-
 QUICK_DRAFTERS = ["dspark-2L", "dflash-2L", "eagle3"]
 CHAT_SETS = ["mt_bench", "gsm8k", "humaneval", "alpaca"]
 # (numerator, denominator, paper figure) of the reported tau ratios
-RATIOS = [("dspark-2L", "dflash-2L", "1.16-1.18 (same depth)"), ("dspark-2L", "dflash-5L", "> 1 (2L DSpark beats 5L DFlash)"),
-          ("dspark-2L", "eagle3", "1.27-1.31")]
+RATIOS = [
+    ("dspark-2L", "dflash-2L", "1.16-1.18 (same depth)"),
+    ("dspark-2L", "dflash-5L", "> 1 (2L DSpark beats 5L DFlash)"),
+    ("dspark-2L", "eagle3", "1.27-1.31"),
+]
 # A budget that exercises every stage in well under 90 s on 2 cores (CI).
-QUICK = dict(num_prompts=48, num_eval_prompts=8, gen_max_new_tokens=40, gen_batch_size=48, seq_len=56,
-             batch_size=8, anchors_per_seq=8, log_every=10, ckpt_every=1000, gamma=4,
-             drafter_width=0)   # a smoke run: the target's width keeps it short
+QUICK = dict(
+    num_prompts=48,
+    num_eval_prompts=8,
+    gen_max_new_tokens=40,
+    gen_batch_size=48,
+    seq_len=56,
+    batch_size=8,
+    anchors_per_seq=8,
+    log_every=10,
+    ckpt_every=1000,
+    gamma=4,
+    drafter_width=0,
+)  # a smoke run: the target's width keeps it short
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python benchmarks/compare_drafters.py",
-                                description="Train DSpark / DFlash / Eagle3 drafters on identical data and budget, "
-                                            "compare tau, conditional acceptance and batch-1 speedup.")
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/compare_drafters.py",
+        description="Train DSpark / DFlash / Eagle3 drafters on identical data and budget, "
+        "compare tau, conditional acceptance and batch-1 speedup.",
+    )
     p.add_argument("--target", default="stories260k", choices=["stories260k", "smollm2-135m-instruct"])
     p.add_argument("--steps", type=int, default=None, help="training steps per drafter (default: the preset's)")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the preset's)")
     p.add_argument("--gamma", type=int, default=None, help="block size of every drafter (default: the preset's)")
-    p.add_argument("--drafters", default=None,
-                   help="comma-separated subset of: " + ", ".join(DRAFTERS) + f" (default: {','.join(DEFAULT_DRAFTERS)})")
+    p.add_argument(
+        "--drafters",
+        default=None,
+        help="comma-separated subset of: " + ", ".join(DRAFTERS) + f" (default: {','.join(DEFAULT_DRAFTERS)})",
+    )
     p.add_argument("--num-prompts", type=int, default=20, help="evaluation prompts per dataset (default 20)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="generated tokens per prompt (default 96)")
     p.add_argument("--temperatures", default="0,1", help="evaluation temperatures (default 0,1)")
     p.add_argument("--speed-prompts", type=int, default=8, help="prompts of the batch-1 speed run (default 8)")
     p.add_argument("--speed-temperatures", default="0", help="temperatures of the speed run (default 0)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
-    p.add_argument("--data-dir", default=None,
-                   help="existing self-distillation shards (shard_*.npz) to train every drafter on; only read")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="existing self-distillation shards (shard_*.npz) to train every drafter on; only read",
+    )
     p.add_argument("--eval-batch-size", type=int, default=16)
-    p.add_argument("--no-feature-cache", action="store_true",
-                   help="run the frozen target inside every train step instead of reading its features from "
-                        "the shared cache OUT/feature_cache")
+    p.add_argument(
+        "--no-feature-cache",
+        action="store_true",
+        help="run the frozen target inside every train step instead of reading its features from "
+        "the shared cache OUT/feature_cache",
+    )
     p.add_argument("--out", required=True, help="output folder (data, runs, results)")
     p.add_argument("--quick", action="store_true", help="CI-sized budget (tiny data, ~30 steps, few prompts)")
     p.add_argument("--seed", type=int, default=0)
@@ -106,8 +130,8 @@ def _tkey(t: float) -> str:
 def eval_prompts(target_name: str, tok, eval_texts: list[str], n: int, max_len: int) -> dict[str, list[list[int]]]:
     """Token ids of the evaluation prompts per dataset (chat template for chat targets)."""
     from dspark_jax.api import encode_prompt
-    from dspark_jax.eval import load_prompt_texts
-    from dspark_jax.presets import preset_info
+    from dspark_jax.evaluation.cli import load_prompt_texts
+    from dspark_jax.models.presets import preset_info
 
     chat = bool(preset_info(target_name).get("chat"))
     if not chat:
@@ -127,23 +151,22 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import jax.numpy as jnp
     import numpy as np
-
-    from dspark_jax.checkpoint import load_drafter
-    from dspark_jax.evaluate import evaluate_tau
-    from dspark_jax.model_io import params_fingerprint
-    from dspark_jax.presets import resolve_target
-    from dspark_jax.target import Target
-    from dspark_jax.train import prepare_data, run as train_run
-    from dspark_jax.trainer import TRAIN_PRESETS, count_params, drafter_config
-
     import speedup
+
+    from dspark_jax.drafters.checkpoint import load_drafter
+    from dspark_jax.evaluation.acceptance import evaluate_tau
+    from dspark_jax.models.model_io import params_fingerprint
+    from dspark_jax.models.presets import resolve_target
+    from dspark_jax.models.target import Target
+    from dspark_jax.training.cli import prepare_data
+    from dspark_jax.training.cli import run as train_run
+    from dspark_jax.training.trainer import TRAIN_PRESETS, drafter_config
 
     t_all = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    names = (args.drafters.split(",") if args.drafters else (QUICK_DRAFTERS if args.quick else DEFAULT_DRAFTERS))
+    names = args.drafters.split(",") if args.drafters else (QUICK_DRAFTERS if args.quick else DEFAULT_DRAFTERS)
     unknown = [n for n in names if n not in DRAFTERS]
     if unknown:
         print(f"error: unknown drafter(s) {unknown}; choose from {list(DRAFTERS)}", file=sys.stderr)
@@ -169,13 +192,18 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     shards, eval_texts = prepare_data(base, target, tok)
     data_dir = Path(base.data_dir) if base.data_dir else Path(base.workdir) / "data"
-    from dspark_jax.data import load_shards
+    from dspark_jax.training.data import load_shards
 
     data = load_shards(shards)
-    data_info = {"dir": str(data_dir), "shards": len(shards), "sequences": int(data["tokens"].shape[0]),
-                 "seq_len": int(data["tokens"].shape[1]),
-                 "generated_tokens": int((data["lengths"] - data["prompt_lengths"]).sum()),
-                 "reused": bool(args.data_dir), "seconds": round(time.perf_counter() - t0, 1)}
+    data_info = {
+        "dir": str(data_dir),
+        "shards": len(shards),
+        "sequences": int(data["tokens"].shape[0]),
+        "seq_len": int(data["tokens"].shape[1]),
+        "generated_tokens": int((data["lengths"] - data["prompt_lengths"]).sum()),
+        "reused": bool(args.data_dir),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
     print(f"data: {data_info}", file=sys.stderr)
 
     # -- 2. identical training budget -------------------------------------------------------
@@ -184,13 +212,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_feature_cache:
         # One cache for the union of every drafter's taps (Eagle3's low/mid/high, DSpark/DFlash's
         # default taps), so each train run opens it instead of rebuilding it for its own taps.
-        from dspark_jax.feature_cache import ensure_feature_cache
+        from dspark_jax.training.feature_cache import ensure_feature_cache
 
         t0 = time.perf_counter()
         union = sorted({t for c in cfgs.values() for t in drafter_config(c, target).taps})
         fc = ensure_feature_cache(out / "feature_cache", target, data, union, store_dtype=base.feature_cache_dtype)
-        cache_info = {"dir": str(fc.directory), "layers": fc.manifest["layers"], "dtype": fc.store_dtype,
-                      "seconds": round(time.perf_counter() - t0, 1)}
+        cache_info = {
+            "dir": str(fc.directory),
+            "layers": fc.manifest["layers"],
+            "dtype": fc.store_dtype,
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
         cfgs = {n: dataclasses.replace(c, feature_cache=str(fc.directory)) for n, c in cfgs.items()}
         print(f"feature cache: {cache_info}", file=sys.stderr)
     drafters, train_info = {}, {}
@@ -200,43 +232,67 @@ def main(argv: list[str] | None = None) -> int:
         summary = train_run(cfg, evaluate=False, calibrate=False, target_and_tokenizer=(target, tok))
         d, _ = load_drafter(summary["export_dir"])
         drafters[n] = d
-        train_info[n] = {"overrides": DRAFTERS[n], "variant": d.cfg.variant, "num_layers": d.cfg.num_layers,
-                         "markov_head": d.cfg.markov_head if d.cfg.markov else None, "gamma": d.cfg.gamma,
-                         "taps": list(d.cfg.taps), "params": summary["drafter_params"], "steps": summary["steps"],
-                         "train_seconds": summary["train_seconds"], "export_dir": summary["export_dir"],
-                         "final_train_metrics": summary["final_train_metrics"]}
+        train_info[n] = {
+            "overrides": DRAFTERS[n],
+            "variant": d.cfg.variant,
+            "num_layers": d.cfg.num_layers,
+            "markov_head": d.cfg.markov_head if d.cfg.markov else None,
+            "gamma": d.cfg.gamma,
+            "taps": list(d.cfg.taps),
+            "params": summary["drafter_params"],
+            "steps": summary["steps"],
+            "train_seconds": summary["train_seconds"],
+            "export_dir": summary["export_dir"],
+            "final_train_metrics": summary["final_train_metrics"],
+        }
 
     # -- 3. tau on the same prompts -----------------------------------------------------------
     prompts = eval_prompts(args.target, tok, eval_texts, num_prompts, cfg_t.max_position - max_new - 20)
     tau: dict[str, Any] = {n: {} for n in names}
-    ebs = 1 if args.quick else args.eval_batch_size   # quick: share the batch-1 speed run's compilation
+    ebs = 1 if args.quick else args.eval_batch_size  # quick: share the batch-1 speed run's compilation
     for t in temps:
         for n, d in drafters.items():
             per = {}
             reached = np.zeros(d.cfg.gamma)
             accepted = np.zeros(d.cfg.gamma)
             for ds, ids in prompts.items():
-                ev = evaluate_tau(target, d, ids, max_new_tokens=max_new, temperature=t, batch_size=ebs,
-                                  seed=args.seed)
-                per[ds] = {k: ev[k] for k in ("tau", "acceptance_rate", "position_acceptance", "accept_rate_at_k",
-                                              "num_requests", "num_target_passes", "num_generated_tokens")}
+                ev = evaluate_tau(target, d, ids, max_new_tokens=max_new, temperature=t, batch_size=ebs, seed=args.seed)
+                per[ds] = {
+                    k: ev[k]
+                    for k in (
+                        "tau",
+                        "acceptance_rate",
+                        "position_acceptance",
+                        "accept_rate_at_k",
+                        "num_requests",
+                        "num_target_passes",
+                        "num_generated_tokens",
+                    )
+                }
                 reached += ev["position_reached"]
                 accepted += ev["position_accepted"]
             macro = float(np.mean([v["tau"] for v in per.values()]))
-            tau[n][_tkey(t)] = {"datasets": per, "macro_tau": macro,
-                                "position_acceptance_pooled": [float(a / r) if r else None
-                                                               for a, r in zip(accepted, reached)]}
-            print(f"tau {n} T={t:g}: macro {macro:.3f} " + " ".join(f"{k}={v['tau']:.3f}" for k, v in per.items()),
-                  file=sys.stderr)
+            tau[n][_tkey(t)] = {
+                "datasets": per,
+                "macro_tau": macro,
+                "position_acceptance_pooled": [float(a / r) if r else None for a, r in zip(accepted, reached)],
+            }
+            print(
+                f"tau {n} T={t:g}: macro {macro:.3f} " + " ".join(f"{k}={v['tau']:.3f}" for k, v in per.items()),
+                file=sys.stderr,
+            )
     ratios = {}
     for t in temps:
         k = _tkey(t)
-        ratios[k] = {f"{a}/{b}": ratio(tau[a][k]["macro_tau"], tau[b][k]["macro_tau"])
-                     for a, b, _ in RATIOS if a in tau and b in tau}
+        ratios[k] = {
+            f"{a}/{b}": ratio(tau[a][k]["macro_tau"], tau[b][k]["macro_tau"])
+            for a, b, _ in RATIOS
+            if a in tau and b in tau
+        }
 
     # -- 4. batch-1 speedup ---------------------------------------------------------------------
     per_set = max(1, speed_n // len(prompts))
-    speed_prompts = [p for ids in prompts.values() for p in ids[:per_set]][:max(speed_n, 1)]
+    speed_prompts = [p for ids in prompts.values() for p in ids[:per_set]][: max(speed_n, 1)]
     hf = None
     parity = None
     if not args.no_hf:
@@ -244,20 +300,43 @@ def main(argv: list[str] | None = None) -> int:
         parity = speedup.hf_parity(hf, target, speed_prompts[0])
     speed = {}
     for t in speed_temps:
-        speed[_tkey(t)] = speedup.measure_speed(target, drafters, speed_prompts, max_new_tokens=max_new,
-                                                temperature=t, seed=args.seed, hf_model=hf,
-                                                timing_reps=5 if args.quick else 15)
+        speed[_tkey(t)] = speedup.measure_speed(
+            target,
+            drafters,
+            speed_prompts,
+            max_new_tokens=max_new,
+            temperature=t,
+            seed=args.seed,
+            hf_model=hf,
+            timing_reps=5 if args.quick else 15,
+        )
 
     result = {
-        "target": args.target, "target_name": cfg_t.name,
+        "target": args.target,
+        "target_name": cfg_t.name,
         "command": "python benchmarks/compare_drafters.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
-        "budget": {"steps": base.steps, "batch_size": base.batch_size, "anchors_per_seq": base.anchors_per_seq,
-                   "learning_rate": base.learning_rate, "gamma": base.gamma, "seq_len": base.seq_len,
-                   "markov_rank": base.markov_rank, "seed": base.seed, "quick": args.quick},
-        "data": data_info, "feature_cache": cache_info, "drafters": train_info,
-        "eval": {"datasets": {k: len(v) for k, v in prompts.items()}, "max_new_tokens": max_new,
-                 "temperatures": temps, "batch_size": ebs},
-        "tau": tau, "ratios": ratios,
+        "budget": {
+            "steps": base.steps,
+            "batch_size": base.batch_size,
+            "anchors_per_seq": base.anchors_per_seq,
+            "learning_rate": base.learning_rate,
+            "gamma": base.gamma,
+            "seq_len": base.seq_len,
+            "markov_rank": base.markov_rank,
+            "seed": base.seed,
+            "quick": args.quick,
+        },
+        "data": data_info,
+        "feature_cache": cache_info,
+        "drafters": train_info,
+        "eval": {
+            "datasets": {k: len(v) for k, v in prompts.items()},
+            "max_new_tokens": max_new,
+            "temperatures": temps,
+            "batch_size": ebs,
+        },
+        "tau": tau,
+        "ratios": ratios,
         "speed": {"batch_size": 1, "prompts": len(speed_prompts), "hf_logit_max_abs_diff": parity, "runs": speed},
         "total_seconds": None,
     }
@@ -279,24 +358,39 @@ def markdown(r: dict[str, Any]) -> str:
     temps = [_tkey(t) for t in r["eval"]["temperatures"]]
     sets = list(r["eval"]["datasets"])
     b = r["budget"]
-    lines = [f"## Drafter comparison on {r['target']}", "",
-             f"Identical data ({r['data']['sequences']} self-distilled sequences, {r['data']['generated_tokens']} "
-             f"target tokens) and budget for every drafter: {b['steps']} steps x batch {b['batch_size']}, "
-             f"{b['anchors_per_seq']} anchor blocks per sequence, lr {b['learning_rate']}, gamma {b['gamma']}. "
-             f"Prompts per dataset: {r['eval']['datasets']}, {r['eval']['max_new_tokens']} new tokens.", "",
-             f"Command: `{r['command']}`", ""]
+    lines = [
+        f"## Drafter comparison on {r['target']}",
+        "",
+        f"Identical data ({r['data']['sequences']} self-distilled sequences, {r['data']['generated_tokens']} "
+        f"target tokens) and budget for every drafter: {b['steps']} steps x batch {b['batch_size']}, "
+        f"{b['anchors_per_seq']} anchor blocks per sequence, lr {b['learning_rate']}, gamma {b['gamma']}. "
+        f"Prompts per dataset: {r['eval']['datasets']}, {r['eval']['max_new_tokens']} new tokens.",
+        "",
+        f"Command: `{r['command']}`",
+        "",
+    ]
     for tk in temps:
-        lines += [f"### tau (tokens per target pass), {tk.replace('T', 'temperature ')}", "",
-                  "| drafter | layers | params | " + " | ".join(sets) + " | macro-average |",
-                  "|---|---|---|" + "---|" * len(sets) + "---|"]
+        lines += [
+            f"### tau (tokens per target pass), {tk.replace('T', 'temperature ')}",
+            "",
+            "| drafter | layers | params | " + " | ".join(sets) + " | macro-average |",
+            "|---|---|---|" + "---|" * len(sets) + "---|",
+        ]
         for n in names:
             d = r["drafters"][n]
             row = r["tau"][n][tk]
-            lines.append(f"| {n} | {d['num_layers']} | {d['params']:,} | "
-                         + " | ".join(_f(row["datasets"][s]["tau"]) for s in sets) + f" | {_f(row['macro_tau'])} |")
+            lines.append(
+                f"| {n} | {d['num_layers']} | {d['params']:,} | "
+                + " | ".join(_f(row["datasets"][s]["tau"]) for s in sets)
+                + f" | {_f(row['macro_tau'])} |"
+            )
         lines.append("")
-    lines += ["### tau ratios (macro-average)", "", "| ratio | " + " | ".join(temps) + " | paper |",
-              "|---|" + "---|" * len(temps) + "---|"]
+    lines += [
+        "### tau ratios (macro-average)",
+        "",
+        "| ratio | " + " | ".join(temps) + " | paper |",
+        "|---|" + "---|" * len(temps) + "---|",
+    ]
     for a, bb, paper in RATIOS:
         key = f"{a}/{bb}"
         if all(key in r["ratios"][t] for t in temps):
@@ -305,19 +399,27 @@ def markdown(r: dict[str, Any]) -> str:
     sp = r["speed"]
     for tk, run in sp["runs"].items():
         ar = run["ar"]
-        lines += [f"### Batch-1 wall clock, {tk.replace('T', 'temperature ')} ({sp['prompts']} prompts, "
-                  f"{run['max_new_tokens']} new tokens, compile excluded)", "",
-                  "| decoder | tokens/s | speedup vs plain | tau | T_draft ms | T_verify ms | bound "
-                  "tau*T_step/(T_draft+T_verify) |", "|---|---|---|---|---|---|---|",
-                  f"| plain autoregressive (JAX) | {ar['tokens_per_s']:.1f} | 1.00 | 1 | - | "
-                  f"{ar['t_target_step_ms']:.2f} (T_step) | - |"]
+        lines += [
+            f"### Batch-1 wall clock, {tk.replace('T', 'temperature ')} ({sp['prompts']} prompts, "
+            f"{run['max_new_tokens']} new tokens, compile excluded)",
+            "",
+            "| decoder | tokens/s | speedup vs plain | tau | T_draft ms | T_verify ms | bound "
+            "tau*T_step/(T_draft+T_verify) |",
+            "|---|---|---|---|---|---|---|",
+            f"| plain autoregressive (JAX) | {ar['tokens_per_s']:.1f} | 1.00 | 1 | - | "
+            f"{ar['t_target_step_ms']:.2f} (T_step) | - |",
+        ]
         hf = run.get("hf_transformers")
         if hf:
-            lines.append(f"| transformers generate (PyTorch fp32) | {hf['tokens_per_s']:.1f} | "
-                         f"{hf['vs_jax_ar']:.2f} | 1 | - | - | - |")
+            lines.append(
+                f"| transformers generate (PyTorch fp32) | {hf['tokens_per_s']:.1f} | "
+                f"{hf['vs_jax_ar']:.2f} | 1 | - | - | - |"
+            )
         for n, d in run["drafters"].items():
-            lines.append(f"| {n} | {d['tokens_per_s']:.1f} | {d['speedup']:.2f} | {d['tau']:.2f} | "
-                         f"{d['t_draft_ms']:.2f} | {d['t_verify_ms']:.2f} | {d['bound']:.2f} |")
+            lines.append(
+                f"| {n} | {d['tokens_per_s']:.1f} | {d['speedup']:.2f} | {d['tau']:.2f} | "
+                f"{d['t_draft_ms']:.2f} | {d['t_verify_ms']:.2f} | {d['bound']:.2f} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -335,8 +437,9 @@ def plot_acceptance(r: dict[str, Any], path: Path) -> Path:
         for n in r["drafters"]:
             pa = r["tau"][n][tk]["position_acceptance_pooled"]
             ks = [k + 1 for k, v in enumerate(pa) if v is not None]
-            ax.plot(ks, [v for v in pa if v is not None], "o-", ms=3,
-                    label=f"{n} (tau {r['tau'][n][tk]['macro_tau']:.2f})")
+            ax.plot(
+                ks, [v for v in pa if v is not None], "o-", ms=3, label=f"{n} (tau {r['tau'][n][tk]['macro_tau']:.2f})"
+            )
         ax.set_title(f"{r['target']}: {tk.replace('T', 'temperature ')}", fontsize=9)
         ax.set_xlabel("block position k")
         ax.set_ylabel("P(k accepted | 1..k-1 accepted)")

@@ -1,7 +1,7 @@
 """Cost table of batch-1 decoding on this machine, with plain-decoding references.
 
 In one process (DESIGN.md "Performance anchors"; the cost table behind
-``num_speculative_tokens="auto"``, :mod:`dspark_jax.cost_table`):
+``num_speculative_tokens="auto"``, :mod:`dspark_jax.decoding.cost_table`):
 
 * ``t_step_ms``: a plain decode step (batch 1, no drafter);
 * ``t_verify_ms``: verified tokens (1 .. block_size + 1) -> ms, each length its own compiled
@@ -38,12 +38,12 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speedup import hf_generate, hf_llama_from_params  # noqa: E402  (benchmark helpers, same folder)
+from speedup import hf_generate, hf_llama_from_params
 
 
 def read_bandwidth_gb_s(gib: float = 1.0, repeats: int = 5) -> float:
     """Read bandwidth [GB/s]: a jitted sum over ``gib`` GiB of float32, median of ``repeats``."""
-    n = int(gib * 2 ** 30) // 4
+    n = int(gib * 2**30) // 4
     x = jnp.ones((n,), jnp.float32)
     f = jax.jit(jnp.sum)
     jax.block_until_ready(f(x))
@@ -59,9 +59,9 @@ def read_bandwidth_gb_s(gib: float = 1.0, repeats: int = 5) -> float:
 def random_drafter(target, preset: str, draft_vocab_size: int, seed: int = 0):
     """The preset's drafter architecture with random weights (costs do not depend on values).
     With a draft vocabulary, its ids are the ``draft_vocab_size`` lowest (any ids cost the same)."""
-    from dspark_jax.drafter import build_drafter
-    from dspark_jax.presets import canonical_preset
-    from dspark_jax.trainer import TRAIN_PRESETS, TrainConfig, drafter_config
+    from dspark_jax.drafters.dspark import build_drafter
+    from dspark_jax.models.presets import canonical_preset
+    from dspark_jax.training.trainer import TRAIN_PRESETS, TrainConfig, drafter_config
 
     cfg = TRAIN_PRESETS.get(canonical_preset(preset) or "", TrainConfig())
     if draft_vocab_size >= 0:
@@ -74,31 +74,38 @@ def random_drafter(target, preset: str, draft_vocab_size: int, seed: int = 0):
 
 def main(argv: list[str] | None = None) -> int:
     from dspark_jax.api import encode_prompt
-    from dspark_jax.checkpoint import load_drafter
-    from dspark_jax.cost_table import measure_costs
-    from dspark_jax.decode import generate_autoregressive
-    from dspark_jax.eval import load_prompt_texts
-    from dspark_jax.model_io import params_fingerprint
-    from dspark_jax.presets import preset_info, resolve_target
-    from dspark_jax.target import Target
+    from dspark_jax.decoding.cost_table import measure_costs
+    from dspark_jax.decoding.speculative import generate_autoregressive
+    from dspark_jax.drafters.checkpoint import load_drafter
+    from dspark_jax.evaluation.cli import load_prompt_texts
+    from dspark_jax.models.model_io import params_fingerprint
+    from dspark_jax.models.presets import preset_info, resolve_target
+    from dspark_jax.models.target import Target
 
     ap = argparse.ArgumentParser(description="Batch-1 cost table (plain step, verify per length, draft, context).")
     ap.add_argument("--target", required=True, help="preset name or model path")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--drafter", help="export directory")
     src.add_argument("--random-drafter", action="store_true", help="the preset's drafter shape, random weights")
-    ap.add_argument("--draft-vocab-size", default="-1",
-                    help="with --random-drafter: draft vocabulary size (0 = full; default: the preset's); a "
-                         "comma-separated list measures one cost table per size (drafting and verification "
-                         "only, in the same process, alternated) and writes them under 'draft_vocab_sweep'")
+    ap.add_argument(
+        "--draft-vocab-size",
+        default="-1",
+        help="with --random-drafter: draft vocabulary size (0 = full; default: the preset's); a "
+        "comma-separated list measures one cost table per size (drafting and verification "
+        "only, in the same process, alternated) and writes them under 'draft_vocab_sweep'",
+    )
     ap.add_argument("--prompts", default=None, help="prompt set for the tokens/s references (default: by preset)")
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--cache-len", type=int, default=0, help="KV-cache length (default: as generate uses)")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--sweep-rounds", type=int, default=3,
-                    help="draft-vocabulary sweep: cost tables per size, alternated (each compiles anew)")
+    ap.add_argument(
+        "--sweep-rounds",
+        type=int,
+        default=3,
+        help="draft-vocabulary sweep: cost tables per size, alternated (each compiles anew)",
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
 
@@ -118,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
     table = measure_costs(target, drafter, widths=range(g + 1), cache_len=cache_len, repeats=args.repeats)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, cache_len=cache_len)
-    generate_autoregressive(target, [prompts[0]], **kw)   # compile
+    generate_autoregressive(target, [prompts[0]], **kw)  # compile
     hf = None if args.no_hf else hf_llama_from_params(cfg, params)
     if hf is not None:
         import torch
@@ -127,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         hf.config._attn_implementation = "sdpa"
         hf_generate(hf, prompts[0], 4, 0.0, 0, list(cfg.eos_ids))
     ar_t = ar_s = hf_t = hf_s = 0.0
-    for p in prompts:   # alternated prompt by prompt
+    for p in prompts:  # alternated prompt by prompt
         a = generate_autoregressive(target, [p], **kw)
         ar_t, ar_s = ar_t + a.num_tokens, ar_s + a.seconds
         if hf is not None:
@@ -137,46 +144,64 @@ def main(argv: list[str] | None = None) -> int:
     weight_bytes = sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(nnx.state(target)))
     d_params = sum(int(np.asarray(x).size) for x in jax.tree.leaves(nnx.state(drafter, nnx.Param)))
     res = {
-        "target": cfg.name, "drafter": args.drafter or "random", "block_size": g,
-        "draft_vocab_size": drafter.cfg.draft_vocab_size or cfg.vocab_size, "drafter_params": d_params,
-        "cache_len": cache_len, **table.to_json(),
+        "target": cfg.name,
+        "drafter": args.drafter or "random",
+        "block_size": g,
+        "draft_vocab_size": drafter.cfg.draft_vocab_size or cfg.vocab_size,
+        "drafter_params": d_params,
+        "cache_len": cache_len,
+        **table.to_json(),
         "ar_tokens_per_s": ar_t / max(ar_s, 1e-9),
         "hf_tokens_per_s": (hf_t / max(hf_s, 1e-9)) if hf is not None else None,
-        "read_bandwidth_gb_s": bw, "target_weight_bytes": weight_bytes,
+        "read_bandwidth_gb_s": bw,
+        "target_weight_bytes": weight_bytes,
         "bandwidth_bound_tokens_per_s": bw * 1e9 / weight_bytes,
     }
-    res["t_verify_ms"] = {w + 1: v for w, v in res["t_verify_ms"].items()}   # keyed by verified tokens
+    res["t_verify_ms"] = {w + 1: v for w, v in res["t_verify_ms"].items()}  # keyed by verified tokens
     res["draft_over_step"] = res["t_draft_ms"] / res["t_step_ms"]
     res["ar_over_bound"] = res["ar_tokens_per_s"] / res["bandwidth_bound_tokens_per_s"]
     if res["hf_tokens_per_s"]:
         res["ar_over_hf"] = res["ar_tokens_per_s"] / res["hf_tokens_per_s"]
-    rows = [("t_step_ms", res["t_step_ms"]), ("t_draft_ms (T=0)", res["t_draft_ms"]),
-            ("t_draft_ms (T=1)", res["t_draft_sampled_ms"]), ("t_context_ms", res["t_context_ms"])]
+    rows = [
+        ("t_step_ms", res["t_step_ms"]),
+        ("t_draft_ms (T=0)", res["t_draft_ms"]),
+        ("t_draft_ms (T=1)", res["t_draft_sampled_ms"]),
+        ("t_context_ms", res["t_context_ms"]),
+    ]
     rows += [(f"t_verify_ms[{k} tokens]", v) for k, v in res["t_verify_ms"].items()]
-    rows += [("ar_tokens_per_s", res["ar_tokens_per_s"]), ("hf_tokens_per_s", res["hf_tokens_per_s"]),
-             ("bandwidth_bound_tokens_per_s", res["bandwidth_bound_tokens_per_s"]),
-             ("draft / step", res["draft_over_step"]), ("ar / bound", res["ar_over_bound"]),
-             ("ar / hf", res.get("ar_over_hf"))]
+    rows += [
+        ("ar_tokens_per_s", res["ar_tokens_per_s"]),
+        ("hf_tokens_per_s", res["hf_tokens_per_s"]),
+        ("bandwidth_bound_tokens_per_s", res["bandwidth_bound_tokens_per_s"]),
+        ("draft / step", res["draft_over_step"]),
+        ("ar / bound", res["ar_over_bound"]),
+        ("ar / hf", res.get("ar_over_hf")),
+    ]
     print(f"{cfg.name}  drafter={res['drafter']}  draft vocab={res['draft_vocab_size']}  cache={cache_len}")
     for k, v in rows:
         print(f"  {k:<32} {'-' if v is None else f'{v:10.3f}'}")
     if len(sizes) > 1 and not args.drafter:
         res["draft_vocab_sweep"] = sweep = {}
         tables = {n: [] for n in sizes}
-        for _ in range(args.sweep_rounds):   # alternate the sizes: each value is the median of the rounds
+        for _ in range(args.sweep_rounds):  # alternate the sizes: each value is the median of the rounds
             for n in sizes:
                 d = random_drafter(target, args.target, n)
-                tables[n].append(measure_costs(target, d, widths=(0, g), cache_len=cache_len,
-                                               repeats=max(3, args.repeats // 3)))
+                tables[n].append(
+                    measure_costs(target, d, widths=(0, g), cache_len=cache_len, repeats=max(3, args.repeats // 3))
+                )
         print(f"\n  {'draft vocab':>12} {'t_draft_ms T=0':>15} {'T=1':>8} {'t_verify_ms[' + str(g + 1) + ']':>15}")
         for n in sizes:
-            med = lambda f: statistics.median(f(t) for t in tables[n])  # noqa: E731
-            row = {"t_draft_ms": 1e3 * med(lambda t: t.t_draft_greedy),
-                   "t_draft_sampled_ms": 1e3 * med(lambda t: t.t_draft_sampled),
-                   "t_verify_full_block_ms": 1e3 * med(lambda t: t.t_verify[-1])}
+            med = lambda f, n=n: statistics.median(f(t) for t in tables[n])
+            row = {
+                "t_draft_ms": 1e3 * med(lambda t: t.t_draft_greedy),
+                "t_draft_sampled_ms": 1e3 * med(lambda t: t.t_draft_sampled),
+                "t_verify_full_block_ms": 1e3 * med(lambda t: t.t_verify[-1]),
+            }
             sweep[n or cfg.vocab_size] = row
-            print(f"  {n or cfg.vocab_size:>12} {row['t_draft_ms']:>15.2f} {row['t_draft_sampled_ms']:>8.2f} "
-                  f"{row['t_verify_full_block_ms']:>15.2f}")
+            print(
+                f"  {n or cfg.vocab_size:>12} {row['t_draft_ms']:>15.2f} {row['t_draft_sampled_ms']:>8.2f} "
+                f"{row['t_verify_full_block_ms']:>15.2f}"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return 0

@@ -4,7 +4,7 @@ An engine built with a drafter keeps the drafter's context KV cache current at e
 (the target pass also returns the tapped hidden states; their context keys/values are
 written for every verified token), so that drafting can resume at any step. After
 ``suspend_after`` non-drafting steps it drops that upkeep (drafter suspension, see
-:mod:`dspark_jax.engine`) and pays a catch-up pass when drafting resumes. This script
+:mod:`dspark_jax.serving.engine`) and pays a catch-up pass when drafting resumes. This script
 measures, side by side in one process, each case against the same plain step (every row
 verifies only its anchor, no drafting) of a drafter-less engine, alternated ``--reps`` times:
 
@@ -40,8 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python benchmarks/engine_overhead.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m-instruct", help="preset or model path")
     p.add_argument("--drafter", default=None, help="drafter export directory")
-    p.add_argument("--random-drafter", type=int, default=None, metavar="GAMMA",
-                   help="a randomly initialised drafter with this block size instead of an export")
+    p.add_argument(
+        "--random-drafter",
+        type=int,
+        default=None,
+        metavar="GAMMA",
+        help="a randomly initialised drafter with this block size instead of an export",
+    )
     p.add_argument("--rows", default="1,16,64", help="active rows per step, comma-separated (default 1,16,64)")
     p.add_argument("--num-slots", type=int, default=64, help="engine slots (default 64)")
     p.add_argument("--cache-len", type=int, default=384, help="engine cache length (default 384)")
@@ -63,7 +68,7 @@ def measure(plain, spec, rows: list[int], prompt_len: int, reps: int) -> list[di
     import jax
     import numpy as np
 
-    from dspark_jax.engine import Request, SamplingParams
+    from dspark_jax.serving.engine import Request, SamplingParams
 
     b = plain.num_slots
 
@@ -80,9 +85,11 @@ def measure(plain, spec, rows: list[int], prompt_len: int, reps: int) -> list[di
         exe = e._bare_step_exe(r)
 
         def run():
-            e._state, out = exe(e._t_state, None, e._state, ell, act, np.bool_(False), np.bool_(False),
-                                np.bool_(False))    # draft_next, use_bias, want_lp
+            e._state, out = exe(
+                e._t_state, None, e._state, ell, act, np.bool_(False), np.bool_(False), np.bool_(False)
+            )  # draft_next, use_bias, want_lp
             jax.block_until_ready(out)
+
         return run
 
     def catch_up(e, r):
@@ -95,6 +102,7 @@ def measure(plain, spec, rows: list[int], prompt_len: int, reps: int) -> list[di
         def run():
             e._state = exe(e._t_state, e._d_state, e._state, tok, row, col, col)
             jax.block_until_ready(e._state.dk)
+
         return run
 
     vocab = plain.target.cfg.vocab_size
@@ -102,21 +110,23 @@ def measure(plain, spec, rows: list[int], prompt_len: int, reps: int) -> list[di
 
     def prefill(e, suspended=False):
         def run():
-            e._idle_steps = e.suspend_after if suspended else 0   # what the last steps decided
+            e._idle_steps = e.suspend_after if suspended else 0  # what the last steps decided
             jax.block_until_ready(e.prefill(req).arrays)
+
         return run
 
     cases = [(f"step with drafter upkeep, {r} rows", step(plain, r), step(spec, r)) for r in rows]
     cases += [(f"step, drafter suspended, {r} rows", step(plain, r), bare_step(spec, r)) for r in rows]
     cases.append((f"prefill, {prompt_len} tokens", prefill(plain), prefill(spec)))
     cases.append((f"prefill, drafter suspended, {prompt_len} tokens", prefill(plain), prefill(spec, True)))
-    cases += [(f"catch-up pass ({spec.gamma + 1} tokens/row), {r} rows", step(plain, r), catch_up(spec, r))
-              for r in rows]
+    cases += [
+        (f"catch-up pass ({spec.gamma + 1} tokens/row), {r} rows", step(plain, r), catch_up(spec, r)) for r in rows
+    ]
     # For scale: the same step when it also drafts the next block (what speculation must win back).
     cases += [(f"step + drafting a block, {r} rows", step(plain, r), step(spec, r, True)) for r in rows]
     out = []
     for name, fp, fs in cases:
-        fp(), fs()                                   # warm (compiled already; caches, allocator)
+        fp(), fs()  # warm (compiled already; caches, allocator)
         tp, ts = [], []
         for _ in range(reps):
             tp.append(_timed(fp))
@@ -132,22 +142,27 @@ def main(argv: list[str] | None = None) -> int:
 
     from dspark_jax.api import load_target_and_drafter
     from dspark_jax.config import DrafterConfig
-    from dspark_jax.drafter import Drafter
-    from dspark_jax.engine import Engine
+    from dspark_jax.drafters.dspark import Drafter
     from dspark_jax.errors import DSparkInputError
+    from dspark_jax.serving.engine import Engine
 
     target, _, drafter = load_target_and_drafter(args.target, args.drafter)
     if drafter is None:
         if not args.random_drafter:
             raise DSparkInputError("give --drafter EXPORT_DIR or --random-drafter GAMMA")
-        drafter = Drafter(DrafterConfig.for_target(target.cfg, gamma=args.random_drafter, num_layers=1,
-                                                   markov_rank=8), nnx.Rngs(0))
+        drafter = Drafter(
+            DrafterConfig.for_target(target.cfg, gamma=args.random_drafter, num_layers=1, markov_rank=8), nnx.Rngs(0)
+        )
     rows = sorted({int(r) for r in args.rows.split(",")})
     if rows[0] < 1 or rows[-1] > args.num_slots:
         raise DSparkInputError(f"--rows must be in [1, --num-slots={args.num_slots}]")
     p_len = max(16, 1 << (args.prompt_len - 1).bit_length())
-    kw = dict(num_slots=args.num_slots, cache_len=args.cache_len, row_buckets=sorted(set(rows) | {args.num_slots}),
-              prefill_buckets=[min(p_len, args.cache_len)])
+    kw = dict(
+        num_slots=args.num_slots,
+        cache_len=args.cache_len,
+        row_buckets=sorted(set(rows) | {args.num_slots}),
+        prefill_buckets=[min(p_len, args.cache_len)],
+    )
     # policy "plain" on both: only the (R, R) buckets compile (plus, for the drafter engine,
     # its suspended steps and catch-up passes).
     plain, spec = Engine(target, None, policy="plain", **kw), Engine(target, drafter, policy="plain", **kw)
@@ -161,10 +176,20 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     import jax
 
-    (out / "engine_overhead.json").write_text(json.dumps(
-        {"target": args.target, "drafter": args.drafter or f"random(gamma={args.random_drafter})",
-         "num_slots": args.num_slots, "cache_len": args.cache_len, "reps": args.reps,
-         "device": str(jax.devices()[0]), "results": res}, indent=2))
+    (out / "engine_overhead.json").write_text(
+        json.dumps(
+            {
+                "target": args.target,
+                "drafter": args.drafter or f"random(gamma={args.random_drafter})",
+                "num_slots": args.num_slots,
+                "cache_len": args.cache_len,
+                "reps": args.reps,
+                "device": str(jax.devices()[0]),
+                "results": res,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out / 'engine_overhead.json'}", file=sys.stderr)
     return 0
 

@@ -49,10 +49,10 @@ def main(argv=None):
     import numpy as np
     from flax import nnx
 
-    from dspark_jax import engine as new_engine
     from dspark_jax.api import load_target
     from dspark_jax.config import DrafterConfig
-    from dspark_jax.drafter import Drafter
+    from dspark_jax.drafters.dspark import Drafter
+    from dspark_jax.serving import engine as new_engine
 
     target, _ = load_target(a.target)
     cfg = DrafterConfig.for_target(target.cfg, gamma=a.gamma, num_layers=1, markov_rank=64)
@@ -62,8 +62,17 @@ def main(argv=None):
         mods["old"] = load_package(a.old, "dspark_old")
     engines = {}
     for name, mod in mods.items():
-        eng = mod.Engine(target, drafter, num_slots=a.rows, cache_len=a.cache_len, policy=f"fixed:{a.gamma}",
-                         row_buckets=[a.rows], prefill_buckets=[32], suspend_after=None, profile_iters=1)
+        eng = mod.Engine(
+            target,
+            drafter,
+            num_slots=a.rows,
+            cache_len=a.cache_len,
+            policy=f"fixed:{a.gamma}",
+            row_buckets=[a.rows],
+            prefill_buckets=[32],
+            suspend_after=None,
+            profile_iters=1,
+        )
         eng.warmup()
         engines[name] = eng
     b = a.rows
@@ -77,16 +86,25 @@ def main(argv=None):
             cases += [(f"{name}:plain+bias+lp", eng, 0, on), (f"{name}:spec+bias+lp", eng, a.gamma, on)]
     times = {c[0]: [] for c in cases}
     for i in range(a.reps + 2):
-        for label, eng, ell, kw in (cases if i % 2 == 0 else cases[::-1]):
+        for label, eng, ell, kw in cases if i % 2 == 0 else cases[::-1]:
             tokens = a.rows * (ell + 1)
             t0 = time.perf_counter()
             out = eng._run_step(a.rows, tokens, np.full(b, ell, np.int32), active, False, **kw)
             jax.block_until_ready(out)
             if i >= 2:
                 times[label].append(time.perf_counter() - t0)
-            eng._state = eng._state._replace(pos=eng._state.pos * 0 + 40)   # stay inside the cache
-    print(json.dumps({"target": a.target, "rows": a.rows, "gamma": a.gamma, "reps": a.reps,
-                      "median_ms": {k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()}}))
+            eng._state = eng._state._replace(pos=eng._state.pos * 0 + 40)  # stay inside the cache
+    print(
+        json.dumps(
+            {
+                "target": a.target,
+                "rows": a.rows,
+                "gamma": a.gamma,
+                "reps": a.reps,
+                "median_ms": {k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -50,53 +50,101 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-QUICK = dict(target="stories260k", random_drafter=4, policies="plain,fixed:1,fixed:2,greedy,dspark",
-             concurrency="1,2,4", num_requests=4, max_tokens=16, num_slots=4, cache_len=128)
+QUICK = dict(
+    target="stories260k",
+    random_drafter=4,
+    policies="plain,fixed:1,fixed:2,greedy,dspark",
+    concurrency="1,2,4",
+    num_requests=4,
+    max_tokens=16,
+    num_slots=4,
+    cache_len=128,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python benchmarks/serve_load.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=None, help="preset or model path (default smollm2-135m-instruct; "
-                                                   "stories260k with --quick)")
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/serve_load.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--target", default=None, help="preset or model path (default smollm2-135m-instruct; stories260k with --quick)"
+    )
     p.add_argument("--drafter", default=None, help="drafter export directory")
-    p.add_argument("--random-drafter", type=int, default=None, metavar="GAMMA",
-                   help="use a randomly initialised (untrained) drafter with this block size instead of an export "
-                        "(smoke tests: exercises every policy, acceptance is near zero)")
-    p.add_argument("--policies", default=None,
-                   help="comma-separated policies (default: plain, fixed:G for each --gammas, greedy, dspark)")
+    p.add_argument(
+        "--random-drafter",
+        type=int,
+        default=None,
+        metavar="GAMMA",
+        help="use a randomly initialised (untrained) drafter with this block size instead of an export "
+        "(smoke tests: exercises every policy, acceptance is near zero)",
+    )
+    p.add_argument(
+        "--policies",
+        default=None,
+        help="comma-separated policies (default: plain, fixed:G for each --gammas, greedy, dspark)",
+    )
     p.add_argument("--gammas", default="1,2,4,8", help="fixed gammas of the default policy list (default 1,2,4,8)")
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="concurrency levels (default 1,2,...,64)")
-    p.add_argument("--num-requests", type=int, default=0,
-                   help="requests per concurrency level (default: max(8, WAVES x concurrency))")
-    p.add_argument("--waves", type=int, default=2,
-                   help="requests per client at each level when --num-requests is not given (default 2)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="rounds of every policy at each level, interleaved; the median is reported (default 1)")
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=0,
+        help="requests per concurrency level (default: max(8, WAVES x concurrency))",
+    )
+    p.add_argument(
+        "--waves",
+        type=int,
+        default=2,
+        help="requests per client at each level when --num-requests is not given (default 2)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of every policy at each level, interleaved; the median is reported (default 1)",
+    )
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens per request (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
-    p.add_argument("--prompts", default=None,
-                   help="prompt set (mt_bench, gsm8k, humaneval, alpaca, tinystories) or JSONL file (default: "
-                        "mt_bench for chat models, tinystories otherwise)")
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="prompt set (mt_bench, gsm8k, humaneval, alpaca, tinystories) or JSONL file (default: "
+        "mt_bench for chat models, tinystories otherwise)",
+    )
     chat = p.add_mutually_exclusive_group()
-    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
-                      help="send prompts to /v1/chat/completions (default when the tokenizer has a chat template)")
+    chat.add_argument(
+        "--chat",
+        dest="chat",
+        action="store_true",
+        default=None,
+        help="send prompts to /v1/chat/completions (default when the tokenizer has a chat template)",
+    )
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="send prompts to /v1/completions")
     p.add_argument("--num-slots", type=int, default=None, help="engine slots (default: the highest concurrency)")
     p.add_argument("--cache-len", type=int, default=1024, help="engine cache length (default 1024)")
     p.add_argument("--buckets", default=None, help="engine token-budget buckets, comma-separated")
-    p.add_argument("--sps-table", default=None,
-                   help="SPS table file shared by all policies (default OUT/sps_table.json: profiled once)")
+    p.add_argument(
+        "--sps-table",
+        default=None,
+        help="SPS table file shared by all policies (default OUT/sps_table.json: profiled once)",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0, help="seed of the request order and random settings (default 0)")
     p.add_argument("--out", default="runs/serve_load", help="output directory (default runs/serve_load)")
-    p.add_argument("--quick", action="store_true",
-                   help="CI smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
+    p.add_argument(
+        "--quick", action="store_true", help="CI smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
+    )
     p.add_argument("--stress", action="store_true", help="bounded load test instead of the sweep (see above)")
     p.add_argument("--stress-requests", type=int, default=500, help="requests of the stress test (default 500)")
     p.add_argument("--stress-concurrency", type=int, default=64, help="clients of the stress test (default 64)")
-    p.add_argument("--disconnect-frac", type=float, default=0.1,
-                   help="fraction of stress requests whose client disconnects early (default 0.1)")
+    p.add_argument(
+        "--disconnect-frac",
+        type=float,
+        default=0.1,
+        help="fraction of stress requests whose client disconnects early (default 0.1)",
+    )
     p.add_argument("--stress-policy", default=None, help="policy of the stress server (default dspark / plain)")
     return p
 
@@ -180,7 +228,7 @@ async def stream_request(client, chat: bool, body: dict, hang_up_after: int | No
                 if hang_up_after is not None and n >= hang_up_after:
                     r.disconnected = True
                     break
-    except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash of the benchmark
+    except Exception as e:
         r.error = f"{type(e).__name__}: {e}"
     r.end = time.perf_counter()
     return r
@@ -199,7 +247,7 @@ async def plain_request(client, chat: bool, body: dict) -> Result:
             r.text = ch["message"]["content"] if chat else ch["text"]
             r.token_ids, r.finish_reason = ch.get("token_ids", []), ch["finish_reason"]
             r.usage, r.spec, r.ok = obj["usage"], obj.get("spec_decode"), True
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         r.error = f"{type(e).__name__}: {e}"
     r.end = time.perf_counter()
     r.first = r.first or r.end
@@ -209,22 +257,25 @@ async def plain_request(client, chat: bool, body: dict) -> Result:
 def _client(url: str, concurrency: int):
     import httpx
 
-    return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(3600.0),
-                             limits=httpx.Limits(max_connections=concurrency + 4,
-                                                 max_keepalive_connections=concurrency + 4))
+    return httpx.AsyncClient(
+        base_url=url,
+        timeout=httpx.Timeout(3600.0),
+        limits=httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4),
+    )
 
 
-async def run_level(url: str, chat: bool, prompts: list[str], concurrency: int, num_requests: int,
-                    max_tokens: int, temperature: float) -> dict[str, Any]:
+async def run_level(
+    url: str, chat: bool, prompts: list[str], concurrency: int, num_requests: int, max_tokens: int, temperature: float
+) -> dict[str, Any]:
     """One concurrency level: ``num_requests`` streamed requests by ``concurrency`` clients."""
     queue = list(range(num_requests))
     results: list[Result] = []
     async with _client(url, concurrency) as client:
+
         async def worker():
             while queue:
                 i = queue.pop(0)
-                body = _body(prompts[i % len(prompts)], chat, max_tokens=max_tokens, temperature=temperature,
-                             seed=i)
+                body = _body(prompts[i % len(prompts)], chat, max_tokens=max_tokens, temperature=temperature, seed=i)
                 results.append(await stream_request(client, chat, body))
 
         t0 = time.perf_counter()
@@ -247,12 +298,17 @@ def summarize(results: list[Result], wall: float, concurrency: int) -> dict[str,
         return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else None
 
     return {
-        "concurrency": concurrency, "num_requests": len(results), "num_ok": len(ok),
+        "concurrency": concurrency,
+        "num_requests": len(results),
+        "num_ok": len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "wall_s": wall, "output_tokens": sum(toks),
+        "wall_s": wall,
+        "output_tokens": sum(toks),
         "output_tok_s": sum(toks) / wall if wall > 0 else 0.0,
         "per_user_tok_s": statistics.fmean(per_user) if per_user else None,
-        "ttft_s": statistics.fmean(ttft) if ttft else None, "ttft_p50_s": q(ttft, 0.5), "ttft_p90_s": q(ttft, 0.9),
+        "ttft_s": statistics.fmean(ttft) if ttft else None,
+        "ttft_p50_s": q(ttft, 0.5),
+        "ttft_p90_s": q(ttft, 0.9),
         "e2e_s": statistics.fmean(r.end - r.start for r in ok) if ok else None,
         "tau": emitted / steps if steps else None,
         "acceptance_rate": acc / ver if ver else None,
@@ -273,10 +329,13 @@ def load_models(args):
         from flax import nnx
 
         from dspark_jax.config import DrafterConfig
-        from dspark_jax.drafter import Drafter
+        from dspark_jax.drafters.dspark import Drafter
 
-        drafter = Drafter(DrafterConfig.for_target(target.cfg, gamma=args.random_drafter, num_layers=1,
-                                                   markov_rank=8), nnx.Rngs(args.seed), dtype=dtype)
+        drafter = Drafter(
+            DrafterConfig.for_target(target.cfg, gamma=args.random_drafter, num_layers=1, markov_rank=8),
+            nnx.Rngs(args.seed),
+            dtype=dtype,
+        )
     return target, tok, drafter
 
 
@@ -289,12 +348,19 @@ def engine_for(args, target, drafter, policy: str, num_slots: int, engine=None):
     policy adds and keeps the SPS table when it covers them, so a sweep pays for compilation
     once. (The online calibration state carries over, as on a long-running server.)
     """
-    from dspark_jax.serve import _parse_buckets, build_engine
+    from dspark_jax.serving.cli import _parse_buckets, build_engine
 
     t0 = time.perf_counter()
     if engine is None:
-        engine = build_engine(target, drafter, policy=policy, num_slots=num_slots, cache_len=args.cache_len,
-                              buckets=_parse_buckets(args.buckets), sps_table=args.sps_table)
+        engine = build_engine(
+            target,
+            drafter,
+            policy=policy,
+            num_slots=num_slots,
+            cache_len=args.cache_len,
+            buckets=_parse_buckets(args.buckets),
+            sps_table=args.sps_table,
+        )
     else:
         engine.set_policy(policy)
         engine.warmup()
@@ -306,7 +372,7 @@ def engine_for(args, target, drafter, policy: str, num_slots: int, engine=None):
 
 def serve(engine, tok, args, policy: str, max_queue: int):
     """``(ServerThread, EngineLoop)``: ``engine`` behind the HTTP server on a free loopback port."""
-    from dspark_jax.serve import ServerThread, build_server
+    from dspark_jax.serving.cli import ServerThread, build_server
 
     app, loop = build_server(engine, tok, model_name=args.target, max_queue=max_queue, policy=policy)
     return ServerThread(app), loop
@@ -319,17 +385,18 @@ def load_prompts(args, tok) -> list[str]:
     Raises:
       DSparkInputError: no prompt fits.
     """
-    from dspark_jax.data import encode_prompts
     from dspark_jax.errors import DSparkInputError
-    from dspark_jax.eval import load_prompt_texts
+    from dspark_jax.evaluation.cli import load_prompt_texts
+    from dspark_jax.training.data import encode_prompts
 
     spec = args.prompts or ("mt_bench" if args.chat else "tinystories")
     texts, _ = load_prompt_texts(spec)
     ids = encode_prompts(tok, texts, bool(args.chat))
     fit = [t for t, i in zip(texts, ids) if len(i) + args.max_tokens <= args.cache_len]
     if not fit:
-        raise DSparkInputError(f"no prompt of {spec!r} fits --cache-len {args.cache_len} with --max-tokens "
-                               f"{args.max_tokens}")
+        raise DSparkInputError(
+            f"no prompt of {spec!r} fits --cache-len {args.cache_len} with --max-tokens {args.max_tokens}"
+        )
     random.Random(args.seed).shuffle(fit)
     return fit
 
@@ -389,8 +456,9 @@ def sweep(args, models: tuple | None = None, engine=None, plain_engine=None) -> 
     startup: dict[str, float] = {}
     for policy in policies:
         given = plain_engine if policy == "plain" else engine
-        engines[policy], startup[policy] = engine_for(args, target, None if policy == "plain" else drafter,
-                                                      policy, num_slots, given)
+        engines[policy], startup[policy] = engine_for(
+            args, target, None if policy == "plain" else drafter, policy, num_slots, given
+        )
         print(f"[{policy}] engine ready in {startup[policy]:.1f} s", file=sys.stderr)
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     engine_stats: dict[str, dict] = {}
@@ -410,27 +478,52 @@ def sweep(args, models: tuple | None = None, engine=None, plain_engine=None) -> 
                 with srv:
                     row = asyncio.run(run_level(srv.url, args.chat, prompts, c, n, args.max_tokens, args.temperature))
                 m = eng.metrics()  # the server (and its engine thread) has stopped: safe to read
-                row["engine"] = {k: m.get(k) for k in ("steps", "draft_steps", "suspended_steps",
-                                                       "catchup_tokens", "mean_accepted_length",
-                                                       "acceptance_rate", "budget_hist", "rows_hist", "step_seconds")}
+                row["engine"] = {
+                    k: m.get(k)
+                    for k in (
+                        "steps",
+                        "draft_steps",
+                        "suspended_steps",
+                        "catchup_tokens",
+                        "mean_accepted_length",
+                        "acceptance_rate",
+                        "budget_hist",
+                        "rows_hist",
+                        "step_seconds",
+                    )
+                }
                 engine_stats[policy] = {k: m.get(k) for k in ("position_acceptance", "calibration", "compiles")}
                 reps[policy].append(row)
-                print(f"[{policy}] c={c:3d} #{rep + 1}: {row['output_tok_s']:8.1f} tok/s, per user "
-                      f"{_fmt(row['per_user_tok_s'])} tok/s, ttft {_fmt(row['ttft_s'], '.2f')} s, "
-                      f"tau {_fmt(row['tau'], '.2f')}, drafting steps {m['draft_steps']}/{m['steps']} "
-                      f"(suspended {m['suspended_steps']}), "
-                      f"ok {row['num_ok']}/{row['num_requests']}", file=sys.stderr)
+                print(
+                    f"[{policy}] c={c:3d} #{rep + 1}: {row['output_tok_s']:8.1f} tok/s, per user "
+                    f"{_fmt(row['per_user_tok_s'])} tok/s, ttft {_fmt(row['ttft_s'], '.2f')} s, "
+                    f"tau {_fmt(row['tau'], '.2f')}, drafting steps {m['draft_steps']}/{m['steps']} "
+                    f"(suspended {m['suspended_steps']}), "
+                    f"ok {row['num_ok']}/{row['num_requests']}",
+                    file=sys.stderr,
+                )
                 if row["num_ok"] < row["num_requests"]:
                     print(f"[{policy}] c={c:3d}: FAILED requests: {row['errors']}", file=sys.stderr)
         for policy in policies:
             runs[policy].append(_median_run(reps[policy]))
     add_ratios(runs)
-    result = {"target": args.target, "drafter": args.drafter or (f"random(gamma={drafter.cfg.gamma})"
-                                                                   if drafter is not None else None),
-              "chat": args.chat, "prompts": args.prompts or ("mt_bench" if args.chat else "tinystories"),
-              "max_tokens": args.max_tokens, "temperature": args.temperature, "num_slots": num_slots,
-              "cache_len": args.cache_len, "concurrency": levels, "policies": policies, "repeats": args.repeats,
-              "engine_startup_s": startup, "device": _device(), "runs": runs, "engine": engine_stats}
+    result = {
+        "target": args.target,
+        "drafter": args.drafter or (f"random(gamma={drafter.cfg.gamma})" if drafter is not None else None),
+        "chat": args.chat,
+        "prompts": args.prompts or ("mt_bench" if args.chat else "tinystories"),
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "num_slots": num_slots,
+        "cache_len": args.cache_len,
+        "concurrency": levels,
+        "policies": policies,
+        "repeats": args.repeats,
+        "engine_startup_s": startup,
+        "device": _device(),
+        "runs": runs,
+        "engine": engine_stats,
+    }
     (out_dir / "serve_load.json").write_text(json.dumps(result, indent=2))
     plot(result, out_dir / "serve_load.png")
     print(table(result))
@@ -458,16 +551,20 @@ def _fmt(x, spec: str = ".1f") -> str:
 
 
 def table(result: dict) -> str:
-    head = ("| policy | concurrency | output tok/s | per-user tok/s | TTFT s | tau | acc. rate | out vs plain "
-            "| out vs best fixed | per-user vs plain | per-user vs best fixed |")
+    head = (
+        "| policy | concurrency | output tok/s | per-user tok/s | TTFT s | tau | acc. rate | out vs plain "
+        "| out vs best fixed | per-user vs plain | per-user vs best fixed |"
+    )
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for p, rows in result["runs"].items():
         for r in rows:
-            lines.append(f"| {p} | {r['concurrency']} | {_fmt(r['output_tok_s'])} | {_fmt(r['per_user_tok_s'])} | "
-                         f"{_fmt(r['ttft_s'], '.2f')} | {_fmt(r['tau'], '.2f')} | {_fmt(r['acceptance_rate'], '.2f')} | "
-                         f"{_fmt(r['output_tok_s_vs_plain'], '.2f')} | {_fmt(r['output_tok_s_vs_best_fixed'], '.2f')} | "
-                         f"{_fmt(r['per_user_tok_s_vs_plain'], '.2f')} | "
-                         f"{_fmt(r['per_user_tok_s_vs_best_fixed'], '.2f')} |")
+            lines.append(
+                f"| {p} | {r['concurrency']} | {_fmt(r['output_tok_s'])} | {_fmt(r['per_user_tok_s'])} | "
+                f"{_fmt(r['ttft_s'], '.2f')} | {_fmt(r['tau'], '.2f')} | {_fmt(r['acceptance_rate'], '.2f')} | "
+                f"{_fmt(r['output_tok_s_vs_plain'], '.2f')} | {_fmt(r['output_tok_s_vs_best_fixed'], '.2f')} | "
+                f"{_fmt(r['per_user_tok_s_vs_plain'], '.2f')} | "
+                f"{_fmt(r['per_user_tok_s_vs_best_fixed'], '.2f')} |"
+            )
     return "\n".join(lines)
 
 
@@ -478,8 +575,10 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, key, title in ((axes[0], "output_tok_s", "output tokens/s (all users)"),
-                           (axes[1], "per_user_tok_s", "per-user tokens/s (decode)")):
+    for ax, key, title in (
+        (axes[0], "output_tok_s", "output tokens/s (all users)"),
+        (axes[1], "per_user_tok_s", "per-user tokens/s (decode)"),
+    ):
         for p, rows in result["runs"].items():
             xs = [r["concurrency"] for r in rows if r[key]]
             ys = [r[key] for r in rows if r[key]]
@@ -490,8 +589,11 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{result['target']}, drafter {result['drafter']}, max_tokens {result['max_tokens']}, "
-                 f"T={result['temperature']}", fontsize=10)
+    fig.suptitle(
+        f"{result['target']}, drafter {result['drafter']}, max_tokens {result['max_tokens']}, "
+        f"T={result['temperature']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -508,9 +610,13 @@ def _device() -> str:
 
 
 def random_settings(rng: random.Random, max_tokens: int) -> dict:
-    s = {"seed": rng.randrange(2**31), "temperature": rng.choice([0.0, 0.0, 0.5, 1.0, 1.3]),
-         "top_k": rng.choice([0, 0, 1, 5, 40]), "top_p": rng.choice([1.0, 1.0, 0.9, 0.5]),
-         "max_tokens": rng.randint(1, max_tokens)}
+    s = {
+        "seed": rng.randrange(2**31),
+        "temperature": rng.choice([0.0, 0.0, 0.5, 1.0, 1.3]),
+        "top_k": rng.choice([0, 0, 1, 5, 40]),
+        "top_p": rng.choice([1.0, 1.0, 0.9, 0.5]),
+        "max_tokens": rng.randint(1, max_tokens),
+    }
     if rng.random() < 0.2:
         s["stop"] = rng.choice([".", [" the", "!"], "\n", ["and"]])
     return s
@@ -528,6 +634,7 @@ async def stress_load(url: str, chat: bool, prompts: list[str], args) -> list[di
         jobs.append({"i": i, "body": body, "stream": streaming, "hang": hang})
     queue = list(jobs)
     async with _client(url, args.stress_concurrency) as client:
+
         async def one(job):
             if job["stream"]:
                 return await stream_request(client, chat, job["body"], hang_up_after=job["hang"])
@@ -584,8 +691,11 @@ def stress(args, models: tuple | None = None, engine=None) -> dict[str, Any]:
     if args.sps_table is None and policy != "plain":
         args.sps_table = str(out_dir / "sps_table.json")
     engine, startup_s = engine_for(args, target, drafter, policy, num_slots, engine)
-    print(f"[stress] {policy}, {num_slots} slots, engine ready in {startup_s:.1f} s; "
-          f"{args.stress_requests} requests at concurrency {args.stress_concurrency}", file=sys.stderr)
+    print(
+        f"[stress] {policy}, {num_slots} slots, engine ready in {startup_s:.1f} s; "
+        f"{args.stress_requests} requests at concurrency {args.stress_concurrency}",
+        file=sys.stderr,
+    )
     srv, loop = serve(engine, tok, args, policy, max_queue=args.stress_requests)
     t0 = time.perf_counter()
     with srv:
@@ -601,23 +711,40 @@ def stress(args, models: tuple | None = None, engine=None) -> dict[str, Any]:
     for j in completed:
         a, b = j["result"], j["alone"]
         if not b.ok or (a.token_ids, a.text, a.finish_reason) != (b.token_ids, b.text, b.finish_reason):
-            mismatches.append({"i": j["i"], "body": j["body"], "stream": j["stream"],
-                               "concurrent": [a.token_ids, a.text, a.finish_reason],
-                               "alone": [b.token_ids, b.text, b.finish_reason, b.error]})
+            mismatches.append(
+                {
+                    "i": j["i"],
+                    "body": j["body"],
+                    "stream": j["stream"],
+                    "concurrent": [a.token_ids, a.text, a.finish_reason],
+                    "alone": [b.token_ids, b.text, b.finish_reason, b.error],
+                }
+            )
     failed = [j for j in jobs if not j["result"].ok and not j["result"].disconnected]
     leak = not (health["running"] == 0 and health["waiting"] == 0 and health["free_slots"] == health["num_slots"])
-    leak_after = not (health_after["free_slots"] == health_after["num_slots"])
-    aborted = sum(float(line.split()[-1]) for line in metrics_text.splitlines()
-                  if line.startswith("dspark:request_aborted_total"))
+    leak_after = health_after["free_slots"] != health_after["num_slots"]
+    aborted = sum(
+        float(line.split()[-1]) for line in metrics_text.splitlines() if line.startswith("dspark:request_aborted_total")
+    )
     report = {
-        "target": args.target, "policy": policy, "num_slots": num_slots, "requests": len(jobs),
-        "concurrency": args.stress_concurrency, "disconnect_frac": args.disconnect_frac,
-        "completed": len(completed), "client_disconnects": sum(j["result"].disconnected for j in jobs),
-        "server_aborted_requests": aborted, "failed": len(failed),
+        "target": args.target,
+        "policy": policy,
+        "num_slots": num_slots,
+        "requests": len(jobs),
+        "concurrency": args.stress_concurrency,
+        "disconnect_frac": args.disconnect_frac,
+        "completed": len(completed),
+        "client_disconnects": sum(j["result"].disconnected for j in jobs),
+        "server_aborted_requests": aborted,
+        "failed": len(failed),
         "failures": [{"i": j["i"], "status": j["result"].status, "error": j["result"].error} for j in failed[:10]],
-        "load_seconds": load_s, "health_after_load": health, "health_at_end": health_after,
-        "slot_leak": leak or leak_after, "server_alive": alive,
-        "identical_to_alone": len(completed) - len(mismatches), "mismatches": mismatches[:10],
+        "load_seconds": load_s,
+        "health_after_load": health,
+        "health_at_end": health_after,
+        "slot_leak": leak or leak_after,
+        "server_alive": alive,
+        "identical_to_alone": len(completed) - len(mismatches),
+        "mismatches": mismatches[:10],
         "num_mismatches": len(mismatches),
     }
     report["passed"] = bool(alive and not report["slot_leak"] and not mismatches and not failed and completed)
@@ -637,8 +764,12 @@ def main(argv: list[str] | None = None) -> int:
         status, rep = run_cli(stress, args)
         return status or (0 if rep["passed"] else 1)
     status, res = run_cli(sweep, args)
-    failed = [(p, r["concurrency"]) for p, rows in (res or {}).get("runs", {}).items() for r in rows
-              if r["num_ok"] < r["num_requests"]]
+    failed = [
+        (p, r["concurrency"])
+        for p, rows in (res or {}).get("runs", {}).items()
+        for r in rows
+        if r["num_ok"] < r["num_requests"]
+    ]
     if failed:
         print(f"requests failed in {failed}; see the errors in serve_load.json", file=sys.stderr)
     return status or (1 if failed else 0)

@@ -5,7 +5,7 @@ with the same target, prompts and sampling, measured in one run. For every draft
 
 * measured: prompts decoded one at a time (batch 1), plain and speculative interleaved
   prompt by prompt (so load changes on a shared machine hit both alike), compilation
-  excluded (:func:`dspark_jax.decode.generate_speculative` times execution only) after
+  excluded (:func:`dspark_jax.decoding.speculative.generate_speculative` times execution only) after
   one warm-up call per decoder;
 * bound: ``tau * T_target_step / (T_draft + T_verify)`` from jitted micro-benchmarks of
   one plain decode step, one drafting round and one verification pass (target over
@@ -27,19 +27,17 @@ import json
 import statistics
 import sys
 import time
-from functools import partial
-from pathlib import Path
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.decode import draft_tokens, generate_autoregressive, generate_speculative
-from dspark_jax.sampling import process_logits, sample, sampling_arrays
-from dspark_jax.verifier import verify
-
+from dspark_jax.decoding.speculative import draft_tokens, generate_autoregressive, generate_speculative
+from dspark_jax.decoding.verifier import verify
+from dspark_jax.models.sampling import process_logits, sample, sampling_arrays
 
 # ---------------------------------------------------------------------------------- transformers
 
@@ -50,7 +48,7 @@ def hf_llama_from_params(cfg, params):
     Args:
       cfg: :class:`~dspark_jax.config.TargetConfig` (Llama family without q/k-norm).
       params: canonical parameters (kernels ``[in, out]`` stacked per layer, RoPE in the
-        Hugging Face ``rotate_half`` layout, as every loader of :mod:`dspark_jax.model_io`
+        Hugging Face ``rotate_half`` layout, as every loader of :mod:`dspark_jax.models.model_io`
         produces).
     Raises:
       ValueError: a Qwen3-style (q/k-norm) target.
@@ -60,21 +58,37 @@ def hf_llama_from_params(cfg, params):
 
     if cfg.qk_norm:
         raise ValueError("q/k-norm targets (Qwen3) are not converted here")
-    hc = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                     intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-                     num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-                     head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position, rms_norm_eps=cfg.rms_eps,
-                     rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
-                     bos_token_id=cfg.bos_id, eos_token_id=list(cfg.eos_ids) or None,
-                     pad_token_id=(list(cfg.eos_ids) or [0])[0])
+    hc = LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position,
+        rms_norm_eps=cfg.rms_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=cfg.bos_id,
+        eos_token_id=list(cfg.eos_ids) or None,
+        pad_token_id=(list(cfg.eos_ids) or [0])[0],
+    )
     model = LlamaForCausalLM(hc).float().eval()
-    t = lambda a: torch.from_numpy(np.ascontiguousarray(np.asarray(a, np.float32)))  # noqa: E731
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(np.asarray(a, np.float32)))
     lay = params["layers"]
     sd = {"model.embed_tokens.weight": t(params["embed"]), "model.norm.weight": t(params["final_norm"])}
     if not cfg.tie_embeddings:
         sd["lm_head.weight"] = t(np.asarray(params["lm_head"]).T)
-    names = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
-             "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
+    names = {
+        "wq": "self_attn.q_proj",
+        "wk": "self_attn.k_proj",
+        "wv": "self_attn.v_proj",
+        "wo": "self_attn.o_proj",
+        "w_gate": "mlp.gate_proj",
+        "w_up": "mlp.up_proj",
+        "w_down": "mlp.down_proj",
+    }
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         sd[p + "input_layernorm.weight"] = t(lay["attn_norm"][i])
@@ -82,8 +96,7 @@ def hf_llama_from_params(cfg, params):
         for k, n in names.items():
             sd[p + n + ".weight"] = t(np.asarray(lay[k][i]).T)
     missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")
-               and "rotary_emb" not in m]
+    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight") and "rotary_emb" not in m]
     if missing or unexpected:
         raise ValueError(f"weight conversion mismatch: missing {missing}, unexpected {unexpected}")
     if cfg.tie_embeddings:
@@ -102,21 +115,29 @@ def hf_parity(model, target, ids: Sequence[int]) -> float:
     return float(np.max(np.abs(got - want)))
 
 
-def hf_generate(model, prompt: Sequence[int], max_new_tokens: int, temperature: float, seed: int,
-                eos_ids: Sequence[int]) -> tuple[list[int], float]:
+def hf_generate(
+    model, prompt: Sequence[int], max_new_tokens: int, temperature: float, seed: int, eos_ids: Sequence[int]
+) -> tuple[list[int], float]:
     """``model.generate`` at batch 1; returns (generated ids, seconds)."""
     import torch
 
     torch.manual_seed(seed)
     ids = torch.tensor([list(prompt)], dtype=torch.long)
-    kw = dict(do_sample=False) if temperature <= 0 else dict(do_sample=True, temperature=temperature, top_k=0,
-                                                              top_p=1.0)
+    kw = (
+        dict(do_sample=False) if temperature <= 0 else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    )
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             eos_token_id=list(eos_ids) or None, pad_token_id=(list(eos_ids) or [0])[0], **kw)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=list(eos_ids) or None,
+            pad_token_id=(list(eos_ids) or [0])[0],
+            **kw,
+        )
     secs = time.perf_counter() - t0
-    return out[0, ids.shape[1]:].tolist(), secs
+    return out[0, ids.shape[1] :].tolist(), secs
 
 
 # ---------------------------------------------------------------------------------- step timings
@@ -132,8 +153,15 @@ def _median_time(fn, *args, reps: int = 15) -> float:
     return statistics.median(ts)
 
 
-def step_timings(target, drafter, prompt: Sequence[int], max_new_tokens: int, temperature: float,
-                 reps: int = 15, plain_step: bool = True) -> dict[str, float]:
+def step_timings(
+    target,
+    drafter,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    temperature: float,
+    reps: int = 15,
+    plain_step: bool = True,
+) -> dict[str, float]:
     """Seconds of one plain decode step, one drafting round and one verification pass (batch 1).
 
     Measured at the middle of a generation (``len(prompt) + max_new_tokens // 2``) with the
@@ -150,7 +178,7 @@ def step_timings(target, drafter, prompt: Sequence[int], max_new_tokens: int, te
     p = min(len(prompt) + max_new_tokens // 2, cache_len - g - 2)
     taps = drafter.cfg.taps if drafter is not None else ()
     t_graph, t_state = nnx.split(target)
-    toks = jnp.asarray(np.resize(np.asarray(prompt, np.int32), p + g + 1)[None])   # a plausible context
+    toks = jnp.asarray(np.resize(np.asarray(prompt, np.int32), p + g + 1)[None])  # a plausible context
     pos = jnp.arange(p, dtype=jnp.int32)[None]
     out = target(toks[:, :p], pos, target.init_cache(1, cache_len), taps=taps)
     tcache = out.cache
@@ -165,14 +193,16 @@ def step_timings(target, drafter, prompt: Sequence[int], max_new_tokens: int, te
         return sample(key, process_logits(o.logits[:, 0], samp)), o.cache
 
     if plain_step or drafter is None:
-        res["t_target_step"] = _median_time(plain, t_state, tcache, toks[:, p : p + 1],
-                                            jnp.array([[p]], jnp.int32), reps=reps)
+        res["t_target_step"] = _median_time(
+            plain, t_state, tcache, toks[:, p : p + 1], jnp.array([[p]], jnp.int32), reps=reps
+        )
     if drafter is None:
         return res
     d_graph, d_state = nnx.split(drafter)
     pos_all = jnp.arange(p, dtype=jnp.int32)[None]
-    dcache = drafter.extend_cache(drafter.init_cache(1, cache_len), out.features, pos_all, target=target,
-                                  tokens=toks[:, :p])
+    dcache = drafter.extend_cache(
+        drafter.init_cache(1, cache_len), out.features, pos_all, target=target, tokens=toks[:, :p]
+    )
     anchor, apos = toks[:, p], jnp.array([p], jnp.int32)
 
     @jax.jit
@@ -191,16 +221,24 @@ def step_timings(target, drafter, prompt: Sequence[int], max_new_tokens: int, te
         r = verify(key, d_tokens, d_probs, process_logits(o.logits, samp), jnp.full((1,), g, jnp.int32))
         return r.tokens, o.cache, d.extend_cache(dc, o.features, vpos, target=t, tokens=vtok)
 
-    res["t_verify"] = _median_time(verify_pass, t_state, d_state, tcache, dcache, d_out.tokens, d_out.probs,
-                                   reps=reps)
+    res["t_verify"] = _median_time(verify_pass, t_state, d_state, tcache, dcache, d_out.tokens, d_out.probs, reps=reps)
     return res
 
 
 # ---------------------------------------------------------------------------------- measured speedup
 
 
-def measure_speed(target, drafters: dict[str, Any], prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                  temperature: float, seed: int = 0, hf_model=None, timing_reps: int = 15) -> dict[str, Any]:
+def measure_speed(
+    target,
+    drafters: dict[str, Any],
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int = 0,
+    hf_model=None,
+    timing_reps: int = 15,
+) -> dict[str, Any]:
     """Batch-1 tokens/s of plain decoding, of each drafter and of transformers, in one process.
 
     Returns:
@@ -233,7 +271,7 @@ def measure_speed(target, drafters: dict[str, Any], prompts: Sequence[Sequence[i
             sp[n]["tokens"] += s.num_tokens
             sp[n]["seconds"] += s.seconds
             sp[n]["passes"] += g.num_target_passes
-            sp[n]["emitted"] += max(len(g.token_ids) - 1, 0)   # the prefill token is not a verify pass's
+            sp[n]["emitted"] += max(len(g.token_ids) - 1, 0)  # the prefill token is not a verify pass's
             sp[n]["same_as_ar"] += int(g.token_ids == ref)
         if hf is not None:
             ids, secs = hf_generate(hf_model, p, max_new_tokens, temperature, seed + i, eos)
@@ -244,8 +282,13 @@ def measure_speed(target, drafters: dict[str, Any], prompts: Sequence[Sequence[i
     base_t = step_timings(target, None, prompts[0], max_new_tokens, temperature, reps=timing_reps)
     ar["ms_per_token"] = 1000 * ar["seconds"] / max(ar["tokens"], 1)
     ar["t_target_step_ms"] = 1000 * base_t["t_target_step"]
-    out: dict[str, Any] = {"temperature": temperature, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
-                           "ar": ar, "drafters": {}}
+    out: dict[str, Any] = {
+        "temperature": temperature,
+        "num_prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "ar": ar,
+        "drafters": {},
+    }
     if hf is not None:
         hf["tokens_per_s"] = hf["tokens"] / max(hf["seconds"], 1e-9)
         hf["vs_jax_ar"] = hf["tokens_per_s"] / ar["tokens_per_s"]
@@ -256,8 +299,11 @@ def measure_speed(target, drafters: dict[str, Any], prompts: Sequence[Sequence[i
         r["speedup"] = r["tokens_per_s"] / ar["tokens_per_s"]
         r["tau"] = r["emitted"] / max(r["passes"], 1)
         t = step_timings(target, d, prompts[0], max_new_tokens, temperature, reps=timing_reps, plain_step=False)
-        r.update(t_target_step_ms=1000 * base_t["t_target_step"], t_draft_ms=1000 * t["t_draft"],
-                 t_verify_ms=1000 * t["t_verify"])
+        r.update(
+            t_target_step_ms=1000 * base_t["t_target_step"],
+            t_draft_ms=1000 * t["t_draft"],
+            t_verify_ms=1000 * t["t_verify"],
+        )
         r["bound"] = r["tau"] * base_t["t_target_step"] / (t["t_draft"] + t["t_verify"])
         out["drafters"][n] = r
     return out
@@ -265,11 +311,11 @@ def measure_speed(target, drafters: dict[str, Any], prompts: Sequence[Sequence[i
 
 def main(argv: list[str] | None = None) -> int:
     from dspark_jax.api import encode_prompt
-    from dspark_jax.checkpoint import load_drafter
-    from dspark_jax.eval import load_prompt_texts
-    from dspark_jax.model_io import params_fingerprint
-    from dspark_jax.presets import preset_info, resolve_target
-    from dspark_jax.target import Target
+    from dspark_jax.drafters.checkpoint import load_drafter
+    from dspark_jax.evaluation.cli import load_prompt_texts
+    from dspark_jax.models.model_io import params_fingerprint
+    from dspark_jax.models.presets import preset_info, resolve_target
+    from dspark_jax.models.target import Target
 
     ap = argparse.ArgumentParser(description="Batch-1 speedup of one drafter over plain decoding (+ transformers).")
     ap.add_argument("--target", required=True)
@@ -279,8 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
-    ap.add_argument("--num-speculative-tokens", default="",
-                    help="comma-separated lengths and/or 'auto' to compare (default: the block size)")
+    ap.add_argument(
+        "--num-speculative-tokens",
+        default="",
+        help="comma-separated lengths and/or 'auto' to compare (default: the block size)",
+    )
     args = ap.parse_args(argv)
     cfg, params, tok = resolve_target(args.target)
     target = Target(cfg, params, fingerprint=params_fingerprint(params))
@@ -290,10 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     ids = [encode_prompt(tok, t, chat) for t in texts[: args.num_prompts]]
     hf = None if args.no_hf else hf_llama_from_params(cfg, params)
     lengths = [v.strip() for v in args.num_speculative_tokens.split(",") if v.strip()]
-    entries = ({f"drafter-{v}": (drafter, v if v == "auto" else int(v)) for v in lengths} if lengths
-               else {"drafter": drafter})
-    res = measure_speed(target, entries, ids, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, hf_model=hf)
+    entries = (
+        {f"drafter-{v}": (drafter, v if v == "auto" else int(v)) for v in lengths} if lengths else {"drafter": drafter}
+    )
+    res = measure_speed(
+        target, entries, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, hf_model=hf
+    )
     print(json.dumps(res, indent=2))
     return 0
 

@@ -1,7 +1,7 @@
 """Training-step cost of drafter configurations, side by side in one process.
 
 Each configuration (``key=value`` overrides of the target's training preset, e.g.
-``drafter_width=128`` or ``draft_vocab_size=8192``) gets its own :class:`~dspark_jax.trainer.Trainer`
+``drafter_width=128`` or ``draft_vocab_size=8192``) gets its own :class:`~dspark_jax.training.trainer.Trainer`
 on the same target and the same batches; steps alternate between the configurations (so a
 busy shared machine slows all of them alike) and each reports the median seconds per step
 and its ratio to the first configuration. ``feature_cache=DIR`` in a configuration trains
@@ -31,15 +31,19 @@ from flax import nnx
 def main(argv: list[str] | None = None) -> int:
     from dspark_jax.api import load_target
     from dspark_jax.config import apply_overrides
-    from dspark_jax.data import batches, draft_vocabulary, load_shards
-    from dspark_jax.drafter import build_drafter
-    from dspark_jax.presets import canonical_preset
-    from dspark_jax.trainer import TRAIN_PRESETS, TrainConfig, Trainer, count_params, drafter_config
+    from dspark_jax.drafters.dspark import build_drafter
+    from dspark_jax.models.presets import canonical_preset
+    from dspark_jax.training.data import batches, draft_vocabulary, load_shards
+    from dspark_jax.training.trainer import TRAIN_PRESETS, TrainConfig, Trainer, count_params, drafter_config
 
     ap = argparse.ArgumentParser(description="Median seconds per training step of drafter configurations.")
     ap.add_argument("--target", required=True)
-    ap.add_argument("--config", action="append", default=[],
-                    help="space-separated key=value overrides of the preset (repeat; '' = the preset)")
+    ap.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        help="space-separated key=value overrides of the preset (repeat; '' = the preset)",
+    )
     ap.add_argument("--data-dir", default=None, help="folder of shard_*.npz (default: random sequences)")
     ap.add_argument("--steps", type=int, default=12, help="timed steps per configuration (after 2 warm-up)")
     ap.add_argument("--json", default=None)
@@ -51,8 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rng = np.random.default_rng(0)
         n, L = max(4 * base.batch_size, 64), base.seq_len
-        data = {"tokens": rng.integers(3, target.cfg.vocab_size, (n, L)).astype(np.int32),
-                "lengths": np.full(n, L, np.int32), "prompt_lengths": np.full(n, L // 8, np.int32)}
+        data = {
+            "tokens": rng.integers(3, target.cfg.vocab_size, (n, L)).astype(np.int32),
+            "lengths": np.full(n, L, np.int32),
+            "prompt_lengths": np.full(n, L // 8, np.int32),
+        }
     runs = []
     for spec in args.config or [""]:
         cfg = apply_overrides(base, [s for s in spec.split() if s])
@@ -61,15 +68,21 @@ def main(argv: list[str] | None = None) -> int:
             d.set_draft_vocab(draft_vocabulary(data, d.cfg.draft_vocab_size, target.cfg.vocab_size))
         cdata = data
         if cfg.feature_cache:
-            from dspark_jax.feature_cache import ensure_feature_cache
+            from dspark_jax.training.feature_cache import ensure_feature_cache
 
             fc = ensure_feature_cache(cfg.feature_cache, target, data, d.cfg.taps, store_dtype=cfg.feature_cache_dtype)
             cdata = {**data, **fc.batch_arrays(d.cfg.taps)}
-        runs.append({"config": spec or "(preset)", "trainer": Trainer(cfg, target, d),
-                     "batches": batches(cdata, cfg.batch_size, seed=0), "times": [],
-                     "drafter_params": count_params(nnx.state(d, nnx.Param))})
+        runs.append(
+            {
+                "config": spec or "(preset)",
+                "trainer": Trainer(cfg, target, d),
+                "batches": batches(cdata, cfg.batch_size, seed=0),
+                "times": [],
+                "drafter_params": count_params(nnx.state(d, nnx.Param)),
+            }
+        )
     for i in range(args.steps + 2):
-        for r in runs[i % len(runs):] + runs[: i % len(runs)]:   # rotate the order every step
+        for r in runs[i % len(runs) :] + runs[: i % len(runs)]:  # rotate the order every step
             batch = next(r["batches"])
             t0 = time.perf_counter()
             terms, _ = r["trainer"].step(batch, i)
@@ -81,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'configuration':<48} {'params':>10} {'s/step':>8} {'ratio':>6}")
     for r in runs:
         med = statistics.median(r["times"])
-        out.append({"config": r["config"], "drafter_params": r["drafter_params"], "seconds_per_step": med,
-                    "ratio": med / ref})
+        out.append(
+            {"config": r["config"], "drafter_params": r["drafter_params"], "seconds_per_step": med, "ratio": med / ref}
+        )
         print(f"{r['config']:<48} {r['drafter_params']:>10,} {med:>8.3f} {med / ref:>6.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"target": args.target, "steps": args.steps, "runs": out}, indent=2))

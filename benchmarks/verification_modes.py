@@ -4,7 +4,7 @@
         --drafter ~/dspark-runs/s260k-i14/export --prompts ~/dspark-runs/s260k-i14/eval_prompts.json
 
 DESIGN.md "Verification (lossless)" / "Metrics": for each temperature and mode, one warmed-up
-:class:`~dspark_jax.engine.Engine` (policy ``fixed:gamma`` by default, so that both modes
+:class:`~dspark_jax.serving.engine.Engine` (policy ``fixed:gamma`` by default, so that both modes
 verify the same number of drafts) decodes every prompt (seeds 0..n-1, ``--max-tokens``) in
 ``--slots`` concurrent slots; reported: tau (tokens per request-round, the engine's
 ``mean_accepted_length``), acceptance rate and per-position conditional acceptance. Greedy
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def run(eng, reqs):
-    from dspark_jax.engine import Request  # noqa: F401
+    from dspark_jax.serving.engine import Request  # noqa: F401
 
     pending = list(reqs)
     eng.reset_metrics()
@@ -34,9 +34,13 @@ def run(eng, reqs):
             eng.insert(eng.prefill(pending.pop(0)), eng.free_slots()[0])
         eng.generate()
     m = eng.metrics()
-    return {"tau": m["mean_accepted_length"], "acceptance_rate": m["acceptance_rate"],
-            "position_acceptance": [None if a is None else round(a, 3) for a in m["position_acceptance"]],
-            "emitted_tokens": m["emitted_tokens"], "seconds": round(time.perf_counter() - t0, 2)}
+    return {
+        "tau": m["mean_accepted_length"],
+        "acceptance_rate": m["acceptance_rate"],
+        "position_acceptance": [None if a is None else round(a, 3) for a in m["position_acceptance"]],
+        "emitted_tokens": m["emitted_tokens"],
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
 
 
 def main(argv=None):
@@ -53,21 +57,32 @@ def main(argv=None):
     a = p.parse_args(argv)
 
     from dspark_jax.api import load_target_and_drafter
-    from dspark_jax.engine import Engine, Request, SamplingParams
+    from dspark_jax.serving.engine import Engine, Request, SamplingParams
 
     target, tok, drafter = load_target_and_drafter(a.target, os.path.expanduser(a.drafter))
     prompts = json.loads(Path(os.path.expanduser(a.prompts)).read_text())[: a.num_prompts]
     ids = [tok.encode(t) for t in prompts]
     policy = a.policy or f"fixed:{drafter.cfg.gamma}"
-    res = {"target": a.target, "drafter": a.drafter, "gamma": drafter.cfg.gamma, "policy": policy,
-           "num_prompts": len(ids), "max_tokens": a.max_tokens, "slots": a.slots, "results": {}}
+    res = {
+        "target": a.target,
+        "drafter": a.drafter,
+        "gamma": drafter.cfg.gamma,
+        "policy": policy,
+        "num_prompts": len(ids),
+        "max_tokens": a.max_tokens,
+        "slots": a.slots,
+        "results": {},
+    }
     for mode in ("coupled", "rejection"):
-        eng = Engine(target, drafter, num_slots=a.slots, cache_len=a.cache_len, policy=policy,
-                     verification=mode, profile_iters=1)
+        eng = Engine(
+            target, drafter, num_slots=a.slots, cache_len=a.cache_len, policy=policy, verification=mode, profile_iters=1
+        )
         eng.warmup()
         for temp in (float(t) for t in a.temperatures.split(",")):
-            reqs = [Request(x, SamplingParams(temperature=temp, seed=i, max_tokens=a.max_tokens), f"r{i}")
-                    for i, x in enumerate(ids)]
+            reqs = [
+                Request(x, SamplingParams(temperature=temp, seed=i, max_tokens=a.max_tokens), f"r{i}")
+                for i, x in enumerate(ids)
+            ]
             r = run(eng, reqs)
             res["results"][f"{mode}@T={temp}"] = r
             print(mode, temp, r, file=sys.stderr, flush=True)

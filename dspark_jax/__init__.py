@@ -5,8 +5,13 @@ Top-level API (see :mod:`dspark_jax.api`)::
     from dspark_jax import load_target, load_drafter, generate_text
 """
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
 
-from .api import encode_prompt, generate_text, load_drafter, load_target  # noqa: E402
+try:
+    __version__ = version("dspark_jax")
+except PackageNotFoundError:  # running from a source tree without an install
+    __version__ = "0+unknown"
 
-__all__ = ["load_target", "load_drafter", "generate_text", "encode_prompt", "__version__"]
+from dspark_jax.api import encode_prompt, generate_text, load_drafter, load_target
+
+__all__ = ["__version__", "encode_prompt", "generate_text", "load_drafter", "load_target"]

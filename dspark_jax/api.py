@@ -11,21 +11,27 @@ Example (notebook)::
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax.numpy as jnp
 
-from .checkpoint import load_drafter
-from .decode import (check_compatible, check_sampling, generate_autoregressive, generate_speculative,
-                     resolve_num_speculative_tokens)
-from .drafter import Drafter
-from .errors import DSparkInputError
-from .model_io import params_fingerprint
-from .presets import preset_info, resolve_target
-from .target import Target
-from .tokenizer import decode_complete
+from dspark_jax.decoding.speculative import (
+    check_compatible,
+    check_sampling,
+    generate_autoregressive,
+    generate_speculative,
+    resolve_num_speculative_tokens,
+)
+from dspark_jax.drafters.checkpoint import load_drafter
+from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.errors import DSparkInputError
+from dspark_jax.models.model_io import params_fingerprint
+from dspark_jax.models.presets import preset_info, resolve_target
+from dspark_jax.models.target import Target
+from dspark_jax.models.tokenizer import decode_complete
 
-__all__ = ["load_target", "load_drafter", "load_target_and_drafter", "generate_text", "encode_prompt"]
+__all__ = ["encode_prompt", "generate_text", "load_drafter", "load_target", "load_target_and_drafter"]
 
 
 def load_target(spec: str, dtype: Any = jnp.float32, mesh=None):
@@ -36,7 +42,7 @@ def load_target(spec: str, dtype: Any = jnp.float32, mesh=None):
         file, a llama2.c ``.bin`` or a Hugging Face directory.
       dtype: weight/compute dtype (float32 on CPU; bfloat16 on accelerators).
       mesh: optional device mesh: the weights go from the host straight to their shards
-        (see :class:`~dspark_jax.target.Target`); None: the default device.
+        (see :class:`~dspark_jax.models.target.Target`); None: the default device.
     Returns:
       ``(target, tokenizer)``.
     Raises:
@@ -82,10 +88,21 @@ def encode_prompt(tokenizer, prompt: str, chat: bool | None = None, spec: str = 
     return tokenizer.encode(prompt)
 
 
-def generate_text(target: Target, tokenizer, prompt: str | Sequence[int], *, drafter: Drafter | None = None,
-                  max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                  seed: int = 0, num_speculative_tokens: int | str | None = None, gamma: int | None = None,
-                  chat: bool = False) -> dict[str, Any]:
+def generate_text(
+    target: Target,
+    tokenizer,
+    prompt: str | Sequence[int],
+    *,
+    drafter: Drafter | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    num_speculative_tokens: int | str | None = None,
+    gamma: int | None = None,
+    chat: bool = False,
+) -> dict[str, Any]:
     """Generates one completion, speculatively when a drafter is given.
 
     Args:
@@ -93,13 +110,13 @@ def generate_text(target: Target, tokenizer, prompt: str | Sequence[int], *, dra
       temperature: finite, >= 0 (0 = greedy). top_k: integer >= 0 (0 = off).
       top_p: in (0, 1] (1 = off). seed: PRNG seed of the request.
       num_speculative_tokens: draft tokens verified per round (1..the drafter's block size) or
-        ``"auto"``, the default for block drafters (:mod:`dspark_jax.auto_verify`; the first call
+        ``"auto"``, the default for block drafters (:mod:`dspark_jax.decoding.auto_verify`; the first call
         measures this machine's cost table). At T > 0 the sampled tokens then depend on the
         lengths it chose (the output law does not). ``gamma``: deprecated alias.
     Returns:
       dict with ``text`` (UTF-8-safe: never ends in half a character), ``token_ids``,
       ``finish_reason``, ``tau`` (tokens per target verification pass, the prefill token
-      excluded, as defined in :class:`dspark_jax.decode.Generation`; None when no pass
+      excluded, as defined in :class:`dspark_jax.decoding.speculative.Generation`; None when no pass
       ran), ``acceptance_rate``, ``num_target_passes``, ``tokens_per_s`` (compilation
       excluded) and ``position_acceptance``.
     Raises:
@@ -111,8 +128,12 @@ def generate_text(target: Target, tokenizer, prompt: str | Sequence[int], *, dra
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if drafter is not None:
         check_compatible(target, drafter)
-        n_spec = resolve_num_speculative_tokens(num_speculative_tokens, gamma, drafter.cfg.gamma,
-                                                default="auto" if drafter.cfg.variant != "eagle3" else None)
+        n_spec = resolve_num_speculative_tokens(
+            num_speculative_tokens,
+            gamma,
+            drafter.cfg.gamma,
+            default="auto" if drafter.cfg.variant != "eagle3" else None,
+        )
         res = generate_speculative(target, drafter, [ids], num_speculative_tokens=n_spec, **kw)
     else:
         res = generate_autoregressive(target, [ids], **kw)

@@ -4,7 +4,7 @@ Three configs describe the whole system:
 
 * :class:`TargetConfig`  -- the frozen Llama-family target (DESIGN.md, "Target model").
 * :class:`DrafterConfig` -- the DSpark / DFlash drafter (DESIGN.md, "Drafter").
-* ``TrainConfig`` lives in :mod:`dspark_jax.trainer`.
+* ``TrainConfig`` lives in :mod:`dspark_jax.training.trainer`.
 
 All configs are frozen dataclasses so they can be hashed and used as static
 arguments of ``jax.jit``.
@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +64,7 @@ class TargetConfig:
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
-            )
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
 
     def default_taps(self, n: int = 5) -> tuple[int, ...]:
@@ -86,7 +85,7 @@ class TargetConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TargetConfig":
+    def from_dict(cls, d: dict[str, Any]) -> TargetConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         d = {k: v for k, v in d.items() if k in names}
         if "eos_ids" in d:
@@ -123,9 +122,7 @@ def _coerce(value: str, typ: Any) -> Any:
                 continue
         raise ValueError(f"cannot parse {value!r} as {typ}")
     if origin in (tuple, list, Sequence):
-        parsed = json.loads(value) if value.strip().startswith("[") else [
-            v for v in value.split(",") if v.strip()
-        ]
+        parsed = json.loads(value) if value.strip().startswith("[") else [v for v in value.split(",") if v.strip()]
         inner = args[0] if args else str
         return tuple(_coerce(str(v), inner) for v in parsed)
     return json.loads(value)
@@ -158,9 +155,7 @@ def _set_path(cfg: Any, path: list[str], value: Any, full: str) -> Any:
     fields = {f.name for f in dataclasses.fields(cfg)}
     head = path[0]
     if head not in fields:
-        raise ValueError(
-            f"unknown config key {full!r}; valid keys here: {', '.join(sorted(fields))}"
-        )
+        raise ValueError(f"unknown config key {full!r}; valid keys here: {', '.join(sorted(fields))}")
     if len(path) > 1:
         sub = getattr(cfg, head)
         if not dataclasses.is_dataclass(sub):
@@ -188,7 +183,7 @@ class DrafterConfig:
     target's hidden size unless ``width`` says otherwise. DFlash is the same model with
     ``variant="dflash"``: no Markov head, no confidence head, and a block of
     anchor + gamma mask slots whose mask slots predict their own position.
-    ``variant="eagle3"`` is the autoregressive baseline of :mod:`dspark_jax.eagle`
+    ``variant="eagle3"`` is the autoregressive baseline of :mod:`dspark_jax.drafters.eagle`
     (one decoder layer over fused low/mid/high target features, one token per step;
     ``num_layers`` must be 1, no Markov or confidence head).
 
@@ -248,15 +243,18 @@ class DrafterConfig:
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {self.variant!r}")
         if self.markov_head not in MARKOV_HEADS:
-            raise ValueError(f"markov_head must be one of {', '.join(map(repr, MARKOV_HEADS))}, "
-                             f"got {self.markov_head!r}")
+            raise ValueError(
+                f"markov_head must be one of {', '.join(map(repr, MARKOV_HEADS))}, got {self.markov_head!r}"
+            )
         if self.variant == "eagle3" and self.num_layers != 1:
             raise ValueError(f"the eagle3 drafter has exactly one decoder layer, got num_layers={self.num_layers}")
         if self.gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {self.gamma}")
         if not 0 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size must be in [0, {self.vocab_size}] (0 = the full vocabulary), "
-                             f"got {self.draft_vocab_size}")
+            raise ValueError(
+                f"draft_vocab_size must be in [0, {self.vocab_size}] (0 = the full vocabulary), "
+                f"got {self.draft_vocab_size}"
+            )
         if self.draft_vocab_size and self.variant == "eagle3":
             raise ValueError("a draft vocabulary is supported for dspark/dflash drafters, not eagle3")
         if self.width < 0 or (self.width and self.variant == "eagle3"):
@@ -296,14 +294,20 @@ class DrafterConfig:
         return self.gamma + 1 if self.variant == "dflash" else self.gamma
 
     @classmethod
-    def for_target(cls, target: TargetConfig, **overrides: Any) -> "DrafterConfig":
+    def for_target(cls, target: TargetConfig, **overrides: Any) -> DrafterConfig:
         """Drafter sized for ``target``: width H, heads and FFN like the target's."""
         base = dict(
-            vocab_size=target.vocab_size, hidden_size=target.hidden_size,
-            target_num_layers=target.num_layers, taps=target.default_taps(),
-            num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
-            head_dim=target.head_dim, intermediate_size=target.intermediate_size,
-            rope_theta=target.rope_theta, rms_eps=target.rms_eps, target_name=target.name,
+            vocab_size=target.vocab_size,
+            hidden_size=target.hidden_size,
+            target_num_layers=target.num_layers,
+            taps=target.default_taps(),
+            num_heads=target.num_heads,
+            num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim,
+            intermediate_size=target.intermediate_size,
+            rope_theta=target.rope_theta,
+            rms_eps=target.rms_eps,
+            target_name=target.name,
         )
         base.update(overrides)
         return cls(**base)
@@ -314,7 +318,7 @@ class DrafterConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+    def from_dict(cls, d: dict[str, Any]) -> DrafterConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names
         if unknown:

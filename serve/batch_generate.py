@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from dspark_jax.api import encode_prompt, load_drafter, load_target
-    from dspark_jax.decode import generate_autoregressive, generate_speculative
+    from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
     from dspark_jax.errors import DSparkInputError
 
     try:
@@ -40,19 +40,36 @@ def main(argv: list[str] | None = None) -> int:
             for s in range(0, len(reqs), args.batch_size):
                 chunk = reqs[s : s + args.batch_size]
                 ids = [encode_prompt(tok, r.get("prompt", ""), args.chat) for r in chunk]
-                kw = dict(max_new_tokens=[int(r.get("max_tokens", 128)) for r in chunk],
-                          temperature=[float(r.get("temperature", 0.0)) for r in chunk],
-                          top_k=[int(r.get("top_k", 0)) for r in chunk],
-                          top_p=[float(r.get("top_p", 1.0)) for r in chunk],
-                          seed=[int(r.get("seed", s + i)) for i, r in enumerate(chunk)])
-                res = (generate_speculative(target, drafter, ids, **kw) if drafter
-                       else generate_autoregressive(target, ids, **kw))
+                kw = dict(
+                    max_new_tokens=[int(r.get("max_tokens", 128)) for r in chunk],
+                    temperature=[float(r.get("temperature", 0.0)) for r in chunk],
+                    top_k=[int(r.get("top_k", 0)) for r in chunk],
+                    top_p=[float(r.get("top_p", 1.0)) for r in chunk],
+                    seed=[int(r.get("seed", s + i)) for i, r in enumerate(chunk)],
+                )
+                res = (
+                    generate_speculative(target, drafter, ids, **kw)
+                    if drafter
+                    else generate_autoregressive(target, ids, **kw)
+                )
                 for r, g in zip(chunk, res.generations):
-                    out.write(json.dumps({"prompt": r.get("prompt"), "text": tok.decode(g.token_ids, skip_special_tokens=True),
-                                          "token_ids": g.token_ids, "finish_reason": g.finish_reason,
-                                          "tau": g.tau if drafter else 1.0, "acceptance_rate": g.acceptance_rate}) + "\n")
-                print(f"{min(s + args.batch_size, len(reqs))}/{len(reqs)} requests, {res.tokens_per_s:.1f} tokens/s",
-                      file=sys.stderr)
+                    out.write(
+                        json.dumps(
+                            {
+                                "prompt": r.get("prompt"),
+                                "text": tok.decode(g.token_ids, skip_special_tokens=True),
+                                "token_ids": g.token_ids,
+                                "finish_reason": g.finish_reason,
+                                "tau": g.tau if drafter else 1.0,
+                                "acceptance_rate": g.acceptance_rate,
+                            }
+                        )
+                        + "\n"
+                    )
+                print(
+                    f"{min(s + args.batch_size, len(reqs))}/{len(reqs)} requests, {res.tokens_per_s:.1f} tokens/s",
+                    file=sys.stderr,
+                )
     except (DSparkInputError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

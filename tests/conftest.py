@@ -43,7 +43,7 @@ def stories260k_dir() -> Path:
 @pytest.fixture(scope="session")
 def stories260k(stories260k_dir):
     """``(cfg, params, tokenizer)`` of stories260K, loaded once."""
-    from dspark_jax.model_io import load_target_files
+    from dspark_jax.models.model_io import load_target_files
 
     return load_target_files(stories260k_dir)
 
@@ -54,7 +54,7 @@ def stories260k(stories260k_dir):
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     from dspark_jax.errors import DSparkInputError
-    from dspark_jax.presets import smollm2_gguf_path
+    from dspark_jax.models.presets import smollm2_gguf_path
 
     try:
         path = smollm2_gguf_path()
@@ -66,14 +66,14 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_reader(smollm2_gguf):
     """An open ``gguf.GGUFReader`` (parsing the header takes ~3 s, so it is shared)."""
-    from dspark_jax.model_io import open_gguf
+    from dspark_jax.models.model_io import open_gguf
 
     return open_gguf(smollm2_gguf)
 
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_reader):
-    from dspark_jax.tokenizer import gguf_tokenizer
+    from dspark_jax.models.tokenizer import gguf_tokenizer
 
     return gguf_tokenizer(smollm2_reader)
 
@@ -81,7 +81,7 @@ def smollm2_tokenizer(smollm2_reader):
 @pytest.fixture(scope="session")
 def smollm2(smollm2_reader, smollm2_tokenizer):
     """``(cfg, params, tokenizer)`` of SmolLM2-135M-Instruct (~540 MB float32), loaded once."""
-    from dspark_jax.model_io import load_gguf
+    from dspark_jax.models.model_io import load_gguf
 
     cfg, params = load_gguf(smollm2_reader)
     return cfg, params, smollm2_tokenizer
@@ -114,17 +114,28 @@ def write_tiny_hf_tokenizer():
 
 # A deliberately small budget: enough to exercise every stage of `python -m dspark_jax.train`
 # (data generation, training, Orbax checkpoints, export, evaluation) in about a minute on 2 cores.
-QUICK_TRAIN = dict(num_prompts=96, num_eval_prompts=8, gen_max_new_tokens=64, gen_batch_size=48, seq_len=80,
-                   steps=40, batch_size=16, anchors_per_seq=8, log_every=10, ckpt_every=20,
-                   eval_max_new_tokens=32)
+QUICK_TRAIN = dict(
+    num_prompts=96,
+    num_eval_prompts=8,
+    gen_max_new_tokens=64,
+    gen_batch_size=48,
+    seq_len=80,
+    steps=40,
+    batch_size=16,
+    anchors_per_seq=8,
+    log_every=10,
+    ckpt_every=20,
+    eval_max_new_tokens=32,
+)
 
 
 @pytest.fixture(scope="session")
 def stories260k_export(stories260k_dir, tmp_path_factory):
     """``(workdir, summary)`` of a quick stories260k drafter training run (session-scoped)."""
-    from dspark_jax.train import run
-    from dspark_jax.trainer import TRAIN_PRESETS
     import dataclasses
+
+    from dspark_jax.training.cli import run
+    from dspark_jax.training.trainer import TRAIN_PRESETS
 
     os.environ.setdefault("DSPARK_MODELS", str(MODELS_DIR))
     workdir = tmp_path_factory.mktemp("train_stories")

@@ -16,16 +16,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from test_trainer import CFG, TCFG, _target
 
-from dspark_jax.drafter import Drafter  # noqa: E402
-from dspark_jax.trainer import (Trainer, drafter_config, drafter_loss, finalize_loss, loss_sums,  # noqa: E402
-                                sample_anchors)
-from test_trainer import CFG, TCFG, _target  # noqa: E402
+from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.training.trainer import Trainer, drafter_config, drafter_loss, finalize_loss, loss_sums, sample_anchors
 
 N_DEV = 8
 STEPS = 2
@@ -100,7 +99,7 @@ def main():
     # The multi-process code path (each process feeds its own rows with
     # make_array_from_process_local_data; replicated state via make_array_from_callback),
     # exercised here by pretending there are two processes: same global arrays.
-    from dspark_jax import trainer as trainer_mod
+    from dspark_jax.training import trainer as trainer_mod
 
     real_count = jax.process_count
     jax.process_count = lambda *a, **k: 2
@@ -111,10 +110,13 @@ def main():
     finally:
         jax.process_count = real_count
     out["multiprocess_path_same_arrays"] = all(
-        x.sharding == y.sharding and np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(mp, (toks, lens, plens)))
-    out["multiprocess_replicate_ok"] = all(
-        l.sharding.is_fully_replicated and len(l.sharding.device_set) == N_DEV for l in jax.tree.leaves(rep)) and max_diffs(
-        jax.tree.map(np.asarray, rep), params_of(tr8)) == 0.0
+        x.sharding == y.sharding and np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(mp, (toks, lens, plens))
+    )
+    out["multiprocess_replicate_ok"] = (
+        all(l.sharding.is_fully_replicated and len(l.sharding.device_set) == N_DEV for l in jax.tree.leaves(rep))
+        and max_diffs(jax.tree.map(np.asarray, rep), params_of(tr8)) == 0.0
+    )
 
     # Loss normalisation is global: the 8-way step's first loss equals the single-device
     # weighted mean over the whole global batch, not the mean of per-device means.
@@ -124,8 +126,10 @@ def main():
     anchors = sample_anchors(key, args[1], args[2], cfg.anchors_per_seq)
     per = b["tokens"].shape[0] // N_DEV
     shard_loss = jax.jit(lambda t, l, a: finalize_loss(loss_sums(d0, target, t, l, a, cfg)).loss)
-    per_device = [float(shard_loss(args[0][i:i + per], args[1][i:i + per], anchors[i:i + per]))
-                  for i in range(0, b["tokens"].shape[0], per)]
+    per_device = [
+        float(shard_loss(args[0][i : i + per], args[1][i : i + per], anchors[i : i + per]))
+        for i in range(0, b["tokens"].shape[0], per)
+    ]
     out["loss_global_single_device"] = global_loss
     out["loss_mean_of_device_means"] = float(np.mean(per_device))
 

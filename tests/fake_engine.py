@@ -1,9 +1,9 @@
-"""A small stand-in for :class:`dspark_jax.engine.Engine` for server tests that only check
+"""A small stand-in for :class:`dspark_jax.serving.engine.Engine` for server tests that only check
 HTTP behaviour (validation, auth, model names, ``n``, streaming options, defaults, metrics).
 
 It honours the engine's interface (``prefill/insert/generate/free/active_slots/free_slots/
 metrics``, ``num_slots``, ``cache_len``, ``target.cfg``, ``max_logit_bias``) and the
-meaning of :class:`~dspark_jax.engine.SamplingParams`, without JAX: a request's tokens are
+meaning of :class:`~dspark_jax.serving.engine.SamplingParams`, without JAX: a request's tokens are
 a deterministic function of its prompt, seed and temperature (or a script), emitted in
 speculative-looking blocks (the prefill token first, then 3, 1, 2, 3, 1, 2, ... tokens per
 step, each block = accepted drafts + one correction/bonus token). ``logit_bias`` <= -50
@@ -19,8 +19,8 @@ import random
 import threading
 from types import SimpleNamespace
 
-from dspark_jax.engine import SamplingParams, StepOutput
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.serving.engine import SamplingParams, StepOutput
 
 BLOCKS = (3, 1, 2)
 GAMMA = 3
@@ -30,13 +30,14 @@ GAMMA = 3
 class _Slot:
     request: object
     tokens: list[int]  # the whole planned output (stop token included)
-    pos: int = 0       # tokens handed out
+    pos: int = 0  # tokens handed out
     steps: int = 0
 
 
 class FakeEngine:
-    def __init__(self, vocab_size: int = 512, num_slots: int = 4, cache_len: int = 128, eos_ids=(2,),
-                 step_delay: float = 0.0):
+    def __init__(
+        self, vocab_size: int = 512, num_slots: int = 4, cache_len: int = 128, eos_ids=(2,), step_delay: float = 0.0
+    ):
         self.num_slots, self.cache_len = num_slots, cache_len
         self.eos_ids = tuple(eos_ids)
         self.vocab_size = vocab_size
@@ -93,8 +94,9 @@ class FakeEngine:
         if not request.prompt_ids:
             raise DSparkInputError("the prompt is empty: give at least one token")
         if len(request.prompt_ids) >= self.cache_len:
-            raise DSparkInputError(f"the prompt has {len(request.prompt_ids)} tokens but at most "
-                                   f"{self.cache_len - 1} fit")
+            raise DSparkInputError(
+                f"the prompt has {len(request.prompt_ids)} tokens but at most {self.cache_len - 1} fit"
+            )
         with self._lock:
             self.requests.append(request)
         return _Slot(request, self.plan(request))
@@ -124,10 +126,10 @@ class FakeEngine:
             first = rec.pos == 0
             block = BLOCKS[rec.steps % len(BLOCKS)]
             start = rec.pos + (1 if first else 0)  # the prefill token rides along with the first step
-            new = rec.tokens[start:start + block]
+            new = rec.tokens[start : start + block]
             keep = len(new)
             n_acc, n_ver = min(block - 1, keep), (min(GAMMA, keep) if keep < block else GAMMA)
-            ids = rec.tokens[rec.pos:start + keep]
+            ids = rec.tokens[rec.pos : start + keep]
             p = rec.request.params
             lps = None if p.logprobs is None else [self.logprob(t, rec.pos + j, p.logprobs) for j, t in enumerate(ids)]
             rec.pos += len(ids)

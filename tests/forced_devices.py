@@ -17,7 +17,13 @@ def run_worker(script: str, timeout: int) -> dict:
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"
-    p = subprocess.run([sys.executable, str(TESTS / script)], capture_output=True, text=True, env=env,
-                       cwd=TESTS.parent, timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, str(TESTS / script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=TESTS.parent,
+        timeout=timeout,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(p.stdout.strip().splitlines()[-1])

@@ -9,7 +9,6 @@ asserts on it. DESIGN.md "Scale: a device mesh".
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import tempfile
@@ -18,25 +17,36 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-from dspark_jax import sharding as shd  # noqa: E402
-from dspark_jax.config import DrafterConfig, TargetConfig  # noqa: E402
-from dspark_jax.drafter import Drafter  # noqa: E402
-from dspark_jax.engine import Engine, Request, SamplingParams  # noqa: E402
-from dspark_jax.target import Target, random_params  # noqa: E402
-from dspark_jax.train import estimate_memory  # noqa: E402
-from dspark_jax.trainer import TrainConfig, Trainer, count_params, drafter_config  # noqa: E402
+from dspark_jax import sharding as shd
+from dspark_jax.config import DrafterConfig, TargetConfig
+from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.models.target import Target, random_params
+from dspark_jax.serving.engine import Engine, Request, SamplingParams
+from dspark_jax.training.cli import estimate_memory
+from dspark_jax.training.trainer import TrainConfig, Trainer, count_params, drafter_config
 
 N_DEV = 8
 # Every sharded dimension divisible by 8: heads, KV heads, MLP, vocabulary.
-TCFG = TargetConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
-                    num_kv_heads=8, head_dim=8, max_position=256, name="tiny-mesh", eos_ids=())
-CFG = TrainConfig(steps=6, batch_size=16, anchors_per_seq=8, gamma=4, num_layers=1, markov_rank=16,
-                  learning_rate=1e-2, seq_len=48)
+TCFG = TargetConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=8,
+    head_dim=8,
+    max_position=256,
+    name="tiny-mesh",
+    eos_ids=(),
+)
+CFG = TrainConfig(
+    steps=6, batch_size=16, anchors_per_seq=8, gamma=4, num_layers=1, markov_rank=16, learning_rate=1e-2, seq_len=48
+)
 MESHES = {"1x8": "data:1,model:8", "2x4": "data:2,model:4", "8x1": "data:8,model:1"}
 STEPS = 2
 
@@ -64,8 +74,9 @@ def per_device_fraction(tree):
 
 
 def collectives(hlo: str) -> list[str]:
-    return sorted(c for c in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-                  if c in hlo)
+    return sorted(
+        c for c in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute") if c in hlo
+    )
 
 
 def train_checks(out, target):
@@ -80,8 +91,9 @@ def train_checks(out, target):
         losses = []
         for s in range(STEPS):
             toks, lens, plens = tr.shard_batch(batch(s))
-            tr.params, tr.opt_state, terms, _ = compiled(tr.params, tr.opt_state, tr.t_state, toks, lens, plens,
-                                                         np.int32(s))
+            tr.params, tr.opt_state, terms, _ = compiled(
+                tr.params, tr.opt_state, tr.t_state, toks, lens, plens, np.int32(s)
+            )
             losses.append(float(terms.loss))
         return losses, compiled
 
@@ -93,9 +105,12 @@ def train_checks(out, target):
         tr = trainer(shd.make_mesh(spec))
         t0 = time.perf_counter()
         losses, compiled = run(tr)
-        r = {"losses": losses, "seconds": round(time.perf_counter() - t0, 1),
-             "max_abs_param_diff_vs_1dev": max_diff(p1, pure(tr.params)),
-             "mesh": shd.describe(tr.mesh)}
+        r = {
+            "losses": losses,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "max_abs_param_diff_vs_1dev": max_diff(p1, pure(tr.params)),
+            "mesh": shd.describe(tr.mesh),
+        }
         try:
             jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5), p1, pure(tr.params))
             r["params_allclose"] = True
@@ -110,8 +125,10 @@ def train_checks(out, target):
         r["batch_spec"] = str(toks.sharding.spec)
         r["collectives"] = collectives(compiled.as_text())
         ma = compiled.memory_analysis()
-        r["memory_analysis_bytes"] = {k: int(getattr(ma, k)) for k in (
-            "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")}
+        r["memory_analysis_bytes"] = {
+            k: int(getattr(ma, k))
+            for k in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")
+        }
         out["train"][name] = r
         if name == "2x4":
             checkpoint_checks(out, target, tr, trainer)
@@ -123,7 +140,8 @@ def train_checks(out, target):
         "wq_spec": str(tr.params["layers"]["wq"].sharding.spec),
         "opt_mu_wq_spec": str(tr.opt_state[1][0].mu["layers"]["wq"].sharding.spec),
         "opt_state_fraction_dev0": per_device_fraction(tr.opt_state),
-        "batch_spec": str(tr.shard_batch(batch(0))[0].sharding.spec)}
+        "batch_spec": str(tr.shard_batch(batch(0))[0].sharding.spec),
+    }
 
 
 def checkpoint_checks(out, target, tr, trainer):
@@ -133,14 +151,20 @@ def checkpoint_checks(out, target, tr, trainer):
     res = {}
     with tempfile.TemporaryDirectory() as d:
         tr.save(tr.checkpoint_manager(Path(d)), 2)
-        for name, mesh in (("1dev", shd.make_mesh("", jax.devices()[:1])),
-                           ("model4", shd.make_mesh("model:4", jax.devices()[:4]))):
+        for name, mesh in (
+            ("1dev", shd.make_mesh("", jax.devices()[:1])),
+            ("model4", shd.make_mesh("model:4", jax.devices()[:4])),
+        ):
             t2 = trainer(mesh)
             step = t2.restore_latest(t2.checkpoint_manager(Path(d)))
             leaf = t2.params["layers"]["wq"]
-            res[name] = {"step": step, "max_abs_param_diff": max_diff(ref, pure(t2.params)),
-                         "max_abs_opt_diff": max_diff(ref_opt, jax.tree.map(np.asarray, t2.opt_state)),
-                         "wq_spec": str(leaf.sharding.spec), "wq_devices": len(leaf.sharding.device_set)}
+            res[name] = {
+                "step": step,
+                "max_abs_param_diff": max_diff(ref, pure(t2.params)),
+                "max_abs_opt_diff": max_diff(ref_opt, jax.tree.map(np.asarray, t2.opt_state)),
+                "wq_spec": str(leaf.sharding.spec),
+                "wq_devices": len(leaf.sharding.device_set),
+            }
     out["checkpoint"] = res
 
 
@@ -151,14 +175,21 @@ def memory_checks(out, target, tr, ma):
     n_d = count_params(tr.params)
     est = estimate_memory(CFG, TCFG, dcfg, n_t, n_d, N_DEV, mesh={"data": 2, "model": 4})
     actual = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
-    out["memory"] = {"estimate_bytes": est["total_bytes"], "memory_analysis_bytes": int(actual),
-                     "ratio": est["total_bytes"] / actual, "breakdown_gib": est}
+    out["memory"] = {
+        "estimate_bytes": est["total_bytes"],
+        "memory_analysis_bytes": int(actual),
+        "ratio": est["total_bytes"] / actual,
+        "breakdown_gib": est,
+    }
 
 
 def engine_checks(out, target, drafter, params):
     prompts = [[5, 17, 33, 2, 9, 41], [7, 7, 100, 3], [11, 250, 4, 4, 4, 4, 60, 1, 2]]
-    settings = [dict(temperature=0.0, max_tokens=20, seed=0), dict(temperature=1.0, max_tokens=18, seed=3),
-                dict(temperature=1.0, top_k=20, max_tokens=16, seed=7)]
+    settings = [
+        dict(temperature=0.0, max_tokens=20, seed=0),
+        dict(temperature=1.0, max_tokens=18, seed=3),
+        dict(temperature=1.0, top_k=20, max_tokens=16, seed=7),
+    ]
     reqs = [Request(p, SamplingParams(**s), f"r{i}") for i, (p, s) in enumerate(zip(prompts, settings))]
 
     def drive(eng):
@@ -172,8 +203,15 @@ def engine_checks(out, target, drafter, params):
                 acc += o.num_accepted
         return toks, acc
 
-    kw = dict(num_slots=2, cache_len=48, policy="fixed:2", buckets=(6,), prefill_buckets=(16,), suspend_after=None,
-              row_buckets=(2,))
+    kw = dict(
+        num_slots=2,
+        cache_len=48,
+        policy="fixed:2",
+        buckets=(6,),
+        prefill_buckets=(16,),
+        suspend_after=None,
+        row_buckets=(2,),
+    )
     res = {}
     base = Engine(target, drafter, **kw)
     base.warmup()
@@ -190,11 +228,16 @@ def engine_checks(out, target, drafter, params):
         eng.warmup()
         compiles = eng.metrics()["compiles"]
         toks, acc = drive(eng)
-        r = {"same_tokens": toks == ref, "accepted": acc, "warmup_seconds": round(time.perf_counter() - t0, 1),
-             "recompiles_after_warmup": eng.metrics()["compiles"] - compiles,
-             "cache_spec": str(eng._state.tk.sharding.spec), "drafter_cache_spec": str(eng._state.dk.sharding.spec),
-             "target_param_fraction_dev0": per_device_fraction(eng._t_state),
-             "drafter_param_fraction_dev0": per_device_fraction(eng._d_state)}
+        r = {
+            "same_tokens": toks == ref,
+            "accepted": acc,
+            "warmup_seconds": round(time.perf_counter() - t0, 1),
+            "recompiles_after_warmup": eng.metrics()["compiles"] - compiles,
+            "cache_spec": str(eng._state.tk.sharding.spec),
+            "drafter_cache_spec": str(eng._state.dk.sharding.spec),
+            "target_param_fraction_dev0": per_device_fraction(eng._t_state),
+            "drafter_param_fraction_dev0": per_device_fraction(eng._d_state),
+        }
         if not r["same_tokens"]:
             r["tokens"] = toks
         exe = eng._step_exe(2, 6)
@@ -203,7 +246,7 @@ def engine_checks(out, target, drafter, params):
     try:
         Engine(target, drafter, mesh="data:2,model:4", **kw)
         res["data_axis_error"] = None
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         res["data_axis_error"] = f"{type(e).__name__}: {e}"
     out["engine"] = res
 

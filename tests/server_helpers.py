@@ -10,7 +10,8 @@ def metric(text: str, name: str, **labels) -> float:
     total = 0.0
     for line in text.splitlines():
         if (line.startswith(name + "{") or line.startswith(name + " ")) and all(
-                f'{k}="{v}"' in line for k, v in labels.items()):
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
             total += float(line.rsplit(" ", 1)[1])
     return total
 

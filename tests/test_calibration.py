@@ -1,4 +1,4 @@
-"""Confidence calibration (:mod:`dspark_jax.calibration`): metrics, sequential temperature
+"""Confidence calibration (:mod:`dspark_jax.training.calibration`): metrics, sequential temperature
 scaling, consistency with the training loss, storage in the export, decode-time use.
 
 DESIGN.md "Training" (last bullet) and "Metrics"; paper Appendix A5.
@@ -16,27 +16,36 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dspark_jax import calibration as C
-from dspark_jax.checkpoint import export_drafter, load_drafter
 from dspark_jax.config import TargetConfig
-from dspark_jax.drafter import Drafter
+from dspark_jax.drafters.checkpoint import export_drafter, load_drafter
+from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.drafters.markov import sample_block
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.markov import sample_block
-from dspark_jax.sampling import sampling_arrays
-from dspark_jax.target import Target, random_params
-from dspark_jax.trainer import TrainConfig, drafter_config, drafter_loss, sample_anchors
+from dspark_jax.models.sampling import sampling_arrays
+from dspark_jax.models.target import Target, random_params
+from dspark_jax.training import calibration as C
+from dspark_jax.training.trainer import TrainConfig, drafter_config, drafter_loss, sample_anchors
 
-TCFG = TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
-                    num_kv_heads=2, head_dim=8, max_position=128, name="tiny")
+TCFG = TargetConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position=128,
+    name="tiny",
+)
 CFG = TrainConfig(gamma=4, num_layers=1, markov_rank=8, anchors_per_seq=6)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tiny_target():
     return Target(TCFG, random_params(TCFG, seed=1, scale=0.2), fingerprint="tinyfp")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tiny_drafter(variant):
     d = Drafter(drafter_config(dataclasses.replace(CFG, variant=variant), _tiny_target()), nnx.Rngs(0))
     if d.cfg.has_confidence:  # a confidence head that actually varies
@@ -57,9 +66,11 @@ def _drafter(target, variant="dspark"):
 
 def _data(n=6, length=40, seed=0):
     rng = np.random.default_rng(seed)
-    return {"tokens": rng.integers(3, TCFG.vocab_size, (n, length)).astype(np.int32),
-            "lengths": rng.integers(length // 2, length + 1, n).astype(np.int32),
-            "prompt_lengths": np.full(n, 4, np.int32)}
+    return {
+        "tokens": rng.integers(3, TCFG.vocab_size, (n, length)).astype(np.int32),
+        "lengths": rng.integers(length // 2, length + 1, n).astype(np.int32),
+        "prompt_lengths": np.full(n, 4, np.int32),
+    }
 
 
 # ======================================================================================
@@ -83,11 +94,11 @@ def test_brier_hand_computed():
 
 def test_auroc_hand_computed_and_against_pairs():
     assert C.auroc([0.1, 0.4, 0.35, 0.8], [0, 0, 1, 1]) == pytest.approx(0.75)
-    assert C.auroc([0.5, 0.5], [0, 1]) == pytest.approx(0.5)          # a tie counts one half
+    assert C.auroc([0.5, 0.5], [0, 1]) == pytest.approx(0.5)  # a tie counts one half
     assert C.auroc([0.9, 0.1], [0, 1]) == pytest.approx(0.0)
-    assert np.isnan(C.auroc([0.2, 0.3], [1, 1]))                       # one class only
+    assert np.isnan(C.auroc([0.2, 0.3], [1, 1]))  # one class only
     rng = np.random.default_rng(0)
-    s = rng.integers(0, 6, 300) / 5.0                                   # many ties
+    s = rng.integers(0, 6, 300) / 5.0  # many ties
     y = rng.random(300) < 0.4
     pos, neg = s[y], s[~y]
     brute = ((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()) / (len(pos) * len(neg))
@@ -117,7 +128,7 @@ def _synthetic(n=20000, seed=0):
     c = 1 / (1 + np.exp(-z / t_true))
     y = np.cumprod(rng.random((n, g)) < c, axis=1).astype(float)
     valid = np.ones((n, g), bool)
-    valid[: n // 10, 3:] = False                                       # some blocks end early (prefix-closed)
+    valid[: n // 10, 3:] = False  # some blocks end early (prefix-closed)
     return z, t_true, np.cumprod(c, axis=1), y, valid
 
 
@@ -144,12 +155,12 @@ def test_scaling_never_reorders_scores():
     z = rng.normal(0, 3, (500, 4))
     temps = np.array([0.3, 4.0, 1.7, 0.06])
     c_raw, c_cal = 1 / (1 + np.exp(-z)), 1 / (1 + np.exp(-z / temps))
-    for k in range(4):   # sorted by raw score, calibrated scores never decrease (ties only by saturation)
+    for k in range(4):  # sorted by raw score, calibrated scores never decrease (ties only by saturation)
         order = np.argsort(z[:, k])
         assert np.all(np.diff(c_cal[order, k]) >= 0) and np.all(np.diff(c_raw[order, k]) >= 0)
     a = C.predicted_survival(z, temps)
     assert np.all(np.diff(a[np.argsort(z[:, 0]), 0]) >= 0)
-    assert np.all(np.diff(a, axis=1) <= 0)                             # survival never increases with k
+    assert np.all(np.diff(a, axis=1) <= 0)  # survival never increases with k
     # the per-position AUROC of c_k is therefore invariant under calibration (away from saturation)
     y = rng.random((500, 4)) < 0.5
     c_mild = 1 / (1 + np.exp(-z / np.array([0.3, 4.0, 1.7, 0.5])))
@@ -177,9 +188,13 @@ def test_block_terms_match_drafter_loss():
     key = jax.random.PRNGKey(3)
     anchors = sample_anchors(key, lens, pl, CFG.anchors_per_seq)
     # one jitted closure (eager op-by-op execution is much slower than compiling)
-    terms, bt, greedy = jax.jit(lambda: (drafter_loss(d, target, toks, lens, pl, key, CFG),
-                                         C.block_terms(d, target, toks, lens, anchors),
-                                         C.block_terms(d, target, toks, lens, anchors, temperature=0.0)))()
+    terms, bt, greedy = jax.jit(
+        lambda: (
+            drafter_loss(d, target, toks, lens, pl, key, CFG),
+            C.block_terms(d, target, toks, lens, anchors),
+            C.block_terms(d, target, toks, lens, anchors, temperature=0.0),
+        )
+    )()
     v = np.asarray(bt.valid, np.float64)
     acc = (np.asarray(bt.accept) * v).sum((0, 1)) / v.sum((0, 1))
     np.testing.assert_allclose(acc, np.asarray(terms.acc_by_pos), rtol=1e-5, atol=1e-6)
@@ -194,7 +209,7 @@ def test_collect_covers_every_anchor_block():
     target = _target()
     d = _drafter(target)
     b = _data(n=5)
-    data = C.collect(target, d, b, batch_size=2, memory_budget_mb=0.05)   # several anchor chunks
+    data = C.collect(target, d, b, batch_size=2, memory_budget_mb=0.05)  # several anchor chunks
     n_blocks = int(np.sum(np.maximum(b["lengths"] - 2 - (b["prompt_lengths"] - 1) + 1, 0)))
     assert data.z.shape == (n_blocks, CFG.gamma)
     assert data.valid[:, 0].all() and np.all(np.diff(data.valid.astype(int), axis=1) <= 0)
@@ -267,7 +282,7 @@ def test_sample_block_applies_temperatures_to_confidences_only():
     samp = sampling_arrays(b, 1.0)
     temps = jnp.asarray([0.5, 2.0, 1.0, 3.0])
 
-    def draft(conf_temperature):   # traced under jit: eager op-by-op execution is much slower
+    def draft(conf_temperature):  # traced under jit: eager op-by-op execution is much slower
         pos = jnp.broadcast_to(jnp.arange(12), (b, 12))
         out = target(ctx, pos, taps=d.cfg.taps)
         cache = d.extend_cache(d.init_cache(b, 32), out.features, pos)
@@ -279,14 +294,14 @@ def test_sample_block_applies_temperatures_to_confidences_only():
     np.testing.assert_array_equal(raw.probs, cal.probs)
     np.testing.assert_allclose(raw.confidence, jax.nn.sigmoid(raw.confidence_logit), rtol=1e-6)
     np.testing.assert_allclose(cal.confidence, jax.nn.sigmoid(raw.confidence_logit / temps), rtol=1e-6)
-    d.set_calibration([0.5, 2.0, 1.0, 3.0])                           # the drafter's own calibration is the default
+    d.set_calibration([0.5, 2.0, 1.0, 3.0])  # the drafter's own calibration is the default
     np.testing.assert_allclose(jax.jit(lambda: draft(None))().confidence, cal.confidence, rtol=1e-6)
 
 
 def test_decode_round_records_match_counters():
     """``record_rounds``: per-round logs agree with DecodeStats and give accept_rate@k."""
-    from dspark_jax.decode import generate_speculative
-    from dspark_jax.evaluate import evaluate_tau
+    from dspark_jax.decoding.speculative import generate_speculative
+    from dspark_jax.evaluation.acceptance import evaluate_tau
 
     target = _target()
     d = _drafter(target)

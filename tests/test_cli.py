@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import MODELS_DIR
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,8 +19,14 @@ def cli(module: str, *args: str, env: dict | None = None, timeout: int = 600) ->
     e = dict(os.environ)
     e.setdefault("DSPARK_MODELS", str(MODELS_DIR))
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", f"dspark_jax.{module}", *args], capture_output=True, text=True,
-                          env=e, cwd=REPO, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", f"dspark_jax.{module}", *args],
+        capture_output=True,
+        text=True,
+        env=e,
+        cwd=REPO,
+        timeout=timeout,
+    )
 
 
 def assert_one_line_error(p: subprocess.CompletedProcess, *needles: str) -> None:
@@ -48,7 +53,7 @@ def test_help_documents_every_flag(module):
     if module == "train":
         import dataclasses
 
-        from dspark_jax.trainer import TrainConfig
+        from dspark_jax.training.trainer import TrainConfig
 
         for f in dataclasses.fields(TrainConfig):
             assert f"{f.name}=" in p.stdout, f"config key {f.name} missing from --help"
@@ -79,18 +84,36 @@ def test_drafter_for_another_target_is_refused(stories260k_dir, tmp_path):
     """A drafter exported for a different vocabulary (and one for different weights) is refused."""
     from flax import nnx
 
-    from dspark_jax.checkpoint import export_drafter
     from dspark_jax.config import DrafterConfig, TargetConfig
-    from dspark_jax.drafter import Drafter
+    from dspark_jax.drafters.checkpoint import export_drafter
+    from dspark_jax.drafters.dspark import Drafter
 
-    other = TargetConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=5, num_heads=8,
-                         num_kv_heads=4, head_dim=8, max_position=512, name="other")
+    other = TargetConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=5,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=8,
+        max_position=512,
+        name="other",
+    )
     export_drafter(Drafter(DrafterConfig.for_target(other, gamma=4), nnx.Rngs(0)), tmp_path / "vocab")
     p = cli("generate", "--target", "stories260k", "--drafter", str(tmp_path / "vocab"), "--prompt", "Once")
     assert_one_line_error(p, "vocabulary")
 
-    same_shape = TargetConfig(vocab_size=512, hidden_size=64, intermediate_size=172, num_layers=5, num_heads=8,
-                              num_kv_heads=4, head_dim=8, max_position=512, name="lookalike")
+    same_shape = TargetConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=172,
+        num_layers=5,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=8,
+        max_position=512,
+        name="lookalike",
+    )
     d = Drafter(DrafterConfig.for_target(same_shape, gamma=4, target_fingerprint="0123456789abcdef"), nnx.Rngs(0))
     export_drafter(d, tmp_path / "weights")
     p = cli("generate", "--target", "stories260k", "--drafter", str(tmp_path / "weights"), "--prompt", "Once")
@@ -105,8 +128,19 @@ def test_drafter_for_another_target_is_refused(stories260k_dir, tmp_path):
 @pytest.mark.slow
 def test_smollm2_golden_chatml_through_generate():
     """README golden: the raw ChatML prompt answers 'The capital of France is Paris.' greedily."""
-    p = cli("generate", "--target", "smollm2-135m-instruct", "--prompt", SMOLLM2_CHATML, "--no-chat",
-            "--max-new-tokens", "16", "--temperature", "0", "--json")
+    p = cli(
+        "generate",
+        "--target",
+        "smollm2-135m-instruct",
+        "--prompt",
+        SMOLLM2_CHATML,
+        "--no-chat",
+        "--max-new-tokens",
+        "16",
+        "--temperature",
+        "0",
+        "--json",
+    )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["text"] == "The capital of France is Paris."
@@ -124,47 +158,98 @@ def test_main_job_end_to_end(stories260k_export):
     assert (Path(workdir) / "checkpoints").is_dir() and (Path(workdir) / "metrics.jsonl").is_file()
     ev = json.loads((Path(workdir) / "eval.json").read_text())
     assert ev["tau"] >= 1.0 and 0.0 <= ev["acceptance_rate"] <= 1.0
-    p = cli("generate", "--target", "stories260k", "--drafter", str(export), "--prompt", "Once upon a time",
-            "--max-new-tokens", "48", "--temperature", "0", "--compare-ar", "--json")
+    p = cli(
+        "generate",
+        "--target",
+        "stories260k",
+        "--drafter",
+        str(export),
+        "--prompt",
+        "Once upon a time",
+        "--max-new-tokens",
+        "48",
+        "--temperature",
+        "0",
+        "--compare-ar",
+        "--json",
+    )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
-    for key in ("text", "token_ids", "tau", "acceptance_rate", "num_target_passes", "tokens_per_s",
-                "ar_token_ids", "ar_tokens_per_s", "speedup"):
+    for key in (
+        "text",
+        "token_ids",
+        "tau",
+        "acceptance_rate",
+        "num_target_passes",
+        "tokens_per_s",
+        "ar_token_ids",
+        "ar_tokens_per_s",
+        "speedup",
+    ):
         assert key in out, key
     assert out["token_ids"] == out["ar_token_ids"]
     # tau: tokens per verification pass, the prefill token excluded (decode.Generation.tau)
     assert out["tau"] == pytest.approx((len(out["token_ids"]) - 1) / out["num_target_passes"])
     # sampled request through the same command
-    p = cli("generate", "--target", "stories260k", "--drafter", str(export), "--prompt", "The dog",
-            "--max-new-tokens", "24", "--temperature", "0.8", "--top-k", "50", "--top-p", "0.9", "--gamma", "4",
-            "--seed", "3", "--json")
+    p = cli(
+        "generate",
+        "--target",
+        "stories260k",
+        "--drafter",
+        str(export),
+        "--prompt",
+        "The dog",
+        "--max-new-tokens",
+        "24",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "50",
+        "--top-p",
+        "0.9",
+        "--gamma",
+        "4",
+        "--seed",
+        "3",
+        "--json",
+    )
     assert p.returncode == 0, p.stderr
     assert 1 <= len(json.loads(p.stdout)["token_ids"]) <= 24
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--temperature", "nan"], "--temperature must be a finite number"),
-    (["--temperature", "inf"], "--temperature must be a finite number"),
-    (["--top-p", "nan"], "--top-p must be a finite number"),
-    (["--temperature", "-0.5"], "--temperature must be >= 0"),
-    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
-])
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--temperature", "nan"], "--temperature must be a finite number"),
+        (["--temperature", "inf"], "--temperature must be a finite number"),
+        (["--top-p", "nan"], "--top-p must be a finite number"),
+        (["--temperature", "-0.5"], "--temperature must be >= 0"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    ],
+)
 def test_nan_sampling_settings_are_one_line_errors(flags, needle, capsys):
     """Refused before any model is loaded (the target below does not exist)."""
-    from dspark_jax.generate import main
+    from dspark_jax.decoding.cli import main
 
     assert main(["--target", "/nonexistent.gguf", "--prompt", "Once", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=float("nan")), dict(temperature=float("-inf")),
-                                dict(top_p=float("nan")), dict(top_k=float("nan"))])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=float("nan")),
+        dict(temperature=float("-inf")),
+        dict(top_p=float("nan")),
+        dict(top_k=float("nan")),
+    ],
+)
 def test_python_api_refuses_nan_sampling_settings(kw):
     import numpy as np
 
     from dspark_jax.api import generate_text
-    from dspark_jax.decode import generate_autoregressive
+    from dspark_jax.decoding.speculative import generate_autoregressive
     from dspark_jax.errors import DSparkInputError
 
     name = next(iter(kw))
@@ -178,25 +263,34 @@ def test_serve_cli_refuses_eagle3_drafter_in_one_line(stories260k, tmp_path, cap
     """The engine refuses an eagle3 drafter; `serve` turns it into one `error:` line, exit 2."""
     from flax import nnx
 
-    from dspark_jax.checkpoint import export_drafter
     from dspark_jax.config import DrafterConfig
-    from dspark_jax.eagle import eagle_taps
-    from dspark_jax.drafter import build_drafter
-    from dspark_jax.model_io import params_fingerprint
-    from dspark_jax.serve import main
+    from dspark_jax.drafters.checkpoint import export_drafter
+    from dspark_jax.drafters.dspark import build_drafter
+    from dspark_jax.drafters.eagle import eagle_taps
+    from dspark_jax.models.model_io import params_fingerprint
+    from dspark_jax.serving.cli import main
 
     cfg, params, _ = stories260k
-    dcfg = DrafterConfig.for_target(cfg, variant="eagle3", num_layers=1, gamma=2, markov_rank=0,
-                                    taps=eagle_taps(cfg), target_fingerprint=params_fingerprint(params))
+    dcfg = DrafterConfig.for_target(
+        cfg,
+        variant="eagle3",
+        num_layers=1,
+        gamma=2,
+        markov_rank=0,
+        taps=eagle_taps(cfg),
+        target_fingerprint=params_fingerprint(params),
+    )
     export_drafter(build_drafter(dcfg, nnx.Rngs(0)), tmp_path / "eagle")
-    assert main(["--target", "stories260k", "--drafter", str(tmp_path / "eagle"), "--num-slots", "1",
-                 "--cache-len", "64"]) == 2
+    assert (
+        main(["--target", "stories260k", "--drafter", str(tmp_path / "eagle"), "--num-slots", "1", "--cache-len", "64"])
+        == 2
+    )
     err = [l for l in capsys.readouterr().err.strip().splitlines() if l.strip()]
     assert len(err) == 1 and err[0].startswith("error: ") and "eagle3" in err[0], err
 
 
 def test_serve_cli_flags(capsys):
-    from dspark_jax.serve import build_parser, main
+    from dspark_jax.serving.cli import build_parser, main
 
     args = build_parser().parse_args(["--target", "stories260k"])
     assert args.verification == "coupled" and args.api_key is None and args.default_max_tokens is None

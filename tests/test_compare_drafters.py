@@ -24,8 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_quick_comparison_writes_outputs(stories260k_dir, tmp_path):
     out = tmp_path / "cmp"
     env = dict(os.environ, DSPARK_MODELS=str(stories260k_dir.parent))
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compare_drafters.py"), "--quick",
-                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compare_drafters.py"), "--quick", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((out / "results.json").read_text())
     names = ["dspark-2L", "dflash-2L", "eagle3"]
@@ -48,14 +54,15 @@ def test_quick_comparison_writes_outputs(stories260k_dir, tmp_path):
     for t in ("T0", "T1"):
         assert set(r["ratios"][t]) == {"dspark-2L/dflash-2L", "dspark-2L/eagle3"}
         assert r["ratios"][t]["dspark-2L/eagle3"] == pytest.approx(
-            r["tau"]["dspark-2L"][t]["macro_tau"] / r["tau"]["eagle3"][t]["macro_tau"])
+            r["tau"]["dspark-2L"][t]["macro_tau"] / r["tau"]["eagle3"][t]["macro_tau"]
+        )
     run = r["speed"]["runs"]["T0"]
     assert run["ar"]["tokens_per_s"] > 0 and run["hf_transformers"]["tokens_per_s"] > 0
-    assert run["hf_transformers"]["same_as_ar"] == r["speed"]["prompts"]   # same weights, greedy: same tokens
+    assert run["hf_transformers"]["same_as_ar"] == r["speed"]["prompts"]  # same weights, greedy: same tokens
     assert r["speed"]["hf_logit_max_abs_diff"] < 1e-3
     for n in names:
         d = run["drafters"][n]
-        assert d["same_as_ar"] == r["speed"]["prompts"]                   # lossless at T = 0
+        assert d["same_as_ar"] == r["speed"]["prompts"]  # lossless at T = 0
         assert d["speedup"] > 0 and d["bound"] > 0 and d["t_draft_ms"] > 0 and d["t_verify_ms"] > 0
     md = (out / "results.md").read_text()
     assert "| dspark-2L/eagle3 |" in md and "bound" in md and "transformers generate" in md

@@ -20,7 +20,7 @@ def dp_report() -> dict:
 def test_eight_way_step_equals_one_device_step(dp_report):
     r = dp_report
     assert r["devices"] == 8
-    assert r["params_allclose"], r.get("params_error")          # rtol 1e-5 after two steps
+    assert r["params_allclose"], r.get("params_error")  # rtol 1e-5 after two steps
     assert r["max_abs_param_diff_8_vs_1"] < 1e-6
     for a, b in zip(r["losses_1"], r["losses_8"]):
         assert a == pytest.approx(b, rel=1e-5)
@@ -29,9 +29,9 @@ def test_eight_way_step_equals_one_device_step(dp_report):
 def test_batch_is_really_sharded_and_params_replicated(dp_report):
     r = dp_report
     assert r["input_spec"] == "P('data',)" and r["input_num_devices"] == 8
-    assert r["input_shard_shapes"] == [[2, 40]]                 # 16 rows / 8 devices
+    assert r["input_shard_shapes"] == [[2, 40]]  # 16 rows / 8 devices
     assert r["input_shards_match_rows"] and r["param_fully_replicated"]
-    assert r["hlo_has_all_reduce"]                              # gradients/loss sums reduced across devices
+    assert r["hlo_has_all_reduce"]  # gradients/loss sums reduced across devices
 
 
 def test_multi_process_feeding_path_builds_the_same_global_arrays(dp_report):
@@ -47,7 +47,7 @@ def test_loss_normalisation_is_global(dp_report):
     r = dp_report
     glob, per_dev = r["loss_global_single_device"], r["loss_mean_of_device_means"]
     assert r["losses_8"][0] == pytest.approx(glob, rel=1e-5)
-    assert abs(per_dev - glob) > 1e-3 * abs(glob)               # the two normalisations really differ here
+    assert abs(per_dev - glob) > 1e-3 * abs(glob)  # the two normalisations really differ here
 
 
 def test_gradient_accumulation_on_eight_devices_equals_big_batch(dp_report):

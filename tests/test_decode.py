@@ -1,4 +1,4 @@
-"""Exactness tests of the decode loops (:mod:`dspark_jax.decode`).
+"""Exactness tests of the decode loops (:mod:`dspark_jax.decoding.speculative`).
 
 DESIGN.md "Verification (lossless)" and "Metrics", through the REAL jitted loops:
 
@@ -29,32 +29,89 @@ import pytest
 from flax import nnx
 
 from dspark_jax.config import DrafterConfig, TargetConfig
-from dspark_jax.data import draft_vocabulary
-from dspark_jax.decode import check_compatible, generate_autoregressive, generate_speculative
-from dspark_jax.drafter import Drafter
+from dspark_jax.decoding.speculative import check_compatible, generate_autoregressive, generate_speculative
+from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.sampling import process_logits, sampling_arrays
-from dspark_jax.target import Target, random_params
+from dspark_jax.models.sampling import process_logits, sampling_arrays
+from dspark_jax.models.target import Target, random_params
+from dspark_jax.training.data import draft_vocabulary
 
-GOLDEN = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267,
-          337, 410, 408, 419, 292, 411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394, 261, 370, 432]
+GOLDEN = [
+    1,
+    403,
+    407,
+    261,
+    378,
+    432,
+    383,
+    286,
+    261,
+    376,
+    298,
+    315,
+    421,
+    395,
+    317,
+    426,
+    338,
+    401,
+    396,
+    267,
+    337,
+    410,
+    408,
+    419,
+    292,
+    411,
+    322,
+    265,
+    282,
+    295,
+    433,
+    426,
+    385,
+    328,
+    432,
+    358,
+    394,
+    261,
+    370,
+    432,
+]
 
 
 # ======================================================================================
 # Drafters (swappable: every helper takes any Drafter built for the target)
 # ======================================================================================
-def random_drafter(target: Target, *, gamma=4, seed=0, variant="dspark", markov_rank=None,
-                   num_layers=1, intermediate_size=64, scale=0.5, draft_vocab=None, width=0) -> Drafter:
+def random_drafter(
+    target: Target,
+    *,
+    gamma=4,
+    seed=0,
+    variant="dspark",
+    markov_rank=None,
+    num_layers=1,
+    intermediate_size=64,
+    scale=0.5,
+    draft_vocab=None,
+    width=0,
+) -> Drafter:
     """A randomly initialised drafter whose zero-initialised parts (residual output
     projections, Markov W2, confidence weights) are randomised too, so that the
     backbone, the Markov correction and the confidence head all act. ``draft_vocab``:
     target ids of a reduced draft vocabulary; ``width``: a backbone width other than H."""
     t = target.cfg
     cfg = DrafterConfig.for_target(
-        t, gamma=gamma, variant=variant, num_layers=num_layers, intermediate_size=intermediate_size,
+        t,
+        gamma=gamma,
+        variant=variant,
+        num_layers=num_layers,
+        intermediate_size=intermediate_size,
         markov_rank=t.vocab_size if markov_rank is None else markov_rank,
         target_fingerprint=getattr(target, "fingerprint", ""),
-        draft_vocab_size=len(draft_vocab) if draft_vocab is not None else 0, width=width)
+        draft_vocab_size=len(draft_vocab) if draft_vocab is not None else 0,
+        width=width,
+    )
     d = Drafter(cfg, nnx.Rngs(seed))
     if draft_vocab is not None:
         d.set_draft_vocab(draft_vocab)
@@ -149,7 +206,7 @@ def check_stats(res, gamma_used: int, speculative=True):
 # ======================================================================================
 @pytest.fixture(scope="module")
 def s260k(stories260k):
-    from dspark_jax.model_io import params_fingerprint
+    from dspark_jax.models.model_io import params_fingerprint
 
     cfg, params, tok = stories260k
     return Target(cfg, params, fingerprint=params_fingerprint(params)), tok
@@ -169,7 +226,7 @@ def test_stories260k_greedy_golden(s260k):
 
 @pytest.fixture(scope="module")
 def s260k_prompts(s260k):
-    from dspark_jax.data import tinystories_openings
+    from dspark_jax.training.data import tinystories_openings
 
     _, tok = s260k
     prompts = [tok.encode(t) for t in tinystories_openings()[:50]]
@@ -191,7 +248,7 @@ def s260k_drafter(request, s260k):
         return random_drafter(target, gamma=4, markov_rank=target.cfg.vocab_size)
     if request.param == "bigram":  # same config as "random": shares its compilation
         return bigram_drafter(target, gamma=4, alpha=3.0, base_scale=0.0, bos=1)
-    from dspark_jax.checkpoint import load_drafter
+    from dspark_jax.drafters.checkpoint import load_drafter
 
     _, summary = request.getfixturevalue("stories260k_export")
     return load_drafter(summary["export_dir"])[0]
@@ -212,9 +269,20 @@ def test_stories260k_speculative_equals_autoregressive(s260k, s260k_prompts, s26
 # ======================================================================================
 V = 16
 MAX_POS = 64
-TINY = TargetConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                    num_kv_heads=2, head_dim=8, max_position=MAX_POS, tie_embeddings=False,
-                    bos_id=None, eos_ids=(), name="tiny")
+TINY = TargetConfig(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position=MAX_POS,
+    tie_embeddings=False,
+    bos_id=None,
+    eos_ids=(),
+    name="tiny",
+)
 
 
 def tiny_params(kind: str, seed=1):
@@ -252,7 +320,7 @@ def standard_batch(seed=0):
     prompts (one of length 1) with assorted max_new.
     """
     rng = np.random.default_rng(seed)
-    r = lambda n: [int(x) for x in rng.integers(0, V, n)]  # noqa: E731
+    r = lambda n: [int(x) for x in rng.integers(0, V, n)]
     prompts, max_new = [r(60), r(63)], [20, 5]
     shared = r(6)
     for m in (1, 2, 3, 7, 13):
@@ -320,7 +388,7 @@ def test_tiny_speculative_equals_autoregressive(name, target_name, drafters, req
     sp = spec_std(target, drafters[name], temperature=0)
     assert_same_outputs(ar, sp)
     check_stats(sp, 4)
-    total = lambda f: sum(getattr(g, f) for g in sp.generations)  # noqa: E731
+    total = lambda f: sum(getattr(g, f) for g in sp.generations)
     assert total("num_verified") > 0
     rate = total("num_accepted") / total("num_verified")
     if name == "bigram":
@@ -334,10 +402,17 @@ def test_tiny_speculative_equals_autoregressive(name, target_name, drafters, req
 
 def cost_table(t_verify, t_draft=0.5):
     """A hand-made cost table for the tiny drafters' widths (0, 1, 2, 4) [seconds]."""
-    from dspark_jax.cost_table import CostTable
+    from dspark_jax.decoding.cost_table import CostTable
 
-    return CostTable(widths=(0, 1, 2, 4), t_verify=tuple(t_verify), t_draft_greedy=t_draft, t_draft_sampled=t_draft,
-                     t_step=t_verify[0], t_context=0.0, cache_len=64)
+    return CostTable(
+        widths=(0, 1, 2, 4),
+        t_verify=tuple(t_verify),
+        t_draft_greedy=t_draft,
+        t_draft_sampled=t_draft,
+        t_step=t_verify[0],
+        t_context=0.0,
+        cache_len=64,
+    )
 
 
 # Verification nearly free: long widths win; costly: the width follows the confidences.
@@ -373,8 +448,11 @@ def test_draft_vocabulary_and_width_greedy(peaked, ar_peaked):
     # bigram Markov head restricted to it, so that drafts are often accepted.
     toks = [[0] + g.token_ids for g in ar_peaked.generations]
     width = max(map(len, toks))
-    data = {"tokens": np.array([t + [0] * (width - len(t)) for t in toks]), "lengths": np.array(list(map(len, toks))),
-            "prompt_lengths": np.ones(len(toks), np.int64)}
+    data = {
+        "tokens": np.array([t + [0] * (width - len(t)) for t in toks]),
+        "lengths": np.array(list(map(len, toks))),
+        "prompt_lengths": np.ones(len(toks), np.int64),
+    }
     ids = draft_vocabulary(data, 6, V)
     d = random_drafter(peaked, seed=9, draft_vocab=ids, width=48, markov_rank=7)
     assert d.markov_w2.shape == (7, 6) and d.markov_w1.shape == (7, 7) and d.proj_out.shape == (48, 32)
@@ -444,7 +522,8 @@ def test_perfect_drafter_acceptance_with_stop(pure_bigram, drafters, ar_pure):
         if g.num_verified:
             assert g.acceptance_rate == 1.0, (
                 f"row {i}: perfect drafter, acceptance {g.num_accepted}/{g.num_verified} "
-                f"(finish {g.finish_reason}, {len(g.token_ids)} tokens)")
+                f"(finish {g.finish_reason}, {len(g.token_ids)} tokens)"
+            )
 
 
 @pytest.mark.exactness
@@ -454,8 +533,8 @@ def test_one_tau_in_decode_engine_and_server(pure_bigram, drafters, ar_pure):
     ``spec_decode`` for the same requests served by the engine verifying G drafts per step."""
     from types import SimpleNamespace
 
-    from dspark_jax.engine import Engine, Request, SamplingParams
-    from dspark_jax.server import OutputState, TrackedRequest, event_from_output
+    from dspark_jax.serving.engine import Engine, Request, SamplingParams
+    from dspark_jax.serving.server import OutputState, TrackedRequest, event_from_output
 
     stop = _stop_token(ar_pure)
     d = drafters["perfect"]
@@ -463,13 +542,29 @@ def test_one_tau_in_decode_engine_and_server(pure_bigram, drafters, ar_pure):
     # the same call as test_perfect_drafter_acceptance_with_stop (one compiled loop)
     res = spec_std(pure_bigram, d, temperature=0, stop_ids=[stop]).generations
     rows = [i for i, g in enumerate(res) if len(PROMPTS[i]) < 32 and MAX_NEW[i] > 8][:4]
-    prompts, max_new, seeds, ref = ([PROMPTS[i] for i in rows], [MAX_NEW[i] for i in rows],
-                                    [SEEDS[i] for i in rows], [res[i] for i in rows])
-    assert any(g.finish_reason == "stop" and len(g.token_ids) - 1 < g.num_target_passes * (g_used + 1)
-               for g in ref), "no stop inside a block: pick another stop token"
-    eng = Engine(pure_bigram, d, num_slots=1, cache_len=64, policy=f"fixed:{g_used}", eos_token_ids=(),
-                 buckets=(g_used + 1,), row_buckets=(1,), prefill_buckets=(32,), seed_calibration=False,
-                 profile_iters=1, suspend_after=None)
+    prompts, max_new, seeds, ref = (
+        [PROMPTS[i] for i in rows],
+        [MAX_NEW[i] for i in rows],
+        [SEEDS[i] for i in rows],
+        [res[i] for i in rows],
+    )
+    assert any(g.finish_reason == "stop" and len(g.token_ids) - 1 < g.num_target_passes * (g_used + 1) for g in ref), (
+        "no stop inside a block: pick another stop token"
+    )
+    eng = Engine(
+        pure_bigram,
+        d,
+        num_slots=1,
+        cache_len=64,
+        policy=f"fixed:{g_used}",
+        eos_token_ids=(),
+        buckets=(g_used + 1,),
+        row_buckets=(1,),
+        prefill_buckets=(32,),
+        seed_calibration=False,
+        profile_iters=1,
+        suspend_after=None,
+    )
     tok = SimpleNamespace(detokenizer=lambda skip_special_tokens=True: SimpleNamespace(step=lambda i: ""))
     for p, m, sd, g in zip(prompts, max_new, seeds, ref):
         req = Request(list(p), SamplingParams(temperature=0.0, seed=sd, max_tokens=m, stop_token_ids=(stop,)), "r")
@@ -499,8 +594,10 @@ def test_context_limit(peaked, drafters, ar_peaked):
     for res in (ar_peaked, sp):
         assert len(PROMPTS[0]) + len(res.generations[0].token_ids) == MAX_POS
         assert len(res.generations[1].token_ids) == 1
-    for fn in (lambda p: generate_autoregressive(peaked, p, max_new_tokens=4),
-               lambda p: generate_speculative(peaked, drafters["bigram"], p, max_new_tokens=4)):
+    for fn in (
+        lambda p: generate_autoregressive(peaked, p, max_new_tokens=4),
+        lambda p: generate_speculative(peaked, drafters["bigram"], p, max_new_tokens=4),
+    ):
         for n in (MAX_POS, MAX_POS + 5):
             with pytest.raises(DSparkInputError, match="context"):
                 fn([[3] * n])
@@ -529,30 +626,40 @@ def test_alone_equals_in_batch(temperature, peaked, drafters):
         # different seeds give different samples (the seeds are really used)
         again = ar_std(peaked, temperature=temperature)
         assert [g.token_ids for g in again.generations] == [g.token_ids for g in batch_ar.generations]
-        other = generate_autoregressive(peaked, PROMPTS, max_new_tokens=MAX_NEW, seed=[s + 1 for s in SEEDS],
-                                        temperature=temperature)
+        other = generate_autoregressive(
+            peaked, PROMPTS, max_new_tokens=MAX_NEW, seed=[s + 1 for s in SEEDS], temperature=temperature
+        )
         assert [g.token_ids for g in other.generations] != [g.token_ids for g in batch_ar.generations]
 
 
 def test_input_errors(peaked, drafters):
     """(g) bad prompts / settings raise DSparkInputError before any compilation."""
     d = drafters["bigram"]
-    calls = [lambda p, **k: generate_autoregressive(peaked, p, **k),
-             lambda p, **k: generate_speculative(peaked, d, p, **k)]
+    calls = [
+        lambda p, **k: generate_autoregressive(peaked, p, **k),
+        lambda p, **k: generate_speculative(peaked, d, p, **k),
+    ]
     for fn in calls:
-        for bad, match in [([[]], "empty"), ([[1, 2], []], "empty"), ([[1, V]], "outside the vocabulary"),
-                           ([[-1, 3]], "outside the vocabulary"), ([], "no prompts")]:
+        for bad, match in [
+            ([[]], "empty"),
+            ([[1, 2], []], "empty"),
+            ([[1, V]], "outside the vocabulary"),
+            ([[-1, 3]], "outside the vocabulary"),
+            ([], "no prompts"),
+        ]:
             with pytest.raises(DSparkInputError, match=match):
                 fn(bad, max_new_tokens=4)
         with pytest.raises(DSparkInputError, match="max_new_tokens"):
             fn([[1, 2]], max_new_tokens=0)
         # NaN/inf settings are refused (they used to decode <unk> tokens), per request too
-        for kw, match in [(dict(temperature=float("nan")), "temperature must be a finite number"),
-                          (dict(temperature=[0.5, float("inf")]), "temperature must be a finite number"),
-                          (dict(top_p=float("nan")), "top_p must be a finite number"),
-                          (dict(top_k=float("inf")), "top_k must be a finite number"),
-                          (dict(temperature=-1.0), "temperature must be >= 0"),
-                          (dict(top_p=0.0), r"top_p must be in \(0, 1\]")]:
+        for kw, match in [
+            (dict(temperature=float("nan")), "temperature must be a finite number"),
+            (dict(temperature=[0.5, float("inf")]), "temperature must be a finite number"),
+            (dict(top_p=float("nan")), "top_p must be a finite number"),
+            (dict(top_k=float("inf")), "top_k must be a finite number"),
+            (dict(temperature=-1.0), "temperature must be >= 0"),
+            (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        ]:
             with pytest.raises(DSparkInputError, match=match):
                 fn([[1, 2], [3, 4]], max_new_tokens=4, **kw)
     for g in (0, 5, -1):
@@ -562,7 +669,7 @@ def test_input_errors(peaked, drafters):
 
 def test_incompatible_drafter(peaked):
     """(h) a drafter built for another vocabulary / width / depth / weights is refused."""
-    from dspark_jax.model_io import params_fingerprint
+    from dspark_jax.models.model_io import params_fingerprint
 
     p = tiny_params("peaked")
     fp_target = Target(TINY, p, fingerprint=params_fingerprint(p))
@@ -579,8 +686,10 @@ def test_incompatible_drafter(peaked):
             with pytest.raises(DSparkInputError, match=what):
                 generate_speculative(t, d, [[1, 2, 3]], max_new_tokens=4)
     # same architecture, other weights (recorded fingerprint differs)
-    d = Drafter(DrafterConfig.for_target(TINY, gamma=2, num_layers=1, markov_rank=4,
-                                         target_fingerprint="0123456789abcdef"), nnx.Rngs(0))
+    d = Drafter(
+        DrafterConfig.for_target(TINY, gamma=2, num_layers=1, markov_rank=4, target_fingerprint="0123456789abcdef"),
+        nnx.Rngs(0),
+    )
     with pytest.raises(DSparkInputError, match="weights"):
         generate_speculative(fp_target, d, [[1, 2, 3]], max_new_tokens=4)
     check_compatible(peaked, d)  # a target without a fingerprint cannot be checked: allowed
@@ -614,10 +723,11 @@ def exact_law(target, prompt, temperature, top_k, top_p, n_tokens=3) -> np.ndarr
     assert n_tokens == 3
     v = target.cfg.vocab_size
     y1, y2 = np.meshgrid(np.arange(v), np.arange(v), indexing="ij")
-    seqs = np.concatenate([np.broadcast_to(prompt, (v * v, len(prompt))),
-                           y1.reshape(-1, 1), y2.reshape(-1, 1)], axis=1).astype(np.int32)
+    seqs = np.concatenate(
+        [np.broadcast_to(prompt, (v * v, len(prompt))), y1.reshape(-1, 1), y2.reshape(-1, 1)], axis=1
+    ).astype(np.int32)
     pos = np.broadcast_to(np.arange(seqs.shape[1], dtype=np.int32), seqs.shape)
-    logits = target(jnp.asarray(seqs), jnp.asarray(pos)).logits[:, len(prompt) - 1:]  # [V*V, 3, V]
+    logits = target(jnp.asarray(seqs), jnp.asarray(pos)).logits[:, len(prompt) - 1 :]  # [V*V, 3, V]
     probs = np.asarray(process_logits(logits, sampling_arrays(v * v, temperature, top_k, top_p)), np.float64)
     probs /= probs.sum(-1, keepdims=True)
     p1 = probs[0, 0]
@@ -677,15 +787,20 @@ def law_runs(peaked, drafters):
     """One batch per loop: N_LAW rows per sampling setting, seeds 0..2N-1, max_new 6
     (the first round verifies the full gamma = 4)."""
     b = N_LAW * len(SETTINGS)
-    kw = dict(max_new_tokens=6, seed=list(range(b)), cache_len=32,
-              temperature=[s["temperature"] for s in SETTINGS for _ in range(N_LAW)],
-              top_k=[s["top_k"] for s in SETTINGS for _ in range(N_LAW)],
-              top_p=[s["top_p"] for s in SETTINGS for _ in range(N_LAW)])
+    kw = dict(
+        max_new_tokens=6,
+        seed=list(range(b)),
+        cache_len=32,
+        temperature=[s["temperature"] for s in SETTINGS for _ in range(N_LAW)],
+        top_k=[s["top_k"] for s in SETTINGS for _ in range(N_LAW)],
+        top_p=[s["top_p"] for s in SETTINGS for _ in range(N_LAW)],
+    )
     prompts = [DIST_PROMPT] * b
     ar = generate_autoregressive(peaked, prompts, **kw)
     sp = {name: generate_speculative(peaked, drafters[name], prompts, **kw) for name in ("bigram", "random")}
-    sp["bigram-auto"] = generate_speculative(peaked, drafters["bigram"], prompts, num_speculative_tokens="auto",
-                                             cost_table=COSTLY, **kw)
+    sp["bigram-auto"] = generate_speculative(
+        peaked, drafters["bigram"], prompts, num_speculative_tokens="auto", cost_table=COSTLY, **kw
+    )
     return ar, sp
 
 

@@ -22,11 +22,11 @@ import pytest
 from flax import nnx
 
 from dspark_jax.config import DrafterConfig, TargetConfig
-from dspark_jax.drafter import Drafter
-from dspark_jax.markov import sample_block
-from dspark_jax.sampling import process_logits, sampling_arrays
-from dspark_jax.target import Target, random_params
-from dspark_jax.verifier import verify
+from dspark_jax.decoding.verifier import verify
+from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.drafters.markov import sample_block
+from dspark_jax.models.sampling import process_logits, sampling_arrays
+from dspark_jax.models.target import Target, random_params
 
 pytestmark = pytest.mark.exactness
 
@@ -43,8 +43,18 @@ SETTINGS = [
 
 @pytest.fixture(scope="module")
 def models():
-    tcfg = TargetConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=2,
-                        num_kv_heads=1, head_dim=8, max_position=32, tie_embeddings=False, name="law")
+    tcfg = TargetConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=3,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position=32,
+        tie_embeddings=False,
+        name="law",
+    )
     target = Target(tcfg, random_params(tcfg, seed=7, scale=0.4))
     dcfg = DrafterConfig.for_target(tcfg, gamma=G, num_layers=1, markov_rank=4, taps=(0, 1))
     drafter = Drafter(dcfg, nnx.Rngs(1))
@@ -70,7 +80,7 @@ def _block(target, drafter):
 def _target_probs(target, setting):
     """p for every draft prefix: ``[V**G, G+1, V]`` (row = draft sequence index), and the
     exact law of the first two tokens ``[V, V]``."""
-    seqs = np.array(list(itertools.product(range(V), repeat=G)), np.int32)       # [V^G, G]
+    seqs = np.array(list(itertools.product(range(V), repeat=G)), np.int32)  # [V^G, G]
     toks = np.concatenate([np.tile(CTX, (len(seqs), 1)), seqs], 1)
     pos = np.broadcast_to(np.arange(toks.shape[1]), toks.shape)
     logits = target(jnp.asarray(toks), jnp.asarray(pos)).logits[:, len(CTX) - 1 :]  # [V^G, G+1, V]
@@ -143,9 +153,10 @@ def _check_two_token_law(target, drafter, setting, draft_ids=None):
     # The test is only meaningful if accepts, corrections and second-position outcomes all occur.
     acc = np.asarray(res.num_accepted)
     # (with a draft vocabulary, second-position accepts are rarer: 0.2% at top-k 3)
-    assert 0.05 < (acc >= 1).mean() < 0.98 and (acc >= 2).mean() > (0.02 if draft_ids is None else 0.001), \
-        np.bincount(acc)
-    if draft_ids is not None:   # never drafted off the draft vocabulary, q exactly 0 there
+    assert 0.05 < (acc >= 1).mean() < 0.98 and (acc >= 2).mean() > (0.02 if draft_ids is None else 0.001), np.bincount(
+        acc
+    )
+    if draft_ids is not None:  # never drafted off the draft vocabulary, q exactly 0 there
         off = np.setdiff1d(np.arange(V), draft_ids)
         assert not np.isin(np.asarray(draft.tokens), off).any()
         assert np.all(np.asarray(draft.probs)[..., off] == 0.0)

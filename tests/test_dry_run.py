@@ -16,19 +16,22 @@ from pathlib import Path
 
 import pytest
 
-from dspark_jax import model_io
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.models import model_io
 
 REPO = Path(__file__).resolve().parents[1]
 
 # Published sizes: Qwen3-4B 4.0B parameters (tied), Qwen3-8B 8.2B (untied).
-QWEN3 = {"qwen3-4b": dict(params=4_022_468_096, hidden=2560, tie=True),
-         "qwen3-8b": dict(params=8_190_735_360, hidden=4096, tie=False)}
+QWEN3 = {
+    "qwen3-4b": dict(params=4_022_468_096, hidden=2560, tie=True),
+    "qwen3-8b": dict(params=8_190_735_360, hidden=4096, tie=False),
+}
 
 
 @pytest.fixture
 def no_weight_loading(monkeypatch):
     """Any attempt to load weights fails the test."""
+
     def boom(*a, **k):
         raise AssertionError("--dry-run tried to load weights")
 
@@ -40,12 +43,27 @@ def no_weight_loading(monkeypatch):
 def test_qwen3_recipe_dry_run_needs_no_files(recipe, tmp_path):
     """The CLI on train/<recipe>.yaml with an empty model folder and no hub cache: counts,
     drafter shape and a per-device memory estimate, in seconds."""
-    env = dict(os.environ, DSPARK_MODELS=str(tmp_path), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1",
-               JAX_PLATFORMS="cpu")
+    env = dict(
+        os.environ, DSPARK_MODELS=str(tmp_path), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu"
+    )
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "dspark_jax.train", "--config", str(REPO / f"train/{recipe}.yaml"),
-                        "--dry-run", "--devices", "4"], capture_output=True, text=True, env=env, cwd=tmp_path,
-                       timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dspark_jax.train",
+            "--config",
+            str(REPO / f"train/{recipe}.yaml"),
+            "--dry-run",
+            "--devices",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     wall = time.perf_counter() - t0
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
@@ -53,30 +71,38 @@ def test_qwen3_recipe_dry_run_needs_no_files(recipe, tmp_path):
     assert r["target_params"] == want["params"]
     t, d = r["target_config"], r["drafter_config"]
     assert (t["hidden_size"], t["num_layers"], t["num_heads"], t["num_kv_heads"], t["head_dim"], t["vocab_size"]) == (
-        want["hidden"], 36, 32, 8, 128, 151936)
+        want["hidden"],
+        36,
+        32,
+        8,
+        128,
+        151936,
+    )
     assert t["tie_embeddings"] is want["tie"] and t["qk_norm"] and t["rope_theta"] == 1e6 and t["rms_eps"] == 1e-6
     assert d["taps"] == [1, 9, 17, 25, 33] and d["gamma"] == 7 and d["num_layers"] == 5 and d["markov_rank"] == 256
     assert d["variant"] == "dspark" and d["hidden_size"] == want["hidden"]
     assert 0.5e9 < r["drafter_params"] < 1.5e9
     assert r["dtype"] == "bfloat16" and r["remat"] and r["devices"] == 4 and not r["warnings"]
     mem = r["memory_breakdown_gib"]
-    assert mem["target_weights"] == pytest.approx(want["params"] * 2 / 2**30, rel=1e-3)   # bf16 target
-    assert mem["drafter_weights_grads_adam"] > 16 * r["drafter_params"] / 2**30          # fp32 master + AdamW
+    assert mem["target_weights"] == pytest.approx(want["params"] * 2 / 2**30, rel=1e-3)  # bf16 target
+    assert mem["drafter_weights_grads_adam"] > 16 * r["drafter_params"] / 2**30  # fp32 master + AdamW
     assert 10 < r["per_device_memory_estimate_gib"] < 95
     assert wall < 60, f"dry run took {wall:.1f}s"
     assert not (tmp_path / "runs").exists()
 
 
 def test_stories260k_dry_run_reads_only_the_header(stories260k_dir, monkeypatch, no_weight_loading):
-    from dspark_jax.train import dry_run
-    from dspark_jax.trainer import TRAIN_PRESETS
+    from dspark_jax.training.cli import dry_run
+    from dspark_jax.training.trainer import TRAIN_PRESETS
 
     monkeypatch.setenv("DSPARK_MODELS", str(stories260k_dir.parent))
     r = dry_run(TRAIN_PRESETS["stories260k"], devices=1)
     assert r["target_params"] == 260_032 and r["target"] == "stories260K"
     assert r["drafter_config"]["vocab_size"] == 512 and r["per_device_memory_estimate_gib"] > 0
     r8 = dry_run(TRAIN_PRESETS["stories260k"], devices=8)
-    assert r8["per_device_micro_batch"] == 4 and r8["per_device_memory_estimate_gib"] < r["per_device_memory_estimate_gib"]
+    assert (
+        r8["per_device_micro_batch"] == 4 and r8["per_device_memory_estimate_gib"] < r["per_device_memory_estimate_gib"]
+    )
     bad = dataclasses.replace(TRAIN_PRESETS["stories260k"], taps=(1, 9))
     with pytest.raises(DSparkInputError, match="tap layer 9"):
         dry_run(bad, devices=1)
@@ -85,9 +111,9 @@ def test_stories260k_dry_run_reads_only_the_header(stories260k_dir, monkeypatch,
 def test_builtin_qwen3_config_parses_like_a_downloaded_config_json(tmp_path, no_weight_loading):
     """The built-in configs go through the same parser as a Hugging Face directory: writing the
     same config.json (no weights) into a folder gives the same TargetConfig."""
-    from dspark_jax.presets import BUILTIN_HF_CONFIGS, builtin_target_config, target_config
-    from dspark_jax.train import dry_run
-    from dspark_jax.trainer import TRAIN_PRESETS
+    from dspark_jax.models.presets import BUILTIN_HF_CONFIGS, builtin_target_config, target_config
+    from dspark_jax.training.cli import dry_run
+    from dspark_jax.training.trainer import TRAIN_PRESETS
 
     for name in QWEN3:
         d = tmp_path / ("Qwen3-4B" if name == "qwen3-4b" else "Qwen3-8B")
@@ -101,7 +127,7 @@ def test_builtin_qwen3_config_parses_like_a_downloaded_config_json(tmp_path, no_
 
 
 def test_qwen3_weights_need_a_path(monkeypatch, tmp_path):
-    from dspark_jax.presets import resolve_target
+    from dspark_jax.models.presets import resolve_target
 
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -1,4 +1,4 @@
-"""The Eagle3-style baseline drafter (:mod:`dspark_jax.eagle`).
+"""The Eagle3-style baseline drafter (:mod:`dspark_jax.drafters.eagle`).
 
 * training-time test equals decoding: the block ``train_blocks`` builds for an anchor
   (teacher-forced on the draft's own tokens) has exactly the distributions ``draft``
@@ -22,18 +22,18 @@ import pytest
 from flax import nnx
 
 from dspark_jax.config import DrafterConfig, TargetConfig
-from dspark_jax.decode import generate_autoregressive, generate_speculative
-from dspark_jax.drafter import build_drafter
-from dspark_jax.eagle import EagleCache, EagleDrafter, eagle_taps
-from dspark_jax.sampling import sampling_arrays
-from dspark_jax.target import Target, random_params
+from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
+from dspark_jax.drafters.dspark import build_drafter
+from dspark_jax.drafters.eagle import EagleCache, EagleDrafter, eagle_taps
+from dspark_jax.models.sampling import sampling_arrays
+from dspark_jax.models.target import Target, random_params
 
 GAMMA = 4
 
 
 @pytest.fixture(scope="module")
 def s260k(stories260k):
-    from dspark_jax.model_io import params_fingerprint
+    from dspark_jax.models.model_io import params_fingerprint
 
     cfg, params, tok = stories260k
     return Target(cfg, params, fingerprint=params_fingerprint(params)), tok
@@ -41,19 +41,35 @@ def s260k(stories260k):
 
 def random_eagle(target: Target, gamma=GAMMA, seed=0, scale=0.5) -> EagleDrafter:
     """An eagle3 drafter whose zero-initialised residual branches are randomised."""
-    cfg = DrafterConfig.for_target(target.cfg, variant="eagle3", num_layers=1, gamma=gamma, markov_rank=0,
-                                   taps=eagle_taps(target.cfg), target_fingerprint=target.fingerprint)
+    cfg = DrafterConfig.for_target(
+        target.cfg,
+        variant="eagle3",
+        num_layers=1,
+        gamma=gamma,
+        markov_rank=0,
+        taps=eagle_taps(target.cfg),
+        target_fingerprint=target.fingerprint,
+    )
     d = build_drafter(cfg, nnx.Rngs(seed))
     rng = np.random.default_rng(seed + 1)
     for var in (d.wo, d.w_down):
-        var[...] = jnp.asarray(rng.standard_normal(var[...].shape).astype(np.float32) * scale
-                               / np.sqrt(var[...].shape[0]))
+        var[...] = jnp.asarray(
+            rng.standard_normal(var[...].shape).astype(np.float32) * scale / np.sqrt(var[...].shape[0])
+        )
     return d
 
 
 def test_eagle_taps_and_config():
-    deep = TargetConfig(vocab_size=10, hidden_size=8, intermediate_size=8, num_layers=30, num_heads=2,
-                        num_kv_heads=1, head_dim=4, max_position=16)
+    deep = TargetConfig(
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=30,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        max_position=16,
+    )
     assert eagle_taps(deep) == (2, 15, 27)
     assert eagle_taps(dataclasses.replace(deep, num_layers=5)) == (1, 2, 3)
     with pytest.raises(ValueError, match="one decoder layer"):
@@ -72,12 +88,19 @@ def test_training_time_test_equals_decoding(s260k):
     seq = rng.integers(3, target.cfg.vocab_size, size=(1, L)).astype(np.int32)
     pos = jnp.arange(L, dtype=jnp.int32)[None]
     out = target(jnp.asarray(seq), pos, taps=d.cfg.taps)
-    cache = d.extend_cache(d.init_cache(1, 32), out.features, jnp.where(pos < P, pos, -1),
-                           target=target, tokens=jnp.asarray(seq))
+    cache = d.extend_cache(
+        d.init_cache(1, 32), out.features, jnp.where(pos < P, pos, -1), target=target, tokens=jnp.asarray(seq)
+    )
     assert isinstance(cache, EagleCache) and cache.k.shape == (1, 32, target.cfg.num_kv_heads, target.cfg.head_dim)
     for temp in (1.0, 0.0):
-        draft = d.draft(target, jnp.asarray(seq[:, P]), jnp.array([P], jnp.int32), cache,
-                        jax.random.PRNGKey(temp == 0)[None], sampling_arrays(1, temp))
+        draft = d.draft(
+            target,
+            jnp.asarray(seq[:, P]),
+            jnp.array([P], jnp.int32),
+            cache,
+            jax.random.PRNGKey(temp == 0)[None],
+            sampling_arrays(1, temp),
+        )
         assert draft.tokens.shape == (1, GAMMA) and draft.probs.shape == (1, GAMMA, target.cfg.vocab_size)
         assert np.all(np.isinf(draft.confidence_logit)) and np.all(draft.confidence == 1)
         forced = seq.copy()
@@ -98,8 +121,18 @@ def test_training_time_test_equals_decoding(s260k):
 def test_draft_probs_are_the_sampling_law():
     """Tiny target (V = 6): x_1 ~ q_1 and x_2 | x_1 ~ the recorded q_2 over 40k draws."""
     v = 6
-    tcfg = TargetConfig(vocab_size=v, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=2,
-                        num_kv_heads=1, head_dim=8, max_position=32, tie_embeddings=False, name="law")
+    tcfg = TargetConfig(
+        vocab_size=v,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=3,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position=32,
+        tie_embeddings=False,
+        name="law",
+    )
     target = Target(tcfg, random_params(tcfg, seed=7, scale=0.4))
     d = random_eagle(target, gamma=3, scale=8.0)
     d.final_norm[...] = jnp.full(d.final_norm.shape, 0.3, jnp.float32)  # flat enough that every token occurs
@@ -110,8 +143,11 @@ def test_draft_probs_are_the_sampling_law():
     n = 40_000
     cache_n = jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape[1:]), cache)
     keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(n, dtype=jnp.uint32))
-    draft = jax.jit(lambda k: d.draft(target, jnp.full((n,), 5, jnp.int32), jnp.full((n,), 3, jnp.int32),
-                                      cache_n, k, sampling_arrays(n, 1.0)))(keys)
+    draft = jax.jit(
+        lambda k: d.draft(
+            target, jnp.full((n,), 5, jnp.int32), jnp.full((n,), 3, jnp.int32), cache_n, k, sampling_arrays(n, 1.0)
+        )
+    )(keys)
     x, q = np.asarray(draft.tokens), np.asarray(draft.probs)
     assert 0.5 * np.abs(np.bincount(x[:, 0], minlength=v) / n - q[0, 0]).sum() < 0.015
     conds = []
@@ -128,8 +164,8 @@ def test_draft_probs_are_the_sampling_law():
 @pytest.fixture(scope="module")
 def trained(s260k, tmp_path_factory):
     """An eagle3 drafter trained for 60 steps on stories260K's own continuations."""
-    from dspark_jax.data import batches, tinystories_openings
-    from dspark_jax.trainer import TrainConfig, Trainer, drafter_config
+    from dspark_jax.training.data import batches, tinystories_openings
+    from dspark_jax.training.trainer import TrainConfig, Trainer, drafter_config
 
     target, tok = s260k
     prompts = [tok.encode(t) for t in tinystories_openings()[50:82]]
@@ -173,8 +209,8 @@ def test_greedy_speculative_equals_autoregressive(s260k, trained):
 
 @pytest.mark.slow
 def test_export_load_and_eval_cli(s260k, trained, tmp_path):
-    from dspark_jax import eval as eval_cli
-    from dspark_jax.checkpoint import export_drafter, load_drafter
+    from dspark_jax.drafters.checkpoint import export_drafter, load_drafter
+    from dspark_jax.evaluation import cli as eval_cli
 
     target, _ = s260k
     d, _, _ = trained
@@ -184,8 +220,21 @@ def test_export_load_and_eval_cli(s260k, trained, tmp_path):
     for a, b in zip(jax.tree.leaves(nnx.state(d, nnx.Param)), jax.tree.leaves(nnx.state(loaded, nnx.Param))):
         np.testing.assert_array_equal(a, b)
     args = eval_cli.build_parser().parse_args(
-        ["--target", "stories260k", "--drafter", str(path), "--prompts", "tinystories", "--num-prompts", "3",
-         "--max-new-tokens", "24", "--out", str(tmp_path / "ev")])
+        [
+            "--target",
+            "stories260k",
+            "--drafter",
+            str(path),
+            "--prompts",
+            "tinystories",
+            "--num-prompts",
+            "3",
+            "--max-new-tokens",
+            "24",
+            "--out",
+            str(tmp_path / "ev"),
+        ]
+    )
     out = eval_cli.run(args)
     assert out["variant"] == "eagle3" and out["tau"] >= 1.0 and out["calibration"] is None
     assert (tmp_path / "ev" / "eval.json").is_file() and (tmp_path / "ev" / "position_acceptance.png").is_file()

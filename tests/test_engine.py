@@ -1,4 +1,4 @@
-"""End-to-end tests of the serving engine (:mod:`dspark_jax.engine`) on stories260K.
+"""End-to-end tests of the serving engine (:mod:`dspark_jax.serving.engine`) on stories260K.
 
 * Exactness across batching (Gumbel-coupled verification): with requests joining and
   leaving mid-flight through 2 slots, every policy (plain, fixed gamma, threshold, greedy,
@@ -23,23 +23,32 @@ import pytest
 from flax import nnx
 
 from dspark_jax.config import DrafterConfig
-from dspark_jax.decode import generate_autoregressive
-from dspark_jax.drafter import Drafter
-from dspark_jax.engine import Engine, Request, SamplingParams, parse_policy
+from dspark_jax.decoding.speculative import generate_autoregressive
+from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.model_io import params_fingerprint
-from dspark_jax.target import Target
+from dspark_jax.models.model_io import params_fingerprint
+from dspark_jax.models.target import Target
+from dspark_jax.serving.engine import Engine, Request, SamplingParams, parse_policy
 
 GAMMA = 3
 CACHE = 64
 
-TEXTS = ["Once upon a time", "The little dog", "Lily went to the park and saw a big", "One day",
-         "Tom had a red ball. He", "The sun was"]
-SETTINGS = [dict(temperature=0.0, max_tokens=30, seed=0), dict(temperature=1.0, max_tokens=25, seed=3),
-            dict(temperature=0.8, top_k=20, top_p=0.9, max_tokens=40, seed=7),
-            dict(temperature=1.0, top_p=0.5, max_tokens=200, seed=11),     # runs into the cache end
-            dict(temperature=0.5, top_k=5, max_tokens=1, seed=5),           # only the prefill token
-            dict(temperature=0.0, max_tokens=35, seed=2)]
+TEXTS = [
+    "Once upon a time",
+    "The little dog",
+    "Lily went to the park and saw a big",
+    "One day",
+    "Tom had a red ball. He",
+    "The sun was",
+]
+SETTINGS = [
+    dict(temperature=0.0, max_tokens=30, seed=0),
+    dict(temperature=1.0, max_tokens=25, seed=3),
+    dict(temperature=0.8, top_k=20, top_p=0.9, max_tokens=40, seed=7),
+    dict(temperature=1.0, top_p=0.5, max_tokens=200, seed=11),  # runs into the cache end
+    dict(temperature=0.5, top_k=5, max_tokens=1, seed=5),  # only the prefill token
+    dict(temperature=0.0, max_tokens=35, seed=2),
+]
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +67,14 @@ def drafter(target):
     """A drafter whose Markov head holds the target's bigram logits (W1 = I, W2 = bigram):
     good enough that drafts get accepted, so every acceptance path runs."""
     v = target.cfg.vocab_size
-    cfg = DrafterConfig.for_target(target.cfg, gamma=GAMMA, num_layers=1, intermediate_size=64, markov_rank=v,
-                                   target_fingerprint=target.fingerprint)
+    cfg = DrafterConfig.for_target(
+        target.cfg,
+        gamma=GAMMA,
+        num_layers=1,
+        intermediate_size=64,
+        markov_rank=v,
+        target_fingerprint=target.fingerprint,
+    )
     d = Drafter(cfg, nnx.Rngs(0))
     x = np.stack([np.full(v, 1), np.arange(v)], axis=1).astype(np.int32)
     pos = np.broadcast_to(np.arange(2, dtype=np.int32), x.shape)
@@ -75,8 +90,17 @@ def drafter(target):
 @pytest.fixture(scope="module")
 def engine(target, drafter):
     # suspend_after=2: every test also runs the drafter-free plain steps and the catch-up.
-    eng = Engine(target, drafter, num_slots=2, cache_len=CACHE, policy="fixed:3", buckets=(8,),
-                 prefill_buckets=(32,), profile_iters=1, suspend_after=2)
+    eng = Engine(
+        target,
+        drafter,
+        num_slots=2,
+        cache_len=CACHE,
+        policy="fixed:3",
+        buckets=(8,),
+        prefill_buckets=(32,),
+        profile_iters=1,
+        suspend_after=2,
+    )
     eng.warmup()
     eng.set_policy("dspark")
     eng.warmup()
@@ -94,8 +118,15 @@ def reference(target, requests):
     prompts = [r.prompt_ids for r in requests]
     p = [r.params for r in requests]
     max_new = [min(x.max_tokens, CACHE - len(r.prompt_ids)) for x, r in zip(p, requests)]
-    res = generate_autoregressive(target, prompts, max_new_tokens=max_new, temperature=[x.temperature for x in p],
-                                  top_k=[x.top_k for x in p], top_p=[x.top_p for x in p], seed=[x.seed for x in p])
+    res = generate_autoregressive(
+        target,
+        prompts,
+        max_new_tokens=max_new,
+        temperature=[x.temperature for x in p],
+        top_k=[x.top_k for x in p],
+        top_p=[x.top_p for x in p],
+        seed=[x.seed for x in p],
+    )
     return {r.request_id: (g.token_ids, g.finish_reason) for r, g in zip(requests, res.generations)}
 
 
@@ -161,8 +192,16 @@ def test_stop_ids_and_eos(engine, requests, reference):
     toks, reasons = drive(engine, [req])
     assert toks["s"] == ref[: first + 1] and reasons["s"] == "stop"
     # an extra engine-wide EOS id behaves the same way
-    eng2 = Engine(engine.target, engine.drafter, num_slots=2, cache_len=CACHE, policy="fixed:3", buckets=(8,),
-                  prefill_buckets=(32,), eos_token_ids=(stop,))
+    eng2 = Engine(
+        engine.target,
+        engine.drafter,
+        num_slots=2,
+        cache_len=CACHE,
+        policy="fixed:3",
+        buckets=(8,),
+        prefill_buckets=(32,),
+        eos_token_ids=(stop,),
+    )
     eng2._compiled = engine._compiled
     eng2._examples = engine._examples
     eng2._warm = True
@@ -184,13 +223,24 @@ def test_no_recompile_after_warmup(engine, requests):
     try:
         before = engine.metrics()["compiles"]
         # logit_bias / logprobs / min_tokens are runtime flags of the same programs
-        feats = [Request(r.prompt_ids, SamplingParams(temperature=r.params.temperature, max_tokens=12, seed=i,
-                                                      logit_bias=((5, -3.0),) * (i % 2), logprobs=(3 if i % 3 else None),
-                                                      min_tokens=4 * (i % 2)), f"f{i}")
-                 for i, r in enumerate(requests)]
+        feats = [
+            Request(
+                r.prompt_ids,
+                SamplingParams(
+                    temperature=r.params.temperature,
+                    max_tokens=12,
+                    seed=i,
+                    logit_bias=((5, -3.0),) * (i % 2),
+                    logprobs=(3 if i % 3 else None),
+                    min_tokens=4 * (i % 2),
+                ),
+                f"f{i}",
+            )
+            for i, r in enumerate(requests)
+        ]
         for policy in ["dspark", "greedy", "plain", "threshold:0.9", "fixed:3"]:
             engine.set_policy(policy)
-            drive(engine, requests[::-1])       # other prompt lengths / slot assignments / order
+            drive(engine, requests[::-1])  # other prompt lengths / slot assignments / order
             drive(engine, feats)
         # cancel mid-flight (client disconnect) and start again
         engine.insert(engine.prefill(requests[2]), 1)
@@ -233,8 +283,17 @@ def test_suspended_drafter_catches_up(engine, requests, reference):
     context; when drafting resumes, the catch-up rebuilds it to what continuous upkeep would
     have written (same drafter KV at every confirmed position, same drafted confidences), and
     the output stays exact."""
-    ref_eng = Engine(engine.target, engine.drafter, num_slots=2, cache_len=CACHE, policy="plain", buckets=(8,),
-                     prefill_buckets=(32,), profile_iters=1, suspend_after=None)
+    ref_eng = Engine(
+        engine.target,
+        engine.drafter,
+        num_slots=2,
+        cache_len=CACHE,
+        policy="plain",
+        buckets=(8,),
+        prefill_buckets=(32,),
+        profile_iters=1,
+        suspend_after=None,
+    )
     ref_eng._compiled, ref_eng._examples = engine._compiled, engine._examples
     ref_eng.sps_table = engine.sps_table
     toks = {}
@@ -245,14 +304,14 @@ def test_suspended_drafter_catches_up(engine, requests, reference):
         eng.insert(eng.prefill(requests[0]), 0)
         out = {0: [], 1: []}
         for i in range(9):
-            if i == 7:          # joins while the drafter is suspended: prefill skips its context
+            if i == 7:  # joins while the drafter is suspended: prefill skips its context
                 pre = eng.prefill(requests[2])
                 assert pre.has_context is (eng is ref_eng)
                 eng.insert(pre, 1)
             for o in eng.generate():
                 out[o.slot] += o.token_ids
         eng.set_policy("fixed:3")
-        for o in eng.generate():               # catch-up, then a step that drafts
+        for o in eng.generate():  # catch-up, then a step that drafts
             out[o.slot] += o.token_ids
         toks[id(eng)] = out
     m, m_ref = engine.metrics(), ref_eng.metrics()
@@ -266,8 +325,9 @@ def test_suspended_drafter_catches_up(engine, requests, reference):
         np.testing.assert_allclose(rec.z, rec_ref.z, rtol=1e-4, atol=1e-5)
         n = rec.length - 1
         for a, b in ((engine._state.dk, ref_eng._state.dk), (engine._state.dv, ref_eng._state.dv)):
-            np.testing.assert_allclose(np.asarray(a[:, rec.row, :n]), np.asarray(b[:, rec_ref.row, :n]),
-                                       rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(
+                np.asarray(a[:, rec.row, :n]), np.asarray(b[:, rec_ref.row, :n]), rtol=1e-4, atol=1e-5
+            )
     for eng in (engine, ref_eng):
         while eng.active_slots():
             for o in eng.generate():
@@ -308,10 +368,15 @@ def test_metrics_and_calibration_exported(engine, requests):
 
 
 def test_input_errors(engine, target, drafter):
-    bad = [Request([], SamplingParams()), Request([1, 600], SamplingParams()),
-           Request(list(range(1, 40)), SamplingParams()),
-           Request([1, 2], SamplingParams(temperature=-1.0)), Request([1, 2], SamplingParams(top_p=0.0)),
-           Request([1, 2], SamplingParams(max_tokens=0)), Request([1, 2], SamplingParams(seed=2 ** 40))]
+    bad = [
+        Request([], SamplingParams()),
+        Request([1, 600], SamplingParams()),
+        Request(list(range(1, 40)), SamplingParams()),
+        Request([1, 2], SamplingParams(temperature=-1.0)),
+        Request([1, 2], SamplingParams(top_p=0.0)),
+        Request([1, 2], SamplingParams(max_tokens=0)),
+        Request([1, 2], SamplingParams(seed=2**40)),
+    ]
     for r in bad:
         with pytest.raises(DSparkInputError):
             engine.prefill(r)
@@ -351,7 +416,7 @@ def plain_reference(full_logits, target, prompt, sp: SamplingParams):
     (then temperature / top-k / top-p via ``process_logits``), the token after position ``t``
     drawn with ``fold_in(PRNGKey(seed), t)`` like ``generate_autoregressive``. Returns
     ``(tokens, finish_reason, raw_logprobs [n, V])``."""
-    from dspark_jax.sampling import process_logits, sample, sampling_arrays
+    from dspark_jax.models.sampling import process_logits, sample, sampling_arrays
 
     stops = set(target.cfg.eos_ids) | set(sp.stop_token_ids)
     ids, out, lps = list(prompt), [], []
@@ -384,9 +449,15 @@ def test_logit_bias_matches_plain_decoding_with_bias(engine, target, tokenizer, 
     prompt = tokenizer.encode("Once upon a time")
     base = SamplingParams(temperature=0.0, max_tokens=30)
     ref0, _, _ = plain_reference(full_logits, target, prompt, base)
-    bias = ((ref0[2], -100.0), (ref0[0], -5.0), (int(np.argsort(full_logits(np.r_[prompt, np.zeros(CACHE - len(prompt), int)])[len(prompt) - 1])[-3]), 4.0))
-    cases = [SamplingParams(temperature=0.0, max_tokens=30, logit_bias=bias),
-             SamplingParams(temperature=0.8, top_k=20, max_tokens=30, seed=4, logit_bias=bias)]
+    bias = (
+        (ref0[2], -100.0),
+        (ref0[0], -5.0),
+        (int(np.argsort(full_logits(np.r_[prompt, np.zeros(CACHE - len(prompt), int)])[len(prompt) - 1])[-3]), 4.0),
+    )
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=30, logit_bias=bias),
+        SamplingParams(temperature=0.8, top_k=20, max_tokens=30, seed=4, logit_bias=bias),
+    ]
     for sp in cases:
         ref, why, _ = plain_reference(full_logits, target, prompt, sp)
         if sp.temperature == 0:
@@ -403,8 +474,9 @@ def test_logprobs_are_target_raw_logprobs(engine, target, requests, full_logits)
     token included), within 1e-4 of plain decoding's, top-n sorted; None when not asked."""
     engine.set_policy("fixed:3")
     base = requests[2]
-    sp = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=20, seed=7, logprobs=5,
-                        logit_bias=((13, 2.0),))
+    sp = SamplingParams(
+        temperature=0.8, top_k=20, top_p=0.9, max_tokens=20, seed=7, logprobs=5, logit_bias=((13, 2.0),)
+    )
     other = Request(requests[0].prompt_ids, SamplingParams(temperature=0.0, max_tokens=10), "no-lp")
     zero = Request(requests[1].prompt_ids, SamplingParams(temperature=1.0, max_tokens=5, logprobs=0), "zero")
     got = {"lp": [], "no-lp": [], "zero": []}
@@ -446,17 +518,24 @@ def test_min_tokens_suppresses_stops(engine, target, requests, reference, full_l
         toks, reasons = drive(engine, [Request(base.prompt_ids, sp, "m")])
         assert toks["m"] == want and reasons["m"] == why
     # without min_tokens the same request stops at once
-    toks, reasons = drive(engine, [Request(base.prompt_ids, SamplingParams(temperature=0.0, max_tokens=35,
-                                                                           stop_token_ids=(stop,)), "n")])
+    toks, reasons = drive(
+        engine, [Request(base.prompt_ids, SamplingParams(temperature=0.0, max_tokens=35, stop_token_ids=(stop,)), "n")]
+    )
     assert toks["n"] == ref[:2] and reasons["n"] == "stop"
 
 
 def test_new_sampling_params_are_validated(engine):
-    cases = {"logit_bias": [SamplingParams(logit_bias=((512, 1.0),)), SamplingParams(logit_bias=((-1, 1.0),)),
-                            SamplingParams(logit_bias=((3, float("nan")),)),
-                            SamplingParams(logit_bias=((3, float("inf")),)), SamplingParams(logit_bias=((3,),))],
-             "logprobs": [SamplingParams(logprobs=21), SamplingParams(logprobs=-1)],
-             "min_tokens": [SamplingParams(min_tokens=5, max_tokens=4), SamplingParams(min_tokens=-1)]}
+    cases = {
+        "logit_bias": [
+            SamplingParams(logit_bias=((512, 1.0),)),
+            SamplingParams(logit_bias=((-1, 1.0),)),
+            SamplingParams(logit_bias=((3, float("nan")),)),
+            SamplingParams(logit_bias=((3, float("inf")),)),
+            SamplingParams(logit_bias=((3,),)),
+        ],
+        "logprobs": [SamplingParams(logprobs=21), SamplingParams(logprobs=-1)],
+        "min_tokens": [SamplingParams(min_tokens=5, max_tokens=4), SamplingParams(min_tokens=-1)],
+    }
     for field, params in cases.items():
         for sp in params:
             with pytest.raises(DSparkInputError, match=field):
@@ -467,11 +546,18 @@ def test_new_sampling_params_are_validated(engine):
 
 
 def test_eagle3_drafter_is_refused_at_start(target):
-    from dspark_jax.drafter import build_drafter
-    from dspark_jax.eagle import eagle_taps
+    from dspark_jax.drafters.dspark import build_drafter
+    from dspark_jax.drafters.eagle import eagle_taps
 
-    cfg = DrafterConfig.for_target(target.cfg, variant="eagle3", num_layers=1, gamma=GAMMA, markov_rank=0,
-                                   taps=eagle_taps(target.cfg), target_fingerprint=target.fingerprint)
+    cfg = DrafterConfig.for_target(
+        target.cfg,
+        variant="eagle3",
+        num_layers=1,
+        gamma=GAMMA,
+        markov_rank=0,
+        taps=eagle_taps(target.cfg),
+        target_fingerprint=target.fingerprint,
+    )
     with pytest.raises(DSparkInputError, match="eagle3") as e:
         Engine(target, build_drafter(cfg, nnx.Rngs(0)), num_slots=1, cache_len=CACHE)
     assert "\n" not in str(e.value)
@@ -481,8 +567,9 @@ def test_eagle3_drafter_is_refused_at_start(target):
 
 def test_rejection_engine_without_drafter(target, requests, reference):
     """A drafter-less engine in rejection mode decodes plainly (no q is kept)."""
-    eng = Engine(target, None, num_slots=2, cache_len=CACHE, policy="plain", prefill_buckets=(32,),
-                 verification="rejection")     # shares the programs of the coupled drafter-less engine
+    eng = Engine(
+        target, None, num_slots=2, cache_len=CACHE, policy="plain", prefill_buckets=(32,), verification="rejection"
+    )  # shares the programs of the coupled drafter-less engine
     toks, reasons = drive_one(eng, requests[:1])
     assert toks["r0"] == reference["r0"][0] and eng._state.qprob is None
 
@@ -490,8 +577,18 @@ def test_rejection_engine_without_drafter(target, requests, reference):
 @pytest.fixture(scope="module")
 def rejection_engine(target, drafter):
     """One slot, rejection-sampling verification (its own programs: the state carries q)."""
-    return Engine(target, drafter, num_slots=1, cache_len=CACHE, policy="fixed:3", buckets=(8,),
-                  prefill_buckets=(32,), profile_iters=1, suspend_after=None, verification="rejection")
+    return Engine(
+        target,
+        drafter,
+        num_slots=1,
+        cache_len=CACHE,
+        policy="fixed:3",
+        buckets=(8,),
+        prefill_buckets=(32,),
+        profile_iters=1,
+        suspend_after=None,
+        verification="rejection",
+    )
 
 
 def test_rejection_verification_mode(rejection_engine, requests, reference):
@@ -506,9 +603,14 @@ def test_rejection_verification_mode(rejection_engine, requests, reference):
     for r in greedy:
         assert toks[r.request_id] == reference[r.request_id][0] and reasons[r.request_id] == reference[r.request_id][1]
     ban = reference[requests[1].request_id][0][:3]
-    sampled = [Request(r.prompt_ids, SamplingParams(temperature=1.0, max_tokens=24, seed=i,
-                                                    logit_bias=tuple((t, -100.0) for t in ban)), f"t{i}")
-               for i, r in enumerate(requests[:4])]
+    sampled = [
+        Request(
+            r.prompt_ids,
+            SamplingParams(temperature=1.0, max_tokens=24, seed=i, logit_bias=tuple((t, -100.0) for t in ban)),
+            f"t{i}",
+        )
+        for i, r in enumerate(requests[:4])
+    ]
     eng.reset_metrics()
     toks, _ = drive_one(eng, sampled)
     assert all(t not in ban for v in toks.values() for t in v)
@@ -531,14 +633,14 @@ def drive_one(engine, requests):
 
 def test_rejection_mode_replays_verify(rejection_engine, tokenizer, full_logits):
     """verification="rejection" at T=1 (top-k 50), white box: every speculative step emits
-    exactly what :func:`dspark_jax.verifier.verify` emits for the block on the device (drafts
+    exactly what :func:`dspark_jax.decoding.verifier.verify` emits for the block on the device (drafts
     and their stored q), the target's p recomputed by plain full forwards at the block's
     positions, and the engine's round key ``fold_in(fold_in(PRNGKey(seed), P), 1)``. The
     output law then follows from verify's (tests/test_verifier.py). Also: every draft has
     q > 0 under its stored q (it was drawn from it). Catches a misaligned p, q or key, which
     greedy decoding cannot see."""
-    from dspark_jax.sampling import process_logits, sampling_arrays
-    from dspark_jax.verifier import verify
+    from dspark_jax.decoding.verifier import verify
+    from dspark_jax.models.sampling import process_logits, sampling_arrays
 
     eng = rejection_engine
     eng.reset_metrics()
@@ -553,7 +655,7 @@ def test_rejection_mode_replays_verify(rejection_engine, tokenizer, full_logits)
             st = eng._state
             drafts, q = np.asarray(st.draft[0]), np.asarray(st.qprob[0])
             pos, anchor = int(st.pos[0]), int(st.anchor[0])
-            ctx, n_pending = list(rec.tokens), len(rec.pending)   # the prefill token rides the first step
+            ctx, n_pending = list(rec.tokens), len(rec.pending)  # the prefill token rides the first step
             assert pos == len(ctx) - 1 and anchor == ctx[-1]
             (o,) = eng.generate()
             ell = o.num_verified
@@ -563,11 +665,12 @@ def test_rejection_mode_replays_verify(rejection_engine, tokenizer, full_logits)
             assert np.all(q[np.arange(GAMMA), drafts[:GAMMA]] > 0)
             seq = np.zeros(CACHE, np.int32)
             seq[: len(ctx) + GAMMA] = ctx + drafts[:GAMMA].tolist()
-            lg = full_logits(seq)[pos: pos + GAMMA + 1]
+            lg = full_logits(seq)[pos : pos + GAMMA + 1]
             p = process_logits(jnp.asarray(lg[None], jnp.float32), samp)
             key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), pos), 1)
-            res = verify(key[None], jnp.asarray(drafts[None, :GAMMA]), jnp.asarray(q[None]), p,
-                         jnp.asarray([ell], jnp.int32))
+            res = verify(
+                key[None], jnp.asarray(drafts[None, :GAMMA]), jnp.asarray(q[None]), p, jnp.asarray([ell], jnp.int32)
+            )
             want = [int(t) for t in np.asarray(res.tokens[0]) if t >= 0]
             assert o.token_ids[n_pending:] == want and o.num_accepted == int(res.num_accepted[0])
             checked += 1
@@ -581,11 +684,11 @@ def test_dspark_policy_reports_its_decision(engine, requests, caplog):
 
     engine.set_policy("dspark")
     engine.reset_metrics()
-    with caplog.at_level(logging.INFO, logger="dspark_jax.engine"):
-        drive(engine, requests)            # records decisions (whether it drafts depends on timings)
-        engine.set_policy("plain")         # never drafts: suspends after suspend_after=2 steps
+    with caplog.at_level(logging.INFO, logger="dspark_jax.serving.engine"):
+        drive(engine, requests)  # records decisions (whether it drafts depends on timings)
+        engine.set_policy("plain")  # never drafts: suspends after suspend_after=2 steps
         drive(engine, requests[:1])
-        engine.set_policy("fixed:3")       # always drafts: resumes
+        engine.set_policy("fixed:3")  # always drafts: resumes
         drive(engine, requests[:1])
         engine.set_policy("dspark")
     dec = engine.metrics()["scheduler_decision"]
@@ -593,8 +696,8 @@ def test_dspark_policy_reports_its_decision(engine, requests, caplog):
     wins = dec["tokens_per_s_drafting"] > dec["tokens_per_s_plain"]
     if dec["catchup_seconds"] == 0:
         assert dec["draft"] == wins
-    else:   # resuming must also pay back the catch-up
+    else:  # resuming must also pay back the catch-up
         assert wins or not dec["draft"]
-    lines = [r.getMessage() for r in caplog.records if r.name == "dspark_jax.engine"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "dspark_jax.serving.engine"]
     assert any(m.startswith("suspending drafting") and "tokens/s drafting vs" in m for m in lines), lines
     assert any(m.startswith("resuming drafting") for m in lines), lines

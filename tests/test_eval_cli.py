@@ -8,10 +8,10 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import MODELS_DIR
-from dspark_jax import eval as eval_cli
-from dspark_jax.checkpoint import FORMAT
+
+from dspark_jax.drafters.checkpoint import FORMAT
+from dspark_jax.evaluation import cli as eval_cli
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -44,21 +44,23 @@ def fake_export(tmp_path):
     return d
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--num-prompts", "0"], "--num-prompts must be >= 1"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-    (["--temperature", "-1"], "--temperature must be >= 0"),
-    (["--temperature", "nan"], "--temperature must be a finite number"),
-    (["--top-p", "inf"], "--top-p must be a finite number"),
-    (["--top-p", "0"], "--top-p must be in (0, 1]"),
-    (["--batch-size", "0"], "--batch-size must be >= 1"),
-    (["--prompts", "no_such_set"], "neither a prompt set"),
-    (["--drafter", "/nonexistent/export"], "not a drafter export"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--temperature", "-1"], "--temperature must be >= 0"),
+        (["--temperature", "nan"], "--temperature must be a finite number"),
+        (["--top-p", "inf"], "--top-p must be a finite number"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--prompts", "no_such_set"], "neither a prompt set"),
+        (["--drafter", "/nonexistent/export"], "not a drafter export"),
+    ],
+)
 def test_bad_input_is_one_error_line_and_exit_2(extra, message, fake_export, tmp_path, capsys):
-    argv = ["--target", "stories260k", "--drafter", fake_export, "--prompts", "tinystories",
-            "--out", tmp_path / "out"]
-    for i in range(0, len(extra), 2):   # later flags win in argparse
+    argv = ["--target", "stories260k", "--drafter", fake_export, "--prompts", "tinystories", "--out", tmp_path / "out"]
+    for i in range(0, len(extra), 2):  # later flags win in argparse
         argv += extra[i : i + 2]
     rc, out, err = _main(argv, capsys)
     assert rc == 2
@@ -70,14 +72,15 @@ def test_bad_input_is_one_error_line_and_exit_2(extra, message, fake_export, tmp
 def test_bad_prompt_file_is_an_error(fake_export, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{not json\n')
-    rc, _, err = _main(["--target", "stories260k", "--drafter", fake_export, "--prompts", bad,
-                        "--out", tmp_path / "o"], capsys)
+    rc, _, err = _main(
+        ["--target", "stories260k", "--drafter", fake_export, "--prompts", bad, "--out", tmp_path / "o"], capsys
+    )
     assert rc == 2 and err.startswith("error: ") and "bad.jsonl:2" in err
 
 
 def test_prompt_sets_load():
-    from dspark_jax.data import shared_data_dir, split_prompts, tinystories_openings
     from dspark_jax.errors import DSparkInputError
+    from dspark_jax.training.data import shared_data_dir, split_prompts, tinystories_openings
 
     try:
         shared_data_dir()
@@ -88,7 +91,7 @@ def test_prompt_sets_load():
     sets = {name: eval_cli.load_prompt_texts(name)[0] for name in eval_cli.PROMPT_SETS}
     for name, texts in sets.items():
         assert texts and all(isinstance(t, str) and t for t in texts), name
-    assert sets["mt_bench"][0].startswith("Compose an engaging travel blog post")   # first turn only
+    assert sets["mt_bench"][0].startswith("Compose an engaging travel blog post")  # first turn only
     assert len(sets["mt_bench"]) == 80 and len(sets["alpaca"]) == 80 and len(sets["humaneval"]) == 164
     assert sets["gsm8k"][0].startswith("Janet")
     assert sets["humaneval"][0].startswith("from typing import List")
@@ -106,8 +109,8 @@ def _check_outputs(out_dir, gamma, calibrated):
     assert ev["tau"] >= 1.0 and 0.0 <= ev["acceptance_rate"] <= 1.0
     ar = ev["accept_rate_at_k"]
     assert len(ar) == gamma and all(a >= b for a, b in zip(ar, ar[1:]))
-    assert ar[0] <= ev["position_acceptance"][0] + 1e-9        # a round may verify nothing (at the length limit)
-    assert ev["tau"] <= 1 + sum(ar) + 1e-9                        # equality without stop tokens
+    assert ar[0] <= ev["position_acceptance"][0] + 1e-9  # a round may verify nothing (at the length limit)
+    assert ev["tau"] <= 1 + sum(ar) + 1e-9  # equality without stop tokens
     cal = ev["calibration"]
     dec = cal["decode"]
     assert dec["num_rounds"] == ev["num_target_passes"]
@@ -123,28 +126,59 @@ def test_eval_cli_random_drafter_on_stories260k(stories260k_dir, tmp_path, capsy
     from flax import nnx
 
     from dspark_jax.api import load_target
-    from dspark_jax.checkpoint import export_drafter
     from dspark_jax.config import DrafterConfig
-    from dspark_jax.drafter import Drafter
+    from dspark_jax.drafters.checkpoint import export_drafter
+    from dspark_jax.drafters.dspark import Drafter
 
     os.environ.setdefault("DSPARK_MODELS", str(MODELS_DIR))
     target, _ = load_target("stories260k")
-    cfg = DrafterConfig.for_target(target.cfg, gamma=4, num_layers=1, markov_rank=16, intermediate_size=32,
-                                   target_fingerprint=target.fingerprint)
+    cfg = DrafterConfig.for_target(
+        target.cfg, gamma=4, num_layers=1, markov_rank=16, intermediate_size=32, target_fingerprint=target.fingerprint
+    )
     d = Drafter(cfg, nnx.Rngs(0))
     d.conf_w[...] = jnp.asarray(np.random.default_rng(0).standard_normal(d.conf_w[...].shape).astype(np.float32))
     d.set_calibration([2.0, 1.0, 0.5, 1.5])
     export_drafter(d, tmp_path / "export")
     out = tmp_path / "eval"
-    rc, stdout, err = _main(["--target", "stories260k", "--drafter", tmp_path / "export", "--prompts", "tinystories",
-                             "--num-prompts", 3, "--max-new-tokens", 12, "--batch-size", 4, "--out", out], capsys)
+    rc, stdout, err = _main(
+        [
+            "--target",
+            "stories260k",
+            "--drafter",
+            tmp_path / "export",
+            "--prompts",
+            "tinystories",
+            "--num-prompts",
+            3,
+            "--max-new-tokens",
+            12,
+            "--batch-size",
+            4,
+            "--out",
+            out,
+        ],
+        capsys,
+    )
     assert rc == 0, err
     assert json.loads(stdout.strip().splitlines()[-1])["out"] == str(out.resolve())
     ev = _check_outputs(out, 4, calibrated=True)
     assert ev["calibration"]["temperatures"] == [2.0, 1.0, 0.5, 1.5]
     assert ev["prompts"]["num_prompts"] == 3 and ev["gamma"] == 4
-    rc, _, err = _main(["--target", "stories260k", "--drafter", tmp_path / "export", "--prompts", "tinystories",
-                        "--gamma", 9, "--out", tmp_path / "e2"], capsys)
+    rc, _, err = _main(
+        [
+            "--target",
+            "stories260k",
+            "--drafter",
+            tmp_path / "export",
+            "--prompts",
+            "tinystories",
+            "--gamma",
+            9,
+            "--out",
+            tmp_path / "e2",
+        ],
+        capsys,
+    )
     assert rc == 2 and "--gamma must be in [1, 4]" in err
 
 
@@ -160,8 +194,23 @@ def test_eval_cli_on_trained_export(stories260k_export, tmp_path, capsys):
     assert full["after"]["pooled"]["ece"] == pytest.approx(cal["after"]["ece"])
     assert json.loads((workdir / "summary.json").read_text())["calibration"]["temperatures"] == cal["temperatures"]
     out = tmp_path / "eval"
-    rc, _, err = _main(["--target", "stories260k", "--drafter", workdir / "export", "--prompts", "tinystories",
-                        "--num-prompts", 4, "--max-new-tokens", 32, "--out", out], capsys)
+    rc, _, err = _main(
+        [
+            "--target",
+            "stories260k",
+            "--drafter",
+            workdir / "export",
+            "--prompts",
+            "tinystories",
+            "--num-prompts",
+            4,
+            "--max-new-tokens",
+            32,
+            "--out",
+            out,
+        ],
+        capsys,
+    )
     assert rc == 0, err
     ev = _check_outputs(out, gamma, calibrated=True)
     assert "held-out" in ev["prompts"]["source"]

@@ -12,17 +12,27 @@ import pytest
 from flax import nnx
 
 from dspark_jax.config import TargetConfig
-from dspark_jax.data import batches
-from dspark_jax.drafter import build_drafter
+from dspark_jax.drafters.dspark import build_drafter
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.feature_cache import MANIFEST, build_feature_cache, ensure_feature_cache, open_feature_cache
-from dspark_jax.target import Target, random_params
-from dspark_jax.trainer import TrainConfig, Trainer, drafter_config, loss_sums, sample_anchors
+from dspark_jax.models.target import Target, random_params
+from dspark_jax.training.data import batches
+from dspark_jax.training.feature_cache import MANIFEST, build_feature_cache, ensure_feature_cache, open_feature_cache
+from dspark_jax.training.trainer import TrainConfig, Trainer, drafter_config, loss_sums, sample_anchors
 
-TCFG = TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
-                    num_kv_heads=2, head_dim=8, max_position=128, name="tiny")
-CFG = TrainConfig(steps=4, batch_size=4, anchors_per_seq=4, gamma=4, num_layers=1, markov_rank=8,
-                  learning_rate=1e-2, ckpt_every=100)
+TCFG = TargetConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position=128,
+    name="tiny",
+)
+CFG = TrainConfig(
+    steps=4, batch_size=4, anchors_per_seq=4, gamma=4, num_layers=1, markov_rank=8, learning_rate=1e-2, ckpt_every=100
+)
 
 
 def _data(n=12, length=24, seed=0):
@@ -51,12 +61,20 @@ def built(tmp_path_factory):
 
 def _loss_and_grads(drafter, target, batch, cfg, cached):
     graph, params = nnx.split(drafter, nnx.Param)
-    anchors = sample_anchors(jax.random.PRNGKey(3), jnp.asarray(batch["lengths"]), jnp.asarray(batch["prompt_lengths"]),
-                             cfg.anchors_per_seq)
+    anchors = sample_anchors(
+        jax.random.PRNGKey(3), jnp.asarray(batch["lengths"]), jnp.asarray(batch["prompt_lengths"]), cfg.anchors_per_seq
+    )
 
     def f(p):
-        s = loss_sums(nnx.merge(graph, p), target, jnp.asarray(batch["tokens"]), jnp.asarray(batch["lengths"]),
-                      anchors, cfg, cached=cached)
+        s = loss_sums(
+            nnx.merge(graph, p),
+            target,
+            jnp.asarray(batch["tokens"]),
+            jnp.asarray(batch["lengths"]),
+            anchors,
+            cfg,
+            cached=cached,
+        )
         return s["objective"] / s["w"], s
 
     (loss, sums), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
@@ -74,8 +92,9 @@ def test_cached_loss_and_gradients_equal_uncached(built, variant):
     out = target(jnp.asarray(batch["tokens"]), jnp.broadcast_to(jnp.arange(24), (4, 24)), taps=dcfg.taps)
     np.testing.assert_allclose(batch["tap_features"], np.asarray(out.features), rtol=1e-5, atol=1e-5)  # same rows
     l0, s0, g0 = _loss_and_grads(drafter, target, batch, cfg, None)
-    l1, s1, g1 = _loss_and_grads(drafter, target, batch, cfg,
-                                 (jnp.asarray(batch["tap_features"]), jnp.asarray(batch["last_hidden"])))
+    l1, s1, g1 = _loss_and_grads(
+        drafter, target, batch, cfg, (jnp.asarray(batch["tap_features"]), jnp.asarray(batch["last_hidden"]))
+    )
     assert np.isfinite(float(l0)) and float(l0) > 0
     np.testing.assert_allclose(float(l1), float(l0), rtol=1e-5)
     for k in ("tv", "ce", "bce", "tau_num"):
@@ -95,7 +114,7 @@ def test_trainer_steps_with_cache_and_micro_batches_match_uncached(built):
     params, losses = [], []
     for d in (data, {**data, **fc.batch_arrays(dcfg.taps)}):
         tr = Trainer(cfg, target, build_drafter(dcfg, nnx.Rngs(0)))
-        it = batches(d, cfg.batch_size, cfg.seed, start_step=2)   # an epoch-shuffled batch, not rows 0..3
+        it = batches(d, cfg.batch_size, cfg.seed, start_step=2)  # an epoch-shuffled batch, not rows 0..3
         losses.append([float(tr.step(next(it), step)[0].loss) for step in range(2)])
         params.append(jax.tree.map(np.asarray, nnx.to_pure_dict(tr.params)))
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
@@ -106,13 +125,14 @@ def test_trainer_steps_with_cache_and_micro_batches_match_uncached(built):
 
 def test_bfloat16_cache_halves_storage_and_stays_close(built, tmp_path):
     target, data, fc32 = built
-    fc = build_feature_cache(tmp_path / "bf", target, data, fc32.manifest["layers"], store_dtype="bfloat16",
-                             progress=False)
+    fc = build_feature_cache(
+        tmp_path / "bf", target, data, fc32.manifest["layers"], store_dtype="bfloat16", progress=False
+    )
     assert fc.layers[3].dtype == np.uint16 and fc.layers[3].nbytes * 2 == fc32.layers[3].nbytes
     f16 = fc.batch_arrays((1, 2))["tap_features"][np.arange(3)]
     f32 = fc32.batch_arrays((1, 2))["tap_features"][np.arange(3)]
     np.testing.assert_allclose(f16.astype(np.float32), f32, rtol=1e-2, atol=1e-2)
-    with pytest.raises(DSparkInputError, match="store_dtype"):   # a float32 run does not take a bf16 cache
+    with pytest.raises(DSparkInputError, match="store_dtype"):  # a float32 run does not take a bf16 cache
         ensure_feature_cache(tmp_path / "bf", target, data, (1,), store_dtype="float32")
 
 
@@ -120,13 +140,13 @@ def test_mismatched_cache_is_refused_or_extended(built, tmp_path):
     target, data, fc = built
     d = tmp_path / "c"
     ensure_feature_cache(d, target, data, (1,), progress=False)
-    assert json.loads((d / MANIFEST).read_text())["layers"] == [1, 3]      # + the last layer
+    assert json.loads((d / MANIFEST).read_text())["layers"] == [1, 3]  # + the last layer
     with pytest.raises(DSparkInputError, match="layers"):
         open_feature_cache(d, target, data, (0, 1))
     # Taps not covered: rebuilt with the union of the old and the requested layers.
     fc2 = ensure_feature_cache(d, target, data, (0, 1), progress=False)
     assert sorted(fc2.layers) == [0, 1, 3]
-    np.testing.assert_allclose(fc2.layers[1], fc.layers[1], rtol=1e-5, atol=1e-5)   # other batch size
+    np.testing.assert_allclose(fc2.layers[1], fc.layers[1], rtol=1e-5, atol=1e-5)  # other batch size
     with pytest.raises(DSparkInputError, match="tokens_sha256"):
         ensure_feature_cache(d, target, _data(seed=5), (1,), progress=False)
     with pytest.raises(DSparkInputError, match="target_fingerprint"):
@@ -135,7 +155,7 @@ def test_mismatched_cache_is_refused_or_extended(built, tmp_path):
         (tmp_path / "junk").mkdir()
         (tmp_path / "junk" / "x.txt").write_text("x")
         ensure_feature_cache(tmp_path / "junk", target, data, (1,), progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []   # no temp dirs left
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp dirs left
 
 
 def test_killed_build_leaves_no_cache(built, tmp_path, monkeypatch):
@@ -145,9 +165,10 @@ def test_killed_build_leaves_no_cache(built, tmp_path, monkeypatch):
 
     def open_then_die(*a, **k):
         calls.append(1)
-        if len(calls) == 2:     # second layer file: the build dies half way
+        if len(calls) == 2:  # second layer file: the build dies half way
             raise KeyboardInterrupt
         return real_open(*a, **k)
+
     monkeypatch.setattr(np.lib.format, "open_memmap", open_then_die)
     with pytest.raises(KeyboardInterrupt):
         build_feature_cache(tmp_path / "c", target, data, (1, 2), progress=False)
@@ -157,30 +178,49 @@ def test_killed_build_leaves_no_cache(built, tmp_path, monkeypatch):
         open_feature_cache(tmp_path / "c", target, data, (1,))
     fc = ensure_feature_cache(tmp_path / "c", target, data, (1, 2), progress=False)  # the next run builds it
     assert sorted(fc.layers) == [1, 2, 3]
-    assert [p.name for p in tmp_path.iterdir()] == ["c"]       # the killed build's temp folder is gone
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]  # the killed build's temp folder is gone
 
 
 @pytest.mark.slow
 def test_train_run_with_feature_cache_matches_uncached(stories260k, tmp_path):
-    from dspark_jax.model_io import params_fingerprint
-    from dspark_jax.train import run
+    from dspark_jax.models.model_io import params_fingerprint
+    from dspark_jax.training.cli import run
 
     cfg_t, params, tok = stories260k
     target = Target(cfg_t, params, fingerprint=params_fingerprint(params))
-    base = TrainConfig(workdir=str(tmp_path / "plain"), num_prompts=16, num_eval_prompts=4, gen_max_new_tokens=12,
-                       gen_batch_size=16, seq_len=32, steps=3, batch_size=4, anchors_per_seq=4, gamma=4,
-                       num_layers=1, markov_rank=8, log_every=100, ckpt_every=100)
+    base = TrainConfig(
+        workdir=str(tmp_path / "plain"),
+        num_prompts=16,
+        num_eval_prompts=4,
+        gen_max_new_tokens=12,
+        gen_batch_size=16,
+        seq_len=32,
+        steps=3,
+        batch_size=4,
+        anchors_per_seq=4,
+        gamma=4,
+        num_layers=1,
+        markov_rank=8,
+        log_every=100,
+        ckpt_every=100,
+    )
     s0 = run(base, evaluate=False, calibrate=False, target_and_tokenizer=(target, tok))
-    cached = dataclasses.replace(base, workdir=str(tmp_path / "cached"), data_dir=str(tmp_path / "plain/data"),
-                                 feature_cache=str(tmp_path / "fc"))
+    cached = dataclasses.replace(
+        base,
+        workdir=str(tmp_path / "cached"),
+        data_dir=str(tmp_path / "plain/data"),
+        feature_cache=str(tmp_path / "fc"),
+    )
     s1 = run(cached, evaluate=False, calibrate=False, target_and_tokenizer=(target, tok))
     assert (tmp_path / "fc" / MANIFEST).is_file() and s1["steps"] == s0["steps"] == 3
-    from dspark_jax.checkpoint import load_drafter
+    from dspark_jax.drafters.checkpoint import load_drafter
 
     d0, _ = load_drafter(s0["export_dir"])
     d1, _ = load_drafter(s1["export_dir"])
     p0, p1 = nnx.state(d0, nnx.Param), nnx.state(d1, nnx.Param)
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p0)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
-    assert any(float(jnp.max(jnp.abs(a - b))) > 0 for a, b in
-               zip(jax.tree.leaves(p0), jax.tree.leaves(nnx.state(build_drafter(d0.cfg, nnx.Rngs(0)), nnx.Param))))
+    assert any(
+        float(jnp.max(jnp.abs(a - b))) > 0
+        for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(nnx.state(build_drafter(d0.cfg, nnx.Rngs(0)), nnx.Param)))
+    )

@@ -22,20 +22,30 @@ import pytest
 from flax import nnx
 
 from dspark_jax.config import DrafterConfig, TargetConfig
-from dspark_jax.drafter import Drafter
-from dspark_jax.markov import sample_block
-from dspark_jax.sampling import process_logits, sampling_arrays
-from dspark_jax.target import Target, random_params
+from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.drafters.markov import sample_block
+from dspark_jax.models.sampling import process_logits, sampling_arrays
+from dspark_jax.models.target import Target, random_params
 
 V, G, N = 6, 3, 40_000
 CTX = [1, 4, 2, 5]
-HEADS = ["vanilla", "gated", "rnn"]   # the legacy gated_v0 / rnn_v0: load and round-trip tests only
+HEADS = ["vanilla", "gated", "rnn"]  # the legacy gated_v0 / rnn_v0: load and round-trip tests only
 
 
 @pytest.fixture(scope="module")
 def target():
-    tcfg = TargetConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=2,
-                        num_kv_heads=1, head_dim=8, max_position=32, tie_embeddings=False, name="law")
+    tcfg = TargetConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=3,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position=32,
+        tie_embeddings=False,
+        name="law",
+    )
     return Target(tcfg, random_params(tcfg, seed=7, scale=0.4))
 
 
@@ -47,8 +57,7 @@ def make_drafter(target, head, seed=1) -> Drafter:
     for name in ("markov_w2", "conf_w", "markov_gate_w", "markov_rnn_wx", "markov_rnn_wh", "markov_rnn_b"):
         var = getattr(d, name)
         if var is not None:
-            var[...] = jnp.asarray(rng.normal(size=var[...].shape) * (1.5 if name == "markov_w2" else 1.0),
-                                   jnp.float32)
+            var[...] = jnp.asarray(rng.normal(size=var[...].shape) * (1.5 if name == "markov_w2" else 1.0), jnp.float32)
     return d
 
 
@@ -67,14 +76,23 @@ def drawn(request, target):
     d = make_drafter(target, request.param)
     blk = block_of(target, d, N)
     keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(N, dtype=jnp.uint32))
-    draft = jax.jit(lambda k: sample_block(d, blk, jnp.full((N,), CTX[-1], jnp.int32), k,
-                                           sampling_arrays(N, 1.0)))(keys)
+    draft = jax.jit(lambda k: sample_block(d, blk, jnp.full((N,), CTX[-1], jnp.int32), k, sampling_arrays(N, 1.0)))(
+        keys
+    )
     return d, blk, draft
 
 
 def test_config_field():
-    tcfg = TargetConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=2,
-                        num_kv_heads=1, head_dim=8, max_position=32)
+    tcfg = TargetConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=3,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position=32,
+    )
     assert DrafterConfig.for_target(tcfg).markov_head == "vanilla"
     with pytest.raises(ValueError, match="markov_head"):
         DrafterConfig.for_target(tcfg, markov_head="lstm")
@@ -142,14 +160,14 @@ def test_gate_reads_the_hidden_state(target):
     h = jnp.asarray(np.random.default_rng(0).normal(size=(2, 16)), jnp.float32)
     prev = jnp.asarray([3, 3], jnp.int32)
     _, e, bias = d.markov_step(None, prev, h)
-    assert float(jnp.max(jnp.abs(bias[0] - bias[1]))) > 1e-3     # same token, different hidden states
+    assert float(jnp.max(jnp.abs(bias[0] - bias[1]))) > 1e-3  # same token, different hidden states
     _, e_van, _ = make_drafter(target, "vanilla").markov_step(None, prev, h)
     assert np.all(np.abs(np.asarray(e)) <= np.abs(np.asarray(d.markov_embedding(prev))) + 1e-7)  # gate in (0, 1)
 
 
 @pytest.mark.parametrize("head", HEADS + ["gated_v0", "rnn_v0"])
 def test_export_round_trip(target, head, tmp_path):
-    from dspark_jax.checkpoint import export_drafter, load_drafter
+    from dspark_jax.drafters.checkpoint import export_drafter, load_drafter
 
     d = make_drafter(target, head)
     path = export_drafter(d, tmp_path / head)
@@ -163,12 +181,12 @@ def test_export_round_trip(target, head, tmp_path):
 def test_format1_export_loads_under_its_versioned_head_name(target, head, tmp_path):
     """A format-1 export's "gated"/"rnn" meant the first variants: it loads as gated_v0/rnn_v0
     and drafts exactly what it drafted before."""
-    from dspark_jax.checkpoint import export_drafter, load_drafter
+    from dspark_jax.drafters.checkpoint import export_drafter, load_drafter
 
     d = make_drafter(target, head + "_v0")
     path = export_drafter(d, tmp_path / head)
     meta = json.loads((path / "drafter.json").read_text())
-    meta["format"], meta["config"]["markov_head"] = "dspark_jax.drafter/1", head
+    meta["format"], meta["config"]["markov_head"] = "dspark_jax.drafters.dspark/1", head
     (path / "drafter.json").write_text(json.dumps(meta))
     loaded, _ = load_drafter(path)
     assert loaded.cfg.markov_head == head + "_v0"
@@ -183,7 +201,7 @@ def test_reference_maths(target):
     rng = np.random.default_rng(3)
     h = rng.normal(size=(2, 16)).astype(np.float32)
     prev = np.array([3, 5], np.int32)
-    sig = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
+    sig = lambda z: 1 / (1 + np.exp(-z))
     d = make_drafter(target, "gated")
     e = np.asarray(d.markov_w1[...])[prev]
     g = sig(np.concatenate([h, e], -1) @ np.asarray(d.markov_gate_w[...]) + np.asarray(d.markov_gate_b[...]))
@@ -193,7 +211,7 @@ def test_reference_maths(target):
     r, w, b = 4, np.asarray(d.markov_rnn_wx[...]), np.asarray(d.markov_rnn_b[...])
     s = np.zeros((2, r), np.float32)
     state = d.markov_init((2,))
-    for k in range(3):   # three positions, the state carried
+    for _k in range(3):  # three positions, the state carried
         e = np.asarray(d.markov_w1[...])[prev]
         z = np.concatenate([s, e, h], -1) @ w + b
         u = sig(z[:, :r])
@@ -204,7 +222,7 @@ def test_reference_maths(target):
 
 def test_export_without_markov_head_field_loads_as_vanilla(target, tmp_path):
     """Exports written before ``markov_head`` existed have no such key in drafter.json."""
-    from dspark_jax.checkpoint import export_drafter, load_drafter
+    from dspark_jax.drafters.checkpoint import export_drafter, load_drafter
 
     d = make_drafter(target, "vanilla")
     path = export_drafter(d, tmp_path / "old")

@@ -22,9 +22,9 @@ import json
 from pathlib import Path
 
 import pytest
-
-from dspark_jax import sharding as shd
 from forced_devices import run_worker
+
+from dspark_jax.models import sharding as shd
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -81,7 +81,7 @@ def test_dry_run_estimate_matches_memory_analysis(report):
 
 def test_tensor_parallel_engine_matches_one_device_engine(report):
     e = report["engine"]
-    assert e["accepted_1dev"] > 0                   # drafts really get accepted (coupled verification)
+    assert e["accepted_1dev"] > 0  # drafts really get accepted (coupled verification)
     r = e["model:8"]
     assert r["same_tokens"], r.get("tokens")
     assert r["accepted"] == e["accepted_1dev"]
@@ -106,13 +106,18 @@ def test_mesh_parsing_and_defaults():
     assert shd.mesh_shape("", 8) == {"data": 8, "fsdp": 1, "model": 1}
     assert shd.mesh_shape("model:4", 8) == {"data": 2, "fsdp": 1, "model": 4}
     assert shd.mesh_shape("data:-1,model:2", 8) == {"data": 4, "fsdp": 1, "model": 2}
-    for bad, msg in (("data:2,cores:4", "unknown axis 'cores'"), ("data:2,data:4", "given twice"),
-                     ("data:x", "must be an integer"), ("model:0", ">= 1"), ("data", "axis:size")):
+    for bad, msg in (
+        ("data:2,cores:4", "unknown axis 'cores'"),
+        ("data:2,data:4", "given twice"),
+        ("data:x", "must be an integer"),
+        ("model:0", ">= 1"),
+        ("data", "axis:size"),
+    ):
         with pytest.raises(ValueError, match=msg):
             shd.mesh_shape(bad, 8)
     with pytest.raises(ValueError, match="does not divide 8 devices"):
         shd.mesh_shape("model:3", 8)
-    m = shd.make_mesh()            # default: every device on `data`
+    m = shd.make_mesh()  # default: every device on `data`
     assert m.axis_names == shd.MESH_AXES and dict(m.shape)["data"] == len(m.devices.flat)
 
 
@@ -129,11 +134,19 @@ def test_replication_fallback_for_dimensions_the_mesh_does_not_divide():
 
 def test_dry_run_cli_mesh_fit_line_and_bad_mesh(tmp_path, monkeypatch, capsys):
     """The train CLI's dry run (in process: the built-in Qwen3-8B config, no files)."""
-    from dspark_jax.train import main
+    from dspark_jax.training.cli import main
 
     for k, v in dict(DSPARK_MODELS=str(tmp_path), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1").items():
         monkeypatch.setenv(k, v)
-    base = ["--config", str(REPO / "train/qwen3-8b.yaml"), "--dry-run", "--devices", "8", "--device-memory-gib", "16"]
+    base = [
+        "--config",
+        str(REPO / "dspark_jax/recipes/qwen3-8b.yaml"),
+        "--dry-run",
+        "--devices",
+        "8",
+        "--device-memory-gib",
+        "16",
+    ]
     assert main(base + ["--mesh", "data:2,model:4"]) == 0
     out = capsys.readouterr()
     r = json.loads(out.out)
@@ -141,12 +154,12 @@ def test_dry_run_cli_mesh_fit_line_and_bad_mesh(tmp_path, monkeypatch, capsys):
     assert r["summary"].startswith("per-device total: ") and r["summary"].endswith("(fits 16 GiB)")
     assert out.err.strip() == r["summary"]
     mem = r["memory_breakdown_gib"]
-    assert mem["target_weights"] == pytest.approx(8_190_735_360 * 2 / 4 / 2**30, rel=0.01)   # bf16 / model
-    assert main(base + ["--mesh", "data:8"]) == 0                # pure data parallel: does not fit a v5e chip
+    assert mem["target_weights"] == pytest.approx(8_190_735_360 * 2 / 4 / 2**30, rel=0.01)  # bf16 / model
+    assert main(base + ["--mesh", "data:8"]) == 0  # pure data parallel: does not fit a v5e chip
     assert json.loads(capsys.readouterr().out)["summary"].endswith("(does not fit 16 GiB)")
     assert main(base + ["--serve", "--mesh", "model:8", "--num-slots", "64", "--cache-len", "4096"]) == 0
     r = json.loads(capsys.readouterr().out)
-    kv = 2 * 36 * 64 * 4096 * 8 * 128 * 2 / 8 / 2**30           # K and V, bf16, 8 KV heads over model:8
+    kv = 2 * 36 * 64 * 4096 * 8 * 128 * 2 / 8 / 2**30  # K and V, bf16, 8 KV heads over model:8
     assert r["memory_breakdown_gib"]["target_kv_cache"] == pytest.approx(kv, rel=1e-3) and r["fits"]
     assert r["summary"].endswith("(fits 16 GiB)")
     assert main(base + ["--mesh", "data:3,model:4"]) == 2

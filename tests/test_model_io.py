@@ -14,9 +14,8 @@ import pytest
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.model_io import (
+from dspark_jax.models.model_io import (
     adjacent_to_half,
-    load_gguf,
     load_llama2c,
     load_target_files,
     params_fingerprint,
@@ -107,7 +106,9 @@ def test_reference_cache_matches_full_recompute(stories260k):
     ref_logits(cfg, params, ids[:4], cache)
     np.testing.assert_allclose(
         ref_logits(cfg, params, ids[4:], cache, last_only=False),
-        ref_logits(cfg, params, ids, last_only=False)[4:], rtol=1e-5, atol=1e-5,
+        ref_logits(cfg, params, ids, last_only=False)[4:],
+        rtol=1e-5,
+        atol=1e-5,
     )
 
 
@@ -362,7 +363,7 @@ def test_hf_rejects_rope_scaling(tmp_path, write_tiny_hf_tokenizer):
 
 
 def test_presets(monkeypatch, tmp_path, stories260k_dir):
-    from dspark_jax import presets
+    from dspark_jax.models import presets
 
     monkeypatch.setenv("DSPARK_MODELS", str(stories260k_dir.parent))
     for spec in ("stories260k", "stories260K"):
@@ -382,7 +383,7 @@ def test_presets(monkeypatch, tmp_path, stories260k_dir):
 
 
 def test_smollm2_preset_path(smollm2_gguf):
-    from dspark_jax import presets
+    from dspark_jax.models import presets
 
     assert presets.preset_path("smollm2") == smollm2_gguf
     # No hub access here: the hub id falls back to the bundled GGUF unless a cache snapshot exists.

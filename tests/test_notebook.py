@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from conftest import MODELS_DIR
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
@@ -23,7 +22,9 @@ def test_quickstart_notebook_executes(stories260k_export):
     os.environ["DSPARK_DRAFTER"] = summary["export_dir"]
     os.environ.setdefault("DSPARK_MODELS", str(MODELS_DIR))
     try:
-        NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+        NotebookClient(
+            nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}
+        ).execute()
     finally:
         os.environ.clear()
         os.environ.update(env_backup)

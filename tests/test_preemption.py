@@ -24,14 +24,28 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import MODELS_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, CKPT_EVERY, KEEP, N_SHARDS = 40, 5, 2, 8
-ARGS = ["--preset", "stories260k", "--skip-eval", "num_prompts=64", "num_eval_prompts=0", "gen_max_new_tokens=32",
-        "seq_len=48", "gen_batch_size=8", "gen_shard_size=8", f"steps={STEPS}", f"ckpt_every={CKPT_EVERY}",
-        f"keep_checkpoints={KEEP}", "log_every=5", "batch_size=8", "anchors_per_seq=4", "num_layers=1"]
+ARGS = [
+    "--preset",
+    "stories260k",
+    "--skip-eval",
+    "num_prompts=64",
+    "num_eval_prompts=0",
+    "gen_max_new_tokens=32",
+    "seq_len=48",
+    "gen_batch_size=8",
+    "gen_shard_size=8",
+    f"steps={STEPS}",
+    f"ckpt_every={CKPT_EVERY}",
+    f"keep_checkpoints={KEEP}",
+    "log_every=5",
+    "batch_size=8",
+    "anchors_per_seq=4",
+    "num_layers=1",
+]
 KILL_SEED = 20240607
 
 
@@ -87,9 +101,9 @@ def _steps(workdir: Path) -> list[int]:
 
 def _export_params(workdir: Path) -> dict:
     import jax
-
-    from dspark_jax.checkpoint import load_drafter
     from flax import nnx
+
+    from dspark_jax.drafters.checkpoint import load_drafter
 
     d, _ = load_drafter(workdir / "export")
     return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(d, nnx.Param)))
@@ -151,7 +165,9 @@ def test_killed_and_restarted_training_equals_uninterrupted_run(stories260k_dir,
             p.wait()
     log = log_path.read_text()
     stopped = _steps(run)[-1]
-    assert rc == 128 + signal.SIGTERM and f"stopped by signal {int(signal.SIGTERM)} at step {stopped}" in log, log[-3000:]
+    assert rc == 128 + signal.SIGTERM and f"stopped by signal {int(signal.SIGTERM)} at step {stopped}" in log, log[
+        -3000:
+    ]
     assert last < stopped < STEPS - CKPT_EVERY and not (run / "export").exists()
     assert not [q for q in (run / "checkpoints").iterdir() if not q.name.isdigit()]  # fake tmp cleaned up
 
@@ -179,6 +195,9 @@ def test_killed_and_restarted_training_equals_uninterrupted_run(stories260k_dir,
 
     diffs = jax.tree.leaves(jax.tree.map(lambda x, y: float(np.max(np.abs(x - y))), pa, pb))
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=0), pa, pb)
-    print(f"\npreemption: shards at gen kill {n}/{N_SHARDS}, kill {delay:.3f}s after checkpoint {after}, checkpoints at kill "
-          f"{killed_at}, real tmp dirs at kill {tmp_dirs}, SIGTERM at step {stopped}, max |param diff| {max(diffs):.3g}, "
-          f"{time.perf_counter() - t0:.0f}s")
+    print(
+        f"\npreemption: shards at gen kill {n}/{N_SHARDS}, kill {delay:.3f}s after checkpoint {after}, "
+        f"checkpoints at kill "
+        f"{killed_at}, real tmp dirs at kill {tmp_dirs}, SIGTERM at step {stopped}, max |param diff| {max(diffs):.3g}, "
+        f"{time.perf_counter() - t0:.0f}s"
+    )

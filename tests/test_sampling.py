@@ -1,4 +1,4 @@
-"""Exactness tests for dspark_jax.sampling (logit processing and sampling)."""
+"""Exactness tests for dspark_jax.models.sampling (logit processing and sampling)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax import sampling
-from dspark_jax.sampling import (
+from dspark_jax.models import sampling
+from dspark_jax.models.sampling import (
     SamplingArrays,
     logits_are_finite,
     process_logits,
@@ -164,9 +164,7 @@ def test_combined_order_and_per_row_params_match_reference():
     top_p = [0.9, 1.0, 0.6, 0.3, 0.5, 0.7]
     params = sampling_arrays(b, temperature=temperature, top_k=top_k, top_p=top_p)
     probs = np.asarray(process_logits(logits, params))
-    np.testing.assert_allclose(
-        probs, ref_process(logits, temperature, top_k, top_p), rtol=2e-5, atol=1e-7
-    )
+    np.testing.assert_allclose(probs, ref_process(logits, temperature, top_k, top_p), rtol=2e-5, atol=1e-7)
     # rows are independent: each row alone gives the same result
     for r in range(b):
         alone = process_logits(
@@ -207,9 +205,7 @@ def test_fast_path_equals_slow_path():
         top_p=jnp.ones((5,), jnp.float32),
     )
     extra = jnp.concatenate([logits, logits[:1]], axis=0)
-    np.testing.assert_allclose(
-        np.asarray(process_logits(extra, mixed))[:b], np.asarray(fast), rtol=1e-6, atol=1e-8
-    )
+    np.testing.assert_allclose(np.asarray(process_logits(extra, mixed))[:b], np.asarray(fast), rtol=1e-6, atol=1e-8)
     # top_k = V is also "off"
     np.testing.assert_array_equal(
         np.asarray(process_logits(logits, off._replace(top_k=jnp.full((b,), v, jnp.int32)))),
@@ -245,9 +241,7 @@ def test_neg_inf_bans_tokens_and_finiteness_helper():
     assert probs[0, 1] == 0 and probs[0, 3] == 0
     np.testing.assert_allclose(probs[0].sum(), 1.0, rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(logits_are_finite(logits)), [True, False, False])
-    np.testing.assert_array_equal(
-        np.asarray(logits_are_finite(logits, allow_neg_inf=False)), [False, False, False]
-    )
+    np.testing.assert_array_equal(np.asarray(logits_are_finite(logits, allow_neg_inf=False)), [False, False, False])
     all_banned = np.full((1, 2, 3), -np.inf, np.float32)
     all_banned[0, 0, 0] = 0.0
     assert not bool(logits_are_finite(all_banned)[0])  # second distribution has no finite logit

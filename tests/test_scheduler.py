@@ -14,10 +14,10 @@ import json
 import numpy as np
 import pytest
 
-from dspark_jax import scheduler as sch
+from dspark_jax.decoding import scheduler as sch
+from dspark_jax.decoding.online_calibration import OnlineCalibrator
+from dspark_jax.decoding.sps import SPSTable, profile_buckets
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.online_calibration import OnlineCalibrator
-from dspark_jax.sps import SPSTable, profile_buckets
 
 
 def theta_of(lengths, surv, sps_of_total):
@@ -44,7 +44,7 @@ def random_case(rng, n_max=4, g_max=4):
     g = int(rng.integers(1, g_max + 1))
     conf = rng.uniform(0.05, 1.0, size=(n, g))
     if rng.random() < 0.3:
-        conf[rng.random((n, g)) < 0.3] = 1.0          # ties in the survival
+        conf[rng.random((n, g)) < 0.3] = 1.0  # ties in the survival
     cap = rng.integers(0, g + 1, size=n)
     return sch.survival(conf), cap, n, g
 
@@ -74,7 +74,7 @@ def test_optimal_lengths_match_brute_force_on_jagged_sps():
     for _ in range(300):
         surv, cap, n, g = random_case(rng)
         t_max = n * (g + 1)
-        sps = np.concatenate([[0.0], rng.uniform(0.2, 1.0, size=t_max)])   # jagged, arbitrary
+        sps = np.concatenate([[0.0], rng.uniform(0.2, 1.0, size=t_max)])  # jagged, arbitrary
         best, _ = brute_force(surv, cap, sps)
         ell = sch.optimal_lengths(surv, cap, sps)
         assert np.all(ell <= cap) and np.all(ell >= 0)
@@ -150,7 +150,7 @@ def test_deployed_budget_depends_only_on_stale_confidences():
     assert k_hi == 15 and k_lo == 3
     # global search over the jagged table: a larger bucket can win over a smaller one that loses
     jag = sps.copy()
-    jag[4:7] = 0.3   # bucket 6 is slow, bucket 9 fast again
+    jag[4:7] = 0.3  # bucket 6 is slow, bucket 9 fast again
     assert sch.best_budget(np.full((n, g), 0.9), cap, jag, budgets) in (9, 15)
 
 
@@ -158,8 +158,16 @@ def test_policies_see_no_draft_tokens():
     """Non-anticipation by construction: every policy's inputs are confidences, caps and
     the SPS curve; none takes draft token values."""
     import inspect
-    for fn in (sch.fixed_lengths, sch.threshold_lengths, sch.greedy_lengths, sch.optimal_lengths,
-               sch.best_budget, sch.fill_lengths, sch.deployed_lengths):
+
+    for fn in (
+        sch.fixed_lengths,
+        sch.threshold_lengths,
+        sch.greedy_lengths,
+        sch.optimal_lengths,
+        sch.best_budget,
+        sch.fill_lengths,
+        sch.deployed_lengths,
+    ):
         params = set(inspect.signature(fn).parameters)
         assert not params & {"tokens", "draft", "draft_tokens"}, fn.__name__
 
@@ -183,8 +191,8 @@ def _feed(cal, z, p_accept, rng, rounds=200, rows=8):
 def test_online_calibration_cools_overconfident_positions():
     rng = np.random.default_rng(5)
     cal = OnlineCalibrator(3, window=512, lr=0.2, max_step=0.05)
-    before = cal.confidence(np.full(3, 3.0))          # 0.95 predicted
-    _feed(cal, 3.0, 0.6, rng)                          # observed 0.6
+    before = cal.confidence(np.full(3, 3.0))  # 0.95 predicted
+    _feed(cal, 3.0, 0.6, rng)  # observed 0.6
     after = cal.confidence(np.full(3, 3.0))
     assert np.all(cal.temperatures > 1.0)
     assert np.all(np.abs(after - 0.6) < np.abs(before - 0.6))
@@ -195,7 +203,7 @@ def test_online_calibration_cools_overconfident_positions():
 def test_online_calibration_warms_underconfident_positions():
     rng = np.random.default_rng(6)
     cal = OnlineCalibrator(2, init=[1.0, 1.0], window=512, lr=0.2, max_step=0.05)
-    _feed(cal, 1.0, 0.95, rng)                         # predicted 0.73, observed 0.95
+    _feed(cal, 1.0, 0.95, rng)  # predicted 0.73, observed 0.95
     assert np.all(cal.temperatures < 1.0)
     assert np.all(cal.confidence(np.ones(2)) > 0.8)
 

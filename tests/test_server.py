@@ -1,4 +1,4 @@
-"""The HTTP server (``dspark_jax.server``) over the real engine, through real HTTP.
+"""The HTTP server (``dspark_jax.serving.server``) over the real engine, through real HTTP.
 
 One engine for the module (compilation dominates the run time): stories260K target, a
 randomly initialised drafter (block of 2), the deployed ``dspark`` scheduler, 2 slots, a
@@ -23,13 +23,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import MODELS_DIR
 from server_helpers import metric, wait_idle
 
 ROOT = Path(__file__).resolve().parents[1]
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
-                "{% if add_generation_prompt %}assistant:{% endif %}"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 NUM_SLOTS, CACHE_LEN, GAMMA = 2, 64, 2
 API_KEY = "test-key"
 
@@ -41,7 +42,7 @@ def models(stories260k_dir):
 
     from dspark_jax.api import load_target
     from dspark_jax.config import DrafterConfig
-    from dspark_jax.drafter import Drafter
+    from dspark_jax.drafters.dspark import Drafter
 
     target, tok = load_target("stories260k")
     drafter = Drafter(DrafterConfig.for_target(target.cfg, gamma=GAMMA, num_layers=1, markov_rank=8), nnx.Rngs(0))
@@ -50,23 +51,38 @@ def models(stories260k_dir):
 
 @pytest.fixture(scope="module")
 def engine(models):
-    from dspark_jax.serve import build_engine
+    from dspark_jax.serving.cli import build_engine
 
     target, _, drafter = models
     # Few compiled shapes (compilation is most of this module's time; each costs ~7 s on 2
     # cores): every step runs both rows, every prompt pads to 64 tokens, and the token budgets
     # are the plain step (2) and the full block (2 x 3), which fixed:2 and plain reuse.
-    return build_engine(target, drafter, policy="dspark", num_slots=NUM_SLOTS, cache_len=CACHE_LEN,
-                        row_buckets=(NUM_SLOTS,), prefill_buckets=(CACHE_LEN,), buckets=(NUM_SLOTS * (GAMMA + 1),))
+    return build_engine(
+        target,
+        drafter,
+        policy="dspark",
+        num_slots=NUM_SLOTS,
+        cache_len=CACHE_LEN,
+        row_buckets=(NUM_SLOTS,),
+        prefill_buckets=(CACHE_LEN,),
+        buckets=(NUM_SLOTS * (GAMMA + 1),),
+    )
 
 
 @pytest.fixture(scope="class")
 def server(models, engine):
-    from dspark_jax.serve import ServerThread, build_server
+    from dspark_jax.serving.cli import ServerThread, build_server
 
     target, tok, _ = models
-    app, loop = build_server(engine, tok, model_name="stories260k", max_queue=64, chat_template=CHAT_TEMPLATE,
-                             policy="dspark", api_key=API_KEY)
+    app, loop = build_server(
+        engine,
+        tok,
+        model_name="stories260k",
+        max_queue=64,
+        chat_template=CHAT_TEMPLATE,
+        policy="dspark",
+        api_key=API_KEY,
+    )
     with ServerThread(app) as srv:
         srv.loop, srv.tok, srv.target = loop, tok, target
         yield srv
@@ -84,7 +100,7 @@ def _sse_events(lines) -> list:
         if not line:
             continue
         assert line.startswith("data: "), line
-        data = line[len("data: "):]
+        data = line[len("data: ") :]
         out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
@@ -94,13 +110,13 @@ class TestHTTP:
 
     # --------------------------------------------------------------------------- completions
 
-
     def test_completion_greedy_matches_plain_decoding(self, server, client):
-        from dspark_jax.decode import generate_autoregressive
+        from dspark_jax.decoding.speculative import generate_autoregressive
 
         prompt = "Once upon a time"
-        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0,
-                                                 "return_token_ids": True})
+        r = client.post(
+            "/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0, "return_token_ids": True}
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["object"] == "text_completion" and body["model"] == "stories260k"
@@ -121,7 +137,6 @@ class TestHTTP:
         assert r2.status_code == 200 and r2.json()["usage"]["completion_tokens"] == 16
         assert r2.json()["choices"][0]["text"] == server.tok.decode(ref.token_ids[:16], skip_special_tokens=True)
 
-
     def test_chat_completion_uses_template(self, server, client):
         msgs = [{"role": "system", "content": "Tell a story."}, {"role": "user", "content": "A cat and a dog"}]
         r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 10, "temperature": 0})
@@ -133,19 +148,27 @@ class TestHTTP:
         rendered = "system: Tell a story.\nuser: A cat and a dog\nassistant:"
         assert body["usage"]["prompt_tokens"] == len(server.tok.encode(rendered, add_bos=False))
         # the same rendered prompt through /v1/completions gives the same answer
-        r2 = client.post("/v1/completions", json={"prompt": server.tok.encode(rendered, add_bos=False),
-                                                  "max_tokens": 10, "temperature": 0})
+        r2 = client.post(
+            "/v1/completions",
+            json={"prompt": server.tok.encode(rendered, add_bos=False), "max_tokens": 10, "temperature": 0},
+        )
         assert r2.json()["choices"][0]["text"] == msg["content"]
         models = client.get("/v1/models").json()
         assert models["data"][0]["id"] == "stories260k" and models["data"][0]["max_model_len"] == CACHE_LEN
 
-
     def test_streaming_sse_format(self, client):
-        req = {"prompt": "Tom and Lily went to the park", "max_tokens": 20, "temperature": 0.8, "seed": 7,
-               "stop": ["park."], "return_token_ids": True}
+        req = {
+            "prompt": "Tom and Lily went to the park",
+            "max_tokens": 20,
+            "temperature": 0.8,
+            "seed": 7,
+            "stop": ["park."],
+            "return_token_ids": True,
+        }
         full = client.post("/v1/completions", json=req).json()
-        with client.stream("POST", "/v1/completions", json=dict(req, stream=True,
-                                                                 stream_options={"include_usage": True})) as r:
+        with client.stream(
+            "POST", "/v1/completions", json=dict(req, stream=True, stream_options={"include_usage": True})
+        ) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
             events = _sse_events(r.iter_lines())
         assert events[-1] == "[DONE]"
@@ -160,15 +183,18 @@ class TestHTTP:
         ids = [i for c in chunks if c["choices"] for i in c["choices"][0].get("token_ids", [])]
         assert text == full["choices"][0]["text"] and ids == full["choices"][0]["token_ids"]
 
-        with client.stream("POST", "/v1/chat/completions",
-                           json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0,
-                                 "stream": True}) as r:
+        with client.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0, "stream": True},
+        ) as r:
             events = _sse_events(r.iter_lines())
         assert events[-1] == "[DONE]"
-        assert events[0]["object"] == "chat.completion.chunk" and events[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert (
+            events[0]["object"] == "chat.completion.chunk" and events[0]["choices"][0]["delta"]["role"] == "assistant"
+        )
         assert events[-2]["choices"][0]["finish_reason"] == "length" and "usage" not in events[-2]
         assert sum(len(e["choices"][0]["delta"].get("content") or "") for e in events[:-1]) > 0
-
 
     def test_stop_strings_cut_text_and_free_slot(self, server, client):
         base = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "return_token_ids": True}
@@ -176,27 +202,42 @@ class TestHTTP:
         assert "Lily" in free["text"]
         r = client.post("/v1/completions", json=dict(base, stop=["Lily", "zzz"])).json()
         ch = r["choices"][0]
-        assert ch["finish_reason"] == "stop" and ch["text"] == free["text"][:free["text"].index("Lily")]
+        assert ch["finish_reason"] == "stop" and ch["text"] == free["text"][: free["text"].index("Lily")]
         # the shortest token prefix whose text contains the stop string
         n = len(ch["token_ids"])
         assert ch["token_ids"] == free["token_ids"][:n]
         assert "Lily" in server.tok.decode(free["token_ids"][:n], skip_special_tokens=True)
-        assert "Lily" not in server.tok.decode(free["token_ids"][:n - 1], skip_special_tokens=True)
+        assert "Lily" not in server.tok.decode(free["token_ids"][: n - 1], skip_special_tokens=True)
         # a stop token id ends the request too (the engine checks it)
         sid = free["token_ids"][5]
         r = client.post("/v1/completions", json=dict(base, stop_token_ids=[sid])).json()["choices"][0]
-        assert r["finish_reason"] == "stop" and r["token_ids"] == free["token_ids"][:free["token_ids"].index(sid) + 1]
+        assert r["finish_reason"] == "stop" and r["token_ids"] == free["token_ids"][: free["token_ids"].index(sid) + 1]
         assert wait_idle(client)["free_slots"] == NUM_SLOTS
 
-
     def test_concurrent_seeded_requests_equal_alone(self, server, client):
-        prompts = ["Once upon a time", "The cat sat on the mat", "Tom and Lily", "One day, a bird", "Sam had a red ball",
-                   "The sun was hot"]
+        prompts = [
+            "Once upon a time",
+            "The cat sat on the mat",
+            "Tom and Lily",
+            "One day, a bird",
+            "Sam had a red ball",
+            "The sun was hot",
+        ]
         reqs = []
         for i, p in enumerate(prompts):
-            reqs.append({"prompt": p, "max_tokens": 8 + 6 * i, "temperature": [0.0, 0.7, 1.0, 1.3][i % 4],
-                         "top_k": [0, 20, 0, 5][i % 4], "top_p": [1.0, 1.0, 0.9, 0.8][i % 4], "seed": 100 + i,
-                         "return_token_ids": True, "stream": i % 2 == 1, **({"stop": ["."]} if i == 3 else {})})
+            reqs.append(
+                {
+                    "prompt": p,
+                    "max_tokens": 8 + 6 * i,
+                    "temperature": [0.0, 0.7, 1.0, 1.3][i % 4],
+                    "top_k": [0, 20, 0, 5][i % 4],
+                    "top_p": [1.0, 1.0, 0.9, 0.8][i % 4],
+                    "seed": 100 + i,
+                    "return_token_ids": True,
+                    "stream": i % 2 == 1,
+                    **({"stop": ["."]} if i == 3 else {}),
+                }
+            )
 
         async def one(c, body):
             if not body["stream"]:
@@ -213,8 +254,9 @@ class TestHTTP:
             return ids, text, fin
 
         async def together():
-            async with httpx.AsyncClient(base_url=server.url, timeout=60,
-                                         headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+            async with httpx.AsyncClient(
+                base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}
+            ) as c:
                 return await asyncio.gather(*(one(c, b) for b in reqs))
 
         concurrent = asyncio.run(together())
@@ -225,7 +267,6 @@ class TestHTTP:
         assert concurrent == alone
         assert len({tuple(a[0]) for a in alone}) == len(alone)
         assert wait_idle(client)["free_slots"] == NUM_SLOTS
-
 
     def test_openai_client(self, server, client):
         """The official ``openai`` client: completions and chat, streamed and not, logprobs,
@@ -238,9 +279,10 @@ class TestHTTP:
             openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
         assert [m.id for m in oc.models.list()] == ["stories260k"]
         prompt = "Once upon a time"
-        ids = server.tok.encode(prompt)
-        ref = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0,
-                                                   "return_token_ids": True}).json()["choices"][0]
+        server.tok.encode(prompt)
+        ref = client.post(
+            "/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+        ).json()["choices"][0]
         # completions, greedy, with logprobs: the greedy token is the most likely one (raw logprobs)
         c = oc.completions.create(model="stories260k", prompt=prompt, max_tokens=12, temperature=0, logprobs=3)
         ch = c.choices[0]
@@ -251,24 +293,46 @@ class TestHTTP:
             assert chosen <= 0 and 1 <= len(top) <= 3 and chosen == pytest.approx(max(top.values()), abs=1e-5)
         # logit_bias -100 on the third greedy token changes the third token, and only from there
         third = ref["token_ids"][2]
-        b = oc.completions.create(model="stories260k", prompt=prompt, max_tokens=12, temperature=0,
-                                  logit_bias={str(third): -100}, extra_body={"return_token_ids": True})
+        b = oc.completions.create(
+            model="stories260k",
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            logit_bias={str(third): -100},
+            extra_body={"return_token_ids": True},
+        )
         got = b.choices[0].model_extra["token_ids"]
         assert got[:2] == ref["token_ids"][:2] and got[2] != third and third not in got
         # streamed completions add up to the same text
-        text = "".join(e.choices[0].text for e in oc.completions.create(
-            model="stories260k", prompt=prompt, max_tokens=12, temperature=0, stream=True) if e.choices)
+        text = "".join(
+            e.choices[0].text
+            for e in oc.completions.create(
+                model="stories260k", prompt=prompt, max_tokens=12, temperature=0, stream=True
+            )
+            if e.choices
+        )
         assert text == ref["text"]
         # chat, not streamed and streamed (usage chunk), with logprobs
         msgs = [{"role": "user", "content": "A cat and a dog"}]
-        r = oc.chat.completions.create(model="stories260k", messages=msgs, max_tokens=8, temperature=0,
-                                       logprobs=True, top_logprobs=2)
+        r = oc.chat.completions.create(
+            model="stories260k", messages=msgs, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
+        )
         content = r.choices[0].logprobs.content
         assert len(content) == r.usage.completion_tokens == 8
-        assert all(len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-5)
-                   for t in content)
-        events = list(oc.chat.completions.create(model="stories260k", messages=msgs, max_tokens=8, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+        assert all(
+            len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-5)
+            for t in content
+        )
+        events = list(
+            oc.chat.completions.create(
+                model="stories260k",
+                messages=msgs,
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert "".join(e.choices[0].delta.content or "" for e in events if e.choices) == r.choices[0].message.content
         assert events[-1].choices == [] and events[-1].usage.completion_tokens == 8
         assert all(e.usage is None for e in events[:-1])
@@ -280,8 +344,9 @@ class TestHTTP:
         with pytest.raises(openai.NotFoundError):
             oc.completions.create(model="gpt-4", prompt=prompt, max_tokens=2)
         with pytest.raises(openai.BadRequestError, match="response_format"):
-            oc.chat.completions.create(model="stories260k", messages=msgs, max_tokens=2,
-                                       response_format={"type": "json_object"})
+            oc.chat.completions.create(
+                model="stories260k", messages=msgs, max_tokens=2, response_format={"type": "json_object"}
+            )
         with pytest.raises(openai.BadRequestError, match="logprobs"):
             oc.chat.completions.create(model="stories260k", messages=msgs, max_tokens=2, top_logprobs=2)
         # the engine's own counters agree with the per-request counts (no stop strings here)
@@ -291,8 +356,9 @@ class TestHTTP:
         def delta(name):
             return metric(after, name) - metric(before, name)
 
-        assert delta("dspark:spec_decode_num_accepted_tokens_per_pos_total") == \
-            delta("dspark:spec_decode_num_accepted_tokens_total")
+        assert delta("dspark:spec_decode_num_accepted_tokens_per_pos_total") == delta(
+            "dspark:spec_decode_num_accepted_tokens_total"
+        )
         assert delta("dspark:spec_decode_num_rounds_total") == delta("dspark:engine_rounds_total")
 
 
@@ -300,7 +366,7 @@ class TestHTTP:
 
 
 def test_serve_cli_rejects_speculative_policy_without_drafter(capsys):
-    from dspark_jax.serve import main
+    from dspark_jax.serving.cli import main
 
     assert main(["--target", "stories260k", "--policy", "dspark"]) == 2
     assert "needs a drafter" in capsys.readouterr().err
@@ -320,9 +386,25 @@ def _benchmark(name: str):
 @pytest.mark.slow
 def test_serve_load_quick_writes_table_json_png(models, engine, tmp_path, capsys):
     serve_load = _benchmark("serve_load")
-    args = serve_load.build_parser().parse_args([
-        "--quick", "--policies", "plain,fixed:2,dspark", "--concurrency", "1,2", "--num-requests", "2",
-        "--max-tokens", "6", "--num-slots", str(NUM_SLOTS), "--cache-len", str(CACHE_LEN), "--out", str(tmp_path)])
+    args = serve_load.build_parser().parse_args(
+        [
+            "--quick",
+            "--policies",
+            "plain,fixed:2,dspark",
+            "--concurrency",
+            "1,2",
+            "--num-requests",
+            "2",
+            "--max-tokens",
+            "6",
+            "--num-slots",
+            str(NUM_SLOTS),
+            "--cache-len",
+            str(CACHE_LEN),
+            "--out",
+            str(tmp_path),
+        ]
+    )
     serve_load.apply_quick(args)
     compiles = engine.metrics()["compiles"]
     res = serve_load.sweep(args, models=models, engine=engine, plain_engine=engine)
@@ -345,10 +427,27 @@ def test_serve_load_quick_writes_table_json_png(models, engine, tmp_path, capsys
 @pytest.mark.slow
 def test_serve_load_stress_small(models, engine, tmp_path):
     serve_load = _benchmark("serve_load")
-    args = serve_load.build_parser().parse_args([
-        "--stress", "--target", "stories260k", "--stress-requests", "30", "--stress-concurrency", "6",
-        "--disconnect-frac", "0.3", "--max-tokens", "24", "--num-slots", str(NUM_SLOTS),
-        "--cache-len", str(CACHE_LEN), "--out", str(tmp_path)])
+    args = serve_load.build_parser().parse_args(
+        [
+            "--stress",
+            "--target",
+            "stories260k",
+            "--stress-requests",
+            "30",
+            "--stress-concurrency",
+            "6",
+            "--disconnect-frac",
+            "0.3",
+            "--max-tokens",
+            "24",
+            "--num-slots",
+            str(NUM_SLOTS),
+            "--cache-len",
+            str(CACHE_LEN),
+            "--out",
+            str(tmp_path),
+        ]
+    )
     rep = serve_load.stress(args, models=models, engine=engine)
     assert rep["passed"], rep
     assert rep["completed"] + rep["client_disconnects"] == 30 and rep["client_disconnects"] >= 3
@@ -359,14 +458,41 @@ def test_serve_load_stress_small(models, engine, tmp_path):
 @pytest.mark.slow
 def test_engine_overhead_benchmark_writes_ratios(stories260k_dir, tmp_path, capsys):
     engine_overhead = _benchmark("engine_overhead")
-    assert engine_overhead.main(["--target", "stories260k", "--random-drafter", "2", "--rows", "1,2",
-                                 "--num-slots", "2", "--cache-len", "64", "--prompt-len", "20", "--reps", "2",
-                                 "--out", str(tmp_path)]) == 0
+    assert (
+        engine_overhead.main(
+            [
+                "--target",
+                "stories260k",
+                "--random-drafter",
+                "2",
+                "--rows",
+                "1,2",
+                "--num-slots",
+                "2",
+                "--cache-len",
+                "64",
+                "--prompt-len",
+                "20",
+                "--reps",
+                "2",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     res = json.loads((tmp_path / "engine_overhead.json").read_text())["results"]
     assert [r["case"] for r in res] == [
-        "step with drafter upkeep, 1 rows", "step with drafter upkeep, 2 rows", "step, drafter suspended, 1 rows",
-        "step, drafter suspended, 2 rows", "prefill, 20 tokens", "prefill, drafter suspended, 20 tokens",
+        "step with drafter upkeep, 1 rows",
+        "step with drafter upkeep, 2 rows",
+        "step, drafter suspended, 1 rows",
+        "step, drafter suspended, 2 rows",
+        "prefill, 20 tokens",
+        "prefill, drafter suspended, 20 tokens",
         "catch-up pass (3 tokens/row), 1 rows",
-        "catch-up pass (3 tokens/row), 2 rows", "step + drafting a block, 1 rows", "step + drafting a block, 2 rows"]
+        "catch-up pass (3 tokens/row), 2 rows",
+        "step + drafting a block, 1 rows",
+        "step + drafting a block, 2 rows",
+    ]
     assert all(r["plain_ms"] > 0 and r["drafter_engine_ms"] > 0 and r["ratio"] > 0 for r in res)
     assert "| step, drafter suspended, 2 rows |" in capsys.readouterr().out

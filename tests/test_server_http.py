@@ -13,32 +13,41 @@ import json
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
 from fake_engine import FakeEngine
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from server_helpers import metric, wait_idle
 
 CACHE_LEN, NUM_SLOTS = 128, 4
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
-                "{% if add_generation_prompt %}assistant:{% endif %}"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 CAT = [234, 143, 174]  # tok512's byte tokens of U+732B (cat), 3 UTF-8 bytes
 
 
 @pytest.fixture(scope="module")
 def tok(stories260k_dir):
-    from dspark_jax.tokenizer import Llama2cTokenizer
+    from dspark_jax.models.tokenizer import Llama2cTokenizer
 
     return Llama2cTokenizer.from_file(stories260k_dir / "tok512.bin")
 
 
 def _serve(tok, engine=None, **cfg):
-    from dspark_jax.serve import ServerThread
-    from dspark_jax.server import EngineLoop, ServerConfig, create_app
+    from dspark_jax.serving.cli import ServerThread
+    from dspark_jax.serving.server import EngineLoop, ServerConfig, create_app
 
     engine = engine or FakeEngine(vocab_size=tok.vocab_size, num_slots=NUM_SLOTS, cache_len=CACHE_LEN)
     loop = EngineLoop(engine, tok, max_queue=cfg.pop("max_queue", 64), model_name="fake-model")
-    config = ServerConfig(model_name="fake-model", context_len=CACHE_LEN, vocab_size=tok.vocab_size,
-                          chat_template=CHAT_TEMPLATE, policy="fake", max_logit_bias=engine.max_logit_bias, **cfg)
+    config = ServerConfig(
+        model_name="fake-model",
+        context_len=CACHE_LEN,
+        vocab_size=tok.vocab_size,
+        chat_template=CHAT_TEMPLATE,
+        policy="fake",
+        max_logit_bias=engine.max_logit_bias,
+        **cfg,
+    )
     srv = ServerThread(create_app(loop, tok, config)).start()
     srv.engine, srv.loop, srv.tok = engine, loop, tok
     return srv
@@ -80,16 +89,21 @@ def _declared(model) -> set[str]:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(name=st.text(min_size=1, max_size=24), value=st.one_of(st.none(), st.booleans(), st.integers(),
-                                                              st.text(max_size=5), st.lists(st.integers(), max_size=3)))
+@given(
+    name=st.text(min_size=1, max_size=24),
+    value=st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=5), st.lists(st.integers(), max_size=3)),
+)
 def test_property_any_undeclared_field_is_refused(name, value):
     from pydantic import ValidationError
 
-    from dspark_jax.server import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
+    from dspark_jax.serving.server import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
 
-    base = {CompletionRequest: {"prompt": "hi"},
-            ChatCompletionRequest: {"messages": [{"role": "user", "content": "hi"}]},
-            ChatMessage: {"role": "user", "content": "hi"}, StreamOptions: {}}
+    base = {
+        CompletionRequest: {"prompt": "hi"},
+        ChatCompletionRequest: {"messages": [{"role": "user", "content": "hi"}]},
+        ChatMessage: {"role": "user", "content": "hi"},
+        StreamOptions: {},
+    }
     for model, body in base.items():
         if name in _declared(model):
             continue
@@ -98,32 +112,48 @@ def test_property_any_undeclared_field_is_refused(name, value):
         assert any(err["type"] == "extra_forbidden" and err["loc"][-1] == name for err in e.value.errors())
 
 
-@pytest.mark.parametrize("path,body,field", [
-    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
-    ("/v1/completions", {"prompt": "hi", "top_logprobs": 3}, "top_logprobs"),
-    ("/v1/completions", {"prompt": "hi", "ignore_eos": True}, "ignore_eos"),
-    ("/v1/completions", {"prompt": "hi", "user": "me"}, "user"),
-    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}},
-     "stream_options.continuous_usage_stats"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, "tool_choice"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "text"}},
-     "response_format"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages.0.name"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5},
-     "presence_penalty"),
-    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
-    ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"7": 101}}, "logit_bias"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"512": 1}}, "logit_bias"),
-    ("/v1/completions", {"prompt": "hi", "min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-    ("/v1/completions", {"prompt": "hi", "n": 17}, "n"),
-])
+@pytest.mark.parametrize(
+    "path,body,field",
+    [
+        ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
+        ("/v1/completions", {"prompt": "hi", "top_logprobs": 3}, "top_logprobs"),
+        ("/v1/completions", {"prompt": "hi", "ignore_eos": True}, "ignore_eos"),
+        ("/v1/completions", {"prompt": "hi", "user": "me"}, "user"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"},
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "text"}},
+            "response_format",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages.0.name"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5},
+            "presence_penalty",
+        ),
+        ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
+        ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"7": 101}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"512": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ("/v1/completions", {"prompt": "hi", "n": 17}, "n"),
+    ],
+)
 def test_unhonoured_fields_get_400_naming_them(client, path, body, field):
     r = client.post(path, json=body)
     assert r.status_code == 400, (body, r.text)
@@ -132,25 +162,28 @@ def test_unhonoured_fields_get_400_naming_them(client, path, body, field):
     assert field.split(".")[-1] in err["message"], err
 
 
-@pytest.mark.parametrize("body,needle", [
-    ({"prompt": ""}, "empty"),
-    ({"prompt": "   "}, "empty"),
-    ({"prompt": []}, "empty"),
-    ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "hi", "temperature": -0.1}, "temperature"),
-    ({"prompt": "hi", "top_p": 0}, "top_p"),
-    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
-    ({"prompt": "hi", "top_k": -2}, "top_k"),
-    ({"prompt": "hi", "seed": 2**31}, "seed"),
-    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
-    ({"prompt": "hi", "stop": [""]}, "stop"),
-    ({"prompt": "hi", "stop_token_ids": [100000]}, "stop_token_ids"),
-    ({"prompt": [5, 100000]}, "vocabulary"),
-    ({"prompt": "word " * 200}, "context"),
-    ({"prompt": "hi", "max_tokens": CACHE_LEN}, "context"),
-    ({"max_tokens": 5}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ({"prompt": ""}, "empty"),
+        ({"prompt": "   "}, "empty"),
+        ({"prompt": []}, "empty"),
+        ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "temperature": -0.1}, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+        ({"prompt": "hi", "top_k": -2}, "top_k"),
+        ({"prompt": "hi", "seed": 2**31}, "seed"),
+        ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+        ({"prompt": "hi", "stop": [""]}, "stop"),
+        ({"prompt": "hi", "stop_token_ids": [100000]}, "stop_token_ids"),
+        ({"prompt": [5, 100000]}, "vocabulary"),
+        ({"prompt": "word " * 200}, "context"),
+        ({"prompt": "hi", "max_tokens": CACHE_LEN}, "context"),
+        ({"max_tokens": 5}, "prompt"),
+    ],
+)
 def test_invalid_completion_requests_get_400(client, body, needle):
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 400, (body, r.text)
@@ -161,22 +194,31 @@ def test_invalid_completion_requests_get_400(client, body, needle):
 @pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty"])
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
 def test_nan_and_inf_sampling_values_get_400(client, field, value):
-    for path, body in (("/v1/completions", '{"prompt": "hi", "%s": %s}'),
-                       ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "%s": %s}')):
+    for path, body in (
+        ("/v1/completions", '{"prompt": "hi", "%s": %s}'),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "%s": %s}'),
+    ):
         r = client.post(path, content=(body % (field, value)).encode(), headers={"content-type": "application/json"})
         assert r.status_code == 400, (path, field, value, r.text)
         assert r.json()["error"]["param"] == field
-    r = client.post("/v1/completions", content=b'{"prompt": "hi", "logit_bias": {"5": NaN}}',
-                    headers={"content-type": "application/json"})
+    r = client.post(
+        "/v1/completions",
+        content=b'{"prompt": "hi", "logit_bias": {"5": NaN}}',
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
 
 
 def test_invalid_bodies_get_400(client):
     r = client.post("/v1/completions", content=b'{"prompt": "hi",', headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
-    for body in ({"messages": []}, {"messages": [{"role": "user", "content": ""}]}, {"messages": "hi"},
-                 {"messages": [{"role": "wizard", "content": "hi"}]},
-                 {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}):
+    for body in (
+        {"messages": []},
+        {"messages": [{"role": "user", "content": ""}]},
+        {"messages": "hi"},
+        {"messages": [{"role": "wizard", "content": "hi"}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    ):
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["message"]
@@ -188,8 +230,10 @@ def test_invalid_bodies_get_400(client):
 def test_model_names(client):
     models = client.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["fake-model"] and models["data"][0]["max_model_len"] == CACHE_LEN
-    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ):
         r = client.post(path, json=dict(body, model="gpt-4"))
         assert r.status_code == 404 and "gpt-4" in r.json()["error"]["message"], r.text
         assert r.json()["error"]["type"] == "NotFoundError"
@@ -211,8 +255,10 @@ def test_max_tokens_defaults_are_vllms(server, client):
 
 
 def test_n_choices_are_the_same_request_with_seed_plus_i(client):
-    for path, base in (("/v1/completions", {"prompt": "Once upon a time"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+    for path, base in (
+        ("/v1/completions", {"prompt": "Once upon a time"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
         body = dict(base, max_tokens=9, temperature=0.8, seed=2**31 - 2, return_token_ids=True)
         r = client.post(path, json=dict(body, n=3)).json()
         assert [c["index"] for c in r["choices"]] == [0, 1, 2]
@@ -248,8 +294,11 @@ def test_stream_options_include_usage(client):
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 7
     assert last["usage"] == client.post("/v1/completions", json=body).json()["usage"]
     assert last["spec_decode"]["num_steps"] >= 1
-    chat = _stream(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6,
-                                                   "stream_options": {"include_usage": False}})
+    chat = _stream(
+        client,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "stream_options": {"include_usage": False}},
+    )
     assert chat[0]["choices"][0]["delta"]["role"] == "assistant" and all("usage" not in e for e in chat[:-1])
     assert chat[-2]["choices"][0]["finish_reason"] == "length"
 
@@ -283,11 +332,20 @@ def test_api_key(tok):
 def test_logit_bias_logprobs_min_tokens_reach_the_engine(server, client):
     eng = server.engine
     ids = [5, 6, 7, 8]
-    free = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 6, "temperature": 0,
-                                                "return_token_ids": True}).json()["choices"][0]["token_ids"]
+    free = client.post(
+        "/v1/completions", json={"prompt": ids, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    ).json()["choices"][0]["token_ids"]
     third = free[2]
-    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 6, "temperature": 0,
-                                             "return_token_ids": True, "logit_bias": {str(third): -100}}).json()
+    r = client.post(
+        "/v1/completions",
+        json={
+            "prompt": ids,
+            "max_tokens": 6,
+            "temperature": 0,
+            "return_token_ids": True,
+            "logit_bias": {str(third): -100},
+        },
+    ).json()
     assert r["choices"][0]["token_ids"][:2] == free[:2] and r["choices"][0]["token_ids"][2] != third
     assert eng.requests[-1].params.logit_bias == ((third, -100.0),)
     # completions logprobs: n alternatives per token, aligned with the text
@@ -299,27 +357,34 @@ def test_logit_bias_logprobs_min_tokens_reach_the_engine(server, client):
     assert "".join(lp["tokens"]) == r["choices"][0]["text"]
     # chat: logprobs bool + top_logprobs
     msgs = [{"role": "user", "content": "Hi"}]
-    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "logprobs": True,
-                                                  "top_logprobs": 3}).json()
+    r = client.post(
+        "/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "logprobs": True, "top_logprobs": 3}
+    ).json()
     content = r["choices"][0]["logprobs"]["content"]
     assert eng.requests[-1].params.logprobs == 3 and len(content) == 4
     assert all(len(c["top_logprobs"]) == 3 and c["bytes"] == list(c["token"].encode()) for c in content)
     r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "logprobs": True}).json()
-    assert eng.requests[-1].params.logprobs == 0 and all(c["top_logprobs"] == [] for c in
-                                                          r["choices"][0]["logprobs"]["content"])
+    assert eng.requests[-1].params.logprobs == 0 and all(
+        c["top_logprobs"] == [] for c in r["choices"][0]["logprobs"]["content"]
+    )
     r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4}).json()
     assert eng.requests[-1].params.logprobs is None and r["choices"][0]["logprobs"] is None
     # streamed logprobs add up to the same
     events = _stream(client, "/v1/completions", {"prompt": ids, "max_tokens": 5, "temperature": 0, "logprobs": 2})
-    toks = [t for e in events[:-1] if e["choices"] and e["choices"][0]["logprobs"]
-            for t in e["choices"][0]["logprobs"]["tokens"]]
+    toks = [
+        t
+        for e in events[:-1]
+        if e["choices"] and e["choices"][0]["logprobs"]
+        for t in e["choices"][0]["logprobs"]["tokens"]
+    ]
     assert toks == lp["tokens"]
     # min_tokens: EOS cannot end the request before it
     eng.scripts[(9, 9, 9)] = [40, 41, 2, 42, 43, 44, 45]
     r = client.post("/v1/completions", json={"prompt": [9, 9, 9], "max_tokens": 6, "return_token_ids": True}).json()
     assert r["choices"][0]["token_ids"] == [40, 41, 2] and r["choices"][0]["finish_reason"] == "stop"
-    r = client.post("/v1/completions", json={"prompt": [9, 9, 9], "max_tokens": 6, "min_tokens": 4,
-                                             "return_token_ids": True}).json()
+    r = client.post(
+        "/v1/completions", json={"prompt": [9, 9, 9], "max_tokens": 6, "min_tokens": 4, "return_token_ids": True}
+    ).json()
     assert eng.requests[-1].params.min_tokens == 4 and 2 not in r["choices"][0]["token_ids"][:4]
 
 
@@ -327,14 +392,19 @@ def test_logit_bias_logprobs_min_tokens_reach_the_engine(server, client):
 
 
 def test_no_half_character_at_any_cut(server, client, tok):
-    from dspark_jax.tokenizer import decode_complete
+    from dspark_jax.models.tokenizer import decode_complete
 
     prompt = [7, 7, 7]
     script = [280, 294, 410] + CAT + [433, 261] + CAT + CAT + [334]
     server.engine.scripts[tuple(prompt)] = script
-    chat_prompt = tok.encode(CHAT_TEMPLATE.replace("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                                                   "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}",
-                                                   "user: x\nassistant:"), add_bos=False)
+    chat_prompt = tok.encode(
+        CHAT_TEMPLATE.replace(
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+            "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}",
+            "user: x\nassistant:",
+        ),
+        add_bos=False,
+    )
     server.engine.scripts[tuple(chat_prompt)] = script
     full = tok.decode(script, skip_special_tokens=True)
     assert "\ufffd" not in full and full.count("\u732b") == 3
@@ -346,13 +416,15 @@ def test_no_half_character_at_any_cut(server, client, tok):
         assert r["token_ids"] == script[:k] and r["text"] == want, (k, r)
         events = _stream(client, "/v1/completions", body)
         assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == want
-        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                         "max_tokens": k}).json()["choices"][0]["message"]["content"]
+        chat = client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": k}
+        ).json()["choices"][0]["message"]["content"]
         assert chat == want
     # a stop string made of a split character and a cut right after the stop
-    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 20, "stop": ["\u732b"],
-                                             "return_token_ids": True}).json()["choices"][0]
-    assert r["text"] == full[:full.index("\u732b")] and r["token_ids"] == script[:6] and r["finish_reason"] == "stop"
+    r = client.post(
+        "/v1/completions", json={"prompt": prompt, "max_tokens": 20, "stop": ["\u732b"], "return_token_ids": True}
+    ).json()["choices"][0]
+    assert r["text"] == full[: full.index("\u732b")] and r["token_ids"] == script[:6] and r["finish_reason"] == "stop"
 
 
 def test_detokenization_is_incremental(server, client, tok, monkeypatch):
@@ -366,29 +438,45 @@ def test_detokenization_is_incremental(server, client, tok, monkeypatch):
         return real(self, ids, skip_special_tokens)
 
     monkeypatch.setattr(type(tok), "decode", counting)
-    r = client.post("/v1/completions", json={"prompt": [3, 4, 5], "max_tokens": 100, "stop": ["zzzz"],
-                                             "logprobs": 1}).json()
+    r = client.post(
+        "/v1/completions", json={"prompt": [3, 4, 5], "max_tokens": 100, "stop": ["zzzz"], "logprobs": 1}
+    ).json()
     assert r["usage"]["completion_tokens"] == 100 and sizes and max(sizes) == 1
 
 
 def test_stop_string_matching(server, client, tok):
     ids = [11, 12, 13]
-    free = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 30, "temperature": 0,
-                                                "return_token_ids": True}).json()["choices"][0]
+    free = client.post(
+        "/v1/completions", json={"prompt": ids, "max_tokens": 30, "temperature": 0, "return_token_ids": True}
+    ).json()["choices"][0]
     text = free["text"]
     needle = text[10:14]
-    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 30, "temperature": 0, "stop": [needle, "zzzz"],
-                                             "return_token_ids": True}).json()["choices"][0]
-    assert r["finish_reason"] == "stop" and r["text"] == text[:text.index(needle)]
+    r = client.post(
+        "/v1/completions",
+        json={"prompt": ids, "max_tokens": 30, "temperature": 0, "stop": [needle, "zzzz"], "return_token_ids": True},
+    ).json()["choices"][0]
+    assert r["finish_reason"] == "stop" and r["text"] == text[: text.index(needle)]
     n = len(r["token_ids"])  # the shortest token prefix whose text contains the stop string
     assert r["token_ids"] == free["token_ids"][:n]
-    assert needle in tok.decode(free["token_ids"][:n]) and needle not in tok.decode(free["token_ids"][:n - 1])
-    events = _stream(client, "/v1/completions", {"prompt": ids, "max_tokens": 30, "temperature": 0,
-                                                 "stop": [needle], "return_token_ids": True})
+    assert needle in tok.decode(free["token_ids"][:n]) and needle not in tok.decode(free["token_ids"][: n - 1])
+    events = _stream(
+        client,
+        "/v1/completions",
+        {"prompt": ids, "max_tokens": 30, "temperature": 0, "stop": [needle], "return_token_ids": True},
+    )
     assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == r["text"]
     # min_tokens holds back stop strings too (as vLLM)
-    late = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 30, "temperature": 0, "stop": [needle],
-                                                "min_tokens": n + 1, "return_token_ids": True}).json()["choices"][0]
+    late = client.post(
+        "/v1/completions",
+        json={
+            "prompt": ids,
+            "max_tokens": 30,
+            "temperature": 0,
+            "stop": [needle],
+            "min_tokens": n + 1,
+            "return_token_ids": True,
+        },
+    ).json()["choices"][0]
     assert len(late["token_ids"]) > n
     assert wait_idle(client)["free_slots"] == NUM_SLOTS
 
@@ -404,8 +492,7 @@ def test_tau_with_a_stop_inside_an_accepted_block(server, client, tok):
     bodies = []
     stop_text = tok.decode(script[1:2])
     for extra in ({"stop": [stop_text]}, {"stop_token_ids": [script[1]]}):  # a stop string, then a stop token
-        r = client.post("/v1/completions", json=dict(extra, prompt=prompt, max_tokens=9,
-                                                     return_token_ids=True)).json()
+        r = client.post("/v1/completions", json=dict(extra, prompt=prompt, max_tokens=9, return_token_ids=True)).json()
         assert r["choices"][0]["token_ids"] == script[:2], r
         sd = r["spec_decode"]
         assert (sd["num_steps"], sd["num_draft_tokens"], sd["num_accepted_tokens"]) == (1, 1, 1), sd
@@ -425,21 +512,29 @@ def test_tau_with_a_stop_inside_an_accepted_block(server, client, tok):
     assert delta("dspark:spec_decode_num_emitted_tokens_total") == 1 + 1 + 8
     assert delta("dspark:spec_decode_num_accepted_tokens_total") == 1 + 1 + 5
     tau_all = metric(after, "dspark:spec_decode_mean_accepted_length")
-    assert tau_all == pytest.approx(metric(after, "dspark:spec_decode_num_emitted_tokens_total")
-                                    / metric(after, "dspark:spec_decode_num_rounds_total"))
+    assert tau_all == pytest.approx(
+        metric(after, "dspark:spec_decode_num_emitted_tokens_total")
+        / metric(after, "dspark:spec_decode_num_rounds_total")
+    )
 
 
 # --------------------------------------------------------------------------- load, disconnects, metrics
 
 
 def test_queue_full_gets_429(tok):
-    srv = _serve(tok, FakeEngine(vocab_size=tok.vocab_size, num_slots=1, cache_len=CACHE_LEN, step_delay=0.01),
-                 max_queue=1)
+    srv = _serve(
+        tok, FakeEngine(vocab_size=tok.vocab_size, num_slots=1, cache_len=CACHE_LEN, step_delay=0.01), max_queue=1
+    )
     try:
+
         async def burst():
             async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
-                return await asyncio.gather(*(c.post("/v1/completions", json={
-                    "prompt": "Once upon a time", "max_tokens": 20}) for _ in range(8)))
+                return await asyncio.gather(
+                    *(
+                        c.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 20})
+                        for _ in range(8)
+                    )
+                )
 
         rs = asyncio.run(burst())
         codes = sorted(r.status_code for r in rs)
@@ -481,14 +576,24 @@ def test_client_disconnect_frees_slot(tok):
 
 def test_metrics_count_requests_and_spec_decode(client):
     before = client.get("/metrics").text
-    bodies = [client.post("/v1/completions", json={"prompt": p, "max_tokens": 12}).json()
-              for p in ("Once upon a time", "The dog ran")]
+    bodies = [
+        client.post("/v1/completions", json={"prompt": p, "max_tokens": 12}).json()
+        for p in ("Once upon a time", "The dog ran")
+    ]
     wait_idle(client)
     after = client.get("/metrics").text
-    for name in ("dspark:num_requests_running", "dspark:num_requests_waiting", "dspark:time_to_first_token_seconds_bucket",
-                 "dspark:time_per_output_token_seconds_bucket", "dspark:e2e_request_latency_seconds_count",
-                 "dspark:request_success_total", "dspark:generation_tokens_total", "dspark:prompt_tokens_total",
-                 "dspark:spec_decode_mean_accepted_length", "dspark:spec_decode_acceptance_rate"):
+    for name in (
+        "dspark:num_requests_running",
+        "dspark:num_requests_waiting",
+        "dspark:time_to_first_token_seconds_bucket",
+        "dspark:time_per_output_token_seconds_bucket",
+        "dspark:e2e_request_latency_seconds_count",
+        "dspark:request_success_total",
+        "dspark:generation_tokens_total",
+        "dspark:prompt_tokens_total",
+        "dspark:spec_decode_mean_accepted_length",
+        "dspark:spec_decode_acceptance_rate",
+    ):
         assert name in after, name
 
     def delta(name, **kw):
@@ -497,8 +602,10 @@ def test_metrics_count_requests_and_spec_decode(client):
     assert delta("dspark:request_success_total", finished_reason="length") == 2
     assert delta("dspark:generation_tokens_total") == 24
     assert delta("dspark:time_to_first_token_seconds_count") == 2
-    for key, name in (("num_draft_tokens", "dspark:spec_decode_num_draft_tokens_total"),
-                      ("num_accepted_tokens", "dspark:spec_decode_num_accepted_tokens_total"),
-                      ("num_steps", "dspark:spec_decode_num_rounds_total")):
+    for key, name in (
+        ("num_draft_tokens", "dspark:spec_decode_num_draft_tokens_total"),
+        ("num_accepted_tokens", "dspark:spec_decode_num_accepted_tokens_total"),
+        ("num_steps", "dspark:spec_decode_num_rounds_total"),
+    ):
         assert delta(name) == sum(b["spec_decode"][key] for b in bodies), name
     assert metric(after, "dspark:num_free_slots") == NUM_SLOTS

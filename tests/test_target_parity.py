@@ -2,7 +2,7 @@
 
 DESIGN.md "Target model": logits must match transformers on the same weights. Tiny random
 Llama and Qwen3 checkpoints are written offline with ``save_pretrained`` (safetensors),
-loaded through the project loader (:func:`dspark_jax.model_io.load_hf_dir`) and compared
+loaded through the project loader (:func:`dspark_jax.models.model_io.load_hf_dir`) and compared
 on:
 
 * a full forward of a ``[2, 12]`` batch (max |logit diff| <= 1e-4);
@@ -44,13 +44,23 @@ def _make_hf(kind, layers, tie, theta, eps, path):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(layers * 7 + tie)
-    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=layers,
-                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                  max_position_embeddings=64, rms_norm_eps=eps, rope_theta=theta,
-                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=tie,
-                  initializer_range=0.15)  # large enough that attention is far from uniform
-    model = (LlamaForCausalLM(LlamaConfig(**common)) if kind == "llama"
-             else Qwen3ForCausalLM(Qwen3Config(**common)))
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=64,
+        rms_norm_eps=eps,
+        rope_theta=theta,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=tie,
+        initializer_range=0.15,
+    )  # large enough that attention is far from uniform
+    model = LlamaForCausalLM(LlamaConfig(**common)) if kind == "llama" else Qwen3ForCausalLM(Qwen3Config(**common))
     with torch.no_grad():  # non-trivial norm weights, so a mis-mapped norm shows up
         for n, prm in model.named_parameters():
             if "norm" in n:
@@ -62,8 +72,8 @@ def _make_hf(kind, layers, tie, theta, eps, path):
 @pytest.fixture(scope="module", params=CASES, ids=IDS)
 def pair(request, tmp_path_factory):
     """``(hf_model, Target, TargetConfig)`` on identical weights."""
-    from dspark_jax.model_io import load_hf_dir, params_fingerprint
-    from dspark_jax.target import Target
+    from dspark_jax.models.model_io import load_hf_dir, params_fingerprint
+    from dspark_jax.models.target import Target
 
     kind, layers, tie, theta, eps = request.param
     path = tmp_path_factory.mktemp(f"hf_{kind}_{layers}")
@@ -189,7 +199,7 @@ def test_rows_at_different_positions(pair):
 
 
 def test_taps_match_hidden_states(pair):
-    from dspark_jax.layers import rms_norm
+    from dspark_jax.models.layers import rms_norm
 
     model, target, cfg = pair
     ids = _tokens(seed=5)

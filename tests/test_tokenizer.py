@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.tokenizer import Llama2cTokenizer
+from dspark_jax.models.tokenizer import Llama2cTokenizer
 
 ROUND_TRIP = [
     "Once upon a time",
@@ -128,16 +128,17 @@ def test_smollm2_chat_template(smollm2_tokenizer):
     assert tok.apply_chat_template(msgs) == SMOL_SYSTEM + CHATML
     with_system = [{"role": "system", "content": "Be brief."}] + msgs
     assert tok.apply_chat_template(with_system) == "<|im_start|>system\nBe brief.<|im_end|>\n" + CHATML
-    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == SMOL_SYSTEM + CHATML.rsplit(
-        "<|im_start|>assistant\n", 1
-    )[0]
+    assert (
+        tok.apply_chat_template(msgs, add_generation_prompt=False)
+        == SMOL_SYSTEM + CHATML.rsplit("<|im_start|>assistant\n", 1)[0]
+    )
 
 
 # ----------------------------------------------------------------------------- Hugging Face
 
 
 def test_hf_tokenizer(tmp_path, write_tiny_hf_tokenizer):
-    from dspark_jax.tokenizer import HFTokenizer
+    from dspark_jax.models.tokenizer import HFTokenizer
 
     write_tiny_hf_tokenizer(tmp_path)
     tok = HFTokenizer(tmp_path)
@@ -149,7 +150,7 @@ def test_hf_tokenizer(tmp_path, write_tiny_hf_tokenizer):
 
 
 def test_hf_tokenizer_missing(tmp_path):
-    from dspark_jax.tokenizer import HFTokenizer
+    from dspark_jax.models.tokenizer import HFTokenizer
 
     with pytest.raises(DSparkInputError):
         HFTokenizer(tmp_path)
@@ -157,7 +158,8 @@ def test_hf_tokenizer_missing(tmp_path):
 
 # ----------------------------------------------------------------------------- incremental detokenization
 
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 # The issue's SmolLM2 example: "café", the Japanese word for cat and a smiley emoji.
 MULTIBYTE = "Write the word 'café' and the Japanese word for cat: 猫 (ねこ), then a smiley emoji 😊. Ω≈ç√ 🚀"
@@ -167,7 +169,7 @@ TEXTS = st.text(alphabet=st.sampled_from(list("ab c.\né猫ねこ😊🚀Ωç√
 def check_every_cut(tok, ids):
     """At every cut the streamed text is decode_complete's, holds no U+FFFD from a split
     character and is a prefix of the full text; the whole stream equals decode()."""
-    from dspark_jax.tokenizer import decode_complete
+    from dspark_jax.models.tokenizer import decode_complete
 
     full = tok.decode(ids, skip_special_tokens=True)
     assert "\ufffd" not in full
@@ -201,8 +203,9 @@ def test_property_llama2c_detokenizer(tok512, text):
     check_every_cut(tok512, tok512.encode(text, add_bos=False))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(text=TEXTS)
 def test_property_smollm2_detokenizer(smollm2_tokenizer, text):
     check_every_cut(smollm2_tokenizer, smollm2_tokenizer.encode(text))
@@ -217,7 +220,7 @@ def test_property_llama2c_stream_equals_decode_on_any_ids(tok512, ids):
 
 
 def test_hf_detokenizer(tmp_path, write_tiny_hf_tokenizer):
-    from dspark_jax.tokenizer import HFTokenizer, _WindowDetokenizer
+    from dspark_jax.models.tokenizer import HFTokenizer, _WindowDetokenizer
 
     write_tiny_hf_tokenizer(tmp_path)
     tok = HFTokenizer(tmp_path)
@@ -229,7 +232,7 @@ def test_hf_detokenizer(tmp_path, write_tiny_hf_tokenizer):
 
 
 def test_window_detokenizer_holds_split_characters(tok512):
-    from dspark_jax.tokenizer import _WindowDetokenizer
+    from dspark_jax.models.tokenizer import _WindowDetokenizer
 
     ids = tok512.encode(MULTIBYTE * 3, add_bos=False)
     sizes = []

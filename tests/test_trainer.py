@@ -10,17 +10,35 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dspark_jax.checkpoint import export_drafter, load_drafter
 from dspark_jax.config import DrafterConfig, TargetConfig, apply_overrides
-from dspark_jax.data import batches
-from dspark_jax.drafter import Drafter
-from dspark_jax.target import Target, random_params
-from dspark_jax.trainer import TrainConfig, Trainer, drafter_config, drafter_loss
+from dspark_jax.drafters.checkpoint import export_drafter, load_drafter
+from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.models.target import Target, random_params
+from dspark_jax.training.data import batches
+from dspark_jax.training.trainer import TrainConfig, Trainer, drafter_config, drafter_loss
 
-TCFG = TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
-                    num_kv_heads=2, head_dim=8, max_position=128, name="tiny")
-CFG = TrainConfig(steps=6, batch_size=4, anchors_per_seq=4, gamma=4, num_layers=1, markov_rank=8,
-                  learning_rate=1e-2, ckpt_every=3, keep_checkpoints=2)
+TCFG = TargetConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position=128,
+    name="tiny",
+)
+CFG = TrainConfig(
+    steps=6,
+    batch_size=4,
+    anchors_per_seq=4,
+    gamma=4,
+    num_layers=1,
+    markov_rank=8,
+    learning_rate=1e-2,
+    ckpt_every=3,
+    keep_checkpoints=2,
+)
 
 
 def _data(n=16, length=40, seed=0):
@@ -42,8 +60,15 @@ def test_loss_terms_are_sane_and_confidence_label_is_one_minus_tv():
     target = _target()
     d = Drafter(drafter_config(CFG, target), nnx.Rngs(0))
     b = _data()
-    terms = drafter_loss(d, target, jnp.asarray(b["tokens"][:4]), jnp.asarray(b["lengths"][:4]),
-                         jnp.asarray(b["prompt_lengths"][:4]), jax.random.PRNGKey(0), CFG)
+    terms = drafter_loss(
+        d,
+        target,
+        jnp.asarray(b["tokens"][:4]),
+        jnp.asarray(b["lengths"][:4]),
+        jnp.asarray(b["prompt_lengths"][:4]),
+        jax.random.PRNGKey(0),
+        CFG,
+    )
     assert np.isfinite(float(terms.loss))
     assert 0.0 <= float(terms.tv) <= 1.0
     assert 1.0 <= float(terms.tau_est) <= 1 + CFG.gamma
@@ -78,7 +103,7 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
     first = fresh()
     mgr = first.checkpoint_manager(tmp_path / "ckpt")
     it = batches(data, CFG.batch_size, CFG.seed)
-    for s in range(4):                      # "killed" after step 4; last checkpoint at step 3
+    for s in range(4):  # "killed" after step 4; last checkpoint at step 3
         first.step(next(it), s)
         if (s + 1) % CFG.ckpt_every == 0:
             first.save(mgr, s + 1)
@@ -94,24 +119,27 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
 
 
 def test_export_round_trip(tmp_path):
-    target = _target()
+    _target()
     cfg = DrafterConfig.for_target(TCFG, gamma=4, num_layers=1, markov_rank=8, target_fingerprint="tinyfp")
     d = Drafter(cfg, nnx.Rngs(3))
     path = export_drafter(d, tmp_path / "export", calibration=[1.0] * 4, extra={"note": "x"})
     d2, meta = load_drafter(path)
     assert d2.cfg == cfg and meta["calibration"] == [1.0] * 4 and meta["extra"]["note"] == "x"
-    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(d, nnx.Param)),
-                 nnx.to_pure_dict(nnx.state(d2, nnx.Param)))
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        nnx.to_pure_dict(nnx.state(d, nnx.Param)),
+        nnx.to_pure_dict(nnx.state(d2, nnx.Param)),
+    )
 
 
 def test_draft_vocabulary_tv_and_export(tmp_path):
     """The trainer's draft-space TV (target mass off the draft vocabulary counted in full) equals
     1 - acceptance computed in target space with q exactly 0 off it; the ids and the width
     survive the export; a drafter without its ids is refused."""
-    from dspark_jax.calibration import block_terms
-    from dspark_jax.data import draft_vocabulary
     from dspark_jax.errors import DSparkInputError
-    from dspark_jax.trainer import loss_sums
+    from dspark_jax.training.calibration import block_terms
+    from dspark_jax.training.data import draft_vocabulary
+    from dspark_jax.training.trainer import loss_sums
 
     target = _target()
     cfg = dataclasses.replace(CFG, draft_vocab_size=16, drafter_width=48)
@@ -127,8 +155,12 @@ def test_draft_vocabulary_tv_and_export(tmp_path):
     anchors = jnp.asarray(rng.integers(3, 15, (4, 3)), jnp.int32)
     sums = jax.jit(lambda a: loss_sums(d, target, toks, lens, a, cfg))(anchors)
     bt = jax.jit(lambda a: block_terms(d, target, toks, lens, a, temperature=1.0))(anchors)
-    np.testing.assert_allclose(np.asarray(sums["acc_num"]),
-                               np.sum(np.asarray(bt.accept) * np.asarray(bt.valid), axis=(0, 1)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(sums["acc_num"]),
+        np.sum(np.asarray(bt.accept) * np.asarray(bt.valid), axis=(0, 1)),
+        rtol=1e-5,
+        atol=1e-6,
+    )
     path = export_drafter(d, tmp_path / "export")
     d2, _ = load_drafter(path)
     assert d2.draft_vocab == tuple(int(i) for i in ids) and d2.cfg == dcfg
@@ -220,7 +252,8 @@ def test_bfloat16_compute_keeps_float32_master_weights(big_batch_run):
     tr, losses = _two_steps(cfg, target)
     assert {x.dtype for x in jax.tree.leaves(tr.params)} == {jnp.dtype(jnp.float32)}
     assert {x.dtype for x in jax.tree.leaves(tr.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)} == {
-        jnp.dtype(jnp.float32)}
+        jnp.dtype(jnp.float32)
+    }
     assert jnp.dtype(tr.drafter().dtype) == jnp.float32
     jaxpr = _step_jaxpr(tr)
     assert "bf16" in jaxpr and "dot_general" in jaxpr
@@ -265,10 +298,10 @@ def test_damaged_or_partial_latest_checkpoint_does_not_break_restart(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, after_one, _params(tr2))
     assert mgr2.all_steps() == [1]
     tr2.step(next(batches(data, CFG.batch_size, CFG.seed, start_step=1)), 1)
-    tr2.save(mgr2, 2)                        # the damaged step's number is free again
+    tr2.save(mgr2, 2)  # the damaged step's number is free again
     mgr2.wait_until_finished()
-    assert sorted(p.name for p in ck.iterdir()) == ["1", "2"]   # the temporary directory was cleaned up
+    assert sorted(p.name for p in ck.iterdir()) == ["1", "2"]  # the temporary directory was cleaned up
     other = fresh(dataclasses.replace(CFG, num_layers=2))
     with pytest.raises(DSparkInputError, match="no checkpoint"):
         other.restore_latest(other.checkpoint_manager(ck))
-    assert mgr2.all_steps() == [1, 2]        # nothing deleted for a mismatched config
+    assert mgr2.all_steps() == [1, 2]  # nothing deleted for a mismatched config

@@ -1,4 +1,4 @@
-"""Exactness tests for dspark_jax.verifier (lossless rejection-sampling verification).
+"""Exactness tests for dspark_jax.decoding.verifier (lossless rejection-sampling verification).
 
 DESIGN.md "Verification (lossless)": the output must be distributed exactly as plain
 sampling from the target. Three layers of evidence:
@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from dspark_jax.sampling import process_logits, sample, sampling_arrays
-from dspark_jax.verifier import VerifyOutput, coupled_accept, verify, verify_coupled
+from dspark_jax.decoding.verifier import VerifyOutput, coupled_accept, verify, verify_coupled
+from dspark_jax.models.sampling import process_logits, sample, sampling_arrays
 
 pytestmark = pytest.mark.exactness
 
@@ -178,12 +178,17 @@ def simulate_two_tokens(n, key, p1, p2, p3, q1, q2, length_probs, mode="rejectio
         x1 = sample(k0, _rows(q1, n))
         x2 = sample(k1, q2[x1])
         lengths = sample(klen, _rows(length_probs, n))
-        out = verify_coupled(jnp.stack([k0, k1, k2], axis=1), jnp.stack([x1, x2], axis=1),
-                             jnp.stack([_rows(p1, n), p2[x1], p3[x1, x2]], axis=1), lengths)
+        out = verify_coupled(
+            jnp.stack([k0, k1, k2], axis=1),
+            jnp.stack([x1, x2], axis=1),
+            jnp.stack([_rows(p1, n), p2[x1], p3[x1, x2]], axis=1),
+            lengths,
+        )
         y1 = out.tokens[:, 0]
         z = sample(k1, q2[y1])
-        out2 = verify_coupled(jnp.stack([k1, k2], axis=1), z[:, None], jnp.stack([p2[y1], p3[y1, z]], axis=1),
-                              jnp.ones((n,), jnp.int32))
+        out2 = verify_coupled(
+            jnp.stack([k1, k2], axis=1), z[:, None], jnp.stack([p2[y1], p3[y1, z]], axis=1), jnp.ones((n,), jnp.int32)
+        )
         y2 = jnp.where(out.num_emitted >= 2, out.tokens[:, 1], out2.tokens[:, 0])
         return y1, y2, out.num_emitted, out.tokens
     x1 = sample(kx1, _rows(q1, n))
@@ -225,8 +230,9 @@ LENGTH_POLICIES = {
 
 
 # Coupled draws' token law does not involve the lengths: one length policy is enough.
-@pytest.mark.parametrize("policy,mode", [(p, "rejection") for p in sorted(LENGTH_POLICIES)]
-                         + [("uniform012", "coupled")])
+@pytest.mark.parametrize(
+    "policy,mode", [(p, "rejection") for p in sorted(LENGTH_POLICIES)] + [("uniform012", "coupled")]
+)
 @pytest.mark.parametrize("config", SAMPLING_CONFIGS)
 def test_monte_carlo_law_of_first_two_tokens(config, policy, mode):
     """Both serving verification modes (DESIGN.md "Verification (lossless)") under the same
@@ -236,9 +242,7 @@ def test_monte_carlo_law_of_first_two_tokens(config, policy, mode):
     seed = 1000 + 10 * SAMPLING_CONFIGS.index(config) + sorted(LENGTH_POLICIES).index(policy)
     seed += 500 * (mode == "coupled")
     y1, y2, n_em, tokens = jax.device_get(
-        simulate_two_tokens(
-            N_MC, jax.random.PRNGKey(seed), *_as_f32(p1, p2, p3, q1, q2), length_probs, mode
-        )
+        simulate_two_tokens(N_MC, jax.random.PRNGKey(seed), *_as_f32(p1, p2, p3, q1, q2), length_probs, mode)
     )
     first = np.bincount(y1, minlength=V) / N_MC
     joint = np.bincount(y1 * V + y2, minlength=V * V).reshape(V, V) / N_MC
@@ -256,9 +260,7 @@ def test_monte_carlo_law_of_first_two_tokens(config, policy, mode):
             for seq, pr in analytic_round_law(p1, p2, p3, q1, q2, length).items():
                 law[seq] += w * pr
     mc = defaultdict(float)
-    seqs, counts = np.unique(
-        np.where(np.arange(G + 1) < n_em[:, None], tokens, -1), axis=0, return_counts=True
-    )
+    seqs, counts = np.unique(np.where(np.arange(G + 1) < n_em[:, None], tokens, -1), axis=0, return_counts=True)
     for seq, c in zip(seqs, counts):
         mc[tuple(int(t) for t in seq if t >= 0)] = c / N_MC
     assert set(mc) <= {k for k in law if law[k] > 0}
@@ -269,7 +271,9 @@ def test_greedy_monte_carlo_is_deterministic_target_argmax():
     p1, p2, p3, q1, q2 = make_tables(12, 0.0, 0, 1.0)
     y1, y2, _, _ = jax.device_get(
         simulate_two_tokens(
-            N_MC, jax.random.PRNGKey(5), *_as_f32(p1, p2, p3, q1, q2),
+            N_MC,
+            jax.random.PRNGKey(5),
+            *_as_f32(p1, p2, p3, q1, q2),
             jnp.asarray(LENGTH_POLICIES["uniform012"], jnp.float32),
         )
     )
@@ -289,8 +293,11 @@ def test_accept_and_residual_randomness_are_independent():
     x = sample(kd, _rows(q, n))
     out = jax.device_get(
         verify(
-            jax.random.split(kv, n), x[:, None], _rows(q, n)[:, None],
-            jnp.stack([_rows(p, n), _rows(bonus, n)], axis=1), jnp.ones((n,), jnp.int32),
+            jax.random.split(kv, n),
+            x[:, None],
+            _rows(q, n)[:, None],
+            jnp.stack([_rows(p, n), _rows(bonus, n)], axis=1),
+            jnp.ones((n,), jnp.int32),
         )
     )
     rej = out.num_accepted == 0
@@ -325,8 +332,11 @@ def simulate_scheduled_round(key, target, draft, length_rule, n=N_MC):
     x = sample(kd, _rows(draft, n))[:, None]
     lengths = jnp.asarray(length_rule(x, kr), jnp.int32)
     out = verify(
-        jax.random.split(kv, n), x, _rows(draft, n)[:, None],
-        jnp.stack([_rows(target, n), _rows(target, n)], axis=1), lengths,
+        jax.random.split(kv, n),
+        x,
+        _rows(draft, n)[:, None],
+        jnp.stack([_rows(target, n), _rows(target, n)], axis=1),
+        lengths,
     )
     return np.asarray(out.tokens[:, 0])
 
@@ -338,7 +348,9 @@ NA_TARGET, NA_DRAFT = [0.7, 0.3], [0.5, 0.5]
 def test_anticipating_scheduler_breaks_losslessness():
     # verify only when A was drawn: P(A) = 0.5 * 1 + 0.5 * 0.7 = 0.85
     out = simulate_scheduled_round(
-        jax.random.PRNGKey(21), NA_TARGET, NA_DRAFT,
+        jax.random.PRNGKey(21),
+        NA_TARGET,
+        NA_DRAFT,
         lambda x, k: (x[:, 0] == A).astype(jnp.int32),
     )
     assert abs((out == A).mean() - 0.85) < 0.005
@@ -374,8 +386,11 @@ def test_greedy_reduces_to_argmax_matching():
     lengths = np.array([3, 3, 3, 2, 1], np.int32)
     out = jax.device_get(
         verify(
-            jax.random.split(jax.random.PRNGKey(0), 5), drafts, _one_hot(drafts, v),
-            _one_hot(t_arg, v), lengths,
+            jax.random.split(jax.random.PRNGKey(0), 5),
+            drafts,
+            _one_hot(drafts, v),
+            _one_hot(t_arg, v),
+            lengths,
         )
     )
     np.testing.assert_array_equal(out.num_accepted, [3, 1, 0, 2, 1])
@@ -388,8 +403,11 @@ def test_greedy_reduces_to_argmax_matching():
     # deterministic whatever the key
     for seed in range(3):
         again = verify(
-            jax.random.split(jax.random.PRNGKey(seed + 1), 5), drafts, _one_hot(drafts, v),
-            _one_hot(t_arg, v), lengths,
+            jax.random.split(jax.random.PRNGKey(seed + 1), 5),
+            drafts,
+            _one_hot(drafts, v),
+            _one_hot(t_arg, v),
+            lengths,
         )
         np.testing.assert_array_equal(np.asarray(again.tokens), out.tokens)
 
@@ -407,9 +425,7 @@ def _random_block(seed, b, g, v, zero_frac=0.3):
 
     q = dists((b, g, v))
     p = dists((b, g + 1, v))
-    drafts = np.stack(
-        [[rng.choice(v, p=q[i, k] / q[i, k].sum()) for k in range(g)] for i in range(b)]
-    ).astype(np.int32)
+    drafts = np.stack([[rng.choice(v, p=q[i, k] / q[i, k].sum()) for k in range(g)] for i in range(b)]).astype(np.int32)
     lengths = rng.integers(0, g + 1, size=b).astype(np.int32)
     keys = np.asarray(jax.random.split(jax.random.PRNGKey(seed % (2**31)), b))
     return keys, drafts, q, p, lengths
@@ -475,8 +491,10 @@ def test_lengths_zero_is_plain_sampling():
     n = N_MC
     p0 = jnp.asarray([0.1, 0.0, 0.6, 0.3], jnp.float32)
     out = verify(
-        jax.random.split(jax.random.PRNGKey(8), n), jnp.zeros((n, 1), jnp.int32),
-        jnp.full((n, 1, 4), jnp.nan), jnp.stack([_rows(p0, n), _rows(p0, n)], 1),
+        jax.random.split(jax.random.PRNGKey(8), n),
+        jnp.zeros((n, 1), jnp.int32),
+        jnp.full((n, 1, 4), jnp.nan),
+        jnp.stack([_rows(p0, n), _rows(p0, n)], 1),
         jnp.zeros((n,), jnp.int32),
     )
     freq = np.bincount(np.asarray(out.next_token), minlength=4) / n
@@ -492,7 +510,10 @@ def test_zero_residual_falls_back_to_target():
     q = np.full((n, 1, 3), 0.9, np.float32)
     out = jax.device_get(
         verify(
-            jax.random.split(jax.random.PRNGKey(0), n), np.ones((n, 1), np.int32), q, p,
+            jax.random.split(jax.random.PRNGKey(0), n),
+            np.ones((n, 1), np.int32),
+            q,
+            p,
             np.ones((n,), np.int32),
         )
     )
@@ -523,7 +544,10 @@ SHAPES = [(4, 3, 5), (3, 4, 3)]
 
 
 @settings(
-    max_examples=40, deadline=None, derandomize=True, database=None,
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 @given(
@@ -547,7 +571,7 @@ def test_verify_properties(seed, shape, equal_pq, zero_frac):
     assert out.accepted.shape == (b, g) and out.accepted.dtype == np.bool_
 
     n = out.num_accepted
-    assert np.all((0 <= n) & (n <= lengths))
+    assert np.all((n >= 0) & (n <= lengths))
     np.testing.assert_array_equal(out.num_emitted, n + 1)
     pos = np.arange(g)
     np.testing.assert_array_equal(out.accepted, pos[None] < n[:, None])
@@ -582,7 +606,7 @@ def test_coupled_output_is_plain_sampling_with_the_same_keys():
     p = jax.nn.softmax(jnp.asarray(rng.normal(size=(b, g + 1, v)) * 2, jnp.float32), axis=-1)
     q = jax.nn.softmax(jnp.asarray(rng.normal(size=(b, g, v)) * 2, jnp.float32), axis=-1)
     keys = jax.random.split(jax.random.PRNGKey(3), b * (g + 1)).reshape(b, g + 1, 2)
-    plain = np.asarray(jax.vmap(sample)(keys, p))                  # [b, g+1]
+    plain = np.asarray(jax.vmap(sample)(keys, p))  # [b, g+1]
     lengths = jnp.asarray(rng.integers(0, g + 1, b), jnp.int32)
     for drafts in (jax.vmap(sample)(keys[:, :g], q), jnp.asarray(rng.integers(0, v, (b, g)), jnp.int32)):
         out = jax.device_get(verify_coupled(keys, drafts, p, lengths))
@@ -591,7 +615,7 @@ def test_coupled_output_is_plain_sampling_with_the_same_keys():
             a = int(out.num_accepted[r])
             assert a <= int(lengths[r])
             np.testing.assert_array_equal(out.tokens[r, : a + 1], plain[r, : a + 1])
-            assert np.all(out.tokens[r, a + 1:] == -1) and out.next_token[r] == plain[r, a]
+            assert np.all(out.tokens[r, a + 1 :] == -1) and out.next_token[r] == plain[r, a]
             np.testing.assert_array_equal(d[r, :a], plain[r, :a])
             if a < int(lengths[r]):
                 assert d[r, a] != plain[r, a]

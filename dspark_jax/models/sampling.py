@@ -27,7 +27,8 @@ receive such logits should check :func:`logits_are_finite` outside ``jit`` and r
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,10 +37,10 @@ from jax import lax
 
 __all__ = [
     "SamplingArrays",
-    "sampling_arrays",
-    "process_logits",
     "logits_are_finite",
+    "process_logits",
     "sample",
+    "sampling_arrays",
     "split_keys",
 ]
 
@@ -117,9 +118,7 @@ def _filter_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -
     # Canonicalise -0.0 to +0.0 so the sort's total order agrees with IEEE ``==`` below.
     scaled = jnp.where(scaled == 0.0, jnp.zeros_like(scaled), scaled)
     ids = lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)
-    neg_sorted, ids_sorted = lax.sort(
-        (-scaled, ids), dimension=scaled.ndim - 1, is_stable=True, num_keys=1
-    )
+    neg_sorted, ids_sorted = lax.sort((-scaled, ids), dimension=scaled.ndim - 1, is_stable=True, num_keys=1)
     sorted_logits = -neg_sorted
 
     k_eff = jnp.where((top_k <= 0) | (top_k >= v), v, top_k)

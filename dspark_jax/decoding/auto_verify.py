@@ -4,7 +4,7 @@ DSpark's scheduler idea (DESIGN.md "Scheduler": maximise ``Theta = tau * SPS``) 
 single-request decoding, where on hardware like a 2-core CPU a verification pass of ``l + 1``
 tokens is not free (a 9-token pass costs about two plain steps) and a drafting round is not
 free either. Per round, from the drafter's calibrated confidences ``c_k`` and a measured
-:class:`~dspark_jax.cost_table.CostTable`:
+:class:`~dspark_jax.decoding.cost_table.CostTable`:
 
 * the verification length is chosen among a few compiled widths ``0 = w_0 < w_1 < ...``
   (``0`` = a plain step, the drafts discarded) by extending while the expected tokens per
@@ -28,12 +28,12 @@ Everything here is traced inside the decode loop (pure ``jnp``; widths are stati
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["default_widths", "choose_width", "should_draft"]
+__all__ = ["choose_width", "default_widths", "should_draft"]
 
 
 def default_widths(block_size: int) -> tuple[int, ...]:
@@ -75,11 +75,11 @@ def choose_width(conf: jax.Array, running: jax.Array, widths: Sequence[int], t_v
     n = jnp.sum(run)
     idx = jnp.zeros((), jnp.int32)
     go = jnp.ones((), bool)
-    expected = n   # expected emitted tokens at the current width: one per row + accepted drafts
+    expected = n  # expected emitted tokens at the current width: one per row + accepted drafts
     for i in range(1, len(widths)):
         lo, hi = widths[i - 1], widths[i]
         cand = expected + jnp.sum(run * _chunk_gain(a, conf, lo, hi))
-        go = go & (cand * t_verify[i - 1] > expected * t_verify[i])   # rate grows: cand/T_i > exp/T_{i-1}
+        go = go & (cand * t_verify[i - 1] > expected * t_verify[i])  # rate grows: cand/T_i > exp/T_{i-1}
         idx = jnp.where(go, i, idx)
         # Once the chunk is admitted its positions' survivals are known exactly (they depend only
         # on tokens that are now all verified).
@@ -87,8 +87,9 @@ def choose_width(conf: jax.Array, running: jax.Array, widths: Sequence[int], t_v
     return idx
 
 
-def should_draft(conf: jax.Array, running: jax.Array, widths: Sequence[int], t_verify: jax.Array,
-                 t_draft: jax.Array) -> jax.Array:
+def should_draft(
+    conf: jax.Array, running: jax.Array, widths: Sequence[int], t_verify: jax.Array, t_draft: jax.Array
+) -> jax.Array:
     """Whether drafting pays next round, predicted from this round's confidences.
 
     Compares ``max_w (n + sum_r sum_{j<=w} a_{r,j}) / (T_draft + T_verify(w))`` over the

@@ -24,17 +24,18 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from .config import LEGACY_MARKOV_HEADS, DrafterConfig
-from .drafter import Drafter, build_drafter
-from .errors import DSparkInputError
+from dspark_jax.config import LEGACY_MARKOV_HEADS, DrafterConfig
+from dspark_jax.drafters.dspark import Drafter, build_drafter
+from dspark_jax.errors import DSparkInputError
 
-FORMAT = "dspark_jax.drafter/2"
+FORMAT = "dspark_jax.drafters.dspark/2"
 # Format 1 named the first Markov-head variants "gated"/"rnn" (now "gated_v0"/"rnn_v0").
-_FORMATS = ("dspark_jax.drafter/1", FORMAT)
+_FORMATS = ("dspark_jax.drafters.dspark/1", FORMAT)
 
 
-def export_drafter(drafter: Drafter, path: str | Path, *, calibration: list[float] | None = None,
-                   extra: dict[str, Any] | None = None) -> Path:
+def export_drafter(
+    drafter: Drafter, path: str | Path, *, calibration: list[float] | None = None, extra: dict[str, Any] | None = None
+) -> Path:
     """Writes ``drafter`` as a self-contained export directory (overwrites ``path``).
 
     Args:
@@ -42,7 +43,7 @@ def export_drafter(drafter: Drafter, path: str | Path, *, calibration: list[floa
       path: export directory.
       calibration: optional per-position temperatures T_1..T_gamma for the
         confidence head (sequential temperature scaling); default: the
-        drafter's own :attr:`~dspark_jax.drafter.Drafter.calibration`.
+        drafter's own :attr:`~dspark_jax.drafters.dspark.Drafter.calibration`.
       extra: JSON-serialisable metadata (training summary, metrics).
     Returns:
       The absolute export path.
@@ -57,10 +58,15 @@ def export_drafter(drafter: Drafter, path: str | Path, *, calibration: list[floa
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(path / "params", nnx.to_pure_dict(params))
     ckptr.wait_until_finished()
-    meta = {"format": FORMAT, "config": drafter.cfg.to_dict(),
-            "dtype": jnp.dtype(drafter.dtype).name, "calibration": calibration,
-            "calibration_greedy": list(getattr(drafter, "calibration_greedy", None) or []) or None,
-            "draft_vocab": list(getattr(drafter, "draft_vocab", None) or []) or None, "extra": extra or {}}
+    meta = {
+        "format": FORMAT,
+        "config": drafter.cfg.to_dict(),
+        "dtype": jnp.dtype(drafter.dtype).name,
+        "calibration": calibration,
+        "calibration_greedy": list(getattr(drafter, "calibration_greedy", None) or []) or None,
+        "draft_vocab": list(getattr(drafter, "draft_vocab", None) or []) or None,
+        "extra": extra or {},
+    }
     (path / "drafter.json").write_text(json.dumps(meta, indent=2))
     return path
 
@@ -74,15 +80,18 @@ def read_export_meta(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     meta_path = path / "drafter.json"
     if not meta_path.is_file():
-        raise DSparkInputError(f"{path} is not a drafter export (no drafter.json): pass the export directory "
-                               "written by `python -m dspark_jax.train`")
+        raise DSparkInputError(
+            f"{path} is not a drafter export (no drafter.json): pass the export directory "
+            "written by `python -m dspark_jax.train`"
+        )
     try:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DSparkInputError(f"{meta_path} is corrupt: {e}") from None
     if meta.get("format") not in _FORMATS:
-        raise DSparkInputError(f"{meta_path}: unsupported export format {meta.get('format')!r} "
-                               f"(expected one of {', '.join(_FORMATS)})")
+        raise DSparkInputError(
+            f"{meta_path}: unsupported export format {meta.get('format')!r} (expected one of {', '.join(_FORMATS)})"
+        )
     return meta
 
 
@@ -95,7 +104,7 @@ def load_drafter(path: str | Path, dtype: Any = None) -> tuple[Drafter, dict[str
     Returns:
       ``(drafter, meta)`` where ``meta`` has ``calibration`` and ``extra``; the
       calibration temperatures are also installed on the drafter
-      (:meth:`~dspark_jax.drafter.Drafter.set_calibration`), so decoding uses
+      (:meth:`~dspark_jax.drafters.dspark.Drafter.set_calibration`), so decoding uses
       calibrated confidences.
     Raises:
       DSparkInputError: missing/corrupt export or parameters that do not match
@@ -113,8 +122,9 @@ def load_drafter(path: str | Path, dtype: Any = None) -> tuple[Drafter, dict[str
     dtype = dtype or jnp.dtype(meta.get("dtype", "float32"))
     abstract = nnx.eval_shape(lambda: build_drafter(cfg, nnx.Rngs(0), dtype=dtype))
     graphdef, abs_state = nnx.split(abstract)
-    target_tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                               nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
+    target_tree = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+    )
     if not (path / "params").exists():
         raise DSparkInputError(f"{path} has no params/ folder: the export is incomplete")
     try:

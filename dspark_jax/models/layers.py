@@ -33,8 +33,7 @@ class KVCache(NamedTuple):
     v: jax.Array
 
     @staticmethod
-    def zeros(num_layers: int, batch: int, length: int, num_kv_heads: int, head_dim: int,
-              dtype=jnp.float32) -> "KVCache":
+    def zeros(num_layers: int, batch: int, length: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> KVCache:
         shape = (num_layers, batch, length, num_kv_heads, head_dim)
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
@@ -113,8 +112,9 @@ def cache_write(cache: jax.Array, update: jax.Array, positions: jax.Array) -> ja
     return cache.at[b_idx, pos].set(update.astype(cache.dtype), mode="drop")
 
 
-def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask: jax.Array,
-                    k_blk: jax.Array, v_blk: jax.Array) -> jax.Array:
+def block_attention(
+    q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask: jax.Array, k_blk: jax.Array, v_blk: jax.Array
+) -> jax.Array:
     """Attention of draft blocks over shared context keys plus their own block (KV injection).
 
     One softmax over ``[context keys ; own block keys]`` per query, computed without
@@ -141,7 +141,8 @@ def block_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask: 
     m = jnp.maximum(jnp.max(sc, -1, keepdims=True), jnp.max(sb, -1, keepdims=True))
     ec, eb = jnp.exp(sc - m), jnp.exp(sb - m)
     denom = jnp.sum(ec, -1, keepdims=True) + jnp.sum(eb, -1, keepdims=True)
-    out = (jnp.einsum("basgrc,bcgd->basgrd", ec.astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
-           + jnp.einsum("basgrt,batgd->basgrd", eb.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32))
+    out = jnp.einsum(
+        "basgrc,bcgd->basgrd", ec.astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32
+    ) + jnp.einsum("basgrt,batgd->basgrd", eb.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
     out = out / denom
     return out.reshape(b, a, s, nh * hd).astype(q.dtype)

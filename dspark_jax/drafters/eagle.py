@@ -2,7 +2,7 @@
 
 The paper compares DSpark with Eagle3 trained on the same data. This module is that
 baseline in the same code base, with the same interfaces as
-:class:`~dspark_jax.drafter.Drafter` (``train_blocks`` for the trainer,
+:class:`~dspark_jax.drafters.dspark.Drafter` (``train_blocks`` for the trainer,
 ``init_cache`` / ``extend_cache`` / ``draft`` for the decode loop), so it trains,
 exports, loads and evaluates through the same paths (``variant="eagle3"``).
 
@@ -21,7 +21,7 @@ Architecture (Li et al., EAGLE-3; the seed article's "autoregressive drafter"):
 Drafting is autoregressive: ``gamma`` sequential single-token steps, each sampling a
 draft token and feeding it (and ``a``) to the next, so the draft cost grows linearly
 with ``gamma`` (paper Section 3: ``T_draft ~ gamma``). ``q_k`` returned in
-:class:`~dspark_jax.markov.Draft` is exactly the distribution ``x_k`` was drawn from,
+:class:`~dspark_jax.drafters.markov.Draft` is exactly the distribution ``x_k`` was drawn from,
 so verification stays lossless. No Markov or confidence head (confidence 1).
 
 Training uses training-time test (EAGLE-3): step 1 is a causal pass over the whole
@@ -41,11 +41,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .config import DrafterConfig, TargetConfig
-from .drafter import BlockOutput
-from .layers import _NEG_INF, apply_rope, attention, cache_write, rms_norm, swiglu
-from .sampling import SamplingArrays, process_logits, sample
-from .target import Target
+from dspark_jax.config import DrafterConfig, TargetConfig
+from dspark_jax.drafters.dspark import BlockOutput
+from dspark_jax.models.layers import _NEG_INF, apply_rope, attention, cache_write, rms_norm, swiglu
+from dspark_jax.models.sampling import SamplingArrays, process_logits, sample
+from dspark_jax.models.target import Target
 
 
 class EagleCache(NamedTuple):
@@ -108,8 +108,9 @@ def _attend(q, k1, v1, m1, k2, v2, m2) -> jax.Array:
     m = jnp.maximum(jnp.max(s1, -1, keepdims=True), jnp.max(s2, -1, keepdims=True))
     e1, e2 = jnp.exp(s1 - m), jnp.exp(s2 - m)
     den = jnp.sum(e1, -1, keepdims=True) + jnp.sum(e2, -1, keepdims=True)
-    out = (jnp.einsum("btgrs,bsgd->btgrd", e1.astype(v1.dtype), v1, preferred_element_type=jnp.float32)
-           + jnp.einsum("btgrc,btcgd->btgrd", e2.astype(v2.dtype), v2, preferred_element_type=jnp.float32))
+    out = jnp.einsum("btgrs,bsgd->btgrd", e1.astype(v1.dtype), v1, preferred_element_type=jnp.float32) + jnp.einsum(
+        "btgrc,btcgd->btgrd", e2.astype(v2.dtype), v2, preferred_element_type=jnp.float32
+    )
     return (out / den).reshape(b, t, nh * hd).astype(q.dtype)
 
 
@@ -146,7 +147,7 @@ class EagleDrafter(nnx.Module):
         self.w_gate, self.w_up = w(d, cfg.intermediate_size), w(d, cfg.intermediate_size)
         self.w_down = nnx.Param(jnp.zeros((cfg.intermediate_size, d), dtype))
         self.final_norm = nnx.Param(jnp.ones((d,), dtype))
-        self.calibration: tuple[float, ...] | None = None   # no confidence head: always None
+        self.calibration: tuple[float, ...] | None = None  # no confidence head: always None
 
     # -- layer pieces --------------------------------------------------------------------
 
@@ -158,8 +159,13 @@ class EagleDrafter(nnx.Module):
         """Layer input pair ``[B, T, d]`` x2 -> q ``[B, T, nh, hd]``, k / v ``[B, T, kvh, hd]`` (RoPE'd)."""
         c = self.cfg
         b, t, _ = hid.shape
-        x = jnp.concatenate([rms_norm(emb.astype(self.dtype), self.emb_norm[...], c.rms_eps),
-                             rms_norm(hid, self.hid_norm[...], c.rms_eps)], axis=-1)
+        x = jnp.concatenate(
+            [
+                rms_norm(emb.astype(self.dtype), self.emb_norm[...], c.rms_eps),
+                rms_norm(hid, self.hid_norm[...], c.rms_eps),
+            ],
+            axis=-1,
+        )
         q = (x @ self.wq[...]).reshape(b, t, c.num_heads, c.head_dim)
         k = (x @ self.wk[...]).reshape(b, t, c.num_kv_heads, c.head_dim)
         v = (x @ self.wv[...]).reshape(b, t, c.num_kv_heads, c.head_dim)
@@ -168,8 +174,9 @@ class EagleDrafter(nnx.Module):
     def _finish(self, hid: jax.Array, attn: jax.Array) -> jax.Array:
         """Residual from the input feature, attention output, SwiGLU MLP -> ``a`` ``[B, T, d]``."""
         h = hid + attn @ self.wo[...]
-        return h + swiglu(rms_norm(h, self.mlp_norm[...], self.cfg.rms_eps), self.w_gate[...], self.w_up[...],
-                          self.w_down[...])
+        return h + swiglu(
+            rms_norm(h, self.mlp_norm[...], self.cfg.rms_eps), self.w_gate[...], self.w_up[...], self.w_down[...]
+        )
 
     def base_logits(self, target: Target, h: jax.Array) -> jax.Array:
         """Final-normed ``[..., d]`` -> ``[..., V]`` float32 via the target's frozen LM head."""
@@ -240,8 +247,15 @@ class EagleDrafter(nnx.Module):
         kv = jnp.zeros((batch, length, c.num_kv_heads, c.head_dim), self.dtype)
         return EagleCache(kv, kv, jnp.zeros((batch, length, c.hidden_size), self.dtype))
 
-    def extend_cache(self, cache: EagleCache, features: jax.Array, positions: jax.Array, *,
-                     target: Target | None = None, tokens: jax.Array | None = None) -> EagleCache:
+    def extend_cache(
+        self,
+        cache: EagleCache,
+        features: jax.Array,
+        positions: jax.Array,
+        *,
+        target: Target | None = None,
+        tokens: jax.Array | None = None,
+    ) -> EagleCache:
         """Writes verified context: fused features and the K/V of ``[emb(x_t) ; g_{t-1}]``.
 
         Args:
@@ -263,8 +277,16 @@ class EagleDrafter(nnx.Module):
         _, k, v = self._qkv(u, target.embed_tokens(jnp.maximum(tokens, 0)), positions)
         return EagleCache(cache_write(cache.k, k, positions), cache_write(cache.v, v, positions), feat)
 
-    def draft(self, target: Target, anchors: jax.Array, anchor_pos: jax.Array, cache: EagleCache,
-              keys: jax.Array, sampling: SamplingArrays, step_keys: jax.Array | None = None):
+    def draft(
+        self,
+        target: Target,
+        anchors: jax.Array,
+        anchor_pos: jax.Array,
+        cache: EagleCache,
+        keys: jax.Array,
+        sampling: SamplingArrays,
+        step_keys: jax.Array | None = None,
+    ):
         """Drafts ``gamma`` tokens autoregressively (one decoder-layer step per token).
 
         Step ``k`` (position ``P + k - 1``) reads ``[emb(x_{k-1}) ; u]`` with ``u = g_{P-1}``
@@ -278,27 +300,28 @@ class EagleDrafter(nnx.Module):
           anchor_pos: ``[B]`` int32 its position P (context = cache positions < P).
           cache: :class:`EagleCache` filled by :meth:`extend_cache`.
           keys: ``[B, 2]`` uint32 per-row keys; step k uses ``fold_in(key, k)``
-            (as :func:`dspark_jax.markov.sample_block`).
+            (as :func:`dspark_jax.drafters.markov.sample_block`).
           sampling: per-row temperature / top-k / top-p.
           step_keys: optional ``[B, gamma, 2]`` per-position keys replacing ``keys``.
         Returns:
-          :class:`~dspark_jax.markov.Draft` (``tokens [B, gamma]``, ``probs [B, gamma, V]``,
+          :class:`~dspark_jax.drafters.markov.Draft` (``tokens [B, gamma]``, ``probs [B, gamma, V]``,
           confidence 1, confidence logit ``+inf``).
         """
-        from .markov import Draft  # markov imports drafter; keep module import order acyclic
+        from dspark_jax.drafters.markov import Draft  # markov imports drafter; keep module import order acyclic
 
         c = self.cfg
         g = c.gamma
         b = anchors.shape[0]
         if step_keys is None:
-            step_keys = jax.vmap(lambda k: jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, k),
-                                 out_axes=1)(jnp.arange(g, dtype=jnp.uint32))
-        step_keys = jnp.swapaxes(step_keys, 0, 1)                               # [g, B, 2]
+            step_keys = jax.vmap(lambda k: jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, k), out_axes=1)(
+                jnp.arange(g, dtype=jnp.uint32)
+            )
+        step_keys = jnp.swapaxes(step_keys, 0, 1)  # [g, B, 2]
         slots = jnp.arange(cache.length, dtype=jnp.int32)
-        m1 = (slots[None, :] < anchor_pos[:, None])[:, None, :]                   # [B, 1, S]
+        m1 = (slots[None, :] < anchor_pos[:, None])[:, None, :]  # [B, 1, S]
         prev = anchor_pos - 1
         u0 = jnp.take_along_axis(cache.feat, jnp.clip(prev, 0, cache.length - 1)[:, None, None], axis=1)
-        u0 = jnp.where((prev >= 0)[:, None, None], u0, 0.0)                      # [B, 1, d]
+        u0 = jnp.where((prev >= 0)[:, None, None], u0, 0.0)  # [B, 1, d]
         chain = jnp.zeros((b, 1, g, c.num_kv_heads, c.head_dim), self.dtype)
         steps = jnp.arange(g, dtype=jnp.int32)
 
@@ -323,8 +346,7 @@ class EagleDrafter(nnx.Module):
 
     # -- training (training-time test) -------------------------------------------------------
 
-    def train_blocks(self, target: Target, features: jax.Array, tokens: jax.Array,
-                     anchors: jax.Array) -> BlockOutput:
+    def train_blocks(self, target: Target, features: jax.Array, tokens: jax.Array, anchors: jax.Array) -> BlockOutput:
         """Training-time-test unroll over ``gamma`` steps; blocks gathered at ``anchors``.
 
         Args:
@@ -341,12 +363,12 @@ class EagleDrafter(nnx.Module):
         pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (b, L))
         emb = target.embed_tokens(tokens).astype(self.dtype)
         qi = jnp.arange(L, dtype=jnp.int32)
-        u = _shift(self.fuse(features), 1)                          # g_{t-1}, g_{-1} = 0
+        u = _shift(self.fuse(features), 1)  # g_{t-1}, g_{-1} = 0
         q, k, v = self._qkv(u, emb, pos)
         a = self._finish(u, attention(q, k, v, jnp.broadcast_to(qi[None, :] <= qi[:, None], (b, L, L))))
         outs, ks, vs = [a], [k], [v]
         for step in range(2, c.gamma + 1):
-            u = _shift(a, 1)                                        # the drafter's own a_{t-1}
+            u = _shift(a, 1)  # the drafter's own a_{t-1}
             q, kn, vn = self._qkv(u, emb, pos)
             ks.append(kn)
             vs.append(vn)
@@ -358,8 +380,8 @@ class EagleDrafter(nnx.Module):
             m2 = jnp.stack([qi >= step - j for j in range(2, step + 1)], axis=-1)[None]
             a = self._finish(u, _attend(q, k, v, m1, k2, v2, m2))
             outs.append(a)
-        hs = jnp.stack(outs, axis=2)                                # [B, L, gamma, d]
-        src = jnp.minimum(anchors[..., None] + jnp.arange(c.gamma, dtype=jnp.int32), L - 1)   # [B, A, gamma]
+        hs = jnp.stack(outs, axis=2)  # [B, L, gamma, d]
+        src = jnp.minimum(anchors[..., None] + jnp.arange(c.gamma, dtype=jnp.int32), L - 1)  # [B, A, gamma]
         h = hs[jnp.arange(b)[:, None, None], src, jnp.arange(c.gamma)]
         h = self._normed(h)
         return BlockOutput(h, self.base_logits(target, h))

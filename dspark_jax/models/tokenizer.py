@@ -13,10 +13,12 @@ caller tokenizes it, special tokens included).
 from __future__ import annotations
 
 import abc
+import contextlib
 import heapq
 import struct
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from dspark_jax.errors import DSparkInputError
 
@@ -50,7 +52,7 @@ class Tokenizer(abc.ABC):
         """The vocabulary string of one id (as stored, not decoded)."""
         return self.decode([i])
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         """A fresh :class:`IncrementalDetokenizer` for one generated sequence.
 
         The default decodes a sliding window of a few ids per step (vLLM's prefix/read
@@ -62,9 +64,7 @@ class Tokenizer(abc.ABC):
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)
 
-    def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
-    ) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Renders ``messages`` (``[{"role", "content"}]``) with the model's template.
 
         Raises:
@@ -103,9 +103,7 @@ def render_chat_template(template: str, messages: list[dict], **kwargs: Any) -> 
     def raise_exception(message):
         raise DSparkInputError(f"chat template error: {message}")
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
         x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
     )
@@ -158,7 +156,7 @@ class Llama2cTokenizer(Tokenizer):
         self._control = set(control_ids) | {i for i in (bos_id, eos_id) if i is not None}
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "Llama2cTokenizer":
+    def from_file(cls, path: str | Path) -> Llama2cTokenizer:
         """Reads a llama2.c ``tokenizer.bin``/``tok*.bin`` export.
 
         Layout: int32 ``max_token_length``, then per id float32 score, int32 length
@@ -266,10 +264,8 @@ class Llama2cTokenizer(Tokenizer):
         if prev == self.bos_id and p[:1] == b" ":
             p = p[1:]
         if len(p) == 6 and p[:3] == b"<0x" and p[5:] == b">":
-            try:
+            with contextlib.suppress(ValueError):
                 p = bytes([int(p[3:5], 16)])
-            except ValueError:
-                pass
         return p
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -280,7 +276,7 @@ class Llama2cTokenizer(Tokenizer):
             prev = int(i)
         return out.decode("utf-8", errors="replace")
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return _Llama2cDetokenizer(self, skip_special_tokens)
 
 
@@ -319,7 +315,7 @@ class BPETokenizer(Tokenizer):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return _StreamDetokenizer(self.tok, skip_special_tokens)
 
 
@@ -372,20 +368,17 @@ def gguf_tokenizer(reader: Any) -> Tokenizer:
         raise DSparkInputError(
             f"GGUF tokenizer model {model!r} is not supported (supported: 'gpt2' byte-level BPE, 'llama' sentencepiece)"
         )
-    from tokenizers import AddedToken, Tokenizer as HFTok, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTok
 
     merges = _gguf_field(reader, "tokenizer.ggml.merges") or []
     vocab = {t: i for i, t in enumerate(tokens)}
-    bpe = models.BPE(
-        vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False, ignore_merges=False
-    )
+    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False, ignore_merges=False)
     tok = HFTok(bpe)
     pre = _gguf_field(reader, "tokenizer.ggml.pre", "gpt2")
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
@@ -445,15 +438,13 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         backend = getattr(self.tok, "backend_tokenizer", None)  # fast tokenizers only
         if backend is not None:
             return _StreamDetokenizer(backend, skip_special_tokens)
         return _WindowDetokenizer(self, skip_special_tokens)
 
-    def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
-    ) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if not self.has_chat_template:
             raise DSparkInputError("this Hugging Face tokenizer has no chat template")
         return self.tok.apply_chat_template(
@@ -487,7 +478,7 @@ class IncrementalDetokenizer(abc.ABC):
 class _Llama2cDetokenizer(IncrementalDetokenizer):
     """llama2.c pieces through an incremental UTF-8 decoder (``run.c``'s decode rules)."""
 
-    def __init__(self, tok: "Llama2cTokenizer", skip_special_tokens: bool):
+    def __init__(self, tok: Llama2cTokenizer, skip_special_tokens: bool):
         import codecs
 
         self.tok, self.skip = tok, skip_special_tokens
@@ -523,11 +514,11 @@ class _WindowDetokenizer(IncrementalDetokenizer):
 
     def step(self, token_id: int) -> str:
         self.ids.append(int(token_id))
-        before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=self.skip)
-        now = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=self.skip)
+        before = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=self.skip)
+        now = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=self.skip)
         if len(now) > len(before) and not now.endswith("\ufffd") and now.startswith(before):
             self.prefix, self.read = self.read, len(self.ids)
-            return now[len(before):]
+            return now[len(before) :]
         return ""
 
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import numpy as np
 
-from .errors import DSparkInputError
+from dspark_jax.errors import DSparkInputError
 
 __all__ = ["SPSTable", "profile_buckets"]
 
@@ -54,20 +54,22 @@ class SPSTable:
         return all(self.meta.get(k) == v for k, v in meta.items())
 
     def to_json(self) -> dict:
-        return {"meta": self.meta,
-                "entries": [{"rows": r, "tokens": k, "draft": d, "sps": v}
-                            for (r, k, d), v in sorted(self.entries.items())]}
+        return {
+            "meta": self.meta,
+            "entries": [
+                {"rows": r, "tokens": k, "draft": d, "sps": v} for (r, k, d), v in sorted(self.entries.items())
+            ],
+        }
 
     @classmethod
-    def from_json(cls, obj: dict) -> "SPSTable":
+    def from_json(cls, obj: dict) -> SPSTable:
         """Inverse of :meth:`to_json`.
 
         Raises:
           DSparkInputError: malformed table.
         """
         try:
-            entries = {(int(e["rows"]), int(e["tokens"]), bool(e["draft"])): float(e["sps"])
-                       for e in obj["entries"]}
+            entries = {(int(e["rows"]), int(e["tokens"]), bool(e["draft"])): float(e["sps"]) for e in obj["entries"]}
             return cls(dict(obj["meta"]), entries)
         except (KeyError, TypeError, ValueError) as e:
             raise DSparkInputError(f"malformed SPS table: {e}") from None
@@ -77,7 +79,7 @@ class SPSTable:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
 
     @classmethod
-    def load(cls, path: str | Path) -> "SPSTable":
+    def load(cls, path: str | Path) -> SPSTable:
         """Reads a table written by :meth:`save`.
 
         Raises:
@@ -93,8 +95,14 @@ class SPSTable:
         return cls.from_json(obj)
 
 
-def profile_buckets(run: Callable[[int, int, bool], None], buckets: Iterable[tuple[int, int]],
-                    drafts: Iterable[bool], meta: dict, iters: int = 5, warm: int = 1) -> SPSTable:
+def profile_buckets(
+    run: Callable[[int, int, bool], None],
+    buckets: Iterable[tuple[int, int]],
+    drafts: Iterable[bool],
+    meta: dict,
+    iters: int = 5,
+    warm: int = 1,
+) -> SPSTable:
     """Times ``run(rows, tokens, draft)`` (one blocking engine step) per bucket.
 
     Args:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +62,15 @@ def target_param_shapes(cfg: TargetConfig) -> dict[str, Any]:
     L, H, I, hd = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     layers = {
-        "attn_norm": (L, H), "wq": (L, H, q), "wk": (L, H, kv), "wv": (L, H, kv), "wo": (L, q, H),
-        "mlp_norm": (L, H), "w_gate": (L, H, I), "w_up": (L, H, I), "w_down": (L, I, H),
+        "attn_norm": (L, H),
+        "wq": (L, H, q),
+        "wk": (L, H, kv),
+        "wv": (L, H, kv),
+        "wo": (L, q, H),
+        "mlp_norm": (L, H),
+        "w_gate": (L, H, I),
+        "w_up": (L, H, I),
+        "w_down": (L, I, H),
     }
     if cfg.qk_norm:
         layers.update(q_norm=(L, hd), k_norm=(L, hd))
@@ -137,9 +143,18 @@ def _llama2c_layout(path: Path) -> tuple[TargetConfig, list[tuple[str, tuple[int
     hd = dim // nh
     kv = nkv * hd
     sizes = [
-        ("embed", (vocab, dim)), ("attn_norm", (L, dim)), ("wq", (L, dim, dim)), ("wk", (L, kv, dim)),
-        ("wv", (L, kv, dim)), ("wo", (L, dim, dim)), ("mlp_norm", (L, dim)), ("w1", (L, hidden, dim)),
-        ("w2", (L, dim, hidden)), ("w3", (L, hidden, dim)), ("final_norm", (dim,)), ("freq_cis", (2, seq, hd // 2)),
+        ("embed", (vocab, dim)),
+        ("attn_norm", (L, dim)),
+        ("wq", (L, dim, dim)),
+        ("wk", (L, kv, dim)),
+        ("wv", (L, kv, dim)),
+        ("wo", (L, dim, dim)),
+        ("mlp_norm", (L, dim)),
+        ("w1", (L, hidden, dim)),
+        ("w2", (L, dim, hidden)),
+        ("w3", (L, hidden, dim)),
+        ("final_norm", (dim,)),
+        ("freq_cis", (2, seq, hd // 2)),
     ] + ([] if shared else [("wcls", (vocab, dim))])
     expected = 7 + sum(int(np.prod(s)) for _, s in sizes)
     if size != expected * 4:
@@ -149,9 +164,21 @@ def _llama2c_layout(path: Path) -> tuple[TargetConfig, list[tuple[str, tuple[int
             f"implies {expected * 4} bytes (truncated or corrupt file)"
         )
     cfg = TargetConfig(
-        vocab_size=vocab, hidden_size=dim, intermediate_size=hidden, num_layers=L, num_heads=nh,
-        num_kv_heads=nkv, head_dim=hd, max_position=seq, rope_theta=10000.0, rms_eps=1e-5,
-        tie_embeddings=shared, qk_norm=False, bos_id=1, eos_ids=(1, 2), name=path.stem,
+        vocab_size=vocab,
+        hidden_size=dim,
+        intermediate_size=hidden,
+        num_layers=L,
+        num_heads=nh,
+        num_kv_heads=nkv,
+        head_dim=hd,
+        max_position=seq,
+        rope_theta=10000.0,
+        rms_eps=1e-5,
+        tie_embeddings=shared,
+        qk_norm=False,
+        bos_id=1,
+        eos_ids=(1, 2),
+        name=path.stem,
     )
     return cfg, sizes
 
@@ -190,13 +217,17 @@ def load_llama2c(bin_path: str | Path) -> tuple[TargetConfig, Params]:
         n = int(np.prod(shape))
         w[name] = raw[off : off + n].reshape(shape)
         off += n
-    T = lambda a: np.ascontiguousarray(np.swapaxes(a, -1, -2))  # noqa: E731  [.., out, in] -> [.., in, out]
+    T = lambda a: np.ascontiguousarray(np.swapaxes(a, -1, -2))
     layers = {
         "attn_norm": w["attn_norm"].copy(),
         "wq": T(np.stack([adjacent_to_half(m, nh) for m in w["wq"]])),
         "wk": T(np.stack([adjacent_to_half(m, nkv) for m in w["wk"]])),
-        "wv": T(w["wv"]), "wo": T(w["wo"]), "mlp_norm": w["mlp_norm"].copy(),
-        "w_gate": T(w["w1"]), "w_up": T(w["w3"]), "w_down": T(w["w2"]),
+        "wv": T(w["wv"]),
+        "wo": T(w["wo"]),
+        "mlp_norm": w["mlp_norm"].copy(),
+        "w_gate": T(w["w1"]),
+        "w_up": T(w["w3"]),
+        "w_down": T(w["w2"]),
     }
     params = {"embed": w["embed"].copy(), "layers": layers, "final_norm": w["final_norm"].copy()}
     if not shared:
@@ -208,9 +239,17 @@ def load_llama2c(bin_path: str | Path) -> tuple[TargetConfig, Params]:
 
 _GGUF_ARCHS = ("llama", "qwen3")  # qwen3: HF-style half RoPE (no permutation) + q/k norms
 _GGUF_NAMES = {
-    "attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
-    "mlp_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down",
-    "q_norm": "attn_q_norm", "k_norm": "attn_k_norm",
+    "attn_norm": "attn_norm",
+    "wq": "attn_q",
+    "wk": "attn_k",
+    "wv": "attn_v",
+    "wo": "attn_output",
+    "mlp_norm": "ffn_norm",
+    "w_gate": "ffn_gate",
+    "w_up": "ffn_up",
+    "w_down": "ffn_down",
+    "q_norm": "attn_q_norm",
+    "k_norm": "attn_k_norm",
 }
 
 
@@ -230,7 +269,9 @@ def open_gguf(path: str | Path) -> Any:
     try:
         return gguf.GGUFReader(str(path))
     except (OSError, ValueError, IndexError) as e:
-        raise DSparkInputError(f"cannot read GGUF file {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise DSparkInputError(
+            f"cannot read GGUF file {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
 
 
 def _as_reader(path: Any) -> Any:
@@ -277,14 +318,18 @@ def gguf_config(path: Any) -> TargetConfig:
     bos = meta("tokenizer.ggml.bos_token_id")
     eos = [meta("tokenizer.ggml.eos_token_id"), meta("tokenizer.ggml.eot_token_id")]
     return TargetConfig(
-        vocab_size=vocab, hidden_size=H,
+        vocab_size=vocab,
+        hidden_size=H,
         intermediate_size=int(meta(f"{arch}.feed_forward_length", required=True)),
-        num_layers=int(meta(f"{arch}.block_count", required=True)), num_heads=nh, num_kv_heads=nkv,
+        num_layers=int(meta(f"{arch}.block_count", required=True)),
+        num_heads=nh,
+        num_kv_heads=nkv,
         head_dim=int(meta(f"{arch}.attention.key_length", H // nh)),
         max_position=int(meta(f"{arch}.context_length", 2048)),
         rope_theta=_f32(meta(f"{arch}.rope.freq_base", 10000.0)),
         rms_eps=_f32(meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings="output.weight" not in tensors, qk_norm=arch == "qwen3",
+        tie_embeddings="output.weight" not in tensors,
+        qk_norm=arch == "qwen3",
         bos_id=None if bos is None else int(bos),
         eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         name=fname.stem,
@@ -334,8 +379,9 @@ def load_gguf(path: Any) -> tuple[TargetConfig, Params]:
         return adjacent_to_half(m, permute[key]) if key in permute and m.ndim == 2 else m
 
     layers = _stack_layers(cfg, fetch, lambda i, key: f"GGUF tensor blk.{i}.{_GGUF_NAMES[key]}")
-    return cfg, _canonical(cfg, layers, get("token_embd.weight"), get("output_norm.weight"),
-                           lambda: get("output.weight"))
+    return cfg, _canonical(
+        cfg, layers, get("token_embd.weight"), get("output_norm.weight"), lambda: get("output.weight")
+    )
 
 
 # --------------------------------------------------------------------------- Hugging Face
@@ -362,14 +408,17 @@ def _read_st(entry: tuple[Path, str, tuple[int, ...], int, int]) -> np.ndarray:
     f, dtype, shape, b, e = entry
     if dtype not in _ST_DTYPES:
         raise DSparkInputError(f"{f.name}: unsupported safetensors dtype {dtype}")
-    a = np.memmap(f, dtype=_ST_DTYPES[dtype], mode="r", offset=b, shape=((e - b) // np.dtype(_ST_DTYPES[dtype]).itemsize,))
+    a = np.memmap(
+        f, dtype=_ST_DTYPES[dtype], mode="r", offset=b, shape=((e - b) // np.dtype(_ST_DTYPES[dtype]).itemsize,)
+    )
     if dtype == "BF16":
         a = (a.astype(np.uint32) << 16).view(np.float32)
     return _owned_f32(a).reshape(shape)
 
 
-def hf_target_config(c: Any, *, where: str, name: str, lm_head_in_weights: bool | None = None,
-                     generation_eos: Any = ()) -> TargetConfig:
+def hf_target_config(
+    c: Any, *, where: str, name: str, lm_head_in_weights: bool | None = None, generation_eos: Any = ()
+) -> TargetConfig:
     """:class:`TargetConfig` from a ``transformers`` config object (``LlamaConfig``/``Qwen3Config``).
 
     ``rope_theta`` comes from ``rope_parameters``/``rope_scaling`` or the attribute,
@@ -400,12 +449,20 @@ def hf_target_config(c: Any, *, where: str, name: str, lm_head_in_weights: bool 
     nh = c.num_attention_heads
     tie = bool(getattr(c, "tie_word_embeddings", False)) or lm_head_in_weights is False
     return TargetConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_layers=c.num_hidden_layers, num_heads=nh, num_kv_heads=getattr(c, "num_key_value_heads", None) or nh,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_layers=c.num_hidden_layers,
+        num_heads=nh,
+        num_kv_heads=getattr(c, "num_key_value_heads", None) or nh,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // nh,
-        max_position=c.max_position_embeddings, rope_theta=float(theta), rms_eps=float(c.rms_norm_eps),
-        tie_embeddings=tie, qk_norm=c.model_type == "qwen3",
-        bos_id=c.bos_token_id, eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        max_position=c.max_position_embeddings,
+        rope_theta=float(theta),
+        rms_eps=float(c.rms_norm_eps),
+        tie_embeddings=tie,
+        qk_norm=c.model_type == "qwen3",
+        bos_id=c.bos_token_id,
+        eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         name=name,
     )
 
@@ -421,8 +478,13 @@ def _hf_dir_config(path: Path, index: dict | None) -> TargetConfig:
         raise DSparkInputError(f"cannot read Hugging Face config in {path}: {str(e).splitlines()[0]}") from None
     gen = path / "generation_config.json"
     gen_eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
-    return hf_target_config(c, where=str(path), name=path.resolve().name, generation_eos=gen_eos,
-                            lm_head_in_weights=None if index is None else "lm_head.weight" in index)
+    return hf_target_config(
+        c,
+        where=str(path),
+        name=path.resolve().name,
+        generation_eos=gen_eos,
+        lm_head_in_weights=None if index is None else "lm_head.weight" in index,
+    )
 
 
 def hf_config(path: str | Path) -> TargetConfig:
@@ -462,15 +524,24 @@ def load_hf_dir(path: str | Path) -> tuple[TargetConfig, Params]:
         return _read_st(index[name])
 
     hf = {
-        "attn_norm": "input_layernorm", "wq": "self_attn.q_proj", "wk": "self_attn.k_proj",
-        "wv": "self_attn.v_proj", "wo": "self_attn.o_proj", "q_norm": "self_attn.q_norm",
-        "k_norm": "self_attn.k_norm", "mlp_norm": "post_attention_layernorm",
-        "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj",
+        "attn_norm": "input_layernorm",
+        "wq": "self_attn.q_proj",
+        "wk": "self_attn.k_proj",
+        "wv": "self_attn.v_proj",
+        "wo": "self_attn.o_proj",
+        "q_norm": "self_attn.q_norm",
+        "k_norm": "self_attn.k_norm",
+        "mlp_norm": "post_attention_layernorm",
+        "w_gate": "mlp.gate_proj",
+        "w_up": "mlp.up_proj",
+        "w_down": "mlp.down_proj",
     }
-    layers = _stack_layers(cfg, lambda i, key: get(f"model.layers.{i}.{hf[key]}.weight"),
-                           lambda i, key: f"{path}: layer {i} {hf[key]}")
-    return cfg, _canonical(cfg, layers, get("model.embed_tokens.weight"), get("model.norm.weight"),
-                           lambda: get("lm_head.weight"))
+    layers = _stack_layers(
+        cfg, lambda i, key: get(f"model.layers.{i}.{hf[key]}.weight"), lambda i, key: f"{path}: layer {i} {hf[key]}"
+    )
+    return cfg, _canonical(
+        cfg, layers, get("model.embed_tokens.weight"), get("model.norm.weight"), lambda: get("lm_head.weight")
+    )
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -481,7 +552,7 @@ def _is_tokenizer_bin(p: Path) -> bool:
 
 
 def _llama2c_with_tokenizer(bin_path: Path):
-    from dspark_jax.tokenizer import Llama2cTokenizer
+    from dspark_jax.models.tokenizer import Llama2cTokenizer
 
     cfg, params = load_llama2c(bin_path)
     cands = sorted(p for p in bin_path.parent.glob("*.bin") if _is_tokenizer_bin(p))
@@ -559,7 +630,7 @@ def load_target_files(path: str | Path):
       DSparkInputError: missing path or unrecognised contents (the message says
         what was expected), plus any loader error.
     """
-    from dspark_jax.tokenizer import HFTokenizer, gguf_tokenizer
+    from dspark_jax.models.tokenizer import HFTokenizer, gguf_tokenizer
 
     kind, p = _model_kind(path)
     if kind == "hf":

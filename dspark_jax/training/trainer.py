@@ -15,11 +15,12 @@ DESIGN.md "Training". One step:
 
 Data parallel: the step is ``jax.jit`` over a 1-D device mesh ``("data",)`` with
 the batch sharded along it and parameters replicated -- the ``shard_map``/``jit``
-equivalent of ``pmap``. With ``mesh=data:D,model:M`` (:mod:`dspark_jax.sharding`,
+equivalent of ``pmap``. With ``mesh=data:D,model:M`` (:mod:`dspark_jax.models.sharding`,
 DESIGN.md "Scale: a device mesh") the frozen target and the drafter are also sharded
 over ``model`` (heads, MLP, vocabulary; replicated where ``M`` does not divide them),
 the optimizer state like its parameters, and ``fsdp`` shards parameters' ``embed``
-dimension; the jitted step has explicit in/out shardings, XLA inserts the collectives. The loss is one weighted mean over the *global* batch
+dimension; the jitted step has explicit in/out shardings, XLA inserts the collectives.
+The loss is one weighted mean over the *global* batch
 (sums over every device's rows divided by the global weight; XLA inserts the
 all-reduces), so an N-device step equals a one-device step on the same global
 batch. Multi-host: :func:`maybe_initialize_distributed`; each process feeds only
@@ -32,7 +33,7 @@ drawn once for the whole global batch and every micro-batch contributes weighted
 *sums* (numerators) divided by the global weight (denominator), so the result is
 the big-batch step, not a mean of per-micro-batch means.
 
-Feature cache (``feature_cache``, :mod:`dspark_jax.feature_cache`): when the batch
+Feature cache (``feature_cache``, :mod:`dspark_jax.training.feature_cache`): when the batch
 carries the target's tapped features and last hidden state, computed once per
 sequence before training, step 1 skips the target forward and computes
 ``p_target`` only at the gathered positions from the cached last hidden state
@@ -52,7 +53,6 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -62,13 +62,14 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from . import sharding as shd
-from .config import DrafterConfig
-from .drafter import Drafter
-from .errors import DSparkInputError
-from .target import Target
+from dspark_jax.config import DrafterConfig
+from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.errors import DSparkInputError
+from dspark_jax.models import sharding as shd
+from dspark_jax.models.target import Target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,14 +81,14 @@ class TrainConfig:
       workdir: run folder (data shards, Orbax checkpoints, metrics.jsonl).
       export_dir: export folder (default ``<workdir>/export``).
       variant: ``dspark``, ``dflash`` or ``eagle3`` (the autoregressive baseline of
-        :mod:`dspark_jax.eagle`: always one layer, ``num_layers`` is not used; default
-        taps low/mid/high, :func:`~dspark_jax.eagle.eagle_taps`).
+        :mod:`dspark_jax.drafters.eagle`: always one layer, ``num_layers`` is not used; default
+        taps low/mid/high, :func:`~dspark_jax.drafters.eagle.eagle_taps`).
       gamma: block size [tokens]; num_layers: drafter backbone layers;
       markov_rank: Markov head rank r; markov_head: ``vanilla`` / ``gated`` / ``rnn``
         (:class:`~dspark_jax.config.DrafterConfig`); taps: tapped target layers (empty = default);
       drafter_intermediate_size: FFN width (0 = the target's, scaled by drafter_width / H).
       draft_vocab_size: N > 0 drafts over the N most frequent target-generated tokens of
-        the training data (:func:`dspark_jax.data.draft_vocabulary`; stored in the export);
+        the training data (:func:`dspark_jax.training.data.draft_vocabulary`; stored in the export);
         0 = the full vocabulary.
       drafter_width: the drafter's residual width d (0 = the target's hidden size H; a
         tiny target trains a better drafter wider than itself). Heads keep the target's
@@ -112,17 +113,17 @@ class TrainConfig:
         temperature (``gen_sample_temperature``, ``gen_sample_top_p``; DeepSpec uses 0.7 / 0.8)
         instead of ``gen_temperature``, spread evenly over the prompts (teaches the drafter and
         its confidence head the sampled regime);
-      corpus: a text or JSONL file (:func:`dspark_jax.data.read_corpus`: plain text,
+      corpus: a text or JSONL file (:func:`dspark_jax.training.data.read_corpus`: plain text,
         prompt/response or chat ``messages``) distilled on directly: no generation, one target
         forward per sequence in the train step; only response tokens are targets of chat rows.
         Mixed with the generated data (``corpus_max_sequences`` caps it, 0 = all). Rows that
-        contain an evaluation prompt are dropped (:func:`dspark_jax.data.drop_contaminated`),
+        contain an evaluation prompt are dropped (:func:`dspark_jax.training.data.drop_contaminated`),
         and so are such prompts of ``prompts_file``;
       eval_max_new_tokens [tokens], eval_temperature: held-out evaluation.
       data_dir: read the self-distillation shards (``shard_*.npz``) from this folder
         instead of generating them into ``<workdir>/data``; the folder is only read
         (e.g. several drafters trained on the identical data of one run).
-      feature_cache: folder of a target-feature cache (:mod:`dspark_jax.feature_cache`;
+      feature_cache: folder of a target-feature cache (:mod:`dspark_jax.training.feature_cache`;
         empty = off): the frozen target runs once per training sequence before training
         and every step reads its tapped features from disk instead of recomputing them
         (saves the target forward of every step: 1.45x per DSpark step for the stories260k
@@ -132,7 +133,7 @@ class TrainConfig:
       feature_cache_dtype: ``float32`` (cached training equals uncached) or ``bfloat16``
         (half the disk and memory).
       mesh: device mesh ``axis:size,...`` over ``data``, ``fsdp`` and ``model``
-        (:func:`dspark_jax.sharding.make_mesh`), e.g. ``data:2,model:4`` on 8 devices; one
+        (:func:`dspark_jax.models.sharding.make_mesh`), e.g. ``data:2,model:4`` on 8 devices; one
         size may be -1 (the rest). Empty: every device on ``data`` (pure data parallel,
         parameters replicated: the layout before meshes existed).
     """
@@ -199,44 +200,93 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
     # held-out tau 4.05 after 1100 steps (docs/results.md, session 5).
     "stories260k": TrainConfig(drafter_width=128, steps=1100, feature_cache="auto"),
     "smollm2-135m-instruct": TrainConfig(
-        target="smollm2-135m-instruct", workdir="runs/smollm2-135m-instruct", prompts="chat",
-        gamma=8, num_layers=2, markov_rank=128, num_prompts=512, num_eval_prompts=16,
-        gen_max_new_tokens=160, gen_batch_size=16, seq_len=256, steps=600, batch_size=8,
-        anchors_per_seq=16, learning_rate=1e-3, eval_max_new_tokens=96),
-    # Qwen3 recipes for a TPU VM (see train/qwen3-*.yaml): the paper's drafter shape (5 layers,
+        target="smollm2-135m-instruct",
+        workdir="runs/smollm2-135m-instruct",
+        prompts="chat",
+        gamma=8,
+        num_layers=2,
+        markov_rank=128,
+        num_prompts=512,
+        num_eval_prompts=16,
+        gen_max_new_tokens=160,
+        gen_batch_size=16,
+        seq_len=256,
+        steps=600,
+        batch_size=8,
+        anchors_per_seq=16,
+        learning_rate=1e-3,
+        eval_max_new_tokens=96,
+    ),
+    # Qwen3 recipes for a TPU VM (see dspark_jax/recipes/qwen3-*.yaml): the paper's drafter shape (5 layers,
     # taps 1/9/17/25/33, gamma 7, Markov rank 256), bf16 compute, float32 master weights.
     "qwen3-4b": TrainConfig(
-        target="qwen3-4b", workdir="runs/qwen3-4b", prompts="chat", variant="dspark", gamma=7, num_layers=5,
-        markov_rank=256, taps=(1, 9, 17, 25, 33), num_prompts=100_000, num_eval_prompts=32,
-        gen_max_new_tokens=1536, gen_temperature=0.7, gen_top_p=0.8, gen_batch_size=256, gen_shard_size=4096,
-        seq_len=2048, steps=10_000, batch_size=64, grad_accum_steps=4, anchors_per_seq=64,
-        learning_rate=6e-4, warmup_frac=0.04, ce_weight=0.1, l1_weight=0.9, conf_weight=1.0,
-        dtype="bfloat16", remat=True, log_every=50, ckpt_every=500, keep_checkpoints=3, eval_max_new_tokens=512),
+        target="qwen3-4b",
+        workdir="runs/qwen3-4b",
+        prompts="chat",
+        variant="dspark",
+        gamma=7,
+        num_layers=5,
+        markov_rank=256,
+        taps=(1, 9, 17, 25, 33),
+        num_prompts=100_000,
+        num_eval_prompts=32,
+        gen_max_new_tokens=1536,
+        gen_temperature=0.7,
+        gen_top_p=0.8,
+        gen_batch_size=256,
+        gen_shard_size=4096,
+        seq_len=2048,
+        steps=10_000,
+        batch_size=64,
+        grad_accum_steps=4,
+        anchors_per_seq=64,
+        learning_rate=6e-4,
+        warmup_frac=0.04,
+        ce_weight=0.1,
+        l1_weight=0.9,
+        conf_weight=1.0,
+        dtype="bfloat16",
+        remat=True,
+        log_every=50,
+        ckpt_every=500,
+        keep_checkpoints=3,
+        eval_max_new_tokens=512,
+    ),
 }
-TRAIN_PRESETS["qwen3-8b"] = dataclasses.replace(TRAIN_PRESETS["qwen3-4b"], target="qwen3-8b",
-                                                workdir="runs/qwen3-8b", grad_accum_steps=8)
+TRAIN_PRESETS["qwen3-8b"] = dataclasses.replace(
+    TRAIN_PRESETS["qwen3-4b"], target="qwen3-8b", workdir="runs/qwen3-8b", grad_accum_steps=8
+)
 
 
 def drafter_config(cfg: TrainConfig, target: Target) -> DrafterConfig:
     """The :class:`DrafterConfig` a run builds for ``target``."""
     t = target.cfg
     eagle = cfg.variant == "eagle3"
-    over: dict[str, Any] = dict(variant=cfg.variant, gamma=cfg.gamma, num_layers=1 if eagle else cfg.num_layers,
-                                markov_rank=cfg.markov_rank if cfg.variant == "dspark" else 0,
-                                markov_head=cfg.markov_head, target_fingerprint=target.fingerprint,
-                                draft_vocab_size=cfg.draft_vocab_size)
+    over: dict[str, Any] = dict(
+        variant=cfg.variant,
+        gamma=cfg.gamma,
+        num_layers=1 if eagle else cfg.num_layers,
+        markov_rank=cfg.markov_rank if cfg.variant == "dspark" else 0,
+        markov_head=cfg.markov_head,
+        target_fingerprint=target.fingerprint,
+        draft_vocab_size=cfg.draft_vocab_size,
+    )
     if cfg.taps:
         over["taps"] = tuple(cfg.taps)
     elif eagle:
-        from .eagle import eagle_taps
+        from dspark_jax.drafters.eagle import eagle_taps
 
         over["taps"] = eagle_taps(t)
     if cfg.drafter_width and cfg.drafter_width != t.hidden_size and not eagle:
         if cfg.drafter_width % t.num_heads:
-            raise DSparkInputError(f"drafter_width={cfg.drafter_width} is not a multiple of the target's "
-                                   f"{t.num_heads} heads")
-        over.update(width=cfg.drafter_width, head_dim=cfg.drafter_width // t.num_heads,
-                    intermediate_size=int(round(t.intermediate_size * cfg.drafter_width / t.hidden_size)))
+            raise DSparkInputError(
+                f"drafter_width={cfg.drafter_width} is not a multiple of the target's {t.num_heads} heads"
+            )
+        over.update(
+            width=cfg.drafter_width,
+            head_dim=cfg.drafter_width // t.num_heads,
+            intermediate_size=int(round(t.intermediate_size * cfg.drafter_width / t.hidden_size)),
+        )
     if cfg.drafter_intermediate_size:
         over["intermediate_size"] = cfg.drafter_intermediate_size
     return DrafterConfig.for_target(t, **over)
@@ -249,7 +299,7 @@ class LossTerms(NamedTuple):
     bce: jax.Array
     conf_err: jax.Array
     tau_est: jax.Array
-    acc_by_pos: jax.Array   # [gamma] mean 1 - TV per position
+    acc_by_pos: jax.Array  # [gamma] mean 1 - TV per position
 
 
 def sample_anchors(key: jax.Array, lengths: jax.Array, prompt_lengths: jax.Array, num: int) -> jax.Array:
@@ -270,9 +320,16 @@ def position_weights(anchors: jax.Array, lengths: jax.Array, gamma: int, pos_dec
     return jnp.exp(-k.astype(jnp.float32) / pos_decay) * valid
 
 
-def loss_sums(drafter: Drafter, target: Target, tokens: jax.Array, lengths: jax.Array, anchors: jax.Array,
-              cfg: TrainConfig, remat: bool = False,
-              cached: tuple[jax.Array, jax.Array] | None = None) -> dict[str, jax.Array]:
+def loss_sums(
+    drafter: Drafter,
+    target: Target,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    anchors: jax.Array,
+    cfg: TrainConfig,
+    remat: bool = False,
+    cached: tuple[jax.Array, jax.Array] | None = None,
+) -> dict[str, jax.Array]:
     """Additive loss statistics of a (micro-)batch: weighted sums, never means.
 
     Summing these over micro-batches or devices and then :func:`finalize_loss`
@@ -284,7 +341,7 @@ def loss_sums(drafter: Drafter, target: Target, tokens: jax.Array, lengths: jax.
       tokens: ``[B, L]`` int32; lengths: ``[B]`` int32; anchors: ``[B, A]`` int32.
       remat: recompute the vocabulary-sized loss head in the backward pass.
       cached: optional ``(tap_features [B, L, n_taps * H], last_hidden [B, L, H])`` of the
-        target from a feature cache (:mod:`dspark_jax.feature_cache`; any float dtype, cast
+        target from a feature cache (:mod:`dspark_jax.training.feature_cache`; any float dtype, cast
         to the target's): the target forward is skipped and ``p_target`` is computed only at
         the ``B * A * gamma`` gathered positions (``target.unembed`` of the last hidden state).
     Returns:
@@ -302,21 +359,23 @@ def loss_sums(drafter: Drafter, target: Target, tokens: jax.Array, lengths: jax.
         c_feats, c_hidden = cached
         want = len(dc.taps) * target.cfg.hidden_size
         if c_feats.shape[:2] != tokens.shape or c_feats.shape[-1] != want:
-            raise ValueError(f"cached features {c_feats.shape} do not fit tokens {tokens.shape} and "
-                             f"{len(dc.taps)} taps x {target.cfg.hidden_size}")
+            raise ValueError(
+                f"cached features {c_feats.shape} do not fit tokens {tokens.shape} and "
+                f"{len(dc.taps)} taps x {target.cfg.hidden_size}"
+            )
         feats = jax.lax.stop_gradient(c_feats.astype(target.dtype))
         t_logits = None
     block = drafter.train_blocks(target, feats, tokens, anchors)
     k = jnp.arange(g, dtype=jnp.int32)
-    src = anchors[..., None] + k                        # position whose next token is predicted
-    valid = (src + 1) < lengths[:, None, None]          # [B, A, g]
+    src = anchors[..., None] + k  # position whose next token is predicted
+    valid = (src + 1) < lengths[:, None, None]  # [B, A, g]
     src_c = jnp.minimum(src, tokens.shape[1] - 1)
     tgt_c = jnp.minimum(src + 1, tokens.shape[1] - 1)
     bidx = jnp.arange(tokens.shape[0])[:, None, None]
-    prev = tokens[bidx, src_c]                          # teacher forcing: x_{k-1} is the true token
+    prev = tokens[bidx, src_c]  # teacher forcing: x_{k-1} is the true token
     labels = tokens[bidx, tgt_c]
     w = position_weights(anchors, lengths, g, cfg.pos_decay)
-    if t_logits is None:   # only the gathered positions: [B, A, g, V] instead of [B, L, V]
+    if t_logits is None:  # only the gathered positions: [B, A, g, V] instead of [B, L, V]
         t_sel = jax.lax.stop_gradient(target.unembed(c_hidden.astype(target.dtype)[bidx, src_c]))
     else:
         t_sel = t_logits[bidx, src_c]
@@ -326,7 +385,7 @@ def loss_sums(drafter: Drafter, target: Target, tokens: jax.Array, lengths: jax.
             base_logits = drafter.base_logits(target, hidden)
         p_t = jax.nn.softmax(t_sel, axis=-1)
         bias, e = drafter.teacher_forced_heads(hidden, prev)
-        logq = jax.nn.log_softmax(base_logits + bias, axis=-1)   # [..., N] draft space
+        logq = jax.nn.log_softmax(base_logits + bias, axis=-1)  # [..., N] draft space
         ids = drafter.draft_vocab_ids()
         if ids is None:
             ce = -jnp.take_along_axis(logq, labels[..., None], axis=-1)[..., 0]
@@ -336,15 +395,19 @@ def loss_sums(drafter: Drafter, target: Target, tokens: jax.Array, lengths: jax.
             # towards TV; a label off the vocabulary cannot be predicted and has no CE term.
             li = drafter.draft_index(labels)
             inside = li < dc.draft_vocab_size
-            ce = jnp.where(inside, -jnp.take_along_axis(logq, jnp.minimum(li, dc.draft_vocab_size - 1)[..., None],
-                                                         axis=-1)[..., 0], 0.0)
+            ce = jnp.where(
+                inside,
+                -jnp.take_along_axis(logq, jnp.minimum(li, dc.draft_vocab_size - 1)[..., None], axis=-1)[..., 0],
+                0.0,
+            )
             p_in = jnp.take(p_t, ids, axis=-1)
             tv = 0.5 * (jnp.sum(jnp.abs(jnp.exp(logq) - p_in), axis=-1) + jnp.maximum(1.0 - jnp.sum(p_in, -1), 0.0))
         if dc.has_confidence:
             z = drafter.confidence_logit(hidden, e)
             soft = jax.lax.stop_gradient(1.0 - tv)
             bce = optax.sigmoid_binary_cross_entropy(z, soft) - optax.sigmoid_binary_cross_entropy(
-                jnp.log(soft + 1e-6) - jnp.log1p(-soft + 1e-6), soft)  # minus the label entropy: 0 at optimum
+                jnp.log(soft + 1e-6) - jnp.log1p(-soft + 1e-6), soft
+            )  # minus the label entropy: 0 at optimum
             conf_err = jnp.abs(jax.nn.sigmoid(z) - soft)
         else:
             bce = jnp.zeros_like(tv)
@@ -357,12 +420,17 @@ def loss_sums(drafter: Drafter, target: Target, tokens: jax.Array, lengths: jax.
         ce, tv, bce, conf_err = head(block.hidden, block.logits, t_sel)
     ws = lambda x: jnp.sum(w * x)
     vf = valid.astype(jnp.float32)
-    full = jnp.all(valid, axis=-1, keepdims=True)       # analytic tau on complete blocks only
+    full = jnp.all(valid, axis=-1, keepdims=True)  # analytic tau on complete blocks only
     surv = jnp.cumprod(1.0 - tv, axis=-1)
     return {
         "objective": cfg.ce_weight * ws(ce) + cfg.l1_weight * ws(tv) + cfg.conf_weight * ws(bce),
-        "w": jnp.sum(w), "ce": ws(ce), "tv": ws(tv), "bce": ws(bce), "conf_err": ws(conf_err),
-        "acc_num": jnp.sum((1.0 - tv) * vf, axis=(0, 1)), "acc_den": jnp.sum(vf, axis=(0, 1)),
+        "w": jnp.sum(w),
+        "ce": ws(ce),
+        "tv": ws(tv),
+        "bce": ws(bce),
+        "conf_err": ws(conf_err),
+        "acc_num": jnp.sum((1.0 - tv) * vf, axis=(0, 1)),
+        "acc_den": jnp.sum(vf, axis=(0, 1)),
         "tau_num": jnp.sum(jnp.sum(surv, -1, keepdims=True) * full),
         "tau_den": jnp.sum(full).astype(jnp.float32),
     }
@@ -371,13 +439,26 @@ def loss_sums(drafter: Drafter, target: Target, tokens: jax.Array, lengths: jax.
 def finalize_loss(s: dict[str, jax.Array]) -> LossTerms:
     """Means of the summed statistics of :func:`loss_sums` (the weighted means over the batch)."""
     denom = jnp.maximum(s["w"], 1e-6)
-    return LossTerms(s["objective"] / denom, s["ce"] / denom, s["tv"] / denom, s["bce"] / denom,
-                     s["conf_err"] / denom, 1.0 + s["tau_num"] / jnp.maximum(s["tau_den"], 1.0),
-                     s["acc_num"] / jnp.maximum(s["acc_den"], 1.0))
+    return LossTerms(
+        s["objective"] / denom,
+        s["ce"] / denom,
+        s["tv"] / denom,
+        s["bce"] / denom,
+        s["conf_err"] / denom,
+        1.0 + s["tau_num"] / jnp.maximum(s["tau_den"], 1.0),
+        s["acc_num"] / jnp.maximum(s["acc_den"], 1.0),
+    )
 
 
-def drafter_loss(drafter: Drafter, target: Target, tokens: jax.Array, lengths: jax.Array,
-                 prompt_lengths: jax.Array, key: jax.Array, cfg: TrainConfig) -> LossTerms:
+def drafter_loss(
+    drafter: Drafter,
+    target: Target,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    prompt_lengths: jax.Array,
+    key: jax.Array,
+    cfg: TrainConfig,
+) -> LossTerms:
     """DSpark training loss on a batch (DESIGN.md "Training"; paper Appendix A4).
 
     Args:
@@ -394,10 +475,12 @@ def drafter_loss(drafter: Drafter, target: Target, tokens: jax.Array, lengths: j
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """AdamW with linear warmup + cosine decay and global-norm clipping."""
     warm = max(1, int(cfg.warmup_frac * cfg.steps))
-    sched = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, warm, max(cfg.steps, warm + 1),
-                                               end_value=cfg.learning_rate * 0.05)
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
-                       optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
+    sched = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.learning_rate, warm, max(cfg.steps, warm + 1), end_value=cfg.learning_rate * 0.05
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)
+    )
 
 
 def data_mesh() -> Mesh:
@@ -424,7 +507,7 @@ def _is_float(x) -> bool:
 
 
 _BATCH_KEYS = ("tokens", "lengths", "prompt_lengths")
-# Optional per-sequence arrays of a feature cache (dspark_jax.feature_cache.FEATURES_KEY / LAST_HIDDEN_KEY).
+# Optional per-sequence arrays of a feature cache (dspark_jax.training.feature_cache.FEATURES_KEY / LAST_HIDDEN_KEY).
 _CACHED_KEYS = ("tap_features", "last_hidden")
 
 
@@ -456,9 +539,9 @@ class Trainer:
       drafter: drafter to train; its parameters become float32 master weights
         (the drafter passed in is not modified; :meth:`drafter` returns the trained one).
       mesh: device mesh with a ``data`` axis and optionally ``fsdp`` / ``model`` axes
-        (default: ``cfg.mesh`` via :func:`dspark_jax.sharding.make_mesh`, or every device of
+        (default: ``cfg.mesh`` via :func:`dspark_jax.models.sharding.make_mesh`, or every device of
         every host on ``data`` when that is empty). Parameters of the target and drafter and
-        the optimizer state are laid out by :func:`dspark_jax.sharding.tree_shardings`.
+        the optimizer state are laid out by :func:`dspark_jax.models.sharding.tree_shardings`.
 
     Raises:
       ValueError: ``grad_accum_steps < 1`` or a bad ``cfg.mesh``.
@@ -526,6 +609,7 @@ class Trainer:
             if n_micro == 1:
                 grads, sums = grad_fn(params, tokens, lengths, anchors, cached)
             else:
+
                 def split(x):
                     # Row j * n_micro + i goes to micro-batch i: each device keeps its own rows
                     # (no cross-device shuffle) and every micro-batch spans all devices.
@@ -545,8 +629,9 @@ class Trainer:
             params = optax.apply_updates(params, updates)
             return params, opt_state, finalize_loss(sums), optax.global_norm(grads)
 
-        self._step = jax.jit(step, donate_argnums=(0, 1),
-                             out_shardings=(self.param_shardings, self.opt_shardings, repl, repl))
+        self._step = jax.jit(
+            step, donate_argnums=(0, 1), out_shardings=(self.param_shardings, self.opt_shardings, repl, repl)
+        )
 
     def drafter(self) -> Drafter:
         """The trained drafter (float32 master weights)."""
@@ -556,7 +641,7 @@ class Trainer:
         """``(tokens, lengths, prompt_lengths)`` as global arrays sharded over the ``data`` axis.
 
         When ``batch`` carries a feature cache's rows (``tap_features``, ``last_hidden``;
-        :meth:`FeatureCache.batch_arrays <dspark_jax.feature_cache.FeatureCache.batch_arrays>`)
+        :meth:`FeatureCache.batch_arrays <dspark_jax.training.feature_cache.FeatureCache.batch_arrays>`)
         they follow, sharded the same way: ``(tokens, lengths, prompt_lengths, tap_features,
         last_hidden)``.
 
@@ -571,15 +656,17 @@ class Trainer:
         n_data = shd.axis_size(self.mesh, shd.batch_axes(self.mesh))
         per = n_data * self.cfg.grad_accum_steps
         if n % per:
-            raise ValueError(f"global batch {n} is not divisible by {n_data} devices x "
-                             f"{self.cfg.grad_accum_steps} micro-batches")
+            raise ValueError(
+                f"global batch {n} is not divisible by {n_data} devices x {self.cfg.grad_accum_steps} micro-batches"
+            )
         keys = _BATCH_KEYS + (_CACHED_KEYS if all(k in batch for k in _CACHED_KEYS) else ())
         if jax.process_count() == 1:
             return tuple(jax.device_put(np.asarray(batch[k]), self.batch_sharding) for k in keys)
         rows = self.local_rows(n)
-        return tuple(jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch[k])[rows],
-                                                            np.shape(batch[k]))
-                     for k in keys)
+        return tuple(
+            jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch[k])[rows], np.shape(batch[k]))
+            for k in keys
+        )
 
     def local_rows(self, global_batch: int) -> slice:
         """Rows of a global batch held by this process's devices (contiguous when the process's
@@ -596,8 +683,15 @@ class Trainer:
         """One optimisation step on a global batch; the anchor key depends only on (seed, step)."""
         tokens, lengths, plens, *cached = self.shard_batch(batch)
         self.params, self.opt_state, terms, gnorm = self._step(
-            self.params, self.opt_state, self.t_state, tokens, lengths, plens, np.int32(step_idx),
-            tuple(cached) if cached else None)
+            self.params,
+            self.opt_state,
+            self.t_state,
+            tokens,
+            lengths,
+            plens,
+            np.int32(step_idx),
+            tuple(cached) if cached else None,
+        )
         return terms, gnorm
 
     # -- checkpoints -----------------------------------------------------------------
@@ -608,8 +702,9 @@ class Trainer:
         Saves are atomic (written to a temporary directory, renamed when complete);
         temporary directories left by a run killed mid-save are removed on start.
         """
-        opts = ocp.CheckpointManagerOptions(max_to_keep=self.cfg.keep_checkpoints, create=True,
-                                            cleanup_tmp_directories=True)
+        opts = ocp.CheckpointManagerOptions(
+            max_to_keep=self.cfg.keep_checkpoints, create=True, cleanup_tmp_directories=True
+        )
         return ocp.CheckpointManager(directory.absolute(), options=opts)
 
     def save(self, mgr: ocp.CheckpointManager, step: int) -> None:
@@ -628,8 +723,9 @@ class Trainer:
         Raises:
           DSparkInputError: checkpoints exist but none matches this run (e.g. another config).
         """
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                                {"params": nnx.to_pure_dict(self.params), "opt_state": self.opt_state})
+        abstract = jax.tree.map(
+            ocp.utils.to_shape_dtype_struct, {"params": nnx.to_pure_dict(self.params), "opt_state": self.opt_state}
+        )
         failed: list[tuple[int, str]] = []
         for step in sorted(mgr.all_steps(), reverse=True):
             try:
@@ -638,8 +734,10 @@ class Trainer:
                 failed.append((step, (str(e).splitlines() or [type(e).__name__])[0][:300]))
                 continue
             for bad, msg in failed:
-                print(f"warning: checkpoint step {bad} is unreadable ({msg}); deleted, resuming from step {step}",
-                      file=sys.stderr)
+                print(
+                    f"warning: checkpoint step {bad} is unreadable ({msg}); deleted, resuming from step {step}",
+                    file=sys.stderr,
+                )
                 mgr.delete(bad)
             nnx.replace_by_pure_dict(self.params, state["params"])
             # Orbax restores into the abstract tree's shardings (this trainer's mesh, whatever
@@ -648,8 +746,10 @@ class Trainer:
             self.opt_state = shd.place(state["opt_state"], self.opt_shardings)
             return int(step)
         if failed:
-            raise DSparkInputError(f"no checkpoint in {mgr.directory} matches this run (newest, step {failed[0][0]}: "
-                               f"{failed[0][1]}); use a new workdir or delete the checkpoints")
+            raise DSparkInputError(
+                f"no checkpoint in {mgr.directory} matches this run (newest, step {failed[0][0]}: "
+                f"{failed[0][1]}); use a new workdir or delete the checkpoints"
+            )
         return 0
 
 

@@ -33,9 +33,10 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,13 +44,13 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from .errors import DSparkInputError
-from .target import Target
+from dspark_jax.errors import DSparkInputError
+from dspark_jax.models.target import Target
 
 FORMAT_VERSION = 1
 STORE_DTYPES = ("float32", "bfloat16")
 MANIFEST = "manifest.json"
-# Batch keys the trainer recognises (see ``dspark_jax.trainer.loss_sums``).
+# Batch keys the trainer recognises (see ``dspark_jax.training.trainer.loss_sums``).
 FEATURES_KEY = "tap_features"
 LAST_HIDDEN_KEY = "last_hidden"
 
@@ -62,7 +63,7 @@ def target_identity(target: Target) -> str:
     """The weights' fingerprint (``target.fingerprint``, else computed from the weights)."""
     if target.fingerprint:
         return target.fingerprint
-    from .model_io import params_fingerprint
+    from dspark_jax.models.model_io import params_fingerprint
 
     return params_fingerprint(nnx.to_pure_dict(nnx.state(target, nnx.Param)))
 
@@ -136,31 +137,58 @@ class FeatureCache:
         """
         missing = sorted(set(int(t) for t in taps) - set(self.layers))
         if missing:
-            raise DSparkInputError(f"feature cache {self.directory} has layers {sorted(self.layers)}, "
-                                   f"not the requested tap layers {missing}")
+            raise DSparkInputError(
+                f"feature cache {self.directory} has layers {sorted(self.layers)}, "
+                f"not the requested tap layers {missing}"
+            )
         sd = self.store_dtype
-        return {FEATURES_KEY: TapFeatures([self.layers[int(t)] for t in taps], sd),
-                LAST_HIDDEN_KEY: TapFeatures([self.layers[self.last_layer]], sd)}
+        return {
+            FEATURES_KEY: TapFeatures([self.layers[int(t)] for t in taps], sd),
+            LAST_HIDDEN_KEY: TapFeatures([self.layers[self.last_layer]], sd),
+        }
 
 
 def expected_manifest(target: Target, tokens: np.ndarray, layers: Sequence[int], store_dtype: str) -> dict[str, Any]:
     """The manifest a cache of ``target`` over ``tokens`` with ``layers`` has (``layers`` sorted, last included)."""
     c = target.cfg
-    return {"format": FORMAT_VERSION, "target_name": c.name, "target_fingerprint": target_identity(target),
-            "target_dtype": jnp.dtype(target.dtype).name, "num_layers": c.num_layers, "hidden_size": c.hidden_size,
-            "layers": sorted({int(t) for t in layers} | {c.num_layers - 1}), "store_dtype": store_dtype,
-            "num_sequences": int(tokens.shape[0]), "seq_len": int(tokens.shape[1]),
-            "tokens_sha256": tokens_digest(tokens)}
+    return {
+        "format": FORMAT_VERSION,
+        "target_name": c.name,
+        "target_fingerprint": target_identity(target),
+        "target_dtype": jnp.dtype(target.dtype).name,
+        "num_layers": c.num_layers,
+        "hidden_size": c.hidden_size,
+        "layers": sorted({int(t) for t in layers} | {c.num_layers - 1}),
+        "store_dtype": store_dtype,
+        "num_sequences": int(tokens.shape[0]),
+        "seq_len": int(tokens.shape[1]),
+        "tokens_sha256": tokens_digest(tokens),
+    }
 
 
 def _mismatch(have: dict[str, Any], want: dict[str, Any]) -> list[str]:
-    keys = ("format", "target_fingerprint", "target_name", "target_dtype", "num_layers", "hidden_size",
-            "store_dtype", "num_sequences", "seq_len", "tokens_sha256")
+    keys = (
+        "format",
+        "target_fingerprint",
+        "target_name",
+        "target_dtype",
+        "num_layers",
+        "hidden_size",
+        "store_dtype",
+        "num_sequences",
+        "seq_len",
+        "tokens_sha256",
+    )
     return [f"{k}: cache has {have.get(k)!r}, run needs {want[k]!r}" for k in keys if have.get(k) != want[k]]
 
 
-def open_feature_cache(directory: str | Path, target: Target, data: Mapping[str, np.ndarray],
-                       taps: Sequence[int], store_dtype: str = "float32") -> FeatureCache:
+def open_feature_cache(
+    directory: str | Path,
+    target: Target,
+    data: Mapping[str, np.ndarray],
+    taps: Sequence[int],
+    store_dtype: str = "float32",
+) -> FeatureCache:
     """Opens an existing cache and checks it against the run.
 
     Args:
@@ -195,18 +223,28 @@ def open_feature_cache(directory: str | Path, target: Target, data: Mapping[str,
         try:
             m = np.load(directory / _layer_file(t), mmap_mode="r")
         except (OSError, ValueError) as e:
-            raise DSparkInputError(f"feature cache {directory}: cannot read layer {t} ({e}); delete the "
-                                   "folder to rebuild it") from None
+            raise DSparkInputError(
+                f"feature cache {directory}: cannot read layer {t} ({e}); delete the folder to rebuild it"
+            ) from None
         if m.shape != (n, length, h):
-            raise DSparkInputError(f"feature cache {directory}: layer {t} has shape {m.shape}, expected "
-                                   f"{(n, length, h)}; delete the folder to rebuild it")
+            raise DSparkInputError(
+                f"feature cache {directory}: layer {t} has shape {m.shape}, expected "
+                f"{(n, length, h)}; delete the folder to rebuild it"
+            )
         layers[int(t)] = m
     return FeatureCache(directory, have, layers)
 
 
-def build_feature_cache(directory: str | Path, target: Target, data: Mapping[str, np.ndarray],
-                        layers: Sequence[int], *, store_dtype: str = "float32", batch_size: int = 16,
-                        progress: bool = True) -> FeatureCache:
+def build_feature_cache(
+    directory: str | Path,
+    target: Target,
+    data: Mapping[str, np.ndarray],
+    layers: Sequence[int],
+    *,
+    store_dtype: str = "float32",
+    batch_size: int = 16,
+    progress: bool = True,
+) -> FeatureCache:
     """Runs the target once over every sequence and writes the cache (atomically).
 
     One jitted forward (static ``[batch_size, L]`` shape; the last batch is padded
@@ -246,8 +284,10 @@ def build_feature_cache(directory: str | Path, target: Target, data: Mapping[str
         shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
     np_store = np.uint16 if store_dtype == "bfloat16" else np.float32
-    outs = {t: np.lib.format.open_memmap(tmp / _layer_file(t), mode="w+", dtype=np_store, shape=(n, length, h))
-            for t in stored}
+    outs = {
+        t: np.lib.format.open_memmap(tmp / _layer_file(t), mode="w+", dtype=np_store, shape=(n, length, h))
+        for t in stored
+    }
     graph, state = nnx.split(target)
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch_size, length))
     jdt = jnp.bfloat16 if store_dtype == "bfloat16" else jnp.float32
@@ -256,7 +296,7 @@ def build_feature_cache(directory: str | Path, target: Target, data: Mapping[str
     def forward(state, toks):
         out = nnx.merge(graph, state)(toks, positions, taps=stored)
         f = out.features.reshape(toks.shape[0], length, len(stored), h).astype(jdt)
-        return jnp.moveaxis(f, 2, 0)                        # [n_layers, B, L, H]
+        return jnp.moveaxis(f, 2, 0)  # [n_layers, B, L, H]
 
     bar = None
     if progress:
@@ -264,13 +304,13 @@ def build_feature_cache(directory: str | Path, target: Target, data: Mapping[str
 
         bar = tqdm(total=n, desc="feature cache", unit="seq", dynamic_ncols=True)
     for start in range(0, n, batch_size):
-        rows = tokens[start:start + batch_size]
+        rows = tokens[start : start + batch_size]
         k = rows.shape[0]
         if k < batch_size:
             rows = np.concatenate([rows, np.zeros((batch_size - k, length), np.int32)])
         feats = np.asarray(forward(state, rows))[:, :k]
         for i, t in enumerate(stored):
-            outs[t][start:start + k] = feats[i].view(np.uint16) if store_dtype == "bfloat16" else feats[i]
+            outs[t][start : start + k] = feats[i].view(np.uint16) if store_dtype == "bfloat16" else feats[i]
         if bar is not None:
             bar.update(k)
     if bar is not None:
@@ -281,15 +321,22 @@ def build_feature_cache(directory: str | Path, target: Target, data: Mapping[str
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
     if directory.exists():
-        os.replace(directory, old)      # a directory cannot be replaced in one rename
+        os.replace(directory, old)  # a directory cannot be replaced in one rename
     os.replace(tmp, directory)
     shutil.rmtree(old, ignore_errors=True)
     return open_feature_cache(directory, target, data, stored, store_dtype)
 
 
-def ensure_feature_cache(directory: str | Path, target: Target, data: Mapping[str, np.ndarray],
-                         taps: Sequence[int], *, store_dtype: str = "float32", batch_size: int = 16,
-                         progress: bool = True) -> FeatureCache:
+def ensure_feature_cache(
+    directory: str | Path,
+    target: Target,
+    data: Mapping[str, np.ndarray],
+    taps: Sequence[int],
+    *,
+    store_dtype: str = "float32",
+    batch_size: int = 16,
+    progress: bool = True,
+) -> FeatureCache:
     """Opens the cache at ``directory``, building it when missing or when it lacks some of ``taps``.
 
     A cache whose layers do not cover ``taps`` (e.g. another drafter joins a comparison)
@@ -304,10 +351,12 @@ def ensure_feature_cache(directory: str | Path, target: Target, data: Mapping[st
     taps = sorted({int(t) for t in taps})
     if not (directory / MANIFEST).is_file():
         if directory.exists() and any(directory.iterdir()):
-            raise DSparkInputError(f"{directory} exists and is not a feature cache (no {MANIFEST}); "
-                                   "choose an empty or new folder")
-        return build_feature_cache(directory, target, data, taps, store_dtype=store_dtype,
-                                   batch_size=batch_size, progress=progress)
+            raise DSparkInputError(
+                f"{directory} exists and is not a feature cache (no {MANIFEST}); choose an empty or new folder"
+            )
+        return build_feature_cache(
+            directory, target, data, taps, store_dtype=store_dtype, batch_size=batch_size, progress=progress
+        )
     try:
         return open_feature_cache(directory, target, data, taps, store_dtype)
     except DSparkInputError:
@@ -315,9 +364,12 @@ def ensure_feature_cache(directory: str | Path, target: Target, data: Mapping[st
         want = expected_manifest(target, data["tokens"], taps, store_dtype)
         problems = _mismatch(have, want)
         if problems:
-            raise DSparkInputError(f"feature cache {directory} was built for another run ("
-                                   + "; ".join(problems) + "); delete it or set another feature_cache folder") \
-                from None
+            raise DSparkInputError(
+                f"feature cache {directory} was built for another run ("
+                + "; ".join(problems)
+                + "); delete it or set another feature_cache folder"
+            ) from None
         union = sorted(set(have.get("layers", [])) | set(taps))
-        return build_feature_cache(directory, target, data, union, store_dtype=store_dtype,
-                                   batch_size=batch_size, progress=progress)
+        return build_feature_cache(
+            directory, target, data, union, store_dtype=store_dtype, batch_size=batch_size, progress=progress
+        )

@@ -39,8 +39,18 @@ class OnlineCalibrator:
       ValueError: bad sizes or non-positive temperatures.
     """
 
-    def __init__(self, gamma: int, init=None, *, window: int = 2048, lr: float = 0.05,
-                 max_step: float = 0.02, min_obs: int = 32, t_min: float = 0.05, t_max: float = 20.0):
+    def __init__(
+        self,
+        gamma: int,
+        init=None,
+        *,
+        window: int = 2048,
+        lr: float = 0.05,
+        max_step: float = 0.02,
+        min_obs: int = 32,
+        t_min: float = 0.05,
+        t_max: float = 20.0,
+    ):
         if gamma < 1 or window < 1:
             raise ValueError("gamma and window must be >= 1")
         t = np.ones(gamma) if init is None else np.asarray(init, np.float64).reshape(-1)
@@ -51,7 +61,7 @@ class OnlineCalibrator:
         self.temperatures = t.copy()
         self._z = np.zeros((gamma, window))
         self._y = np.zeros((gamma, window))
-        self._count = np.zeros(gamma, np.int64)     # total observations ever, per position
+        self._count = np.zeros(gamma, np.int64)  # total observations ever, per position
 
     def confidence(self, z: np.ndarray) -> np.ndarray:
         """Calibrated confidences ``sigmoid(z_k / T_k)``; ``z [..., G]`` raw logits."""
@@ -82,7 +92,7 @@ class OnlineCalibrator:
             m = int(sel.sum())
             if not m:
                 continue
-            zs, ys = z[sel, pos][-self.window:], label[sel, pos][-self.window:]
+            zs, ys = z[sel, pos][-self.window :], label[sel, pos][-self.window :]
             m = len(zs)
             idx = (self._count[pos] + np.arange(m)) % self.window
             self._z[pos, idx] = zs
@@ -116,8 +126,12 @@ class OnlineCalibrator:
             else:
                 pred.append(None)
                 obs.append(None)
-        return {"temperatures": [float(t) for t in self.temperatures], "predicted": pred,
-                "observed": obs, "observations": num}
+        return {
+            "temperatures": [float(t) for t in self.temperatures],
+            "predicted": pred,
+            "observed": obs,
+            "observations": num,
+        }
 
     def prior_survival(self, default: float = 0.5) -> np.ndarray:
         """``[G]`` survival forecast from the window's observed conditional acceptance

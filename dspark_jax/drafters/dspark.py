@@ -12,7 +12,7 @@ Implements DESIGN.md "Drafter" (paper Sections 4-6 and Appendix A3/A4):
    at anchor position + i;
 3. base logits ``U_k`` through the drafter's final norm and the *target's* LM
    head (frozen, passed in);
-4. sequential (Markov) head adding a bias to ``U_k`` (see :mod:`dspark_jax.markov`), of
+4. sequential (Markov) head adding a bias to ``U_k`` (see :mod:`dspark_jax.drafters.markov`), of
    type ``cfg.markov_head`` (paper Section 6; DeepSpec's GatedMarkovHead / RNNHead), with
    the Markov embedding ``e = W1[x_{k-1}]``:
 
@@ -27,10 +27,10 @@ Implements DESIGN.md "Drafter" (paper Sections 4-6 and Appendix A3/A4):
 5. confidence head: ``c_k = sigmoid(w . [h_k ; e_k] + b)``, optionally
    calibrated per position by sequential temperature scaling
    (``c_k = sigmoid(z_k / T_k)``, :attr:`Drafter.calibration`, fit by
-   :mod:`dspark_jax.calibration`).
+   :mod:`dspark_jax.training.calibration`).
 
 The module owns only its own weights. Target pieces (embedding, LM head) come
-from the :class:`~dspark_jax.target.Target` passed to each call.
+from the :class:`~dspark_jax.models.target.Target` passed to each call.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .config import DrafterConfig
-from .layers import KVCache, apply_rope, block_attention, cache_write, rms_norm, swiglu
-from .target import Target
+from dspark_jax.config import DrafterConfig
+from dspark_jax.models.layers import KVCache, apply_rope, block_attention, cache_write, rms_norm, swiglu
+from dspark_jax.models.target import Target
 
 
 class BlockOutput(NamedTuple):
@@ -77,8 +77,9 @@ class Drafter(nnx.Module):
         init = nnx.initializers.lecun_normal()
 
         def w(*shape, in_axis=-2, out_axis=-1):
-            fn = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
-                                                   in_axis=in_axis, out_axis=out_axis)
+            fn = nnx.initializers.variance_scaling(
+                1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis
+            )
             return nnx.Param(fn(rngs.params(), shape, dtype))
 
         self.fc = nnx.Param(init(rngs.params(), (f_in, d), dtype))
@@ -86,11 +87,14 @@ class Drafter(nnx.Module):
         self.mask_embed = nnx.Param(0.02 * jax.random.normal(rngs.params(), (d,), dtype))
         self.layers = nnx.Dict(
             attn_norm=nnx.Param(jnp.ones((n, d), dtype)),
-            wq=w(n, d, qd), wk=w(n, d, kd), wv=w(n, d, kd),
+            wq=w(n, d, qd),
+            wk=w(n, d, kd),
+            wv=w(n, d, kd),
             # Residual branches start near zero so the untrained block is stable.
             wo=nnx.Param(jnp.zeros((n, qd, d), dtype)),
             mlp_norm=nnx.Param(jnp.ones((n, d), dtype)),
-            w_gate=w(n, d, cfg.intermediate_size), w_up=w(n, d, cfg.intermediate_size),
+            w_gate=w(n, d, cfg.intermediate_size),
+            w_up=w(n, d, cfg.intermediate_size),
             w_down=nnx.Param(jnp.zeros((n, cfg.intermediate_size, d), dtype)),
         )
         self.final_norm = nnx.Param(jnp.ones((d,), dtype))
@@ -112,7 +116,7 @@ class Drafter(nnx.Module):
                 # Gate starts mostly open (sigmoid(2) ~ 0.88): close to the vanilla head.
                 gate_b = nnx.Param(jnp.full((r,), 2.0, dtype))
             elif cfg.markov_head == "rnn":
-                rnn_wx = w(2 * r + d, 3 * r)   # W over [s_{k-1}; e; h_k]
+                rnn_wx = w(2 * r + d, 3 * r)  # W over [s_{k-1}; e; h_k]
                 rnn_b = nnx.Param(jnp.zeros((3 * r,), dtype))
             elif cfg.markov_head == "rnn_v0":
                 rnn_wx, rnn_wh = w(r, 3 * r), w(r, 3 * r)
@@ -149,7 +153,7 @@ class Drafter(nnx.Module):
         Args:
           ids: ``draft_vocab_size`` distinct target token ids (any order; stored ascending,
             so ties between equal logits break towards the lower target id exactly as
-            :func:`~dspark_jax.sampling.process_logits` does on the full vocabulary).
+            :func:`~dspark_jax.models.sampling.process_logits` does on the full vocabulary).
         Raises:
           ValueError: the drafter has no draft vocabulary, wrong count, duplicates or ids
             outside ``[0, V)``.
@@ -159,8 +163,9 @@ class Drafter(nnx.Module):
             raise ValueError("this drafter drafts over the full vocabulary (draft_vocab_size=0)")
         ids = tuple(sorted(int(i) for i in ids))
         if len(ids) != n or len(set(ids)) != n:
-            raise ValueError(f"draft vocabulary needs {n} distinct token ids, got {len(ids)} "
-                             f"({len(set(ids))} distinct)")
+            raise ValueError(
+                f"draft vocabulary needs {n} distinct token ids, got {len(ids)} ({len(set(ids))} distinct)"
+            )
         if ids[0] < 0 or ids[-1] >= v:
             raise ValueError(f"draft vocabulary ids must lie in [0, {v}), got {ids[0]}..{ids[-1]}")
         self.draft_vocab = ids
@@ -174,8 +179,10 @@ class Drafter(nnx.Module):
         if not self.cfg.draft_vocab_size:
             return None
         if self.draft_vocab is None:
-            raise ValueError(f"drafter has draft_vocab_size={self.cfg.draft_vocab_size} but no draft "
-                             "vocabulary installed (load it with load_drafter or call set_draft_vocab)")
+            raise ValueError(
+                f"drafter has draft_vocab_size={self.cfg.draft_vocab_size} but no draft "
+                "vocabulary installed (load it with load_drafter or call set_draft_vocab)"
+            )
         return jnp.asarray(self.draft_vocab, jnp.int32)
 
     def draft_index(self, tokens: jax.Array) -> jax.Array:
@@ -305,7 +312,7 @@ class Drafter(nnx.Module):
         if self.proj_out is not None:
             h = h @ self.proj_out[...]
         ids = self.draft_vocab_ids()
-        if ids is not None:   # only the draft vocabulary's rows of the head: [N, H]
+        if ids is not None:  # only the draft vocabulary's rows of the head: [N, H]
             rows = jax.lax.stop_gradient(target.lm_head_rows(ids)).astype(h.dtype)
             return jnp.einsum("...h,nh->...n", h, rows, preferred_element_type=jnp.float32)
         w = jax.lax.stop_gradient(target.lm_head_weight())
@@ -348,8 +355,9 @@ class Drafter(nnx.Module):
         cand = jnp.tanh(gx[..., 2 * r :] + reset * gh[..., 2 * r :])
         return (1.0 - update) * cand + update * s
 
-    def markov_step(self, state: jax.Array | None, prev: jax.Array,
-                    h: jax.Array) -> tuple[jax.Array | None, jax.Array | None, jax.Array | float]:
+    def markov_step(
+        self, state: jax.Array | None, prev: jax.Array, h: jax.Array
+    ) -> tuple[jax.Array | None, jax.Array | None, jax.Array | float]:
         """One position of the sequential head (paper Section 6; variants in the module doc).
 
         Args:
@@ -379,8 +387,7 @@ class Drafter(nnx.Module):
             e = x
         return state, e, self.markov_bias(e)
 
-    def teacher_forced_heads(self, hidden: jax.Array,
-                             prev: jax.Array) -> tuple[jax.Array | float, jax.Array | None]:
+    def teacher_forced_heads(self, hidden: jax.Array, prev: jax.Array) -> tuple[jax.Array | float, jax.Array | None]:
         """Markov bias and embeddings of whole blocks given their true previous tokens (training).
 
         Args:
@@ -396,8 +403,8 @@ class Drafter(nnx.Module):
         if kind not in ("rnn", "rnn_v0"):
             _, e, bias = self.markov_step(None, prev, hidden)
             return bias, e
-        x = self.markov_embedding(prev)                     # [..., g, r]
-        xs = jnp.moveaxis(x, -2, 0)                         # [g, ..., r]
+        x = self.markov_embedding(prev)  # [..., g, r]
+        xs = jnp.moveaxis(x, -2, 0)  # [g, ..., r]
         init = self.markov_init(prev.shape[:-1])
         if kind == "rnn":
             hs = jnp.moveaxis(hidden, -2, 0)
@@ -448,8 +455,9 @@ class Drafter(nnx.Module):
         if not self.cfg.has_confidence:
             raise ValueError("this drafter has no confidence head to calibrate")
         if len(temps) != self.cfg.gamma:
-            raise ValueError(f"calibration needs {self.cfg.gamma} temperatures (one per block position), "
-                             f"got {len(temps)}")
+            raise ValueError(
+                f"calibration needs {self.cfg.gamma} temperatures (one per block position), got {len(temps)}"
+            )
         if not all(t > 0 and t < float("inf") for t in temps):
             raise ValueError(f"calibration temperatures must be positive and finite, got {list(temps)}")
         if greedy:
@@ -467,8 +475,7 @@ class Drafter(nnx.Module):
 
     # -- decoding ------------------------------------------------------------------
 
-    def draft_block(self, target: Target, anchors: jax.Array, anchor_pos: jax.Array,
-                    cache: KVCache) -> BlockOutput:
+    def draft_block(self, target: Target, anchors: jax.Array, anchor_pos: jax.Array, cache: KVCache) -> BlockOutput:
         """Backbone pass for one drafting round per row (decode time).
 
         Args:
@@ -480,16 +487,22 @@ class Drafter(nnx.Module):
           :class:`BlockOutput` with ``[B, gamma, d]`` and ``[B, gamma, N]``.
         """
         s = self.cfg.num_slots
-        x = self.block_inputs(target, anchors)[:, None]                       # [B, 1, S, d]
+        x = self.block_inputs(target, anchors)[:, None]  # [B, 1, S, d]
         pos = (anchor_pos[:, None] + jnp.arange(s, dtype=jnp.int32))[:, None]  # [B, 1, S]
         slots = jnp.arange(cache.length, dtype=jnp.int32)
-        ctx_mask = jnp.broadcast_to(slots < anchor_pos[:, None, None, None],
-                                    (anchors.shape[0], 1, s, cache.length))
+        ctx_mask = jnp.broadcast_to(slots < anchor_pos[:, None, None, None], (anchors.shape[0], 1, s, cache.length))
         h = self.predicted_slots(self.backbone(x, pos, cache.k, cache.v, ctx_mask)[:, 0])
         return BlockOutput(h, self.base_logits(target, h))
 
-    def extend_cache(self, cache: KVCache, features: jax.Array, positions: jax.Array, *,
-                     target: Target | None = None, tokens: jax.Array | None = None) -> KVCache:
+    def extend_cache(
+        self,
+        cache: KVCache,
+        features: jax.Array,
+        positions: jax.Array,
+        *,
+        target: Target | None = None,
+        tokens: jax.Array | None = None,
+    ) -> KVCache:
         """Projects new target features and writes their K/V at ``positions``.
 
         Args:
@@ -507,8 +520,7 @@ class Drafter(nnx.Module):
 
     # -- training ------------------------------------------------------------------
 
-    def train_blocks(self, target: Target, features: jax.Array, tokens: jax.Array,
-                     anchors: jax.Array) -> BlockOutput:
+    def train_blocks(self, target: Target, features: jax.Array, tokens: jax.Array, anchors: jax.Array) -> BlockOutput:
         """Backbone over many anchor blocks of each sequence in one pass.
 
         Block-sparse attention: block j sees context positions < anchor_j and its
@@ -527,9 +539,9 @@ class Drafter(nnx.Module):
         ctx_pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
         ck, cv = self.context_kv(ctx, ctx_pos)
         anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)
-        x = self.block_inputs(target, anchor_tok)                                # [B, A, S, d]
-        pos = anchors[:, :, None] + jnp.arange(s, dtype=jnp.int32)               # [B, A, S]
-        ctx_mask = ctx_pos[:, None, None, :] < anchors[:, :, None, None]         # [B, A, 1, L]
+        x = self.block_inputs(target, anchor_tok)  # [B, A, S, d]
+        pos = anchors[:, :, None] + jnp.arange(s, dtype=jnp.int32)  # [B, A, S]
+        ctx_mask = ctx_pos[:, None, None, :] < anchors[:, :, None, None]  # [B, A, 1, L]
         ctx_mask = jnp.broadcast_to(ctx_mask, (b, anchors.shape[1], s, l))
         h = self.predicted_slots(self.backbone(x, pos, ck, cv, ctx_mask))
         return BlockOutput(h, self.base_logits(target, h))
@@ -537,9 +549,9 @@ class Drafter(nnx.Module):
 
 def build_drafter(cfg: DrafterConfig, rngs: nnx.Rngs, dtype=jnp.float32):
     """The drafter module for ``cfg.variant``: :class:`Drafter` (dspark / dflash) or
-    :class:`~dspark_jax.eagle.EagleDrafter` (eagle3)."""
+    :class:`~dspark_jax.drafters.eagle.EagleDrafter` (eagle3)."""
     if cfg.variant == "eagle3":
-        from .eagle import EagleDrafter  # eagle builds on this module's BlockOutput
+        from dspark_jax.drafters.eagle import EagleDrafter  # eagle builds on this module's BlockOutput
 
         return EagleDrafter(cfg, rngs, dtype=dtype)
     return Drafter(cfg, rngs, dtype=dtype)

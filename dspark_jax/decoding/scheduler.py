@@ -28,7 +28,7 @@ maximises ``E[emitted]`` among all allocations of ``m`` drafts. Hence the exact 
 all admissible allocations is ``max_m (n + S_m) * SPS(n + m)`` with ``S_m`` the sum of the top
 ``m`` candidates (:func:`optimal_lengths`).
 
-Policies (selected per engine, see :mod:`dspark_jax.engine`):
+Policies (selected per engine, see :mod:`dspark_jax.serving.engine`):
 
 * :func:`fixed_lengths` -- fixed gamma (gamma = 1 is the MTP-1 production baseline);
 * :func:`threshold_lengths` -- verify draft ``k`` while ``a_{r,k} >= C``;
@@ -48,8 +48,16 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = [
-    "survival", "candidate_order", "theta_curve", "fixed_lengths", "threshold_lengths",
-    "greedy_lengths", "optimal_lengths", "best_budget", "fill_lengths", "deployed_lengths",
+    "best_budget",
+    "candidate_order",
+    "deployed_lengths",
+    "fill_lengths",
+    "fixed_lengths",
+    "greedy_lengths",
+    "optimal_lengths",
+    "survival",
+    "theta_curve",
+    "threshold_lengths",
 ]
 
 
@@ -194,8 +202,9 @@ def fill_lengths(surv: np.ndarray, cap, num_drafts: int) -> np.ndarray:
     return _lengths_from_prefix(surv.shape[0], rows, max(0, min(int(num_drafts), len(rows))))
 
 
-def deployed_lengths(surv_old: np.ndarray, surv_now: np.ndarray, cap, sps_of_total: np.ndarray,
-                     budgets) -> tuple[np.ndarray, int]:
+def deployed_lengths(
+    surv_old: np.ndarray, surv_now: np.ndarray, cap, sps_of_total: np.ndarray, budgets
+) -> tuple[np.ndarray, int]:
     """The deployed DSpark scheduler: budget from stale confidences, filled by current ones.
 
     Args:

@@ -22,17 +22,18 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .auto_verify import default_widths
-from .markov import sample_block
-from .sampling import process_logits, sample, sampling_arrays
-from .verifier import verify
+from dspark_jax.decoding.auto_verify import default_widths
+from dspark_jax.decoding.verifier import verify
+from dspark_jax.drafters.markov import sample_block
+from dspark_jax.models.sampling import process_logits, sample, sampling_arrays
 
 __all__ = ["CostTable", "measure_costs"]
 
@@ -78,10 +79,15 @@ class CostTable:
 
     def to_json(self) -> dict[str, Any]:
         """Milliseconds, the layout of ``benchmarks/decode_costs.py``'s JSON."""
-        ms = lambda s: round(1e3 * s, 4)  # noqa: E731
-        return {"t_step_ms": ms(self.t_step), "t_verify_ms": {w: ms(t) for w, t in zip(self.widths, self.t_verify)},
-                "t_draft_ms": ms(self.t_draft_greedy), "t_draft_sampled_ms": ms(self.t_draft_sampled),
-                "t_context_ms": ms(self.t_context), "cache_len": self.cache_len}
+        ms = lambda s: round(1e3 * s, 4)
+        return {
+            "t_step_ms": ms(self.t_step),
+            "t_verify_ms": {w: ms(t) for w, t in zip(self.widths, self.t_verify)},
+            "t_draft_ms": ms(self.t_draft_greedy),
+            "t_draft_sampled_ms": ms(self.t_draft_sampled),
+            "t_context_ms": ms(self.t_context),
+            "cache_len": self.cache_len,
+        }
 
 
 def _programs(target, drafter, widths: Sequence[int], cache_len: int):
@@ -98,8 +104,9 @@ def _programs(target, drafter, widths: Sequence[int], cache_len: int):
             toks = jnp.concatenate([anchor[:, None], drafts[:, :w]], axis=1)
             vpos = pos[:, None] + jnp.arange(w + 1, dtype=jnp.int32)
             out = t(toks, vpos, tcache, taps=taps)
-            res = verify(key, drafts[:, :w], dprobs[:, :w], process_logits(out.logits, samp),
-                         jnp.full((1,), w, jnp.int32))
+            res = verify(
+                key, drafts[:, :w], dprobs[:, :w], process_logits(out.logits, samp), jnp.full((1,), w, jnp.int32)
+            )
             dcache = d.extend_cache(dcache, out.features, vpos, target=t, tokens=toks)
             return out.cache, dcache, res.tokens
 
@@ -123,17 +130,29 @@ def _programs(target, drafter, widths: Sequence[int], cache_len: int):
         vpos = pos[:, None] + jnp.arange(g + 1, dtype=jnp.int32)
         return d.extend_cache(dcache, feats, vpos)
 
-    return ({w: verify_prog(w) for w in widths}, draft_prog, jax.jit(step_prog, donate_argnums=(1,)),
-            jax.jit(context_prog, donate_argnums=(1,)))
+    return (
+        {w: verify_prog(w) for w in widths},
+        draft_prog,
+        jax.jit(step_prog, donate_argnums=(1,)),
+        jax.jit(context_prog, donate_argnums=(1,)),
+    )
 
 
-def measure_costs(target, drafter, *, widths: Sequence[int] | None = None, cache_len: int = 512,
-                  position: int | None = None, repeats: int = 9, inner: int | None = None) -> CostTable:
+def measure_costs(
+    target,
+    drafter,
+    *,
+    widths: Sequence[int] | None = None,
+    cache_len: int = 512,
+    position: int | None = None,
+    repeats: int = 9,
+    inner: int | None = None,
+) -> CostTable:
     """Measures a :class:`CostTable` for ``target`` + ``drafter`` on the current device.
 
     Args:
       target / drafter: the models (any drafter kind with ``draft_block``; DSpark / DFlash).
-      widths: verification widths to measure (default :func:`~dspark_jax.auto_verify.default_widths`).
+      widths: verification widths to measure (default :func:`~dspark_jax.decoding.auto_verify.default_widths`).
       cache_len: KV-cache length [tokens] (attention reads the whole static cache).
       position: the anchor position [tokens] (default: a quarter of ``cache_len``).
       repeats: alternated timing rounds; each value is their median.
@@ -168,11 +187,12 @@ def measure_costs(target, drafter, *, widths: Sequence[int] | None = None, cache
             state["dcache"] = out = context_p(d_state, state["dcache"], feats, pos)
         else:
             state["tcache"], state["dcache"], out = verify_p[name](
-                t_state, d_state, state["tcache"], state["dcache"], anchor, pos, drafts, dprobs, key, greedy)
+                t_state, d_state, state["tcache"], state["dcache"], anchor, pos, drafts, dprobs, key, greedy
+            )
         jax.block_until_ready(out)
 
     names = ["step", "draft_greedy", "draft_sampled", "context", *widths]
-    for n in names:   # compile + warm
+    for n in names:  # compile + warm
         call(n)
         call(n)
     if inner is None:
@@ -181,13 +201,19 @@ def measure_costs(target, drafter, *, widths: Sequence[int] | None = None, cache
         inner = max(1, int(2e-3 / max(time.perf_counter() - t0, 1e-6)))
     times: dict[Any, list[float]] = {n: [] for n in names}
     for r in range(repeats):
-        order = names[r % len(names):] + names[: r % len(names)]   # rotate: no program always first
+        order = names[r % len(names) :] + names[: r % len(names)]  # rotate: no program always first
         for n in order:
             t0 = time.perf_counter()
             for _ in range(inner):
                 call(n)
             times[n].append((time.perf_counter() - t0) / inner)
     med = {n: statistics.median(v) for n, v in times.items()}
-    return CostTable(widths=widths, t_verify=tuple(med[w] for w in widths), t_draft_greedy=med["draft_greedy"],
-                     t_draft_sampled=med["draft_sampled"], t_step=med["step"], t_context=med["context"],
-                     cache_len=cache_len)
+    return CostTable(
+        widths=widths,
+        t_verify=tuple(med[w] for w in widths),
+        t_draft_greedy=med["draft_greedy"],
+        t_draft_sampled=med["draft_sampled"],
+        t_step=med["step"],
+        t_context=med["context"],
+        cache_len=cache_len,
+    )

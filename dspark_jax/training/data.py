@@ -2,7 +2,7 @@
 
 DESIGN.md "Pipeline"/"Training": the target generates continuations for prompts
 and only token ids are stored; the frozen target runs inside the train step for
-features and p_target, unless a run opts into :mod:`dspark_jax.feature_cache`
+features and p_target, unless a run opts into :mod:`dspark_jax.training.feature_cache`
 (``feature_cache=DIR``), whose per-sequence arrays join the data dict and are
 indexed by :func:`batches` with the same rows as the tokens.
 
@@ -26,12 +26,12 @@ import gzip
 import json
 import os
 import re
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .errors import DSparkInputError
+from dspark_jax.errors import DSparkInputError
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -151,7 +151,7 @@ def read_prompt_file(path: str | Path) -> list[str]:
                 raise DSparkInputError(f"{path}:{n}: not valid JSON ({e.msg})") from None
             if isinstance(row, str):
                 out.append(row)
-            elif "turns" in row and row["turns"]:
+            elif row.get("turns"):
                 out.append(row["turns"][0])
             else:
                 for k in ("prompt", "text", "question", "instruction"):
@@ -225,10 +225,16 @@ def split_prompts(prompts: Sequence, num_eval: int, seed: int = 0) -> tuple[list
     return [prompts[i] for i in tr], [prompts[i] for i in ev]
 
 
-def generate_shards(out_dir: str | Path, prompt_ids: Sequence[Sequence[int]],
-                    generate_fn: Callable[[list[list[int]], int], list[list[int]]],
-                    *, seq_len: int, shard_size: int = 256, batch_size: int = 64,
-                    progress: Callable[[int, int], None] | None = None) -> list[Path]:
+def generate_shards(
+    out_dir: str | Path,
+    prompt_ids: Sequence[Sequence[int]],
+    generate_fn: Callable[[list[list[int]], int], list[list[int]]],
+    *,
+    seq_len: int,
+    shard_size: int = 256,
+    batch_size: int = 64,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[Path]:
     """Generates target continuations and writes them as token-id shards (resumable).
 
     Args:
@@ -258,7 +264,7 @@ def generate_shards(out_dir: str | Path, prompt_ids: Sequence[Sequence[int]],
         lens = np.zeros((len(chunk),), np.int32)
         plens = np.zeros((len(chunk),), np.int32)
         for bstart in range(0, len(chunk), batch_size):
-            batch = [list(p)[:seq_len - 1] for p in chunk[bstart : bstart + batch_size]]
+            batch = [list(p)[: seq_len - 1] for p in chunk[bstart : bstart + batch_size]]
             conts = generate_fn(batch, (start + bstart) // batch_size)
             for i, (p, c) in enumerate(zip(batch, conts)):
                 seq = (list(p) + list(c))[:seq_len]
@@ -292,8 +298,9 @@ def load_shards(paths: Sequence[Path]) -> dict[str, np.ndarray]:
     return {k: np.concatenate(v) for k, v in parts.items()}
 
 
-def batches(data: dict[str, np.ndarray], batch_size: int, seed: int,
-            start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
+def batches(
+    data: dict[str, np.ndarray], batch_size: int, seed: int, start_step: int = 0
+) -> Iterator[dict[str, np.ndarray]]:
     """Deterministic epoch-shuffled batches; batch ``s`` depends only on (seed, s).
 
     Resuming at ``start_step`` yields exactly the batches an uninterrupted run
@@ -339,7 +346,7 @@ def draft_vocabulary(data: dict[str, np.ndarray], size: int, vocab_size: int) ->
     anywhere = col < np.asarray(data["lengths"])[:, None]
     generated = np.bincount(tokens[gen], minlength=vocab_size)
     seen = np.bincount(tokens[anywhere], minlength=vocab_size)
-    order = np.lexsort((np.arange(vocab_size), -seen, -generated))   # last key is the primary one
+    order = np.lexsort((np.arange(vocab_size), -seen, -generated))  # last key is the primary one
     return np.sort(order[:size]).astype(np.int32)
 
 
@@ -377,8 +384,11 @@ def read_corpus(path: str | Path) -> list[CorpusRow]:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DSparkInputError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-                reply = next((row[k] for k in ("response", "completion", "output") if k in row), None) \
-                    if isinstance(row, dict) else None
+                reply = (
+                    next((row[k] for k in ("response", "completion", "output") if k in row), None)
+                    if isinstance(row, dict)
+                    else None
+                )
                 if isinstance(row, dict) and isinstance(row.get("messages"), list):
                     msgs = row["messages"]
                     for i, m in enumerate(msgs):
@@ -420,8 +430,9 @@ def encode_corpus_row(tokenizer, row: CorpusRow, chat: bool) -> tuple[list[int],
     if chat:
         p_text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
         prompt = tokenizer.encode(p_text, add_bos=False)
-        full_text = tokenizer.apply_chat_template(msgs + [{"role": "assistant", "content": reply}],
-                                                  add_generation_prompt=False)
+        full_text = tokenizer.apply_chat_template(
+            msgs + [{"role": "assistant", "content": reply}], add_generation_prompt=False
+        )
         full = tokenizer.encode(full_text, add_bos=False)
         if full[: len(prompt)] != prompt:
             raise DSparkInputError("the chat template's reply does not extend its prompt; cannot mark the reply span")
@@ -430,8 +441,14 @@ def encode_corpus_row(tokenizer, row: CorpusRow, chat: bool) -> tuple[list[int],
     return prompt + tokenizer.encode(" " + reply, add_bos=False), len(prompt)
 
 
-def write_sequence_shards(out_dir: str | Path, seqs: Sequence[tuple[list[int], int]], *, seq_len: int,
-                          shard_size: int = 256, prefix: str = "corpus") -> list[Path]:
+def write_sequence_shards(
+    out_dir: str | Path,
+    seqs: Sequence[tuple[list[int], int]],
+    *,
+    seq_len: int,
+    shard_size: int = 256,
+    prefix: str = "corpus",
+) -> list[Path]:
     """Writes ``(ids, prompt_len)`` sequences as shards (:func:`load_shards` format), truncated
     to ``seq_len``; sequences with no target token inside ``seq_len`` are skipped.
 
@@ -460,10 +477,15 @@ def write_sequence_shards(out_dir: str | Path, seqs: Sequence[tuple[list[int], i
 # -- contamination guard -------------------------------------------------------------------------
 # What `python -m dspark_jax.eval` and the benchmarks evaluate on: every row of these sets
 # (first EVAL_PROMPT_HOLDOUT rows of the large ones), including their copies inside Spec-Bench.
-_EVAL_SETS = (("mt_bench_question.jsonl", None), ("eagle_alpaca_question.jsonl", None),
-              ("eagle_gsm8k_question.jsonl", None), ("eagle_humaneval_question.jsonl", None),
-              ("gsm8k_test.jsonl", EVAL_PROMPT_HOLDOUT), ("HumanEval.jsonl.gz", EVAL_PROMPT_HOLDOUT))
-_MIN_GUARD_CHARS = 24   # shorter eval strings would match ordinary phrases
+_EVAL_SETS = (
+    ("mt_bench_question.jsonl", None),
+    ("eagle_alpaca_question.jsonl", None),
+    ("eagle_gsm8k_question.jsonl", None),
+    ("eagle_humaneval_question.jsonl", None),
+    ("gsm8k_test.jsonl", EVAL_PROMPT_HOLDOUT),
+    ("HumanEval.jsonl.gz", EVAL_PROMPT_HOLDOUT),
+)
+_MIN_GUARD_CHARS = 24  # shorter eval strings would match ordinary phrases
 
 
 def _normalise(text: str) -> str:

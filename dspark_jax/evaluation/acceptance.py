@@ -11,13 +11,14 @@ fraction of rounds (target passes) with at least k accepted drafts.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from .decode import BatchResult, generate_speculative
-from .drafter import Drafter
-from .target import Target
+from dspark_jax.decoding.speculative import BatchResult, generate_speculative
+from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.models.target import Target
 
 
 def aggregate(results: Sequence[BatchResult]) -> dict[str, Any]:
@@ -37,15 +38,25 @@ def aggregate(results: Sequence[BatchResult]) -> dict[str, Any]:
     }
 
 
-def evaluate_tau(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
-                 max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 gamma: int | None = None, batch_size: int = 16, seed: int = 0,
-                 record_rounds: bool = False) -> dict[str, Any]:
+def evaluate_tau(
+    target: Target,
+    drafter: Drafter,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    gamma: int | None = None,
+    batch_size: int = 16,
+    seed: int = 0,
+    record_rounds: bool = False,
+) -> dict[str, Any]:
     """Speculative decoding over ``prompts``; returns pooled metrics.
 
     Args:
       record_rounds: also return the per-round records of every request under
-        ``"rounds"`` (a list of :attr:`~dspark_jax.decode.Generation.rounds` dicts of
+        ``"rounds"`` (a list of :attr:`~dspark_jax.decoding.speculative.Generation.rounds` dicts of
         numpy arrays, not JSON-serialisable: pop it before writing JSON).
 
     Returns:
@@ -60,9 +71,18 @@ def evaluate_tau(target: Target, drafter: Drafter, prompts: Sequence[Sequence[in
     accepted = np.zeros(drafter.cfg.gamma)
     for s in range(0, len(prompts), batch_size):
         chunk = list(prompts[s : s + batch_size])
-        res = generate_speculative(target, drafter, chunk, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   top_k=top_k, top_p=top_p, gamma=gamma,
-                                   seed=[seed + s + i for i in range(len(chunk))], record_rounds=record_rounds)
+        res = generate_speculative(
+            target,
+            drafter,
+            chunk,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            gamma=gamma,
+            seed=[seed + s + i for i in range(len(chunk))],
+            record_rounds=record_rounds,
+        )
         results.append(res)
         for g in res.generations:
             reached += g.position_reached
@@ -77,6 +97,11 @@ def evaluate_tau(target: Target, drafter: Drafter, prompts: Sequence[Sequence[in
     out["accept_rate_at_k"] = [float(a / passes) if passes else None for a in accepted[:g_used]]
     if record_rounds:
         out["rounds"] = [g.rounds for r in results for g in r.generations]
-    out.update(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-               gamma=gamma or drafter.cfg.gamma)
+    out.update(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        gamma=gamma or drafter.cfg.gamma,
+    )
     return out

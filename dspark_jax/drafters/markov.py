@@ -3,11 +3,11 @@
 Implements DESIGN.md "Drafter" step 3 (paper Section 6, Appendix A4):
 ``p_draft_k = process(U_k + e_k @ W2)`` with ``x_0`` = the anchor and ``e_k`` the
 sequential head's embedding (vanilla: ``W1[x_{k-1}]``; gated / rnn variants:
-:meth:`~dspark_jax.drafter.Drafter.markov_step`), one row lookup and one ``r x V``
+:meth:`~dspark_jax.drafters.dspark.Drafter.markov_step`), one row lookup and one ``r x V``
 matvec per step, plus the confidence head
 ``c_k = sigmoid(w . [h_k ; e_k] + b)`` (step 4), divided per position by the
 calibration temperature ``T_k`` before the sigmoid (sequential temperature scaling,
-:mod:`dspark_jax.calibration`); the temperatures never touch the sampled tokens.
+:mod:`dspark_jax.training.calibration`); the temperatures never touch the sampled tokens.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .drafter import BlockOutput, Drafter
-from .sampling import SamplingArrays, process_logits, sample
+from dspark_jax.drafters.dspark import BlockOutput, Drafter
+from dspark_jax.models.sampling import SamplingArrays, process_logits, sample
 
 
 class Draft(NamedTuple):
@@ -42,9 +42,15 @@ class Draft(NamedTuple):
     confidence_logit: jax.Array
 
 
-def sample_block(drafter: Drafter, block: BlockOutput, anchors: jax.Array,
-                 keys: jax.Array, sampling: SamplingArrays,
-                 conf_temperature: jax.Array | None = None, step_keys: jax.Array | None = None) -> Draft:
+def sample_block(
+    drafter: Drafter,
+    block: BlockOutput,
+    anchors: jax.Array,
+    keys: jax.Array,
+    sampling: SamplingArrays,
+    conf_temperature: jax.Array | None = None,
+    step_keys: jax.Array | None = None,
+) -> Draft:
     """Samples x_1..x_gamma left to right with the Markov correction.
 
     Args:
@@ -70,20 +76,23 @@ def sample_block(drafter: Drafter, block: BlockOutput, anchors: jax.Array,
       takes an argmax path with no softmax or random draw over the vocabulary (same tokens
       and the same one-hot q as the sampled path would give).
     """
-    hidden = jnp.swapaxes(block.hidden, 0, 1)   # [gamma, B, d]
-    logits = jnp.swapaxes(block.logits, 0, 1)   # [gamma, B, V]
+    hidden = jnp.swapaxes(block.hidden, 0, 1)  # [gamma, B, d]
+    logits = jnp.swapaxes(block.logits, 0, 1)  # [gamma, B, V]
     steps = jnp.arange(hidden.shape[0], dtype=jnp.uint32)
     g, b = hidden.shape[0], hidden.shape[1]
-    if conf_temperature is None:   # per row: the greedy fit for rows at T = 0
+    if conf_temperature is None:  # per row: the greedy fit for rows at T = 0
         row_greedy = jnp.broadcast_to(jnp.asarray(sampling.temperature) <= 0.0, (b,))
-        temps = jnp.where(row_greedy[None, :], drafter.confidence_temperatures(greedy=True)[:, None],
-                          drafter.confidence_temperatures()[:, None])                          # [gamma, B]
+        temps = jnp.where(
+            row_greedy[None, :],
+            drafter.confidence_temperatures(greedy=True)[:, None],
+            drafter.confidence_temperatures()[:, None],
+        )  # [gamma, B]
     else:
         temps = jnp.broadcast_to(jnp.asarray(conf_temperature, jnp.float32)[:, None], (g, b))
 
     if step_keys is None:
         step_keys = jax.vmap(lambda k: jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, k), out_axes=1)(steps)
-    step_keys = jnp.swapaxes(step_keys, 0, 1)   # [gamma, B, 2]
+    step_keys = jnp.swapaxes(step_keys, 0, 1)  # [gamma, B, 2]
 
     vocab = drafter.cfg.vocab_size
     all_greedy = jnp.all(jnp.asarray(sampling.temperature) <= 0.0)
@@ -106,7 +115,7 @@ def sample_block(drafter: Drafter, block: BlockOutput, anchors: jax.Array,
         state, e, bias = drafter.markov_step(state, prev, h)
         x, q = jax.lax.cond(all_greedy, greedy, sampled, u + bias, kk)
         z = drafter.confidence_logit(h, e)
-        c = jax.nn.sigmoid(z / t)   # t: [B]
+        c = jax.nn.sigmoid(z / t)  # t: [B]
         return (x, state), (x, q, c, z)
 
     init = (anchors.astype(jnp.int32), drafter.markov_init(anchors.shape))

@@ -5,7 +5,7 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` and Prometheus ``GET /metrics``.
 
 Architecture (DESIGN.md, "serve"): one background thread, :class:`EngineLoop`, owns the
-:class:`~dspark_jax.engine.Engine` and is the only thread that touches JAX. Each iteration
+:class:`~dspark_jax.serving.engine.Engine` and is the only thread that touches JAX. Each iteration
 it (1) frees the slots of aborted requests (client disconnects, stop strings), (2) admits
 waiting requests into free slots (``prefill`` + ``insert``), (3) runs one speculative step
 for all active slots (``generate``) and hands each request its new token ids (and logprobs,
@@ -25,7 +25,7 @@ completions, the rest of the context for chat (``--default-max-tokens`` override
 ``n`` > 1 runs ``n`` requests: choice ``i`` is exactly what the same request with
 ``seed + i`` (wrapped into int32) returns as its only choice. ``logit_bias``,
 ``logprobs`` / ``top_logprobs`` and ``min_tokens`` are passed to the engine
-(:class:`~dspark_jax.engine.SamplingParams`); logprobs are the target's raw log-softmax
+(:class:`~dspark_jax.serving.engine.SamplingParams`); logprobs are the target's raw log-softmax
 (vLLM's default). ``min_tokens`` also holds back stop strings until that many tokens
 were generated (as vLLM).
 
@@ -41,7 +41,7 @@ one token), ``num_draft_tokens`` (draft tokens verified, none counted after a st
 ``num_accepted_tokens`` (accepted drafts in the response), ``acceptance_rate`` = accepted
 / verified and ``tau`` = ``(completion_tokens - 1) / num_steps``: returned tokens per
 verification pass, the first token (sampled at prefill) excluded. This is
-:class:`dspark_jax.decode.Generation`'s tau, the one definition (``generate --json``, the
+:class:`dspark_jax.decoding.speculative.Generation`'s tau, the one definition (``generate --json``, the
 Python API and ``/metrics``' ``dspark:spec_decode_mean_accepted_length`` use it too).
 """
 
@@ -59,9 +59,11 @@ import threading
 import time
 import traceback
 import uuid
-from typing import Any, AsyncIterator, Literal
+from collections.abc import AsyncIterator
+from typing import Any, Literal
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -69,17 +71,25 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import DSparkInputError
+from dspark_jax import __version__
+from dspark_jax.errors import DSparkInputError
 
-log = logging.getLogger("dspark_jax.server")
+log = logging.getLogger("dspark_jax.serving.server")
 
-__all__ = ["EngineLoop", "OutputState", "QueueFullError", "ServerClosedError", "ServerConfig", "create_app",
-           "choice_seed"]
+__all__ = [
+    "EngineLoop",
+    "OutputState",
+    "QueueFullError",
+    "ServerClosedError",
+    "ServerConfig",
+    "choice_seed",
+    "create_app",
+]
 
 SEED_RANGE = (-(2**31), 2**31 - 1)  # the engine's PRNG seeds are int32
 MAX_STOP_STRINGS = 16
-MAX_N = 16           # choices per request
-MAX_LOGPROBS = 20    # top alternatives per token (vLLM's default max_logprobs)
+MAX_N = 16  # choices per request
+MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default max_logprobs)
 LOGIT_BIAS_RANGE = 100.0
 
 
@@ -132,7 +142,7 @@ class TrackedRequest:
     reads ``done`` only to decide whether an abort is still needed.
     """
 
-    request: Any  # dspark_jax.engine.Request
+    request: Any  # dspark_jax.serving.engine.Request
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     index: int = 0
@@ -140,7 +150,7 @@ class TrackedRequest:
     slot: int | None = None
     admitted_at: float | None = None
     started: bool = False  # the first output (with the prefill token) was handed out
-    done: bool = False     # set by the engine thread when the final/error event is queued
+    done: bool = False  # set by the engine thread when the final/error event is queued
 
     @property
     def request_id(self) -> str:
@@ -148,10 +158,9 @@ class TrackedRequest:
 
     def _put(self, ev: RequestEvent) -> None:
         ev.index = self.index
-        try:
+        # RuntimeError: the event loop is closed, nobody is listening any more
+        with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
 
 
 @dataclasses.dataclass
@@ -173,7 +182,7 @@ class OutputState:
 
     Args:
       tracked: the engine request.
-      tokenizer: a :class:`dspark_jax.tokenizer.Tokenizer` (``detokenizer()``).
+      tokenizer: a :class:`dspark_jax.models.tokenizer.Tokenizer` (``detokenizer()``).
       stop: stop strings (non-empty).
       min_tokens: stop strings are not matched before this many generated tokens.
     """
@@ -209,7 +218,7 @@ class OutputState:
                 # or held back by min_tokens)
                 hits = [k for k in (self.text.find(x, max(0, before - len(x) + 1)) for x in self.stop) if k >= 0]
                 if hits:
-                    self.text, keep, finish = self.text[:min(hits)], j + 1, "stop"
+                    self.text, keep, finish = self.text[: min(hits)], j + 1, "stop"
                     break
         pre = 1 if ev.with_prefill_token else 0
         total_pass, kept_pass = max(0, len(ids) - pre), max(0, keep - pre)
@@ -234,11 +243,11 @@ class OutputState:
             self.finish_reason, self.finished_at = finish, time.monotonic()
         else:
             end = max(self.sent, len(self.text) - self.hold)
-        text, self.sent = self.text[self.sent:end], end
+        text, self.sent = self.text[self.sent : end], end
         return Update(text, new_ids, new_lps, finish)
 
     def spec_decode(self) -> dict[str, Any]:
-        """Per-choice speculative metrics (tau as :class:`dspark_jax.decode.Generation`)."""
+        """Per-choice speculative metrics (tau as :class:`dspark_jax.decoding.speculative.Generation`)."""
         return _spec_dict(self.num_steps, self.num_emitted, self.num_verified, self.num_accepted)
 
 
@@ -247,15 +256,25 @@ def event_from_output(out, first: bool) -> RequestEvent:
     request's first output (it carries the token sampled at prefill)."""
     finish = (out.finish_reason or "stop") if out.finished else None
     lps = getattr(out, "logprobs", None)
-    return RequestEvent("final" if finish else "delta", token_ids=[int(i) for i in out.token_ids],
-                        logprobs=list(lps) if lps is not None else None, num_verified=int(out.num_verified),
-                        num_accepted=int(out.num_accepted), with_prefill_token=first, finish_reason=finish)
+    return RequestEvent(
+        "final" if finish else "delta",
+        token_ids=[int(i) for i in out.token_ids],
+        logprobs=list(lps) if lps is not None else None,
+        num_verified=int(out.num_verified),
+        num_accepted=int(out.num_accepted),
+        with_prefill_token=first,
+        finish_reason=finish,
+    )
 
 
 def _spec_dict(steps: int, emitted: int, verified: int, accepted: int) -> dict[str, Any]:
-    return {"num_steps": steps, "num_draft_tokens": verified, "num_accepted_tokens": accepted,
-            "acceptance_rate": (accepted / verified) if verified else None,
-            "tau": (emitted / steps) if steps else None}
+    return {
+        "num_steps": steps,
+        "num_draft_tokens": verified,
+        "num_accepted_tokens": accepted,
+        "acceptance_rate": (accepted / verified) if verified else None,
+        "tau": (emitted / steps) if steps else None,
+    }
 
 
 # --------------------------------------------------------------------------- metrics
@@ -270,30 +289,71 @@ class ServerMetrics:
     snapshot the engine thread took, so a scrape never calls into JAX.
     """
 
-    def __init__(self, loop: "EngineLoop", model_name: str):
+    def __init__(self, loop: EngineLoop, model_name: str):
         disable_created_metrics()  # no `_created` series (process-wide; as vLLM's exposition)
         self.registry = CollectorRegistry(auto_describe=True)
         lbl = dict(labelnames=["model_name"], registry=self.registry)
         self.model_name = model_name
-        self.request_success = Counter("dspark:request_success", "Finished requests by finish reason.",
-                                       ["model_name", "finished_reason"], registry=self.registry)
-        self.request_rejected = Counter("dspark:request_rejected", "Requests refused (HTTP status).",
-                                        ["model_name", "status"], registry=self.registry)
+        self.request_success = Counter(
+            "dspark:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.request_rejected = Counter(
+            "dspark:request_rejected",
+            "Requests refused (HTTP status).",
+            ["model_name", "status"],
+            registry=self.registry,
+        )
         self.request_aborted = Counter("dspark:request_aborted", "Requests aborted by a client disconnect.", **lbl)
         self.prompt_tokens = Counter("dspark:prompt_tokens", "Prefilled prompt tokens.", **lbl)
         self.generation_tokens = Counter("dspark:generation_tokens", "Generated (returned) tokens.", **lbl)
-        lat = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-               20.0, 40.0, 80.0)
-        self.ttft = Histogram("dspark:time_to_first_token_seconds", "Time to first token (arrival to first "
-                              "token handed to the client).", buckets=lat, **lbl)
-        self.tpot = Histogram("dspark:time_per_output_token_seconds", "Mean time per output token after the "
-                              "first, per request.", buckets=lat, **lbl)
-        self.e2e = Histogram("dspark:e2e_request_latency_seconds", "Arrival to last token.",
-                             buckets=lat + (160.0, 320.0, 640.0), **lbl)
-        self.queue_time = Histogram("dspark:request_queue_time_seconds", "Arrival to admission into a slot.",
-                                    buckets=lat + (160.0, 320.0, 640.0), **lbl)
-        self.step_seconds = Histogram("dspark:engine_step_seconds", "Wall time of one engine generate() step.",
-                                      buckets=lat, **lbl)
+        lat = (
+            0.001,
+            0.005,
+            0.01,
+            0.02,
+            0.04,
+            0.06,
+            0.08,
+            0.1,
+            0.25,
+            0.5,
+            0.75,
+            1.0,
+            2.5,
+            5.0,
+            7.5,
+            10.0,
+            20.0,
+            40.0,
+            80.0,
+        )
+        self.ttft = Histogram(
+            "dspark:time_to_first_token_seconds",
+            "Time to first token (arrival to first token handed to the client).",
+            buckets=lat,
+            **lbl,
+        )
+        self.tpot = Histogram(
+            "dspark:time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            buckets=lat,
+            **lbl,
+        )
+        self.e2e = Histogram(
+            "dspark:e2e_request_latency_seconds", "Arrival to last token.", buckets=lat + (160.0, 320.0, 640.0), **lbl
+        )
+        self.queue_time = Histogram(
+            "dspark:request_queue_time_seconds",
+            "Arrival to admission into a slot.",
+            buckets=lat + (160.0, 320.0, 640.0),
+            **lbl,
+        )
+        self.step_seconds = Histogram(
+            "dspark:engine_step_seconds", "Wall time of one engine generate() step.", buckets=lat, **lbl
+        )
         # Speculative counts of the responses (summed over finished requests, the same numbers
         # as each response's ``spec_decode``: after stop strings and stop tokens).
         self._spec_lock = threading.Lock()
@@ -319,7 +379,7 @@ class ServerMetrics:
 class _EngineCollector:
     """Scrape-time gauges/counters from the engine loop's last snapshot."""
 
-    def __init__(self, loop: "EngineLoop", model_name: str, server_metrics: "ServerMetrics"):
+    def __init__(self, loop: EngineLoop, model_name: str, server_metrics: ServerMetrics):
         self.loop, self.model_name, self.server_metrics = loop, model_name, server_metrics
 
     def describe(self):
@@ -347,57 +407,104 @@ class _EngineCollector:
         yield counter("dspark:engine_steps", "Engine generate() steps.", snap["steps"])
         spec = self.server_metrics.spec_snapshot()
         for key, metric, doc in (
-                ("draft_tokens", "dspark:spec_decode_num_draft_tokens", "Draft tokens verified (finished requests; "
-                                                                        "drafts after a stop are not counted)."),
-                ("accepted_tokens", "dspark:spec_decode_num_accepted_tokens", "Draft tokens accepted and returned "
-                                                                              "(finished requests)."),
-                ("emitted", "dspark:spec_decode_num_emitted_tokens", "Returned tokens that came from target "
-                                                                      "verification passes (finished requests; "
-                                                                      "the prefill token excluded)."),
-                ("rounds", "dspark:spec_decode_num_rounds", "Target verification passes that gave a finished "
-                                                            "request at least one returned token."),
+            (
+                "draft_tokens",
+                "dspark:spec_decode_num_draft_tokens",
+                "Draft tokens verified (finished requests; drafts after a stop are not counted).",
+            ),
+            (
+                "accepted_tokens",
+                "dspark:spec_decode_num_accepted_tokens",
+                "Draft tokens accepted and returned (finished requests).",
+            ),
+            (
+                "emitted",
+                "dspark:spec_decode_num_emitted_tokens",
+                "Returned tokens that came from target "
+                "verification passes (finished requests; "
+                "the prefill token excluded).",
+            ),
+            (
+                "rounds",
+                "dspark:spec_decode_num_rounds",
+                "Target verification passes that gave a finished request at least one returned token.",
+            ),
         ):
             yield counter(metric, doc, spec[key])
-        yield gauge("dspark:spec_decode_mean_accepted_length", "tau: returned tokens per target verification "
-                    "pass, the prefill token excluded (num_emitted_tokens / num_rounds; decode.Generation.tau).",
-                    spec["emitted"] / spec["rounds"] if spec["rounds"] else float("nan"))
-        yield gauge("dspark:spec_decode_acceptance_rate", "Accepted / verified draft tokens (finished requests).",
-                    spec["accepted_tokens"] / spec["draft_tokens"] if spec["draft_tokens"] else float("nan"))
+        yield gauge(
+            "dspark:spec_decode_mean_accepted_length",
+            "tau: returned tokens per target verification "
+            "pass, the prefill token excluded (num_emitted_tokens / num_rounds; decode.Generation.tau).",
+            spec["emitted"] / spec["rounds"] if spec["rounds"] else float("nan"),
+        )
+        yield gauge(
+            "dspark:spec_decode_acceptance_rate",
+            "Accepted / verified draft tokens (finished requests).",
+            spec["accepted_tokens"] / spec["draft_tokens"] if spec["draft_tokens"] else float("nan"),
+        )
         for key, metric, doc in (
-                ("drafts", "dspark:spec_decode_num_drafts", "Request-steps that verified at least one draft token."),
-                ("emitted_tokens", "dspark:engine_emitted_tokens", "Tokens the engine emitted (prefill tokens, "
-                                                                   "accepted drafts, corrections and bonus tokens; "
-                                                                   "before stop strings)."),
-                ("rounds", "dspark:engine_rounds", "Engine request-steps (target verification passes summed "
-                                                   "over requests)."),
-                ("packed_tokens", "dspark:engine_packed_tokens", "Tokens in verification passes (anchors + drafts)."),
-                ("draft_steps", "dspark:engine_draft_steps", "Engine steps that ran the drafter."),
-                ("suspended_steps", "dspark:engine_suspended_steps",
-                 "Plain engine steps that skipped drafter context upkeep (drafter suspended)."),
-                ("catchup_tokens", "dspark:engine_catchup_tokens",
-                 "Tokens re-run through the target to rebuild skipped drafter context."),
-                ("step_seconds", "dspark:engine_busy_seconds", "Seconds spent inside engine steps."),
+            ("drafts", "dspark:spec_decode_num_drafts", "Request-steps that verified at least one draft token."),
+            (
+                "emitted_tokens",
+                "dspark:engine_emitted_tokens",
+                "Tokens the engine emitted (prefill tokens, "
+                "accepted drafts, corrections and bonus tokens; "
+                "before stop strings).",
+            ),
+            (
+                "rounds",
+                "dspark:engine_rounds",
+                "Engine request-steps (target verification passes summed over requests).",
+            ),
+            ("packed_tokens", "dspark:engine_packed_tokens", "Tokens in verification passes (anchors + drafts)."),
+            ("draft_steps", "dspark:engine_draft_steps", "Engine steps that ran the drafter."),
+            (
+                "suspended_steps",
+                "dspark:engine_suspended_steps",
+                "Plain engine steps that skipped drafter context upkeep (drafter suspended).",
+            ),
+            (
+                "catchup_tokens",
+                "dspark:engine_catchup_tokens",
+                "Tokens re-run through the target to rebuild skipped drafter context.",
+            ),
+            ("step_seconds", "dspark:engine_busy_seconds", "Seconds spent inside engine steps."),
         ):
             if m.get(key) is not None:
                 yield counter(metric, doc, m[key])
         dec = m.get("scheduler_decision")
-        if dec:   # why the dspark policy drafts or not (engine.Engine._want_drafts)
-            g = GaugeMetricFamily("dspark:scheduler_expected_tokens_per_s",
-                                  "The scheduler's expected output tokens/s of its next step with and without "
-                                  "drafting (SPS table x forecast acceptance).", labels=["model_name", "mode"])
+        if dec:  # why the dspark policy drafts or not (engine.Engine._want_drafts)
+            g = GaugeMetricFamily(
+                "dspark:scheduler_expected_tokens_per_s",
+                "The scheduler's expected output tokens/s of its next step with and without "
+                "drafting (SPS table x forecast acceptance).",
+                labels=["model_name", "mode"],
+            )
             g.add_metric([name, "drafting"], float(dec["tokens_per_s_drafting"]))
             g.add_metric([name, "plain"], float(dec["tokens_per_s_plain"]))
             yield g
-            yield gauge("dspark:scheduler_catchup_seconds", "Catch-up cost priced into the last decision to resume "
-                        "drafting (0 unless suspended).", dec["catchup_seconds"])
+            yield gauge(
+                "dspark:scheduler_catchup_seconds",
+                "Catch-up cost priced into the last decision to resume drafting (0 unless suspended).",
+                dec["catchup_seconds"],
+            )
         if m.get("drafting_suspended") is not None:
-            yield gauge("dspark:scheduler_drafting_suspended", "1 while the drafter is suspended (plain steps "
-                        "without drafter context upkeep).", int(m["drafting_suspended"]))
+            yield gauge(
+                "dspark:scheduler_drafting_suspended",
+                "1 while the drafter is suspended (plain steps without drafter context upkeep).",
+                int(m["drafting_suspended"]),
+            )
         for key, metric, doc in (
-                ("position_accepted", "dspark:spec_decode_num_accepted_tokens_per_pos",
-                 "Accepted draft tokens by block position (1-based)."),
-                ("position_reached", "dspark:spec_decode_num_verified_tokens_per_pos",
-                 "Verified draft tokens by block position (1-based)."),
+            (
+                "position_accepted",
+                "dspark:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted draft tokens by block position (1-based).",
+            ),
+            (
+                "position_reached",
+                "dspark:spec_decode_num_verified_tokens_per_pos",
+                "Verified draft tokens by block position (1-based).",
+            ),
         ):
             if m.get(key) is not None:
                 c = CounterMetricFamily(metric, doc, labels=["model_name", "position"])
@@ -405,8 +512,8 @@ class _EngineCollector:
                     c.add_metric([name, str(i + 1)], float(v))
                 yield c
         for key, label, metric, doc in (
-                ("budget_hist", "tokens", "dspark:engine_steps_by_budget", "Engine steps by packed-token budget."),
-                ("rows_hist", "rows", "dspark:engine_steps_by_rows", "Engine steps by row bucket."),
+            ("budget_hist", "tokens", "dspark:engine_steps_by_budget", "Engine steps by packed-token budget."),
+            ("rows_hist", "rows", "dspark:engine_steps_by_rows", "Engine steps by row bucket."),
         ):
             if isinstance(m.get(key), dict):
                 c = CounterMetricFamily(metric, doc, labels=["model_name", label])
@@ -414,20 +521,32 @@ class _EngineCollector:
                     c.add_metric([name, str(k)], float(v))
                 yield c
         for key, metric, doc in (
-                ("compiles", "dspark:engine_compiles", "Compiled step/prefill executables (constant after warm-up)."),
+            ("compiles", "dspark:engine_compiles", "Compiled step/prefill executables (constant after warm-up)."),
         ):
             if isinstance(m.get(key), (int, float)):
                 yield gauge(metric, doc, m[key])
         cal = m.get("calibration") or {}
         for key, metric, doc in (
-                ("temperatures", "dspark:calibration_temperature",
-                 "Online-calibrated confidence temperature T_k by block position (1-based)."),
-                ("predicted", "dspark:calibration_predicted_acceptance",
-                 "Sliding-window mean calibrated confidence c_k by block position."),
-                ("observed", "dspark:calibration_observed_acceptance",
-                 "Sliding-window observed conditional acceptance by block position."),
-                ("observations", "dspark:calibration_window_observations",
-                 "Observations in the calibration window by block position."),
+            (
+                "temperatures",
+                "dspark:calibration_temperature",
+                "Online-calibrated confidence temperature T_k by block position (1-based).",
+            ),
+            (
+                "predicted",
+                "dspark:calibration_predicted_acceptance",
+                "Sliding-window mean calibrated confidence c_k by block position.",
+            ),
+            (
+                "observed",
+                "dspark:calibration_observed_acceptance",
+                "Sliding-window observed conditional acceptance by block position.",
+            ),
+            (
+                "observations",
+                "dspark:calibration_window_observations",
+                "Observations in the calibration window by block position.",
+            ),
         ):
             if cal.get(key) is not None:
                 g = GaugeMetricFamily(metric, doc, labels=["model_name", "position"])
@@ -447,7 +566,7 @@ def _as_list(x) -> list:
 
 
 class EngineLoop:
-    """The background thread that drives an :class:`~dspark_jax.engine.Engine`.
+    """The background thread that drives an :class:`~dspark_jax.serving.engine.Engine`.
 
     Args:
       engine: a warmed-up engine (``prefill/insert/generate/free/active_slots/free_slots/
@@ -508,8 +627,10 @@ class EngineLoop:
             if self._stopping or self._thread is None:
                 raise ServerClosedError("the server is shutting down")
             if len(self._waiting) + len(tracked) > self.max_queue:
-                raise QueueFullError(f"the waiting queue is full ({len(self._waiting)} requests waiting, "
-                                     f"max_queue={self.max_queue}, {self.num_slots} slots busy): retry later")
+                raise QueueFullError(
+                    f"the waiting queue is full ({len(self._waiting)} requests waiting, "
+                    f"max_queue={self.max_queue}, {self.num_slots} slots busy): retry later"
+                )
             self._waiting.extend(tracked)
             self._cv.notify_all()
 
@@ -525,9 +646,16 @@ class EngineLoop:
     def snapshot(self) -> dict[str, Any]:
         """Slot occupancy, queue length, step count and the engine's cumulative metrics."""
         with self._cv:
-            return {"num_slots": self.num_slots, "running": self._snap_running, "free_slots": self._snap_free,
-                    "waiting": len(self._waiting), "steps": self._steps, "engine": dict(self._engine_metrics),
-                    "alive": self.alive, "last_error": self.last_error}
+            return {
+                "num_slots": self.num_slots,
+                "running": self._snap_running,
+                "free_slots": self._snap_free,
+                "waiting": len(self._waiting),
+                "steps": self._steps,
+                "engine": dict(self._engine_metrics),
+                "alive": self.alive,
+                "last_error": self.last_error,
+            }
 
     # ---- engine thread
 
@@ -545,7 +673,7 @@ class EngineLoop:
                         self._waiting = collections.deque(t for t in self._waiting if t.request_id not in aborts)
                 for t in dropped:
                     self._abort(t, aborts[t.request_id])
-                for slot, t in list(self._running.items()):
+                for _slot, t in list(self._running.items()):
                     if t.request_id in aborts:
                         self._abort(t, aborts[t.request_id])
                 self._admit()
@@ -585,7 +713,7 @@ class EngineLoop:
                 t.done = True
                 t._put(RequestEvent("error", message=str(e), status=400))
                 continue
-            except Exception as e:  # noqa: BLE001 - a failed prefill must not take the server down
+            except Exception as e:
                 log.exception("prefill of %s failed", t.request_id)
                 t.done = True
                 t._put(RequestEvent("error", message=f"prefill failed: {type(e).__name__}: {e}", status=500))
@@ -601,7 +729,7 @@ class EngineLoop:
         t0 = time.monotonic()
         try:
             outs = self.engine.generate()
-        except Exception as e:  # noqa: BLE001 - fail the requests of this step, keep serving
+        except Exception as e:
             log.exception("engine step failed")
             self.last_error = f"{type(e).__name__}: {e}"
             for t in list(self._running.values()):
@@ -624,8 +752,11 @@ class EngineLoop:
         if finish == "error":
             self._free_slot(t)
             t.done = True
-            t._put(RequestEvent("error", message="the engine reported an error for this request (non-finite "
-                                                 "logits)", status=500))
+            t._put(
+                RequestEvent(
+                    "error", message="the engine reported an error for this request (non-finite logits)", status=500
+                )
+            )
             return
         ev = event_from_output(out, first=not t.started)
         t.started = True
@@ -650,14 +781,14 @@ class EngineLoop:
         try:
             if slot in self.engine.active_slots():
                 self.engine.free(slot)
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("freeing slot %d failed", slot)
 
     def _update_snapshot(self) -> None:
         metrics = _safe_metrics(self.engine)
         try:
             free = len(self.engine.free_slots())
-        except Exception:  # noqa: BLE001
+        except Exception:
             free = self.num_slots - len(self._running)
         with self._cv:
             self._engine_metrics = metrics
@@ -668,7 +799,7 @@ class EngineLoop:
 def _safe_metrics(engine) -> dict:
     try:
         return dict(engine.metrics())
-    except Exception:  # noqa: BLE001 - metrics must never break serving
+    except Exception:
         log.exception("engine.metrics() failed")
         return {}
 
@@ -682,10 +813,12 @@ class _APIError(Exception):
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
 
-def _error_response(status: int, message: str, param: str | None = None,
-                    kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(status_code=status,
-                        content={"error": {"message": message, "type": kind, "param": param, "code": status}})
+def _error_response(
+    status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"
+) -> JSONResponse:
+    return JSONResponse(
+        status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": status}}
+    )
 
 
 class _Strict(BaseModel):
@@ -695,8 +828,11 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = Field(False, description="stream a last chunk with ``usage`` (and ``choices: []``); "
-                                                   "every other chunk then has ``usage: null``")
+    include_usage: bool = Field(
+        False,
+        description="stream a last chunk with ``usage`` (and ``choices: []``); "
+        "every other chunk then has ``usage: null``",
+    )
 
 
 class _SamplingRequest(_Strict):
@@ -707,32 +843,43 @@ class _SamplingRequest(_Strict):
     """
 
     model: str | None = Field(None, description="must be the served name (GET /v1/models); omitted: that one")
-    max_tokens: int | None = Field(None, ge=1, description="maximum generated tokens (default: 16 for completions, "
-                                                           "the rest of the context for chat)")
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="maximum generated tokens (default: 16 for completions, the rest of the context for chat)",
+    )
     temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1, description="0 or -1 = off")
-    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1],
-                             description="PRNG seed; choice i of n uses seed + i (wrapped into int32)")
+    seed: int | None = Field(
+        None,
+        ge=SEED_RANGE[0],
+        le=SEED_RANGE[1],
+        description="PRNG seed; choice i of n uses seed + i (wrapped into int32)",
+    )
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N, description="choices; choice i = the same request with seed + i")
-    presence_penalty: float = Field(0.0, allow_inf_nan=False, description="only 0 (penalties would change the "
-                                                                          "target's distribution)")
+    presence_penalty: float = Field(
+        0.0, allow_inf_nan=False, description="only 0 (penalties would change the target's distribution)"
+    )
     frequency_penalty: float = Field(0.0, allow_inf_nan=False, description="only 0")
-    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100] "
-                                                                   "added to its logit (target and drafter alike)")
-    min_tokens: int = Field(0, ge=0, description="EOS, stop_token_ids and stop strings cannot end the request "
-                                                 "before this many tokens")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100] added to its logit (target and drafter alike)"
+    )
+    min_tokens: int = Field(
+        0, ge=0, description="EOS, stop_token_ids and stop strings cannot end the request before this many tokens"
+    )
     return_token_ids: bool = Field(False, description="add the generated token ids to each choice")
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
-                                 description="log-probability of each token and of its n most likely alternatives")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="log-probability of each token and of its n most likely alternatives"
+    )
     echo: bool = Field(False, description="only false")
     best_of: int | None = Field(None, description="only 1")
     suffix: str | None = Field(None, description="only null")
@@ -747,8 +894,9 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = Field(False, description="log-probability of each token")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
-                                     description="alternatives per token; needs logprobs: true")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="alternatives per token; needs logprobs: true"
+    )
     add_generation_prompt: bool = True
 
 
@@ -786,16 +934,18 @@ class ServerConfig:
     max_logit_bias: int = 1024
 
 
-def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_params_cls=None,
-               request_cls=None) -> FastAPI:
+def create_app(
+    loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_params_cls=None, request_cls=None
+) -> FastAPI:
     """Builds the FastAPI app around a started-or-not :class:`EngineLoop`.
 
     The app's lifespan starts the loop (if needed) and stops it at shutdown. The
-    engine's ``SamplingParams``/``Request`` classes default to :mod:`dspark_jax.engine`'s.
+    engine's ``SamplingParams``/``Request`` classes default to :mod:`dspark_jax.serving.engine`'s.
     The loop's engine may be any object with the engine's interface (tests inject a fake).
     """
     if sampling_params_cls is None or request_cls is None:
-        from .engine import Request as request_cls, SamplingParams as sampling_params_cls  # noqa: N813
+        from dspark_jax.serving.engine import Request as request_cls
+        from dspark_jax.serving.engine import SamplingParams as sampling_params_cls
 
     metrics = loop.metrics
     piece_cache: dict[int, str] = {}
@@ -814,7 +964,7 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
         finally:
             await asyncio.to_thread(loop.stop)
 
-    app = FastAPI(title="dspark_jax", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="dspark_jax", version=__version__, lifespan=lifespan)
     app.state.engine_loop = loop
     app.state.config = config
 
@@ -829,8 +979,12 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
                 given = request.headers.get("authorization", "").encode()
                 if not secrets.compare_digest(given, expected):
                     metrics.request_rejected.labels(**metrics.labels(status="401")).inc()
-                    resp = _error_response(401, "Unauthorized: send the server's API key as "
-                                                "'Authorization: Bearer <key>'", None, "authentication_error")
+                    resp = _error_response(
+                        401,
+                        "Unauthorized: send the server's API key as 'Authorization: Bearer <key>'",
+                        None,
+                        "authentication_error",
+                    )
                     resp.headers["WWW-Authenticate"] = "Bearer"
                     return resp
             return await call_next(request)
@@ -872,33 +1026,58 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "dspark_jax", "root": config.model_name, "parent": None,
-                                            "max_model_len": config.context_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": config.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "dspark_jax",
+                    "root": config.model_name,
+                    "parent": None,
+                    "max_model_len": config.context_len,
+                }
+            ],
+        }
 
     def check_model(req: _SamplingRequest) -> None:
         if req.model is not None and req.model != config.model_name:
-            raise _APIError(404, f"The model `{req.model}` does not exist (this server serves "
-                                 f"`{config.model_name}`).", "model", "NotFoundError")
+            raise _APIError(
+                404,
+                f"The model `{req.model}` does not exist (this server serves `{config.model_name}`).",
+                "model",
+                "NotFoundError",
+            )
 
     def sampling(req: _SamplingRequest, prompt_len: int, max_tokens: int | None, chat: bool):
         """``(params per choice, stop strings, logprobs n or None)`` of a validated request."""
         if req.presence_penalty or req.frequency_penalty:
-            raise _APIError(400, "presence_penalty and frequency_penalty must be 0 (penalties would change the "
-                                 "target's distribution)",
-                            "presence_penalty" if req.presence_penalty else "frequency_penalty")
+            raise _APIError(
+                400,
+                "presence_penalty and frequency_penalty must be 0 (penalties would change the target's distribution)",
+                "presence_penalty" if req.presence_penalty else "frequency_penalty",
+            )
         if req.stream_options is not None and not req.stream:
             raise _APIError(400, "stream_options can only be given with stream: true", "stream_options")
         room = config.context_len - prompt_len
         if room < 1:
-            raise _APIError(400, f"the prompt has {prompt_len} tokens; the context length is {config.context_len} "
-                                 "and leaves no room to generate", "prompt" if not chat else "messages")
+            raise _APIError(
+                400,
+                f"the prompt has {prompt_len} tokens; the context length is {config.context_len} "
+                "and leaves no room to generate",
+                "prompt" if not chat else "messages",
+            )
         if max_tokens is None:
             default = config.default_max_tokens if config.default_max_tokens is not None else (room if chat else 16)
             max_tokens = min(default, room)
         elif prompt_len + max_tokens > config.context_len:
-            raise _APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context "
-                                 f"length {config.context_len}", "max_tokens")
+            raise _APIError(
+                400,
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                f"length {config.context_len}",
+                "max_tokens",
+            )
         if req.min_tokens > max_tokens:
             raise _APIError(400, f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -909,8 +1088,9 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
         stop_ids = tuple(int(i) for i in (req.stop_token_ids or ()))
         bad = [i for i in stop_ids if not 0 <= i < config.vocab_size]
         if bad:
-            raise _APIError(400, f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {config.vocab_size})",
-                            "stop_token_ids")
+            raise _APIError(
+                400, f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {config.vocab_size})", "stop_token_ids"
+            )
         bias: dict[int, float] = {}
         for key, value in (req.logit_bias or {}).items():
             try:
@@ -918,8 +1098,9 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
             except ValueError:
                 raise _APIError(400, f"logit_bias key {key!r} is not a token id", "logit_bias") from None
             if not 0 <= tid < config.vocab_size:
-                raise _APIError(400, f"logit_bias token id {tid} is outside the vocabulary [0, {config.vocab_size})",
-                                "logit_bias")
+                raise _APIError(
+                    400, f"logit_bias token id {tid} is outside the vocabulary [0, {config.vocab_size})", "logit_bias"
+                )
             if not (math.isfinite(value) and -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE):
                 raise _APIError(400, f"logit_bias[{key!r}] = {value}: biases must be in [-100, 100]", "logit_bias")
             bias[tid] = float(value)
@@ -932,8 +1113,13 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
         else:
             n_lp = req.logprobs
         seed = req.seed if req.seed is not None else secrets.randbits(31)
-        kw = dict(temperature=float(req.temperature), top_k=max(int(req.top_k), 0), top_p=float(req.top_p),
-                  max_tokens=int(max_tokens), stop_token_ids=stop_ids)
+        kw = dict(
+            temperature=float(req.temperature),
+            top_k=max(int(req.top_k), 0),
+            top_p=float(req.top_p),
+            max_tokens=int(max_tokens),
+            stop_token_ids=stop_ids,
+        )
         if bias:
             kw["logit_bias"] = tuple(sorted(bias.items()))
         if n_lp is not None:
@@ -944,8 +1130,7 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
             params = [sampling_params_cls(seed=choice_seed(seed, i), **kw) for i in range(req.n)]
         except TypeError as e:  # an engine without logit_bias / logprobs / min_tokens
             field = next((k for k in ("logit_bias", "logprobs", "min_tokens") if k in str(e)), None)
-            raise _APIError(400, f"{field or 'a sampling parameter'} is not supported by this engine",
-                            field) from None
+            raise _APIError(400, f"{field or 'a sampling parameter'} is not supported by this engine", field) from None
         return params, tuple(stop), n_lp
 
     def check_ids(ids: list[int], param: str = "prompt") -> list[int]:
@@ -953,16 +1138,16 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
             raise _APIError(400, "the prompt is empty", param)
         bad = [i for i in ids if not 0 <= i < config.vocab_size]
         if bad:
-            raise _APIError(400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {config.vocab_size})",
-                            param)
+            raise _APIError(
+                400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {config.vocab_size})", param
+            )
         return ids
 
     def completion_prompt(req: CompletionRequest) -> list[int]:
         p = req.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
-                raise _APIError(400, "one prompt per request is supported (got a batch of "
-                                     f"{len(p)})", "prompt")
+                raise _APIError(400, f"one prompt per request is supported (got a batch of {len(p)})", "prompt")
             p = p[0]
         if req.echo:
             raise _APIError(400, "echo is not supported", "echo")
@@ -985,10 +1170,14 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
             if isinstance(c, list):
                 parts = []
                 for part in c:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str) or set(part) - {"type",
-                                                                                                          "text"}:
-                        raise _APIError(400, f"messages[{i}].content: only text parts are supported",
-                                        f"messages.{i}.content")
+                    if (
+                        part.get("type") != "text"
+                        or not isinstance(part.get("text"), str)
+                        or set(part) - {"type", "text"}
+                    ):
+                        raise _APIError(
+                            400, f"messages[{i}].content: only text parts are supported", f"messages.{i}.content"
+                        )
                     parts.append(part["text"])
                 c = "".join(parts)
             msgs.append({"role": m.role, "content": c or ""})
@@ -996,15 +1185,18 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
             raise _APIError(400, "the messages are empty", "messages")
         try:
             if config.chat_template is not None:
-                from .tokenizer import render_chat_template
+                from dspark_jax.models.tokenizer import render_chat_template
 
                 def piece(i):
                     return "" if i is None else tokenizer.id_to_piece(i)
 
-                text = render_chat_template(config.chat_template, msgs,
-                                            add_generation_prompt=req.add_generation_prompt,
-                                            bos_token=piece(tokenizer.bos_id),
-                                            eos_token=piece(tokenizer.eos_ids[0] if tokenizer.eos_ids else None))
+                text = render_chat_template(
+                    config.chat_template,
+                    msgs,
+                    add_generation_prompt=req.add_generation_prompt,
+                    bos_token=piece(tokenizer.bos_id),
+                    eos_token=piece(tokenizer.eos_ids[0] if tokenizer.eos_ids else None),
+                )
             else:
                 text = tokenizer.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
         except DSparkInputError as e:
@@ -1019,9 +1211,21 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
             content = []
             for tid, (lp, top) in lps:
                 t = token_str(tid)
-                content.append({"token": t, "logprob": _finite_lp(lp), "bytes": list(t.encode("utf-8")),
-                                "top_logprobs": [{"token": token_str(a), "logprob": _finite_lp(b),
-                                                  "bytes": list(token_str(a).encode("utf-8"))} for a, b in top]})
+                content.append(
+                    {
+                        "token": t,
+                        "logprob": _finite_lp(lp),
+                        "bytes": list(t.encode("utf-8")),
+                        "top_logprobs": [
+                            {
+                                "token": token_str(a),
+                                "logprob": _finite_lp(b),
+                                "bytes": list(token_str(a).encode("utf-8")),
+                            }
+                            for a, b in top
+                        ],
+                    }
+                )
             return {"content": content}, offset
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, (lp, top) in lps:
@@ -1059,9 +1263,15 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         aloop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        tracked = [TrackedRequest(request=request_cls(prompt_ids=ids, params=p,
-                                                      request_id=rid if len(params) == 1 else f"{rid}-{i}"),
-                                  loop=aloop, queue=queue, index=i) for i, p in enumerate(params)]
+        tracked = [
+            TrackedRequest(
+                request=request_cls(prompt_ids=ids, params=p, request_id=rid if len(params) == 1 else f"{rid}-{i}"),
+                loop=aloop,
+                queue=queue,
+                index=i,
+            )
+            for i, p in enumerate(params)
+        ]
         states = [OutputState(t, tokenizer, stop, req.min_tokens) for t in tracked]
         try:
             loop.submit(*tracked)
@@ -1071,12 +1281,21 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
             raise _APIError(503, str(e), None, "server_error") from None
         watcher = asyncio.create_task(_watch_disconnect(http, tracked, loop))
         created = int(time.time())
-        ctx = _StreamCtx(rid, created, config.model_name, chat, req.return_token_ids, n_lp is not None,
-                         bool(req.stream_options and req.stream_options.include_usage))
+        ctx = _StreamCtx(
+            rid,
+            created,
+            config.model_name,
+            chat,
+            req.return_token_ids,
+            n_lp is not None,
+            bool(req.stream_options and req.stream_options.include_usage),
+        )
         if req.stream:
-            return StreamingResponse(_sse(states, queue, watcher, loop, ctx, apply, logprobs_obj),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+            return StreamingResponse(
+                _sse(states, queue, watcher, loop, ctx, apply, logprobs_obj),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
+            )
         try:
             while any(st.finish_reason is None for st in states):
                 ev = await queue.get()
@@ -1084,8 +1303,9 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
                 if st.finish_reason is not None:
                     continue  # the engine's answer to our stop-string abort
                 if ev.kind == "error":
-                    raise _APIError(ev.status, ev.message, None,
-                                    "invalid_request_error" if ev.status == 400 else "server_error")
+                    raise _APIError(
+                        ev.status, ev.message, None, "invalid_request_error" if ev.status == 400 else "server_error"
+                    )
                 if ev.finish_reason == "abort":  # the client is gone; nobody reads this
                     return _error_response(499, "client disconnected")
                 apply(st, ev)
@@ -1096,8 +1316,11 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
                     loop.abort(t.request_id, count=False)
         choices = []
         for st in states:
-            choice: dict[str, Any] = {"index": st.index, "finish_reason": st.finish_reason,
-                                      "logprobs": logprobs_obj(chat, _zip_lps(st.token_ids, st.logprobs), 0)[0]}
+            choice: dict[str, Any] = {
+                "index": st.index,
+                "finish_reason": st.finish_reason,
+                "logprobs": logprobs_obj(chat, _zip_lps(st.token_ids, st.logprobs), 0)[0],
+            }
             if chat:
                 choice["message"] = {"role": "assistant", "content": st.text}
             else:
@@ -1105,9 +1328,15 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_pa
             if req.return_token_ids:
                 choice["token_ids"] = st.token_ids
             choices.append(choice)
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": config.model_name, "choices": choices, "usage": _usage(len(ids), states),
-                "spec_decode": _spec_total(states)}
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": config.model_name,
+            "choices": choices,
+            "usage": _usage(len(ids), states),
+            "spec_decode": _spec_total(states),
+        }
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, http: HTTPRequest):
@@ -1140,8 +1369,12 @@ def _usage(n_prompt: int, states: list[OutputState]) -> dict[str, int]:
 
 
 def _spec_total(states: list[OutputState]) -> dict[str, Any]:
-    return _spec_dict(sum(st.num_steps for st in states), sum(st.num_emitted for st in states),
-                      sum(st.num_verified for st in states), sum(st.num_accepted for st in states))
+    return _spec_dict(
+        sum(st.num_steps for st in states),
+        sum(st.num_emitted for st in states),
+        sum(st.num_verified for st in states),
+        sum(st.num_accepted for st in states),
+    )
 
 
 async def _watch_disconnect(http: HTTPRequest, tracked: list[TrackedRequest], loop: EngineLoop) -> None:
@@ -1153,7 +1386,7 @@ async def _watch_disconnect(http: HTTPRequest, tracked: list[TrackedRequest], lo
                 break
     except asyncio.CancelledError:
         return
-    except Exception:  # noqa: BLE001 - a broken receive channel means the client is gone
+    except Exception:
         pass
     for t in tracked:
         if not t.done:
@@ -1171,8 +1404,15 @@ class _StreamCtx:
     include_usage: bool
 
 
-async def _sse(states: list[OutputState], queue: asyncio.Queue, watcher: asyncio.Task, loop: EngineLoop,
-               ctx: _StreamCtx, apply, logprobs_obj) -> AsyncIterator[str]:
+async def _sse(
+    states: list[OutputState],
+    queue: asyncio.Queue,
+    watcher: asyncio.Task,
+    loop: EngineLoop,
+    ctx: _StreamCtx,
+    apply,
+    logprobs_obj,
+) -> AsyncIterator[str]:
     """OpenAI chunk stream: ``data: {json}\\n\\n`` per chunk, then ``data: [DONE]``.
 
     Per choice: (chat) a first chunk with the role, content chunks, one chunk with its
@@ -1183,8 +1423,15 @@ async def _sse(states: list[OutputState], queue: asyncio.Queue, watcher: asyncio
     obj = "chat.completion.chunk" if ctx.chat else "text_completion"
     offsets = [0] * len(states)
 
-    def chunk(index: int, text: str | None, finish: str | None, ids: list[int] | None = None, lps=None,
-              first: bool = False, extra: dict | None = None) -> str:
+    def chunk(
+        index: int,
+        text: str | None,
+        finish: str | None,
+        ids: list[int] | None = None,
+        lps=None,
+        first: bool = False,
+        extra: dict | None = None,
+    ) -> str:
         if ctx.chat:
             delta: dict[str, Any] = {}
             if first:
@@ -1196,8 +1443,13 @@ async def _sse(states: list[OutputState], queue: asyncio.Queue, watcher: asyncio
             choice = {"index": index, "text": text or "", "logprobs": lps, "finish_reason": finish}
         if ctx.return_token_ids and ids is not None:
             choice["token_ids"] = ids
-        body: dict[str, Any] = {"id": ctx.rid, "object": obj, "created": ctx.created, "model": ctx.model,
-                                "choices": [choice]}
+        body: dict[str, Any] = {
+            "id": ctx.rid,
+            "object": obj,
+            "created": ctx.created,
+            "model": ctx.model,
+            "choices": [choice],
+        }
         if ctx.include_usage:
             body["usage"] = None
         if extra:
@@ -1214,8 +1466,14 @@ async def _sse(states: list[OutputState], queue: asyncio.Queue, watcher: asyncio
             if st.finish_reason is not None:
                 continue
             if ev.kind == "error":
-                err = {"error": {"message": ev.message, "type": "server_error" if ev.status >= 500
-                                 else "invalid_request_error", "param": None, "code": ev.status}}
+                err = {
+                    "error": {
+                        "message": ev.message,
+                        "type": "server_error" if ev.status >= 500 else "invalid_request_error",
+                        "param": None,
+                        "code": ev.status,
+                    }
+                }
                 yield f"data: {json.dumps(err)}\n\n"
                 break
             if ev.finish_reason == "abort":
@@ -1223,18 +1481,29 @@ async def _sse(states: list[OutputState], queue: asyncio.Queue, watcher: asyncio
             up = apply(st, ev)
             lps = None
             if ctx.logprobs and up.token_ids:
-                lps, offsets[st.index] = logprobs_obj(ctx.chat, _zip_lps(up.token_ids, up.logprobs),
-                                                      offsets[st.index])
+                lps, offsets[st.index] = logprobs_obj(ctx.chat, _zip_lps(up.token_ids, up.logprobs), offsets[st.index])
             if up.text or (up.token_ids and (ctx.return_token_ids or ctx.logprobs)):
                 yield chunk(st.index, up.text, None, up.token_ids, lps)
             if up.finish_reason is not None:
-                yield chunk(st.index, None if ctx.chat else "", up.finish_reason,
-                            [] if ctx.return_token_ids else None, extra={"spec_decode": st.spec_decode()})
+                yield chunk(
+                    st.index,
+                    None if ctx.chat else "",
+                    up.finish_reason,
+                    [] if ctx.return_token_ids else None,
+                    extra={"spec_decode": st.spec_decode()},
+                )
         else:
             if ctx.include_usage:
                 n_prompt = len(states[0].tracked.request.prompt_ids)
-                body = {"id": ctx.rid, "object": obj, "created": ctx.created, "model": ctx.model, "choices": [],
-                        "usage": _usage(n_prompt, states), "spec_decode": _spec_total(states)}
+                body = {
+                    "id": ctx.rid,
+                    "object": obj,
+                    "created": ctx.created,
+                    "model": ctx.model,
+                    "choices": [],
+                    "usage": _usage(n_prompt, states),
+                    "spec_decode": _spec_total(states),
+                }
                 yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
     finally:

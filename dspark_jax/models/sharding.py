@@ -17,7 +17,7 @@ heads is divisible, so every device holds whole heads -- otherwise it is replica
 heads). So any model runs on any mesh; only the memory saving differs.
 
 Everything here is a pure function of shapes, names and the mesh: the trainer
-(:mod:`dspark_jax.trainer`), the engine (:mod:`dspark_jax.engine`) and the dry run
+(:mod:`dspark_jax.training.trainer`), the engine (:mod:`dspark_jax.serving.engine`) and the dry run
 (:mod:`dspark_jax.train`) share it. The default mesh (``mesh=""``) is today's layout:
 every device on ``data`` (parameters replicated); on one device nothing changes.
 """
@@ -25,11 +25,13 @@ every device on ``data`` (parameters replicated); on one device nothing changes.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "model")
 
@@ -133,8 +135,9 @@ def mesh_shape(spec: str | Mapping[str, int] | None, num_devices: int) -> dict[s
     fixed = math.prod(v for v in sizes.values() if v != -1)
     if free:
         if fixed < 1 or num_devices % fixed:
-            raise ValueError(f"mesh {_fmt(spec)} does not divide {num_devices} devices "
-                             f"(the fixed axes need a multiple of {fixed})")
+            raise ValueError(
+                f"mesh {_fmt(spec)} does not divide {num_devices} devices (the fixed axes need a multiple of {fixed})"
+            )
         sizes[free[0]] = num_devices // fixed
     total = math.prod(sizes.values())
     if total != num_devices:
@@ -183,9 +186,13 @@ def _present(mesh: Mesh, axis):
     return kept[0] if len(kept) == 1 else (kept or None)
 
 
-def logical_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
-                 rules: Iterable[tuple[str, Any]] = DEFAULT_RULES,
-                 units: Mapping[str, int] | None = None) -> P:
+def logical_spec(
+    axes: Sequence[str | None],
+    shape: Sequence[int],
+    mesh: Mesh,
+    rules: Iterable[tuple[str, Any]] = DEFAULT_RULES,
+    units: Mapping[str, int] | None = None,
+) -> P:
     """``PartitionSpec`` of an array whose dimensions have logical names ``axes``.
 
     Args:
@@ -272,8 +279,9 @@ def tree_shardings(tree: Any, mesh: Mesh, cfg: Any, rules: Iterable[tuple[str, A
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def cache_sharding(mesh: Mesh, num_kv_heads: int, shape: Sequence[int],
-                   rules: Iterable[tuple[str, Any]] = DEFAULT_RULES) -> NamedSharding:
+def cache_sharding(
+    mesh: Mesh, num_kv_heads: int, shape: Sequence[int], rules: Iterable[tuple[str, Any]] = DEFAULT_RULES
+) -> NamedSharding:
     """Sharding of a KV cache ``[L, B, S, kv_heads, head_dim]``: KV heads over ``model`` when it
     divides them, else replicated."""
     return NamedSharding(mesh, logical_spec(CACHE_AXES, shape, mesh, tuple(rules), {"kv_heads": num_kv_heads}))
@@ -319,7 +327,7 @@ def shard_bytes(shape: Sequence[int], itemsize: int, spec: P, mesh_sizes: Mappin
     """Bytes one device holds of an array of ``shape`` laid out by ``spec`` (no devices needed)."""
     n = math.prod(int(d) for d in shape) * itemsize
     for entry in spec:
-        for a in ((entry,) if isinstance(entry, str) else (entry or ())):
+        for a in (entry,) if isinstance(entry, str) else (entry or ()):
             n //= int(mesh_sizes.get(a, 1))
     return int(n)
 
@@ -335,8 +343,13 @@ class AbstractMesh:
         self.shape = {a: int(sizes.get(a, 1)) for a in MESH_AXES}
 
 
-def tree_bytes_per_device(tree: Any, sizes: Mapping[str, int], cfg: Any, itemsize: int | None = None,
-                          rules: Iterable[tuple[str, Any]] = DEFAULT_RULES) -> int:
+def tree_bytes_per_device(
+    tree: Any,
+    sizes: Mapping[str, int],
+    cfg: Any,
+    itemsize: int | None = None,
+    rules: Iterable[tuple[str, Any]] = DEFAULT_RULES,
+) -> int:
     """Per-device bytes of a parameter tree (shapes only) under the rules on a mesh of ``sizes``.
 
     Args:

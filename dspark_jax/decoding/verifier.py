@@ -33,9 +33,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.sampling import _categorical
+from dspark_jax.models.sampling import _categorical
 
-__all__ = ["VerifyOutput", "verify", "verify_coupled", "coupled_accept"]
+__all__ = ["VerifyOutput", "coupled_accept", "verify", "verify_coupled"]
 
 
 class VerifyOutput(NamedTuple):
@@ -95,9 +95,7 @@ def _verify_row(key, draft_tokens, draft_probs, target_probs, length):
 
     out_pos = jnp.arange(g + 1, dtype=jnp.int32)
     drafts_padded = jnp.concatenate([draft_tokens.astype(jnp.int32), jnp.full((1,), -1, jnp.int32)])
-    tokens = jnp.where(
-        out_pos < num_accepted, drafts_padded, jnp.where(out_pos == num_accepted, next_token, -1)
-    )
+    tokens = jnp.where(out_pos < num_accepted, drafts_padded, jnp.where(out_pos == num_accepted, next_token, -1))
     return VerifyOutput(
         num_accepted=num_accepted,
         next_token=next_token,
@@ -151,7 +149,7 @@ def verify(
       draft_tokens: ``[B, G] int32``; ``draft_tokens[b, k]`` was drawn from
         ``draft_probs[b, k]``.
       draft_probs: ``[B, G, V] float32``, exactly the distributions q the drafts were drawn
-        from (e.g. :func:`dspark_jax.sampling.process_logits` of the drafter's logits).
+        from (e.g. :func:`dspark_jax.models.sampling.process_logits` of the drafter's logits).
       target_probs: ``[B, G+1, V] float32``, the target's processed distributions p:
         position ``k`` predicts the token drafted at ``k``; position ``lengths[b]`` is the
         bonus distribution.
@@ -175,7 +173,10 @@ def verify(
     if g == 0:
         return jax.vmap(_plain_row)(keys, target_probs)
     return jax.vmap(_verify_row)(
-        keys, jnp.asarray(draft_tokens, jnp.int32), draft_probs, target_probs,
+        keys,
+        jnp.asarray(draft_tokens, jnp.int32),
+        draft_probs,
+        target_probs,
         jnp.asarray(lengths, jnp.int32),
     )
 
@@ -204,8 +205,10 @@ def coupled_accept(draft_tokens: jax.Array, target_tokens: jax.Array, lengths: j
     """
     b, g = draft_tokens.shape
     if target_tokens.shape != (b, g + 1):
-        raise ValueError(f"shape mismatch: draft_tokens {draft_tokens.shape}, target_tokens "
-                         f"{target_tokens.shape} (expected [B, G], [B, G+1])")
+        raise ValueError(
+            f"shape mismatch: draft_tokens {draft_tokens.shape}, target_tokens "
+            f"{target_tokens.shape} (expected [B, G], [B, G+1])"
+        )
     target_tokens = jnp.asarray(target_tokens, jnp.int32)
     length = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, g)
     k = jnp.arange(g, dtype=jnp.int32)
@@ -214,13 +217,19 @@ def coupled_accept(draft_tokens: jax.Array, target_tokens: jax.Array, lengths: j
     next_token = jnp.take_along_axis(target_tokens, num_accepted[:, None], 1)[:, 0]
     out_pos = jnp.arange(g + 1, dtype=jnp.int32)
     tokens = jnp.where(out_pos[None, :] <= num_accepted[:, None], target_tokens, -1)
-    return VerifyOutput(num_accepted=num_accepted, next_token=next_token, tokens=tokens,
-                        num_emitted=num_accepted + 1, accepted=k[None, :] < num_accepted[:, None])
+    return VerifyOutput(
+        num_accepted=num_accepted,
+        next_token=next_token,
+        tokens=tokens,
+        num_emitted=num_accepted + 1,
+        accepted=k[None, :] < num_accepted[:, None],
+    )
 
 
 @jax.jit
-def verify_coupled(keys: jax.Array, draft_tokens: jax.Array, target_probs: jax.Array,
-                   lengths: jax.Array) -> VerifyOutput:
+def verify_coupled(
+    keys: jax.Array, draft_tokens: jax.Array, target_probs: jax.Array, lengths: jax.Array
+) -> VerifyOutput:
     """Coupled-draw verification of a batch of draft blocks (lossless; DESIGN.md
     "Verification (lossless)", second serving mode).
 
@@ -242,7 +251,9 @@ def verify_coupled(keys: jax.Array, draft_tokens: jax.Array, target_probs: jax.A
     """
     b, g = draft_tokens.shape
     if target_probs.shape[:2] != (b, g + 1) or keys.shape[:2] != (b, g + 1):
-        raise ValueError(f"shape mismatch: keys {keys.shape}, draft_tokens {draft_tokens.shape}, "
-                         f"target_probs {target_probs.shape} (expected [B, G+1, 2], [B, G], [B, G+1, V])")
+        raise ValueError(
+            f"shape mismatch: keys {keys.shape}, draft_tokens {draft_tokens.shape}, "
+            f"target_probs {target_probs.shape} (expected [B, G+1, 2], [B, G], [B, G+1, V])"
+        )
     y = jax.vmap(jax.vmap(_categorical))(keys, jnp.asarray(target_probs, jnp.float32))
     return coupled_accept(draft_tokens, y, lengths)

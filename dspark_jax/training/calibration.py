@@ -9,7 +9,7 @@ survival, earlier temperatures held fixed. Scaling never reorders the scores of 
 position, so the ranking the head learned survives.
 
 Data (:func:`collect`): the drafter runs teacher-forced on held-out target-generated
-sequences exactly as in training (:func:`dspark_jax.trainer.drafter_loss`): for every
+sequences exactly as in training (:func:`dspark_jax.training.trainer.drafter_loss`): for every
 anchor block and position k, the raw logit ``z_k`` (``x_{k-1}`` = the true previous
 token) and the exact acceptance probability ``1 - TV_k`` between the drafter's
 ``p_draft`` and the target's ``p_target`` (temperature 1 by default, as the training
@@ -33,38 +33,56 @@ equal-width bins (``sum_b n_b / N * |mean predicted_b - mean observed_b|``), AUR
 pooled over all (block, position) pairs where the position exists in the sequence.
 
 At decode time the temperatures stored in the export's ``calibration`` field are
-installed on the drafter by :func:`~dspark_jax.checkpoint.load_drafter` and applied by
-:func:`~dspark_jax.markov.sample_block` (confidences only; tokens are unchanged).
+installed on the drafter by :func:`~dspark_jax.drafters.checkpoint.load_drafter` and applied by
+:func:`~dspark_jax.drafters.markov.sample_block` (confidences only; tokens are unchanged).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .checkpoint import read_export_meta
-from .drafter import Drafter
-from .errors import DSparkInputError
-from .target import Target
+from dspark_jax.drafters.checkpoint import read_export_meta
+from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.errors import DSparkInputError
+from dspark_jax.models.target import Target
 
 __all__ = [
-    "BlockTerms", "CalibrationData", "block_terms", "collect", "heldout_sequences",
-    "expected_survival", "sampled_survival", "predicted_survival", "fit_temperatures",
-    "ece", "brier", "auroc", "reliability", "metrics", "survival_report",
-    "fit_and_store_calibration", "calibrate_training_run", "rounds_survival", "decode_reliability",
-    "jsonable", "T_BOUNDS", "N_BINS",
+    "N_BINS",
+    "T_BOUNDS",
+    "BlockTerms",
+    "CalibrationData",
+    "auroc",
+    "block_terms",
+    "brier",
+    "calibrate_training_run",
+    "collect",
+    "decode_reliability",
+    "ece",
+    "expected_survival",
+    "fit_and_store_calibration",
+    "fit_temperatures",
+    "heldout_sequences",
+    "jsonable",
+    "metrics",
+    "predicted_survival",
+    "reliability",
+    "rounds_survival",
+    "sampled_survival",
+    "survival_report",
 ]
 
-T_BOUNDS = (0.05, 20.0)   # search range of each temperature
-N_BINS = 20               # ECE / reliability bins (equal width on [0, 1])
+T_BOUNDS = (0.05, 20.0)  # search range of each temperature
+N_BINS = 20  # ECE / reliability bins (equal width on [0, 1])
 
 
 # ======================================================================================
@@ -88,7 +106,7 @@ def _acceptance(draft_logits: jax.Array, target_logits: jax.Array, temperature: 
     """``1 - TV(q, p)`` over the last axis; temperature 1 is exactly ``drafter_loss``'s label."""
     draft_logits = draft_logits.astype(jnp.float32)
     target_logits = target_logits.astype(jnp.float32)
-    if temperature <= 0:   # greedy: accepted iff the argmaxes agree (first index on ties)
+    if temperature <= 0:  # greedy: accepted iff the argmaxes agree (first index on ties)
         return (jnp.argmax(draft_logits, -1) == jnp.argmax(target_logits, -1)).astype(jnp.float32)
     if temperature == 1.0:
         q = jnp.exp(jax.nn.log_softmax(draft_logits, axis=-1))
@@ -99,29 +117,36 @@ def _acceptance(draft_logits: jax.Array, target_logits: jax.Array, temperature: 
     return 1.0 - 0.5 * jnp.sum(jnp.abs(q - p), axis=-1)
 
 
-def _terms_from_features(drafter: Drafter, target: Target, feats, t_logits, tokens, lengths, anchors,
-                         temperature: float) -> BlockTerms:
+def _terms_from_features(
+    drafter: Drafter, target: Target, feats, t_logits, tokens, lengths, anchors, temperature: float
+) -> BlockTerms:
     """The block part of :func:`block_terms` given the target pass (features, logits)."""
     g = drafter.cfg.gamma
     block = drafter.train_blocks(target, feats, tokens, anchors)
     k = jnp.arange(g, dtype=jnp.int32)
-    src = anchors[..., None] + k                        # position whose next token is predicted
-    valid = (src + 1) < lengths[:, None, None]          # [B, A, g]
+    src = anchors[..., None] + k  # position whose next token is predicted
+    valid = (src + 1) < lengths[:, None, None]  # [B, A, g]
     src_c = jnp.minimum(src, tokens.shape[1] - 1)
     bidx = jnp.arange(tokens.shape[0])[:, None, None]
-    prev = tokens[bidx, src_c]                          # teacher forcing: x_{k-1} is the true token
+    prev = tokens[bidx, src_c]  # teacher forcing: x_{k-1} is the true token
     bias, e = drafter.teacher_forced_heads(block.hidden, prev)
-    logits = drafter.to_target_logits(block.logits + bias)   # -inf off a draft vocabulary
+    logits = drafter.to_target_logits(block.logits + bias)  # -inf off a draft vocabulary
     acc = _acceptance(logits, t_logits[bidx, src_c], temperature)
     z = drafter.confidence_logit(block.hidden, e)
     return BlockTerms(z, acc, valid)
 
 
-def block_terms(drafter: Drafter, target: Target, tokens: jax.Array, lengths: jax.Array,
-                anchors: jax.Array, temperature: float = 1.0) -> BlockTerms:
+def block_terms(
+    drafter: Drafter,
+    target: Target,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    anchors: jax.Array,
+    temperature: float = 1.0,
+) -> BlockTerms:
     """Teacher-forced raw confidence logits and exact acceptance, as in training.
 
-    The same computation as :func:`dspark_jax.trainer.drafter_loss` (target pass,
+    The same computation as :func:`dspark_jax.training.trainer.drafter_loss` (target pass,
     many anchor blocks in one drafter pass, Markov correction from the true previous
     token, ``1 - TV`` at temperature 1), exposed per position instead of reduced to a loss.
 
@@ -135,8 +160,7 @@ def block_terms(drafter: Drafter, target: Target, tokens: jax.Array, lengths: ja
     """
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     out = target(tokens, pos, taps=drafter.cfg.taps)
-    return _terms_from_features(drafter, target, out.features, out.logits, tokens, lengths, anchors,
-                                float(temperature))
+    return _terms_from_features(drafter, target, out.features, out.logits, tokens, lengths, anchors, float(temperature))
 
 
 @partial(jax.jit, static_argnames=("t_graph", "taps"))
@@ -169,21 +193,29 @@ class CalibrationData(NamedTuple):
     valid: np.ndarray
     seq: np.ndarray
 
-    def take(self, mask: np.ndarray) -> "CalibrationData":
+    def take(self, mask: np.ndarray) -> CalibrationData:
         return CalibrationData(self.z[mask], self.accept[mask], self.valid[mask], self.seq[mask])
 
 
-def collect(target: Target, drafter: Drafter, data: dict[str, np.ndarray], *, batch_size: int = 8,
-            anchor_stride: int = 1, temperature: float = 1.0, memory_budget_mb: float = 256.0) -> CalibrationData:
+def collect(
+    target: Target,
+    drafter: Drafter,
+    data: dict[str, np.ndarray],
+    *,
+    batch_size: int = 8,
+    anchor_stride: int = 1,
+    temperature: float = 1.0,
+    memory_budget_mb: float = 256.0,
+) -> CalibrationData:
     """Runs the drafter teacher-forced over every anchor block of held-out sequences.
 
     Anchors are all positions ``prompt_len - 1 .. length - 2`` (every ``anchor_stride``-th),
-    like training's :func:`~dspark_jax.trainer.sample_anchors` range, so every predicted
+    like training's :func:`~dspark_jax.training.trainer.sample_anchors` range, so every predicted
     token is target-generated.
 
     Args:
       data: ``tokens [N, L]``, ``lengths [N]``, ``prompt_lengths [N]`` (the format of
-        :func:`dspark_jax.data.load_shards` / :func:`heldout_sequences`).
+        :func:`dspark_jax.training.data.load_shards` / :func:`heldout_sequences`).
       batch_size: sequences per target pass; anchors are processed in chunks that
         keep the block logits under ``memory_budget_mb``.
       temperature: acceptance temperature (see :func:`block_terms`).
@@ -214,12 +246,21 @@ def collect(target: Target, drafter: Drafter, data: dict[str, np.ndarray], *, ba
         for c in range(0, len(cand), chunk):
             anc = cand[c : c + chunk]
             anc_ok = np.ones(chunk, bool)
-            anc_ok[len(anc):] = False
+            anc_ok[len(anc) :] = False
             anc = np.pad(anc, (0, chunk - len(anc)))
             anchors = np.broadcast_to(anc, (batch_size, chunk)).astype(np.int32)
-            terms = _blocks_pass(t_state, d_state, feats, t_logits, jnp.asarray(tok), jnp.asarray(lens),
-                                 jnp.asarray(anchors), t_graph=t_graph, d_graph=d_graph,
-                                 temperature=float(temperature))
+            terms = _blocks_pass(
+                t_state,
+                d_state,
+                feats,
+                t_logits,
+                jnp.asarray(tok),
+                jnp.asarray(lens),
+                jnp.asarray(anchors),
+                t_graph=t_graph,
+                d_graph=d_graph,
+                temperature=float(temperature),
+            )
             z, acc, valid = (np.asarray(x) for x in terms)
             ok = anc_ok[None, :] & (anchors >= lo[:, None]) & (anchors <= lens[:, None] - 2)
             valid = valid & ok[..., None]
@@ -234,15 +275,23 @@ def collect(target: Target, drafter: Drafter, data: dict[str, np.ndarray], *, ba
     return res
 
 
-def heldout_sequences(target: Target, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int,
-                      seq_len: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                      batch_size: int = 64) -> dict[str, np.ndarray]:
+def heldout_sequences(
+    target: Target,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    seq_len: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> dict[str, np.ndarray]:
     """Target-generated continuations of held-out prompts, in the training-shard format.
 
-    Same recipe as :func:`dspark_jax.data.generate_shards` (prompt truncated to
+    Same recipe as :func:`dspark_jax.training.data.generate_shards` (prompt truncated to
     ``seq_len - 1``, prompt + continuation truncated/padded to ``seq_len``).
     """
-    from .decode import generate_autoregressive
+    from dspark_jax.decoding.speculative import generate_autoregressive
 
     n = len(prompt_ids)
     toks = np.zeros((n, seq_len), np.int32)
@@ -250,9 +299,14 @@ def heldout_sequences(target: Target, prompt_ids: Sequence[Sequence[int]], *, ma
     plens = np.zeros((n,), np.int32)
     for s in range(0, n, batch_size):
         batch = [list(p)[: seq_len - 1] for p in prompt_ids[s : s + batch_size]]
-        res = generate_autoregressive(target, batch, max_new_tokens=max_new_tokens, temperature=temperature,
-                                      top_p=top_p, seed=[seed * 1_000_003 + 7_777_777 + s + i
-                                                         for i in range(len(batch))])
+        res = generate_autoregressive(
+            target,
+            batch,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=[seed * 1_000_003 + 7_777_777 + s + i for i in range(len(batch))],
+        )
         for i, (p, gen) in enumerate(zip(batch, res.generations)):
             seq = (p + gen.token_ids)[:seq_len]
             toks[s + i, : len(seq)] = seq
@@ -290,9 +344,11 @@ def _loss_fn(name: str):
     if name == "brier":
         return lambda a, o: float(np.mean((a - o) ** 2))
     if name == "nll":
+
         def nll(a, o):
             a = np.clip(a, 1e-7, 1 - 1e-7)
             return float(-np.mean(o * np.log(a) + (1 - o) * np.log1p(-a)))
+
         return nll
     raise ValueError(f"loss must be 'brier' or 'nll', got {name!r}")
 
@@ -319,8 +375,14 @@ def _minimize_1d(f, lo: float, hi: float, grid: int = 49, iters: int = 40) -> fl
     return float(best[1])
 
 
-def fit_temperatures(z: np.ndarray, observed: np.ndarray, valid: np.ndarray, *, loss: str = "brier",
-                     bounds: tuple[float, float] = T_BOUNDS) -> np.ndarray:
+def fit_temperatures(
+    z: np.ndarray,
+    observed: np.ndarray,
+    valid: np.ndarray,
+    *,
+    loss: str = "brier",
+    bounds: tuple[float, float] = T_BOUNDS,
+) -> np.ndarray:
     """Sequential temperature scaling: one ``T_k`` per position, fit left to right.
 
     For k = 1..gamma, with ``T_1..T_{k-1}`` fixed, ``T_k`` minimises the loss of the
@@ -348,7 +410,9 @@ def fit_temperatures(z: np.ndarray, observed: np.ndarray, valid: np.ndarray, *, 
             temps[k] = temps[k - 1] if k else 1.0
         else:
             zk, pk, ok = z[m, k], prev[m], np.asarray(observed, np.float64)[m, k]
-            temps[k] = np.exp(_minimize_1d(lambda lt: f(pk * _sigmoid(zk / np.exp(lt)), ok), lo, hi))
+            temps[k] = np.exp(
+                _minimize_1d(lambda lt, pk=pk, zk=zk, ok=ok: f(pk * _sigmoid(zk / np.exp(lt)), ok), lo, hi)
+            )
         prev = prev * _sigmoid(z[:, k] / temps[k])
     return temps
 
@@ -406,26 +470,40 @@ def reliability(pred: np.ndarray, obs: np.ndarray, n_bins: int = N_BINS) -> dict
     cnt = np.bincount(b, minlength=n_bins)
     sp, so = np.bincount(b, pred, n_bins), np.bincount(b, obs, n_bins)
     mean = lambda x: [float(v / c) if c else None for v, c in zip(x, cnt)]
-    return {"bin_edges": np.linspace(0, 1, n_bins + 1).tolist(), "count": cnt.tolist(),
-            "mean_predicted": mean(sp), "mean_observed": mean(so)}
+    return {
+        "bin_edges": np.linspace(0, 1, n_bins + 1).tolist(),
+        "count": cnt.tolist(),
+        "mean_predicted": mean(sp),
+        "mean_observed": mean(so),
+    }
 
 
 def _row(p: np.ndarray, o: np.ndarray, y: np.ndarray | None, n_bins: int) -> dict[str, Any]:
     """One metrics row; ``y`` (binary labels, when they differ from ``o``) adds AUROC and ``*_sampled``."""
     if p.size == 0:
         return {"n": 0}
-    row = {"n": int(p.size), "mean_predicted": float(p.mean()), "mean_observed": float(o.mean()),
-           "ece": ece(p, o, n_bins), "brier": brier(p, o)}
+    row = {
+        "n": int(p.size),
+        "mean_predicted": float(p.mean()),
+        "mean_observed": float(o.mean()),
+        "ece": ece(p, o, n_bins),
+        "brier": brier(p, o),
+    }
     if y is None:
         row["auroc"] = auroc(p, o)
     else:
-        row.update(mean_observed_sampled=float(y.mean()), ece_sampled=ece(p, y, n_bins),
-                   brier_sampled=brier(p, y), auroc=auroc(p, y))
+        row.update(
+            mean_observed_sampled=float(y.mean()),
+            ece_sampled=ece(p, y, n_bins),
+            brier_sampled=brier(p, y),
+            auroc=auroc(p, y),
+        )
     return row
 
 
-def metrics(pred: np.ndarray, valid: np.ndarray, obs: np.ndarray, labels: np.ndarray | None = None,
-            n_bins: int = N_BINS) -> dict[str, Any]:
+def metrics(
+    pred: np.ndarray, valid: np.ndarray, obs: np.ndarray, labels: np.ndarray | None = None, n_bins: int = N_BINS
+) -> dict[str, Any]:
     """Calibration metrics of cumulative survival predictions, pooled and per position.
 
     Args:
@@ -453,8 +531,9 @@ def metrics(pred: np.ndarray, valid: np.ndarray, obs: np.ndarray, labels: np.nda
     return {"pooled": row(valid), "per_position": per}
 
 
-def survival_report(data: CalibrationData, temperatures: Sequence[float] | None, *, seed: int = 0,
-                    n_bins: int = N_BINS) -> dict[str, Any]:
+def survival_report(
+    data: CalibrationData, temperatures: Sequence[float] | None, *, seed: int = 0, n_bins: int = N_BINS
+) -> dict[str, Any]:
     """Metrics of the predicted cumulative survival (with ``temperatures``, or raw when None)
     against the expected survival (ECE/Brier) and sampled outcomes (AUROC, ``*_sampled``)."""
     exp_s = expected_survival(data.accept, data.valid)
@@ -481,14 +560,18 @@ def jsonable(obj: Any) -> Any:
 # ======================================================================================
 # Fit + store (after training) and decode-time reliability
 # ======================================================================================
-_METHOD = ("sequential temperature scaling (paper A5): c_k = sigmoid(z_k / T_k), T_k fit left to right on "
-           "held-out sequences (earlier T fixed) minimising the {loss} of the predicted cumulative survival "
-           "prod_{{i<=k}} c_i against the {fit_on} observed survival; log T searched in [{lo}, {hi}] "
-           "(grid + golden section)")
-_OBSERVED = ("teacher-forced on held-out target-generated sequences; acceptance probability 1 - TV between "
-             "p_draft and p_target at temperature {t}; 'expected' survival = prod(1 - TV_i) (ECE, Brier), "
-             "'sampled' survival = one Bernoulli draw per position with those probabilities (AUROC, "
-             "ece_sampled, brier_sampled)")
+_METHOD = (
+    "sequential temperature scaling (paper A5): c_k = sigmoid(z_k / T_k), T_k fit left to right on "
+    "held-out sequences (earlier T fixed) minimising the {loss} of the predicted cumulative survival "
+    "prod_{{i<=k}} c_i against the {fit_on} observed survival; log T searched in [{lo}, {hi}] "
+    "(grid + golden section)"
+)
+_OBSERVED = (
+    "teacher-forced on held-out target-generated sequences; acceptance probability 1 - TV between "
+    "p_draft and p_target at temperature {t}; 'expected' survival = prod(1 - TV_i) (ECE, Brier), "
+    "'sampled' survival = one Bernoulli draw per position with those probabilities (AUROC, "
+    "ece_sampled, brier_sampled)"
+)
 
 
 def _compact(rep: dict[str, Any]) -> dict[str, Any]:
@@ -496,11 +579,21 @@ def _compact(rep: dict[str, Any]) -> dict[str, Any]:
     return {k: rep["pooled"].get(k) for k in keys if k in rep["pooled"]}
 
 
-def fit_and_store_calibration(target: Target, drafter: Drafter, heldout_data: dict[str, np.ndarray],
-                              export_dir: str | Path | None, *, fit_fraction: float = 0.5,
-                              temperature: float = 1.0, fit_on: str = "expected", loss: str = "brier",
-                              seed: int = 0, n_bins: int = N_BINS, batch_size: int = 8,
-                              anchor_stride: int = 1) -> dict[str, Any]:
+def fit_and_store_calibration(
+    target: Target,
+    drafter: Drafter,
+    heldout_data: dict[str, np.ndarray],
+    export_dir: str | Path | None,
+    *,
+    fit_fraction: float = 0.5,
+    temperature: float = 1.0,
+    fit_on: str = "expected",
+    loss: str = "brier",
+    seed: int = 0,
+    n_bins: int = N_BINS,
+    batch_size: int = 8,
+    anchor_stride: int = 1,
+) -> dict[str, Any]:
     """Fits per-position confidence temperatures and stores them in an export.
 
     The held-out sequences are split by sequence into a fit part (``fit_fraction``)
@@ -510,7 +603,7 @@ def fit_and_store_calibration(target: Target, drafter: Drafter, heldout_data: di
 
     Args:
       target / drafter: the frozen target and the trained drafter (its
-        :attr:`~dspark_jax.drafter.Drafter.calibration` is set to the fit).
+        :attr:`~dspark_jax.drafters.dspark.Drafter.calibration` is set to the fit).
       heldout_data: sequences never seen in training (``tokens``, ``lengths``,
         ``prompt_lengths``; see :func:`heldout_sequences`).
       export_dir: export whose ``drafter.json`` gets ``calibration`` (the
@@ -533,8 +626,9 @@ def fit_and_store_calibration(target: Target, drafter: Drafter, heldout_data: di
         raise ValueError(f"fit_on must be 'expected' or 'sampled', got {fit_on!r}")
     t0 = time.perf_counter()
     meta = read_export_meta(export_dir) if export_dir is not None else None
-    data = collect(target, drafter, heldout_data, batch_size=batch_size, anchor_stride=anchor_stride,
-                   temperature=temperature)
+    data = collect(
+        target, drafter, heldout_data, batch_size=batch_size, anchor_stride=anchor_stride, temperature=temperature
+    )
     seqs = np.unique(data.seq)
     if len(seqs) >= 2:
         perm = np.random.default_rng(seed).permutation(seqs)
@@ -543,42 +637,62 @@ def fit_and_store_calibration(target: Target, drafter: Drafter, heldout_data: di
         fit, test = data.take(fit_mask), data.take(~fit_mask)
     else:
         fit = test = data
-    obs = (expected_survival(fit.accept, fit.valid) if fit_on == "expected"
-           else sampled_survival(fit.accept, fit.valid, seed + 1))
+    obs = (
+        expected_survival(fit.accept, fit.valid)
+        if fit_on == "expected"
+        else sampled_survival(fit.accept, fit.valid, seed + 1)
+    )
     temps = fit_temperatures(fit.z, obs, fit.valid, loss=loss)
     temps_l = [float(t) for t in temps]
-    before, after = survival_report(test, None, seed=seed, n_bins=n_bins), survival_report(test, temps, seed=seed,
-                                                                                          n_bins=n_bins)
+    before, after = (
+        survival_report(test, None, seed=seed, n_bins=n_bins),
+        survival_report(test, temps, seed=seed, n_bins=n_bins),
+    )
     report = {
         "temperatures": temps_l,
         "method": _METHOD.format(loss=loss, fit_on=fit_on, lo=T_BOUNDS[0], hi=T_BOUNDS[1]),
         "observed": _OBSERVED.format(t=temperature),
-        "acceptance_temperature": temperature, "fit_on": fit_on, "loss": loss, "n_bins": n_bins,
+        "acceptance_temperature": temperature,
+        "fit_on": fit_on,
+        "loss": loss,
+        "n_bins": n_bins,
         "num_sequences": {"fit": int(len(np.unique(fit.seq))), "test": int(len(np.unique(test.seq)))},
         "num_blocks": {"fit": int(fit.z.shape[0]), "test": int(test.z.shape[0])},
-        "before": before, "after": after,
-        "fit_split": {"before": _compact(survival_report(fit, None, seed=seed, n_bins=n_bins)),
-                      "after": _compact(survival_report(fit, temps, seed=seed, n_bins=n_bins))},
+        "before": before,
+        "after": after,
+        "fit_split": {
+            "before": _compact(survival_report(fit, None, seed=seed, n_bins=n_bins)),
+            "after": _compact(survival_report(fit, temps, seed=seed, n_bins=n_bins)),
+        },
     }
     greedy = temperature <= 0
     drafter.set_calibration(temps_l, greedy=greedy)
     if meta is not None:
         meta["calibration_greedy" if greedy else "calibration"] = temps_l
         meta.setdefault("extra", {})["calibration_greedy" if greedy else "calibration"] = {
-            "method": report["method"], "acceptance_temperature": temperature,
-            "before": _compact(before), "after": _compact(after)}
+            "method": report["method"],
+            "acceptance_temperature": temperature,
+            "before": _compact(before),
+            "after": _compact(after),
+        }
         (Path(export_dir) / "drafter.json").write_text(json.dumps(jsonable(meta), indent=2))
     report["seconds"] = round(time.perf_counter() - t0, 2)
     return report
 
 
-def calibrate_training_run(cfg, target: Target, drafter: Drafter, heldout_prompt_ids: Sequence[Sequence[int]],
-                           export_dir: str | Path, workdir: str | Path) -> dict[str, Any]:
+def calibrate_training_run(
+    cfg,
+    target: Target,
+    drafter: Drafter,
+    heldout_prompt_ids: Sequence[Sequence[int]],
+    export_dir: str | Path,
+    workdir: str | Path,
+) -> dict[str, Any]:
     """The calibration stage of ``python -m dspark_jax.train`` (after export).
 
     The target generates continuations of the run's held-out prompts (the
     ``num_eval_prompts`` prompts never used for training data) with the training
-    data settings of ``cfg`` (a :class:`~dspark_jax.trainer.TrainConfig`); the
+    data settings of ``cfg`` (a :class:`~dspark_jax.training.trainer.TrainConfig`); the
     temperatures are fit and stored in the export; the full report goes to
     ``<workdir>/calibration.json``.
 
@@ -587,25 +701,45 @@ def calibrate_training_run(cfg, target: Target, drafter: Drafter, heldout_prompt
       ECE / AUROC / Brier on the test half, sizes, seconds.
     """
     t0 = time.perf_counter()
-    data = heldout_sequences(target, heldout_prompt_ids, max_new_tokens=cfg.gen_max_new_tokens, seq_len=cfg.seq_len,
-                             temperature=cfg.gen_temperature, top_p=cfg.gen_top_p, seed=cfg.seed,
-                             batch_size=cfg.gen_batch_size)
+    data = heldout_sequences(
+        target,
+        heldout_prompt_ids,
+        max_new_tokens=cfg.gen_max_new_tokens,
+        seq_len=cfg.seq_len,
+        temperature=cfg.gen_temperature,
+        top_p=cfg.gen_top_p,
+        seed=cfg.seed,
+        batch_size=cfg.gen_batch_size,
+    )
     rep = fit_and_store_calibration(target, drafter, data, export_dir, seed=cfg.seed)
     # Greedy decoding accepts on argmax agreement, not with probability 1 - TV: its own fit.
     rep_greedy = fit_and_store_calibration(target, drafter, data, export_dir, seed=cfg.seed, temperature=0.0)
-    rep["greedy"] = {"temperatures": rep_greedy["temperatures"], "before": _compact(rep_greedy["before"]),
-                     "after": _compact(rep_greedy["after"])}
-    rep["heldout"] = {"source": "target continuations of the held-out eval prompts", "num_prompts": len(data["lengths"]),
-                      "max_new_tokens": cfg.gen_max_new_tokens, "seq_len": cfg.seq_len,
-                      "gen_temperature": cfg.gen_temperature}
+    rep["greedy"] = {
+        "temperatures": rep_greedy["temperatures"],
+        "before": _compact(rep_greedy["before"]),
+        "after": _compact(rep_greedy["after"]),
+    }
+    rep["heldout"] = {
+        "source": "target continuations of the held-out eval prompts",
+        "num_prompts": len(data["lengths"]),
+        "max_new_tokens": cfg.gen_max_new_tokens,
+        "seq_len": cfg.seq_len,
+        "gen_temperature": cfg.gen_temperature,
+    }
     rep["seconds"] = round(time.perf_counter() - t0, 2)
     rep = jsonable(rep)
     Path(workdir, "calibration.json").write_text(json.dumps(rep, indent=2))
-    return {"temperatures": rep["temperatures"], "before": _compact(rep["before"]), "after": _compact(rep["after"]),
-            "greedy": rep["greedy"],
-            "num_sequences": rep["num_sequences"], "num_blocks": rep["num_blocks"],
-            "acceptance_temperature": rep["acceptance_temperature"], "seconds": rep["seconds"],
-            "report": str(Path(workdir, "calibration.json"))}
+    return {
+        "temperatures": rep["temperatures"],
+        "before": _compact(rep["before"]),
+        "after": _compact(rep["after"]),
+        "greedy": rep["greedy"],
+        "num_sequences": rep["num_sequences"],
+        "num_blocks": rep["num_blocks"],
+        "acceptance_temperature": rep["acceptance_temperature"],
+        "seconds": rep["seconds"],
+        "report": str(Path(workdir, "calibration.json")),
+    }
 
 
 def rounds_survival(rounds: Sequence[dict[str, np.ndarray]], gamma: int) -> tuple[np.ndarray, ...]:
@@ -626,8 +760,9 @@ def rounds_survival(rounds: Sequence[dict[str, np.ndarray]], gamma: int) -> tupl
     return z, (k[None, :] <= acc[:, None]).astype(np.float64), k[None, :] <= ver[:, None]
 
 
-def decode_reliability(rounds: Sequence[dict[str, np.ndarray]], gamma: int,
-                       temperatures: Sequence[float] | None, n_bins: int = N_BINS) -> dict[str, Any]:
+def decode_reliability(
+    rounds: Sequence[dict[str, np.ndarray]], gamma: int, temperatures: Sequence[float] | None, n_bins: int = N_BINS
+) -> dict[str, Any]:
     """Calibration of the cumulative survival observed during decoding.
 
     Predicted ``a_k = prod_{i<=k} sigmoid(z_i / T_i)`` of each round's draft against
@@ -638,9 +773,11 @@ def decode_reliability(rounds: Sequence[dict[str, np.ndarray]], gamma: int,
       ``temperatures``; absent when None)}``.
     """
     z, y, valid = rounds_survival(rounds, gamma)
-    out: dict[str, Any] = {"num_rounds": int(z.shape[0]),
-                           "observed": "binary survival of verification (positions 1..k accepted), "
-                                       "over verified positions of every decoding round"}
+    out: dict[str, Any] = {
+        "num_rounds": int(z.shape[0]),
+        "observed": "binary survival of verification (positions 1..k accepted), "
+        "over verified positions of every decoding round",
+    }
     if not valid.any():
         return out
     for name, t in (("before", None), ("after", temperatures)):

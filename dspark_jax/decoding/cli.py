@@ -1,0 +1,208 @@
+"""``python -m dspark_jax.generate``: one request, speculative (lossless) or plain.
+
+Examples::
+
+    python -m dspark_jax.generate --target stories260k --drafter runs/stories260k/export \\
+        --prompt "Once upon a time" --max-new-tokens 128 --temperature 0 --compare-ar --json
+    python -m dspark_jax.generate --target smollm2-135m-instruct --prompt "What is the capital of France?"
+
+Without ``--drafter`` it decodes autoregressively with the target alone. ``text`` never ends
+in half a character (a multi-byte character the last token did not complete is dropped).
+``tau`` follows :class:`dspark_jax.decoding.speculative.Generation` (tokens per target verification pass,
+the prefill token excluded; 1.0 for autoregressive decoding; null when no pass ran). Exit
+status 2 with a one-line ``error:`` message on bad input (missing model files,
+a drafter exported for another target, an empty or too-long prompt, a NaN/inf sampling
+setting, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dspark_jax.generate",
+        description="Generate text from a target model, speculatively with a DSpark/DFlash drafter "
+        "(output distributed exactly as the target alone) or autoregressively without one.",
+    )
+    p.add_argument(
+        "--target",
+        required=True,
+        help="preset (stories260k, smollm2-135m-instruct) or path to a .gguf file, a llama2.c "
+        ".bin (tok*.bin beside it) or a Hugging Face model directory",
+    )
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="drafter export directory written by `python -m dspark_jax.train` "
+        "(omit for plain autoregressive decoding)",
+    )
+    p.add_argument("--prompt", required=True, help="prompt text (must not be empty)")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument(
+        "--chat",
+        dest="chat",
+        action="store_true",
+        default=None,
+        help="wrap the prompt in the tokenizer's chat template (default for chat presets)",
+    )
+    chat.add_argument(
+        "--no-chat",
+        dest="chat",
+        action="store_false",
+        help="use the prompt text as is (e.g. an already formatted ChatML string)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128, help="maximum generated tokens (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off (default 1)")
+    p.add_argument(
+        "--num-speculative-tokens",
+        default=None,
+        metavar="N|auto",
+        help="draft tokens verified per round: 1..the drafter's block size, or 'auto' (default: "
+        "per round the length that maximises expected tokens/s from the drafter's confidences "
+        "and costs measured on this machine at start-up; 0 when drafting does not pay)",
+    )
+    p.add_argument(
+        "--gamma",
+        type=int,
+        default=None,
+        help="deprecated alias of --num-speculative-tokens (removed in the next release)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed of the request (default 0)")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="weight/compute dtype (default float32)"
+    )
+    p.add_argument(
+        "--compare-ar",
+        action="store_true",
+        help="also decode autoregressively in the same process and report the speedup "
+        "(both runs are timed after one untimed warm-up run)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    return p
+
+
+def run(args: argparse.Namespace) -> dict:
+    import jax.numpy as jnp
+
+    from dspark_jax.api import encode_prompt, load_target
+    from dspark_jax.decoding.speculative import (
+        check_compatible,
+        check_sampling,
+        generate_autoregressive,
+        generate_speculative,
+        resolve_num_speculative_tokens,
+    )
+    from dspark_jax.drafters.checkpoint import load_drafter, read_export_meta
+    from dspark_jax.errors import DSparkInputError
+    from dspark_jax.models.presets import preset_info
+    from dspark_jax.models.tokenizer import decode_complete
+
+    if args.max_new_tokens < 1:
+        raise DSparkInputError("--max-new-tokens must be >= 1")
+    try:
+        check_sampling(args.temperature, args.top_k, args.top_p)
+    except DSparkInputError as e:
+        raise DSparkInputError(f"--{str(e).replace('_', '-', 1)}") from None
+    if args.drafter:
+        read_export_meta(args.drafter)  # fail fast, before loading the target
+    if args.gamma is not None:
+        if args.num_speculative_tokens is not None:
+            raise DSparkInputError("give --num-speculative-tokens or its deprecated alias --gamma, not both")
+        print("note: --gamma is deprecated, use --num-speculative-tokens", file=sys.stderr)
+        args.num_speculative_tokens = str(args.gamma)
+    if args.num_speculative_tokens is not None and not args.drafter:
+        raise DSparkInputError("--num-speculative-tokens needs --drafter")
+    dtype = jnp.dtype(args.dtype)
+    target, tok = load_target(args.target, dtype=dtype)
+    chat = args.chat if args.chat is not None else bool(preset_info(args.target).get("chat"))
+    ids = encode_prompt(tok, args.prompt, chat)
+    kw = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    out: dict = {"target": target.cfg.name, "prompt_tokens": len(ids)}
+    if args.drafter:
+        drafter, _ = load_drafter(args.drafter, dtype=dtype)
+        check_compatible(target, drafter)
+        n_spec = resolve_num_speculative_tokens(
+            args.num_speculative_tokens,
+            None,
+            drafter.cfg.gamma,
+            default="auto" if drafter.cfg.variant != "eagle3" else None,
+        )
+        if args.compare_ar:  # warm-up run: the timed runs below then compare steady-state speed
+            generate_speculative(target, drafter, [ids], num_speculative_tokens=n_spec, **kw)
+        res = generate_speculative(target, drafter, [ids], num_speculative_tokens=n_spec, **kw)
+        g = res.generations[0]
+        out.update(
+            mode="speculative", variant=drafter.cfg.variant, num_speculative_tokens=n_spec, block_size=drafter.cfg.gamma
+        )
+    else:
+        res = generate_autoregressive(target, [ids], **kw)
+        g = res.generations[0]
+        out.update(mode="autoregressive")
+    out.update(
+        text=decode_complete(tok, g.token_ids),
+        token_ids=g.token_ids,
+        finish_reason=g.finish_reason,
+        num_generated_tokens=len(g.token_ids),
+        num_target_passes=g.num_target_passes,
+        tau=g.tau if g.num_target_passes else None,
+        acceptance_rate=g.acceptance_rate,
+        position_acceptance=g.position_acceptance if args.drafter else None,
+        tokens_per_s=res.tokens_per_s,
+        seconds=res.seconds,
+        compile_seconds=res.compile_seconds,
+    )
+    if args.compare_ar:
+        if args.drafter:
+            generate_autoregressive(target, [ids], **kw)  # warm-up, as for the speculative run
+            ar = generate_autoregressive(target, [ids], **kw)
+            ag = ar.generations[0]
+            out.update(
+                ar_token_ids=ag.token_ids,
+                ar_text=decode_complete(tok, ag.token_ids),
+                ar_tokens_per_s=ar.tokens_per_s,
+                ar_seconds=ar.seconds,
+                speedup=out["tokens_per_s"] / ar.tokens_per_s if ar.tokens_per_s else None,
+                matches_ar=ag.token_ids == g.token_ids,
+            )
+        else:
+            out.update(ar_token_ids=g.token_ids, ar_tokens_per_s=res.tokens_per_s, speedup=1.0, matches_ar=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dspark_jax.errors import run_cli
+
+    args = build_parser().parse_args(argv)
+    status, out = run_cli(run, args)
+    if status:
+        return status
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(out["text"])
+        stats = (
+            f"[{out['mode']}: {out['num_generated_tokens']} tokens, {out['tokens_per_s']:.1f} tokens/s, "
+            f"{out['finish_reason']}"
+        )
+        if out["mode"] == "speculative" and out["tau"] is not None:
+            stats += f", tau {out['tau']:.2f}, acceptance {out['acceptance_rate'] or 0:.2f}"
+        if out.get("speedup"):
+            stats += f", speedup {out['speedup']:.2f}x vs autoregressive"
+        print(stats + "]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,413 @@
+"""``python -m dspark_jax.serve``: the OpenAI-compatible HTTP server.
+
+Examples::
+
+    python -m dspark_jax.serve --target smollm2-135m-instruct --drafter runs/smollm2-135m-instruct/export \\
+        --policy dspark --num-slots 16 --cache-len 1024 --port 8000
+    python -m dspark_jax.serve --target stories260k --policy plain --num-slots 4 --cache-len 256
+
+    curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
+        -d '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 64, "temperature": 0}'
+
+The engine (``dspark_jax.serving.engine.Engine``) is built, profiled (SPS table; ``--sps-table``
+loads/saves it) and warmed up (every compiled shape) before the port opens, so the first
+request does not pay compilation. Policies: ``plain`` (no drafter), ``fixed:G`` (verify G
+draft tokens per request), ``threshold:C`` (confidence threshold), ``greedy`` (the clean
+greedy Theta scheduler) and ``dspark`` (the deployed scheduler). Ctrl-C drains: requests
+in flight finish (up to ``--graceful-timeout`` seconds), then the engine thread stops.
+``--api-key`` (or ``DSPARK_API_KEY``) requires ``Authorization: Bearer KEY`` on every ``/v1``
+route (401 otherwise; ``/health`` and ``/metrics`` stay open unless
+``--api-key-health-metrics``). ``--verification`` picks the engine's lossless verification
+(``coupled`` or ``rejection``). Exit status 2 with a one-line ``error:`` message on bad
+input, including a drafter the engine cannot serve (e.g. eagle3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ServerThread", "build_engine", "build_server", "main", "warmup_engine"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dspark_jax.serve",
+        description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, streaming, /health, "
+        "/metrics) over the continuous-batching DSpark engine.",
+    )
+    p.add_argument(
+        "--target",
+        required=True,
+        help="preset (stories260k, smollm2-135m-instruct) or path to a .gguf file, a llama2.c .bin "
+        "(tok*.bin beside it) or a Hugging Face model directory",
+    )
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="drafter export directory written by `python -m dspark_jax.train` (omit for plain decoding)",
+    )
+    p.add_argument(
+        "--policy",
+        default=None,
+        help="verification-length policy: plain | fixed:G | threshold:C | greedy | dspark "
+        "(default: dspark with --drafter, plain without)",
+    )
+    p.add_argument("--num-slots", type=int, default=8, help="decode slots = requests decoded together (default 8)")
+    p.add_argument(
+        "--cache-len",
+        type=int,
+        default=1024,
+        help="KV-cache length per slot = the context length (prompt + generated tokens; default 1024)",
+    )
+    p.add_argument(
+        "--buckets",
+        default=None,
+        help="comma-separated token budgets of the compiled verify passes (default: the engine's)",
+    )
+    p.add_argument(
+        "--sps-table",
+        default=None,
+        help="JSON SPS table (verify steps/s per bucket): loaded if it exists and matches the device "
+        "and model, else profiled at start-up and written there",
+    )
+    p.add_argument(
+        "--suspend-after",
+        type=int,
+        default=16,
+        help="consecutive non-drafting steps after which plain steps stop updating the drafter's "
+        "context (caught up when drafting resumes; -1: never suspend; default 16)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests allowed to wait for a slot; more get HTTP 429 (default 256)",
+    )
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens of requests that give none, both endpoints (capped to the context room; "
+        "default: vLLM's: 16 for /v1/completions, the rest of the context for chat)",
+    )
+    p.add_argument(
+        "--verification",
+        default="coupled",
+        choices=["coupled", "rejection"],
+        help="lossless verification: coupled (Gumbel-coupled, the default) or rejection (standard "
+        "speculative rejection sampling: higher acceptance at T > 0, same output law)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise; default: the "
+        "DSPARK_API_KEY environment variable, else no key)",
+    )
+    p.add_argument(
+        "--api-key-health-metrics",
+        action="store_true",
+        help="with --api-key, /health and /metrics need the key too (default: they stay open)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat-template file overriding the tokenizer's (needed for models without one)",
+    )
+    p.add_argument("--served-model-name", default=None, help="the `model` name in responses (default: --target)")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="weight/compute dtype (default float32)"
+    )
+    p.add_argument(
+        "--mesh",
+        default=None,
+        metavar="model:N",
+        help="tensor-parallel serving over N devices: weights, KV caches and drafter sharded over "
+        "'model' (default: one device); plan memory first with python -m dspark_jax.train "
+        "--config RECIPE --dry-run --serve --mesh model:N",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to let in-flight requests finish on shutdown (default 30)",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _parse_buckets(spec: str | None) -> tuple[int, ...] | None:
+    from dspark_jax.errors import DSparkInputError
+
+    if not spec:
+        return None
+    try:
+        out = tuple(sorted({int(x) for x in spec.split(",") if x.strip()}))
+    except ValueError:
+        raise DSparkInputError(f"--buckets {spec!r}: expected comma-separated integers") from None
+    if not out or out[0] < 1:
+        raise DSparkInputError(f"--buckets {spec!r}: budgets must be positive")
+    return out
+
+
+def build_engine(
+    target,
+    drafter=None,
+    *,
+    policy: str | None = None,
+    num_slots: int = 8,
+    cache_len: int = 1024,
+    buckets: Sequence[int] | None = None,
+    sps_table: Any = None,
+    warmup: bool = True,
+    eos_token_ids: Sequence[int] | None = None,
+    **engine_kwargs,
+):
+    """Builds (and warms up) a :class:`dspark_jax.serving.engine.Engine`.
+
+    Args:
+      policy: ``plain | fixed:G | threshold:C | greedy | dspark``; ``None`` = ``dspark``
+        with a drafter, ``plain`` without.
+      sps_table: an ``SPSTable``, or a JSON path: loaded when it exists (the engine reuses it
+        only if it was measured for this device, model and shape), and after warm-up the
+        table in use (loaded or freshly profiled) is written there.
+      eos_token_ids: default: the target's EOS ids.
+    Raises:
+      DSparkInputError: bad slot count / cache length, or a speculative policy without a drafter.
+    """
+    from dspark_jax.errors import DSparkInputError
+    from dspark_jax.serving.engine import Engine
+
+    if num_slots < 1:
+        raise DSparkInputError("--num-slots must be >= 1")
+    if cache_len < 2:
+        raise DSparkInputError("--cache-len must be >= 2")
+    policy = policy or ("dspark" if drafter is not None else "plain")
+    if policy != "plain" and drafter is None:
+        raise DSparkInputError(f"policy {policy!r} needs a drafter (--drafter EXPORT_DIR); use --policy plain")
+    kw = dict(
+        num_slots=num_slots,
+        cache_len=cache_len,
+        policy=policy,
+        eos_token_ids=tuple(eos_token_ids if eos_token_ids is not None else target.cfg.eos_ids),
+    )
+    if buckets is not None:
+        kw["buckets"] = tuple(buckets)
+    table_path = Path(sps_table) if isinstance(sps_table, (str, Path)) else None
+    if table_path is not None:
+        if table_path.exists():
+            kw["sps_table"] = table_path
+    elif sps_table is not None:
+        kw["sps_table"] = sps_table
+    kw.update(engine_kwargs)
+    engine = Engine(target, drafter if policy != "plain" else None, **kw)
+    if warmup:
+        warmup_engine(engine, sps_table)
+    return engine
+
+
+def warmup_engine(engine, sps_table: Any = None) -> None:
+    """Compiles every shape of ``engine`` (and profiles its SPS table); when ``sps_table`` is
+    a path, writes the table in use there."""
+    engine.warmup()
+    if isinstance(sps_table, (str, Path)) and engine.sps_table is not None:
+        path = Path(sps_table)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        engine.sps_table.save(path)
+
+
+def build_server(
+    engine,
+    tokenizer,
+    *,
+    model_name: str,
+    max_queue: int = 256,
+    default_max_tokens: int | None = None,
+    chat_template: str | None = None,
+    policy: str = "",
+    api_key: str | None = None,
+    api_key_health_metrics: bool = False,
+):
+    """``(app, engine_loop)``: the FastAPI app around an engine (the loop starts with the app).
+
+    ``default_max_tokens`` None: vLLM's defaults (16 for completions, the rest of the
+    context for chat). ``api_key``: see :class:`dspark_jax.serving.server.ServerConfig`.
+    """
+    from dspark_jax.serving.server import EngineLoop, ServerConfig, create_app
+
+    loop = EngineLoop(engine, tokenizer, max_queue=max_queue, model_name=model_name)
+    tcfg = engine.target.cfg
+    cfg = ServerConfig(
+        model_name=model_name,
+        context_len=int(min(engine.cache_len, tcfg.max_position)),
+        vocab_size=int(tcfg.vocab_size),
+        default_max_tokens=default_max_tokens,
+        chat_template=chat_template,
+        policy=policy,
+        api_key=api_key or None,
+        auth_health_metrics=bool(api_key_health_metrics),
+        max_logit_bias=int(getattr(engine, "max_logit_bias", 1024)),
+    )
+    return create_app(loop, tokenizer, cfg), loop
+
+
+class ServerThread:
+    """Runs an app with uvicorn in a background thread (benchmarks, tests).
+
+    ``with ServerThread(app) as s: httpx.get(s.url + "/health")``; leaving the block
+    shuts uvicorn down (graceful drain, then the app's lifespan stops the engine loop).
+    ``port=0`` picks a free port.
+    """
+
+    def __init__(
+        self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", graceful_timeout: float = 10.0
+    ):
+        import socket
+
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = host, self.sock.getsockname()[1]
+        # log_config=None: uvicorn's own config would bind handlers to the sys.stderr of the
+        # moment (a test's capture buffer, closed later); the caller's logging setup applies.
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                log_level=log_level,
+                timeout_graceful_shutdown=graceful_timeout,
+                access_log=False,
+                lifespan="on",
+                log_config=None,
+            )
+        )
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True, name="uvicorn"
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> ServerThread:
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() - t0 > timeout:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run(args: argparse.Namespace) -> None:
+    import jax.numpy as jnp
+    import uvicorn
+
+    from dspark_jax.api import load_target_and_drafter
+    from dspark_jax.drafters.checkpoint import read_export_meta
+    from dspark_jax.errors import DSparkInputError
+
+    if args.max_queue < 0:
+        raise DSparkInputError("--max-queue must be >= 0")
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        raise DSparkInputError("--default-max-tokens must be >= 1")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("DSPARK_API_KEY")
+    if args.api_key_health_metrics and not api_key:
+        raise DSparkInputError("--api-key-health-metrics needs --api-key (or DSPARK_API_KEY)")
+    if not 0 < args.port < 65536:
+        raise DSparkInputError("--port must be in 1..65535")
+    if args.policy and args.policy.strip().lower() != "plain" and not args.drafter:
+        raise DSparkInputError(f"policy {args.policy!r} needs a drafter (--drafter EXPORT_DIR); use --policy plain")
+    if args.drafter:
+        read_export_meta(args.drafter)  # fail fast, before loading the target
+    chat_template = None
+    if args.chat_template:
+        path = Path(args.chat_template)
+        if not path.is_file():
+            raise DSparkInputError(f"--chat-template file not found: {path}")
+        chat_template = path.read_text(encoding="utf-8")
+
+    def say(msg: str) -> None:  # before uvicorn's logging is configured
+        print(f"[dspark_jax.serve] {msg}", file=sys.stderr, flush=True)
+
+    dtype = jnp.dtype(args.dtype)
+    mesh = None
+    if args.mesh:  # weights go straight from the host to their shards (an 8B target never lands on one chip)
+        from dspark_jax.serving.engine import _serving_mesh
+
+        mesh = _serving_mesh(args.mesh)
+    target, tok, drafter = load_target_and_drafter(args.target, args.drafter, dtype=dtype, mesh=mesh)
+    policy = args.policy or ("dspark" if drafter is not None else "plain")
+    t0 = time.monotonic()
+    # Built without warm-up first: a drafter or setting the engine refuses (e.g. an eagle3
+    # drafter) is one `error:` line before anything is compiled.
+    engine = build_engine(
+        target,
+        drafter,
+        policy=policy,
+        num_slots=args.num_slots,
+        cache_len=args.cache_len,
+        buckets=_parse_buckets(args.buckets),
+        sps_table=args.sps_table,
+        warmup=False,
+        suspend_after=None if args.suspend_after == -1 else args.suspend_after,
+        verification=args.verification,
+        mesh=mesh,
+    )
+    say(
+        f"compiling the engine (policy {policy}, verification {args.verification}, {args.num_slots} slots, "
+        f"cache {args.cache_len}) for every bucket ..."
+    )
+    warmup_engine(engine, args.sps_table)
+    say(
+        f"engine ready in {time.monotonic() - t0:.1f} s ({engine.metrics()['compiles']} executables); serving "
+        f"on http://{args.host}:{args.port}"
+    )
+    app, _ = build_server(
+        engine,
+        tok,
+        model_name=args.served_model_name or args.target,
+        max_queue=args.max_queue,
+        default_max_tokens=args.default_max_tokens,
+        chat_template=chat_template,
+        policy=policy,
+        api_key=api_key,
+        api_key_health_metrics=args.api_key_health_metrics,
+    )
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.graceful_timeout
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dspark_jax.errors import run_cli
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    status, _ = run_cli(run, args)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
