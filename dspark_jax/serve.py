@@ -2,9 +2,9 @@
 
 import sys
 
-from dspark_jax.serving.cli import main
+from dspark_jax.serving.cli import build_parser, main
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())
