@@ -553,25 +553,26 @@ def prepare_data(cfg: TrainConfig, target, tok) -> tuple[list[Path], list[str]]:
     from tqdm.auto import tqdm
 
     from dspark_jax.decoding.speculative import generate_autoregressive
+    from dspark_jax.evaluation import prompts as prompts_mod
     from dspark_jax.training import data as data_mod
 
     workdir = Path(cfg.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     chat = cfg.prompts == "chat"
     if cfg.prompts == "tinystories":
-        texts = data_mod.tinystories_openings()
+        texts = prompts_mod.tinystories_openings()
     elif cfg.prompts == "chat":
-        texts = data_mod.chat_training_prompts()
+        texts = prompts_mod.chat_training_prompts()
     else:
         raise DSparkInputError(f"prompts must be 'tinystories' or 'chat', got {cfg.prompts!r}")
     n_builtin = len(texts)
     if cfg.prompts_file:
-        texts += data_mod.read_prompt_file(cfg.prompts_file)
-    train_texts, eval_texts = data_mod.split_prompts(texts, min(cfg.num_eval_prompts, len(texts) // 5), cfg.seed)
+        texts += prompts_mod.read_prompt_file(cfg.prompts_file)
+    train_texts, eval_texts = prompts_mod.split_prompts(texts, min(cfg.num_eval_prompts, len(texts) // 5), cfg.seed)
     (workdir / "eval_prompts.json").write_text(json.dumps(eval_texts, indent=1))
-    guard = data_mod.evaluation_texts(eval_texts)
+    guard = prompts_mod.evaluation_texts(eval_texts)
     if cfg.prompts_file and len(texts) > n_builtin:  # user prompts: keep evaluation prompts out
-        drop = data_mod.drop_contaminated(train_texts, guard)
+        drop = prompts_mod.drop_contaminated(train_texts, guard)
         if any(drop):
             print(
                 f"contamination guard: dropped {sum(drop)} training prompts that contain an evaluation prompt",
@@ -588,7 +589,7 @@ def prepare_data(cfg: TrainConfig, target, tok) -> tuple[list[Path], list[str]]:
     if chat and len(train_texts) < cfg.num_prompts:
         # Few distinct chat prompts: repeat them, the sampled continuations differ.
         train_texts = (train_texts * (cfg.num_prompts // max(1, len(train_texts)) + 1))[: cfg.num_prompts]
-    train_ids = data_mod.encode_prompts(tok, train_texts, chat)
+    train_ids = prompts_mod.encode_prompts(tok, train_texts, chat)
     # A prompt taking more than half the stored length leaves too few target tokens to learn from.
     train_ids = [ids for ids in train_ids if len(ids) <= cfg.seq_len // 2] or train_ids
     train_ids = train_ids[: cfg.num_prompts]
@@ -625,12 +626,13 @@ def prepare_data(cfg: TrainConfig, target, tok) -> tuple[list[Path], list[str]]:
 
 def _corpus_shards(cfg: TrainConfig, tok, chat: bool, guard: list[str], workdir: Path) -> list[Path]:
     """Shards of ``cfg.corpus`` (no generation), contaminated rows dropped; [] without a corpus."""
+    from dspark_jax.evaluation import prompts as prompts_mod
     from dspark_jax.training import data as data_mod
 
     if not cfg.corpus:
         return []
     rows = data_mod.read_corpus(cfg.corpus)
-    drop = data_mod.drop_contaminated([data_mod.corpus_row_text(r) for r in rows], guard)
+    drop = prompts_mod.drop_contaminated([data_mod.corpus_row_text(r) for r in rows], guard)
     rows = [r for r, d in zip(rows, drop) if not d]
     if cfg.corpus_max_sequences:
         rows = rows[: cfg.corpus_max_sequences]
@@ -660,6 +662,7 @@ def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, targ
     from dspark_jax.api import load_target
     from dspark_jax.drafters.checkpoint import export_drafter
     from dspark_jax.drafters.dspark import build_drafter
+    from dspark_jax.evaluation import prompts as prompts_mod
     from dspark_jax.training import data as data_mod
     from dspark_jax.training.trainer import (
         Trainer,
@@ -823,13 +826,13 @@ def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, targ
         from dspark_jax.training.calibration import calibrate_training_run
 
         summary["calibration"] = calibrate_training_run(
-            cfg, target, drafter, data_mod.encode_prompts(tok, eval_texts, chat), export, workdir
+            cfg, target, drafter, prompts_mod.encode_prompts(tok, eval_texts, chat), export, workdir
         )
     # -- stage 4: held-out evaluation ----------------------------------------------------------
     if evaluate and eval_texts:
         from dspark_jax.evaluation.acceptance import evaluate_tau
 
-        eval_ids = data_mod.encode_prompts(tok, eval_texts, chat)
+        eval_ids = prompts_mod.encode_prompts(tok, eval_texts, chat)
         summary["eval"] = evaluate_tau(
             target,
             drafter,
