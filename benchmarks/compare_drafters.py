@@ -156,9 +156,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from dspark_jax.drafters.checkpoint import load_drafter
     from dspark_jax.evaluation.acceptance import evaluate_tau
-    from dspark_jax.models.model_io import params_fingerprint
     from dspark_jax.models.presets import resolve_target
     from dspark_jax.models.target import Target
+    from dspark_jax.models.weights import params_fingerprint
     from dspark_jax.training.cli import prepare_data
     from dspark_jax.training.cli import run as train_run
     from dspark_jax.training.trainer import TRAIN_PRESETS, drafter_config

@@ -78,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.decoding.speculative import generate_autoregressive
     from dspark_jax.drafters.checkpoint import load_drafter
     from dspark_jax.evaluation.cli import load_prompt_texts
-    from dspark_jax.models.model_io import params_fingerprint
     from dspark_jax.models.presets import preset_info, resolve_target
     from dspark_jax.models.target import Target
+    from dspark_jax.models.weights import params_fingerprint
 
     ap = argparse.ArgumentParser(description="Batch-1 cost table (plain step, verify per length, draft, context).")
     ap.add_argument("--target", required=True, help="preset name or model path")

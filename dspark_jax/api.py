@@ -26,10 +26,10 @@ from dspark_jax.decoding.speculative import (
 from dspark_jax.drafters.checkpoint import load_drafter
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.models.model_io import params_fingerprint
 from dspark_jax.models.presets import preset_info, resolve_target
 from dspark_jax.models.target import Target
 from dspark_jax.models.tokenizer import decode_complete
+from dspark_jax.models.weights import params_fingerprint
 
 __all__ = ["encode_prompt", "generate_text", "load_drafter", "load_target", "load_target_and_drafter"]
 

@@ -206,7 +206,7 @@ def check_stats(res, gamma_used: int, speculative=True):
 # ======================================================================================
 @pytest.fixture(scope="module")
 def s260k(stories260k):
-    from dspark_jax.models.model_io import params_fingerprint
+    from dspark_jax.models.weights import params_fingerprint
 
     cfg, params, tok = stories260k
     return Target(cfg, params, fingerprint=params_fingerprint(params)), tok
@@ -669,7 +669,7 @@ def test_input_errors(peaked, drafters):
 
 def test_incompatible_drafter(peaked):
     """(h) a drafter built for another vocabulary / width / depth / weights is refused."""
-    from dspark_jax.models.model_io import params_fingerprint
+    from dspark_jax.models.weights import params_fingerprint
 
     p = tiny_params("peaked")
     fp_target = Target(TINY, p, fingerprint=params_fingerprint(p))

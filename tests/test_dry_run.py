@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.models import model_io
+from dspark_jax.models import hf_io, model_io
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,8 +35,9 @@ def no_weight_loading(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("--dry-run tried to load weights")
 
-    for name in ("load_target_files", "load_llama2c", "load_gguf", "load_hf_dir", "_read_st"):
+    for name in ("load_target_files", "load_llama2c", "load_gguf", "load_hf_dir"):
         monkeypatch.setattr(model_io, name, boom)
+    monkeypatch.setattr(hf_io, "_read_st", boom)
 
 
 @pytest.mark.parametrize("recipe", sorted(QWEN3))

@@ -33,7 +33,7 @@ GAMMA = 4
 
 @pytest.fixture(scope="module")
 def s260k(stories260k):
-    from dspark_jax.models.model_io import params_fingerprint
+    from dspark_jax.models.weights import params_fingerprint
 
     cfg, params, tok = stories260k
     return Target(cfg, params, fingerprint=params_fingerprint(params)), tok

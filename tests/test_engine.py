@@ -26,8 +26,8 @@ from dspark_jax.config import DrafterConfig
 from dspark_jax.decoding.speculative import generate_autoregressive
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.models.model_io import params_fingerprint
 from dspark_jax.models.target import Target
+from dspark_jax.models.weights import params_fingerprint
 from dspark_jax.serving.engine import Engine, Request, SamplingParams, parse_policy
 
 GAMMA = 3

@@ -183,7 +183,7 @@ def test_killed_build_leaves_no_cache(built, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_train_run_with_feature_cache_matches_uncached(stories260k, tmp_path):
-    from dspark_jax.models.model_io import params_fingerprint
+    from dspark_jax.models.weights import params_fingerprint
     from dspark_jax.training.cli import run
 
     cfg_t, params, tok = stories260k

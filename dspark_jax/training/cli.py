@@ -237,8 +237,8 @@ def estimate_memory(
     from flax import nnx
 
     from dspark_jax.drafters.dspark import build_drafter
-    from dspark_jax.models.model_io import target_param_shapes
     from dspark_jax.models.sharding import tree_bytes_per_device
+    from dspark_jax.models.weights import target_param_shapes
 
     sizes = _mesh_sizes(mesh, devices)
     m = sizes["model"]
@@ -313,8 +313,8 @@ def estimate_serving_memory(
     from flax import nnx
 
     from dspark_jax.drafters.dspark import build_drafter
-    from dspark_jax.models.model_io import target_param_shapes
     from dspark_jax.models.sharding import tree_bytes_per_device
+    from dspark_jax.models.weights import target_param_shapes
 
     sizes = _mesh_sizes(mesh, devices)
     m = sizes["model"]
@@ -408,7 +408,7 @@ def dry_run(
     from flax import nnx
 
     from dspark_jax.drafters.dspark import build_drafter
-    from dspark_jax.models.model_io import count_target_params
+    from dspark_jax.models.weights import count_target_params
     from dspark_jax.training.trainer import count_params
 
     tcfg, dcfg = _recipe_configs(cfg)

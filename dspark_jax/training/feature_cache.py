@@ -63,7 +63,7 @@ def target_identity(target: Target) -> str:
     """The weights' fingerprint (``target.fingerprint``, else computed from the weights)."""
     if target.fingerprint:
         return target.fingerprint
-    from dspark_jax.models.model_io import params_fingerprint
+    from dspark_jax.models.weights import params_fingerprint
 
     return params_fingerprint(nnx.to_pure_dict(nnx.state(target, nnx.Param)))
 
