@@ -77,7 +77,7 @@ def gguf_config(path: Any) -> TargetConfig:
     reader = _as_reader(path)
     fname = _gguf_name(reader)
 
-    def meta(key, default=None, required=False):
+    def meta(key: str, default: Any = None, required: bool = False) -> Any:
         f = reader.fields.get(key)
         if f is None:
             if required:

