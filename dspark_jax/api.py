@@ -120,7 +120,9 @@ def generate_text(
     """
     check_sampling(temperature, top_k, top_p)
     ids = list(prompt) if not isinstance(prompt, str) else encode_prompt(tokenizer, prompt, chat)
-    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    kw: dict[str, Any] = dict(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
+    )
     if drafter is not None:
         check_compatible(target, drafter)
         n_spec = resolve_num_speculative_tokens(

@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     status, out = run_cli(run, args)
-    if status:
+    if status or out is None:
         return status
     if args.json:
         print(json.dumps(out))

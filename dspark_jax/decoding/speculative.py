@@ -253,6 +253,7 @@ def _spec_decode(
                 target, drafter, s, running, anchor, p, draft_keys, verify_keys, room, max_verify, sampling
             )
             return _close_round(s, r, running, limit, stop_ids, cache_len, None)
+        assert costs is not None  # given with widths (generate_speculative)
         res, ell, zlog, new_auto = auto_verify.auto_round(
             target,
             drafter,
