@@ -847,3 +847,61 @@ def test_law_of_first_tokens(setting, peaked, law_runs):
         assert all(len(g.token_ids) == 6 for g in gens)
         acc = sum(g.num_accepted for g in gens) / sum(g.num_draft_tokens for g in gens)
         assert 0.0 < acc < 1.0, (k, acc)
+
+
+# ======================================================================================
+# The round's pieces (decoding.round) and the loops' plumbing
+# ======================================================================================
+def test_round_emission_and_statistics_agree_on_host_and_device():
+    """emit_counts / round_statistics give the same numbers with numpy (the serving engine's
+    host read-backs) and jax.numpy (the decode loops), per-row stop ids and min_tokens
+    (``stops_from``) included."""
+    from dspark_jax.decoding.round import emit_counts, round_statistics
+
+    rng = np.random.default_rng(0)
+    b, g = 64, 4
+    tokens = rng.integers(0, 6, (b, g + 1)).astype(np.int32)
+    num_acc = rng.integers(0, g + 1, b).astype(np.int32)
+    num_verify = np.maximum(num_acc, rng.integers(0, g + 1, b)).astype(np.int32)
+    num_new = num_acc + 1
+    tokens[np.arange(g + 1)[None, :] >= num_new[:, None]] = -1
+    running = rng.random(b) < 0.9
+    length = rng.integers(3, 10, b).astype(np.int32)
+    end = length + rng.integers(1, 8, b).astype(np.int32)
+    for stop_ids, stops_from in [
+        (np.array([2, 3], np.int32), None),
+        (rng.integers(-1, 6, (b, 2)).astype(np.int32), rng.integers(0, 4, b).astype(np.int32)),
+    ]:
+        args = (tokens, num_new, running, length, end, stop_ids)
+        host = emit_counts(*args, stops_from=stops_from, xp=np)
+        dev = emit_counts(*map(jnp.asarray, args), stops_from=None if stops_from is None else jnp.asarray(stops_from))
+        for h, d in zip(host, dev):
+            np.testing.assert_array_equal(h, np.asarray(d))
+        kept = host[0]
+        assert np.all(kept <= np.minimum(num_new, end - length) * running)
+        rs_h = round_statistics(num_verify, num_acc, num_new, kept, g, xp=np)
+        rs_d = round_statistics(*map(jnp.asarray, (num_verify, num_acc, num_new, kept)), g)
+        for h, d in zip(rs_h, rs_d):
+            np.testing.assert_array_equal(h, np.asarray(d))
+        assert np.all(rs_h.num_draft_tokens <= num_verify) and np.all(rs_h.num_accepted <= kept)
+
+
+def test_gamma_alias_is_deprecated():
+    from dspark_jax.decoding.validation import resolve_num_speculative_tokens
+
+    with pytest.warns(DeprecationWarning, match="num_speculative_tokens"):
+        assert resolve_num_speculative_tokens(None, 2, 4) == 2
+    with pytest.warns(DeprecationWarning), pytest.raises(DSparkInputError, match="not both"):
+        resolve_num_speculative_tokens(3, 2, 4)
+
+
+def test_compile_cache_is_bounded():
+    from dspark_jax.decoding.compile_cache import LRUCache
+    from dspark_jax.decoding.speculative import _COMPILED
+
+    assert isinstance(_COMPILED, LRUCache) and _COMPILED.maxsize <= 64
+    cache = LRUCache(maxsize=2)
+    built = []
+    for k in ("a", "b", "a", "c", "b"):
+        cache.get_or_build(k, lambda k=k: built.append(k) or k)
+    assert built == ["a", "b", "c", "b"] and len(cache) == 2 and "c" in cache and "a" not in cache
