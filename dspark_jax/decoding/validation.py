@@ -71,15 +71,17 @@ def check_sampling(temperature=0.0, top_k=0, top_p=1.0) -> None:
         )
 
 
-def check_max_new_tokens(max_new_tokens, num_requests: int) -> np.ndarray:
+def check_max_new_tokens(max_new_tokens, num_requests: int, name: str = "max_new_tokens") -> np.ndarray:
     """``[num_requests]`` int64 caps on generated tokens (a shared int or one per request).
 
+    Args:
+      name: the setting's name in the message (the serving API calls it ``max_tokens``).
     Raises:
       DSparkInputError: a value < 1.
     """
     max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (num_requests,))
     if np.any(max_new < 1):
-        raise DSparkInputError("max_new_tokens must be >= 1")
+        raise DSparkInputError(f"{name} must be >= 1")
     return max_new
 
 
