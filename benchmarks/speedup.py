@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.decoding.speculative import draft_tokens, generate_autoregressive, generate_speculative
+from dspark_jax.decoding.round import draft_tokens
+from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
 from dspark_jax.decoding.verifier import verify
 from dspark_jax.models.sampling import process_logits, sample, sampling_arrays
 

@@ -16,13 +16,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from dspark_jax.decoding.speculative import (
-    check_compatible,
-    check_sampling,
-    generate_autoregressive,
-    generate_speculative,
-    resolve_num_speculative_tokens,
-)
+from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
+from dspark_jax.decoding.validation import check_compatible, check_sampling, resolve_num_speculative_tokens
 from dspark_jax.drafters.checkpoint import load_drafter
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.errors import DSparkInputError
@@ -112,11 +107,11 @@ def generate_text(
       num_speculative_tokens: draft tokens verified per round (1..the drafter's block size) or
         ``"auto"``, the default for block drafters (:mod:`dspark_jax.decoding.auto_verify`; the first call
         measures this machine's cost table). At T > 0 the sampled tokens then depend on the
-        lengths it chose (the output law does not). ``gamma``: deprecated alias.
+        lengths it chose (the output law does not). ``gamma``: deprecated alias (DeprecationWarning).
     Returns:
       dict with ``text`` (UTF-8-safe: never ends in half a character), ``token_ids``,
       ``finish_reason``, ``tau`` (tokens per target verification pass, the prefill token
-      excluded, as defined in :class:`dspark_jax.decoding.speculative.Generation`; None when no pass
+      excluded, as defined in :class:`dspark_jax.decoding.results.Generation`; None when no pass
       ran), ``acceptance_rate``, ``num_target_passes``, ``tokens_per_s`` (compilation
       excluded) and ``position_acceptance``.
     Raises:

@@ -79,7 +79,7 @@ def evaluate_tau(
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
-            gamma=gamma,
+            num_speculative_tokens=gamma,
             seed=[seed + s + i for i in range(len(chunk))],
             record_rounds=record_rounds,
         )
