@@ -134,8 +134,8 @@ def stories260k_export(stories260k_dir, tmp_path_factory):
     """``(workdir, summary)`` of a quick stories260k drafter training run (session-scoped)."""
     import dataclasses
 
-    from dspark_jax.training.cli import run
-    from dspark_jax.training.trainer import TRAIN_PRESETS
+    from dspark_jax.training.pipeline import run
+    from dspark_jax.training.recipes import TRAIN_PRESETS
 
     os.environ.setdefault("DSPARK_MODELS", str(MODELS_DIR))
     workdir = tmp_path_factory.mktemp("train_stories")

@@ -26,7 +26,8 @@ from dspark_jax.evaluation import reliability as R
 from dspark_jax.models.sampling import sampling_arrays
 from dspark_jax.models.target import Target, random_params
 from dspark_jax.training import calibration as C
-from dspark_jax.training.trainer import TrainConfig, drafter_config, drafter_loss, sample_anchors
+from dspark_jax.training.losses import drafter_loss, sample_anchors
+from dspark_jax.training.trainer import TrainConfig, drafter_config
 
 TCFG = TargetConfig(
     vocab_size=64,

@@ -13,7 +13,7 @@ import pytest
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.evaluation import prompts as prompts_mod
 from dspark_jax.training import data as data_mod
-from dspark_jax.training.trainer import position_weights, sample_anchors
+from dspark_jax.training.losses import position_weights, sample_anchors
 
 
 class CharChat:

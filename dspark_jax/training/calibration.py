@@ -9,7 +9,7 @@ survival, earlier temperatures held fixed. Scaling never reorders the scores of 
 position, so the ranking the head learned survives.
 
 Data (:func:`collect`): the drafter runs teacher-forced on held-out target-generated
-sequences exactly as in training (:func:`dspark_jax.training.trainer.drafter_loss`): for every
+sequences exactly as in training (:func:`dspark_jax.training.losses.drafter_loss`): for every
 anchor block and position k, the raw logit ``z_k`` (``x_{k-1}`` = the true previous
 token) and the exact acceptance probability ``1 - TV_k`` between the drafter's
 ``p_draft`` and the target's ``p_target`` (temperature 1 by default, as the training
@@ -142,7 +142,7 @@ def block_terms(
 ) -> BlockTerms:
     """Teacher-forced raw confidence logits and exact acceptance, as in training.
 
-    The same computation as :func:`dspark_jax.training.trainer.drafter_loss` (target pass,
+    The same computation as :func:`dspark_jax.training.losses.drafter_loss` (target pass,
     many anchor blocks in one drafter pass, Markov correction from the true previous
     token, ``1 - TV`` at temperature 1), exposed per position instead of reduced to a loss.
 
@@ -206,7 +206,7 @@ def collect(
     """Runs the drafter teacher-forced over every anchor block of held-out sequences.
 
     Anchors are all positions ``prompt_len - 1 .. length - 2`` (every ``anchor_stride``-th),
-    like training's :func:`~dspark_jax.training.trainer.sample_anchors` range, so every predicted
+    like training's :func:`~dspark_jax.training.losses.sample_anchors` range, so every predicted
     token is target-generated.
 
     Args:
