@@ -119,8 +119,8 @@ def estimate_memory(
     from flax import nnx
 
     from dspark_jax.drafters.dspark import build_drafter
-    from dspark_jax.models.weights import target_param_shapes
     from dspark_jax.models.sharding import tree_bytes_per_device
+    from dspark_jax.models.weights import target_param_shapes
 
     sizes = _mesh_sizes(mesh, devices)
     cb = jnp.dtype(cfg.dtype).itemsize
@@ -177,8 +177,8 @@ def estimate_serving_memory(
     from flax import nnx
 
     from dspark_jax.drafters.dspark import build_drafter
-    from dspark_jax.models.weights import target_param_shapes
     from dspark_jax.models.sharding import tree_bytes_per_device
+    from dspark_jax.models.weights import target_param_shapes
 
     sizes = _mesh_sizes(mesh, devices)
     m = sizes["model"]

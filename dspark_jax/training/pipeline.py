@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dspark_jax.evaluation import prompts as prompts_mod
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.evaluation import prompts as prompts_mod
 from dspark_jax.training.trainer import TrainConfig
 
 
@@ -37,7 +37,6 @@ def _prompt_split(cfg: TrainConfig, workdir: Path) -> tuple[list[str], list[str]
     Raises:
       DSparkInputError: unknown prompt source.
     """
-    from dspark_jax.training import data as data_mod
 
     if cfg.prompts == "tinystories":
         texts = prompts_mod.tinystories_openings()
@@ -237,7 +236,6 @@ def _calibrate_and_evaluate(
     held-out prompts (never in the training data): temperatures go into the export, the report
     into ``calibration.json``. 4: held-out tau -> ``<workdir>/eval.json``.
     """
-    from dspark_jax.training import data as data_mod
 
     out: dict[str, Any] = {}
     calibrate = calibrate and drafter.cfg.has_confidence
