@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -115,20 +116,29 @@ def fingerprints(dump_dir: Path) -> dict:
     }
 
 
+def _find(name: str, *modules: str):
+    """Attribute ``name`` of the first of ``modules`` that imports and defines it."""
+    for mod in modules:
+        try:
+            obj = getattr(importlib.import_module(mod), name, None)
+        except ImportError:
+            continue
+        if obj is not None:
+            return obj
+    raise ImportError(f"none of {modules} defines {name}")
+
+
 def _models():
     """A tiny random target and a DSpark drafter for it (fixed seeds), on any checkout."""
     from flax import nnx
 
     from dspark_jax.config import DrafterConfig, TargetConfig
 
-    try:
-        from dspark_jax.models.target import Target, random_params
-    except ImportError:  # before the subpackage layout
-        from dspark_jax.target import Target, random_params
-    try:
-        from dspark_jax.drafters.dspark import Drafter
-    except ImportError:
-        from dspark_jax.drafter import Drafter
+    # The subpackage layout, then the flat one of older commits (import by name: a static import
+    # of a module that no longer exists would not resolve).
+    target_cls = _find("Target", "dspark_jax.models.target", "dspark_jax.target")
+    random_params = _find("random_params", "dspark_jax.models.target", "dspark_jax.target")
+    drafter_cls = _find("Drafter", "dspark_jax.drafters.dspark", "dspark_jax.drafter")
 
     cfg = TargetConfig(
         vocab_size=128,
@@ -141,11 +151,11 @@ def _models():
         max_position=256,
         name="hlo-tiny",
     )
-    target = Target(cfg, random_params(cfg, seed=0), fingerprint="hlo-tiny")
+    target = target_cls(cfg, random_params(cfg, seed=0), fingerprint="hlo-tiny")
     dcfg = DrafterConfig.for_target(
         cfg, gamma=3, num_layers=1, intermediate_size=64, markov_rank=16, target_fingerprint="hlo-tiny"
     )
-    return target, Drafter(dcfg, nnx.Rngs(0))
+    return target, drafter_cls(dcfg, nnx.Rngs(0))
 
 
 def _drive(engine, requests) -> None:

@@ -215,7 +215,7 @@ def build_engine(
     policy = policy or ("dspark" if drafter is not None else "plain")
     if policy != "plain" and drafter is None:
         raise DSparkInputError(f"policy {policy!r} needs a drafter (--drafter EXPORT_DIR); use --policy plain")
-    kw = dict(
+    kw: dict[str, Any] = dict(
         num_slots=num_slots,
         cache_len=cache_len,
         policy=policy,
@@ -306,7 +306,7 @@ class ServerThread:
             uvicorn.Config(
                 app,
                 log_level=log_level,
-                timeout_graceful_shutdown=graceful_timeout,
+                timeout_graceful_shutdown=graceful_timeout,  # pyright: ignore[reportArgumentType]  # seconds, float
                 access_log=False,
                 lifespan="on",
                 log_config=None,

@@ -112,6 +112,9 @@ class OutputState:
 
 
 def spec_dict(steps: int, emitted: int, verified: int, accepted: int) -> dict[str, Any]:
+    """A ``spec_decode`` object: ``steps`` verification passes that emitted ``emitted`` tokens
+    (the prefill token excluded), ``accepted`` of ``verified`` draft tokens; rates None when
+    undefined."""
     return {
         "num_steps": steps,
         "num_draft_tokens": verified,
@@ -122,11 +125,13 @@ def spec_dict(steps: int, emitted: int, verified: int, accepted: int) -> dict[st
 
 
 def usage(n_prompt: int, states: list[OutputState]) -> dict[str, int]:
+    """OpenAI ``usage`` of a request: its prompt once, the tokens of every choice."""
     n_gen = sum(len(st.token_ids) for st in states)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
 
 
 def spec_total(states: list[OutputState]) -> dict[str, Any]:
+    """The ``spec_decode`` object of a whole request (its choices' counts summed)."""
     return spec_dict(
         sum(st.num_steps for st in states),
         sum(st.num_emitted for st in states),

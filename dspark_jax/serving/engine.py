@@ -58,7 +58,9 @@ slot is released by the engine at the end of the :meth:`Engine.generate` call th
 
 from __future__ import annotations
 
+import os
 import time
+from typing import cast
 
 import jax
 import numpy as np
@@ -86,13 +88,13 @@ from dspark_jax.serving.requests import (
     validate_request,
 )
 from dspark_jax.serving.slots import SlotRecord, SlotTable
-from dspark_jax.serving.state import DecodeState, PrefixArrays
+from dspark_jax.serving.state import PrefixArrays
 
 __all__ = ["Engine", "Prefix", "Request", "SamplingParams", "StepOutput", "parse_policy"]
 
 
 def _check_drafter(target, drafter) -> None:
-    """Refuses a drafter the engine cannot serve (eagle3) or one built for another target."""
+    """Refuses a drafter kind the engine cannot serve (eagle3: no context K/V to keep)."""
     if drafter is None:
         return
     if getattr(drafter.cfg, "variant", "") == "eagle3" or not hasattr(drafter, "context_kv"):
@@ -221,7 +223,7 @@ class Engine:
         self._slots = SlotTable(self.num_slots)
         self._warm = False
         self._given_table = (
-            SPSTable.load(sps_table) if isinstance(sps_table, (str,)) or hasattr(sps_table, "__fspath__") else sps_table
+            SPSTable.load(os.fspath(sps_table)) if isinstance(sps_table, (str, os.PathLike)) else sps_table
         )
         self._metrics = EngineMetrics(self.gamma)
         self.planner = Planner(
@@ -250,15 +252,8 @@ class Engine:
         self.num_slots, self.cache_len = int(num_slots), int(cache_len)
         self.gamma = drafter.cfg.gamma if drafter is not None else 0
 
-    @property
-    def _state(self) -> DecodeState:
-        """The device state (benchmarks and tests read and replace it)."""
-        return self._device.state
-
-    @_state.setter
-    def _state(self, st: DecodeState) -> None:
-        self._device.state = st
-
+    # The device state and the models' states (benchmarks and tests read and replace ``_state``).
+    _state = property(lambda self: self._device.state, lambda self, st: setattr(self._device, "state", st))
     _t_state = property(lambda self: self._device.t_state, doc="The target's (placed) NNX state.")
     _d_state = property(lambda self: self._device.d_state, doc="The drafter's (placed) NNX state, or None.")
 
@@ -271,10 +266,12 @@ class Engine:
 
     @property
     def policy_name(self) -> str:
+        """``plain``, ``fixed``, ``threshold``, ``greedy`` or ``dspark``."""
         return self.planner.name
 
     @property
     def policy_arg(self) -> float | int | None:
+        """``G`` of ``fixed:G``, ``C`` of ``threshold:C``, else None."""
         return self.planner.arg
 
     @property
@@ -551,7 +548,7 @@ class Engine:
         self._metrics.add_step(rows, tokens, n + int(ell.sum()), draft_next, suspended, time.perf_counter() - t0)
         verified_rows = ell > 0
         if self.gamma and verified_rows.any():
-            zs = np.stack([rec.z for rec, v in zip(recs, verified_rows) if v])
+            zs = np.stack([cast(np.ndarray, rec.z) for rec, v in zip(recs, verified_rows) if v])  # verified: drafted
             self.calibrator.observe(zs, ell[verified_rows], acc[:n][verified_rows])
             self.calibrator.update()
         host = (ypad, acc, finite, conf) + tuple(lp)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -181,8 +182,7 @@ class Planner:
         if self.name == "plain" or g == 0:
             return [rows]
         if self.name == "fixed":
-            assert isinstance(self.arg, int)
-            return [rows, rows * (self.arg + 1)]
+            return [rows, rows * (cast(int, self.arg) + 1)]
         top = rows * (g + 1)
         return sorted({rows} | {min(k, top) for k in self.ladder if k > rows})
 
@@ -314,9 +314,9 @@ class Planner:
         budgets = self.budgets(rows)
         draft_next = True
         if self.name == "fixed":
-            ell = sch.fixed_lengths(cap, self.arg)
+            ell = sch.fixed_lengths(cap, cast(int, self.arg))
         elif self.name == "threshold":
-            ell = sch.threshold_lengths(surv, cap, self.arg)
+            ell = sch.threshold_lengths(surv, cap, cast(float, self.arg))
         else:
             ell, draft_next = self._throughput_lengths(records, rows, room, surv, cap)
         total = n + int(ell.sum())

@@ -480,7 +480,7 @@ def move_program(st: DecodeState, src, dst) -> DecodeState:
     active row into the hole). The row axis is found by field name: 1 for the KV caches
     (``[L, B, S, kvh, hd]``), 0 for everything else."""
 
-    def mv(x, axis):
+    def mv(x, axis) -> Any:
         if x is None:
             return None
         part = jax.lax.dynamic_slice_in_dim(x, src, 1, axis)

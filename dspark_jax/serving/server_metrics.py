@@ -147,7 +147,7 @@ class ServerMetrics:
     def __init__(self, loop: SnapshotSource, model_name: str):
         disable_created_metrics()  # no `_created` series (process-wide; as vLLM's exposition)
         self.registry = CollectorRegistry(auto_describe=True)
-        lbl = dict(labelnames=["model_name"], registry=self.registry)
+        lbl: dict[str, Any] = dict(labelnames=["model_name"], registry=self.registry)
         self.model_name = model_name
         self.request_success = Counter(
             "dspark:request_success",

@@ -26,8 +26,8 @@ CACHE_FIELDS = ("tk", "tv", "dk", "dv")
 class DecodeState(NamedTuple):
     """Per-row device state of the engine (``B`` rows, ``S`` cache positions)."""
 
-    tk: jax.Array  # [L, B, S, kvh, hd] target keys
-    tv: jax.Array
+    tk: Any  # [L, B, S, kvh, hd] target keys
+    tv: Any
     dk: Any  # [N, B, S, kvh, hd] drafter context keys (None without drafter)
     dv: Any
     anchor: jax.Array  # [B] int32 last confirmed token (not yet in the target cache)
@@ -49,8 +49,8 @@ class DecodeState(NamedTuple):
 class PrefixArrays(NamedTuple):
     """Device arrays of one prefilled request (``P`` the prefill bucket length)."""
 
-    tk: jax.Array  # [L, 1, P, kvh, hd]
-    tv: jax.Array
+    tk: Any  # [L, 1, P, kvh, hd]
+    tv: Any
     dk: Any  # [N, 1, P, kvh, hd] or None
     dv: Any
     key: jax.Array  # [2] uint32 request key
@@ -105,7 +105,7 @@ def state_shardings(kind, mesh, target_cfg, drafter_cfg, keep_q: bool):
     t = cache(target_cfg)
     d = cache(drafter_cfg) if drafter_cfg is not None else None
     caches = {"tk": t, "tv": t, "dk": d, "dv": d}
-    rest = {f: repl for f in kind._fields if f not in CACHE_FIELDS}
+    rest: dict[str, Any] = {f: repl for f in kind._fields if f not in CACHE_FIELDS}
     if not keep_q:
         rest["qprob"] = None
     return kind(**caches, **rest)
