@@ -736,3 +736,19 @@ def test_dspark_policy_reports_its_decision(engine, requests, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "dspark_jax.serving.engine"]
     assert any(m.startswith("suspending drafting") and "tokens/s drafting vs" in m for m in lines), lines
     assert any(m.startswith("resuming drafting") for m in lines), lines
+
+
+def test_program_cache_is_a_bounded_lru():
+    """The engine's compile cache keeps at most ``max_size`` executables, dropping the least
+    recently used; engine signatures get stable small ids."""
+    cache = ProgramCache(max_size=2)
+    a, b = cache.intern(("sig", 1)), cache.intern(("sig", 2))
+    assert a != b and cache.intern(("sig", 1)) == a
+    cache.put((a, "step"), "x")
+    cache.put((a, "move"), "y")
+    assert cache.get((a, "step")) == "x"  # now the most recently used
+    cache.put((b, "step"), "z")  # drops (a, "move")
+    assert (a, "move") not in cache and cache.get((a, "move")) is None
+    assert len(cache) == 2 and cache.get((a, "step")) == "x" and cache.get((b, "step")) == "z"
+    with pytest.raises(ValueError):
+        ProgramCache(max_size=0)
