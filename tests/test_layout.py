@@ -229,3 +229,72 @@ def test_version_is_the_installed_distributions():
     import dspark_jax
 
     assert dspark_jax.__version__ == importlib.metadata.version("dspark_jax")
+
+
+# ----------------------------------------------------------------------------- dependencies
+
+EXTRAS_ONLY = {"fastapi", "uvicorn", "prometheus_client", "pydantic", "matplotlib"}
+
+
+def _canonical(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def test_every_third_party_import_is_declared_in_pyproject():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = {_canonical(Requirement(r).name) for r in project["dependencies"]}
+    extras = {_canonical(Requirement(r).name) for rs in project["optional-dependencies"].values() for r in rs}
+    dists = importlib.metadata.packages_distributions()
+    problems = []
+    for mod, tree in sorted(TREES.items()):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            for top in {n.split(".")[0] for n in names} - set(sys.stdlib_module_names) - {"dspark_jax"}:
+                declared = {_canonical(d) for d in dists.get(top, [top])}
+                where_ok = extras if top in EXTRAS_ONLY else core
+                if not declared & where_ok:
+                    problems.append(f"{where(mod, node.lineno)}: {top} ({', '.join(sorted(declared))})")
+    assert not problems, "imports not declared in pyproject.toml:\n  " + "\n  ".join(sorted(set(problems)))
+
+
+def _module_level_imports(tree: ast.Module) -> list[tuple[str, int]]:
+    """``(absolute name, line)`` of the imports that run when the module is imported: not inside a
+    function (``if``/``try``/class bodies at module level count). Relative imports are skipped
+    (the package uses absolute ones; :func:`imports_of` resolves them for the graph)."""
+    out, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out += [(f"{node.module}.{a.name}", node.lineno) for a in node.names]
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo += list(ast.iter_child_nodes(node))
+    return out
+
+
+def test_core_import_needs_no_extras():
+    """``import dspark_jax`` (the API) runs no import of the HTTP server's or the plots' packages:
+    the module-level imports reachable from ``dspark_jax`` and ``dspark_jax.api``."""
+    seen, todo, problems = set(), ["dspark_jax", "dspark_jax.api"], []
+    while todo:
+        mod = todo.pop()
+        if mod in seen:
+            continue
+        seen.add(mod)
+        for name, line in _module_level_imports(TREES[mod]):
+            top = name.split(".")[0]
+            if top in EXTRAS_ONLY:
+                problems.append(f"{where(mod, line)}: {name}")
+            elif top == "dspark_jax":
+                todo += [o for o in (_owner(name),) if o] + [p for p in PACKAGES if name.startswith(p + ".")]
+    assert "dspark_jax.models.target" in seen
+    assert not problems, "the core import needs an extra:\n  " + "\n  ".join(sorted(problems))
