@@ -627,7 +627,7 @@ class Trainer:
                 (grads, sums), _ = jax.lax.scan(body, zeros, xs)
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-            return params, opt_state, finalize_loss(sums), optax.global_norm(grads)
+            return params, opt_state, finalize_loss(sums), optax.tree.norm(grads)
 
         self._step = jax.jit(
             step, donate_argnums=(0, 1), out_shardings=(self.param_shardings, self.opt_shardings, repl, repl)
