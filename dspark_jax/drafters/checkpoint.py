@@ -55,9 +55,9 @@ def export_drafter(
         shutil.rmtree(path)
     path.mkdir(parents=True)
     params = nnx.state(drafter, nnx.Param)
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(path / "params", nnx.to_pure_dict(params))
-    ckptr.wait_until_finished()
+    with ocp.StandardCheckpointer() as ckptr:  # closing it stops its background save thread
+        ckptr.save(path / "params", nnx.to_pure_dict(params))
+        ckptr.wait_until_finished()
     meta = {
         "format": FORMAT,
         "config": drafter.cfg.to_dict(),
@@ -128,7 +128,9 @@ def load_drafter(path: str | Path, dtype: Any = None) -> tuple[Drafter, dict[str
     if not (path / "params").exists():
         raise DSparkInputError(f"{path} has no params/ folder: the export is incomplete")
     try:
-        restored = ocp.StandardCheckpointer().restore(path / "params", target_tree)
+        with ocp.StandardCheckpointer() as ckptr:
+            _check_stored_shapes(ckptr, path / "params", target_tree)
+            restored = ckptr.restore(path / "params", target_tree)
     except Exception as e:  # orbax raises many types for corrupt/mismatched trees
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DSparkInputError(f"cannot restore drafter parameters from {path}/params: {msg}") from None
@@ -148,3 +150,20 @@ def load_drafter(path: str | Path, dtype: Any = None) -> tuple[Drafter, dict[str
         except (TypeError, ValueError) as e:
             raise DSparkInputError(f"{path}/drafter.json has an invalid draft vocabulary: {e}") from None
     return drafter, meta
+
+
+def _check_stored_shapes(ckptr: ocp.StandardCheckpointer, params_dir: Path, target_tree: Any) -> None:
+    """Raises ValueError when the stored arrays' names or shapes differ from ``target_tree``'s.
+
+    Checked from the checkpoint's metadata, before any array is read: orbax abandons its pending
+    reads when one of them fails, and they surface later as unraisable-exception warnings."""
+    meta = ckptr.metadata(params_dir)
+    stored = jax.tree_util.tree_leaves_with_path(getattr(meta, "item_metadata", meta))
+    have = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in stored}
+    want = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(target_tree)}
+    bad = sorted(k for k in have.keys() | want.keys() if have.get(k) != want.get(k))
+    if bad:
+        k = bad[0]
+        raise ValueError(
+            f"{len(bad)} parameter(s) differ from the config, e.g. {k}: stored {have.get(k)}, config {want.get(k)}"
+        )
