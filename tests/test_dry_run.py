@@ -41,7 +41,7 @@ def no_weight_loading(monkeypatch):
 
 @pytest.mark.parametrize("recipe", sorted(QWEN3))
 def test_qwen3_recipe_dry_run_needs_no_files(recipe, tmp_path):
-    """The CLI on train/<recipe>.yaml with an empty model folder and no hub cache: counts,
+    """The CLI on dspark_jax/recipes/<recipe>.yaml with an empty model folder and no hub cache: counts,
     drafter shape and a per-device memory estimate, in seconds."""
     env = dict(
         os.environ, DSPARK_MODELS=str(tmp_path), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu"
@@ -53,7 +53,7 @@ def test_qwen3_recipe_dry_run_needs_no_files(recipe, tmp_path):
             "-m",
             "dspark_jax.train",
             "--config",
-            str(REPO / f"train/{recipe}.yaml"),
+            str(REPO / f"dspark_jax/recipes/{recipe}.yaml"),
             "--dry-run",
             "--devices",
             "4",
