@@ -66,6 +66,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dspark_jax.config import DrafterConfig
+from dspark_jax.drafters.checkpoint import check_stored_shapes
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import sharding as shd
@@ -729,6 +730,7 @@ class Trainer:
         failed: list[tuple[int, str]] = []
         for step in sorted(mgr.all_steps(), reverse=True):
             try:
+                check_stored_shapes(lambda s=step: mgr.item_metadata(s)["params"], abstract["params"])
                 state = mgr.restore(step, args=ocp.args.StandardRestore(abstract))
             except Exception as e:  # orbax raises many types for damaged or mismatched checkpoints
                 failed.append((step, (str(e).splitlines() or [type(e).__name__])[0][:300]))
