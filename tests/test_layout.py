@@ -58,6 +58,8 @@ def layer(mod: str) -> str:
         return TOP
     if parts[1] in ("errors", "config"):
         return BASE
+    if parts[-1] == "cli":
+        return TOP  # a subpackage's command line sits on top, like the thin python -m entry points
     if parts[1] in (MODELS, DRAFTERS, DECODING, TRAINING, EVALUATION, SERVING):
         return parts[1]
     return TOP  # api, train/eval/serve/generate, decode/engine shims
