@@ -319,3 +319,13 @@ def test_bad_chunk_settings(engine):
     with pytest.raises(DSparkInputError):
         engine.prefiller.submit(Request([], SamplingParams()))
     assert len(engine.prefiller) == 0
+    with pytest.raises(DSparkInputError):
+        Engine(engine.target, None, num_slots=1, cache_len=CACHE, prefill_chunk_tokens=-1)
+
+
+def test_serve_flag():
+    from dspark_jax.serving.cli import build_parser
+
+    assert build_parser().parse_args(["--target", "x"]).prefill_chunk_tokens == 256  # the server's default
+    assert build_parser().parse_args(["--target", "x", "--prefill-chunk-tokens", "0"]).prefill_chunk_tokens == 0
+    assert "--prefill-chunk-tokens" in build_parser().format_help()

@@ -15,6 +15,9 @@ request does not pay compilation. Policies: ``plain`` (no drafter), ``fixed:G`` 
 draft tokens per request), ``threshold:C`` (confidence threshold), ``greedy`` (the clean
 greedy Theta scheduler) and ``dspark`` (the deployed scheduler). Ctrl-C drains: requests
 in flight finish (up to ``--graceful-timeout`` seconds), then the engine thread stops.
+``--prefill-chunk-tokens N`` (default 256) sets the batched, chunked prefill: one compiled pass of
+at most N prompt tokens per engine iteration, interleaved with decode steps (0: one-shot prefill
+of one request at a time; :mod:`dspark_jax.serving.prefill`).
 ``--api-key`` (or ``DSPARK_API_KEY``) requires ``Authorization: Bearer KEY`` on every ``/v1``
 route (401 otherwise; ``/health`` and ``/metrics`` stay open unless
 ``--api-key-health-metrics``). ``--verification`` picks the engine's lossless verification

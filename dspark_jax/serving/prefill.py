@@ -47,7 +47,15 @@ from dspark_jax.serving.prefill_programs import (
     prefill_chunk_program,
     stage_shardings,
 )
-from dspark_jax.serving.requests import Prefix, Request, RequestLimits, bias_table, lp_entry, validate_request
+from dspark_jax.serving.requests import (
+    Prefix,
+    Request,
+    RequestLimits,
+    bias_table,
+    lp_entry,
+    no_bias,
+    validate_request,
+)
 
 __all__ = ["ChunkPlan", "ChunkedPrefill", "PrefillEntry", "PrefillQueue", "chunk_ladder", "chunked_prefill"]
 
@@ -307,8 +315,7 @@ class ChunkedPrefill:
         p, nb = self.lanes, self.limits.table_size
         plen, seed, top_k = np.ones(p, np.int32), np.zeros(p, np.int32), np.zeros(p, np.int32)
         temp, top_p, drafted = np.ones(p, np.float32), np.ones(p, np.float32), np.zeros(p, bool)
-        b_ids, b_val = np.zeros((p, nb), np.int32), np.zeros((p, nb), np.float32)
-        b_until = np.full((p, nb), np.iinfo(np.int32).min, np.int32)
+        b_ids, b_val, b_until = (np.tile(x, (p, 1)) for x in no_bias(nb))
         for e in finishing:
             lane, sp = cast(int, e.lane), e.request.params
             plen[lane], seed[lane], top_k[lane] = len(e.ids), sp.seed, sp.top_k
