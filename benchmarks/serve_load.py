@@ -26,6 +26,10 @@ Each policy's output and per-user tok/s is also reported as a ratio to ``plain``
 best fixed gamma at the same concurrency. Writes ``OUT/serve_load.json`` and
 ``OUT/serve_load.png`` (output tok/s and per-user tok/s against concurrency).
 
+Long-prompt scenario (``--long-prompt-scenario``, :mod:`prefill_load`): batched, chunked prefill
+against one-shot prefill: the streams' largest inter-token gap while a 2,000-token prompt is
+prefilled, and TTFT / output tok/s at concurrency 16 and 64. Writes ``OUT/prefill_load.json``.
+
 Stress mode (``--stress``): ``--stress-requests`` requests (default 500) at concurrency 64
 with random seeds, temperatures, top-k/top-p, max_tokens, stop strings, streaming or not, and
 ``--disconnect-frac`` (default 10%) of clients hanging up early. Then it checks that the
@@ -49,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # prefill_load (this folder is not a package)
 
 QUICK = dict(
     target="stories260k",
@@ -146,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="fraction of stress requests whose client disconnects early (default 0.1)",
     )
     p.add_argument("--stress-policy", default=None, help="policy of the stress server (default dspark / plain)")
+    import prefill_load
+
+    prefill_load.add_args(p)
     return p
 
 
@@ -760,6 +768,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         apply_quick(args)
     args.target = args.target or "smollm2-135m-instruct"
+    if args.long_prompt_scenario:  # chunked vs one-shot prefill (benchmarks/prefill_load.py)
+        import prefill_load
+
+        if args.concurrency == build_parser().get_default("concurrency"):
+            args.concurrency = "16,64"
+        status, _ = run_cli(prefill_load.run, args)
+        return status
     if args.stress:
         status, rep = run_cli(stress, args)
         return status or (0 if rep["passed"] else 1)

@@ -15,6 +15,9 @@ request does not pay compilation. Policies: ``plain`` (no drafter), ``fixed:G`` 
 draft tokens per request), ``threshold:C`` (confidence threshold), ``greedy`` (the clean
 greedy Theta scheduler) and ``dspark`` (the deployed scheduler). Ctrl-C drains: requests
 in flight finish (up to ``--graceful-timeout`` seconds), then the engine thread stops.
+``--prefill-chunk-tokens N`` (default 256) sets the batched, chunked prefill: one compiled pass of
+at most N prompt tokens per engine iteration, interleaved with decode steps (0: one-shot prefill
+of one request at a time; :mod:`dspark_jax.serving.prefill`).
 ``--api-key`` (or ``DSPARK_API_KEY``) requires ``Authorization: Bearer KEY`` on every ``/v1``
 route (401 otherwise; ``/health`` and ``/metrics`` stay open unless
 ``--api-key-health-metrics``). ``--verification`` picks the engine's lossless verification
@@ -98,6 +101,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=16,
         help="consecutive non-drafting steps after which plain steps stop updating the drafter's "
         "context (caught up when drafting resumes; -1: never suspend; default 16)",
+    )
+    p.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="batched, chunked prefill: each engine iteration runs one compiled prefill pass of at most N "
+        "prompt tokens, packing several waiting prompts and splitting a long one into chunks that "
+        "interleave with decode steps, so a long prompt delays the streams by one chunk at a time "
+        "(0: one-shot prefill, one request at a time; default 256)",
     )
 
 
@@ -395,10 +408,11 @@ def run(args: argparse.Namespace) -> None:
         suspend_after=None if args.suspend_after == -1 else args.suspend_after,
         verification=args.verification,
         mesh=mesh,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
     )
     say(
         f"compiling the engine (policy {policy}, verification {args.verification}, {args.num_slots} slots, "
-        f"cache {args.cache_len}) for every bucket ..."
+        f"cache {args.cache_len}, prefill chunk {args.prefill_chunk_tokens}) for every bucket ..."
     )
     warmup_engine(engine, args.sps_table)
     say(

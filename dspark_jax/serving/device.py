@@ -173,14 +173,34 @@ class EngineDevice:
         if self.mesh is not None:
             self.state = shd.place(self.state, state_shardings(DecodeState, self.mesh, target.cfg, d_cfg, self.keep_q))
 
+    @staticmethod
+    def check_servable(drafter) -> None:
+        """Refuses a drafter kind the engine cannot serve (eagle3: no context K/V to keep).
+
+        Raises:
+          DSparkInputError: an eagle3 drafter, or one without ``context_kv``.
+        """
+        if drafter is None:
+            return
+        if getattr(drafter.cfg, "variant", "") == "eagle3" or not hasattr(drafter, "context_kv"):
+            raise DSparkInputError(
+                f"the serving engine cannot serve a {getattr(drafter.cfg, 'variant', type(drafter).__name__)} "
+                "drafter (it drafts autoregressively from its own cache); serve a dspark/dflash drafter, "
+                "or evaluate eagle3 with dspark_jax.decoding.speculative / dspark_jax.eval"
+            )
+
     # ------------------------------------------------------------------ executables
 
-    def _get(self, key: tuple, make: Callable[[], tuple], donate=()) -> Any:
+    def _get(self, key: tuple, make: Callable[[], tuple], donate=(), out_shardings: Any = None) -> Any:
+        """The executable of ``key``, compiled from ``make() -> (fn, example args)`` when not
+        cached; on a mesh its outputs get ``out_shardings`` (default: by program kind)."""
         full = (self._token,) + key
         exe = self.cache.get(full)
         if exe is None:
             fn, args = make()
-            kw = {} if self.out_shardings is None else {"out_shardings": self.out_shardings(key[0])}
+            if out_shardings is None and self.out_shardings is not None:
+                out_shardings = self.out_shardings(key[0])
+            kw = {} if out_shardings is None else {"out_shardings": out_shardings}
             exe = jax.jit(fn, donate_argnums=donate, **kw).lower(*args).compile()
             self.cache.put(full, exe)
             self.compiles += 1

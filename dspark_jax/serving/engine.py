@@ -74,6 +74,7 @@ from dspark_jax.models.target import Target
 from dspark_jax.serving.device import EngineDevice, prefill_bucket_list, row_bucket_list, token_ladder
 from dspark_jax.serving.metrics import EngineMetrics
 from dspark_jax.serving.planner import Planner, catchup_batches, parse_policy
+from dspark_jax.serving.prefill import chunked_prefill
 from dspark_jax.serving.programs import ProgramCache
 from dspark_jax.serving.requests import (
     Prefix,
@@ -91,18 +92,6 @@ from dspark_jax.serving.slots import SlotRecord, SlotTable
 from dspark_jax.serving.state import PrefixArrays
 
 __all__ = ["Engine", "Prefix", "Request", "SamplingParams", "StepOutput", "parse_policy"]
-
-
-def _check_drafter(target, drafter) -> None:
-    """Refuses a drafter kind the engine cannot serve (eagle3: no context K/V to keep)."""
-    if drafter is None:
-        return
-    if getattr(drafter.cfg, "variant", "") == "eagle3" or not hasattr(drafter, "context_kv"):
-        raise DSparkInputError(
-            f"the serving engine cannot serve a {getattr(drafter.cfg, 'variant', type(drafter).__name__)} "
-            "drafter (it drafts autoregressively from its own cache); serve a dspark/dflash drafter, "
-            "or evaluate eagle3 with dspark_jax.decoding.speculative / dspark_jax.eval"
-        )
 
 
 class Engine:
@@ -150,6 +139,9 @@ class Engine:
       program_cache: the :class:`~dspark_jax.serving.programs.ProgramCache` holding the
         compiled programs (default: a new one owned by this engine); engines over the same
         models may share one (their programs are keyed by everything that shapes them).
+      prefill_chunk_tokens: > 0: :attr:`prefiller` is a
+        :class:`~dspark_jax.serving.prefill.ChunkedPrefill` of this many tokens per pass
+        (batched, chunked prefill; the server's default); 0: None (one-shot :meth:`prefill` only).
 
     Raises:
       DSparkInputError: bad sizes, unknown policy or verification mode, a drafter for
@@ -181,6 +173,7 @@ class Engine:
         max_stop_ids: int = 64,
         mesh=None,
         program_cache: ProgramCache | None = None,
+        prefill_chunk_tokens: int = 0,
     ):
         self._configure(target, drafter, num_slots, cache_len, verification, max_logit_bias, max_stop_ids)
         self.eos_ids = tuple(
@@ -229,12 +222,13 @@ class Engine:
         self.planner = Planner(
             self.gamma, drafter is not None, self.ladder, self.row_buckets, self.calibrator, suspend_after, policy
         )
+        self.prefiller = chunked_prefill(self, prefill_chunk_tokens)
 
     def _configure(self, target, drafter, num_slots, cache_len, verification, max_logit_bias, max_stop_ids) -> None:
         """Validates and stores the models, sizes and verification mode."""
         if verification not in ("coupled", "rejection"):
             raise DSparkInputError(f"verification must be 'coupled' or 'rejection', got {verification!r}")
-        _check_drafter(target, drafter)
+        EngineDevice.check_servable(drafter)
         if max_logit_bias < 0 or max_stop_ids < 0:
             raise DSparkInputError(
                 f"max_logit_bias and max_stop_ids must be >= 0, got {max_logit_bias}, {max_stop_ids}"
@@ -343,6 +337,8 @@ class Engine:
         recompiles."""
         bare = self.row_buckets if (self.drafter is not None and self.suspend_after is not None) else []
         self._device.compile_all(self.buckets(), bare, self.prefill_buckets, self._examples)
+        if self.prefiller is not None:
+            self.prefiller.warmup()
         self._ensure_table()
         self._warm = True
 

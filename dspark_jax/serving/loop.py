@@ -2,7 +2,12 @@
 :class:`~dspark_jax.serving.engine.Engine` and is the only thread that touches JAX.
 
 Each iteration it (1) frees the slots of aborted requests (client disconnects, stop strings),
-(2) admits waiting requests into free slots (``prefill`` + ``insert``), (3) runs one
+(2) admits waiting requests into free slots: with one-shot prefill, ``prefill`` + ``insert`` of
+each; with the engine's batched, chunked prefill (``engine.prefiller``, a
+:class:`~dspark_jax.serving.prefill.ChunkedPrefill`), it queues them there (as many as slots
+are left for them) and runs at most ONE prefill pass, inserting the requests whose prompt
+ended in it, so that a long prompt delays the streams by one chunk per step, not its whole
+prefill; (3) runs one
 speculative step for all active slots (``generate``) and hands each request its new token ids
 (and logprobs, speculative counts) as a :class:`RequestEvent`, with
 ``loop.call_soon_threadsafe``, to the request's ``asyncio.Queue``. It never detokenizes
@@ -139,6 +144,7 @@ class EngineLoop:
         self._waiting: collections.deque[TrackedRequest] = collections.deque()
         self._aborts: dict[str, bool] = {}  # request id -> count it as a client abort
         self._running: dict[int, TrackedRequest] = {}
+        self._prefilling: list[TrackedRequest] = []  # in the engine's chunked-prefill queue
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._steps = 0
@@ -203,7 +209,7 @@ class EngineLoop:
                 "num_slots": self.num_slots,
                 "running": self._snap_running,
                 "free_slots": self._snap_free,
-                "waiting": len(self._waiting),
+                "waiting": len(self._waiting) + len(self._prefilling),
                 "steps": self._steps,
                 "engine": dict(self._engine_metrics),
                 "alive": self.alive,
@@ -216,7 +222,7 @@ class EngineLoop:
         try:
             while True:
                 with self._cv:
-                    while not (self._stopping or self._waiting or self._aborts or self._running):
+                    while not (self._stopping or self._waiting or self._aborts or self._running or self._prefilling):
                         self._cv.wait()
                     if self._stopping:
                         break
@@ -224,7 +230,9 @@ class EngineLoop:
                     dropped = [t for t in self._waiting if t.request_id in aborts]
                     if dropped:
                         self._waiting = collections.deque(t for t in self._waiting if t.request_id not in aborts)
+                dropped += [t for t in self._prefilling if t.request_id in aborts]
                 for t in dropped:
+                    self._cancel_prefill(t)
                     self._abort(t, aborts[t.request_id])
                 for _slot, t in list(self._running.items()):
                     if t.request_id in aborts:
@@ -240,8 +248,9 @@ class EngineLoop:
         finally:
             with self._cv:
                 self._stopping = True
-                pending = list(self._waiting) + list(self._running.values())
+                pending = list(self._waiting) + self._prefilling + list(self._running.values())
                 self._waiting.clear()
+                self._prefilling = []
             for t in pending:
                 if t.slot is not None:
                     self._free_slot(t)
@@ -251,6 +260,10 @@ class EngineLoop:
             self._update_snapshot()
 
     def _admit(self) -> None:
+        prefiller = getattr(self.engine, "prefiller", None)
+        if prefiller is not None:
+            self._admit_chunked(prefiller)
+            return
         while True:
             free = [s for s in range(self.num_slots) if s not in self._running]
             if not free:
@@ -271,12 +284,60 @@ class EngineLoop:
                 t.done = True
                 t._put(RequestEvent("error", message=f"prefill failed: {type(e).__name__}: {e}", status=500))
                 continue
-            t.slot = free[0]
-            t.admitted_at = time.monotonic()
-            self._running[t.slot] = t
-            m = self.metrics
-            m.queue_time.labels(**m.labels()).observe(t.admitted_at - t.arrival)
-            m.prompt_tokens.labels(**m.labels()).inc(len(t.request.prompt_ids))
+            self._placed(t, free[0])
+
+    def _placed(self, t: TrackedRequest, slot: int) -> None:
+        t.slot = slot
+        t.admitted_at = time.monotonic()
+        self._running[slot] = t
+        m = self.metrics
+        m.queue_time.labels(**m.labels()).observe(t.admitted_at - t.arrival)
+        m.prompt_tokens.labels(**m.labels()).inc(len(t.request.prompt_ids))
+
+    def _admit_chunked(self, prefiller) -> None:
+        """Queues waiting requests for chunked prefill while slots are left for them, runs one
+        prefill pass and inserts the requests it finished."""
+        while len(self._running) + len(self._prefilling) < self.num_slots:
+            with self._cv:
+                if not self._waiting:
+                    break
+                t = self._waiting.popleft()
+            try:
+                prefiller.submit(t.request, tag=t)
+            except DSparkInputError as e:
+                t.done = True
+                t._put(RequestEvent("error", message=str(e), status=400))
+                continue
+            self._prefilling.append(t)
+        if not self._prefilling:
+            return
+        try:
+            finished = prefiller.step()
+        except Exception as e:
+            log.exception("chunked prefill failed")
+            for t in self._prefilling:
+                prefiller.cancel(t)
+                t.done = True
+                t._put(RequestEvent("error", message=f"prefill failed: {type(e).__name__}: {e}", status=500))
+            self._prefilling = []
+            return
+        for t, prefix in finished:
+            self._prefilling.remove(t)
+            slot = next(s for s in range(self.num_slots) if s not in self._running)
+            try:
+                self.engine.insert(prefix, slot)
+            except Exception as e:
+                log.exception("insert of %s failed", t.request_id)
+                t.done = True
+                t._put(RequestEvent("error", message=f"prefill failed: {type(e).__name__}: {e}", status=500))
+                continue
+            self._placed(t, slot)
+
+    def _cancel_prefill(self, t: TrackedRequest) -> None:
+        """Takes ``t`` out of the chunked-prefill queue (a no-op if it is not there)."""
+        if t in self._prefilling:
+            self._prefilling.remove(t)
+            self.engine.prefiller.cancel(t)
 
     def _step(self) -> None:
         t0 = time.monotonic()

@@ -1,0 +1,389 @@
+"""Batched, chunked prefill (issue 14; DESIGN.md "Pipeline" (serve)).
+
+One-shot prefill (:meth:`dspark_jax.serving.engine.Engine.prefill`) runs one request per call
+over its whole prompt, so a long prompt stalls every decoding stream for its whole prefill.
+:class:`ChunkedPrefill` instead keeps a FIFO of waiting requests (:class:`PrefillQueue`) and,
+per :meth:`ChunkedPrefill.step`, runs ONE compiled pass of at most ``chunk_tokens`` packed
+prompt tokens from up to ``lanes`` requests
+(:func:`dspark_jax.serving.prefill_programs.prefill_chunk_program`), splitting a long prompt
+across passes. The server's engine thread (:class:`dspark_jax.serving.loop.EngineLoop`)
+alternates one pass with one decode step, so a stream never waits more than one chunk.
+A request whose prompt ends in a pass comes back as an ordinary
+:class:`~dspark_jax.serving.requests.Prefix` (same fields as one-shot prefill's, its caches cut
+to its prefill bucket), which :meth:`Engine.insert` consumes unchanged; its tokens equal one-shot
+prefill's (see :mod:`dspark_jax.serving.prefill_programs`).
+
+Static shapes: a pass compiles once per ``(T, span)``: ``T`` from a small ladder of token
+budgets (:func:`chunk_ladder`: ``chunk_tokens`` and a quarter of it), ``span`` (the attention
+span) from the engine's prefill buckets; the extraction of a finished lane once per prefill
+bucket. :meth:`ChunkedPrefill.warmup` compiles them all, so nothing compiles afterwards.
+
+Usage::
+
+    eng = Engine(target, drafter, num_slots=8, cache_len=2048, prefill_chunk_tokens=256)
+    eng.warmup()
+    eng.prefiller.submit(request, tag="r0")
+    while len(eng.prefiller):
+        for tag, prefix in eng.prefiller.step():   # one pass
+            eng.insert(prefix, eng.free_slots()[0])
+        eng.generate()                              # one decode step
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+from typing import Any, cast
+
+import jax
+import numpy as np
+
+from dspark_jax.errors import DSparkInputError
+from dspark_jax.models import sharding as shd
+from dspark_jax.serving.prefill_programs import (
+    extract_program,
+    init_stage,
+    prefill_chunk_program,
+    stage_shardings,
+)
+from dspark_jax.serving.requests import (
+    Prefix,
+    Request,
+    RequestLimits,
+    bias_table,
+    lp_entry,
+    no_bias,
+    validate_request,
+)
+
+__all__ = ["ChunkPlan", "ChunkedPrefill", "PrefillEntry", "PrefillQueue", "chunk_ladder", "chunked_prefill"]
+
+ALIGN = 16  # tokens per lane-aligned block (a request's segment starts at a multiple of it)
+
+
+def chunk_ladder(chunk_tokens: int, block: int) -> list[int]:
+    """Compiled token budgets of a pass: ``chunk_tokens`` and, when it is at least ``4 *
+    block``, the largest multiple of ``block`` up to a quarter of it (a short prompt alone
+    then does not pay for a full chunk).
+
+    Raises:
+      DSparkInputError: ``chunk_tokens`` not a positive multiple of ``block``.
+    """
+    if chunk_tokens < 1 or block < 1 or chunk_tokens % block:
+        raise DSparkInputError(f"prefill chunk tokens must be a positive multiple of {block}, got {chunk_tokens}")
+    small = (chunk_tokens // 4) // block * block
+    return sorted({chunk_tokens} | ({small} if small >= block else set()))
+
+
+@dataclasses.dataclass(eq=False)
+class PrefillEntry:
+    """A waiting request in the :class:`PrefillQueue`.
+
+    Attributes:
+      request / tag: the request and the caller's handle for it.
+      ids: ``[n]`` int32 prompt; done: prompt tokens already prefilled.
+      bias: its ``(ids, val, until)`` bias table; lane: its staging lane once started.
+      context: every pass so far also wrote its drafter context.
+    """
+
+    request: Request
+    tag: Any
+    ids: np.ndarray
+    bias: tuple
+    done: int = 0
+    lane: int | None = None
+    context: bool = True
+
+
+@dataclasses.dataclass
+class ChunkPlan:
+    """One pass: ``tokens`` packed tokens (``tok / pos [T]``, ``pos == -1`` padding), the lane
+    of each block (``blk_lane [T / block]``), the attention ``span``, ``last [P]`` (index of
+    each finishing lane's last prompt token), the entries in the pass and those finishing."""
+
+    tokens: int
+    span: int
+    tok: np.ndarray
+    pos: np.ndarray
+    blk_lane: np.ndarray
+    last: np.ndarray
+    members: list[PrefillEntry]
+    finishing: list[PrefillEntry]
+
+
+class PrefillQueue:
+    """Host-side FIFO of waiting prompts, packed into passes.
+
+    Args:
+      ladder: compiled token budgets (ascending multiples of ``block``; the largest is the
+        per-pass budget).
+      spans: compiled attention spans (the engine's prefill buckets; the largest bounds a
+        prompt).
+      lanes: staging lanes ``P`` (requests per pass at most).
+      block: lane-aligned block size ``g``.
+    """
+
+    def __init__(self, ladder, spans, lanes: int, block: int):
+        self.ladder, self.spans = sorted(ladder), sorted(spans)
+        self.lanes, self.block = int(lanes), int(block)
+        self._entries: list[PrefillEntry] = []
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, entry: PrefillEntry) -> None:
+        self._entries.append(entry)
+
+    def cancel(self, tag) -> bool:
+        """Drops the entry with ``tag`` (its lane is free for the next pass); False if absent."""
+        n = len(self._entries)
+        self._entries = [e for e in self._entries if e.tag is not tag]
+        return len(self._entries) < n
+
+    def clear(self) -> list[PrefillEntry]:
+        """Drops every entry; returns them."""
+        out, self._entries = self._entries, []
+        return out
+
+    def pack(self) -> ChunkPlan | None:
+        """The next pass (None when nothing waits): prompts FIFO, each from where it stopped,
+        each segment starting on a block boundary, until the budget or the lanes run out; the
+        last one may be split (it keeps its lane and is first next time). Advances the entries
+        and removes the finishing ones from the queue."""
+        if not self._entries:
+            return None
+        g, budget = self.block, self.ladder[-1]
+        tok, pos = np.zeros(budget, np.int32), np.full(budget, -1, np.int32)
+        blk, last = np.zeros(budget // g, np.int32), np.zeros(self.lanes, np.int32)
+        busy = {e.lane for e in self._entries if e.lane is not None}
+        free = [lane for lane in range(self.lanes) if lane not in busy]
+        used, members, finishing = 0, [], []
+        for e in self._entries:
+            if used >= budget or (e.lane is None and not free):
+                break
+            if e.lane is None:
+                e.lane = free.pop(0)
+            n = min(len(e.ids) - e.done, budget - used)
+            tok[used : used + n] = e.ids[e.done : e.done + n]
+            pos[used : used + n] = np.arange(e.done, e.done + n)
+            nb = -(-n // g)
+            blk[used // g : used // g + nb] = e.lane
+            e.done += n
+            members.append(e)
+            if e.done == len(e.ids):
+                last[e.lane] = used + n - 1
+                finishing.append(e)
+            used += nb * g
+        self._entries = [e for e in self._entries if e not in finishing]
+        t = next(r for r in self.ladder if r >= used)
+        span = next(s for s in self.spans if s > int(pos.max()))
+        return ChunkPlan(t, span, tok[:t], pos[:t], blk[: t // g], last, members, finishing)
+
+
+class ChunkedPrefill:
+    """Batched, chunked prefill of one engine (see the module doc).
+
+    Args:
+      device: the engine's :class:`~dspark_jax.serving.device.EngineDevice` (models, program
+        cache, mesh); the staging area lives beside its decode state.
+      planner: the engine's :class:`~dspark_jax.serving.planner.Planner` (whether prefill
+        drafts the first block, and whether the drafter context is kept, as one-shot prefill).
+      limits: the engine's :class:`RequestLimits` (validation, bias tables).
+      prefill_buckets: the engine's prefill buckets (prefix lengths and attention spans).
+      chunk_tokens: prompt tokens per pass at most.
+      lanes: requests per pass at most (staging rows; default ``min(4, chunk_tokens //
+        block)``).
+      block: lane-aligned block size (default ``gcd(chunk_tokens, 16)``).
+
+    Raises:
+      DSparkInputError: ``chunk_tokens`` not a positive multiple of ``block``, or ``lanes < 1``.
+    """
+
+    def __init__(
+        self,
+        device,
+        planner,
+        limits: RequestLimits,
+        prefill_buckets,
+        chunk_tokens: int,
+        *,
+        lanes: int | None = None,
+        block: int | None = None,
+    ):
+        chunk_tokens = int(chunk_tokens)
+        block = int(block) if block is not None else math.gcd(max(chunk_tokens, 1), ALIGN)
+        ladder = chunk_ladder(chunk_tokens, block)
+        lanes = int(lanes) if lanes is not None else min(4, chunk_tokens // block)
+        if lanes < 1:
+            raise DSparkInputError(f"prefill lanes must be >= 1, got {lanes}")
+        self.device, self.planner, self.limits = device, planner, limits
+        self.chunk_tokens, self.lanes, self.block = chunk_tokens, lanes, block
+        self.prefill_buckets = sorted(prefill_buckets)
+        self.queue = PrefillQueue(ladder, self.prefill_buckets, lanes, block)
+        d = device
+        self.stage = init_stage(d.target, d.drafter, lanes, self.prefill_buckets[-1])
+        self._shardings = None
+        if d.mesh is not None:
+            d_cfg = d.drafter.cfg if d.drafter is not None else None
+            st = stage_shardings(d.mesh, d.target.cfg, d_cfg)
+            self.stage = shd.place(self.stage, st)
+            self._shardings = (st, shd.replicated(d.mesh))
+        self._example = None  # a pass's outputs: the extraction programs' example argument
+        self.passes = 0  # passes run (benchmarks read it)
+
+    def __len__(self) -> int:
+        """Requests waiting or being prefilled."""
+        return len(self.queue)
+
+    @property
+    def ladder(self) -> list[int]:
+        return self.queue.ladder
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, request: Request, tag: Any = None) -> None:
+        """Queues ``request`` (``tag``: returned with its prefix; default the request).
+
+        Raises:
+          DSparkInputError: the request is invalid for the engine (as :meth:`Engine.prefill`).
+        """
+        validate_request(request, self.limits)
+        ids = np.asarray(request.prompt_ids, np.int32)
+        bias = bias_table(request.params, len(ids), self.limits)
+        self.queue.add(PrefillEntry(request, request if tag is None else tag, ids, bias))
+
+    def cancel(self, tag: Any) -> bool:
+        """Drops a waiting or half-prefilled request; False if it is not queued."""
+        return self.queue.cancel(tag)
+
+    def step(self) -> list[tuple[Any, Prefix]]:
+        """Runs one pass; returns ``(tag, Prefix)`` of every request whose prompt ended in it."""
+        plan = self.queue.pack()
+        if plan is None:
+            return []
+        d = self.device
+        drafting = bool(d.gamma) and self.planner.drafting
+        context = d.drafter is None or drafting or not self.planner.suspended()
+        for e in plan.members:
+            e.context = e.context and context
+        lane_args, drafted = self._lane_args(plan.finishing, drafting)
+        exe = self._chunk_exe(plan.tokens, plan.span)
+        args = (plan.tok, plan.pos, plan.blk_lane, plan.last) + lane_args[:6]
+        self.stage, out = exe(d.t_state, d.d_state, self.stage, *args, np.bool_(context), *lane_args[6:])
+        self.passes += 1
+        if not plan.finishing:
+            return []
+        tok, finite, conf, c, tv, ti = jax.device_get(
+            (out.token, out.finite, out.conf, out.logprob, out.top_values, out.top_ids)
+        )
+        done = []
+        for e in plan.finishing:
+            lane, sp, n = cast(int, e.lane), e.request.params, len(e.ids)
+            p_len = next(b for b in self.prefill_buckets if b >= n)
+            arrays = self._extract_exe(p_len, out)(self.stage, out, np.int32(lane))
+            first_lp = lp_entry(c[lane], tv[lane], ti[lane], sp.logprobs) if sp.logprobs is not None else None
+            z = np.asarray(conf[lane], np.float64) if drafted[lane] else None
+            prefix = Prefix(
+                e.request, n, p_len, int(tok[lane]), bool(finite[lane]), z, arrays, e.context, first_lp, e.bias
+            )
+            done.append((e.tag, prefix))
+        return done
+
+    def prefill(self, requests) -> list[Prefix]:
+        """Prefills ``requests`` (submitted now, after anything already queued) in as many
+        passes as needed; returns their prefixes in order (tests, benchmarks).
+
+        Raises:
+          DSparkInputError: an invalid request (nothing is queued then).
+        """
+        for r in requests:
+            validate_request(r, self.limits)
+        tags = [object() for _ in requests]
+        for r, tag in zip(requests, tags):
+            self.submit(r, tag)
+        got: dict[int, Prefix] = {}
+        while len(self.queue) and not all(id(t) in got for t in tags):
+            got.update((id(tag), p) for tag, p in self.step())
+        return [got[id(t)] for t in tags]
+
+    # ------------------------------------------------------------------ device programs
+
+    def _lane_args(self, finishing: list[PrefillEntry], drafting: bool) -> tuple[tuple, np.ndarray]:
+        """Per-lane ``(prompt_len, seed, temperature, top_k, top_p, do_draft, bias ids, val,
+        until)`` of the finishing entries (defaults elsewhere), and ``do_draft``."""
+        p, nb = self.lanes, self.limits.table_size
+        plen, seed, top_k = np.ones(p, np.int32), np.zeros(p, np.int32), np.zeros(p, np.int32)
+        temp, top_p, drafted = np.ones(p, np.float32), np.ones(p, np.float32), np.zeros(p, bool)
+        b_ids, b_val, b_until = (np.tile(x, (p, 1)) for x in no_bias(nb))
+        for e in finishing:
+            lane, sp = cast(int, e.lane), e.request.params
+            plen[lane], seed[lane], top_k[lane] = len(e.ids), sp.seed, sp.top_k
+            temp[lane], top_p[lane] = sp.temperature, sp.top_p
+            drafted[lane] = drafting and e.context  # drafting needs the whole prompt's context
+            b_ids[lane], b_val[lane], b_until[lane] = e.bias
+        return (plen, seed, temp, top_k, top_p, drafted, b_ids, b_val, b_until), drafted
+
+    def _chunk_exe(self, tokens: int, span: int):
+        d = self.device
+
+        def make():
+            fn = partial(
+                prefill_chunk_program,
+                t_graph=d.t_graph,
+                d_graph=d.d_graph,
+                span=span,
+                block=self.block,
+                gamma=d.gamma,
+                mode=d.mode,
+                n_top=d.n_top,
+            )
+            z = np.zeros(tokens, np.int32)
+            lanes, _ = self._lane_args([], False)
+            args = (z, z - 1, np.zeros(tokens // self.block, np.int32), np.zeros(self.lanes, np.int32))
+            return fn, (d.t_state, d.d_state, self.stage) + args + lanes[:6] + (np.bool_(False),) + lanes[6:]
+
+        key = ("prefill_chunk", tokens, span, self.lanes, self.block)
+        return d._get(key, make, donate=(2,), out_shardings=self._shardings)
+
+    def _extract_exe(self, p_len: int, out):
+        d = self.device
+
+        def make():
+            return partial(extract_program, p_len=p_len), (self.stage, out, np.int32(0))
+
+        shardings = None if d.mesh is None else d.out_shardings("prefill")[0]
+        return d._get(("prefill_extract", p_len, self.lanes), make, out_shardings=shardings)
+
+    def warmup(self) -> None:
+        """Compiles the pass of every ``(T, span)`` and the extraction of every prefill bucket
+        (one all-padding pass, which changes nothing, provides their example outputs)."""
+        for t in self.ladder:
+            for s in self.prefill_buckets:
+                self._chunk_exe(t, s)
+        if self._example is None:
+            d, t, s = self.device, self.ladder[0], self.prefill_buckets[0]
+            z = np.zeros(t, np.int32)
+            lanes, _ = self._lane_args([], False)
+            args = (z, z - 1, np.zeros(t // self.block, np.int32), np.zeros(self.lanes, np.int32)) + lanes[:6]
+            self.stage, self._example = self._chunk_exe(t, s)(
+                d.t_state, d.d_state, self.stage, *args, np.bool_(False), *lanes[6:]
+            )
+        for p in self.prefill_buckets:
+            self._extract_exe(p, self._example)
+
+
+def chunked_prefill(engine, chunk_tokens: int) -> ChunkedPrefill | None:
+    """The :class:`ChunkedPrefill` of ``engine`` (an :class:`~dspark_jax.serving.engine.Engine`
+    under construction: its device, planner, limits and prefill buckets) with ``chunk_tokens``
+    per pass, or None for 0 (one-shot prefill only).
+
+    Raises:
+      DSparkInputError: ``chunk_tokens`` negative or not a multiple of its block size.
+    """
+    chunk_tokens = int(chunk_tokens)
+    if chunk_tokens < 0:
+        raise DSparkInputError(f"prefill_chunk_tokens must be >= 0 (0: one-shot prefill), got {chunk_tokens}")
+    if chunk_tokens == 0:
+        return None
+    return ChunkedPrefill(engine._device, engine.planner, engine.limits, engine.prefill_buckets, chunk_tokens)

@@ -1,0 +1,330 @@
+"""Device programs of batched, chunked prefill (issue 14; DESIGN.md "Pipeline" (serve)).
+
+One compiled ``prefill_chunk`` pass runs a fixed budget of ``T`` packed prompt tokens of up to
+``P`` requests through the target over a staging area of ``P`` lanes (each a target KV row, and
+the drafter's context KV row when there is a drafter, of ``S`` positions, ``S`` the largest
+prefill bucket): the host (:class:`dspark_jax.serving.prefill.PrefillQueue`) packs waiting
+prompts FIFO into the budget and splits a long prompt across passes, so that a long prompt
+never stalls the decode steps for more than one chunk. For every lane whose prompt ends in the
+pass the program computes what :func:`dspark_jax.serving.programs.prefill_program` computes at
+the last prompt position (the first token, sampled with the request's key and bias, its raw
+logprobs, finiteness, and the drafter's first block with its confidences); ``prefill_extract``
+then cuts the lane into ordinary :class:`~dspark_jax.serving.state.PrefixArrays` of the
+request's prefill bucket, which :func:`~dspark_jax.serving.programs.insert_program` consumes
+unchanged.
+
+Lane-aligned blocks
+-------------------
+The packed tokens form ``T / g`` blocks of ``g`` consecutive tokens, each holding tokens of one
+lane only (the host starts every request's segment at a multiple of ``g``). A layer writes the
+keys/values of all ``T`` tokens into their lanes, then every block attends to its lane's first
+``span`` cache positions (``span``: a prefill bucket covering every packed position): the
+attention costs ``T x span`` whatever the number of lanes, where one ``[P, T]`` query grid
+(:meth:`~dspark_jax.models.target.Target.forward_packed`) would cost ``P x T x span``. Only the
+finishing lanes' last hidden states go through the LM head. Everything variable (lanes,
+positions, which lanes finish, drafting, context upkeep) is a runtime array or flag, so a pass
+compiles once per ``(T, span)`` and the extraction once per prefill bucket.
+
+Exactness: a token's keys/values and hidden states are those of one-shot prefill (same
+positions, same causal context), so a request prefilled in chunks gets the same first token and
+the same caches as :func:`~dspark_jax.serving.programs.prefill_program`, up to float rounding
+between matmul shapes (which can only flip exact near-ties).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.models import sharding as shd
+from dspark_jax.models.layers import KVCache, apply_rope, attention, rms_norm, swiglu
+from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample
+from dspark_jax.serving.programs import apply_bias, draft, fold, logprobs, write_context
+from dspark_jax.serving.state import PrefixArrays
+
+__all__ = [
+    "ChunkOutputs",
+    "StageState",
+    "chunk_forward",
+    "extract_program",
+    "init_stage",
+    "prefill_chunk_program",
+    "stage_shardings",
+]
+
+
+class StageState(NamedTuple):
+    """The staging area of chunked prefill: ``P`` lanes of ``S`` positions."""
+
+    tk: Any  # [L, P, S, kvh, hd] target keys
+    tv: Any
+    dk: Any  # [N, P, S, kvh, hd] drafter context keys (None without drafter)
+    dv: Any
+
+
+class ChunkOutputs(NamedTuple):
+    """Per-lane results of a pass (meaningful for the lanes whose prompt ended in it)."""
+
+    token: jax.Array  # [P] int32 first token
+    finite: jax.Array  # [P] bool its logits were finite
+    key: jax.Array  # [P, 2] uint32 request keys
+    draft: jax.Array  # [P, G'] int32 first block (zeros where not drafted)
+    conf: jax.Array  # [P, G'] f32 its raw confidence logits
+    qprob: Any  # [P, G, V] f32 its q (rejection mode with a drafter) or None
+    logprob: jax.Array  # [P] f32 raw logprob of the first token
+    top_values: jax.Array  # [P, n_top] f32
+    top_ids: jax.Array  # [P, n_top] int32
+
+
+def init_stage(target, drafter, lanes: int, length: int) -> StageState:
+    """Zero staging caches of ``lanes`` rows and ``length`` positions (no drafter rows
+    without a drafter)."""
+    tc = target.init_cache(lanes, length)
+    if drafter is None:
+        return StageState(tc.k, tc.v, None, None)
+    dc = drafter.init_cache(lanes, length)
+    return StageState(tc.k, tc.v, dc.k, dc.v)
+
+
+def stage_shardings(mesh, target_cfg, drafter_cfg) -> StageState:
+    """Shardings of a :class:`StageState` on ``mesh``: caches over their KV heads, as the
+    decode state's (:func:`dspark_jax.serving.state.state_shardings`)."""
+
+    def cache(cfg):
+        return shd.cache_sharding(mesh, cfg.num_kv_heads, (1, 1, 1, cfg.num_kv_heads, cfg.head_dim))
+
+    t = cache(target_cfg)
+    d = cache(drafter_cfg) if drafter_cfg is not None else None
+    return StageState(t, t, d, d)
+
+
+# ------------------------------------------------------------------------------ the packed pass
+
+
+class _ChunkGeometry(NamedTuple):
+    """Where the ``T`` packed tokens of :func:`chunk_forward` go.
+
+    Attributes:
+      lane: ``[T]`` staging lane of each token; blk_lane: ``[T / g]`` lane of each block.
+      wpos: ``[T]`` cache slot written (``S``, out of range, for padding: dropped write).
+      rope_pos: ``[1, T]`` RoPE positions (clipped into the cache).
+      mask: ``[T / g, g, span]`` bool, token ``(b, i)`` may read lane slot ``s``.
+      span / block / k_tok: static attention span, block size g and T.
+    """
+
+    lane: jax.Array
+    blk_lane: jax.Array
+    wpos: jax.Array
+    rope_pos: jax.Array
+    mask: jax.Array
+    span: int
+    block: int
+    k_tok: int
+
+
+def _geometry(pos, blk_lane, s_len: int, span: int, block: int) -> _ChunkGeometry:
+    k_tok = pos.shape[0]
+    lane = jnp.repeat(blk_lane, block, total_repeat_length=k_tok)
+    wpos = jnp.where(pos >= 0, pos, s_len)
+    qpos = pos.reshape(k_tok // block, block)
+    mask = jnp.arange(span, dtype=jnp.int32)[None, None, :] <= qpos[:, :, None]  # padding sees nothing
+    rope_pos = jnp.clip(pos, 0, s_len - 1)[None]
+    return _ChunkGeometry(lane, blk_lane, wpos, rope_pos, mask, span, block, k_tok)
+
+
+def _chunk_layer(cfg, g: _ChunkGeometry, keep_hidden: bool, carry: tuple, p: dict[str, jax.Array]):
+    """One decoder layer of :func:`chunk_forward` (a ``lax.scan`` body over layers; the whole
+    staging cache rides in the carry and is updated in place, as in the target's packed pass)."""
+    h, ck_all, cv_all, li = carry
+    k_tok, nblk = g.k_tok, g.k_tok // g.block
+    kvh, hd = cfg.num_kv_heads, cfg.head_dim
+    a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
+    q = (a @ p["wq"]).reshape(1, k_tok, cfg.num_heads, hd)
+    k = (a @ p["wk"]).reshape(1, k_tok, kvh, hd)
+    v = (a @ p["wv"]).reshape(1, k_tok, kvh, hd)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_eps)
+    q = apply_rope(q, g.rope_pos, cfg.rope_theta)[0]
+    k = apply_rope(k, g.rope_pos, cfg.rope_theta)[0]
+    lidx = jnp.full_like(g.lane, li)
+    ck_all = ck_all.at[lidx, g.lane, g.wpos].set(k.astype(ck_all.dtype), mode="drop")
+    cv_all = cv_all.at[lidx, g.lane, g.wpos].set(v[0].astype(cv_all.dtype), mode="drop")
+    # Every block reads its lane's first `span` slots: the lane's earlier chunks and the
+    # tokens just written (its own and the earlier blocks of the same lane).
+    ck = ck_all[li, g.blk_lane, : g.span]  # [T / g, span, kvh, hd]
+    cv = cv_all[li, g.blk_lane, : g.span]
+    attn = attention(q.reshape(nblk, g.block, cfg.num_heads, hd), ck, cv, g.mask).reshape(k_tok, -1)
+    h = h + (attn @ p["wo"])[None]
+    m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
+    h = h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"])
+    return (h, ck_all, cv_all, li + 1), (h[0] if keep_hidden else None)
+
+
+def chunk_forward(target, tok, pos, blk_lane, cache: KVCache, *, span: int, block: int, taps=()):
+    """Target pass over ``T`` packed prompt tokens in lane-aligned blocks (see the module doc).
+
+    Args:
+      target: the :class:`~dspark_jax.models.target.Target`.
+      tok / pos: ``[T]`` int32 token ids and absolute positions (``pos < 0``: padding, which
+        writes nothing and whose outputs are garbage, finite).
+      blk_lane: ``[T / block]`` int32 staging lane of each block of ``block`` tokens.
+      cache: the staging KV ``[L, P, S, kvh, hd]``.
+      span: static number of lane slots attention reads (> every valid position).
+      taps: target layers whose outputs are returned as features.
+    Returns:
+      ``(hidden [T, H] before the final norm, features [T, n_taps * H] or None, new cache)``.
+    """
+    cfg = target.cfg
+    taps = tuple(int(t) for t in taps)
+    geo = _geometry(pos, blk_lane, cache.length, span, block)
+    layer_params = {k: v[...] for k, v in target.layers.items()}
+    x = target.embed_tokens(tok).astype(target.dtype)[None]  # [1, T, H]
+
+    def layer(carry, p):
+        return _chunk_layer(cfg, geo, bool(taps), carry, p)
+
+    (x, nk, nv, _), hidden = jax.lax.scan(layer, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
+    features = jnp.concatenate([hidden[t] for t in taps], axis=-1) if taps and hidden is not None else None
+    return x[0], features, KVCache(nk, nv)
+
+
+# ------------------------------------------------------------------------------ programs
+
+
+def _first_tokens(raw, keys, prompt_len, samp, bias, n_top: int):
+    """What one-shot prefill computes from the last prompt position's raw logits ``[P, V]``:
+    ``(token [P], finite [P], (logprob, top values, top ids))``."""
+    rows = jnp.arange(raw.shape[0], dtype=jnp.int32)
+    logits = apply_bias(raw, rows, prompt_len - 1, *bias)
+    token = sample(fold(keys, prompt_len - 1), process_logits(logits, samp)).astype(jnp.int32)
+    return token, logits_are_finite(raw), logprobs(raw, token, n_top)
+
+
+def _chunk_drafter(target, drafter, feats, lane, pos, stage, token, prompt_len, keys, samp, bias, flags, span, init):
+    """Drafter context of the packed tokens (skipped while suspended) and the first block of
+    the finishing lanes (``flags = (do_draft [P], do_context, mode)``). Returns ``(dk, dv,
+    (draft, conf, q))``."""
+    do_draft, do_context, mode = flags
+    dk, dv = jax.lax.cond(
+        do_context,
+        lambda _: write_context(drafter, feats, lane, pos, stage.dk, stage.dv),
+        lambda _: (stage.dk, stage.dv),
+        None,
+    )
+
+    def run(_):
+        ctx_k, ctx_v = dk[:, :, :span], dv[:, :, :span]
+        return draft(target, drafter, token, prompt_len, keys, samp, ctx_k, ctx_v, bias, jnp.bool_(True), mode)
+
+    d, conf, q = jax.lax.cond(jnp.any(do_draft), run, lambda _: init, None)
+    d = jnp.where(do_draft[:, None], d, init[0])
+    conf = jnp.where(do_draft[:, None], conf, init[1])
+    q = None if q is None else jnp.where(do_draft[:, None, None], q, init[2])
+    return dk, dv, (d, conf, q)
+
+
+def prefill_chunk_program(
+    t_state,
+    d_state,
+    stage: StageState,
+    tok,
+    pos,
+    blk_lane,
+    last,
+    prompt_len,
+    seed,
+    temperature,
+    top_k,
+    top_p,
+    do_draft,
+    do_context,
+    bias_ids,
+    bias_val,
+    bias_until,
+    *,
+    t_graph,
+    d_graph,
+    span: int,
+    block: int,
+    gamma: int,
+    mode: str = "coupled",
+    n_top: int = 20,
+):
+    """One chunked-prefill pass (see the module doc).
+
+    Args:
+      stage: :class:`StageState` (donated).
+      tok / pos: ``[T]`` int32 packed prompt tokens and positions (``-1``: padding);
+        blk_lane: ``[T / block]`` int32 lane of each block.
+      last: ``[P]`` int32 index in ``tok`` of each lane's last prompt token (any for lanes
+        not finishing); prompt_len / seed / top_k: ``[P]`` int32; temperature / top_p:
+        ``[P]`` float32; do_draft: ``[P]`` bool draft the lane's first block; do_context:
+        bool, write the drafter context of the packed tokens; bias_*: ``[P, NB]`` tables.
+      span / block: static attention span and block size; gamma / mode / n_top: as
+        :func:`~dspark_jax.serving.programs.prefill_program`.
+    Returns:
+      ``(new stage, ChunkOutputs)``.
+    """
+    target = nnx.merge(t_graph, t_state)
+    drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
+    taps = drafter.cfg.taps if drafter is not None else ()
+    hidden, feats, cache = chunk_forward(
+        target, tok, pos, blk_lane, KVCache(stage.tk, stage.tv), span=span, block=block, taps=taps
+    )
+    raw = target.unembed(hidden[last])  # [P, V]: only the finishing positions reach the LM head
+    keys = jax.vmap(jax.random.PRNGKey)(seed)
+    samp = SamplingArrays(temperature, top_k, top_p)
+    bias = (bias_ids, bias_val, bias_until)
+    token, finite, lp = _first_tokens(raw, keys, prompt_len, samp, bias, n_top)
+    lanes, gp = last.shape[0], max(gamma, 1)
+    init = (
+        jnp.zeros((lanes, gp), jnp.int32),
+        jnp.zeros((lanes, gp), jnp.float32),
+        jnp.zeros((lanes, gamma, target.cfg.vocab_size), jnp.float32) if (mode == "rejection" and gamma) else None,
+    )
+    dk, dv, blk = stage.dk, stage.dv, init
+    if drafter is not None:
+        lane = jnp.repeat(blk_lane, block, total_repeat_length=tok.shape[0])
+        dk, dv, blk = _chunk_drafter(
+            target,
+            drafter,
+            feats,
+            lane,
+            pos,
+            stage,
+            token,
+            prompt_len,
+            keys,
+            samp,
+            bias,
+            (do_draft, do_context, mode),
+            span,
+            init,
+        )
+    out = ChunkOutputs(token, finite, keys, blk[0], blk[1], blk[2], *lp)
+    return StageState(cache.k, cache.v, dk, dv), out
+
+
+def extract_program(stage: StageState, out: ChunkOutputs, lane, *, p_len: int) -> PrefixArrays:
+    """Lane ``lane`` of a pass as the :class:`PrefixArrays` of a prompt in bucket ``p_len``
+    (what one-shot prefill returns; positions past the prompt hold stale values, which decode
+    masks and overwrites, as one-shot prefill's padding)."""
+
+    def cut(x):
+        return None if x is None else jax.lax.dynamic_slice_in_dim(x, lane, 1, axis=1)[:, :, :p_len]
+
+    return PrefixArrays(
+        cut(stage.tk),
+        cut(stage.tv),
+        cut(stage.dk),
+        cut(stage.dv),
+        out.key[lane],
+        out.token[lane],
+        out.draft[lane],
+        out.conf[lane],
+        None if out.qprob is None else out.qprob[lane],
+    )
