@@ -422,6 +422,46 @@ def test_input_errors(engine, target, drafter):
         Engine(target, None, num_slots=2, cache_len=CACHE, policy="dspark")
 
 
+def test_request_validation_keeps_the_engine_rules():
+    """The engine validates with decoding.validation's checks but keeps its own rules:
+    integral floats pass as max_tokens / seed, non-integral ones are refused; stop ids
+    outside the vocabulary are allowed (they never match)."""
+    from dspark_jax.serving.requests import RequestLimits, validate_request
+
+    limits = RequestLimits(
+        vocab_size=64,
+        max_position=128,
+        cache_len=64,
+        max_prompt=32,
+        max_logit_bias=4,
+        max_stop_ids=4,
+        n_top=20,
+        eos_ids=(2,),
+    )
+    for sp in (SamplingParams(max_tokens=4.0), SamplingParams(seed=3.0), SamplingParams(stop_token_ids=(1000,))):
+        validate_request(Request([1, 2], sp), limits)
+    bad = {
+        "max_tokens": [
+            SamplingParams(max_tokens=3.5),
+            SamplingParams(max_tokens=float("nan")),
+            SamplingParams(max_tokens=0),
+        ],
+        "seed": [SamplingParams(seed=3.5), SamplingParams(seed=float("inf")), SamplingParams(seed=2**31)],
+        "top_k": [SamplingParams(top_k=1.5), SamplingParams(top_k=float("inf"))],
+        "temperature": [SamplingParams(temperature="0.5")],  # type: ignore[arg-type]
+        "prompt": [
+            Request([], SamplingParams()),
+            Request([1, 64], SamplingParams()),
+            Request(list(range(33)), SamplingParams()),
+        ],
+    }
+    for field, cases in bad.items():
+        for case in cases:
+            req = case if isinstance(case, Request) else Request([1, 2], case)
+            with pytest.raises(DSparkInputError, match=field):
+                validate_request(req, limits)
+
+
 # ------------------------------------------------------------------ issue 14: logit_bias, logprobs, min_tokens,
 # verification modes, drafter kinds
 

@@ -678,3 +678,6 @@ def test_packed_verification_equals_the_grid_verification():
     # p past lengths[r] is zero on the packed grid: padding, never read (verify's contract)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_array_equal(got.num_accepted, want.num_accepted)
+    # keys given as a function (the engine derives them after the scatter): the same result
+    lazy = verify_rejection_packed(lambda: rkeys, drafts, q, p[r_c, c_c], rows, cols, jnp.asarray(lengths))
+    np.testing.assert_array_equal(lazy.tokens, want.tokens)

@@ -39,6 +39,22 @@ class LRUCache:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._data
 
+    def get(self, key: Hashable) -> Any:
+        """The value of ``key`` (now the most recently used), or None."""
+        with self._lock:
+            if key not in self._data:
+                return None
+            self._data.move_to_end(key)
+            return self._data[key]
+
+    def put(self, key: Hashable, value: Any) -> None:
+        """Stores ``value`` as the most recently used, evicting beyond ``maxsize``."""
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > self.maxsize:
+                self._data.popitem(last=False)
+
     def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """The value of ``key``, built with ``build()`` (and stored) on a miss."""
         with self._lock:
@@ -46,13 +62,10 @@ class LRUCache:
                 self._data.move_to_end(key)
                 return self._data[key]
         value = build()
-        with self._lock:
-            self._data[key] = value
-            self._data.move_to_end(key)
-            while len(self._data) > self.maxsize:
-                self._data.popitem(last=False)
+        self.put(key, value)
         return value
 
     def clear(self) -> None:
+        """Drops every value."""
         with self._lock:
             self._data.clear()

@@ -43,6 +43,18 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def _numbers(value) -> np.ndarray | None:
+    """``value`` (a number or an array of them) as flat float64, or None when it is not
+    numeric (a string, None, an object)."""
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError):
+        return None
+    if arr.dtype.kind not in "biuf":
+        return None
+    return arr.astype(np.float64).reshape(-1)
+
+
 def check_sampling(temperature=0.0, top_k=0, top_p=1.0) -> None:
     """Refuses sampling settings the samplers cannot honour (scalars or per-request sequences).
 
@@ -51,10 +63,9 @@ def check_sampling(temperature=0.0, top_k=0, top_p=1.0) -> None:
         included), or a top_k that is not an integer >= 0. One line naming the setting.
     """
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
-        try:
-            arr = np.asarray(value, np.float64).reshape(-1)
-        except (TypeError, ValueError):
-            raise DSparkInputError(f"{name} must be a number, got {value!r}") from None
+        arr = _numbers(value)
+        if arr is None:
+            raise DSparkInputError(f"{name} must be a number, got {value!r}")
         bad = arr[~np.isfinite(arr)]
         if bad.size:
             raise DSparkInputError(f"{name} must be a finite number, got {float(bad[0])}")
@@ -71,14 +82,23 @@ def check_sampling(temperature=0.0, top_k=0, top_p=1.0) -> None:
         )
 
 
-def check_max_new_tokens(max_new_tokens, num_requests: int, name: str = "max_new_tokens") -> np.ndarray:
+def check_max_new_tokens(
+    max_new_tokens, num_requests: int, name: str = "max_new_tokens", *, strict_int: bool = False
+) -> np.ndarray:
     """``[num_requests]`` int64 caps on generated tokens (a shared int or one per request).
 
     Args:
       name: the setting's name in the message (the serving API calls it ``max_tokens``).
+      strict_int: refuse a non-integral value (``3.5``, NaN, inf) instead of truncating it;
+        integral floats (``3.0``) pass. The serving engine's ``max_tokens`` has always been
+        checked so.
     Raises:
-      DSparkInputError: a value < 1.
+      DSparkInputError: a value < 1 (or, with ``strict_int``, not an integer).
     """
+    if strict_int:
+        as_float = _numbers(max_new_tokens)
+        if as_float is None or not np.all(np.isfinite(as_float) & (as_float == np.round(as_float))):
+            raise DSparkInputError(f"{name} must be an integer >= 1, got {max_new_tokens!r}")
     max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (num_requests,))
     if np.any(max_new < 1):
         raise DSparkInputError(f"{name} must be >= 1")
@@ -130,11 +150,23 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_positio
         check_prompt(p, vocab_size, max_position - 1, name=f"prompt {i}")
 
 
-def check_seed(seed) -> int:
-    """A request's PRNG seed: an integer in the int32 range. Raises DSparkInputError."""
-    if not _is_int(seed) or not INT32_MIN <= int(seed) <= INT32_MAX:
+def check_seed(seed, *, integral_floats: bool = False) -> int:
+    """A request's PRNG seed: an integer in the int32 range.
+
+    Args:
+      integral_floats: also accept a real number with an integer value (``3.0``), as the
+        serving engine's ``SamplingParams.seed`` always has.
+    Raises:
+      DSparkInputError: not an integer, or outside ``[INT32_MIN, INT32_MAX]``.
+    """
+    value = None
+    if _is_int(seed):
+        value = int(seed)
+    elif integral_floats and isinstance(seed, numbers.Real) and float(seed).is_integer():  # NaN / inf: False
+        value = int(float(seed))
+    if value is None or not INT32_MIN <= value <= INT32_MAX:
         raise DSparkInputError(f"seed must be an integer in [{INT32_MIN}, {INT32_MAX}], got {seed!r}")
-    return int(seed)
+    return value
 
 
 def check_stop_token_ids(ids, vocab_size: int | None = None) -> tuple[int, ...]:

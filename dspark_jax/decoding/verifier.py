@@ -32,6 +32,7 @@ on the value of ``x_k`` or anything computed from it (non-anticipation, DESIGN.m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -311,7 +312,7 @@ def verify_coupled_packed(
 
 
 def verify_rejection_packed(
-    round_keys: jax.Array,
+    round_keys: jax.Array | Callable[[], jax.Array],
     draft_tokens: jax.Array,
     draft_probs: jax.Array,
     target_probs: jax.Array,
@@ -323,7 +324,10 @@ def verify_rejection_packed(
     packed target distributions ``target_probs [K, V]`` to the ``[R, G + 1, V]`` grid.
 
     Args:
-      round_keys: ``[R, 2]`` one key per row and round, independent of the draft keys.
+      round_keys: ``[R, 2]`` one key per row and round, independent of the draft keys; or a
+        function of no arguments returning them, called after the scatter (the serving
+        engine derives its keys there, so its compiled step keeps the order of operations
+        it always had).
       draft_tokens: ``[R, G]`` int32; draft_probs: ``[R, G, V]`` their q.
       rows / cols: ``[K]`` int32 (``rows[i] >= R``: padding, dropped). lengths: ``[R]`` int32.
     Returns:
@@ -331,4 +335,5 @@ def verify_rejection_packed(
     """
     r, g = draft_tokens.shape
     p_grid = jnp.zeros((r, g + 1, target_probs.shape[-1]), jnp.float32).at[rows, cols].set(target_probs, mode="drop")
-    return verify(round_keys, draft_tokens, draft_probs, p_grid, lengths)
+    keys = round_keys() if callable(round_keys) else round_keys
+    return verify(keys, draft_tokens, draft_probs, p_grid, lengths)

@@ -88,7 +88,7 @@ from dspark_jax.serving.requests import (
     stop_ids,
     validate_request,
 )
-from dspark_jax.serving.slots import SlotRecord, SlotTable
+from dspark_jax.serving.slots import Round, SlotRecord, SlotTable, close_rounds
 from dspark_jax.serving.state import PrefixArrays
 
 __all__ = ["Engine", "Prefix", "Request", "SamplingParams", "StepOutput", "parse_policy"]
@@ -500,19 +500,16 @@ class Engine:
         self._catch_up()
         return self._run_step(rows, tokens, ell_b, active, draft_next, use_bias, want_lp), want_lp, False
 
-    def _emit(self, slot: int, rec: SlotRecord, r: int, ell_r: int, host, draft_next: bool) -> StepOutput:
-        """Row ``r``'s output of a step (``host``: the step's outputs read back): its kept
-        tokens, counters and logprobs; the record gets the next block's confidences."""
-        ypad, acc, finite, conf, lpc, lpv, lpi = host
-        a = int(acc[r])
-        rnd = rec.advance([int(t) for t in ypad[r, : a + 1]], a, ell_r, bool(finite[r]))
-        keep = len(rnd.tokens)
-        self._metrics.add_round(ell_r, a, keep, rnd.verified, rnd.accepted)
+    def _emit(self, slot: int, rec: SlotRecord, r: int, rnd: Round, host, draft_next: bool) -> StepOutput:
+        """Row ``r``'s output of a step (``host``: the step's outputs read back; ``rnd``: its
+        round, :func:`~dspark_jax.serving.slots.close_rounds`): its kept tokens, counters and
+        logprobs; the record gets the next block's confidences."""
+        _, _, _, conf, lpc, lpv, lpi = host
         toks = rec.pending + rnd.tokens
         rec.pending = []
         lps = None
         if rec.n_lp is not None:
-            lps = rec.pending_lp + [lp_entry(lpc[r, j], lpv[r, j], lpi[r, j], rec.n_lp) for j in range(keep)]
+            lps = rec.pending_lp + [lp_entry(lpc[r, j], lpv[r, j], lpi[r, j], rec.n_lp) for j in range(len(rnd.tokens))]
             rec.pending_lp = []
         rec.z = np.asarray(conf[r], np.float64) if (draft_next and self.gamma) else None
         rec.hist.append(rec.z)
@@ -548,9 +545,11 @@ class Engine:
             self.calibrator.observe(zs, ell[verified_rows], acc[:n][verified_rows])
             self.calibrator.update()
         host = (ypad, acc, finite, conf) + tuple(lp)
+        rounds, stats, kept = close_rounds(recs, ypad, acc, finite, ell, self.gamma)
+        self._metrics.add_rounds(ell, stats, kept)
         finished = []
         for r, slot in enumerate(self._slots.row_slots()):
-            o = self._emit(slot, recs[r], r, int(ell[r]), host, draft_next)
+            o = self._emit(slot, recs[r], r, rounds[r], host, draft_next)
             outs.append(o)
             if o.finished:
                 finished.append(slot)

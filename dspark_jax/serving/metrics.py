@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dspark_jax.decoding.round import RoundStats
+
 __all__ = ["EngineMetrics"]
 
 
@@ -46,21 +48,18 @@ class EngineMetrics:
         self.suspended_steps += int(suspended)
         self.packed_tokens += packed
 
-    def add_round(self, verified: int, accepted: int, kept: int, n_ver: int, n_acc: int) -> None:
-        """One row's verification round: ``verified`` drafts verified, ``accepted`` accepted,
-        ``kept`` tokens emitted (after stops / the length limit cut the block), of which
-        ``n_ver`` verified and ``n_acc`` accepted drafts count."""
-        if verified:
-            self.drafts += 1
-            k = np.arange(max(self.gamma, 1))
-            reached = (k < verified) & (k <= accepted) & (k < kept)
-            self.pos_reached += reached
-            self.pos_accepted += reached & (k < accepted)
-        self.draft_tokens += n_ver
-        self.accepted_tokens += n_acc
-        self.emitted_tokens += kept
-        self.round_tokens += kept
-        self.rounds += 1
+    def add_rounds(self, verified: np.ndarray, stats: RoundStats, kept: np.ndarray) -> None:
+        """One step's verification rounds, one per row: ``verified [n]`` drafts verified,
+        their :func:`~dspark_jax.decoding.round.round_statistics` (drafts after a stop or the
+        length limit cut the block are not counted) and ``kept [n]`` tokens emitted."""
+        self.drafts += int(np.count_nonzero(verified))
+        self.pos_reached += np.sum(stats.position_reached, axis=0, dtype=np.int64)
+        self.pos_accepted += np.sum(stats.position_accepted, axis=0, dtype=np.int64)
+        self.draft_tokens += int(np.sum(stats.num_draft_tokens))
+        self.accepted_tokens += int(np.sum(stats.num_accepted))
+        self.emitted_tokens += int(np.sum(kept))
+        self.round_tokens += int(np.sum(kept))
+        self.rounds += len(kept)
 
     def add_catchup(self, tokens: int) -> None:
         """One catch-up pass over ``tokens`` skipped tokens."""

@@ -5,9 +5,12 @@ row move, each a pure function over pytrees, compiled once per shape by the engi
 One step, one jitted function, no host round-trip inside (paper Section 7; DESIGN.md
 "Pipeline" (serve) and "Verification"): pack the anchors and the chosen number of drafts of
 every row -> one target pass -> sample the target's token at every packed position -> accept
-(Gumbel-coupled: :func:`dspark_jax.decoding.verifier.coupled_accept`; rejection sampling:
-:func:`dspark_jax.decoding.verifier.verify`) -> write target/drafter caches -> draft the NEXT
-block of every row (skipped under ``lax.cond`` when the scheduler says drafting does not pay).
+(Gumbel-coupled: :func:`dspark_jax.decoding.verifier.verify_coupled_packed`; rejection
+sampling: :func:`dspark_jax.decoding.verifier.verify_rejection_packed`) -> write target/drafter
+caches -> draft the NEXT block of every row (:func:`dspark_jax.decoding.round.draft_tokens`,
+skipped under ``lax.cond`` when the scheduler says drafting does not pay). Keys come from
+:mod:`dspark_jax.decoding.round` (:func:`~dspark_jax.decoding.round.token_keys`), shared with
+the single-request loops.
 Everything variable (active rows, verification lengths, drafting, logit bias, logprobs) is a
 mask or a runtime scalar, so a program compiles once per ``(rows, tokens)`` bucket. The
 argument names of these functions name the parameters of the compiled HLO: keep them.
@@ -47,7 +50,6 @@ Online calibration observes the acceptance of the mode in use.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
@@ -55,8 +57,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.decoding.verifier import coupled_accept, verify
-from dspark_jax.drafters.markov import sample_block
+from dspark_jax.decoding.compile_cache import LRUCache
+from dspark_jax.decoding.round import draft_tokens, rejection_round_keys, token_keys
+from dspark_jax.decoding.verifier import verify_coupled_packed, verify_rejection_packed
 from dspark_jax.models.layers import KVCache
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample
 from dspark_jax.serving.state import CACHE_FIELDS, DecodeState, PrefixArrays
@@ -73,13 +76,6 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------ building blocks
-
-
-def fold(keys: jax.Array, pos: jax.Array) -> jax.Array:
-    """``[..., 2]`` keys, ``[...]`` positions -> ``fold_in(key, pos)`` elementwise."""
-    flat_k = keys.reshape(-1, 2)
-    out = jax.vmap(jax.random.fold_in)(flat_k, pos.reshape(-1).astype(jnp.uint32))
-    return out.reshape(pos.shape + (2,))
 
 
 def apply_bias(logits, row, pos, ids, val, until):
@@ -107,33 +103,28 @@ def maybe_bias(use_bias, logits, row, pos, st):
 
 
 def draft(target, drafter, anchors, pos, keys, samp, dk, dv, bias, use_bias, mode):
-    """Next block for every row: ``[R, G]`` tokens, raw confidence logits and, in rejection
-    mode, ``[R, G, V]`` q (else None).
+    """Next block for every row (:func:`dspark_jax.decoding.round.draft_tokens`): ``[R, G]``
+    tokens, raw confidence logits and, in rejection mode, ``[R, G, V]`` q (else None).
 
-    Draft position ``k`` predicts the token after position ``pos + k``. Coupled mode draws it
-    with the key the target samples that token with (``fold_in(request_key, pos + k)``, shared
-    Gumbel noise); rejection mode with an independent key (``fold_in(that, 2)``). The rows'
-    logit bias (``bias = (ids, val, until)``) is added to the base logits, i.e. to q's logits
-    (the Markov correction is additive), exactly as to the target's.
+    Draft position ``k`` predicts the token after position ``pos + k``, drawn with the
+    per-position keys of :func:`~dspark_jax.decoding.round.draft_step_keys` (coupled: the key
+    the target samples that token with, shared Gumbel noise; rejection: an independent one).
+    The rows' logit bias (``bias = (ids, val, until)``) is added to the base logits, i.e. to
+    q's logits (the Markov correction is additive), exactly as to the target's.
     """
-    g = drafter.cfg.gamma
     r_ = anchors.shape[0]
-    block = drafter.draft_block(target, anchors, pos, KVCache(dk, dv))
-    dpos = pos[:, None] + jnp.arange(g, dtype=jnp.int32)
-    if drafter.cfg.draft_vocab_size:  # the table holds target ids; a draft vocabulary's logits are indexed by N
-        b_ids, b_val, b_until = bias
-        d_ids = drafter.draft_index(b_ids)
-        inside = d_ids < drafter.cfg.draft_vocab_size  # ids outside are never drafted anyway
-        bias = (jnp.where(inside, d_ids, 0), jnp.where(inside, b_val, 0.0), b_until)
-    block = block._replace(
-        logits=maybe_bias(
-            use_bias, block.logits, jnp.broadcast_to(jnp.arange(r_, dtype=jnp.int32)[:, None], dpos.shape), dpos, bias
-        )
-    )
-    step_keys = fold(jnp.broadcast_to(keys[:, None], (r_, g, 2)), dpos)
-    if mode == "rejection":
-        step_keys = fold(step_keys, jnp.full(dpos.shape, 2, jnp.int32))
-    d = sample_block(drafter, block, anchors, keys, samp, step_keys=step_keys)
+
+    def adjust(logits, dpos):
+        b = bias
+        if drafter.cfg.draft_vocab_size:  # the table holds target ids; a draft vocabulary's logits are indexed by N
+            b_ids, b_val, b_until = b
+            d_ids = drafter.draft_index(b_ids)
+            inside = d_ids < drafter.cfg.draft_vocab_size  # ids outside are never drafted anyway
+            b = (jnp.where(inside, d_ids, 0), jnp.where(inside, b_val, 0.0), b_until)
+        rows = jnp.broadcast_to(jnp.arange(r_, dtype=jnp.int32)[:, None], dpos.shape)
+        return maybe_bias(use_bias, logits, rows, dpos, b)
+
+    d = draft_tokens(target, drafter, anchors, pos, KVCache(dk, dv), keys, samp, step_keys=mode, adjust_logits=adjust)
     return d.tokens.astype(jnp.int32), d.confidence_logit, (d.probs if mode == "rejection" else None)
 
 
@@ -198,23 +189,23 @@ def _verify_packed(st: DecodeState, pk: _Packed, probs, prow, r_: int, width: in
     """``(ypad [R, G'+1], acc [R])``: the target's token at every packed position of each row
     (-1 where nothing was packed) and the number of accepted drafts."""
     if width > 1 and mode == "rejection":
-        # Rejection sampling (verifier.verify): p on the [R, G+1] grid; one round key per
-        # row and anchor position, independent of the draft keys (fold_in(., 2)) and of
-        # every other round (anchor positions strictly increase).
-        p_grid = jnp.zeros((r_, gamma + 1, probs.shape[-1]), jnp.float32).at[prow, pk.col].set(probs, mode="drop")
-        vkeys = fold(fold(st.key[:r_], pk.p0), jnp.ones((r_,), jnp.int32))
-        res = verify(vkeys, pk.drafts[:, :gamma], st.qprob[:r_], p_grid, pk.n - 1)
+        # Rejection sampling: one round key per row and anchor position, independent of the
+        # draft keys (fold_in(., 2)) and of every other round (anchor positions increase).
+        res = verify_rejection_packed(
+            lambda: rejection_round_keys(st.key[:r_], pk.p0),  # derived after the grid, as always
+            pk.drafts[:, :gamma],
+            st.qprob[:r_],
+            probs,
+            prow,
+            pk.col,
+            pk.n - 1,
+        )
         return res.tokens, res.num_accepted
-    # Coupled draws (verifier.coupled_accept): the target's own sample at every packed
-    # position with plain decoding's key; drafts were drawn with the same keys.
-    keys = fold(st.key[:r_][pk.row], jnp.maximum(pk.pos, 0))
-    y = sample(keys, probs)
-    ypad = jnp.full((r_, gp + 1), -1, jnp.int32).at[prow, pk.col].set(y, mode="drop")
-    if width > 1:
-        acc = coupled_accept(pk.drafts[:, :gamma], ypad, pk.n - 1).num_accepted
-    else:
-        acc = jnp.zeros((r_,), jnp.int32)
-    return ypad, acc
+    # Coupled draws: the target's own sample at every packed position with plain decoding's
+    # key; drafts were drawn with the same keys.
+    keys = token_keys(st.key[:r_][pk.row], jnp.maximum(pk.pos, 0))
+    lengths = pk.n - 1 if width > 1 else None
+    return verify_coupled_packed(keys, probs, prow, pk.col, pk.drafts[:, :gamma], lengths, width=gp + 1)
 
 
 def _packed_logprobs(want_lp, raw_logits, ypad, pk: _Packed, prow, r_: int, gp: int, n_top: int):
@@ -424,6 +415,8 @@ def prefill_program(
     bias = (bias_ids[None], bias_val[None], bias_until[None])
     zero = jnp.zeros((1,), jnp.int32)
     logits = apply_bias(out.logits, zero, prompt_len[None] - 1, *bias)
+    # The first token's key is fold_in(key, prompt_len - 1), i.e. decoding.round.next_token's,
+    # derived here on the scalar key: next_token's vmapped derivation compiles differently.
     tok = sample(
         jax.random.fold_in(key, (prompt_len - 1).astype(jnp.uint32))[None], process_logits(logits, samp)
     ).astype(jnp.int32)
@@ -492,8 +485,10 @@ def move_program(st: DecodeState, src, dst) -> DecodeState:
 # ------------------------------------------------------------------------------ compiled programs
 
 
-class ProgramCache:
-    """A least-recently-used cache of compiled executables.
+class ProgramCache(LRUCache):
+    """The engine's least-recently-used cache of compiled executables: a
+    :class:`~dspark_jax.decoding.compile_cache.LRUCache` (``get`` / ``put``) that also gives
+    engine signatures small ids (:meth:`intern`).
 
     Args:
       max_size: executables kept (>= 1); the least recently used one is dropped beyond it
@@ -505,36 +500,14 @@ class ProgramCache:
     """
 
     def __init__(self, max_size: int = 512):
-        if max_size < 1:
-            raise ValueError(f"max_size must be >= 1, got {max_size}")
-        self.max_size = int(max_size)
-        self._exes: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+        super().__init__(int(max_size))
         self._signatures: dict[Hashable, int] = {}
+
+    @property
+    def max_size(self) -> int:
+        """Executables kept at most (``maxsize``)."""
+        return self.maxsize
 
     def intern(self, signature: Hashable) -> int:
         """A small id for an engine signature (hashed once, not at every lookup)."""
         return self._signatures.setdefault(signature, len(self._signatures))
-
-    def get(self, key: Hashable) -> Any:
-        """The executable of ``key`` (now the most recently used), or None."""
-        exe = self._exes.get(key)
-        if exe is not None:
-            self._exes.move_to_end(key)
-        return exe
-
-    def put(self, key: Hashable, exe: Any) -> None:
-        """Stores ``exe``, dropping the least recently used executables beyond ``max_size``."""
-        self._exes[key] = exe
-        self._exes.move_to_end(key)
-        while len(self._exes) > self.max_size:
-            self._exes.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._exes)
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._exes
-
-    def clear(self) -> None:
-        """Drops every executable."""
-        self._exes.clear()

@@ -12,13 +12,15 @@ overrides both). ``n`` > 1 runs ``n`` requests: choice ``i`` is the same request
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import math
 import secrets
+from collections.abc import Iterator
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dspark_jax.decoding.validation import check_logit_bias, check_min_tokens, check_prompt, check_stop_token_ids
 from dspark_jax.errors import DSparkInputError
 
 __all__ = [
@@ -172,6 +174,15 @@ class ServerConfig:
     max_logit_bias: int = 1024
 
 
+@contextlib.contextmanager
+def _refused(param: str) -> Iterator[None]:
+    """Turns a :mod:`dspark_jax.decoding.validation` refusal into a 400 naming ``param``."""
+    try:
+        yield
+    except DSparkInputError as e:
+        raise APIError(400, str(e), param) from None
+
+
 # --------------------------------------------------------------------------- sampling parameters
 
 
@@ -194,8 +205,8 @@ def _max_tokens(req: SamplingRequest, prompt_len: int, max_tokens: int | None, c
             f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length {cfg.context_len}",
             "max_tokens",
         )
-    if req.min_tokens > max_tokens:
-        raise APIError(400, f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
+    with _refused("min_tokens"):
+        check_min_tokens(req.min_tokens, max_tokens)
     return max_tokens
 
 
@@ -206,34 +217,22 @@ def _stops(req: SamplingRequest, cfg: ServerConfig) -> tuple[tuple[str, ...], tu
         raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings", "stop")
     if any(not s for s in stop):
         raise APIError(400, "stop strings must not be empty", "stop")
-    stop_ids = tuple(int(i) for i in (req.stop_token_ids or ()))
-    bad = [i for i in stop_ids if not 0 <= i < cfg.vocab_size]
-    if bad:
-        raise APIError(
-            400, f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab_size})", "stop_token_ids"
-        )
+    with _refused("stop_token_ids"):
+        stop_ids = check_stop_token_ids(req.stop_token_ids or (), cfg.vocab_size)
     return tuple(stop), stop_ids
 
 
 def _logit_bias(req: SamplingRequest, cfg: ServerConfig) -> dict[int, float]:
     """``{token id: bias}`` of ``req.logit_bias``, checked (ids in the vocabulary, biases in
     ``[-100, 100]``, at most ``max_logit_bias`` entries)."""
-    bias: dict[int, float] = {}
-    for key, value in (req.logit_bias or {}).items():
+    pairs = []
+    for key, value in (req.logit_bias or {}).items():  # JSON object keys are strings
         try:
-            tid = int(key)
+            pairs.append((int(key), value))
         except ValueError:
             raise APIError(400, f"logit_bias key {key!r} is not a token id", "logit_bias") from None
-        if not 0 <= tid < cfg.vocab_size:
-            raise APIError(
-                400, f"logit_bias token id {tid} is outside the vocabulary [0, {cfg.vocab_size})", "logit_bias"
-            )
-        if not (math.isfinite(value) and -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE):
-            raise APIError(400, f"logit_bias[{key!r}] = {value}: biases must be in [-100, 100]", "logit_bias")
-        bias[tid] = float(value)
-    if len(bias) > cfg.max_logit_bias:
-        raise APIError(400, f"logit_bias has {len(bias)} entries; at most {cfg.max_logit_bias}", "logit_bias")
-    return bias
+    with _refused("logit_bias"):
+        return check_logit_bias(pairs, cfg.vocab_size, cfg.max_logit_bias, bias_range=LOGIT_BIAS_RANGE)
 
 
 def _n_logprobs(req: SamplingRequest, chat: bool) -> int | None:
@@ -298,11 +297,8 @@ def sampling_params(
 
 
 def _check_ids(ids: list[int], cfg: ServerConfig, param: str = "prompt") -> list[int]:
-    if not ids:
-        raise APIError(400, "the prompt is empty", param)
-    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
-    if bad:
-        raise APIError(400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab_size})", param)
+    with _refused(param):
+        check_prompt(ids, cfg.vocab_size)
     return ids
 
 

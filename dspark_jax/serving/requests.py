@@ -25,16 +25,25 @@ recompilation.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import numpy as np
 
+from dspark_jax.decoding.validation import (
+    INT32_MAX,
+    INT32_MIN,
+    check_logit_bias,
+    check_logprobs,
+    check_max_new_tokens,
+    check_min_tokens,
+    check_prompt,
+    check_sampling,
+    check_seed,
+    check_stop_token_ids,
+)
 from dspark_jax.errors import DSparkInputError
 
 __all__ = [
-    "INT32_MAX",
-    "INT32_MIN",
     "Prefix",
     "Request",
     "RequestLimits",
@@ -47,8 +56,6 @@ __all__ = [
     "stop_ids",
     "validate_request",
 ]
-
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,11 +180,6 @@ class RequestLimits:
         return max(1, self.max_logit_bias + self.max_stop_ids)
 
 
-def _is_int(x) -> bool:
-    """An integer value (Python or numpy), not a bool."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
 def lp_entry(chosen, top_v, top_i, n: int) -> tuple[float, list[tuple[int, float]]]:
     """One token's ``(logprob, [(id, logprob)] * n)`` from device arrays."""
     return float(chosen), [(int(top_i[m]), float(top_v[m])) for m in range(n)]
@@ -189,55 +191,28 @@ def stop_ids(p: SamplingParams, eos_ids: tuple[int, ...]) -> frozenset:
 
 
 def _check_prompt(ids, limits: RequestLimits) -> None:
-    if ids is None or len(ids) == 0:
-        raise DSparkInputError("the prompt is empty: give at least one token")
-    try:
-        arr = np.asarray(ids, np.int64)
-    except (TypeError, ValueError):
-        raise DSparkInputError("prompt token ids must be integers") from None
-    if arr.ndim != 1:
-        raise DSparkInputError("prompt token ids must be a flat list of integers")
-    bad = arr[(arr < 0) | (arr >= limits.vocab_size)]
-    if bad.size:
-        raise DSparkInputError(f"prompt token id {int(bad[0])} is outside the vocabulary [0, {limits.vocab_size})")
     limit = min(limits.cache_len - 1, limits.max_position - 1, limits.max_prompt)
-    if len(arr) > limit:
-        raise DSparkInputError(
-            f"the prompt has {len(arr)} tokens but at most {limit} fit "
-            f"(cache_len {limits.cache_len}, model context {limits.max_position}, "
-            f"largest prefill bucket {limits.max_prompt})"
-        )
+    why = (
+        f"cache_len {limits.cache_len}, model context {limits.max_position}, largest prefill bucket {limits.max_prompt}"
+    )
+    check_prompt(ids, limits.vocab_size, limit, why=why)
 
 
 def _check_sampling(p: SamplingParams) -> None:
-    if not (math.isfinite(p.temperature) and p.temperature >= 0):
-        raise DSparkInputError(f"temperature must be a finite number >= 0, got {p.temperature}")
-    if int(p.top_k) != p.top_k or p.top_k < 0:
-        raise DSparkInputError(f"top_k must be an integer >= 0, got {p.top_k}")
-    if not (0.0 < p.top_p <= 1.0):
-        raise DSparkInputError(f"top_p must be in (0, 1], got {p.top_p}")
-    if int(p.max_tokens) != p.max_tokens or p.max_tokens < 1:
-        raise DSparkInputError(f"max_tokens must be an integer >= 1, got {p.max_tokens}")
-    if int(p.seed) != p.seed or not INT32_MIN <= p.seed <= INT32_MAX:
-        raise DSparkInputError(f"seed must be an integer in [{INT32_MIN}, {INT32_MAX}], got {p.seed}")
-    try:
-        [int(t) for t in p.stop_token_ids]
-    except (TypeError, ValueError):
-        raise DSparkInputError("stop_token_ids must be integers") from None
+    check_sampling(p.temperature, p.top_k, p.top_p)
+    # The engine has always taken integral floats (max_tokens=3.0, seed=3.0) and refused 3.5.
+    check_max_new_tokens(p.max_tokens, 1, "max_tokens", strict_int=True)
+    check_seed(p.seed, integral_floats=True)
+    check_stop_token_ids(p.stop_token_ids)  # ids outside the vocabulary never match: allowed
 
 
 def _check_extras(p: SamplingParams, limits: RequestLimits) -> None:
     """logit_bias, logprobs and min_tokens (issue 14)."""
     logit_bias(p, limits)
-    n_lp = p.logprobs
-    if n_lp is not None and not (_is_int(n_lp) and 0 <= n_lp <= 20):
-        raise DSparkInputError(f"logprobs must be None or an integer in [0, 20], got {n_lp!r}")
+    n_lp = check_logprobs(p.logprobs, 20)
     if n_lp is not None and n_lp > limits.n_top:
         raise DSparkInputError(f"logprobs must be <= {limits.n_top} (the vocabulary size), got {n_lp}")
-    if not (_is_int(p.min_tokens) and p.min_tokens >= 0):
-        raise DSparkInputError(f"min_tokens must be an integer >= 0, got {p.min_tokens!r}")
-    if p.min_tokens > p.max_tokens:
-        raise DSparkInputError(f"min_tokens ({p.min_tokens}) must be <= max_tokens ({p.max_tokens})")
+    check_min_tokens(p.min_tokens, p.max_tokens)
     n_stops = len(stop_ids(p, limits.eos_ids)) if p.min_tokens else 0
     if n_stops > limits.max_stop_ids:
         raise DSparkInputError(
@@ -246,7 +221,8 @@ def _check_extras(p: SamplingParams, limits: RequestLimits) -> None:
 
 
 def validate_request(request: Request, limits: RequestLimits) -> None:
-    """Checks that an engine with ``limits`` can serve ``request``.
+    """Checks that an engine with ``limits`` can serve ``request``, with the checks of
+    :mod:`dspark_jax.decoding.validation`.
 
     Raises:
       DSparkInputError: params not a :class:`SamplingParams`, an empty prompt, a token id
@@ -262,33 +238,14 @@ def validate_request(request: Request, limits: RequestLimits) -> None:
 
 
 def logit_bias(p: SamplingParams, limits: RequestLimits) -> dict[int, float]:
-    """Validated ``{token_id: bias}`` of ``p.logit_bias`` (a repeated id: last wins).
+    """Validated ``{token_id: bias}`` of ``p.logit_bias`` (a repeated id: last wins;
+    :func:`~dspark_jax.decoding.validation.check_logit_bias`).
 
     Raises:
       DSparkInputError: not (id, bias) pairs, an id outside the vocabulary, a non-finite
         bias, or more than ``max_logit_bias`` entries.
     """
-    lb = p.logit_bias
-    v = limits.vocab_size
-    try:
-        pairs = list(lb.items()) if isinstance(lb, dict) else [tuple(e) for e in lb]
-        out = {}
-        for t, b in pairs:
-            if not _is_int(t) or isinstance(b, (bool, str)):
-                raise ValueError
-            out[int(t)] = float(b)
-    except (TypeError, ValueError):
-        raise DSparkInputError(
-            "logit_bias must be a sequence of (token_id, bias) pairs with integer ids and numeric biases"
-        ) from None
-    for t, b in out.items():
-        if not 0 <= t < v:
-            raise DSparkInputError(f"logit_bias token id {t} is outside the vocabulary [0, {v})")
-        if not math.isfinite(b):
-            raise DSparkInputError(f"logit_bias for token {t} must be finite, got {b}")
-    if len(out) > limits.max_logit_bias:
-        raise DSparkInputError(f"logit_bias has {len(out)} entries; at most {limits.max_logit_bias} are supported")
-    return out
+    return check_logit_bias(p.logit_bias, limits.vocab_size, limits.max_logit_bias)
 
 
 def no_bias(nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -17,9 +17,18 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dspark_jax.decoding.round import (
+    FINISH_ERROR,
+    FINISH_NAMES,
+    FINISH_RUNNING,
+    RoundStats,
+    emit_counts,
+    finish_codes,
+    round_statistics,
+)
 from dspark_jax.serving.requests import Prefix, Request
 
-__all__ = ["Round", "SlotRecord", "SlotTable"]
+__all__ = ["Round", "SlotRecord", "SlotTable", "close_rounds"]
 
 
 class Round(NamedTuple):
@@ -101,33 +110,59 @@ class SlotRecord:
             rec.done = "length"
         return rec
 
-    def advance(self, emitted: list[int], accepted: int, verified: int, finite: bool) -> Round:
-        """Applies one verification round: ``emitted`` (the accepted drafts and the correction
-        or bonus token), ``accepted`` of ``verified`` drafts. Cuts at the first stop id once
-        ``min_tokens`` were generated (the stop kept) and at ``end``; non-finite logits end
-        the request with ``"error"`` and nothing emitted. Updates ``length`` and ``tokens``."""
-        new, reason = list(emitted), None
-        if not finite:
-            new, reason = [], "error"
-        keep = len(new)
-        gen = self.length - self.prompt_len  # tokens generated before new[0]
-        for j, t in enumerate(new):
-            if t in self.stops and gen + j >= self.min_tokens:
-                keep, reason = j + 1, "stop"
-                break
-        keep = min(keep, self.end - self.length)
-        new = new[:keep]
-        self.length += keep
-        if reason is None and self.length >= self.end:
-            reason = "length"
-        n_ver = min(verified, keep) if keep < accepted + 1 else verified
-        self.tokens.extend(new)
-        return Round(new, reason, n_ver, min(accepted, keep))
-
     def biased(self) -> bool:
         """Whether a step must apply this row's bias table (logit_bias, or min_tokens masking
         still active at the anchor position: ``length - prompt_len`` tokens generated)."""
         return self.has_bias or self.length - self.prompt_len < self.min_tokens
+
+
+def close_rounds(
+    records: list[SlotRecord], ypad: np.ndarray, acc: np.ndarray, finite: np.ndarray, ell: np.ndarray, gamma: int
+) -> tuple[list[Round], RoundStats, np.ndarray]:
+    """Applies one step's verification round to the ``n`` records of the occupied rows.
+
+    Row ``r`` emitted ``ypad[r, :acc[r] + 1]`` (accepted drafts, then the correction or bonus
+    token) after verifying ``ell[r]`` drafts. :func:`dspark_jax.decoding.round.emit_counts`
+    cuts the tokens at the first stop id once ``min_tokens`` were generated (the stop kept)
+    and at ``end``; non-finite logits end a request with ``"error"`` and nothing emitted;
+    else a stop ends it with ``"stop"``, a full row with ``"length"``. Each record's
+    ``length`` and ``tokens`` advance by its kept tokens.
+
+    Args:
+      ypad: ``[R >= n, G' + 1]`` int32 the step's tokens on the row grid; acc: ``[R]``
+        int32 accepted drafts; finite: ``[R]`` bool; ell: ``[n]`` int32 verified drafts.
+      gamma: block size (per-position statistics over ``max(gamma, 1)`` positions).
+    Returns:
+      ``(rounds, stats, kept)``: a :class:`Round` per record, the rows'
+      :func:`~dspark_jax.decoding.round.round_statistics` (numpy) and ``[n]`` kept tokens.
+    """
+    n = len(records)
+    tokens, acc, ok = ypad[:n], acc[:n], finite[:n].astype(bool)
+    length = np.array([rec.length for rec in records], np.int64)
+    stops = np.full((n, max([len(rec.stops) for rec in records] + [1])), -1, np.int64)
+    for r, rec in enumerate(records):
+        stops[r, : len(rec.stops)] = sorted(rec.stops)
+    kept, stopped, full = emit_counts(
+        tokens,
+        acc + 1,
+        ok,  # non-finite rows keep nothing (and end with "error")
+        length,
+        np.array([rec.end for rec in records], np.int64),
+        stops,
+        stops_from=np.array([rec.min_tokens - (rec.length - rec.prompt_len) for rec in records], np.int64),
+        xp=np,
+    )
+    codes = finish_codes(np.where(ok, FINISH_RUNNING, FINISH_ERROR), stopped, full, xp=np)
+    stats = round_statistics(ell, acc, acc + 1, kept, gamma, xp=np)
+    rounds = []
+    for r, rec in enumerate(records):
+        new = [int(t) for t in tokens[r, : kept[r]]]
+        rec.length += len(new)
+        rec.tokens.extend(new)
+        rounds.append(
+            Round(new, FINISH_NAMES[int(codes[r])], int(stats.num_draft_tokens[r]), int(stats.num_accepted[r]))
+        )
+    return rounds, stats, kept
 
 
 class SlotTable:

@@ -13,9 +13,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.decoding.validation import INT32_MIN
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import sharding as shd
-from dspark_jax.serving.requests import INT32_MIN
 
 __all__ = ["CACHE_FIELDS", "DecodeState", "PrefixArrays", "init_state", "serving_mesh", "state_shardings"]
 
