@@ -39,10 +39,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax.decoding.round import token_keys
 from dspark_jax.models import sharding as shd
 from dspark_jax.models.layers import KVCache, apply_rope, attention, rms_norm, swiglu
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample
-from dspark_jax.serving.programs import apply_bias, draft, fold, logprobs, write_context
+from dspark_jax.serving.programs import apply_bias, draft, logprobs, write_context
 from dspark_jax.serving.state import PrefixArrays
 
 __all__ = [
@@ -200,7 +201,7 @@ def _first_tokens(raw, keys, prompt_len, samp, bias, n_top: int):
     ``(token [P], finite [P], (logprob, top values, top ids))``."""
     rows = jnp.arange(raw.shape[0], dtype=jnp.int32)
     logits = apply_bias(raw, rows, prompt_len - 1, *bias)
-    token = sample(fold(keys, prompt_len - 1), process_logits(logits, samp)).astype(jnp.int32)
+    token = sample(token_keys(keys, prompt_len - 1), process_logits(logits, samp)).astype(jnp.int32)
     return token, logits_are_finite(raw), logprobs(raw, token, n_top)
 
 
