@@ -186,7 +186,7 @@ def test_format1_export_loads_under_its_versioned_head_name(target, head, tmp_pa
     d = make_drafter(target, head + "_v0")
     path = export_drafter(d, tmp_path / head)
     meta = json.loads((path / "drafter.json").read_text())
-    meta["format"], meta["config"]["markov_head"] = "dspark_jax.drafters.dspark/1", head
+    meta["format"], meta["config"]["markov_head"] = "dspark_jax.drafter/1", head
     (path / "drafter.json").write_text(json.dumps(meta))
     loaded, _ = load_drafter(path)
     assert loaded.cfg.markov_head == head + "_v0"

@@ -28,9 +28,9 @@ from dspark_jax.config import LEGACY_MARKOV_HEADS, DrafterConfig
 from dspark_jax.drafters.dspark import Drafter, build_drafter
 from dspark_jax.errors import DSparkInputError
 
-FORMAT = "dspark_jax.drafters.dspark/2"
+FORMAT = "dspark_jax.drafter/2"
 # Format 1 named the first Markov-head variants "gated"/"rnn" (now "gated_v0"/"rnn_v0").
-_FORMATS = ("dspark_jax.drafters.dspark/1", FORMAT)
+_FORMATS = ("dspark_jax.drafter/1", FORMAT)
 
 
 def export_drafter(
