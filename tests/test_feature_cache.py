@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from dspark_jax.config import TargetConfig
-from dspark_jax.drafters.dspark import build_drafter
+from dspark_jax.drafters.build import build_drafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.target import Target, random_params
 from dspark_jax.training.data import batches

@@ -35,8 +35,7 @@ from flax import nnx
 
 from dspark_jax.decoding import auto_verify
 from dspark_jax.decoding.verifier import verify
-from dspark_jax.drafters.dspark import Drafter
-from dspark_jax.drafters.markov import sample_block
+from dspark_jax.drafters.base import BlockDrafter, Drafter, check_compatible
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.layers import KVCache
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample, sampling_arrays
@@ -182,21 +181,18 @@ def _zero_stats(b: int, gamma: int) -> DecodeStats:
 def draft_tokens(
     target: Target, drafter, anchors: jax.Array, anchor_pos: jax.Array, cache, keys: jax.Array, sampling: SamplingArrays
 ):
-    """One drafting round for every row, whatever the drafter kind.
+    """One drafting round for every row, whatever the drafter kind (its ``draft``).
 
     DSpark / DFlash: one parallel backbone pass then the ``lax.scan`` Markov sampler;
-    eagle3: ``gamma`` autoregressive single-token steps (:meth:`EagleDrafter.draft`).
+    eagle3: ``gamma`` autoregressive single-token steps.
 
     Args:
       anchors: ``[B]`` int32 last confirmed tokens; anchor_pos: ``[B]`` int32 their positions.
       cache: the drafter's context cache; keys: ``[B, 2]`` per-row draft keys.
     Returns:
-      :class:`~dspark_jax.drafters.markov.Draft` with ``tokens [B, gamma]`` and ``probs [B, gamma, V]``.
+      :class:`~dspark_jax.drafters.base.Draft` with ``tokens [B, gamma]`` and ``probs [B, gamma, V]``.
     """
-    if drafter.cfg.variant == "eagle3":
-        return drafter.draft(target, anchors, anchor_pos, cache, keys, sampling)
-    block = drafter.draft_block(target, anchors, anchor_pos, cache)
-    return sample_block(drafter, block, anchors, keys, sampling)
+    return drafter.draft(target, anchors, anchor_pos, cache, keys, sampling)
 
 
 @partial(jax.jit, static_argnames=("t_graph", "cache_len", "max_steps"))
@@ -729,8 +725,10 @@ def generate_speculative(
     max_steps = int(np.max(limit - lens))
     widths, costs = None, None
     if n_spec == "auto":
-        if drafter.cfg.variant == "eagle3":
-            raise DSparkInputError("num_speculative_tokens='auto' needs a block drafter (dspark/dflash), not eagle3")
+        if not isinstance(drafter, BlockDrafter):
+            raise DSparkInputError(
+                f"num_speculative_tokens='auto' needs a block drafter (dspark/dflash), not {drafter.cfg.variant}"
+            )
         widths = auto_verify.default_widths(g_max)
         table = cost_table if cost_table is not None else _cost_table(target, drafter, cache_len)
         greedy = bool(np.all(np.asarray(sampling.temperature) <= 0))
@@ -763,30 +761,3 @@ def generate_speculative(
     gens = _results(state, lens, g_max, speculative=True)
     _check_finite(gens)
     return BatchResult(gens, secs, csecs)
-
-
-def check_compatible(target: Target, drafter: Drafter) -> None:
-    """Refuses a drafter built for another target.
-
-    Raises:
-      DSparkInputError: vocab size, hidden size, depth/tapped layers or weights
-        fingerprint differ between the drafter's recorded target and ``target``.
-    """
-    t, d = target.cfg, drafter.cfg
-    if d.vocab_size != t.vocab_size:
-        raise DSparkInputError(
-            f"drafter was trained for a vocabulary of {d.vocab_size} tokens but the target has {t.vocab_size}"
-        )
-    if d.hidden_size != t.hidden_size:
-        raise DSparkInputError(f"drafter expects target hidden size {d.hidden_size} but the target has {t.hidden_size}")
-    if d.target_num_layers != t.num_layers or max(d.taps) >= t.num_layers:
-        raise DSparkInputError(
-            f"drafter taps layers {list(d.taps)} of a {d.target_num_layers}-layer target but the "
-            f"target has {t.num_layers} layers"
-        )
-    fp = getattr(target, "fingerprint", "")
-    if d.target_fingerprint and fp and d.target_fingerprint != fp:
-        raise DSparkInputError(
-            f"drafter was trained for target '{d.target_name}' (weights {d.target_fingerprint}) but "
-            f"these target weights are {fp}: train a drafter for this target"
-        )

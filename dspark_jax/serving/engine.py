@@ -137,6 +137,7 @@ from dspark_jax.decoding.online_calibration import OnlineCalibrator
 from dspark_jax.decoding.speculative import check_compatible
 from dspark_jax.decoding.sps import SPSTable, profile_buckets
 from dspark_jax.decoding.verifier import coupled_accept, verify
+from dspark_jax.drafters.base import BlockDrafter
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.drafters.markov import sample_block
 from dspark_jax.errors import DSparkInputError
@@ -387,12 +388,8 @@ def _draft(target, drafter, anchors, pos, keys, samp, dk, dv, bias, use_bias, mo
 def _write_context(drafter, features, row, pos, dk, dv):
     """Writes the drafter context K/V of ``[K]`` packed tokens (tapped ``features [K, F]``) at
     ``(row, pos)``; ``pos < 0`` marks padding (nothing written)."""
-    ck, cv = drafter.context_kv(drafter.context_features(features[None]), jnp.maximum(pos, 0)[None])
-    wpos = jnp.where(pos >= 0, pos, dk.shape[2])  # out of range: dropped writes
-    return (
-        dk.at[:, row, wpos].set(ck[:, 0].astype(dk.dtype), mode="drop"),
-        dv.at[:, row, wpos].set(cv[:, 0].astype(dv.dtype), mode="drop"),
-    )
+    cache = drafter.write_context(KVCache(dk, dv), features, row, pos)
+    return cache.k, cache.v
 
 
 def _logprobs(raw_logits, emitted, n_top: int):
@@ -804,9 +801,7 @@ class Engine:
     ):
         if verification not in ("coupled", "rejection"):
             raise DSparkInputError(f"verification must be 'coupled' or 'rejection', got {verification!r}")
-        if drafter is not None and (
-            getattr(drafter.cfg, "variant", "") == "eagle3" or not hasattr(drafter, "context_kv")
-        ):
+        if drafter is not None and not isinstance(drafter, BlockDrafter):
             raise DSparkInputError(
                 f"the serving engine cannot serve a {getattr(drafter.cfg, 'variant', type(drafter).__name__)} "
                 "drafter (it drafts autoregressively from its own cache); serve a dspark/dflash drafter, "

@@ -236,7 +236,7 @@ def estimate_memory(
     import jax.numpy as jnp
     from flax import nnx
 
-    from dspark_jax.drafters.dspark import build_drafter
+    from dspark_jax.drafters.build import build_drafter
     from dspark_jax.models.model_io import target_param_shapes
     from dspark_jax.models.sharding import tree_bytes_per_device
 
@@ -312,7 +312,7 @@ def estimate_serving_memory(
     import jax.numpy as jnp
     from flax import nnx
 
-    from dspark_jax.drafters.dspark import build_drafter
+    from dspark_jax.drafters.build import build_drafter
     from dspark_jax.models.model_io import target_param_shapes
     from dspark_jax.models.sharding import tree_bytes_per_device
 
@@ -407,7 +407,7 @@ def dry_run(
     import jax
     from flax import nnx
 
-    from dspark_jax.drafters.dspark import build_drafter
+    from dspark_jax.drafters.build import build_drafter
     from dspark_jax.models.model_io import count_target_params
     from dspark_jax.training.trainer import count_params
 
@@ -658,8 +658,8 @@ def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, targ
     from tqdm.auto import tqdm
 
     from dspark_jax.api import load_target
+    from dspark_jax.drafters.build import build_drafter
     from dspark_jax.drafters.checkpoint import export_drafter
-    from dspark_jax.drafters.dspark import build_drafter
     from dspark_jax.training import data as data_mod
     from dspark_jax.training.trainer import (
         Trainer,

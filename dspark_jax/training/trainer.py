@@ -339,7 +339,8 @@ def loss_sums(
 
     Args:
       tokens: ``[B, L]`` int32; lengths: ``[B]`` int32; anchors: ``[B, A]`` int32.
-      remat: recompute the vocabulary-sized loss head in the backward pass.
+      remat: recompute the drafter's layers (``train_blocks(remat=True)``) and the
+        vocabulary-sized loss head in the backward pass.
       cached: optional ``(tap_features [B, L, n_taps * H], last_hidden [B, L, H])`` of the
         target from a feature cache (:mod:`dspark_jax.training.feature_cache`; any float dtype, cast
         to the target's): the target forward is skipped and ``p_target`` is computed only at
@@ -365,7 +366,7 @@ def loss_sums(
             )
         feats = jax.lax.stop_gradient(c_feats.astype(target.dtype))
         t_logits = None
-    block = drafter.train_blocks(target, feats, tokens, anchors)
+    block = drafter.train_blocks(target, feats, tokens, anchors, remat=remat)
     k = jnp.arange(g, dtype=jnp.int32)
     src = anchors[..., None] + k  # position whose next token is predicted
     valid = (src + 1) < lengths[:, None, None]  # [B, A, g]
@@ -384,9 +385,10 @@ def loss_sums(
         if remat:  # recompute the [.., V] base logits from the hidden states instead of storing them
             base_logits = drafter.base_logits(target, hidden)
         p_t = jax.nn.softmax(t_sel, axis=-1)
-        bias, e = drafter.teacher_forced_heads(hidden, prev)
+        # Only a drafter with a Markov head / draft vocabulary has them (not dflash, not eagle3).
+        bias, e = drafter.teacher_forced_heads(hidden, prev) if dc.markov else (0.0, None)
         logq = jax.nn.log_softmax(base_logits + bias, axis=-1)  # [..., N] draft space
-        ids = drafter.draft_vocab_ids()
+        ids = drafter.draft_vocab_ids() if dc.draft_vocab_size else None
         if ids is None:
             ce = -jnp.take_along_axis(logq, labels[..., None], axis=-1)[..., 0]
             tv = 0.5 * jnp.sum(jnp.abs(jnp.exp(logq) - p_t), axis=-1)
@@ -566,12 +568,9 @@ class Trainer:
             return nnx.split(m, nnx.Param)[0]
 
         # Master copy: float32 parameters (and optimizer state); the graph that runs the
-        # forward pass may compute in bfloat16 and/or rematerialise its layers.
+        # forward pass may compute in bfloat16 (remat is an argument of loss_sums).
         self.d_graph = graph if jnp.dtype(drafter.dtype) == jnp.float32 else graph_with(dtype=jnp.float32)
-        if compute == jnp.float32 and not cfg.remat:
-            c_graph = self.d_graph
-        else:
-            c_graph = graph_with(dtype=compute, remat=cfg.remat)
+        c_graph = self.d_graph if compute == jnp.float32 else graph_with(dtype=compute)
         self.params = jax.tree.map(lambda x: x.astype(jnp.float32) if _is_float(x) else x, params)
         self.t_graph, self.t_state = nnx.split(target)
         repl = NamedSharding(self.mesh, P())
