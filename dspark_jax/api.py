@@ -17,12 +17,12 @@ from typing import Any
 import jax.numpy as jnp
 
 from dspark_jax.decoding.speculative import (
-    check_compatible,
     check_sampling,
     generate_autoregressive,
     generate_speculative,
     resolve_num_speculative_tokens,
 )
+from dspark_jax.drafters.base import check_compatible
 from dspark_jax.drafters.checkpoint import load_drafter
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.errors import DSparkInputError

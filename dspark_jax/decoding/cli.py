@@ -92,12 +92,12 @@ def run(args: argparse.Namespace) -> dict:
 
     from dspark_jax.api import encode_prompt, load_target
     from dspark_jax.decoding.speculative import (
-        check_compatible,
         check_sampling,
         generate_autoregressive,
         generate_speculative,
         resolve_num_speculative_tokens,
     )
+    from dspark_jax.drafters.base import check_compatible
     from dspark_jax.drafters.checkpoint import load_drafter, read_export_meta
     from dspark_jax.errors import DSparkInputError
     from dspark_jax.models.presets import preset_info

@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import jax.numpy as jnp
 
     from dspark_jax.api import encode_prompt, load_target
-    from dspark_jax.decoding.speculative import check_compatible
+    from dspark_jax.drafters.base import check_compatible
     from dspark_jax.drafters.checkpoint import load_drafter, read_export_meta
     from dspark_jax.errors import DSparkInputError
     from dspark_jax.evaluation.acceptance import evaluate_tau

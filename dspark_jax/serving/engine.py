@@ -134,10 +134,9 @@ from flax import nnx
 
 from dspark_jax.decoding import scheduler as sch
 from dspark_jax.decoding.online_calibration import OnlineCalibrator
-from dspark_jax.decoding.speculative import check_compatible
 from dspark_jax.decoding.sps import SPSTable, profile_buckets
 from dspark_jax.decoding.verifier import coupled_accept, verify
-from dspark_jax.drafters.base import BlockDrafter
+from dspark_jax.drafters.base import BlockDrafter, check_compatible
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.drafters.markov import sample_block
 from dspark_jax.errors import DSparkInputError
