@@ -5,10 +5,10 @@ length is +16-18% over DFlash and +27-31% over Eagle3 when all are trained on th
 data, and a 2-layer DSpark beats the 5-layer DFlash. This script reproduces it on one
 target in one process:
 
-1. self-distillation data generated ONCE (the train stage, :func:`dspark_jax.training.cli.prepare_data`)
+1. self-distillation data generated ONCE (the train stage, :func:`dspark_jax.training.pipeline.prepare_data`)
    into ``OUT/data/data``, or an existing shard folder given by ``--data-dir`` (only read);
 2. every drafter trained on those same shards with the same budget (steps, batch,
-   anchors per sequence, learning-rate schedule, seed), through ``dspark_jax.training.cli.run``
+   anchors per sequence, learning-rate schedule, seed), through ``dspark_jax.training.pipeline.run``
    (checkpoints and exports under ``OUT/<drafter>``; rerunning resumes); the frozen
    target runs once per sequence into ONE feature cache ``OUT/feature_cache`` holding
    the union of every drafter's tap layers (:mod:`dspark_jax.training.feature_cache`; float32, so
@@ -156,12 +156,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from dspark_jax.drafters.checkpoint import load_drafter
     from dspark_jax.evaluation.acceptance import evaluate_tau
-    from dspark_jax.models.model_io import params_fingerprint
     from dspark_jax.models.presets import resolve_target
     from dspark_jax.models.target import Target
-    from dspark_jax.training.cli import prepare_data
-    from dspark_jax.training.cli import run as train_run
-    from dspark_jax.training.trainer import TRAIN_PRESETS, drafter_config
+    from dspark_jax.models.weights import params_fingerprint
+    from dspark_jax.training.pipeline import prepare_data
+    from dspark_jax.training.pipeline import run as train_run
+    from dspark_jax.training.recipes import TRAIN_PRESETS
+    from dspark_jax.training.trainer import drafter_config
 
     t_all = time.perf_counter()
     out = Path(args.out)

@@ -61,7 +61,8 @@ def random_drafter(target, preset: str, draft_vocab_size: int, seed: int = 0):
     With a draft vocabulary, its ids are the ``draft_vocab_size`` lowest (any ids cost the same)."""
     from dspark_jax.drafters.build import build_drafter
     from dspark_jax.models.presets import canonical_preset
-    from dspark_jax.training.trainer import TRAIN_PRESETS, TrainConfig, drafter_config
+    from dspark_jax.training.recipes import TRAIN_PRESETS
+    from dspark_jax.training.trainer import TrainConfig, drafter_config
 
     cfg = TRAIN_PRESETS.get(canonical_preset(preset) or "", TrainConfig())
     if draft_vocab_size >= 0:
@@ -78,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.decoding.speculative import generate_autoregressive
     from dspark_jax.drafters.checkpoint import load_drafter
     from dspark_jax.evaluation.cli import load_prompt_texts
-    from dspark_jax.models.model_io import params_fingerprint
     from dspark_jax.models.presets import preset_info, resolve_target
     from dspark_jax.models.target import Target
+    from dspark_jax.models.weights import params_fingerprint
 
     ap = argparse.ArgumentParser(description="Batch-1 cost table (plain step, verify per length, draft, context).")
     ap.add_argument("--target", required=True, help="preset name or model path")

@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.decoding.speculative import draft_tokens, generate_autoregressive, generate_speculative
+from dspark_jax.decoding.round import draft_tokens
+from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
 from dspark_jax.decoding.verifier import verify
 from dspark_jax.models.sampling import process_logits, sample, sampling_arrays
 
@@ -313,9 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.api import encode_prompt
     from dspark_jax.drafters.checkpoint import load_drafter
     from dspark_jax.evaluation.cli import load_prompt_texts
-    from dspark_jax.models.model_io import params_fingerprint
     from dspark_jax.models.presets import preset_info, resolve_target
     from dspark_jax.models.target import Target
+    from dspark_jax.models.weights import params_fingerprint
 
     ap = argparse.ArgumentParser(description="Batch-1 speedup of one drafter over plain decoding (+ transformers).")
     ap.add_argument("--target", required=True)

@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.drafters.build import build_drafter
     from dspark_jax.models.presets import canonical_preset
     from dspark_jax.training.data import batches, draft_vocabulary, load_shards
-    from dspark_jax.training.trainer import TRAIN_PRESETS, TrainConfig, Trainer, count_params, drafter_config
+    from dspark_jax.training.recipes import TRAIN_PRESETS
+    from dspark_jax.training.trainer import TrainConfig, Trainer, count_params, drafter_config
 
     ap = argparse.ArgumentParser(description="Median seconds per training step of drafter configurations.")
     ap.add_argument("--target", required=True)

@@ -16,20 +16,16 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from dspark_jax.decoding.speculative import (
-    check_sampling,
-    generate_autoregressive,
-    generate_speculative,
-    resolve_num_speculative_tokens,
-)
-from dspark_jax.drafters.base import check_compatible
+from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
+from dspark_jax.decoding.validation import check_sampling, resolve_num_speculative_tokens
+from dspark_jax.drafters.base import BlockDrafter, check_compatible
 from dspark_jax.drafters.checkpoint import load_drafter
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.models.model_io import params_fingerprint
 from dspark_jax.models.presets import preset_info, resolve_target
 from dspark_jax.models.target import Target
 from dspark_jax.models.tokenizer import decode_complete
+from dspark_jax.models.weights import params_fingerprint
 
 __all__ = ["encode_prompt", "generate_text", "load_drafter", "load_target", "load_target_and_drafter"]
 
@@ -112,11 +108,11 @@ def generate_text(
       num_speculative_tokens: draft tokens verified per round (1..the drafter's block size) or
         ``"auto"``, the default for block drafters (:mod:`dspark_jax.decoding.auto_verify`; the first call
         measures this machine's cost table). At T > 0 the sampled tokens then depend on the
-        lengths it chose (the output law does not). ``gamma``: deprecated alias.
+        lengths it chose (the output law does not). ``gamma``: deprecated alias (DeprecationWarning).
     Returns:
       dict with ``text`` (UTF-8-safe: never ends in half a character), ``token_ids``,
       ``finish_reason``, ``tau`` (tokens per target verification pass, the prefill token
-      excluded, as defined in :class:`dspark_jax.decoding.speculative.Generation`; None when no pass
+      excluded, as defined in :class:`dspark_jax.decoding.results.Generation`; None when no pass
       ran), ``acceptance_rate``, ``num_target_passes``, ``tokens_per_s`` (compilation
       excluded) and ``position_acceptance``.
     Raises:
@@ -125,14 +121,16 @@ def generate_text(
     """
     check_sampling(temperature, top_k, top_p)
     ids = list(prompt) if not isinstance(prompt, str) else encode_prompt(tokenizer, prompt, chat)
-    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    kw: dict[str, Any] = dict(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
+    )
     if drafter is not None:
         check_compatible(target, drafter)
         n_spec = resolve_num_speculative_tokens(
             num_speculative_tokens,
             gamma,
             drafter.cfg.gamma,
-            default="auto" if drafter.cfg.variant != "eagle3" else None,
+            default="auto" if isinstance(drafter, BlockDrafter) else None,  # "auto" reads block confidences
         )
         res = generate_speculative(target, drafter, [ids], num_speculative_tokens=n_spec, **kw)
     else:

@@ -296,7 +296,7 @@ class DrafterConfig:
     @classmethod
     def for_target(cls, target: TargetConfig, **overrides: Any) -> DrafterConfig:
         """Drafter sized for ``target``: width H, heads and FFN like the target's."""
-        base = dict(
+        base: dict[str, Any] = dict(
             vocab_size=target.vocab_size,
             hidden_size=target.hidden_size,
             target_num_layers=target.num_layers,

@@ -66,7 +66,7 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_reader(smollm2_gguf):
     """An open ``gguf.GGUFReader`` (parsing the header takes ~3 s, so it is shared)."""
-    from dspark_jax.models.model_io import open_gguf
+    from dspark_jax.models.gguf_io import open_gguf
 
     return open_gguf(smollm2_gguf)
 
@@ -81,7 +81,7 @@ def smollm2_tokenizer(smollm2_reader):
 @pytest.fixture(scope="session")
 def smollm2(smollm2_reader, smollm2_tokenizer):
     """``(cfg, params, tokenizer)`` of SmolLM2-135M-Instruct (~540 MB float32), loaded once."""
-    from dspark_jax.models.model_io import load_gguf
+    from dspark_jax.models.gguf_io import load_gguf
 
     cfg, params = load_gguf(smollm2_reader)
     return cfg, params, smollm2_tokenizer
@@ -134,8 +134,8 @@ def stories260k_export(stories260k_dir, tmp_path_factory):
     """``(workdir, summary)`` of a quick stories260k drafter training run (session-scoped)."""
     import dataclasses
 
-    from dspark_jax.training.cli import run
-    from dspark_jax.training.trainer import TRAIN_PRESETS
+    from dspark_jax.training.pipeline import run
+    from dspark_jax.training.recipes import TRAIN_PRESETS
 
     os.environ.setdefault("DSPARK_MODELS", str(MODELS_DIR))
     workdir = tmp_path_factory.mktemp("train_stories")

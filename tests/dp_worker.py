@@ -24,7 +24,8 @@ from jax.sharding import Mesh
 from test_trainer import CFG, TCFG, _target
 
 from dspark_jax.drafters.dspark import Drafter
-from dspark_jax.training.trainer import Trainer, drafter_config, drafter_loss, finalize_loss, loss_sums, sample_anchors
+from dspark_jax.training.losses import drafter_loss, finalize_loss, loss_sums, sample_anchors
+from dspark_jax.training.trainer import Trainer, drafter_config
 
 N_DEV = 8
 STEPS = 2

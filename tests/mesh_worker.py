@@ -22,12 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import sharding as shd
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.models import sharding as shd
 from dspark_jax.models.target import Target, random_params
 from dspark_jax.serving.engine import Engine, Request, SamplingParams
-from dspark_jax.training.cli import estimate_memory
+from dspark_jax.training.dry_run import estimate_memory
 from dspark_jax.training.trainer import TrainConfig, Trainer, count_params, drafter_config
 
 N_DEV = 8

@@ -1,4 +1,5 @@
-"""Confidence calibration (:mod:`dspark_jax.training.calibration`): metrics, sequential temperature
+"""Confidence calibration (:mod:`dspark_jax.training.calibration`, metrics in
+:mod:`dspark_jax.evaluation.reliability`): metrics, sequential temperature
 scaling, consistency with the training loss, storage in the export, decode-time use.
 
 DESIGN.md "Training" (last bullet) and "Metrics"; paper Appendix A5.
@@ -21,10 +22,12 @@ from dspark_jax.drafters.checkpoint import export_drafter, load_drafter
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.drafters.markov import sample_block
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.evaluation import reliability as R
 from dspark_jax.models.sampling import sampling_arrays
 from dspark_jax.models.target import Target, random_params
 from dspark_jax.training import calibration as C
-from dspark_jax.training.trainer import TrainConfig, drafter_config, drafter_loss, sample_anchors
+from dspark_jax.training.losses import drafter_loss, sample_anchors
+from dspark_jax.training.trainer import TrainConfig, drafter_config
 
 TCFG = TargetConfig(
     vocab_size=64,
@@ -78,41 +81,41 @@ def _data(n=6, length=40, seed=0):
 # ======================================================================================
 def test_ece_hand_computed():
     # one point per bin: ECE = mean |p - o|
-    assert C.ece([0.1, 0.2, 0.8, 0.9], [0, 1, 1, 1]) == pytest.approx((0.1 + 0.8 + 0.2 + 0.1) / 4)
+    assert R.ece([0.1, 0.2, 0.8, 0.9], [0, 1, 1, 1]) == pytest.approx((0.1 + 0.8 + 0.2 + 0.1) / 4)
     # two points in bin [0.10, 0.15): |mean p - mean o| = |0.13 - 0.5|; one in the last bin
-    assert C.ece([0.12, 0.14, 1.0], [0, 1, 1]) == pytest.approx(2 / 3 * 0.37)
+    assert R.ece([0.12, 0.14, 1.0], [0, 1, 1]) == pytest.approx(2 / 3 * 0.37)
     # soft observations, perfectly calibrated bins
-    assert C.ece([0.3, 0.3, 0.7], [0.1, 0.5, 0.7]) == pytest.approx(0.0, abs=1e-12)
+    assert R.ece([0.3, 0.3, 0.7], [0.1, 0.5, 0.7]) == pytest.approx(0.0, abs=1e-12)
     # 20 equal-width bins: 0.52 and 0.54 share a bin, 0.56 is in the next one
-    assert C.ece([0.52, 0.54], [0.5, 0.56]) == pytest.approx(0.0, abs=1e-12)
-    assert C.ece([0.52, 0.56], [0.53, 0.53]) == pytest.approx(0.02)
+    assert R.ece([0.52, 0.54], [0.5, 0.56]) == pytest.approx(0.0, abs=1e-12)
+    assert R.ece([0.52, 0.56], [0.53, 0.53]) == pytest.approx(0.02)
 
 
 def test_brier_hand_computed():
-    assert C.brier([0.1, 0.9, 0.5], [0, 1, 1]) == pytest.approx((0.01 + 0.01 + 0.25) / 3)
+    assert R.brier([0.1, 0.9, 0.5], [0, 1, 1]) == pytest.approx((0.01 + 0.01 + 0.25) / 3)
 
 
 def test_auroc_hand_computed_and_against_pairs():
-    assert C.auroc([0.1, 0.4, 0.35, 0.8], [0, 0, 1, 1]) == pytest.approx(0.75)
-    assert C.auroc([0.5, 0.5], [0, 1]) == pytest.approx(0.5)  # a tie counts one half
-    assert C.auroc([0.9, 0.1], [0, 1]) == pytest.approx(0.0)
-    assert np.isnan(C.auroc([0.2, 0.3], [1, 1]))  # one class only
+    assert R.auroc([0.1, 0.4, 0.35, 0.8], [0, 0, 1, 1]) == pytest.approx(0.75)
+    assert R.auroc([0.5, 0.5], [0, 1]) == pytest.approx(0.5)  # a tie counts one half
+    assert R.auroc([0.9, 0.1], [0, 1]) == pytest.approx(0.0)
+    assert np.isnan(R.auroc([0.2, 0.3], [1, 1]))  # one class only
     rng = np.random.default_rng(0)
     s = rng.integers(0, 6, 300) / 5.0  # many ties
     y = rng.random(300) < 0.4
     pos, neg = s[y], s[~y]
     brute = ((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()) / (len(pos) * len(neg))
-    assert C.auroc(s, y) == pytest.approx(brute)
+    assert R.auroc(s, y) == pytest.approx(brute)
 
 
 def test_reliability_table_and_metrics_rows():
-    rel = C.reliability([0.12, 0.14, 0.97], [0, 1, 1])
+    rel = R.reliability([0.12, 0.14, 0.97], [0, 1, 1])
     assert len(rel["count"]) == 20 and sum(rel["count"]) == 3
     assert rel["mean_predicted"][2] == pytest.approx(0.13) and rel["mean_observed"][2] == pytest.approx(0.5)
     assert rel["mean_observed"][0] is None
     pred = np.array([[0.9, 0.5], [0.8, 0.2]])
     valid = np.array([[True, True], [True, False]])
-    m = C.metrics(pred, valid, np.array([[1.0, 0.0], [1.0, 0.0]]))
+    m = R.metrics(pred, valid, np.array([[1.0, 0.0], [1.0, 0.0]]))
     assert m["pooled"]["n"] == 3 and m["per_position"][1]["n"] == 1
     assert m["per_position"][0]["brier"] == pytest.approx((0.01 + 0.04) / 2)
 
@@ -144,10 +147,10 @@ def test_temperature_scaling_recovers_known_temperatures():
 def test_temperature_scaling_reduces_ece():
     z, t_true, surv, y, valid = _synthetic(seed=1)
     temps = C.fit_temperatures(z, y, valid)
-    raw, cal = C.predicted_survival(z), C.predicted_survival(z, temps)
-    assert C.ece(raw[valid], y[valid]) > 0.05
-    assert C.ece(cal[valid], y[valid]) < 0.015
-    assert C.brier(cal[valid], y[valid]) < C.brier(raw[valid], y[valid])
+    raw, cal = R.predicted_survival(z), R.predicted_survival(z, temps)
+    assert R.ece(raw[valid], y[valid]) > 0.05
+    assert R.ece(cal[valid], y[valid]) < 0.015
+    assert R.brier(cal[valid], y[valid]) < R.brier(raw[valid], y[valid])
 
 
 def test_scaling_never_reorders_scores():
@@ -158,21 +161,21 @@ def test_scaling_never_reorders_scores():
     for k in range(4):  # sorted by raw score, calibrated scores never decrease (ties only by saturation)
         order = np.argsort(z[:, k])
         assert np.all(np.diff(c_cal[order, k]) >= 0) and np.all(np.diff(c_raw[order, k]) >= 0)
-    a = C.predicted_survival(z, temps)
+    a = R.predicted_survival(z, temps)
     assert np.all(np.diff(a[np.argsort(z[:, 0]), 0]) >= 0)
     assert np.all(np.diff(a, axis=1) <= 0)  # survival never increases with k
     # the per-position AUROC of c_k is therefore invariant under calibration (away from saturation)
     y = rng.random((500, 4)) < 0.5
     c_mild = 1 / (1 + np.exp(-z / np.array([0.3, 4.0, 1.7, 0.5])))
     for k in range(4):
-        assert C.auroc(c_raw[:, k], y[:, k]) == pytest.approx(C.auroc(c_mild[:, k], y[:, k]))
+        assert R.auroc(c_raw[:, k], y[:, k]) == pytest.approx(R.auroc(c_mild[:, k], y[:, k]))
 
 
 def test_survival_helpers():
     acc = np.array([[0.5, 0.5, 1.0], [1.0, 0.0, 1.0]])
     valid = np.array([[True, True, False], [True, True, True]])
-    np.testing.assert_allclose(C.expected_survival(acc, valid), [[0.5, 0.25, 0.0], [1.0, 0.0, 0.0]])
-    s = C.sampled_survival(acc, valid, seed=0)
+    np.testing.assert_allclose(R.expected_survival(acc, valid), [[0.5, 0.25, 0.0], [1.0, 0.0, 0.0]])
+    s = R.sampled_survival(acc, valid, seed=0)
     assert set(np.unique(s)) <= {0.0, 1.0} and np.all(np.diff(s, axis=1) <= 0)
     assert s[1, 0] == 1.0 and s[1, 1] == 0.0 and s[0, 2] == 0.0
 
@@ -321,7 +324,7 @@ def test_decode_round_records_match_counters():
     assert n_rounds == ev["num_target_passes"]
     acc = np.concatenate([r["accepted"] for r in rounds])
     assert ev["accept_rate_at_k"] == pytest.approx([float((acc >= k).mean()) for k in range(1, CFG.gamma + 1)])
-    rel = C.decode_reliability(rounds, CFG.gamma, list(d.calibration))
+    rel = R.decode_reliability(rounds, CFG.gamma, list(d.calibration))
     assert rel["num_rounds"] == n_rounds
     assert rel["before"]["pooled"]["n"] == int(sum(r["verified"].sum() for r in rounds))
     assert "after" in rel

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.evaluation import prompts as prompts_mod
 from dspark_jax.training import data as data_mod
-from dspark_jax.training.trainer import position_weights, sample_anchors
+from dspark_jax.training.losses import position_weights, sample_anchors
 
 
 class CharChat:
@@ -81,15 +82,15 @@ def test_chat_loss_counts_only_reply_tokens():
 
 
 def test_contamination_guard_catches_copies():
-    ev = data_mod.evaluation_texts(["Once upon a time, there was a tiny frog who loved the rain."])
-    mt = json.loads((data_mod.shared_data_dir() / "prompts" / "mt_bench_question.jsonl").read_text().splitlines()[3])
+    ev = prompts_mod.evaluation_texts(["Once upon a time, there was a tiny frog who loved the rain."])
+    mt = json.loads((prompts_mod.shared_data_dir() / "prompts" / "mt_bench_question.jsonl").read_text().splitlines()[3])
     spec = [
         json.loads(line)
-        for line in (data_mod.shared_data_dir() / "prompts" / "spec_bench_question.jsonl").read_text().splitlines()
+        for line in (prompts_mod.shared_data_dir() / "prompts" / "spec_bench_question.jsonl").read_text().splitlines()
     ]
     eagle_gsm = [
         json.loads(line)["turns"][0]
-        for line in (data_mod.shared_data_dir() / "prompts" / "eagle_gsm8k_question.jsonl").read_text().splitlines()
+        for line in (prompts_mod.shared_data_dir() / "prompts" / "eagle_gsm8k_question.jsonl").read_text().splitlines()
     ]
     gsm_copy = next(
         r
@@ -103,7 +104,7 @@ def test_contamination_guard_catches_copies():
         "ONCE UPON A TIME there was a tiny frog, who loved the rain! And then...",  # held-out opening
         "A completely unrelated story about a fox and a kite.",
     ]
-    assert data_mod.drop_contaminated(texts, ev) == [True, True, True, False]
+    assert prompts_mod.drop_contaminated(texts, ev) == [True, True, True, False]
 
 
 def test_sampled_rows_spread():

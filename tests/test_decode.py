@@ -181,11 +181,11 @@ def check_stats(res, gamma_used: int, speculative=True):
             continue
         G = len(g.position_reached)
         reached, acc = np.array(g.position_reached), np.array(g.position_accepted)
-        assert g.num_accepted <= g.num_verified <= gamma_used * g.num_target_passes, f"row {i}"
+        assert g.num_accepted <= g.num_draft_tokens <= gamma_used * g.num_target_passes, f"row {i}"
         assert g.num_accepted <= n - 1, f"row {i}"
-        if g.num_verified:
+        if g.num_draft_tokens:
             assert 0.0 <= g.acceptance_rate <= 1.0
-            assert g.acceptance_rate == pytest.approx(g.num_accepted / g.num_verified)
+            assert g.acceptance_rate == pytest.approx(g.num_accepted / g.num_draft_tokens)
         else:
             assert g.acceptance_rate is None
         assert acc.sum() == g.num_accepted, f"row {i}: per-position accepts {acc} vs {g.num_accepted}"
@@ -207,7 +207,7 @@ def check_stats(res, gamma_used: int, speculative=True):
 # ======================================================================================
 @pytest.fixture(scope="module")
 def s260k(stories260k):
-    from dspark_jax.models.model_io import params_fingerprint
+    from dspark_jax.models.weights import params_fingerprint
 
     cfg, params, tok = stories260k
     return Target(cfg, params, fingerprint=params_fingerprint(params)), tok
@@ -227,7 +227,7 @@ def test_stories260k_greedy_golden(s260k):
 
 @pytest.fixture(scope="module")
 def s260k_prompts(s260k):
-    from dspark_jax.training.data import tinystories_openings
+    from dspark_jax.evaluation.prompts import tinystories_openings
 
     _, tok = s260k
     prompts = [tok.encode(t) for t in tinystories_openings()[:50]]
@@ -262,7 +262,7 @@ def test_stories260k_speculative_equals_autoregressive(s260k, s260k_prompts, s26
     assert_same_outputs(s260k_ar, sp)
     check_stats(sp, s260k_drafter.cfg.gamma)
     check_stats(s260k_ar, 1, speculative=False)
-    assert sum(g.num_verified for g in sp.generations) > 0
+    assert sum(g.num_draft_tokens for g in sp.generations) > 0
 
 
 # ======================================================================================
@@ -390,8 +390,8 @@ def test_tiny_speculative_equals_autoregressive(name, target_name, drafters, req
     assert_same_outputs(ar, sp)
     check_stats(sp, 4)
     total = lambda f: sum(getattr(g, f) for g in sp.generations)
-    assert total("num_verified") > 0
-    rate = total("num_accepted") / total("num_verified")
+    assert total("num_draft_tokens") > 0
+    rate = total("num_accepted") / total("num_draft_tokens")
     if name == "bigram":
         assert rate > 0.2, rate  # the accept path is well covered
     if name == "perfect":
@@ -427,14 +427,14 @@ def test_auto_num_speculative_tokens_greedy(table, peaked, drafters, ar_peaked):
     sp = spec_std(peaked, drafters["bigram"], temperature=0, num_speculative_tokens="auto", cost_table=table)
     assert_same_outputs(ar_peaked, sp)
     passes = sum(g.num_target_passes for g in sp.generations)
-    verified = sum(g.num_verified for g in sp.generations)
+    verified = sum(g.num_draft_tokens for g in sp.generations)
     assert 0 < verified < 4 * passes if table is COSTLY else verified > 2 * passes, (verified, passes)
 
 
 @pytest.mark.exactness
 @pytest.mark.parametrize("gamma", [1, 2])
 def test_gamma_smaller_than_block(gamma, peaked, drafters, ar_peaked):
-    sp = spec_std(peaked, drafters["bigram"], temperature=0, gamma=gamma)
+    sp = spec_std(peaked, drafters["bigram"], temperature=0, num_speculative_tokens=gamma)
     assert_same_outputs(ar_peaked, sp)
     check_stats(sp, gamma)
     assert max(g.tau for g in sp.generations if g.num_target_passes) <= gamma + 1
@@ -520,9 +520,9 @@ def test_perfect_drafter_acceptance_with_stop(pure_bigram, drafters, ar_pure):
     stop = _stop_token(ar_pure)
     sp = spec_std(pure_bigram, drafters["perfect"], temperature=0, stop_ids=[stop])
     for i, g in enumerate(sp.generations):
-        if g.num_verified:
+        if g.num_draft_tokens:
             assert g.acceptance_rate == 1.0, (
-                f"row {i}: perfect drafter, acceptance {g.num_accepted}/{g.num_verified} "
+                f"row {i}: perfect drafter, acceptance {g.num_accepted}/{g.num_draft_tokens} "
                 f"(finish {g.finish_reason}, {len(g.token_ids)} tokens)"
             )
 
@@ -534,8 +534,9 @@ def test_one_tau_in_decode_engine_and_server(pure_bigram, drafters, ar_pure):
     ``spec_decode`` for the same requests served by the engine verifying G drafts per step."""
     from types import SimpleNamespace
 
+    from dspark_jax.serving.detokenize import OutputState
     from dspark_jax.serving.engine import Engine, Request, SamplingParams
-    from dspark_jax.serving.server import OutputState, TrackedRequest, event_from_output
+    from dspark_jax.serving.loop import TrackedRequest, event_from_output
 
     stop = _stop_token(ar_pure)
     d = drafters["perfect"]
@@ -579,7 +580,7 @@ def test_one_tau_in_decode_engine_and_server(pure_bigram, drafters, ar_pure):
         assert st.token_ids == g.token_ids and st.finish_reason == g.finish_reason
         spec = st.spec_decode()
         assert spec["num_steps"] == g.num_target_passes
-        assert (spec["num_draft_tokens"], spec["num_accepted_tokens"]) == (g.num_verified, g.num_accepted)
+        assert (spec["num_draft_tokens"], spec["num_accepted_tokens"]) == (g.num_draft_tokens, g.num_accepted)
         if g.num_target_passes:
             assert spec["tau"] == pytest.approx(g.tau) == pytest.approx((len(g.token_ids) - 1) / g.num_target_passes)
             assert spec["acceptance_rate"] == g.acceptance_rate == 1.0
@@ -670,7 +671,7 @@ def test_input_errors(peaked, drafters):
 
 def test_incompatible_drafter(peaked):
     """(h) a drafter built for another vocabulary / width / depth / weights is refused."""
-    from dspark_jax.models.model_io import params_fingerprint
+    from dspark_jax.models.weights import params_fingerprint
 
     p = tiny_params("peaked")
     fp_target = Target(TINY, p, fingerprint=params_fingerprint(p))
@@ -845,5 +846,63 @@ def test_law_of_first_tokens(setting, peaked, law_runs):
     for k, r in sp.items():
         gens = [r.generations[i] for i in rows]
         assert all(len(g.token_ids) == 6 for g in gens)
-        acc = sum(g.num_accepted for g in gens) / sum(g.num_verified for g in gens)
+        acc = sum(g.num_accepted for g in gens) / sum(g.num_draft_tokens for g in gens)
         assert 0.0 < acc < 1.0, (k, acc)
+
+
+# ======================================================================================
+# The round's pieces (decoding.round) and the loops' plumbing
+# ======================================================================================
+def test_round_emission_and_statistics_agree_on_host_and_device():
+    """emit_counts / round_statistics give the same numbers with numpy (the serving engine's
+    host read-backs) and jax.numpy (the decode loops), per-row stop ids and min_tokens
+    (``stops_from``) included."""
+    from dspark_jax.decoding.round import emit_counts, round_statistics
+
+    rng = np.random.default_rng(0)
+    b, g = 64, 4
+    tokens = rng.integers(0, 6, (b, g + 1)).astype(np.int32)
+    num_acc = rng.integers(0, g + 1, b).astype(np.int32)
+    num_verify = np.maximum(num_acc, rng.integers(0, g + 1, b)).astype(np.int32)
+    num_new = num_acc + 1
+    tokens[np.arange(g + 1)[None, :] >= num_new[:, None]] = -1
+    running = rng.random(b) < 0.9
+    length = rng.integers(3, 10, b).astype(np.int32)
+    end = length + rng.integers(1, 8, b).astype(np.int32)
+    for stop_ids, stops_from in [
+        (np.array([2, 3], np.int32), None),
+        (rng.integers(-1, 6, (b, 2)).astype(np.int32), rng.integers(0, 4, b).astype(np.int32)),
+    ]:
+        args = (tokens, num_new, running, length, end, stop_ids)
+        host = emit_counts(*args, stops_from=stops_from, xp=np)
+        dev = emit_counts(*map(jnp.asarray, args), stops_from=None if stops_from is None else jnp.asarray(stops_from))
+        for h, d in zip(host, dev):
+            np.testing.assert_array_equal(h, np.asarray(d))
+        kept = host[0]
+        assert np.all(kept <= np.minimum(num_new, end - length) * running)
+        rs_h = round_statistics(num_verify, num_acc, num_new, kept, g, xp=np)
+        rs_d = round_statistics(*map(jnp.asarray, (num_verify, num_acc, num_new, kept)), g)
+        for h, d in zip(rs_h, rs_d):
+            np.testing.assert_array_equal(h, np.asarray(d))
+        assert np.all(rs_h.num_draft_tokens <= num_verify) and np.all(rs_h.num_accepted <= kept)
+
+
+def test_gamma_alias_is_deprecated():
+    from dspark_jax.decoding.validation import resolve_num_speculative_tokens
+
+    with pytest.warns(DeprecationWarning, match="num_speculative_tokens"):
+        assert resolve_num_speculative_tokens(None, 2, 4) == 2
+    with pytest.warns(DeprecationWarning), pytest.raises(DSparkInputError, match="not both"):
+        resolve_num_speculative_tokens(3, 2, 4)
+
+
+def test_compile_cache_is_bounded():
+    from dspark_jax.decoding.compile_cache import LRUCache
+    from dspark_jax.decoding.speculative import _COMPILED
+
+    assert isinstance(_COMPILED, LRUCache) and _COMPILED.maxsize <= 64
+    cache = LRUCache(maxsize=2)
+    built = []
+    for k in ("a", "b", "a", "c", "b"):
+        cache.get_or_build(k, lambda k=k: built.append(k) or k)
+    assert built == ["a", "b", "c", "b"] and len(cache) == 2 and "c" in cache and "a" not in cache

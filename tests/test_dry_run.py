@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.models import model_io
+from dspark_jax.models import hf_io, model_io
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,13 +35,14 @@ def no_weight_loading(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("--dry-run tried to load weights")
 
-    for name in ("load_target_files", "load_llama2c", "load_gguf", "load_hf_dir", "_read_st"):
+    for name in ("load_target_files", "load_llama2c", "load_gguf", "load_hf_dir"):
         monkeypatch.setattr(model_io, name, boom)
+    monkeypatch.setattr(hf_io, "_read_st", boom)
 
 
 @pytest.mark.parametrize("recipe", sorted(QWEN3))
 def test_qwen3_recipe_dry_run_needs_no_files(recipe, tmp_path):
-    """The CLI on train/<recipe>.yaml with an empty model folder and no hub cache: counts,
+    """The CLI on dspark_jax/recipes/<recipe>.yaml with an empty model folder and no hub cache: counts,
     drafter shape and a per-device memory estimate, in seconds."""
     env = dict(
         os.environ, DSPARK_MODELS=str(tmp_path), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu"
@@ -53,7 +54,7 @@ def test_qwen3_recipe_dry_run_needs_no_files(recipe, tmp_path):
             "-m",
             "dspark_jax.train",
             "--config",
-            str(REPO / f"train/{recipe}.yaml"),
+            str(REPO / f"dspark_jax/recipes/{recipe}.yaml"),
             "--dry-run",
             "--devices",
             "4",
@@ -92,8 +93,8 @@ def test_qwen3_recipe_dry_run_needs_no_files(recipe, tmp_path):
 
 
 def test_stories260k_dry_run_reads_only_the_header(stories260k_dir, monkeypatch, no_weight_loading):
-    from dspark_jax.training.cli import dry_run
-    from dspark_jax.training.trainer import TRAIN_PRESETS
+    from dspark_jax.training.dry_run import dry_run
+    from dspark_jax.training.recipes import TRAIN_PRESETS
 
     monkeypatch.setenv("DSPARK_MODELS", str(stories260k_dir.parent))
     r = dry_run(TRAIN_PRESETS["stories260k"], devices=1)
@@ -112,8 +113,8 @@ def test_builtin_qwen3_config_parses_like_a_downloaded_config_json(tmp_path, no_
     """The built-in configs go through the same parser as a Hugging Face directory: writing the
     same config.json (no weights) into a folder gives the same TargetConfig."""
     from dspark_jax.models.presets import BUILTIN_HF_CONFIGS, builtin_target_config, target_config
-    from dspark_jax.training.cli import dry_run
-    from dspark_jax.training.trainer import TRAIN_PRESETS
+    from dspark_jax.training.dry_run import dry_run
+    from dspark_jax.training.recipes import TRAIN_PRESETS
 
     for name in QWEN3:
         d = tmp_path / ("Qwen3-4B" if name == "qwen3-4b" else "Qwen3-8B")

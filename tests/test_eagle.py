@@ -33,7 +33,7 @@ GAMMA = 4
 
 @pytest.fixture(scope="module")
 def s260k(stories260k):
-    from dspark_jax.models.model_io import params_fingerprint
+    from dspark_jax.models.weights import params_fingerprint
 
     cfg, params, tok = stories260k
     return Target(cfg, params, fingerprint=params_fingerprint(params)), tok
@@ -164,7 +164,8 @@ def test_draft_probs_are_the_sampling_law():
 @pytest.fixture(scope="module")
 def trained(s260k, tmp_path_factory):
     """An eagle3 drafter trained for 60 steps on stories260K's own continuations."""
-    from dspark_jax.training.data import batches, tinystories_openings
+    from dspark_jax.evaluation.prompts import tinystories_openings
+    from dspark_jax.training.data import batches
     from dspark_jax.training.trainer import TrainConfig, Trainer, drafter_config
 
     target, tok = s260k

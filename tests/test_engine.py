@@ -7,8 +7,8 @@
 * Stop ids, EOS and max_tokens inside the engine; input validation.
 * No recompilation after warm-up while prompt lengths, budgets, policies and the set of
   active requests change (counted with ``jax.monitoring`` compile events).
-* Non-anticipation: the scheduler's plan does not change when the draft token values on the
-  device change.
+* The scheduler's plan follows the host state it reads (confidences, room) and does not
+  change when the draft token values on the device change (non-anticipation).
 
 One engine (2 slots, gamma 3, buckets (1,1) (1,4) (2,2) (2,8)) is shared by every test so
 that its handful of programs compile once.
@@ -26,9 +26,10 @@ from dspark_jax.config import DrafterConfig
 from dspark_jax.decoding.speculative import generate_autoregressive
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.models.model_io import params_fingerprint
 from dspark_jax.models.target import Target
+from dspark_jax.models.weights import params_fingerprint
 from dspark_jax.serving.engine import Engine, Request, SamplingParams, parse_policy
+from dspark_jax.serving.programs import ProgramCache
 
 GAMMA = 3
 CACHE = 64
@@ -172,8 +173,17 @@ def test_policies_match_autoregressive(engine, requests, reference, policy):
         assert m["accepted_tokens"] > 0 and set(m["budget_hist"]) <= {1, 4, 2, 8}
 
 
-def test_engine_without_drafter_matches_autoregressive(target, requests, reference):
-    eng = Engine(target, None, num_slots=2, cache_len=CACHE, policy="plain", prefill_buckets=(32,))
+@pytest.fixture(scope="module")
+def plain_programs():
+    """One program cache for the drafter-less engines (coupled and rejection mode compile to
+    the same programs without a drafter)."""
+    return ProgramCache()
+
+
+def test_engine_without_drafter_matches_autoregressive(target, requests, reference, plain_programs):
+    eng = Engine(
+        target, None, num_slots=2, cache_len=CACHE, policy="plain", prefill_buckets=(32,), program_cache=plain_programs
+    )
     toks, reasons = drive(eng, requests)
     for r in requests:
         assert toks[r.request_id] == reference[r.request_id][0]
@@ -201,10 +211,8 @@ def test_stop_ids_and_eos(engine, requests, reference):
         buckets=(8,),
         prefill_buckets=(32,),
         eos_token_ids=(stop,),
+        program_cache=engine.program_cache,  # the same programs: nothing compiles
     )
-    eng2._compiled = engine._compiled
-    eng2._examples = engine._examples
-    eng2._warm = True
     req = Request(base.prompt_ids, SamplingParams(temperature=0.0, max_tokens=35), "e")
     toks, reasons = drive(eng2, [req])
     assert toks["e"] == ref[: first + 1] and reasons["e"] == "stop"
@@ -293,14 +301,14 @@ def test_suspended_drafter_catches_up(engine, requests, reference):
         prefill_buckets=(32,),
         profile_iters=1,
         suspend_after=None,
+        program_cache=engine.program_cache,
     )
-    ref_eng._compiled, ref_eng._examples = engine._compiled, engine._examples
     ref_eng.sps_table = engine.sps_table
     toks = {}
     for eng in (engine, ref_eng):
         eng.set_policy("plain")
         eng.reset_metrics()
-        eng._idle_steps = 0
+        eng.planner.idle_steps = 0
         eng.insert(eng.prefill(requests[0]), 0)
         out = {0: [], 1: []}
         for i in range(9):
@@ -336,20 +344,37 @@ def test_suspended_drafter_catches_up(engine, requests, reference):
         assert toks[id(eng)][1] == reference[requests[2].request_id][0]
 
 
-def test_plan_ignores_draft_token_values(engine, requests):
-    """Non-anticipation: the plan reads confidences only; changing the drafted tokens on the
-    device (but not their confidences) leaves it unchanged."""
-    engine.set_policy("dspark")
-    engine.insert(engine.prefill(requests[1]), 0)
-    engine.insert(engine.prefill(requests[3]), 1)
-    for _ in range(3):
-        engine.generate()
-    plan = engine.plan()
+def test_plan_follows_host_state_and_ignores_draft_values(engine, tokenizer):
+    """The plan is a function of the host state it reads: each row's latest confidences and its
+    room before ``max_tokens``. Raising / lowering one row's confidences or shrinking its room
+    changes that row's verification length (and the bucket) as ``threshold:0.5`` says, while
+    changing the drafted tokens on the device (non-anticipation) changes nothing."""
+    engine.set_policy("threshold:0.5")
+    sp = SamplingParams(temperature=0.0, max_tokens=30, min_tokens=30)  # no EOS: both rows stay
+    for slot, text in enumerate(("One day", "The little dog")):
+        engine.insert(engine.prefill(Request(tokenizer.encode(text), sp, f"p{slot}")), slot)
+    engine.generate()  # both rows now hold a drafted block's confidences
+    recs = [engine._slots[s] for s in (0, 1)]
+    assert [rec.row for rec in recs] == [0, 1] and all(rec.z is not None for rec in recs)
+    sure, unsure = np.full(GAMMA, 50.0), np.full(GAMMA, -50.0)
+
+    def plan_with(z0, z1):
+        recs[0].z, recs[1].z = z0.copy(), z1.copy()
+        ell, rows, tokens, draft_next = engine.plan()
+        return ell.tolist(), rows, tokens, draft_next
+
+    assert plan_with(sure, sure) == ([GAMMA, GAMMA], 2, 8, True)
+    assert plan_with(unsure, sure) == ([0, GAMMA], 2, 8, True)
+    assert plan_with(sure, unsure) == ([GAMMA, 0], 2, 8, True)
+    assert plan_with(unsure, unsure) == ([0, 0], 2, 2, True)
+    end = recs[0].end
+    recs[0].end = recs[0].length + 2  # room for the anchor's token and one draft
+    assert plan_with(sure, sure) == ([1, GAMMA], 2, 8, True)
+    recs[0].end = end
+    before = plan_with(sure, unsure)
     st = engine._state
     engine._state = st._replace(draft=jnp.asarray(np.random.default_rng(0).integers(0, 512, st.draft.shape), jnp.int32))
-    plan2 = engine.plan()
-    np.testing.assert_array_equal(plan[0], plan2[0])
-    assert plan[1:] == plan2[1:]
+    assert plan_with(sure, unsure) == before
     engine.free(0)
     engine.free(1)
 
@@ -565,13 +590,23 @@ def test_eagle3_drafter_is_refused_at_start(target):
         Engine(target, None, num_slots=1, cache_len=CACHE, policy="plain", verification="typical")
 
 
-def test_rejection_engine_without_drafter(target, requests, reference):
-    """A drafter-less engine in rejection mode decodes plainly (no q is kept)."""
+def test_rejection_engine_without_drafter(target, requests, reference, plain_programs):
+    """A drafter-less engine in rejection mode decodes plainly (no q is kept) with the coupled
+    drafter-less engine's programs."""
+    compiled = len(plain_programs)
     eng = Engine(
-        target, None, num_slots=2, cache_len=CACHE, policy="plain", prefill_buckets=(32,), verification="rejection"
-    )  # shares the programs of the coupled drafter-less engine
+        target,
+        None,
+        num_slots=2,
+        cache_len=CACHE,
+        policy="plain",
+        prefill_buckets=(32,),
+        verification="rejection",
+        program_cache=plain_programs,
+    )
     toks, reasons = drive_one(eng, requests[:1])
     assert toks["r0"] == reference["r0"][0] and eng._state.qprob is None
+    assert compiled == 0 or (len(plain_programs) == compiled and eng.metrics()["compiles"] == 0)
 
 
 @pytest.fixture(scope="module")
@@ -701,3 +736,19 @@ def test_dspark_policy_reports_its_decision(engine, requests, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "dspark_jax.serving.engine"]
     assert any(m.startswith("suspending drafting") and "tokens/s drafting vs" in m for m in lines), lines
     assert any(m.startswith("resuming drafting") for m in lines), lines
+
+
+def test_program_cache_is_a_bounded_lru():
+    """The engine's compile cache keeps at most ``max_size`` executables, dropping the least
+    recently used; engine signatures get stable small ids."""
+    cache = ProgramCache(max_size=2)
+    a, b = cache.intern(("sig", 1)), cache.intern(("sig", 2))
+    assert a != b and cache.intern(("sig", 1)) == a
+    cache.put((a, "step"), "x")
+    cache.put((a, "move"), "y")
+    assert cache.get((a, "step")) == "x"  # now the most recently used
+    cache.put((b, "step"), "z")  # drops (a, "move")
+    assert (a, "move") not in cache and cache.get((a, "move")) is None
+    assert len(cache) == 2 and cache.get((a, "step")) == "x" and cache.get((b, "step")) == "z"
+    with pytest.raises(ValueError):
+        ProgramCache(max_size=0)

@@ -80,7 +80,7 @@ def test_bad_prompt_file_is_an_error(fake_export, tmp_path, capsys):
 
 def test_prompt_sets_load():
     from dspark_jax.errors import DSparkInputError
-    from dspark_jax.training.data import shared_data_dir, split_prompts, tinystories_openings
+    from dspark_jax.evaluation.prompts import shared_data_dir, split_prompts, tinystories_openings
 
     try:
         shared_data_dir()

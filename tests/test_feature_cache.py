@@ -17,7 +17,8 @@ from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.target import Target, random_params
 from dspark_jax.training.data import batches
 from dspark_jax.training.feature_cache import MANIFEST, build_feature_cache, ensure_feature_cache, open_feature_cache
-from dspark_jax.training.trainer import TrainConfig, Trainer, drafter_config, loss_sums, sample_anchors
+from dspark_jax.training.losses import loss_sums, sample_anchors
+from dspark_jax.training.trainer import TrainConfig, Trainer, drafter_config
 
 TCFG = TargetConfig(
     vocab_size=64,
@@ -183,8 +184,8 @@ def test_killed_build_leaves_no_cache(built, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_train_run_with_feature_cache_matches_uncached(stories260k, tmp_path):
-    from dspark_jax.models.model_io import params_fingerprint
-    from dspark_jax.training.cli import run
+    from dspark_jax.models.weights import params_fingerprint
+    from dspark_jax.training.pipeline import run
 
     cfg_t, params, tok = stories260k
     target = Target(cfg_t, params, fingerprint=params_fingerprint(params))

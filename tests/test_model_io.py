@@ -14,12 +14,9 @@ import pytest
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.models.model_io import (
-    adjacent_to_half,
-    load_llama2c,
-    load_target_files,
-    params_fingerprint,
-)
+from dspark_jax.models.llama2c_io import load_llama2c
+from dspark_jax.models.model_io import load_target_files
+from dspark_jax.models.weights import adjacent_to_half, params_fingerprint
 
 STORIES_GREEDY = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401,
                   396, 267, 337, 410, 408, 419, 292, 411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358,

@@ -176,7 +176,7 @@ def test_policies_see_no_draft_tokens():
 
 
 def _feed(cal, z, p_accept, rng, rounds=200, rows=8):
-    g = cal.gamma
+    g = cal.block_size
     for _ in range(rounds):
         acc = np.zeros(rows, int)
         for r in range(rows):

@@ -96,7 +96,7 @@ def _declared(model) -> set[str]:
 def test_property_any_undeclared_field_is_refused(name, value):
     from pydantic import ValidationError
 
-    from dspark_jax.serving.server import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
+    from dspark_jax.serving.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
 
     base = {
         CompletionRequest: {"prompt": "hi"},
@@ -239,6 +239,71 @@ def test_model_names(client):
         assert r.json()["error"]["type"] == "NotFoundError"
         assert client.post(path, json=dict(body, model="fake-model")).status_code == 200
         assert client.post(path, json=body).status_code == 200  # omitted: the served model
+
+
+def test_chat_completion_uses_template(client, tok):
+    msgs = [{"role": "system", "content": "Tell a story."}, {"role": "user", "content": "A cat and a dog"}]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 10, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    msg = body["choices"][0]["message"]
+    assert msg["role"] == "assistant" and isinstance(msg["content"], str)
+    rendered = "system: Tell a story.\nuser: A cat and a dog\nassistant:"
+    assert body["usage"]["prompt_tokens"] == len(tok.encode(rendered, add_bos=False))
+    # the same rendered prompt through /v1/completions gives the same answer
+    r2 = client.post(
+        "/v1/completions",
+        json={"prompt": tok.encode(rendered, add_bos=False), "max_tokens": 10, "temperature": 0},
+    )
+    assert r2.json()["choices"][0]["text"] == msg["content"]
+
+
+def test_streaming_sse_format(client):
+    req = {
+        "prompt": "Tom and Lily went to the park",
+        "max_tokens": 20,
+        "temperature": 0.8,
+        "seed": 7,
+        "stop": ["park."],
+        "return_token_ids": True,
+    }
+    full = client.post("/v1/completions", json=req).json()
+    with client.stream(
+        "POST", "/v1/completions", json=dict(req, stream=True, stream_options={"include_usage": True})
+    ) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = _sse(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == full["usage"]
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
+    assert finals[0]["spec_decode"]["num_steps"] >= 1
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    ids = [i for c in chunks if c["choices"] for i in c["choices"][0].get("token_ids", [])]
+    assert text == full["choices"][0]["text"] and ids == full["choices"][0]["token_ids"]
+
+    events = _stream(
+        client,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0},
+    )
+    assert events[-1] == "[DONE]"
+    assert events[0]["object"] == "chat.completion.chunk" and events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and "usage" not in events[-2]
+    assert sum(len(e["choices"][0]["delta"].get("content") or "") for e in events[:-1]) > 0
+
+
+def test_stop_token_ids_end_the_request_and_free_the_slot(client):
+    base = {"prompt": [31, 32, 33], "max_tokens": 40, "temperature": 0, "return_token_ids": True}
+    free = client.post("/v1/completions", json=base).json()["choices"][0]
+    sid = free["token_ids"][5]
+    r = client.post("/v1/completions", json=dict(base, stop_token_ids=[sid])).json()["choices"][0]
+    assert r["finish_reason"] == "stop" and r["token_ids"] == free["token_ids"][: free["token_ids"].index(sid) + 1]
+    assert wait_idle(client)["free_slots"] == NUM_SLOTS
 
 
 # --------------------------------------------------------------------------- defaults, n, streaming options

@@ -2,7 +2,7 @@
 
 DESIGN.md "Target model": logits must match transformers on the same weights. Tiny random
 Llama and Qwen3 checkpoints are written offline with ``save_pretrained`` (safetensors),
-loaded through the project loader (:func:`dspark_jax.models.model_io.load_hf_dir`) and compared
+loaded through the project loader (:func:`dspark_jax.models.hf_io.load_hf_dir`) and compared
 on:
 
 * a full forward of a ``[2, 12]`` batch (max |logit diff| <= 1e-4);
@@ -72,8 +72,9 @@ def _make_hf(kind, layers, tie, theta, eps, path):
 @pytest.fixture(scope="module", params=CASES, ids=IDS)
 def pair(request, tmp_path_factory):
     """``(hf_model, Target, TargetConfig)`` on identical weights."""
-    from dspark_jax.models.model_io import load_hf_dir, params_fingerprint
+    from dspark_jax.models.hf_io import load_hf_dir
     from dspark_jax.models.target import Target
+    from dspark_jax.models.weights import params_fingerprint
 
     kind, layers, tie, theta, eps = request.param
     path = tmp_path_factory.mktemp(f"hf_{kind}_{layers}")

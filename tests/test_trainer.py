@@ -15,7 +15,8 @@ from dspark_jax.drafters.checkpoint import export_drafter, load_drafter
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.models.target import Target, random_params
 from dspark_jax.training.data import batches
-from dspark_jax.training.trainer import TrainConfig, Trainer, drafter_config, drafter_loss
+from dspark_jax.training.losses import drafter_loss
+from dspark_jax.training.trainer import TrainConfig, Trainer, drafter_config
 
 TCFG = TargetConfig(
     vocab_size=64,
@@ -139,7 +140,7 @@ def test_draft_vocabulary_tv_and_export(tmp_path):
     from dspark_jax.errors import DSparkInputError
     from dspark_jax.training.calibration import block_terms
     from dspark_jax.training.data import draft_vocabulary
-    from dspark_jax.training.trainer import loss_sums
+    from dspark_jax.training.losses import loss_sums
 
     target = _target()
     cfg = dataclasses.replace(CFG, draft_vocab_size=16, drafter_width=48)

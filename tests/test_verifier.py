@@ -26,7 +26,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from dspark_jax.decoding.verifier import VerifyOutput, coupled_accept, verify, verify_coupled
+from dspark_jax.decoding.verifier import (
+    VerifyOutput,
+    coupled_accept,
+    verify,
+    verify_coupled,
+    verify_coupled_packed,
+    verify_rejection_packed,
+)
 from dspark_jax.models.sampling import process_logits, sample, sampling_arrays
 
 pytestmark = pytest.mark.exactness
@@ -631,3 +638,43 @@ def test_coupled_accept_greedy_and_padding():
     np.testing.assert_array_equal(out.num_accepted, [3, 1, 0, 2])
     np.testing.assert_array_equal(out.tokens, [[1, 2, 3, 4], [1, 2, -1, -1], [1, -1, -1, -1], [1, 2, 3, -1]])
     np.testing.assert_array_equal(out.next_token, [4, 2, 1, 3])
+
+
+def _packing(lengths, width):
+    """The serving engine's packing of rows with ``lengths[r] + 1`` tokens each, in a buffer
+    with two padding slots: ``(rows, cols)`` ``[K]`` (padding: row ``R``, col 0)."""
+    r_ = len(lengths)
+    rows = [r for r in range(r_) for _ in range(int(lengths[r]) + 1)] + [r_, r_]
+    cols = [c for r in range(r_) for c in range(int(lengths[r]) + 1)] + [0, 0]
+    assert max(cols) < width
+    return np.asarray(rows, np.int32), np.asarray(cols, np.int32)
+
+
+def test_packed_verification_equals_the_grid_verification():
+    """verify_coupled_packed / verify_rejection_packed (the engine's packed rows) give the
+    same tokens and acceptance as verify_coupled / verify on the equivalent [R, G+1] grid."""
+    b, g, v = 16, 3, 5
+    rng = np.random.default_rng(1)
+    p = jax.nn.softmax(jnp.asarray(rng.normal(size=(b, g + 1, v)) * 2, jnp.float32), axis=-1)
+    q = jax.nn.softmax(jnp.asarray(rng.normal(size=(b, g, v)) * 2, jnp.float32), axis=-1)
+    keys = jax.random.split(jax.random.PRNGKey(5), b * (g + 1)).reshape(b, g + 1, 2)
+    drafts = jax.vmap(sample)(keys[:, :g], q)
+    lengths = np.asarray(rng.integers(0, g + 1, b), np.int32)
+    rows, cols = _packing(lengths, g + 1)
+    r_c, c_c = np.minimum(rows, b - 1), cols  # padding slots read any valid entry
+    grid = verify_coupled(keys, drafts, p, jnp.asarray(lengths))
+    toks, acc = verify_coupled_packed(
+        keys[r_c, c_c], p[r_c, c_c], rows, cols, drafts, jnp.asarray(lengths), width=g + 1
+    )
+    np.testing.assert_array_equal(acc, grid.num_accepted)
+    for r in range(b):  # the emitted tokens agree; the packed grid also holds the unread samples
+        a = int(acc[r])
+        np.testing.assert_array_equal(np.asarray(toks)[r, : a + 1], np.asarray(grid.tokens)[r, : a + 1])
+    plain_toks, plain_acc = verify_coupled_packed(keys[r_c, c_c], p[r_c, c_c], rows, cols, drafts, None, width=g + 1)
+    assert not np.asarray(plain_acc).any()
+    rkeys = jax.random.split(jax.random.PRNGKey(6), b)
+    want = verify(rkeys, drafts, q, p, jnp.asarray(lengths))
+    got = verify_rejection_packed(rkeys, drafts, q, p[r_c, c_c], rows, cols, jnp.asarray(lengths))
+    # p past lengths[r] is zero on the packed grid: padding, never read (verify's contract)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.num_accepted, want.num_accepted)

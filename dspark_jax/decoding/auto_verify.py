@@ -23,17 +23,23 @@ to be verified, and never on a token of the chunk itself. Each chunk is then ver
 whole. The stopping rule is thus a stopping time of the draft sequence and the output law
 is exactly the target's (tested in tests/test_auto_verify.py).
 
-Everything here is traced inside the decode loop (pure ``jnp``; widths are static).
+Everything here is traced inside the decode loop (pure ``jnp``; widths are static);
+:func:`auto_round` is one such round of :mod:`dspark_jax.decoding.speculative`'s loop.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["choose_width", "default_widths", "should_draft"]
+from dspark_jax.decoding.round import VerifiedRound, draft_tokens, verify_pass
+from dspark_jax.models.sampling import SamplingArrays
+
+__all__ = ["AutoState", "auto_round", "choose_width", "default_widths", "init_auto_state", "should_draft"]
 
 
 def default_widths(block_size: int) -> tuple[int, ...]:
@@ -111,3 +117,82 @@ def should_draft(
         tokens = n + jnp.sum(run * jnp.sum(a[:, : widths[i]], axis=1))
         best = jnp.maximum(best, tokens / (t_draft + t_verify[i]))
     return best > plain
+
+
+class AutoState(NamedTuple):
+    """Loop state of ``num_speculative_tokens="auto"`` (scalars shared by the batch).
+
+    Attributes:
+      draft_on: ``[]`` bool: this round drafts.
+      idle: ``[]`` int32 rounds since the last drafting round.
+      width: ``[]`` int32 index into the widths of the width verified last round (statistics).
+    """
+
+    draft_on: jax.Array
+    idle: jax.Array
+    width: jax.Array
+
+
+def init_auto_state() -> AutoState:
+    """The first round drafts."""
+    return AutoState(jnp.ones((), bool), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+
+
+def auto_round(
+    target,
+    drafter,
+    state: AutoState,
+    tcache,
+    dcache,
+    running: jax.Array,
+    anchor: jax.Array,
+    anchor_pos: jax.Array,
+    draft_keys: jax.Array,
+    verify_keys: jax.Array,
+    room: jax.Array,
+    sampling: SamplingArrays,
+    widths: Sequence[int],
+    costs: tuple[jax.Array, jax.Array],
+    probe_every: int,
+) -> tuple[VerifiedRound, jax.Array, jax.Array, AutoState]:
+    """One round with an automatic verification width (module docstring).
+
+    Drafts (under ``lax.cond``, only when ``state.draft_on``), chooses the width from the
+    confidences (:func:`choose_width`), verifies with that width's compiled pass
+    (``lax.switch``), and decides whether the next round drafts (:func:`should_draft`).
+
+    Args:
+      state: :class:`AutoState`. running / anchor / anchor_pos: ``[B]``.
+      draft_keys / verify_keys: ``[B, 2]`` (:func:`dspark_jax.decoding.round.split_round_keys`).
+      room: ``[B]`` int32 drafts that still fit before the length limit.
+      widths: static ascending widths from 0. costs: ``(t_verify [len(widths)], t_draft [])`` seconds.
+      probe_every: while not drafting, draft anyway every this many rounds.
+    Returns:
+      ``(verified round, num_verify [B] int32, raw confidence logits [B, G], next AutoState)``.
+    """
+    t_verify, t_draft = costs
+    b = anchor.shape[0]
+    block_size = drafter.cfg.gamma
+    v = drafter.cfg.vocab_size
+
+    def drafted(_):
+        d = draft_tokens(target, drafter, anchor, anchor_pos, dcache, draft_keys, sampling)
+        return d.tokens, d.probs, d.confidence, d.confidence_logit
+
+    def skipped(_):
+        z = jnp.zeros((b, block_size), jnp.float32)
+        return jnp.zeros((b, block_size), jnp.int32), jnp.zeros((b, block_size, v), jnp.float32), z, z
+
+    drafts, dprobs, conf, zlog = jax.lax.cond(state.draft_on, drafted, skipped, None)
+    # Width from confidences only, chunk by chunk (non-anticipating, module docstring).
+    wi = jnp.where(state.draft_on, choose_width(conf, running, widths, t_verify), 0)
+    ell = jnp.where(running, jnp.clip(jnp.minimum(jnp.asarray(widths, jnp.int32)[wi], room), 0, block_size), 0)
+    taps = drafter.cfg.taps
+    branches = [partial(verify_pass, target, drafter, w, block_size, taps=taps) for w in widths]
+    res = jax.lax.switch(
+        wi, branches, tcache, dcache, running, anchor, anchor_pos, drafts, dprobs, verify_keys, ell, sampling
+    )
+    pays = should_draft(conf, running, widths, t_verify, t_draft)
+    idle = jnp.where(state.draft_on, 0, state.idle + 1)
+    draft_next = jnp.where(state.draft_on, pays, idle >= probe_every)
+    return res, ell, zlog, AutoState(draft_next, idle, wi)

@@ -8,7 +8,7 @@ Examples::
 
 Without ``--drafter`` it decodes autoregressively with the target alone. ``text`` never ends
 in half a character (a multi-byte character the last token did not complete is dropped).
-``tau`` follows :class:`dspark_jax.decoding.speculative.Generation` (tokens per target verification pass,
+``tau`` follows :class:`dspark_jax.decoding.results.Generation` (tokens per target verification pass,
 the prefill token excluded; 1.0 for autoregressive decoding; null when no pass ran). Exit
 status 2 with a one-line ``error:`` message on bad input (missing model files,
 a drafter exported for another target, an empty or too-long prompt, a NaN/inf sampling
@@ -87,21 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(args: argparse.Namespace) -> dict:
-    import jax.numpy as jnp
-
-    from dspark_jax.api import encode_prompt, load_target
-    from dspark_jax.decoding.speculative import (
-        check_sampling,
-        generate_autoregressive,
-        generate_speculative,
-        resolve_num_speculative_tokens,
-    )
-    from dspark_jax.drafters.base import check_compatible
-    from dspark_jax.drafters.checkpoint import load_drafter, read_export_meta
+def _check_args(args: argparse.Namespace) -> None:
+    """Flag checks that need no model (one ``error:`` line each); resolves ``--gamma``."""
+    from dspark_jax.decoding.validation import check_sampling
+    from dspark_jax.drafters.checkpoint import read_export_meta
     from dspark_jax.errors import DSparkInputError
-    from dspark_jax.models.presets import preset_info
-    from dspark_jax.models.tokenizer import decode_complete
 
     if args.max_new_tokens < 1:
         raise DSparkInputError("--max-new-tokens must be >= 1")
@@ -118,8 +108,65 @@ def run(args: argparse.Namespace) -> dict:
         args.num_speculative_tokens = str(args.gamma)
     if args.num_speculative_tokens is not None and not args.drafter:
         raise DSparkInputError("--num-speculative-tokens needs --drafter")
-    dtype = jnp.dtype(args.dtype)
-    target, tok = load_target(args.target, dtype=dtype)
+
+
+def _speculative(args: argparse.Namespace, target, ids: list[int], kw: dict, out: dict):
+    """Loads the drafter and decodes speculatively (after a warm-up run with ``--compare-ar``)."""
+    import jax.numpy as jnp
+
+    from dspark_jax.decoding.speculative import generate_speculative
+    from dspark_jax.decoding.validation import resolve_num_speculative_tokens
+    from dspark_jax.drafters.base import BlockDrafter, check_compatible
+    from dspark_jax.drafters.checkpoint import load_drafter
+
+    drafter, _ = load_drafter(args.drafter, dtype=jnp.dtype(args.dtype))
+    check_compatible(target, drafter)
+    block_size = drafter.cfg.gamma
+    default = "auto" if isinstance(drafter, BlockDrafter) else None  # "auto" reads block confidences
+    n_spec = resolve_num_speculative_tokens(args.num_speculative_tokens, None, block_size, default=default)
+    if args.compare_ar:  # warm-up run: the timed runs below then compare steady-state speed
+        generate_speculative(target, drafter, [ids], num_speculative_tokens=n_spec, **kw)
+    res = generate_speculative(target, drafter, [ids], num_speculative_tokens=n_spec, **kw)
+    out.update(mode="speculative", variant=drafter.cfg.variant, num_speculative_tokens=n_spec, block_size=block_size)
+    return res
+
+
+def _compare_ar(args: argparse.Namespace, target, tok, ids: list[int], kw: dict, res, out: dict) -> None:
+    """``--compare-ar``: the autoregressive run's tokens, speed and the speedup."""
+    from dspark_jax.decoding.speculative import generate_autoregressive
+    from dspark_jax.models.tokenizer import decode_complete
+
+    if not args.drafter:
+        out.update(ar_token_ids=out["token_ids"], ar_tokens_per_s=res.tokens_per_s, speedup=1.0, matches_ar=True)
+        return
+    generate_autoregressive(target, [ids], **kw)  # warm-up, as for the speculative run
+    ar = generate_autoregressive(target, [ids], **kw)
+    ag = ar.generations[0]
+    out.update(
+        ar_token_ids=ag.token_ids,
+        ar_text=decode_complete(tok, ag.token_ids),
+        ar_tokens_per_s=ar.tokens_per_s,
+        ar_seconds=ar.seconds,
+        speedup=out["tokens_per_s"] / ar.tokens_per_s if ar.tokens_per_s else None,
+        matches_ar=ag.token_ids == out["token_ids"],
+    )
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Runs the command; returns the JSON object ``--json`` prints.
+
+    Raises:
+      DSparkInputError: bad flags or prompt, missing model files, a drafter for another target.
+    """
+    import jax.numpy as jnp
+
+    from dspark_jax.api import encode_prompt, load_target
+    from dspark_jax.decoding.speculative import generate_autoregressive
+    from dspark_jax.models.presets import preset_info
+    from dspark_jax.models.tokenizer import decode_complete
+
+    _check_args(args)
+    target, tok = load_target(args.target, dtype=jnp.dtype(args.dtype))
     chat = args.chat if args.chat is not None else bool(preset_info(args.target).get("chat"))
     ids = encode_prompt(tok, args.prompt, chat)
     kw = dict(
@@ -131,25 +178,11 @@ def run(args: argparse.Namespace) -> dict:
     )
     out: dict = {"target": target.cfg.name, "prompt_tokens": len(ids)}
     if args.drafter:
-        drafter, _ = load_drafter(args.drafter, dtype=dtype)
-        check_compatible(target, drafter)
-        n_spec = resolve_num_speculative_tokens(
-            args.num_speculative_tokens,
-            None,
-            drafter.cfg.gamma,
-            default="auto" if drafter.cfg.variant != "eagle3" else None,
-        )
-        if args.compare_ar:  # warm-up run: the timed runs below then compare steady-state speed
-            generate_speculative(target, drafter, [ids], num_speculative_tokens=n_spec, **kw)
-        res = generate_speculative(target, drafter, [ids], num_speculative_tokens=n_spec, **kw)
-        g = res.generations[0]
-        out.update(
-            mode="speculative", variant=drafter.cfg.variant, num_speculative_tokens=n_spec, block_size=drafter.cfg.gamma
-        )
+        res = _speculative(args, target, ids, kw, out)
     else:
         res = generate_autoregressive(target, [ids], **kw)
-        g = res.generations[0]
         out.update(mode="autoregressive")
+    g = res.generations[0]
     out.update(
         text=decode_complete(tok, g.token_ids),
         token_ids=g.token_ids,
@@ -164,20 +197,7 @@ def run(args: argparse.Namespace) -> dict:
         compile_seconds=res.compile_seconds,
     )
     if args.compare_ar:
-        if args.drafter:
-            generate_autoregressive(target, [ids], **kw)  # warm-up, as for the speculative run
-            ar = generate_autoregressive(target, [ids], **kw)
-            ag = ar.generations[0]
-            out.update(
-                ar_token_ids=ag.token_ids,
-                ar_text=decode_complete(tok, ag.token_ids),
-                ar_tokens_per_s=ar.tokens_per_s,
-                ar_seconds=ar.seconds,
-                speedup=out["tokens_per_s"] / ar.tokens_per_s if ar.tokens_per_s else None,
-                matches_ar=ag.token_ids == g.token_ids,
-            )
-        else:
-            out.update(ar_token_ids=g.token_ids, ar_tokens_per_s=res.tokens_per_s, speedup=1.0, matches_ar=True)
+        _compare_ar(args, target, tok, ids, kw, res, out)
     return out
 
 
@@ -186,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     status, out = run_cli(run, args)
-    if status:
+    if status or out is None:
         return status
     if args.json:
         print(json.dumps(out))

@@ -31,11 +31,11 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.decoding.auto_verify import default_widths
-from dspark_jax.decoding.verifier import verify
-from dspark_jax.drafters.markov import sample_block
+from dspark_jax.decoding.compile_cache import LRUCache
+from dspark_jax.decoding.round import draft_tokens, verify_pass
 from dspark_jax.models.sampling import process_logits, sample, sampling_arrays
 
-__all__ = ["CostTable", "measure_costs"]
+__all__ = ["CostTable", "cached_cost_table", "measure_costs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,14 +101,9 @@ def _programs(target, drafter, widths: Sequence[int], cache_len: int):
         def run(t_state, d_state, tcache, dcache, anchor, pos, drafts, dprobs, key, samp):
             t = nnx.merge(t_graph, t_state)
             d = nnx.merge(d_graph, d_state)
-            toks = jnp.concatenate([anchor[:, None], drafts[:, :w]], axis=1)
-            vpos = pos[:, None] + jnp.arange(w + 1, dtype=jnp.int32)
-            out = t(toks, vpos, tcache, taps=taps)
-            res = verify(
-                key, drafts[:, :w], dprobs[:, :w], process_logits(out.logits, samp), jnp.full((1,), w, jnp.int32)
-            )
-            dcache = d.extend_cache(dcache, out.features, vpos, target=t, tokens=toks)
-            return out.cache, dcache, res.tokens
+            running, n = jnp.ones((1,), bool), jnp.full((1,), w, jnp.int32)
+            r = verify_pass(t, d, w, g, tcache, dcache, running, anchor, pos, drafts, dprobs, key, n, samp, taps=taps)
+            return r.tcache, r.dcache, r.tokens
 
         return jax.jit(run, donate_argnums=(2, 3))
 
@@ -116,8 +111,7 @@ def _programs(target, drafter, widths: Sequence[int], cache_len: int):
     def draft_prog(t_state, d_state, dcache, anchor, pos, key, samp):
         t = nnx.merge(t_graph, t_state)
         d = nnx.merge(d_graph, d_state)
-        block = d.draft_block(t, anchor, pos, dcache)
-        out = sample_block(d, block, anchor, key, samp)
+        out = draft_tokens(t, d, anchor, pos, dcache, key, samp)
         return out.tokens, out.probs, out.confidence
 
     def step_prog(t_state, tcache, anchor, pos, key, samp):
@@ -217,3 +211,14 @@ def measure_costs(
         t_context=med["context"],
         cache_len=cache_len,
     )
+
+
+# Measured once per model shapes and cache length (costs do not depend on weight values);
+# bounded: a long-lived process sees few distinct shapes.
+_COST_TABLES = LRUCache(maxsize=8)
+
+
+def cached_cost_table(target, drafter, cache_len: int) -> CostTable:
+    """:func:`measure_costs` (5 repeats) once per model configs, dtypes and ``cache_len``, then reused."""
+    key = (target.cfg, jnp.dtype(target.dtype).name, drafter.cfg, jnp.dtype(drafter.dtype).name, cache_len)
+    return _COST_TABLES.get_or_build(key, lambda: measure_costs(target, drafter, cache_len=cache_len, repeats=5))

@@ -27,7 +27,7 @@ class OnlineCalibrator:
     """Per-position sliding-window temperature tracker.
 
     Args:
-      gamma: block positions ``G``.
+      block_size: block positions ``G`` (the drafter's block size).
       init: initial temperatures ``[G]`` (e.g. the drafter's offline calibration), default 1.
       window: observations kept per position (a ring buffer).
       lr: learning rate of the log-temperature update.
@@ -41,7 +41,7 @@ class OnlineCalibrator:
 
     def __init__(
         self,
-        gamma: int,
+        block_size: int,
         init=None,
         *,
         window: int = 2048,
@@ -51,17 +51,17 @@ class OnlineCalibrator:
         t_min: float = 0.05,
         t_max: float = 20.0,
     ):
-        if gamma < 1 or window < 1:
-            raise ValueError("gamma and window must be >= 1")
-        t = np.ones(gamma) if init is None else np.asarray(init, np.float64).reshape(-1)
-        if t.shape != (gamma,) or not np.all((t > 0) & np.isfinite(t)):
-            raise ValueError(f"need {gamma} positive finite initial temperatures, got {t}")
-        self.gamma, self.window, self.lr, self.max_step = gamma, window, lr, max_step
+        if block_size < 1 or window < 1:
+            raise ValueError("block_size and window must be >= 1")
+        t = np.ones(block_size) if init is None else np.asarray(init, np.float64).reshape(-1)
+        if t.shape != (block_size,) or not np.all((t > 0) & np.isfinite(t)):
+            raise ValueError(f"need {block_size} positive finite initial temperatures, got {t}")
+        self.block_size, self.window, self.lr, self.max_step = block_size, window, lr, max_step
         self.min_obs, self.t_min, self.t_max = min_obs, t_min, t_max
         self.temperatures = t.copy()
-        self._z = np.zeros((gamma, window))
-        self._y = np.zeros((gamma, window))
-        self._count = np.zeros(gamma, np.int64)  # total observations ever, per position
+        self._z = np.zeros((block_size, window))
+        self._y = np.zeros((block_size, window))
+        self._count = np.zeros(block_size, np.int64)  # total observations ever, per position
 
     def confidence(self, z: np.ndarray) -> np.ndarray:
         """Calibrated confidences ``sigmoid(z_k / T_k)``; ``z [..., G]`` raw logits."""
@@ -82,12 +82,12 @@ class OnlineCalibrator:
         z = np.asarray(z, np.float64)
         if z.size == 0:
             return
-        k = np.arange(1, self.gamma + 1)[None, :]
+        k = np.arange(1, self.block_size + 1)[None, :]
         ver = np.asarray(verified)[:, None]
         acc = np.asarray(accepted)[:, None]
         reached = (k <= ver) & (k <= acc + 1) & np.isfinite(z)
         label = (k <= acc).astype(np.float64)
-        for pos in range(self.gamma):
+        for pos in range(self.block_size):
             sel = reached[:, pos]
             m = int(sel.sum())
             if not m:
@@ -101,7 +101,7 @@ class OnlineCalibrator:
 
     def update(self) -> None:
         """One multiplicative step of every position with at least ``min_obs`` observations."""
-        for pos in range(self.gamma):
+        for pos in range(self.block_size):
             m = int(min(self._count[pos], self.window))
             if m < self.min_obs:
                 continue
@@ -116,7 +116,7 @@ class OnlineCalibrator:
         """Per-position window statistics: ``temperatures``, ``predicted`` (mean calibrated
         ``c_k``), ``observed`` (conditional acceptance), ``observations`` (window size)."""
         pred, obs, num = [], [], []
-        for pos in range(self.gamma):
+        for pos in range(self.block_size):
             m = int(min(self._count[pos], self.window))
             num.append(m)
             if m:

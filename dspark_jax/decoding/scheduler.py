@@ -30,7 +30,7 @@ all admissible allocations is ``max_m (n + S_m) * SPS(n + m)`` with ``S_m`` the 
 
 Policies (selected per engine, see :mod:`dspark_jax.serving.engine`):
 
-* :func:`fixed_lengths` -- fixed gamma (gamma = 1 is the MTP-1 production baseline);
+* :func:`fixed_lengths` -- a fixed number of speculative tokens (1 is the MTP-1 production baseline);
 * :func:`threshold_lengths` -- verify draft ``k`` while ``a_{r,k} >= C``;
 * :func:`greedy_lengths` -- the clean greedy scheduler: admit candidates in order of
   decreasing survival, stop at the first admission that lowers Theta. Guarantee (tested
@@ -127,9 +127,9 @@ def theta_curve(surv: np.ndarray, cap, sps_of_total: np.ndarray, n_base: int | N
     return rows, emitted * rate
 
 
-def fixed_lengths(cap, gamma: int) -> np.ndarray:
-    """Fixed gamma: every row verifies ``min(gamma, cap_r)`` drafts. ``[n]`` int32."""
-    return np.minimum(np.asarray(cap, np.int64), int(gamma)).clip(0).astype(np.int32)
+def fixed_lengths(cap, num_speculative_tokens: int) -> np.ndarray:
+    """Fixed length: every row verifies ``min(num_speculative_tokens, cap_r)`` drafts. ``[n]`` int32."""
+    return np.minimum(np.asarray(cap, np.int64), int(num_speculative_tokens)).clip(0).astype(np.int32)
 
 
 def threshold_lengths(surv: np.ndarray, cap, threshold: float) -> np.ndarray:

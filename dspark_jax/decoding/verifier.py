@@ -10,6 +10,10 @@ and are covered by the same distribution tests (``tests/test_verifier.py``):
   token, at some acceptance cost at T > 0 (``P(x == y)`` under shared noise instead of
   ``1 - TV(p, q)``).
 
+The serving engine verifies PACKED rows (``K`` tokens of ``R`` rows in one target pass, row
+``rows[i]`` and block position ``cols[i]`` per token): :func:`verify_coupled_packed` and
+:func:`verify_rejection_packed` are the same two modes on that layout.
+
 Rejection sampling: Leviathan et al. 2023 ("Fast Inference from
 Transformers via Speculative Decoding", Alg. 1) and Chen et al. 2023 ("Accelerating Large
 Language Model Decoding with Speculative Sampling", Alg. 2, "modified rejection sampling").
@@ -33,9 +37,16 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.models.sampling import _categorical
+from dspark_jax.models.sampling import _categorical, sample
 
-__all__ = ["VerifyOutput", "coupled_accept", "verify", "verify_coupled"]
+__all__ = [
+    "VerifyOutput",
+    "coupled_accept",
+    "verify",
+    "verify_coupled",
+    "verify_coupled_packed",
+    "verify_rejection_packed",
+]
 
 
 class VerifyOutput(NamedTuple):
@@ -257,3 +268,67 @@ def verify_coupled(
         )
     y = jax.vmap(jax.vmap(_categorical))(keys, jnp.asarray(target_probs, jnp.float32))
     return coupled_accept(draft_tokens, y, lengths)
+
+
+def verify_coupled_packed(
+    token_keys: jax.Array,
+    target_probs: jax.Array,
+    rows: jax.Array,
+    cols: jax.Array,
+    draft_tokens: jax.Array,
+    lengths: jax.Array | None,
+    *,
+    width: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Coupled-draw verification of packed rows (the serving engine's default mode).
+
+    DESIGN.md "Verification (lossless)", coupled draws, as :func:`verify_coupled` but on the
+    engine's packed layout: the target's own sample at every packed token (Gumbel-max with
+    plain decoding's key for that token), scattered to an ``[R, width]`` grid, then
+    :func:`coupled_accept`.
+
+    Args:
+      token_keys: ``[K, 2]`` uint32 key of each packed token's NEXT token
+        (``fold_in(request_key, pos)``; the drafts were drawn with the same keys).
+      target_probs: ``[K, V]`` float32 processed target distributions of the packed tokens.
+      rows / cols: ``[K]`` int32 row and block position (0 = anchor) of each packed token;
+        ``rows[i] >= R`` marks padding (dropped).
+      draft_tokens: ``[R, G]`` int32 drafts of the rows (``G = width - 1``).
+      lengths: ``[R]`` int32 verification lengths (non-anticipating), or None for a plain
+        step (anchors only: nothing accepted).
+      width: static grid width (``G + 1``).
+    Returns:
+      ``(tokens [R, width] int32, num_accepted [R] int32)``: the target's samples on the grid
+      (``-1`` where no token was packed) and the accepted drafts; the emitted tokens are
+      ``tokens[r, :num_accepted[r] + 1]``.
+    """
+    r = draft_tokens.shape[0]
+    y = sample(token_keys, target_probs)
+    grid = jnp.full((r, width), -1, jnp.int32).at[rows, cols].set(y, mode="drop")
+    if lengths is None:
+        return grid, jnp.zeros((r,), jnp.int32)
+    return grid, coupled_accept(draft_tokens, grid, lengths).num_accepted
+
+
+def verify_rejection_packed(
+    round_keys: jax.Array,
+    draft_tokens: jax.Array,
+    draft_probs: jax.Array,
+    target_probs: jax.Array,
+    rows: jax.Array,
+    cols: jax.Array,
+    lengths: jax.Array,
+) -> VerifyOutput:
+    """Rejection-sampling verification of packed rows: :func:`verify` after scattering the
+    packed target distributions ``target_probs [K, V]`` to the ``[R, G + 1, V]`` grid.
+
+    Args:
+      round_keys: ``[R, 2]`` one key per row and round, independent of the draft keys.
+      draft_tokens: ``[R, G]`` int32; draft_probs: ``[R, G, V]`` their q.
+      rows / cols: ``[K]`` int32 (``rows[i] >= R``: padding, dropped). lengths: ``[R]`` int32.
+    Returns:
+      :class:`VerifyOutput` (``tokens [R, G + 1]``).
+    """
+    r, g = draft_tokens.shape
+    p_grid = jnp.zeros((r, g + 1, target_probs.shape[-1]), jnp.float32).at[rows, cols].set(target_probs, mode="drop")
+    return verify(round_keys, draft_tokens, draft_probs, p_grid, lengths)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from dspark_jax.decoding.speculative import BatchResult, generate_speculative
-from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.drafters.base import Drafter
 from dspark_jax.models.target import Target
 
 
@@ -79,7 +79,7 @@ def evaluate_tau(
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
-            gamma=gamma,
+            num_speculative_tokens=gamma,
             seed=[seed + s + i for i in range(len(chunk))],
             record_rounds=record_rounds,
         )

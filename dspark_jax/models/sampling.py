@@ -216,7 +216,7 @@ def logits_are_finite(logits: jax.Array, allow_neg_inf: bool = True) -> jax.Arra
 
 def _is_single_key(key: jax.Array) -> bool:
     key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         return key.ndim == 0
     return key.ndim == 1
 

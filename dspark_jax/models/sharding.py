@@ -166,7 +166,7 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, devices: Sequence[Any
     return Mesh(np.array(devs, dtype=object).reshape([shape[a] for a in MESH_AXES]), MESH_AXES)
 
 
-def axis_size(mesh: Mesh, axis: str | Sequence[str] | None) -> int:
+def axis_size(mesh: Mesh | AbstractMesh, axis: str | Sequence[str] | None) -> int:
     """Devices along a mesh axis (or the product over a tuple of axes; 1 for None or absent)."""
     if axis is None:
         return 1
@@ -175,7 +175,7 @@ def axis_size(mesh: Mesh, axis: str | Sequence[str] | None) -> int:
     return math.prod(axis_size(mesh, a) for a in axis)
 
 
-def _present(mesh: Mesh, axis):
+def _present(mesh: Mesh | AbstractMesh, axis):
     """``axis`` restricted to axes the mesh has (tuple rules); None when nothing remains."""
     names = set(mesh.axis_names)
     if axis is None:
@@ -189,7 +189,7 @@ def _present(mesh: Mesh, axis):
 def logical_spec(
     axes: Sequence[str | None],
     shape: Sequence[int],
-    mesh: Mesh,
+    mesh: Mesh | AbstractMesh,
     rules: Iterable[tuple[str, Any]] = DEFAULT_RULES,
     units: Mapping[str, int] | None = None,
 ) -> P:
@@ -198,7 +198,7 @@ def logical_spec(
     Args:
       axes: logical name per dimension (None: replicated), ``len(axes) == len(shape)``.
       shape: the array's shape.
-      mesh: the device mesh.
+      mesh: the device mesh (or an :class:`AbstractMesh` when planning).
       rules: ``(logical, mesh axis | tuple of mesh axes | None)`` pairs; first match wins.
       units: logical name -> the count that must be divisible (e.g. ``heads`` -> number of
         heads for a fused ``heads * head_dim`` dimension); default: the dimension itself.
@@ -265,7 +265,7 @@ def tree_shardings(tree: Any, mesh: Mesh, cfg: Any, rules: Iterable[tuple[str, A
 
     Args:
       tree: arrays or ``jax.ShapeDtypeStruct`` leaves.
-      mesh: the device mesh.
+      mesh: the device mesh (or an :class:`AbstractMesh` when planning).
       cfg: the model's :class:`~dspark_jax.config.TargetConfig` or
         :class:`~dspark_jax.config.DrafterConfig` (head counts for divisibility).
     """

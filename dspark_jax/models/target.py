@@ -9,6 +9,7 @@ drafter consumes as context features (DESIGN.md "Drafter", step 1).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -72,12 +73,12 @@ class Target(nnx.Module):
 
     Args:
       cfg: architecture.
-      params: canonical parameter dict (see :mod:`dspark_jax.models.model_io`); kernels
+      params: canonical parameter dict (see :mod:`dspark_jax.models.weights`); kernels
         ``[in, out]``, per-layer tensors stacked on axis 0.
       dtype: compute and storage dtype of the weights (float32 on CPU tests,
         bfloat16 on accelerators). Logits are always returned in float32.
       fingerprint: identifier of the exact weights (see
-        :func:`dspark_jax.models.model_io.params_fingerprint`), recorded in drafters.
+        :func:`dspark_jax.models.weights.params_fingerprint`), recorded in drafters.
       mesh: optional :class:`jax.sharding.Mesh`: each weight goes from the host straight to
         its shards (:func:`dspark_jax.models.sharding.tree_shardings`, DESIGN.md "Scale: a device
         mesh"), so a target larger than one device's memory never lands on one device.
@@ -160,9 +161,7 @@ class Target(nnx.Module):
         cfg = self.cfg
         x = self.embed_tokens(tokens).astype(self.dtype)
         taps = tuple(int(t) for t in taps)
-        for t in taps:
-            if not 0 <= t < cfg.num_layers:
-                raise ValueError(f"tap layer {t} out of range for a {cfg.num_layers}-layer target")
+        _check_taps(cfg, taps)
         layer_params = {k: v[...] for k, v in self.layers.items()}
 
         if cache is None:
@@ -201,12 +200,12 @@ class Target(nnx.Module):
         kv_in = None if cache is None else (cache.k, cache.v)
         x, (new_kv, hidden) = jax.lax.scan(layer, x, (layer_params, kv_in))
         features = None
-        if taps:
+        if taps and hidden is not None:  # hidden is None exactly when there are no taps
             features = jnp.concatenate([hidden[t] for t in taps], axis=-1)
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[:, None, None].astype(jnp.int32), axis=1)[:, 0]
         logits = self.unembed(x)
-        new_cache = None if cache is None else KVCache(*new_kv)
+        new_cache = None if new_kv is None else KVCache(*new_kv)  # None exactly without a cache
         return TargetOutput(logits, features, new_cache)
 
     def forward_packed(
@@ -252,61 +251,110 @@ class Target(nnx.Module):
         """
         cfg = self.cfg
         taps = tuple(int(t) for t in taps)
-        s_len = cache.length
-        valid = (positions >= 0) & (positions < s_len)
-        wpos = jnp.where(valid, positions, s_len)  # out of range: dropped writes
-        qrow = jnp.where(valid, rows, num_rows)
-        qpos = jnp.full((num_rows, width), -1, jnp.int32).at[qrow, cols].set(positions, mode="drop")
-        slots = jnp.arange(s_len, dtype=jnp.int32)
-        mask = slots[None, None, :] <= qpos[:, :, None]  # [R, W, S]; padding queries see nothing
-        grow = jnp.clip(rows, 0, num_rows - 1)
-        gcol = jnp.clip(cols, 0, width - 1)
-        rope_pos = jnp.clip(positions, 0, s_len - 1)[None]
+        geo = _packed_geometry(rows, cols, positions, cache.length, num_rows, width)
         layer_params = {k: v[...] for k, v in self.layers.items()}
         x = self.embed_tokens(tokens).astype(self.dtype)[None]  # [1, K, H]
-        k_tok = tokens.shape[0]
-
-        kvh, hd = cfg.num_kv_heads, cfg.head_dim
-
-        # The full cache rides in the scan carry and is updated in place (scatter at the
-        # layer index); attention reads only the first ``num_rows`` rows of the layer. Mapping
-        # the cache as scan xs/ys instead would copy every row of every layer each step, which
-        # dominates a serving step when most slots are idle.
-        def layer(carry, p):
-            h, ck_all, cv_all, li = carry
-            a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
-            q = (a @ p["wq"]).reshape(1, k_tok, cfg.num_heads, cfg.head_dim)
-            k = (a @ p["wk"]).reshape(1, k_tok, kvh, hd)
-            v = (a @ p["wv"]).reshape(1, k_tok, kvh, hd)
-            if cfg.qk_norm:
-                q = rms_norm(q, p["q_norm"], cfg.rms_eps)
-                k = rms_norm(k, p["k_norm"], cfg.rms_eps)
-            q = apply_rope(q, rope_pos, cfg.rope_theta)[0]
-            k = apply_rope(k, rope_pos, cfg.rope_theta)[0]
-            lidx = jnp.full_like(qrow, li)
-            ck_all = ck_all.at[lidx, qrow, wpos].set(k.astype(ck_all.dtype), mode="drop")
-            cv_all = cv_all.at[lidx, qrow, wpos].set(v[0].astype(cv_all.dtype), mode="drop")
-            ck = jax.lax.dynamic_slice(ck_all, (li, 0, 0, 0, 0), (1, num_rows, s_len, kvh, hd))[0]
-            cv = jax.lax.dynamic_slice(cv_all, (li, 0, 0, 0, 0), (1, num_rows, s_len, kvh, hd))[0]
-            qg = jnp.zeros((num_rows, width) + q.shape[1:], q.dtype).at[qrow, cols].set(q, mode="drop")
-            attn = attention(qg, ck, cv, mask)[grow, gcol]  # [K, nh*hd]
-            h = h + (attn @ p["wo"])[None]
-            m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
-            h = h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"])
-            return (h, ck_all, cv_all, li + 1), (h[0] if taps else None)
-
-        for t in taps:
-            if not 0 <= t < cfg.num_layers:
-                raise ValueError(f"tap layer {t} out of range for a {cfg.num_layers}-layer target")
+        layer = functools.partial(_packed_layer, cfg, geo, bool(taps))
+        _check_taps(cfg, taps)
         (x, nk, nv, _), hidden = jax.lax.scan(layer, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
         new_kv = (nk, nv)
-        features = jnp.concatenate([hidden[t] for t in taps], axis=-1) if taps else None
+        features = jnp.concatenate([hidden[t] for t in taps], axis=-1) if taps and hidden is not None else None
         return TargetOutput(self.unembed(x[0]), features, KVCache(*new_kv))
 
     def init_cache(self, batch: int, length: int) -> KVCache:
         """An empty cache for ``batch`` rows of ``length`` positions."""
         c = self.cfg
         return KVCache.zeros(c.num_layers, batch, length, c.num_kv_heads, c.head_dim, self.dtype)
+
+
+def _check_taps(cfg: TargetConfig, taps: tuple[int, ...]) -> None:
+    """Raises ValueError for a tap layer outside ``[0, num_layers)``."""
+    for t in taps:
+        if not 0 <= t < cfg.num_layers:
+            raise ValueError(f"tap layer {t} out of range for a {cfg.num_layers}-layer target")
+
+
+class _PackedGeometry(NamedTuple):
+    """Where the ``K`` packed tokens of :meth:`Target.forward_packed` go (all traced int32/bool
+    except the static sizes).
+
+    Attributes:
+      qrow: ``[K]`` cache row of each token; ``num_rows`` (out of range) for padding.
+      cols: ``[K]`` index of each token inside its row's block.
+      wpos: ``[K]`` cache slot written; ``s_len`` (out of range: dropped write) for padding.
+      mask: ``[R, W, S]`` bool, query grid slot ``(r, w)`` may read cache slot ``s``.
+      grow / gcol: ``[K]`` clipped grid coordinates the attention output is gathered from.
+      rope_pos: ``[1, K]`` RoPE positions (clipped into the cache).
+      num_rows / width / s_len / k_tok: static R, W, S and K.
+    """
+
+    qrow: jax.Array
+    cols: jax.Array
+    wpos: jax.Array
+    mask: jax.Array
+    grow: jax.Array
+    gcol: jax.Array
+    rope_pos: jax.Array
+    num_rows: int
+    width: int
+    s_len: int
+    k_tok: int
+
+
+def _packed_geometry(
+    rows: jax.Array, cols: jax.Array, positions: jax.Array, s_len: int, num_rows: int, width: int
+) -> _PackedGeometry:
+    """The scatter/gather indices and the attention mask of a packed pass (see
+    :meth:`Target.forward_packed` for the argument shapes); padding tokens (a position
+    outside ``[0, s_len)``) write nothing and their queries see nothing."""
+    valid = (positions >= 0) & (positions < s_len)
+    wpos = jnp.where(valid, positions, s_len)  # out of range: dropped writes
+    qrow = jnp.where(valid, rows, num_rows)
+    qpos = jnp.full((num_rows, width), -1, jnp.int32).at[qrow, cols].set(positions, mode="drop")
+    slots = jnp.arange(s_len, dtype=jnp.int32)
+    mask = slots[None, None, :] <= qpos[:, :, None]  # [R, W, S]; padding queries see nothing
+    grow = jnp.clip(rows, 0, num_rows - 1)
+    gcol = jnp.clip(cols, 0, width - 1)
+    rope_pos = jnp.clip(positions, 0, s_len - 1)[None]
+    return _PackedGeometry(qrow, cols, wpos, mask, grow, gcol, rope_pos, num_rows, width, s_len, positions.shape[0])
+
+
+def _packed_layer(
+    cfg: TargetConfig, g: _PackedGeometry, keep_hidden: bool, carry: tuple, p: dict[str, jax.Array]
+) -> tuple[tuple, jax.Array | None]:
+    """One decoder layer of :meth:`Target.forward_packed` (a ``lax.scan`` body over layers).
+
+    The full cache rides in the scan carry ``(h [1, K, H], k [L, B, S, kvh, hd], v, layer index)``
+    and is updated in place (scatter at the layer index); attention reads only the first
+    ``num_rows`` rows of the layer. Mapping the cache as scan xs/ys instead would copy every row
+    of every layer each step, which dominates a serving step when most slots are idle.
+
+    Returns:
+      the new carry and the layer output ``[K, H]`` (None unless ``keep_hidden``).
+    """
+    h, ck_all, cv_all, li = carry
+    num_rows, s_len, k_tok = g.num_rows, g.s_len, g.k_tok
+    kvh, hd = cfg.num_kv_heads, cfg.head_dim
+    a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
+    q = (a @ p["wq"]).reshape(1, k_tok, cfg.num_heads, cfg.head_dim)
+    k = (a @ p["wk"]).reshape(1, k_tok, kvh, hd)
+    v = (a @ p["wv"]).reshape(1, k_tok, kvh, hd)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_eps)
+    q = apply_rope(q, g.rope_pos, cfg.rope_theta)[0]
+    k = apply_rope(k, g.rope_pos, cfg.rope_theta)[0]
+    lidx = jnp.full_like(g.qrow, li)
+    ck_all = ck_all.at[lidx, g.qrow, g.wpos].set(k.astype(ck_all.dtype), mode="drop")
+    cv_all = cv_all.at[lidx, g.qrow, g.wpos].set(v[0].astype(cv_all.dtype), mode="drop")
+    ck = jax.lax.dynamic_slice(ck_all, (li, 0, 0, 0, 0), (1, num_rows, s_len, kvh, hd))[0]
+    cv = jax.lax.dynamic_slice(cv_all, (li, 0, 0, 0, 0), (1, num_rows, s_len, kvh, hd))[0]
+    qg = jnp.zeros((num_rows, g.width) + q.shape[1:], q.dtype).at[g.qrow, g.cols].set(q, mode="drop")
+    attn = attention(qg, ck, cv, g.mask)[g.grow, g.gcol]  # [K, nh*hd]
+    h = h + (attn @ p["wo"])[None]
+    m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
+    h = h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"])
+    return (h, ck_all, cv_all, li + 1), (h[0] if keep_hidden else None)
 
 
 def _check_params(cfg: TargetConfig, params: dict[str, Any]) -> None:
@@ -332,9 +380,11 @@ def _check_params(cfg: TargetConfig, params: dict[str, Any]) -> None:
             problems.append(f"layers.{k} missing")
         elif tuple(got[k].shape) != shape:
             problems.append(f"layers.{k} has shape {tuple(got[k].shape)}, expected {shape}")
-    if tuple(np.shape(params.get("embed"))) != (cfg.vocab_size, H):
-        problems.append(f"embed has shape {np.shape(params.get('embed'))}, expected {(cfg.vocab_size, H)}")
-    if not cfg.tie_embeddings and tuple(np.shape(params.get("lm_head"))) != (H, cfg.vocab_size):
+    embed: Any = params.get("embed")
+    lm_head: Any = params.get("lm_head")
+    if tuple(np.shape(embed)) != (cfg.vocab_size, H):
+        problems.append(f"embed has shape {np.shape(embed)}, expected {(cfg.vocab_size, H)}")
+    if not cfg.tie_embeddings and tuple(np.shape(lm_head)) != (H, cfg.vocab_size):
         problems.append("lm_head missing or misshapen")
     if problems:
         raise ValueError("target parameters do not match the config: " + "; ".join(problems))

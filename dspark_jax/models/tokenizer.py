@@ -70,12 +70,13 @@ class Tokenizer(abc.ABC):
         Raises:
           DSparkInputError: the model has no chat template.
         """
-        if not self.has_chat_template:
+        template = self.chat_template
+        if not self.has_chat_template or not template:
             raise DSparkInputError(
                 f"{type(self).__name__} has no chat template: pass a plain prompt instead of chat messages"
             )
         return render_chat_template(
-            self.chat_template,
+            template,
             messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._token_str(self.bos_id),

@@ -38,11 +38,21 @@ __all__ = ["ServerThread", "build_engine", "build_server", "main", "warmup_engin
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m dspark_jax.serve`` argument parser."""
     p = argparse.ArgumentParser(
         prog="python -m dspark_jax.serve",
         description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, streaming, /health, "
         "/metrics) over the continuous-batching DSpark engine.",
     )
+    _add_model_args(p)
+    _add_engine_args(p)
+    _add_request_args(p)
+    _add_runtime_args(p)
+    return p
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """--target, --drafter, --policy."""
     p.add_argument(
         "--target",
         required=True,
@@ -60,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="verification-length policy: plain | fixed:G | threshold:C | greedy | dspark "
         "(default: dspark with --drafter, plain without)",
     )
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine shape: slots, cache length, token buckets, SPS table, drafter suspension."""
     p.add_argument("--num-slots", type=int, default=8, help="decode slots = requests decoded together (default 8)")
     p.add_argument(
         "--cache-len",
@@ -85,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="consecutive non-drafting steps after which plain steps stop updating the drafter's "
         "context (caught up when drafting resumes; -1: never suspend; default 16)",
     )
+
+
+def _add_request_args(p: argparse.ArgumentParser) -> None:
+    """Request handling: queue, default max_tokens, verification, API key, chat template, name."""
     p.add_argument(
         "--max-queue",
         type=int,
@@ -122,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="Jinja chat-template file overriding the tokenizer's (needed for models without one)",
     )
     p.add_argument("--served-model-name", default=None, help="the `model` name in responses (default: --target)")
+
+
+def _add_runtime_args(p: argparse.ArgumentParser) -> None:
+    """dtype, device mesh, bind address, shutdown and logging."""
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="weight/compute dtype (default float32)"
     )
@@ -142,7 +164,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to let in-flight requests finish on shutdown (default 30)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return p
 
 
 def _parse_buckets(spec: str | None) -> tuple[int, ...] | None:
@@ -194,7 +215,7 @@ def build_engine(
     policy = policy or ("dspark" if drafter is not None else "plain")
     if policy != "plain" and drafter is None:
         raise DSparkInputError(f"policy {policy!r} needs a drafter (--drafter EXPORT_DIR); use --policy plain")
-    kw = dict(
+    kw: dict[str, Any] = dict(
         num_slots=num_slots,
         cache_len=cache_len,
         policy=policy,
@@ -285,7 +306,7 @@ class ServerThread:
             uvicorn.Config(
                 app,
                 log_level=log_level,
-                timeout_graceful_shutdown=graceful_timeout,
+                timeout_graceful_shutdown=graceful_timeout,  # pyright: ignore[reportArgumentType]  # seconds, float
                 access_log=False,
                 lifespan="on",
                 log_config=None,
@@ -354,9 +375,9 @@ def run(args: argparse.Namespace) -> None:
     dtype = jnp.dtype(args.dtype)
     mesh = None
     if args.mesh:  # weights go straight from the host to their shards (an 8B target never lands on one chip)
-        from dspark_jax.serving.engine import _serving_mesh
+        from dspark_jax.serving.state import serving_mesh
 
-        mesh = _serving_mesh(args.mesh)
+        mesh = serving_mesh(args.mesh)
     target, tok, drafter = load_target_and_drafter(args.target, args.drafter, dtype=dtype, mesh=mesh)
     policy = args.policy or ("dspark" if drafter is not None else "plain")
     t0 = time.monotonic()

@@ -9,7 +9,7 @@ survival, earlier temperatures held fixed. Scaling never reorders the scores of 
 position, so the ranking the head learned survives.
 
 Data (:func:`collect`): the drafter runs teacher-forced on held-out target-generated
-sequences exactly as in training (:func:`dspark_jax.training.trainer.drafter_loss`): for every
+sequences exactly as in training (:func:`dspark_jax.training.losses.drafter_loss`): for every
 anchor block and position k, the raw logit ``z_k`` (``x_{k-1}`` = the true previous
 token) and the exact acceptance probability ``1 - TV_k`` between the drafter's
 ``p_draft`` and the target's ``p_target`` (temperature 1 by default, as the training
@@ -27,10 +27,9 @@ Observed survival, two versions (both computed, documented in every report):
   verifier would produce. **Used for AUROC** (needs binary labels) and reported as
   ``ece_sampled`` / ``brier_sampled``. ``fit_on="sampled"`` fits on them instead.
 
-Metrics of the cumulative survival predictions (:func:`metrics`): ECE with 20
-equal-width bins (``sum_b n_b / N * |mean predicted_b - mean observed_b|``), AUROC
-(Mann-Whitney rank statistic, ties get average ranks), Brier score; per position and
-pooled over all (block, position) pairs where the position exists in the sequence.
+The metrics (ECE, AUROC, Brier, reliability tables) and the survival helpers live in
+:mod:`dspark_jax.evaluation.reliability`, shared with the decode-time reliability of
+``python -m dspark_jax.eval``.
 
 At decode time the temperatures stored in the export's ``calibration`` field are
 installed on the drafter by :func:`~dspark_jax.drafters.checkpoint.load_drafter` and applied by
@@ -54,35 +53,32 @@ from flax import nnx
 from dspark_jax.drafters.checkpoint import read_export_meta
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.evaluation.reliability import (
+    N_BINS,
+    expected_survival,
+    jsonable,
+    metrics,
+    predicted_survival,
+    reliability,
+    sampled_survival,
+    sigmoid,
+)
 from dspark_jax.models.target import Target
+from dspark_jax.training.data import heldout_sequences
 
 __all__ = [
-    "N_BINS",
     "T_BOUNDS",
     "BlockTerms",
     "CalibrationData",
-    "auroc",
     "block_terms",
-    "brier",
     "calibrate_training_run",
     "collect",
-    "decode_reliability",
-    "ece",
-    "expected_survival",
     "fit_and_store_calibration",
     "fit_temperatures",
-    "heldout_sequences",
-    "jsonable",
-    "metrics",
-    "predicted_survival",
-    "reliability",
-    "rounds_survival",
-    "sampled_survival",
     "survival_report",
 ]
 
 T_BOUNDS = (0.05, 20.0)  # search range of each temperature
-N_BINS = 20  # ECE / reliability bins (equal width on [0, 1])
 
 
 # ======================================================================================
@@ -146,7 +142,7 @@ def block_terms(
 ) -> BlockTerms:
     """Teacher-forced raw confidence logits and exact acceptance, as in training.
 
-    The same computation as :func:`dspark_jax.training.trainer.drafter_loss` (target pass,
+    The same computation as :func:`dspark_jax.training.losses.drafter_loss` (target pass,
     many anchor blocks in one drafter pass, Markov correction from the true previous
     token, ``1 - TV`` at temperature 1), exposed per position instead of reduced to a loss.
 
@@ -210,12 +206,13 @@ def collect(
     """Runs the drafter teacher-forced over every anchor block of held-out sequences.
 
     Anchors are all positions ``prompt_len - 1 .. length - 2`` (every ``anchor_stride``-th),
-    like training's :func:`~dspark_jax.training.trainer.sample_anchors` range, so every predicted
+    like training's :func:`~dspark_jax.training.losses.sample_anchors` range, so every predicted
     token is target-generated.
 
     Args:
       data: ``tokens [N, L]``, ``lengths [N]``, ``prompt_lengths [N]`` (the format of
-        :func:`dspark_jax.training.data.load_shards` / :func:`heldout_sequences`).
+        :func:`dspark_jax.training.data.load_shards` /
+        :func:`~dspark_jax.training.data.heldout_sequences`).
       batch_size: sequences per target pass; anchors are processed in chunks that
         keep the block logits under ``memory_budget_mb``.
       temperature: acceptance temperature (see :func:`block_terms`).
@@ -275,71 +272,9 @@ def collect(
     return res
 
 
-def heldout_sequences(
-    target: Target,
-    prompt_ids: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int,
-    seq_len: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    batch_size: int = 64,
-) -> dict[str, np.ndarray]:
-    """Target-generated continuations of held-out prompts, in the training-shard format.
-
-    Same recipe as :func:`dspark_jax.training.data.generate_shards` (prompt truncated to
-    ``seq_len - 1``, prompt + continuation truncated/padded to ``seq_len``).
-    """
-    from dspark_jax.decoding.speculative import generate_autoregressive
-
-    n = len(prompt_ids)
-    toks = np.zeros((n, seq_len), np.int32)
-    lens = np.zeros((n,), np.int32)
-    plens = np.zeros((n,), np.int32)
-    for s in range(0, n, batch_size):
-        batch = [list(p)[: seq_len - 1] for p in prompt_ids[s : s + batch_size]]
-        res = generate_autoregressive(
-            target,
-            batch,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=[seed * 1_000_003 + 7_777_777 + s + i for i in range(len(batch))],
-        )
-        for i, (p, gen) in enumerate(zip(batch, res.generations)):
-            seq = (p + gen.token_ids)[:seq_len]
-            toks[s + i, : len(seq)] = seq
-            lens[s + i] = len(seq)
-            plens[s + i] = min(len(p), len(seq))
-    return {"tokens": toks, "lengths": lens, "prompt_lengths": plens}
-
-
 # ======================================================================================
 # Survival and sequential temperature scaling
 # ======================================================================================
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, np.float64)))
-
-
-def expected_survival(accept: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """``[N, gamma]`` ``prod_{i<=k} (1 - TV_i)`` (0 where invalid)."""
-    return np.where(valid, np.cumprod(np.where(valid, accept, 1.0), axis=1), 0.0)
-
-
-def sampled_survival(accept: np.ndarray, valid: np.ndarray, seed: int = 0) -> np.ndarray:
-    """``[N, gamma]`` binary survival ``prod_{i<=k} 1[u_i < 1 - TV_i]``, ``u ~ U(0, 1)``, as float."""
-    u = np.random.default_rng(seed).random(accept.shape)
-    return (np.cumprod(u < accept, axis=1) & valid).astype(np.float64)
-
-
-def predicted_survival(z: np.ndarray, temperatures: Sequence[float] | np.ndarray | None = None) -> np.ndarray:
-    """``[N, gamma]`` predicted cumulative survival ``prod_{i<=k} sigmoid(z_i / T_i)``."""
-    z = np.asarray(z, np.float64)
-    t = np.ones(z.shape[-1]) if temperatures is None else np.asarray(temperatures, np.float64)
-    return np.cumprod(_sigmoid(z / t), axis=-1)
-
-
 def _loss_fn(name: str):
     if name == "brier":
         return lambda a, o: float(np.mean((a - o) ** 2))
@@ -411,128 +346,18 @@ def fit_temperatures(
         else:
             zk, pk, ok = z[m, k], prev[m], np.asarray(observed, np.float64)[m, k]
             temps[k] = np.exp(
-                _minimize_1d(lambda lt, pk=pk, zk=zk, ok=ok: f(pk * _sigmoid(zk / np.exp(lt)), ok), lo, hi)
+                _minimize_1d(lambda lt, pk=pk, zk=zk, ok=ok: f(pk * sigmoid(zk / np.exp(lt)), ok), lo, hi)
             )
-        prev = prev * _sigmoid(z[:, k] / temps[k])
+        prev = prev * sigmoid(z[:, k] / temps[k])
     return temps
 
 
-# ======================================================================================
-# Metrics
-# ======================================================================================
-def _bins(pred: np.ndarray, n_bins: int) -> np.ndarray:
-    return np.clip((np.asarray(pred, np.float64) * n_bins).astype(np.int64), 0, n_bins - 1)
-
-
-def ece(pred: np.ndarray, obs: np.ndarray, n_bins: int = N_BINS) -> float:
-    """Expected calibration error: ``sum_b n_b / N * |mean pred_b - mean obs_b|``, equal-width bins."""
-    pred, obs = np.asarray(pred, np.float64).ravel(), np.asarray(obs, np.float64).ravel()
-    if pred.size == 0:
-        return float("nan")
-    b = _bins(pred, n_bins)
-    cnt = np.bincount(b, minlength=n_bins)
-    gap = np.abs(np.bincount(b, pred, n_bins) - np.bincount(b, obs, n_bins))  # n_b * |mean gap|
-    return float(gap.sum() / cnt.sum())
-
-
-def brier(pred: np.ndarray, obs: np.ndarray) -> float:
-    """Mean squared error of the predicted probabilities against the observations."""
-    pred, obs = np.asarray(pred, np.float64).ravel(), np.asarray(obs, np.float64).ravel()
-    return float(np.mean((pred - obs) ** 2)) if pred.size else float("nan")
-
-
-def auroc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Area under the ROC curve by the Mann-Whitney U statistic (ties: average ranks).
-
-    Returns NaN when only one class is present.
-    """
-    s = np.asarray(scores, np.float64).ravel()
-    y = np.asarray(labels).ravel().astype(bool)
-    n_pos, n_neg = int(y.sum()), int((~y).sum())
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    order = np.argsort(s, kind="mergesort")
-    sorted_s = s[order]
-    ranks = np.empty(s.size, np.float64)
-    # average rank of each run of ties (1-based ranks)
-    starts = np.r_[0, np.flatnonzero(np.diff(sorted_s)) + 1]
-    ends = np.r_[starts[1:], s.size]
-    avg = (starts + ends + 1) / 2.0
-    ranks[order] = np.repeat(avg, ends - starts)
-    u = ranks[y].sum() - n_pos * (n_pos + 1) / 2.0
-    return float(u / (n_pos * n_neg))
-
-
-def reliability(pred: np.ndarray, obs: np.ndarray, n_bins: int = N_BINS) -> dict[str, list]:
-    """Reliability-diagram table: per equal-width bin, count, mean predicted, mean observed."""
-    pred, obs = np.asarray(pred, np.float64).ravel(), np.asarray(obs, np.float64).ravel()
-    b = _bins(pred, n_bins)
-    cnt = np.bincount(b, minlength=n_bins)
-    sp, so = np.bincount(b, pred, n_bins), np.bincount(b, obs, n_bins)
-    mean = lambda x: [float(v / c) if c else None for v, c in zip(x, cnt)]
-    return {
-        "bin_edges": np.linspace(0, 1, n_bins + 1).tolist(),
-        "count": cnt.tolist(),
-        "mean_predicted": mean(sp),
-        "mean_observed": mean(so),
-    }
-
-
-def _row(p: np.ndarray, o: np.ndarray, y: np.ndarray | None, n_bins: int) -> dict[str, Any]:
-    """One metrics row; ``y`` (binary labels, when they differ from ``o``) adds AUROC and ``*_sampled``."""
-    if p.size == 0:
-        return {"n": 0}
-    row = {
-        "n": int(p.size),
-        "mean_predicted": float(p.mean()),
-        "mean_observed": float(o.mean()),
-        "ece": ece(p, o, n_bins),
-        "brier": brier(p, o),
-    }
-    if y is None:
-        row["auroc"] = auroc(p, o)
-    else:
-        row.update(
-            mean_observed_sampled=float(y.mean()),
-            ece_sampled=ece(p, y, n_bins),
-            brier_sampled=brier(p, y),
-            auroc=auroc(p, y),
-        )
-    return row
-
-
-def metrics(
-    pred: np.ndarray, valid: np.ndarray, obs: np.ndarray, labels: np.ndarray | None = None, n_bins: int = N_BINS
-) -> dict[str, Any]:
-    """Calibration metrics of cumulative survival predictions, pooled and per position.
-
-    Args:
-      pred: ``[N, gamma]`` predicted survival; valid: ``[N, gamma]`` bool.
-      obs: ``[N, gamma]`` observed survival for ECE / Brier (soft or 0/1).
-      labels: ``[N, gamma]`` 0/1 outcomes for AUROC (and ``*_sampled`` ECE/Brier);
-        ``None``: AUROC against ``obs`` (which should then be binary).
-    Returns:
-      ``{"pooled": row, "per_position": [row] * gamma}``, each row with ``n``,
-      ``mean_predicted``, ``mean_observed``, ``ece``, ``brier``, ``auroc`` (plus
-      ``ece_sampled``, ``brier_sampled``, ``mean_observed_sampled`` with ``labels``).
-    """
-    valid = np.asarray(valid, bool)
-    pred, obs = np.asarray(pred, np.float64), np.asarray(obs, np.float64)
-    lab = None if labels is None else np.asarray(labels, np.float64)
-
-    def row(m):
-        return _row(pred[m], obs[m], None if lab is None else lab[m], n_bins)
-
-    per = []
-    for k in range(valid.shape[1]):
-        m = np.zeros_like(valid)
-        m[:, k] = valid[:, k]
-        per.append(row(m))
-    return {"pooled": row(valid), "per_position": per}
-
-
 def survival_report(
-    data: CalibrationData, temperatures: Sequence[float] | None, *, seed: int = 0, n_bins: int = N_BINS
+    data: CalibrationData,
+    temperatures: Sequence[float] | np.ndarray | None,
+    *,
+    seed: int = 0,
+    n_bins: int = N_BINS,
 ) -> dict[str, Any]:
     """Metrics of the predicted cumulative survival (with ``temperatures``, or raw when None)
     against the expected survival (ECE/Brier) and sampled outcomes (AUROC, ``*_sampled``)."""
@@ -544,21 +369,8 @@ def survival_report(
     return out
 
 
-def jsonable(obj: Any) -> Any:
-    """``obj`` with NaN / inf floats replaced by None and numpy scalars by Python ones (strict JSON)."""
-    if isinstance(obj, dict):
-        return {k: jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [jsonable(v) for v in obj]
-    if isinstance(obj, np.generic):
-        obj = obj.item()
-    if isinstance(obj, float) and not np.isfinite(obj):
-        return None
-    return obj
-
-
 # ======================================================================================
-# Fit + store (after training) and decode-time reliability
+# Fit + store (after training)
 # ======================================================================================
 _METHOD = (
     "sequential temperature scaling (paper A5): c_k = sigmoid(z_k / T_k), T_k fit left to right on "
@@ -605,7 +417,7 @@ def fit_and_store_calibration(
       target / drafter: the frozen target and the trained drafter (its
         :attr:`~dspark_jax.drafters.dspark.Drafter.calibration` is set to the fit).
       heldout_data: sequences never seen in training (``tokens``, ``lengths``,
-        ``prompt_lengths``; see :func:`heldout_sequences`).
+        ``prompt_lengths``; see :func:`~dspark_jax.training.data.heldout_sequences`).
       export_dir: export whose ``drafter.json`` gets ``calibration`` (the
         temperatures) and ``extra.calibration`` (pooled before/after metrics);
         ``None`` writes nothing.
@@ -629,27 +441,55 @@ def fit_and_store_calibration(
     data = collect(
         target, drafter, heldout_data, batch_size=batch_size, anchor_stride=anchor_stride, temperature=temperature
     )
-    seqs = np.unique(data.seq)
-    if len(seqs) >= 2:
-        perm = np.random.default_rng(seed).permutation(seqs)
-        n_fit = int(np.clip(round(fit_fraction * len(seqs)), 1, len(seqs) - 1))
-        fit_mask = np.isin(data.seq, perm[:n_fit])
-        fit, test = data.take(fit_mask), data.take(~fit_mask)
-    else:
-        fit = test = data
+    fit, test = _split_by_sequence(data, fit_fraction, seed)
     obs = (
         expected_survival(fit.accept, fit.valid)
         if fit_on == "expected"
         else sampled_survival(fit.accept, fit.valid, seed + 1)
     )
     temps = fit_temperatures(fit.z, obs, fit.valid, loss=loss)
-    temps_l = [float(t) for t in temps]
+    report = _fit_report(fit, test, temps, temperature=temperature, fit_on=fit_on, loss=loss, seed=seed, n_bins=n_bins)
+    greedy = temperature <= 0
+    drafter.set_calibration(report["temperatures"], greedy=greedy)
+    if meta is not None and export_dir is not None:
+        _store_in_export(meta, export_dir, report, greedy=greedy)
+    report["seconds"] = round(time.perf_counter() - t0, 2)
+    return report
+
+
+def _split_by_sequence(
+    data: CalibrationData, fit_fraction: float, seed: int
+) -> tuple[CalibrationData, CalibrationData]:
+    """``(fit, test)`` blocks, split by source sequence (``fit_fraction`` of the sequences, at least
+    one on each side); with fewer than two sequences both parts are all of ``data``."""
+    seqs = np.unique(data.seq)
+    if len(seqs) < 2:
+        return data, data
+    perm = np.random.default_rng(seed).permutation(seqs)
+    n_fit = int(np.clip(round(fit_fraction * len(seqs)), 1, len(seqs) - 1))
+    fit_mask = np.isin(data.seq, perm[:n_fit])
+    return data.take(fit_mask), data.take(~fit_mask)
+
+
+def _fit_report(
+    fit: CalibrationData,
+    test: CalibrationData,
+    temps: np.ndarray,
+    *,
+    temperature: float,
+    fit_on: str,
+    loss: str,
+    seed: int,
+    n_bins: int,
+) -> dict[str, Any]:
+    """The report of :func:`fit_and_store_calibration` (without ``seconds``): before/after
+    metrics of ``temps [gamma]`` on the test part, pooled before/after on the fit part."""
     before, after = (
         survival_report(test, None, seed=seed, n_bins=n_bins),
         survival_report(test, temps, seed=seed, n_bins=n_bins),
     )
-    report = {
-        "temperatures": temps_l,
+    return {
+        "temperatures": [float(t) for t in temps],
         "method": _METHOD.format(loss=loss, fit_on=fit_on, lo=T_BOUNDS[0], hi=T_BOUNDS[1]),
         "observed": _OBSERVED.format(t=temperature),
         "acceptance_temperature": temperature,
@@ -665,19 +505,20 @@ def fit_and_store_calibration(
             "after": _compact(survival_report(fit, temps, seed=seed, n_bins=n_bins)),
         },
     }
-    greedy = temperature <= 0
-    drafter.set_calibration(temps_l, greedy=greedy)
-    if meta is not None:
-        meta["calibration_greedy" if greedy else "calibration"] = temps_l
-        meta.setdefault("extra", {})["calibration_greedy" if greedy else "calibration"] = {
-            "method": report["method"],
-            "acceptance_temperature": temperature,
-            "before": _compact(before),
-            "after": _compact(after),
-        }
-        (Path(export_dir) / "drafter.json").write_text(json.dumps(jsonable(meta), indent=2))
-    report["seconds"] = round(time.perf_counter() - t0, 2)
-    return report
+
+
+def _store_in_export(meta: dict[str, Any], export_dir: str | Path, report: dict[str, Any], *, greedy: bool) -> None:
+    """Writes the fit into the export's ``drafter.json``: the temperatures as ``calibration``
+    (``calibration_greedy`` for a greedy fit) and pooled before/after metrics under ``extra``."""
+    key = "calibration_greedy" if greedy else "calibration"
+    meta[key] = report["temperatures"]
+    meta.setdefault("extra", {})[key] = {
+        "method": report["method"],
+        "acceptance_temperature": report["acceptance_temperature"],
+        "before": _compact(report["before"]),
+        "after": _compact(report["after"]),
+    }
+    (Path(export_dir) / "drafter.json").write_text(json.dumps(jsonable(meta), indent=2))
 
 
 def calibrate_training_run(
@@ -740,51 +581,3 @@ def calibrate_training_run(
         "seconds": rep["seconds"],
         "report": str(Path(workdir, "calibration.json")),
     }
-
-
-def rounds_survival(rounds: Sequence[dict[str, np.ndarray]], gamma: int) -> tuple[np.ndarray, ...]:
-    """Per-round records of decoding -> ``(z [R, gamma], outcomes [R, gamma], valid [R, gamma])``.
-
-    ``outcomes[r, k-1] = 1[k <= accepted_r]`` (the prefix 1..k survived verification),
-    ``valid[r, k-1] = k <= verified_r`` (position k was verified or lies after an
-    earlier rejection within the verified length).
-    """
-    rs = [r for r in rounds if r is not None and len(r["accepted"])]
-    if not rs:
-        e = np.zeros((0, gamma))
-        return e, e, e.astype(bool)
-    z = np.concatenate([r["conf_logit"] for r in rs]).astype(np.float64)
-    acc = np.concatenate([r["accepted"] for r in rs])
-    ver = np.concatenate([r["verified"] for r in rs])
-    k = np.arange(1, gamma + 1)
-    return z, (k[None, :] <= acc[:, None]).astype(np.float64), k[None, :] <= ver[:, None]
-
-
-def decode_reliability(
-    rounds: Sequence[dict[str, np.ndarray]], gamma: int, temperatures: Sequence[float] | None, n_bins: int = N_BINS
-) -> dict[str, Any]:
-    """Calibration of the cumulative survival observed during decoding.
-
-    Predicted ``a_k = prod_{i<=k} sigmoid(z_i / T_i)`` of each round's draft against
-    the binary outcome "positions 1..k all accepted", over the verified positions.
-
-    Returns:
-      ``{"num_rounds", "before": metrics+reliability (raw head), "after": ... (with
-      ``temperatures``; absent when None)}``.
-    """
-    z, y, valid = rounds_survival(rounds, gamma)
-    out: dict[str, Any] = {
-        "num_rounds": int(z.shape[0]),
-        "observed": "binary survival of verification (positions 1..k accepted), "
-        "over verified positions of every decoding round",
-    }
-    if not valid.any():
-        return out
-    for name, t in (("before", None), ("after", temperatures)):
-        if name == "after" and t is None:
-            continue
-        pred = predicted_survival(z, t)
-        rep = metrics(pred, valid, y, None, n_bins)
-        rep["reliability"] = reliability(pred[valid], y[valid], n_bins)
-        out[name] = rep
-    return out

@@ -63,7 +63,7 @@ def target_identity(target: Target) -> str:
     """The weights' fingerprint (``target.fingerprint``, else computed from the weights)."""
     if target.fingerprint:
         return target.fingerprint
-    from dspark_jax.models.model_io import params_fingerprint
+    from dspark_jax.models.weights import params_fingerprint
 
     return params_fingerprint(nnx.to_pure_dict(nnx.state(target, nnx.Param)))
 
@@ -235,6 +235,78 @@ def open_feature_cache(
     return FeatureCache(directory, have, layers)
 
 
+def _check_build_args(target: Target, layers: Sequence[int], store_dtype: str, batch_size: int) -> None:
+    """Raises DSparkInputError for a bad ``store_dtype``, ``batch_size`` or layer index."""
+    if store_dtype not in STORE_DTYPES:
+        raise DSparkInputError(f"feature cache dtype must be one of {STORE_DTYPES}, got {store_dtype!r}")
+    if batch_size < 1:
+        raise DSparkInputError(f"feature cache batch_size must be >= 1, got {batch_size}")
+    c = target.cfg
+    bad = [t for t in layers if not 0 <= int(t) < c.num_layers]
+    if bad:
+        raise DSparkInputError(f"tap layers {bad} out of range for the {c.num_layers}-layer target {c.name}")
+
+
+def _features_program(target: Target, stored: tuple[int, ...], batch_size: int, length: int, store_dtype: str):
+    """Jitted ``(state, tokens [batch_size, L] int32) -> [len(stored), batch_size, L, H]`` outputs of the
+    ``stored`` layers in the storage dtype, and the target's state to call it with."""
+    graph, state = nnx.split(target)
+    h = target.cfg.hidden_size
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch_size, length))
+    jdt = jnp.bfloat16 if store_dtype == "bfloat16" else jnp.float32
+
+    @jax.jit
+    def forward(state, toks):
+        out = nnx.merge(graph, state)(toks, positions, taps=stored)
+        assert out.features is not None  # stored always holds the last layer
+        f = out.features.reshape(toks.shape[0], length, len(stored), h).astype(jdt)
+        return jnp.moveaxis(f, 2, 0)  # [n_layers, B, L, H]
+
+    return forward, state
+
+
+def _write_layers(
+    tmp: Path,
+    target: Target,
+    tokens: np.ndarray,
+    stored: tuple[int, ...],
+    store_dtype: str,
+    batch_size: int,
+    progress: bool,
+) -> None:
+    """Runs the target over ``tokens [N, L]`` in batches and writes each stored layer's ``[N, L, H]``
+    output into ``tmp/layer_XXX.npy`` (``uint16`` bits for bfloat16). The last batch is padded with
+    zero rows that are not stored."""
+    n, length = tokens.shape
+    np_store = np.uint16 if store_dtype == "bfloat16" else np.float32
+    outs = {
+        t: np.lib.format.open_memmap(
+            tmp / _layer_file(t), mode="w+", dtype=np_store, shape=(n, length, target.cfg.hidden_size)
+        )
+        for t in stored
+    }
+    forward, state = _features_program(target, stored, batch_size, length, store_dtype)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=n, desc="feature cache", unit="seq", dynamic_ncols=True)
+    for start in range(0, n, batch_size):
+        rows = tokens[start : start + batch_size]
+        k = rows.shape[0]
+        if k < batch_size:
+            rows = np.concatenate([rows, np.zeros((batch_size - k, length), np.int32)])
+        feats = np.asarray(forward(state, rows))[:, :k]
+        for i, t in enumerate(stored):
+            outs[t][start : start + k] = feats[i].view(np.uint16) if store_dtype == "bfloat16" else feats[i]
+        if bar is not None:
+            bar.update(k)
+    if bar is not None:
+        bar.close()
+    for m in outs.values():
+        m.flush()
+
+
 def build_feature_cache(
     directory: str | Path,
     target: Target,
@@ -265,59 +337,17 @@ def build_feature_cache(
     Raises:
       DSparkInputError: bad ``store_dtype``, ``batch_size`` or layer index.
     """
-    if store_dtype not in STORE_DTYPES:
-        raise DSparkInputError(f"feature cache dtype must be one of {STORE_DTYPES}, got {store_dtype!r}")
-    if batch_size < 1:
-        raise DSparkInputError(f"feature cache batch_size must be >= 1, got {batch_size}")
-    c = target.cfg
-    bad = [t for t in layers if not 0 <= int(t) < c.num_layers]
-    if bad:
-        raise DSparkInputError(f"tap layers {bad} out of range for the {c.num_layers}-layer target {c.name}")
+    _check_build_args(target, layers, store_dtype, batch_size)
     directory = Path(directory)
     tokens = np.asarray(data["tokens"], np.int32)
     manifest = expected_manifest(target, tokens, layers, store_dtype)
     stored = tuple(manifest["layers"])
-    n, length, h = tokens.shape + (c.hidden_size,)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
     for stale in directory.parent.glob(f".{directory.name}.tmp-*"):  # left by a killed build
         shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
-    np_store = np.uint16 if store_dtype == "bfloat16" else np.float32
-    outs = {
-        t: np.lib.format.open_memmap(tmp / _layer_file(t), mode="w+", dtype=np_store, shape=(n, length, h))
-        for t in stored
-    }
-    graph, state = nnx.split(target)
-    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch_size, length))
-    jdt = jnp.bfloat16 if store_dtype == "bfloat16" else jnp.float32
-
-    @jax.jit
-    def forward(state, toks):
-        out = nnx.merge(graph, state)(toks, positions, taps=stored)
-        f = out.features.reshape(toks.shape[0], length, len(stored), h).astype(jdt)
-        return jnp.moveaxis(f, 2, 0)  # [n_layers, B, L, H]
-
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=n, desc="feature cache", unit="seq", dynamic_ncols=True)
-    for start in range(0, n, batch_size):
-        rows = tokens[start : start + batch_size]
-        k = rows.shape[0]
-        if k < batch_size:
-            rows = np.concatenate([rows, np.zeros((batch_size - k, length), np.int32)])
-        feats = np.asarray(forward(state, rows))[:, :k]
-        for i, t in enumerate(stored):
-            outs[t][start : start + k] = feats[i].view(np.uint16) if store_dtype == "bfloat16" else feats[i]
-        if bar is not None:
-            bar.update(k)
-    if bar is not None:
-        bar.close()
-    for m in outs.values():
-        m.flush()
-    del outs
+    _write_layers(tmp, target, tokens, stored, store_dtype, batch_size, progress)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
     if directory.exists():

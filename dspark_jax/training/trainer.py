@@ -8,7 +8,7 @@ DESIGN.md "Training". One step:
    (block-sparse mask, :meth:`Drafter.train_blocks`);
 3. teacher-forced Markov correction (``x_{k-1}`` = the true previous token);
 4. loss = ``w_k * (ce_weight * CE + l1_weight * TV + conf_weight * BCE(c_k, sg(1 - TV_k)))``
-   with position weights ``w_k = exp(-(k-1)/pos_decay)``, normalised by the
+   (:mod:`dspark_jax.training.losses`) with position weights ``w_k = exp(-(k-1)/pos_decay)``, normalised by the
    weight of valid positions; ``TV = 0.5 ||p_draft - p_target||_1`` is exactly
    one minus the acceptance probability;
 5. AdamW (warmup + cosine, global-norm clipping) update.
@@ -49,12 +49,12 @@ head in the backward pass (``jax.checkpoint``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -65,11 +65,18 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dspark_jax.config import DrafterConfig
-from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import sharding as shd
 from dspark_jax.models.target import Target
+from dspark_jax.training.losses import (
+    LossTerms,
+    TrainableDrafter,
+    finalize_loss,
+    loss_sums,
+    position_weights,
+    sample_anchors,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,71 +202,23 @@ class TrainConfig:
         return Path(self.export_dir) if self.export_dir else Path(self.workdir) / "export"
 
 
-TRAIN_PRESETS: dict[str, TrainConfig] = {
-    # A drafter twice the target's width (1.78x its parameters) trained from a feature cache:
-    # held-out tau 4.05 after 1100 steps (docs/results.md, session 5).
-    "stories260k": TrainConfig(drafter_width=128, steps=1100, feature_cache="auto"),
-    "smollm2-135m-instruct": TrainConfig(
-        target="smollm2-135m-instruct",
-        workdir="runs/smollm2-135m-instruct",
-        prompts="chat",
-        gamma=8,
-        num_layers=2,
-        markov_rank=128,
-        num_prompts=512,
-        num_eval_prompts=16,
-        gen_max_new_tokens=160,
-        gen_batch_size=16,
-        seq_len=256,
-        steps=600,
-        batch_size=8,
-        anchors_per_seq=16,
-        learning_rate=1e-3,
-        eval_max_new_tokens=96,
-    ),
-    # Qwen3 recipes for a TPU VM (see dspark_jax/recipes/qwen3-*.yaml): the paper's drafter shape (5 layers,
-    # taps 1/9/17/25/33, gamma 7, Markov rank 256), bf16 compute, float32 master weights.
-    "qwen3-4b": TrainConfig(
-        target="qwen3-4b",
-        workdir="runs/qwen3-4b",
-        prompts="chat",
-        variant="dspark",
-        gamma=7,
-        num_layers=5,
-        markov_rank=256,
-        taps=(1, 9, 17, 25, 33),
-        num_prompts=100_000,
-        num_eval_prompts=32,
-        gen_max_new_tokens=1536,
-        gen_temperature=0.7,
-        gen_top_p=0.8,
-        gen_batch_size=256,
-        gen_shard_size=4096,
-        seq_len=2048,
-        steps=10_000,
-        batch_size=64,
-        grad_accum_steps=4,
-        anchors_per_seq=64,
-        learning_rate=6e-4,
-        warmup_frac=0.04,
-        ce_weight=0.1,
-        l1_weight=0.9,
-        conf_weight=1.0,
-        dtype="bfloat16",
-        remat=True,
-        log_every=50,
-        ckpt_every=500,
-        keep_checkpoints=3,
-        eval_max_new_tokens=512,
-    ),
-}
-TRAIN_PRESETS["qwen3-8b"] = dataclasses.replace(
-    TRAIN_PRESETS["qwen3-4b"], target="qwen3-8b", workdir="runs/qwen3-8b", grad_accum_steps=8
-)
+class TargetIdentity(Protocol):
+    """What :func:`drafter_config` reads of a target: its config and its weights' fingerprint
+    (a :class:`~dspark_jax.models.target.Target`, or a config alone for a dry run)."""
+
+    @property
+    def cfg(self) -> TargetConfig: ...
+    @property
+    def fingerprint(self) -> str: ...
 
 
-def drafter_config(cfg: TrainConfig, target: Target) -> DrafterConfig:
-    """The :class:`DrafterConfig` a run builds for ``target``."""
+def drafter_config(cfg: TrainConfig, target: TargetIdentity) -> DrafterConfig:
+    """The :class:`DrafterConfig` a run builds for ``target``.
+
+    Raises:
+      DSparkInputError: ``drafter_width`` is not a multiple of the target's heads.
+      ValueError: the drafter config does not fit the target (e.g. taps beyond its depth).
+    """
     t = target.cfg
     eagle = cfg.variant == "eagle3"
     over: dict[str, Any] = dict(
@@ -290,188 +249,6 @@ def drafter_config(cfg: TrainConfig, target: Target) -> DrafterConfig:
     if cfg.drafter_intermediate_size:
         over["intermediate_size"] = cfg.drafter_intermediate_size
     return DrafterConfig.for_target(t, **over)
-
-
-class LossTerms(NamedTuple):
-    loss: jax.Array
-    ce: jax.Array
-    tv: jax.Array
-    bce: jax.Array
-    conf_err: jax.Array
-    tau_est: jax.Array
-    acc_by_pos: jax.Array  # [gamma] mean 1 - TV per position
-
-
-def sample_anchors(key: jax.Array, lengths: jax.Array, prompt_lengths: jax.Array, num: int) -> jax.Array:
-    """``[B, num]`` int32 anchors uniform in ``[prompt_len - 1, length - 2]`` (>= 0).
-
-    Anchors start at the last prompt token so every predicted token is target-generated.
-    """
-    lo = jnp.maximum(prompt_lengths - 1, 0)
-    hi = jnp.maximum(lengths - 2, lo)
-    u = jax.random.uniform(key, (lengths.shape[0], num))
-    return (lo[:, None] + jnp.floor(u * (hi - lo + 1)[:, None])).astype(jnp.int32)
-
-
-def position_weights(anchors: jax.Array, lengths: jax.Array, gamma: int, pos_decay: float) -> jax.Array:
-    """``[B, A, gamma]`` float32 loss weights ``exp(-(k-1)/pos_decay)``, 0 past a sequence's end."""
-    k = jnp.arange(gamma, dtype=jnp.int32)
-    valid = (anchors[..., None] + k + 1) < lengths[:, None, None]
-    return jnp.exp(-k.astype(jnp.float32) / pos_decay) * valid
-
-
-def loss_sums(
-    drafter: Drafter,
-    target: Target,
-    tokens: jax.Array,
-    lengths: jax.Array,
-    anchors: jax.Array,
-    cfg: TrainConfig,
-    remat: bool = False,
-    cached: tuple[jax.Array, jax.Array] | None = None,
-) -> dict[str, jax.Array]:
-    """Additive loss statistics of a (micro-)batch: weighted sums, never means.
-
-    Summing these over micro-batches or devices and then :func:`finalize_loss`
-    gives exactly the statistics of the whole batch (the denominator ``w`` is
-    summed too). ``objective`` is ``sum_k w_k (ce_weight CE + l1_weight TV +
-    conf_weight BCE)``; the loss is ``objective / w``.
-
-    Args:
-      tokens: ``[B, L]`` int32; lengths: ``[B]`` int32; anchors: ``[B, A]`` int32.
-      remat: recompute the drafter's layers (``train_blocks(remat=True)``) and the
-        vocabulary-sized loss head in the backward pass.
-      cached: optional ``(tap_features [B, L, n_taps * H], last_hidden [B, L, H])`` of the
-        target from a feature cache (:mod:`dspark_jax.training.feature_cache`; any float dtype, cast
-        to the target's): the target forward is skipped and ``p_target`` is computed only at
-        the ``B * A * gamma`` gathered positions (``target.unembed`` of the last hidden state).
-    Returns:
-      dict of float32 scalars (``acc_num``/``acc_den``: ``[gamma]``).
-    Raises:
-      ValueError: ``cached`` features do not have the drafter's ``len(taps) * H`` columns.
-    """
-    dc = drafter.cfg
-    g = dc.gamma
-    if cached is None:
-        out = target(tokens, jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape), taps=dc.taps)
-        feats = jax.lax.stop_gradient(out.features)
-        t_logits = jax.lax.stop_gradient(out.logits)
-    else:
-        c_feats, c_hidden = cached
-        want = len(dc.taps) * target.cfg.hidden_size
-        if c_feats.shape[:2] != tokens.shape or c_feats.shape[-1] != want:
-            raise ValueError(
-                f"cached features {c_feats.shape} do not fit tokens {tokens.shape} and "
-                f"{len(dc.taps)} taps x {target.cfg.hidden_size}"
-            )
-        feats = jax.lax.stop_gradient(c_feats.astype(target.dtype))
-        t_logits = None
-    block = drafter.train_blocks(target, feats, tokens, anchors, remat=remat)
-    k = jnp.arange(g, dtype=jnp.int32)
-    src = anchors[..., None] + k  # position whose next token is predicted
-    valid = (src + 1) < lengths[:, None, None]  # [B, A, g]
-    src_c = jnp.minimum(src, tokens.shape[1] - 1)
-    tgt_c = jnp.minimum(src + 1, tokens.shape[1] - 1)
-    bidx = jnp.arange(tokens.shape[0])[:, None, None]
-    prev = tokens[bidx, src_c]  # teacher forcing: x_{k-1} is the true token
-    labels = tokens[bidx, tgt_c]
-    w = position_weights(anchors, lengths, g, cfg.pos_decay)
-    if t_logits is None:  # only the gathered positions: [B, A, g, V] instead of [B, L, V]
-        t_sel = jax.lax.stop_gradient(target.unembed(c_hidden.astype(target.dtype)[bidx, src_c]))
-    else:
-        t_sel = t_logits[bidx, src_c]
-
-    def head(hidden, base_logits, t_sel):
-        if remat:  # recompute the [.., V] base logits from the hidden states instead of storing them
-            base_logits = drafter.base_logits(target, hidden)
-        p_t = jax.nn.softmax(t_sel, axis=-1)
-        # Only a drafter with a Markov head / draft vocabulary has them (not dflash, not eagle3).
-        bias, e = drafter.teacher_forced_heads(hidden, prev) if dc.markov else (0.0, None)
-        logq = jax.nn.log_softmax(base_logits + bias, axis=-1)  # [..., N] draft space
-        ids = drafter.draft_vocab_ids() if dc.draft_vocab_size else None
-        if ids is None:
-            ce = -jnp.take_along_axis(logq, labels[..., None], axis=-1)[..., 0]
-            tv = 0.5 * jnp.sum(jnp.abs(jnp.exp(logq) - p_t), axis=-1)
-        else:
-            # q is zero off the draft vocabulary, so the target's mass there counts in full
-            # towards TV; a label off the vocabulary cannot be predicted and has no CE term.
-            li = drafter.draft_index(labels)
-            inside = li < dc.draft_vocab_size
-            ce = jnp.where(
-                inside,
-                -jnp.take_along_axis(logq, jnp.minimum(li, dc.draft_vocab_size - 1)[..., None], axis=-1)[..., 0],
-                0.0,
-            )
-            p_in = jnp.take(p_t, ids, axis=-1)
-            tv = 0.5 * (jnp.sum(jnp.abs(jnp.exp(logq) - p_in), axis=-1) + jnp.maximum(1.0 - jnp.sum(p_in, -1), 0.0))
-        if dc.has_confidence:
-            z = drafter.confidence_logit(hidden, e)
-            soft = jax.lax.stop_gradient(1.0 - tv)
-            bce = optax.sigmoid_binary_cross_entropy(z, soft) - optax.sigmoid_binary_cross_entropy(
-                jnp.log(soft + 1e-6) - jnp.log1p(-soft + 1e-6), soft
-            )  # minus the label entropy: 0 at optimum
-            conf_err = jnp.abs(jax.nn.sigmoid(z) - soft)
-        else:
-            bce = jnp.zeros_like(tv)
-            conf_err = jnp.zeros_like(tv)
-        return ce, tv, bce, conf_err
-
-    if remat:
-        ce, tv, bce, conf_err = jax.checkpoint(head, prevent_cse=False)(block.hidden, None, t_sel)
-    else:
-        ce, tv, bce, conf_err = head(block.hidden, block.logits, t_sel)
-    ws = lambda x: jnp.sum(w * x)
-    vf = valid.astype(jnp.float32)
-    full = jnp.all(valid, axis=-1, keepdims=True)  # analytic tau on complete blocks only
-    surv = jnp.cumprod(1.0 - tv, axis=-1)
-    return {
-        "objective": cfg.ce_weight * ws(ce) + cfg.l1_weight * ws(tv) + cfg.conf_weight * ws(bce),
-        "w": jnp.sum(w),
-        "ce": ws(ce),
-        "tv": ws(tv),
-        "bce": ws(bce),
-        "conf_err": ws(conf_err),
-        "acc_num": jnp.sum((1.0 - tv) * vf, axis=(0, 1)),
-        "acc_den": jnp.sum(vf, axis=(0, 1)),
-        "tau_num": jnp.sum(jnp.sum(surv, -1, keepdims=True) * full),
-        "tau_den": jnp.sum(full).astype(jnp.float32),
-    }
-
-
-def finalize_loss(s: dict[str, jax.Array]) -> LossTerms:
-    """Means of the summed statistics of :func:`loss_sums` (the weighted means over the batch)."""
-    denom = jnp.maximum(s["w"], 1e-6)
-    return LossTerms(
-        s["objective"] / denom,
-        s["ce"] / denom,
-        s["tv"] / denom,
-        s["bce"] / denom,
-        s["conf_err"] / denom,
-        1.0 + s["tau_num"] / jnp.maximum(s["tau_den"], 1.0),
-        s["acc_num"] / jnp.maximum(s["acc_den"], 1.0),
-    )
-
-
-def drafter_loss(
-    drafter: Drafter,
-    target: Target,
-    tokens: jax.Array,
-    lengths: jax.Array,
-    prompt_lengths: jax.Array,
-    key: jax.Array,
-    cfg: TrainConfig,
-) -> LossTerms:
-    """DSpark training loss on a batch (DESIGN.md "Training"; paper Appendix A4).
-
-    Args:
-      tokens: ``[B, L]`` int32 target-generated sequences (0-padded).
-      lengths / prompt_lengths: ``[B]`` int32 valid and prompt lengths [tokens].
-      key: PRNG key for the anchor positions.
-    Returns:
-      :class:`LossTerms` (scalars float32, ``acc_by_pos [gamma]``).
-    """
-    anchors = sample_anchors(key, lengths, prompt_lengths, cfg.anchors_per_seq)
-    return finalize_loss(loss_sums(drafter, target, tokens, lengths, anchors, cfg))
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -532,6 +309,97 @@ def replicate(tree: Any, sharding: NamedSharding) -> Any:
     return jax.tree.map(put, tree)
 
 
+def _master_and_compute_graphs(drafter: TrainableDrafter, compute: Any) -> tuple[nnx.GraphDef, nnx.GraphDef, nnx.State]:
+    """``(master graph, compute graph, float32 params)`` of ``drafter``.
+
+    The master copy holds float32 parameters (and optimizer state); the graph that runs the
+    forward pass may compute in bfloat16 (its static attribute ``dtype`` replaced, no array
+    copies). Rematerialisation is an argument of :func:`~dspark_jax.training.losses.loss_sums`.
+    """
+    graph, params = nnx.split(drafter, nnx.Param)
+
+    def graph_with(**attrs):
+        """The drafter's graph definition with some static attributes replaced (no array copies)."""
+        m = nnx.merge(graph, params)
+        for k, v in attrs.items():
+            setattr(m, k, v)
+        return nnx.split(m, nnx.Param)[0]
+
+    d_graph = graph if jnp.dtype(drafter.dtype) == jnp.float32 else graph_with(dtype=jnp.float32)
+    c_graph = d_graph if compute == jnp.float32 else graph_with(dtype=compute)
+    params = jax.tree.map(lambda x: x.astype(jnp.float32) if _is_float(x) else x, params)
+    return d_graph, c_graph, params
+
+
+def _accumulate(grad_fn: Callable, params: Any, xs: tuple, mesh: Mesh, n_micro: int) -> tuple[Any, Any]:
+    """Sums ``grad_fn``'s ``(grads, loss sums)`` over ``n_micro`` micro-batches with ``lax.scan``.
+
+    Row ``j * n_micro + i`` of every array of ``xs`` (``[B, ...]``) goes to micro-batch ``i``.
+    """
+    batch_axis = shd.batch_axes(mesh)
+
+    def split(x):
+        # Row j * n_micro + i goes to micro-batch i: each device keeps its own rows
+        # (no cross-device shuffle) and every micro-batch spans all devices.
+        y = x.reshape(x.shape[0] // n_micro, n_micro, *x.shape[1:]).swapaxes(0, 1)
+        return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, batch_axis)))
+
+    xs = jax.tree.map(split, xs)
+    first = jax.tree.map(lambda x: x[0], xs)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, params, *first))
+
+    def body(acc, x):
+        g, s = grad_fn(params, *x)
+        return jax.tree.map(jnp.add, acc, (g, s)), None
+
+    (grads, sums), _ = jax.lax.scan(body, zeros, xs)
+    return grads, sums
+
+
+def _train_step(
+    cfg: TrainConfig,
+    c_graph: nnx.GraphDef,
+    t_graph: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    gamma: int,
+) -> Callable:
+    """The (unjitted) optimisation step ``(params, opt_state, t_state, tokens, lengths, plens, step_idx,
+    cached) -> (params, opt_state, LossTerms, grad norm)`` (module docstring: steps 1-5)."""
+    compute = jnp.dtype(cfg.dtype)
+    n_micro = cfg.grad_accum_steps
+
+    def to_compute(p):
+        if compute == jnp.float32:
+            return p
+        return jax.tree.map(lambda x: x.astype(compute) if _is_float(x) else x, p)
+
+    def step(params, opt_state, t_state, tokens, lengths, plens, step_idx, cached=None):
+        target = nnx.merge(t_graph, t_state)
+        key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), step_idx)  # depends only on (seed, step)
+        # Anchors for the whole global batch, drawn once: identical whatever the number of
+        # devices or micro-batches.
+        anchors = sample_anchors(key, lengths, plens, cfg.anchors_per_seq)
+        # Global normaliser: the position weight of every valid target in the global batch.
+        denom = jnp.maximum(jnp.sum(position_weights(anchors, lengths, gamma, cfg.pos_decay)), 1e-6)
+
+        def micro_loss(p, toks, lens, anc, cache=None):
+            d = nnx.merge(c_graph, to_compute(p))
+            sums = loss_sums(d, target, toks, lens, anc, cfg, remat=cfg.remat, cached=cache)
+            return sums["objective"] / denom, sums
+
+        grad_fn = jax.grad(micro_loss, has_aux=True)
+        if n_micro == 1:
+            grads, sums = grad_fn(params, tokens, lengths, anchors, cached)
+        else:
+            grads, sums = _accumulate(grad_fn, params, (tokens, lengths, anchors, cached), mesh, n_micro)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, finalize_loss(sums), optax.global_norm(grads)
+
+    return step
+
+
 class Trainer:
     """Holds the jitted step, optimizer and sharding for one drafter/target pair.
 
@@ -549,7 +417,7 @@ class Trainer:
       ValueError: ``grad_accum_steps < 1`` or a bad ``cfg.mesh``.
     """
 
-    def __init__(self, cfg: TrainConfig, target: Target, drafter: Drafter, mesh: Mesh | None = None):
+    def __init__(self, cfg: TrainConfig, target: Target, drafter: TrainableDrafter, mesh: Mesh | None = None):
         if cfg.grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {cfg.grad_accum_steps}")
         self.cfg = cfg
@@ -557,82 +425,27 @@ class Trainer:
             mesh = shd.make_mesh(cfg.mesh) if cfg.mesh else data_mesh()
         self.mesh = mesh
         self.tx = make_optimizer(cfg)
-        graph, params = nnx.split(drafter, nnx.Param)
-        compute = jnp.dtype(cfg.dtype)
-
-        def graph_with(**attrs):
-            """The drafter's graph definition with some static attributes replaced (no array copies)."""
-            m = nnx.merge(graph, params)
-            for k, v in attrs.items():
-                setattr(m, k, v)
-            return nnx.split(m, nnx.Param)[0]
-
-        # Master copy: float32 parameters (and optimizer state); the graph that runs the
-        # forward pass may compute in bfloat16 (remat is an argument of loss_sums).
-        self.d_graph = graph if jnp.dtype(drafter.dtype) == jnp.float32 else graph_with(dtype=jnp.float32)
-        c_graph = self.d_graph if compute == jnp.float32 else graph_with(dtype=compute)
-        self.params = jax.tree.map(lambda x: x.astype(jnp.float32) if _is_float(x) else x, params)
+        self.d_graph, c_graph, params = _master_and_compute_graphs(drafter, jnp.dtype(cfg.dtype))
         self.t_graph, self.t_state = nnx.split(target)
+        self._place_state(params, drafter.cfg, target.cfg)
         repl = NamedSharding(self.mesh, P())
-        self.batch_sharding = shd.batch_sharding(self.mesh)
-        self.param_shardings = shd.tree_shardings(self.params, self.mesh, drafter.cfg)
-        self.target_shardings = shd.tree_shardings(self.t_state, self.mesh, target.cfg)
-        self.opt_shardings = shd.tree_shardings(jax.eval_shape(self.tx.init, self.params), self.mesh, drafter.cfg)
-        self.params = shd.place(self.params, self.param_shardings)
-        self.t_state = shd.place(self.t_state, self.target_shardings)
-        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
-        t_graph, tx, mesh = self.t_graph, self.tx, self.mesh
-        batch_axis = shd.batch_axes(mesh)
-        n_micro, gamma = cfg.grad_accum_steps, drafter.cfg.gamma
-
-        def to_compute(p):
-            if compute == jnp.float32:
-                return p
-            return jax.tree.map(lambda x: x.astype(compute) if _is_float(x) else x, p)
-
-        def step(params, opt_state, t_state, tokens, lengths, plens, step_idx, cached=None):
-            target = nnx.merge(t_graph, t_state)
-            key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), step_idx)  # depends only on (seed, step)
-            # Anchors for the whole global batch, drawn once: identical whatever the number of
-            # devices or micro-batches.
-            anchors = sample_anchors(key, lengths, plens, cfg.anchors_per_seq)
-            # Global normaliser: the position weight of every valid target in the global batch.
-            denom = jnp.maximum(jnp.sum(position_weights(anchors, lengths, gamma, cfg.pos_decay)), 1e-6)
-
-            def micro_loss(p, toks, lens, anc, cache=None):
-                d = nnx.merge(c_graph, to_compute(p))
-                sums = loss_sums(d, target, toks, lens, anc, cfg, remat=cfg.remat, cached=cache)
-                return sums["objective"] / denom, sums
-
-            grad_fn = jax.grad(micro_loss, has_aux=True)
-            if n_micro == 1:
-                grads, sums = grad_fn(params, tokens, lengths, anchors, cached)
-            else:
-
-                def split(x):
-                    # Row j * n_micro + i goes to micro-batch i: each device keeps its own rows
-                    # (no cross-device shuffle) and every micro-batch spans all devices.
-                    y = x.reshape(x.shape[0] // n_micro, n_micro, *x.shape[1:]).swapaxes(0, 1)
-                    return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, batch_axis)))
-
-                xs = (split(tokens), split(lengths), split(anchors), jax.tree.map(split, cached))
-                first = jax.tree.map(lambda x: x[0], xs)
-                zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, params, *first))
-
-                def body(acc, x):
-                    g, s = grad_fn(params, *x)
-                    return jax.tree.map(jnp.add, acc, (g, s)), None
-
-                (grads, sums), _ = jax.lax.scan(body, zeros, xs)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-            return params, opt_state, finalize_loss(sums), optax.global_norm(grads)
-
+        step = _train_step(cfg, c_graph, self.t_graph, self.tx, self.mesh, drafter.cfg.gamma)
         self._step = jax.jit(
             step, donate_argnums=(0, 1), out_shardings=(self.param_shardings, self.opt_shardings, repl, repl)
         )
 
-    def drafter(self) -> Drafter:
+    def _place_state(self, params: nnx.State, dcfg: DrafterConfig, tcfg: TargetConfig) -> None:
+        """Lays out the drafter's float32 ``params``, the target's state and a fresh optimizer state
+        on the mesh (:func:`dspark_jax.models.sharding.tree_shardings`)."""
+        self.batch_sharding = shd.batch_sharding(self.mesh)
+        self.param_shardings = shd.tree_shardings(params, self.mesh, dcfg)
+        self.target_shardings = shd.tree_shardings(self.t_state, self.mesh, tcfg)
+        self.opt_shardings = shd.tree_shardings(jax.eval_shape(self.tx.init, params), self.mesh, dcfg)
+        self.params = shd.place(params, self.param_shardings)
+        self.t_state = shd.place(self.t_state, self.target_shardings)
+        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
+
+    def drafter(self) -> TrainableDrafter:
         """The trained drafter (float32 master weights)."""
         return nnx.merge(self.d_graph, self.params)
 
@@ -670,9 +483,13 @@ class Trainer:
     def local_rows(self, global_batch: int) -> slice:
         """Rows of a global batch held by this process's devices (contiguous when the process's
         devices form a block of the batch axes; devices along ``model`` hold the same rows)."""
-        idx = self.batch_sharding.addressable_devices_indices_map((global_batch,)).values()
-        starts = [i[0].start or 0 for i in idx]
-        stops = [global_batch if i[0].stop is None else i[0].stop for i in idx]
+        # A device's index into the batch axis (None: it holds the whole array).
+        rows = [
+            (i or (slice(None),))[0]
+            for i in self.batch_sharding.addressable_devices_indices_map((global_batch,)).values()
+        ]
+        starts = [r.start or 0 for r in rows]
+        stops = [global_batch if r.stop is None else r.stop for r in rows]
         lo, hi = min(starts), max(stops)
         if sum(b - a for a, b in set(zip(starts, stops))) != hi - lo:
             raise ValueError("this process's devices do not hold a contiguous block of the batch")
@@ -754,28 +571,3 @@ class Trainer:
 
 def count_params(tree: Any) -> int:
     return int(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
-
-
-def append_jsonl(path: Path, row: dict[str, Any]) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-
-
-def truncate_jsonl(path: Path, max_step: int) -> None:
-    """Drops rows with ``step > max_step`` (logged by a killed run after its last checkpoint).
-
-    Rewritten atomically; a torn last line (killed mid-write) is dropped too.
-    """
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if int(row.get("step", 0)) <= max_step:
-            keep.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(k + "\n" for k in keep))
-    os.replace(tmp, path)

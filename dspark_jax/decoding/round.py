@@ -1,0 +1,381 @@
+"""One round of speculative decoding, piece by piece, as pure jit-friendly functions.
+
+DESIGN.md "Pipeline" / "Verification" / "Metrics"; paper Section 7. A round of a row whose
+anchor (the last confirmed token, not yet seen by the target) sits at position ``P``:
+
+1. PRNG keys (:func:`token_keys`, :func:`split_round_keys`, :func:`draft_step_keys`,
+   :func:`rejection_round_keys`): the token after position ``t`` of a request is decided with
+   keys derived from ``fold_in(request_key, t)``, so a request's output does not depend on
+   its batch-mates, its row, or how long the process has run;
+2. drafting (:func:`draft_tokens`): the drafter proposes ``block_size`` draft tokens;
+3. verification (:func:`verify_pass`): one target pass over ``[anchor, x_1..x_n]``
+   (``n`` = ``num_speculative_tokens``), lossless acceptance
+   (:mod:`dspark_jax.decoding.verifier`), the drafter's context written;
+4. emission (:func:`emit_counts`, :func:`append_tokens`, :func:`finish_codes`): accepted
+   drafts plus the correction / bonus token, cut at the first stop id and at the length limit;
+5. per-position statistics (:func:`round_statistics`).
+
+The single-request loops of :mod:`dspark_jax.decoding.speculative` are built from these
+pieces; they take ``[B]``-row arrays (any batch of rows: the serving engine's packed rows
+fit), and the host-side ones (:func:`emit_counts`, :func:`round_statistics`) take the array
+module as ``xp`` so the engine can run them on numpy read-backs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.decoding.verifier import verify
+from dspark_jax.drafters.base import BlockDrafter, Draft
+from dspark_jax.drafters.markov import sample_block
+from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample
+from dspark_jax.models.target import Target
+
+__all__ = [
+    "FINISH_ERROR",
+    "FINISH_LENGTH",
+    "FINISH_NAMES",
+    "FINISH_RUNNING",
+    "FINISH_STOP",
+    "Prefilled",
+    "RoundStats",
+    "VerifiedRound",
+    "append_tokens",
+    "draft_step_keys",
+    "draft_tokens",
+    "emit_counts",
+    "finish_codes",
+    "is_stop",
+    "next_token",
+    "prefill",
+    "rejection_round_keys",
+    "round_statistics",
+    "split_round_keys",
+    "token_keys",
+    "verify_pass",
+]
+
+FINISH_RUNNING, FINISH_STOP, FINISH_LENGTH, FINISH_ERROR = 0, 1, 2, 3
+FINISH_NAMES = {FINISH_RUNNING: None, FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ERROR: "error"}
+
+
+# ------------------------------------------------------------------------------ PRNG keys
+
+
+def token_keys(request_keys: jax.Array, pos: jax.Array) -> jax.Array:
+    """Keys of the tokens after positions ``pos``: ``fold_in(request_key, pos)`` elementwise.
+
+    Args:
+      request_keys: ``[..., 2]`` uint32 request keys (``PRNGKey(seed)``), one per entry of ``pos``.
+      pos: ``[...]`` int32 positions (>= 0).
+    Returns:
+      ``[..., 2]`` uint32: the key plain decoding samples the token after ``pos`` with.
+    """
+    flat = request_keys.reshape(-1, 2)
+    out = jax.vmap(jax.random.fold_in)(flat, pos.reshape(-1).astype(jnp.uint32))
+    return out.reshape(pos.shape + (2,))
+
+
+def split_round_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Single-request loop: a round's ``[B, 2]`` key -> ``(draft_keys, verify_keys)``, each ``[B, 2]``.
+
+    The round key is :func:`token_keys` of the anchor position, so drafting and rejection
+    sampling use noise independent of each other and of every other round.
+    """
+    draft_keys, verify_keys = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
+    return draft_keys, verify_keys
+
+
+def draft_step_keys(request_keys: jax.Array, draft_pos: jax.Array, mode: Literal["coupled", "rejection"]) -> jax.Array:
+    """Serving engine: per-position draft keys ``[R, G, 2]`` for draft positions ``draft_pos [R, G]``.
+
+    Draft position ``k`` predicts the token after ``draft_pos[:, k] = P + k``. Coupled
+    verification draws it with the key the target samples that token with
+    (:func:`token_keys`, shared Gumbel noise); rejection sampling with an independent key
+    (``fold_in(that, 2)``).
+    """
+    r, g = draft_pos.shape
+    step_keys = token_keys(jnp.broadcast_to(request_keys[:, None], (r, g, 2)), draft_pos)
+    if mode == "rejection":
+        step_keys = token_keys(step_keys, jnp.full(draft_pos.shape, 2, jnp.int32))
+    return step_keys
+
+
+def rejection_round_keys(request_keys: jax.Array, anchor_pos: jax.Array) -> jax.Array:
+    """Serving engine, rejection mode: ``[R, 2]`` verification keys ``fold_in(fold_in(key, P), 1)``.
+
+    Independent of the draft keys (``fold_in(., 2)``) and of every other round (anchor
+    positions strictly increase).
+    """
+    return token_keys(token_keys(request_keys, anchor_pos), jnp.ones(anchor_pos.shape, jnp.int32))
+
+
+# ------------------------------------------------------------------------------ prefill
+
+
+def next_token(logits: jax.Array, request_keys: jax.Array, pos: jax.Array, sampling: SamplingArrays) -> jax.Array:
+    """Plain decoding's token after ``pos``: ``sample(token_keys(request_keys, pos), process_logits(logits))``.
+
+    Args:
+      logits: ``[B, V]`` the target's logits predicting the token after ``pos [B]``.
+      request_keys: ``[B, 2]`` uint32. sampling: per-row settings.
+    Returns:
+      ``[B]`` int32 token ids.
+    """
+    return sample(token_keys(request_keys, pos), process_logits(logits, sampling))
+
+
+class Prefilled(NamedTuple):
+    """Output of :func:`prefill`: ``token [B]`` int32 first generated token, ``finite [B]`` bool
+    (finite logits), the target's KV cache and the drafter's context cache (None without drafter)."""
+
+    token: jax.Array
+    finite: jax.Array
+    tcache: Any
+    dcache: Any
+
+
+def prefill(target: Target, drafter, prompt, prompt_len, request_keys, sampling: SamplingArrays, cache_len: int, taps):
+    """Prefill of ``B`` prompts: target caches, drafter context, and the first generated token.
+
+    Args:
+      prompt: ``[B, Tp]`` int32 right-padded prompts; prompt_len: ``[B]`` int32 true lengths.
+      request_keys: ``[B, 2]`` uint32; cache_len: KV-cache positions; taps: the drafter's tapped layers.
+    Returns:
+      :class:`Prefilled`.
+    """
+    b, tp = prompt.shape
+    pos = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (b, tp))
+    tcache = target.init_cache(b, cache_len)
+    out = target(prompt, pos, tcache, taps=taps, logit_index=prompt_len - 1)
+    dcache = None
+    if drafter is not None:
+        dcache = drafter.extend_cache(
+            drafter.init_cache(b, cache_len),
+            out.features,
+            jnp.where(pos < prompt_len[:, None], pos, -1),
+            target=target,
+            tokens=prompt,
+        )
+    finite = logits_are_finite(out.logits)
+    tok = next_token(out.logits, request_keys, prompt_len - 1, sampling)
+    return Prefilled(tok, finite, out.cache, dcache)
+
+
+# ------------------------------------------------------------------------------ drafting
+
+
+def draft_tokens(
+    target: Target,
+    drafter,
+    anchors: jax.Array,
+    anchor_pos: jax.Array,
+    cache,
+    keys: jax.Array,
+    sampling: SamplingArrays,
+    *,
+    step_keys: Literal["coupled", "rejection"] | None = None,
+    adjust_logits: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+) -> Draft:
+    """One drafting round for every row, whatever the drafter kind (its ``draft``).
+
+    DSpark / DFlash: one parallel backbone pass then the ``lax.scan`` Markov sampler;
+    eagle3: ``block_size`` autoregressive single-token steps.
+
+    Args:
+      anchors: ``[B]`` int32 last confirmed tokens; anchor_pos: ``[B]`` int32 their positions.
+      cache: the drafter's context cache.
+      keys: ``[B, 2]`` per-row keys: the round's draft keys (single-request loop; the
+        sampler folds in the block position), or the request keys with ``step_keys``.
+      step_keys: None, or the serving engine's per-position keys (:func:`draft_step_keys`
+        of ``keys`` at positions ``anchor_pos + k``). Block drafters only.
+      adjust_logits: optional ``(logits [B, G, N], draft_pos [B, G]) -> logits`` applied to
+        the backbone's base logits before sampling (the engine's per-request logit bias;
+        the Markov correction is additive, so q moves exactly as the target's p). Block
+        drafters only.
+    Returns:
+      :class:`~dspark_jax.drafters.base.Draft` with ``tokens [B, G]`` and ``probs [B, G, V]``.
+    Raises:
+      TypeError: ``step_keys`` or ``adjust_logits`` for a drafter that is not a
+        :class:`~dspark_jax.drafters.base.BlockDrafter`.
+    """
+    if step_keys is None and adjust_logits is None:
+        return drafter.draft(target, anchors, anchor_pos, cache, keys, sampling)
+    if not isinstance(drafter, BlockDrafter):
+        raise TypeError(f"step_keys / adjust_logits need a block drafter (dspark/dflash), not {drafter.cfg.variant}")
+    block = drafter.draft_block(target, anchors, anchor_pos, cache)
+    draft_pos = anchor_pos[:, None] + jnp.arange(drafter.cfg.gamma, dtype=jnp.int32)
+    if adjust_logits is not None:
+        block = block._replace(logits=adjust_logits(block.logits, draft_pos))
+    per_pos = None if step_keys is None else draft_step_keys(keys, draft_pos, step_keys)
+    return sample_block(drafter, block, anchors, keys, sampling, step_keys=per_pos)
+
+
+# ------------------------------------------------------------------------------ verification
+
+
+class VerifiedRound(NamedTuple):
+    """Output of :func:`verify_pass` (``B`` rows, block size ``G``).
+
+    Attributes:
+      tcache / dcache: the target's KV cache and the drafter's context cache, written.
+      tokens: ``[B, G + 1]`` int32 emitted tokens (accepted drafts, then the correction or
+        bonus token), ``-1`` padding.
+      num_emitted: ``[B]`` int32 ``num_accepted + 1``.
+      num_accepted: ``[B]`` int32 accepted draft tokens.
+      finite: ``[B]`` bool: the logits verification read were finite.
+    """
+
+    tcache: Any
+    dcache: Any
+    tokens: jax.Array
+    num_emitted: jax.Array
+    num_accepted: jax.Array
+    finite: jax.Array
+
+
+def verify_pass(
+    target: Target,
+    drafter,
+    width: int,
+    block_size: int,
+    tcache,
+    dcache,
+    running,
+    anchor,
+    anchor_pos,
+    drafts,
+    draft_probs,
+    verify_keys,
+    num_verify,
+    sampling: SamplingArrays,
+    *,
+    taps,
+) -> VerifiedRound:
+    """Verification pass of ``width + 1`` tokens (anchor + ``width`` drafts) for every row.
+
+    Rejection sampling (:func:`~dspark_jax.decoding.verifier.verify`, DESIGN.md "Verification
+    (lossless)"); the drafter's context of the verified tokens is written for running rows.
+    Rejected positions stay in the caches as stale entries that attention masks by position
+    and later writes overwrite.
+
+    Args:
+      width: static verified drafts of this compiled pass (``<= block_size``).
+      running: ``[B]`` bool. anchor / anchor_pos: ``[B]`` int32.
+      drafts: ``[B, G]`` int32; draft_probs: ``[B, G, V]`` their q.
+      verify_keys: ``[B, 2]``; num_verify: ``[B]`` int32 verification lengths chosen without
+        looking at the draft values (non-anticipation); clipped to ``width``.
+    Returns:
+      :class:`VerifiedRound`, tokens padded to ``block_size + 1`` so every width has one shape.
+    """
+    offs = jnp.arange(width + 1, dtype=jnp.int32)
+    vtok = jnp.concatenate([anchor[:, None], drafts[:, :width]], axis=1)
+    vpos = anchor_pos[:, None] + offs
+    out = target(vtok, vpos, tcache, taps=taps)
+    # Only positions that verification can read must be finite (anchor .. num_verify).
+    finite = logits_are_finite(jnp.where((offs[None, :] <= num_verify[:, None])[..., None], out.logits, 0.0))
+    res = verify(
+        verify_keys,
+        drafts[:, :width],
+        draft_probs[:, :width],
+        process_logits(out.logits, sampling),
+        jnp.minimum(num_verify, width),
+    )
+    dcache = drafter.extend_cache(
+        dcache, out.features, jnp.where(running[:, None], vpos, -1), target=target, tokens=vtok
+    )
+    toks = jnp.pad(res.tokens, ((0, 0), (0, block_size - width)), constant_values=-1)
+    return VerifiedRound(out.cache, dcache, toks, res.num_emitted, res.num_accepted, finite)
+
+
+# ------------------------------------------------------------------------------ emission
+
+
+def is_stop(tokens, stop_ids, xp: Any = jnp):
+    """``[B, W]`` bool: ``tokens [B, W]`` is one of ``stop_ids`` (``[S]`` shared or ``[B, S]``
+    per row; pad with -1). Negative tokens (padding) never stop."""
+    ids = stop_ids if stop_ids.ndim == 1 else stop_ids[:, None, :]
+    return xp.any(tokens[..., None] == ids, axis=-1) & (tokens >= 0)
+
+
+def emit_counts(tokens, num_new, running, length, end, stop_ids, *, stops_from=None, xp: Any = jnp):
+    """How many of a round's new tokens each row keeps, honouring stop ids and the length limit.
+
+    Args:
+      tokens: ``[B, W]`` int32 new tokens (accepted drafts + correction/bonus, -1 padding).
+      num_new: ``[B]`` int32 valid leading entries of ``tokens``.
+      running: ``[B]`` bool rows still generating. length: ``[B]`` int32 confirmed tokens.
+      end: ``[B]`` int32 length at which a row is full (prompt + max new tokens, capped by
+        the context).
+      stop_ids: ``[S]`` or ``[B, S]`` int32 (see :func:`is_stop`).
+      stops_from: optional ``[B]`` int32: a stop id at index ``j < stops_from`` does not
+        end the row (the engine's ``min_tokens``: ``min_tokens - generated``).
+      xp: ``jax.numpy`` (on device) or ``numpy`` (host read-backs).
+    Returns:
+      ``(num_kept [B], stopped [B], full [B])``: tokens kept (through the first stop,
+      within the room left), ended by a stop id, ended by the length limit.
+    """
+    w = tokens.shape[1]
+    idx = xp.arange(w, dtype=xp.int32)
+    valid = (idx[None, :] < num_new[:, None]) & running[:, None]
+    stop_at = valid & is_stop(tokens, stop_ids, xp)
+    if stops_from is not None:
+        stop_at = stop_at & (idx[None, :] >= stops_from[:, None])
+    first_stop = xp.where(xp.any(stop_at, 1), xp.argmax(stop_at, 1), w)
+    room = end - length
+    num_kept = xp.where(running, xp.minimum(xp.minimum(num_new, first_stop + 1), room), 0)
+    stopped = running & (first_stop < num_kept)
+    full = running & ~stopped & (length + num_kept >= end)
+    return num_kept, stopped, full
+
+
+def append_tokens(seq: jax.Array, length: jax.Array, tokens: jax.Array, num_kept: jax.Array) -> jax.Array:
+    """Writes the first ``num_kept [B]`` of ``tokens [B, W]`` into ``seq [B, S]`` at ``length [B]``."""
+    b, w = tokens.shape
+    idx = jnp.arange(w, dtype=jnp.int32)
+    write = idx[None, :] < num_kept[:, None]
+    pos = jnp.where(write, length[:, None] + idx[None, :], seq.shape[1])
+    return seq.at[jnp.arange(b)[:, None], pos].set(tokens, mode="drop")
+
+
+def finish_codes(finish, stopped, full, xp: Any = jnp):
+    """``[B]`` int32 FINISH_* codes after a round: stop, else length, else unchanged."""
+    return xp.where(stopped, FINISH_STOP, xp.where(full, FINISH_LENGTH, finish)).astype(xp.int32)
+
+
+# ------------------------------------------------------------------------------ statistics
+
+
+class RoundStats(NamedTuple):
+    """Per-row statistics of one round (DESIGN.md "Metrics"), counting emitted tokens only.
+
+    Attributes:
+      num_draft_tokens: ``[B]`` draft tokens counted as verified: all ``num_verify``, but
+        drafts after a stop inside the accepted drafts are discarded, not counted (else a
+        perfect drafter would show acceptance < 1).
+      num_accepted: ``[B]`` accepted drafts that were emitted.
+      position_reached: ``[B, G]`` bool: positions 1..k-1 accepted, k verified and emitted.
+      position_accepted: ``[B, G]`` bool: of those, position k accepted too.
+    """
+
+    num_draft_tokens: Any
+    num_accepted: Any
+    position_reached: Any
+    position_accepted: Any
+
+
+def round_statistics(num_verify, num_accepted, num_emitted, num_kept, block_size: int, xp: Any = jnp) -> RoundStats:
+    """:class:`RoundStats` of a round from ``[B]`` verification lengths, accepted drafts,
+    emitted tokens (``num_accepted + 1``) and kept tokens (:func:`emit_counts`).
+
+    ``xp``: ``jax.numpy`` on device, ``numpy`` on host read-backs (the serving engine).
+    """
+    k = xp.arange(max(block_size, 1), dtype=xp.int32)[None, :]
+    reached = (k < num_verify[:, None]) & (k <= num_accepted[:, None]) & (k < num_kept[:, None])
+    accepted_at = reached & (k < num_accepted[:, None])
+    n_draft = xp.where(num_kept < num_emitted, xp.minimum(num_verify, num_kept), num_verify)
+    return RoundStats(n_draft, xp.minimum(num_accepted, num_kept), reached, accepted_at)

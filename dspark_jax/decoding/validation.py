@@ -1,0 +1,244 @@
+"""Request validation: one place for every check of a decoding request's input.
+
+Used by :mod:`dspark_jax.decoding.speculative`, :mod:`dspark_jax.decoding.cli` and
+:mod:`dspark_jax.api` (and meant for the serving engine, server and CLI): sampling settings
+(NaN/inf included), prompts and their token ids, context limits, the number of speculative
+tokens and per-request serving extras (seed, stop ids, logit bias, logprobs, min_tokens).
+Every check raises :class:`~dspark_jax.errors.DSparkInputError` with one line naming the
+setting, before any model is touched. The drafter/target pairing is checked by
+:func:`dspark_jax.drafters.base.check_compatible` (it reads the drafter's config).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dspark_jax.errors import DSparkInputError
+
+__all__ = [
+    "INT32_MAX",
+    "INT32_MIN",
+    "check_logit_bias",
+    "check_logprobs",
+    "check_max_new_tokens",
+    "check_min_tokens",
+    "check_prompt",
+    "check_prompts",
+    "check_sampling",
+    "check_seed",
+    "check_stop_token_ids",
+    "resolve_num_speculative_tokens",
+]
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_sampling(temperature=0.0, top_k=0, top_p=1.0) -> None:
+    """Refuses sampling settings the samplers cannot honour (scalars or per-request sequences).
+
+    Raises:
+      DSparkInputError: a NaN/inf or negative temperature, a top_p outside (0, 1] (NaN
+        included), or a top_k that is not an integer >= 0. One line naming the setting.
+    """
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
+        try:
+            arr = np.asarray(value, np.float64).reshape(-1)
+        except (TypeError, ValueError):
+            raise DSparkInputError(f"{name} must be a number, got {value!r}") from None
+        bad = arr[~np.isfinite(arr)]
+        if bad.size:
+            raise DSparkInputError(f"{name} must be a finite number, got {float(bad[0])}")
+    t = np.asarray(temperature, np.float64).reshape(-1)
+    if np.any(t < 0):
+        raise DSparkInputError(f"temperature must be >= 0 (0 is greedy), got {float(t[t < 0][0])}")
+    p = np.asarray(top_p, np.float64).reshape(-1)
+    if np.any((p <= 0) | (p > 1)):
+        raise DSparkInputError(f"top_p must be in (0, 1], got {float(p[(p <= 0) | (p > 1)][0])}")
+    k = np.asarray(top_k, np.float64).reshape(-1)
+    if np.any((k < 0) | (k != np.round(k))):
+        raise DSparkInputError(
+            f"top_k must be an integer >= 0 (0 is off), got {float(k[(k < 0) | (k != np.round(k))][0])}"
+        )
+
+
+def check_max_new_tokens(max_new_tokens, num_requests: int, name: str = "max_new_tokens") -> np.ndarray:
+    """``[num_requests]`` int64 caps on generated tokens (a shared int or one per request).
+
+    Args:
+      name: the setting's name in the message (the serving API calls it ``max_tokens``).
+    Raises:
+      DSparkInputError: a value < 1.
+    """
+    max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (num_requests,))
+    if np.any(max_new < 1):
+        raise DSparkInputError(f"{name} must be >= 1")
+    return max_new
+
+
+def check_prompt(
+    ids: Sequence[int], vocab_size: int, max_len: int | None = None, name: str = "the prompt", why: str | None = None
+) -> None:
+    """One prompt: non-empty, integer token ids in ``[0, vocab_size)``, at most ``max_len`` tokens.
+
+    Args:
+      max_len: most prompt tokens that fit (None: no limit).
+      name: how the message names the prompt (``"prompt 3"`` in a batch).
+      why: what sets ``max_len`` (e.g. ``"cache_len 512, model context 2048"``); None: the
+        target's context of ``max_len + 1`` tokens (one generated token must fit).
+    Raises:
+      DSparkInputError: empty, non-integer or out-of-vocabulary ids, or too long.
+    """
+    if ids is None or len(ids) == 0:
+        raise DSparkInputError(f"{name} is empty: give at least one token")
+    try:
+        arr = np.asarray(ids, np.int64)
+    except (TypeError, ValueError):
+        raise DSparkInputError(f"{name}: token ids must be integers") from None
+    if arr.ndim != 1:
+        raise DSparkInputError(f"{name}: token ids must be a flat list of integers")
+    bad = arr[(arr < 0) | (arr >= vocab_size)]
+    if bad.size:
+        raise DSparkInputError(f"{name} has token id {int(bad[0])} outside the vocabulary [0, {vocab_size})")
+    if max_len is not None and len(arr) > max_len:
+        if why is not None:
+            raise DSparkInputError(f"{name} has {len(arr)} tokens but at most {max_len} fit ({why})")
+        raise DSparkInputError(
+            f"{name} has {len(arr)} tokens but the target's context is {max_len + 1}: shorten the prompt"
+        )
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_position: int) -> None:
+    """A batch of prompts (:func:`check_prompt` each, named ``prompt i``); each must leave room
+    for one generated token in the target's context of ``max_position`` tokens.
+
+    Raises:
+      DSparkInputError: no prompts, or a bad prompt.
+    """
+    if not prompts:
+        raise DSparkInputError("no prompts given")
+    for i, p in enumerate(prompts):
+        check_prompt(p, vocab_size, max_position - 1, name=f"prompt {i}")
+
+
+def check_seed(seed) -> int:
+    """A request's PRNG seed: an integer in the int32 range. Raises DSparkInputError."""
+    if not _is_int(seed) or not INT32_MIN <= int(seed) <= INT32_MAX:
+        raise DSparkInputError(f"seed must be an integer in [{INT32_MIN}, {INT32_MAX}], got {seed!r}")
+    return int(seed)
+
+
+def check_stop_token_ids(ids, vocab_size: int | None = None) -> tuple[int, ...]:
+    """Stop token ids: integers (inside the vocabulary when ``vocab_size`` is given).
+
+    Raises:
+      DSparkInputError: a non-integer id or one outside ``[0, vocab_size)``.
+    """
+    try:
+        out = tuple(int(t) for t in ids)
+    except (TypeError, ValueError):
+        raise DSparkInputError("stop_token_ids must be integers") from None
+    if vocab_size is not None:
+        bad = [t for t in out if not 0 <= t < vocab_size]
+        if bad:
+            raise DSparkInputError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    return out
+
+
+def check_logit_bias(
+    logit_bias, vocab_size: int, max_entries: int, bias_range: float | None = None
+) -> dict[int, float]:
+    """Validated ``{token_id: bias}`` of ``(token_id, bias)`` pairs or a dict (a repeated id: last wins).
+
+    Args:
+      bias_range: optional bound on ``|bias|`` (the OpenAI API's 100).
+    Raises:
+      DSparkInputError: not (id, bias) pairs, an id outside the vocabulary, a non-finite
+        (or out-of-range) bias, or more than ``max_entries`` entries.
+    """
+    try:
+        pairs = list(logit_bias.items()) if isinstance(logit_bias, dict) else [tuple(e) for e in logit_bias]
+        out = {}
+        for t, b in pairs:
+            if not _is_int(t) or isinstance(b, (bool, str)):
+                raise ValueError
+            out[int(t)] = float(b)
+    except (TypeError, ValueError):
+        raise DSparkInputError(
+            "logit_bias must be a sequence of (token_id, bias) pairs with integer ids and numeric biases"
+        ) from None
+    for t, b in out.items():
+        if not 0 <= t < vocab_size:
+            raise DSparkInputError(f"logit_bias token id {t} is outside the vocabulary [0, {vocab_size})")
+        if not math.isfinite(b):
+            raise DSparkInputError(f"logit_bias for token {t} must be finite, got {b}")
+        if bias_range is not None and abs(b) > bias_range:
+            raise DSparkInputError(f"logit_bias for token {t} must be in [-{bias_range:g}, {bias_range:g}], got {b}")
+    if len(out) > max_entries:
+        raise DSparkInputError(f"logit_bias has {len(out)} entries; at most {max_entries} are supported")
+    return out
+
+
+def check_logprobs(n, max_n: int = 20) -> int | None:
+    """``logprobs``: None (off) or an integer in ``[0, max_n]``. Raises DSparkInputError."""
+    if n is not None and not (_is_int(n) and 0 <= n <= max_n):
+        raise DSparkInputError(f"logprobs must be None or an integer in [0, {max_n}], got {n!r}")
+    return n
+
+
+def check_min_tokens(min_tokens, max_tokens: int) -> int:
+    """``min_tokens``: an integer in ``[0, max_tokens]``. Raises DSparkInputError."""
+    if not (_is_int(min_tokens) and min_tokens >= 0):
+        raise DSparkInputError(f"min_tokens must be an integer >= 0, got {min_tokens!r}")
+    if min_tokens > max_tokens:
+        raise DSparkInputError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})")
+    return int(min_tokens)
+
+
+def resolve_num_speculative_tokens(num_speculative_tokens, gamma, block_size: int, default: Any = "auto"):
+    """``num_speculative_tokens`` (int or ``"auto"``), with the deprecated ``gamma`` alias.
+
+    Args:
+      num_speculative_tokens: draft tokens verified per round, an int, a numeric string or
+        ``"auto"``; None: ``default`` (None there: ``block_size``).
+      gamma: deprecated alias (a DeprecationWarning is issued when given).
+      block_size: the drafter's block size (drafts per round).
+    Returns:
+      ``"auto"`` or an int in ``[1, block_size]``.
+    Raises:
+      DSparkInputError: both given, or a value outside ``[1, block_size]`` / not ``"auto"``.
+    """
+    if gamma is not None:
+        warnings.warn(
+            "gamma= is deprecated: use num_speculative_tokens= (gamma is the drafter's block size)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if num_speculative_tokens is not None:
+            raise DSparkInputError("give num_speculative_tokens or its deprecated alias gamma, not both")
+        num_speculative_tokens = gamma
+    n = default if num_speculative_tokens is None else num_speculative_tokens
+    if n is None:
+        return block_size
+    if isinstance(n, str):
+        if n.strip().lower() == "auto":
+            return "auto"
+        try:
+            n = int(n)
+        except ValueError:
+            raise DSparkInputError(f"num_speculative_tokens must be an integer or 'auto', got {n!r}") from None
+    if isinstance(n, bool) or not 1 <= int(n) <= block_size:
+        raise DSparkInputError(
+            f"num_speculative_tokens (alias gamma) must be in [1, {block_size}] for this "
+            f"drafter (its block size) or 'auto', got {n}"
+        )
+    return int(n)

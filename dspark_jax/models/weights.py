@@ -1,0 +1,148 @@
+"""The canonical target parameter layout, shared by every weight-format loader.
+
+Every loader (:mod:`~dspark_jax.models.llama2c_io`, :mod:`~dspark_jax.models.gguf_io`,
+:mod:`~dspark_jax.models.hf_io`; dispatch: :mod:`~dspark_jax.models.model_io`) returns
+``(TargetConfig, params)`` with ``params`` a nested dict of float32 numpy arrays in the
+canonical layout (kernels ``[in, out]``, so ``y = x @ W``; per-layer tensors stacked on a
+leading axis ``L``)::
+
+    {"embed": [V, H],
+     "layers": {"attn_norm": [L, H], "wq": [L, H, nH*hd], "wk": [L, H, nKV*hd],
+                "wv": [L, H, nKV*hd], "wo": [L, nH*hd, H],
+                "q_norm": [L, hd], "k_norm": [L, hd],        # only if cfg.qk_norm
+                "mlp_norm": [L, H], "w_gate": [L, H, I], "w_up": [L, H, I],
+                "w_down": [L, I, H]},
+     "final_norm": [H],
+     "lm_head": [H, V]}                                       # only if not cfg.tie_embeddings
+
+RoPE follows Hugging Face ``rotate_half`` (first/second half of each head).
+llama2.c and llama.cpp-converted GGUF files rotate adjacent pairs, so their
+q/k output features are permuted per head (:func:`adjacent_to_half`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from dspark_jax.config import TargetConfig
+from dspark_jax.errors import DSparkInputError
+
+Params = dict[str, Any]
+
+
+def adjacent_to_half(w_out_in: np.ndarray, n_heads: int) -> np.ndarray:
+    """Permutes the rows of a ``[n_heads*hd, in]`` q/k matrix from adjacent-pair to half RoPE.
+
+    Within each head the new row order is the even rows then the odd rows (the
+    inverse of llama.cpp's converter permutation; the same as Hugging Face's
+    ``convert_llama_weights_to_hf.permute``).
+    """
+    out, d_in = w_out_in.shape
+    hd = out // n_heads
+    return w_out_in.reshape(n_heads, hd // 2, 2, d_in).transpose(0, 2, 1, 3).reshape(out, d_in)
+
+
+def owned_f32(a: np.ndarray) -> np.ndarray:
+    """A writeable float32 array that owns its memory (never a view into a mapped file)."""
+    return np.require(a, np.float32, ["C", "W", "O"])
+
+
+def target_param_shapes(cfg: TargetConfig) -> dict[str, Any]:
+    """Shapes (tuples of ints) of the canonical parameter dict for ``cfg`` (see the module docstring)."""
+    L, H, I, hd = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    layers = {
+        "attn_norm": (L, H),
+        "wq": (L, H, q),
+        "wk": (L, H, kv),
+        "wv": (L, H, kv),
+        "wo": (L, q, H),
+        "mlp_norm": (L, H),
+        "w_gate": (L, H, I),
+        "w_up": (L, H, I),
+        "w_down": (L, I, H),
+    }
+    if cfg.qk_norm:
+        layers.update(q_norm=(L, hd), k_norm=(L, hd))
+    shapes: dict[str, Any] = {"embed": (cfg.vocab_size, H), "layers": layers, "final_norm": (H,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (H, cfg.vocab_size)
+    return shapes
+
+
+def count_target_params(cfg: TargetConfig) -> int:
+    """Number of target parameters implied by ``cfg`` (no weights needed)."""
+    s = target_param_shapes(cfg)
+    leaves = [s["embed"], s["final_norm"], *s["layers"].values()] + ([s["lm_head"]] if "lm_head" in s else [])
+    return int(sum(int(np.prod(x)) for x in leaves))
+
+
+def _empty_layers(cfg: TargetConfig) -> dict[str, np.ndarray]:
+    return {k: np.empty(s, np.float32) for k, s in target_param_shapes(cfg)["layers"].items()}
+
+
+def stack_layers(
+    cfg: TargetConfig, fetch: Callable[[int, str], np.ndarray], describe: Callable[[int, str], str]
+) -> dict[str, np.ndarray]:
+    """Stacks per-layer tensors into the canonical ``[L, ...]`` layout.
+
+    ``fetch(i, key)`` returns layer ``i``'s tensor for canonical ``key`` as stored
+    (matrices ``[out, in]``, transposed here to ``[in, out]``); ``describe(i, key)``
+    names it in the error raised when its shape does not match ``cfg``.
+    """
+    layers = _empty_layers(cfg)
+    for i in range(cfg.num_layers):
+        for key, dst in layers.items():
+            m = fetch(i, key)
+            m = m.T if m.ndim == 2 else m
+            if m.shape != dst.shape[1:]:
+                raise DSparkInputError(f"{describe(i, key)} has shape {m.shape}, expected {dst.shape[1:]}")
+            dst[i] = m
+    return layers
+
+
+def canonical_params(
+    cfg: TargetConfig,
+    layers: dict[str, np.ndarray],
+    embed: np.ndarray,
+    final_norm: np.ndarray,
+    lm_head: Callable[[], np.ndarray],
+) -> Params:
+    """Canonical params; ``lm_head()`` (``[V, H]`` as stored) is read only when untied."""
+    params = {"embed": embed, "layers": layers, "final_norm": final_norm}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = np.ascontiguousarray(lm_head().T)
+    return params
+
+
+def params_fingerprint(params: Params) -> str:
+    """A short stable hash (16 hex chars) identifying exact target weights.
+
+    sha256 over every leaf's path and shape plus a few deterministic float32
+    slices (rows of ``embed``, the first and last layer's q and down
+    projections, ``final_norm``). Accepts numpy or JAX arrays.
+    """
+    h = hashlib.sha256()
+
+    def leaves(d, prefix=""):
+        for k in sorted(d):
+            v = d[k]
+            if isinstance(v, dict):
+                yield from leaves(v, f"{prefix}{k}/")
+            else:
+                yield f"{prefix}{k}", v
+
+    for name, v in leaves(params):
+        h.update(f"{name}:{tuple(np.shape(v))};".encode())
+    emb = params["embed"]
+    V = np.shape(emb)[0]
+    pieces = [emb[r, :256] for r in sorted({0, 1, V // 2, V - 1})]
+    lay = params["layers"]
+    pieces += [lay["wq"][0, 0, :256], lay["wq"][-1, -1, :256], lay["w_down"][-1, 0, :256], params["final_norm"][:256]]
+    for a in pieces:
+        h.update(np.ascontiguousarray(np.asarray(a, dtype=np.float32)).astype("<f4").tobytes())
+    return h.hexdigest()[:16]

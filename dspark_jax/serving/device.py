@@ -1,0 +1,356 @@
+"""The serving engine's device side: the models' states (sharded over a ``model`` mesh), the
+decode state, and the compiled programs that advance it.
+
+:class:`EngineDevice` lowers and compiles each program of :mod:`dspark_jax.serving.programs`
+once per shape, through the engine's :class:`~dspark_jax.serving.programs.ProgramCache`:
+``("step", R, K)``, ``("bare_step", R)``, ``("catchup", R)``, ``("prefill", P)``,
+``("insert", P)`` and ``("move",)``. Cache keys also hold the engine's signature (model
+graphs, parameter shapes, slots, cache length, verification mode, bias-table size, logprob
+width, mesh), so a cache shared by several engines never hands one another's program.
+DESIGN.md "Pipeline" (serve) and "Scale: a device mesh".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dspark_jax.decoding.sps import SPSTable, profile_buckets
+from dspark_jax.errors import DSparkInputError
+from dspark_jax.models import sharding as shd
+from dspark_jax.serving.programs import (
+    ProgramCache,
+    catchup_program,
+    insert_program,
+    move_program,
+    prefill_program,
+    step_program,
+)
+from dspark_jax.serving.requests import SamplingParams, no_bias
+from dspark_jax.serving.state import DecodeState, PrefixArrays, init_state, serving_mesh, state_shardings
+
+__all__ = ["EngineDevice", "out_shardings_for", "prefill_bucket_list", "row_bucket_list", "token_ladder"]
+
+
+def token_ladder(buckets) -> list[int]:
+    """Packed-token budgets of speculative steps (default 4, 8, ..., 128), ascending.
+
+    Raises:
+      DSparkInputError: a budget < 1.
+    """
+    out = sorted(set(int(b) for b in (buckets if buckets is not None else (4, 8, 16, 32, 64, 128))))
+    if any(b < 1 for b in out):
+        raise DSparkInputError(f"token buckets must be >= 1, got {out}")
+    return out
+
+
+def _pow2_upto(limit: int, start: int = 1) -> list[int]:
+    out, v = [], start
+    while v < limit:
+        out.append(v)
+        v *= 2
+    return out + [limit]
+
+
+def row_bucket_list(row_buckets, num_slots: int) -> list[int]:
+    """Compiled row counts (default: powers of two and ``num_slots``).
+
+    Raises:
+      DSparkInputError: a count < 1, or the largest is not ``num_slots``.
+    """
+    out = sorted(set(int(r) for r in row_buckets)) if row_buckets else _pow2_upto(num_slots)
+    if out[0] < 1 or out[-1] != num_slots:
+        raise DSparkInputError(f"row buckets must be >= 1 and end at num_slots={num_slots}, got {out}")
+    return out
+
+
+def prefill_bucket_list(prefill_buckets, cache_len: int) -> list[int]:
+    """Compiled prompt lengths (default: powers of two from 16, and ``cache_len``).
+
+    Raises:
+      DSparkInputError: a length outside ``[1, cache_len]``.
+    """
+    out = (
+        sorted(set(int(b) for b in prefill_buckets))
+        if prefill_buckets
+        else [b for b in _pow2_upto(cache_len, 16) if b <= cache_len]
+    )
+    if out[0] < 1 or out[-1] > cache_len:
+        raise DSparkInputError(f"prefill buckets must be in [1, cache_len={cache_len}], got {out}")
+    return out
+
+
+def out_shardings_for(mesh, target_cfg, drafter_cfg, keep_q: bool) -> Callable[[str], Any]:
+    """``kind -> out_shardings`` of the program ``kind`` on ``mesh`` (the state keeps its layout
+    between steps, so no program recompiles)."""
+    repl = shd.replicated(mesh)
+
+    def of(kind: str):
+        if kind in ("step", "bare_step"):
+            return state_shardings(DecodeState, mesh, target_cfg, drafter_cfg, keep_q), repl
+        if kind == "prefill":  # (prefix arrays, finite, logprobs)
+            return state_shardings(PrefixArrays, mesh, target_cfg, drafter_cfg, keep_q), repl, repl
+        return state_shardings(DecodeState, mesh, target_cfg, drafter_cfg, keep_q)  # catchup, insert, move
+
+    return of
+
+
+def _flags(n: int) -> tuple:
+    return tuple(np.bool_(False) for _ in range(n))
+
+
+class EngineDevice:
+    """Device state and compiled programs of one engine.
+
+    Args:
+      target / drafter: the models (``drafter`` None: plain steps only).
+      num_slots / cache_len: decode rows ``B`` and cache positions ``S``.
+      mode: ``"coupled"`` or ``"rejection"`` verification.
+      nb: bias-table entries per row; n_top: logprob alternatives.
+      mesh: None (the default device), a :class:`jax.sharding.Mesh` or a spec such as
+        ``"model:8"`` (:func:`serving_mesh`): tensor-parallel serving (DESIGN.md "Scale: a device
+        mesh"). The target's and the drafter's weights are sharded over ``model`` by
+        :func:`dspark_jax.models.sharding.tree_shardings` (heads, MLP, vocabulary), both KV
+        caches over their KV heads (replicated where ``model`` does not divide them), the small
+        per-row state replicated; every program is compiled with these output shardings, so
+        the state keeps its layout between steps and no step recompiles. Outputs equal the
+        one-device engine's (up to float rounding in sharded reductions).
+      cache: the :class:`ProgramCache` the programs are compiled into.
+
+    Raises:
+      DSparkInputError: a bad mesh (see :func:`serving_mesh`).
+    """
+
+    def __init__(
+        self,
+        target,
+        drafter,
+        *,
+        num_slots: int,
+        cache_len: int,
+        mode: str,
+        nb: int,
+        n_top: int,
+        mesh,
+        cache: ProgramCache,
+    ):
+        self.target, self.drafter = target, drafter
+        self.num_slots, self.cache_len, self.mode, self.nb, self.n_top = num_slots, cache_len, mode, nb, n_top
+        self.gamma = drafter.cfg.gamma if drafter is not None else 0
+        self.keep_q = mode == "rejection" and self.gamma > 0  # the state keeps each block's q
+        self.t_graph, self.t_state = nnx.split(target)
+        self.d_graph, self.d_state = nnx.split(drafter) if drafter is not None else (None, None)
+        self.mesh = serving_mesh(mesh)
+        d_cfg = drafter.cfg if drafter is not None else None
+        self.out_shardings = None
+        if self.mesh is not None:
+            self.t_state = shd.place(self.t_state, shd.tree_shardings(self.t_state, self.mesh, target.cfg))
+            if drafter is not None:
+                self.d_state = shd.place(self.d_state, shd.tree_shardings(self.d_state, self.mesh, drafter.cfg))
+            self.out_shardings = out_shardings_for(self.mesh, target.cfg, d_cfg, self.keep_q)
+        shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), (self.t_state, self.d_state))
+        # Without a drafter both modes compile to the same programs (plain steps only).
+        signature = (
+            self.t_graph,
+            self.d_graph,
+            str(shapes),
+            num_slots,
+            cache_len,
+            mode if drafter is not None else "",
+            nb,
+            n_top,
+            self.mesh,
+        )
+        self.cache = cache
+        self._token = cache.intern(signature)
+        self.compiles = 0  # programs this engine compiled (not found in the cache)
+        self.state = init_state(target, drafter, num_slots, cache_len, nb, self.keep_q)
+        if self.mesh is not None:
+            self.state = shd.place(self.state, state_shardings(DecodeState, self.mesh, target.cfg, d_cfg, self.keep_q))
+
+    # ------------------------------------------------------------------ executables
+
+    def _get(self, key: tuple, make: Callable[[], tuple], donate=()) -> Any:
+        full = (self._token,) + key
+        exe = self.cache.get(full)
+        if exe is None:
+            fn, args = make()
+            kw = {} if self.out_shardings is None else {"out_shardings": self.out_shardings(key[0])}
+            exe = jax.jit(fn, donate_argnums=donate, **kw).lower(*args).compile()
+            self.cache.put(full, exe)
+            self.compiles += 1
+        return exe
+
+    def _step_fn(self, d_graph, rows: int, tokens: int):
+        return partial(
+            step_program,
+            t_graph=self.t_graph,
+            d_graph=d_graph,
+            rows=rows,
+            tokens=tokens,
+            gamma=self.gamma,
+            mode=self.mode,
+            n_top=self.n_top,
+        )
+
+    def step_exe(self, rows: int, tokens: int):
+        """The step of bucket ``(rows, tokens)`` (state donated)."""
+
+        def make():
+            b = self.num_slots
+            args = (self.t_state, self.d_state, self.state, np.zeros(b, np.int32), np.zeros(b, bool)) + _flags(3)
+            return self._step_fn(self.d_graph, rows, tokens), args
+
+        return self._get(("step", rows, tokens), make, donate=(2,))
+
+    def bare_step_exe(self, rows: int):
+        """A plain step without drafter context upkeep: the drafter-less engine's program (the
+        drafter caches ride along untouched)."""
+
+        def make():
+            b = self.num_slots
+            args = (self.t_state, None, self.state, np.zeros(b, np.int32), np.zeros(b, bool)) + _flags(3)
+            return self._step_fn(None, rows, rows), args
+
+        return self._get(("bare_step", rows), make, donate=(2,))
+
+    def catchup_exe(self, rows: int):
+        """The drafter catch-up pass over ``rows`` rows, ``gamma + 1`` tokens each."""
+
+        def make():
+            w = self.gamma + 1
+            fn = partial(catchup_program, t_graph=self.t_graph, d_graph=self.d_graph, rows=rows, width=w)
+            z = np.zeros(rows * w, np.int32)
+            return fn, (self.t_state, self.d_state, self.state, z, z, z, z)
+
+        return self._get(("catchup", rows), make, donate=(2,))
+
+    def prefill_exe(self, p_len: int):
+        """Prefill of a prompt padded to ``p_len`` tokens."""
+
+        def make():
+            fn = partial(
+                prefill_program,
+                t_graph=self.t_graph,
+                d_graph=self.d_graph,
+                gamma=self.gamma,
+                mode=self.mode,
+                n_top=self.n_top,
+            )
+            # prompt_len, seed, temperature, top_k, top_p; do_draft, do_context
+            scalars = (np.int32(1), np.int32(0), np.float32(1), np.int32(0), np.float32(1), np.bool_(True))
+            args = (self.t_state, self.d_state, np.zeros((1, p_len), np.int32)) + scalars + (np.bool_(True),)
+            return fn, args + no_bias(self.nb)
+
+        return self._get(("prefill", p_len), make)
+
+    def insert_exe(self, p_len: int, pre: PrefixArrays):
+        """Insertion of a prefix of bucket ``p_len`` (state donated)."""
+
+        def make():
+            scalars = (np.int32(0), np.int32(0), np.float32(1), np.int32(0), np.float32(1))
+            return insert_program, (self.state, pre) + scalars + no_bias(self.nb)
+
+        return self._get(("insert", p_len), make, donate=(0,))
+
+    def move_exe(self):
+        """The row move (state donated)."""
+        return self._get(("move",), lambda: (move_program, (self.state, np.int32(0), np.int32(0))), donate=(0,))
+
+    # ------------------------------------------------------------------ running
+
+    def run_step(self, rows, tokens, ell, active, draft_next, use_bias=False, want_lp=False):
+        """Runs the step of bucket ``(rows, tokens)``; returns its outputs (see
+        :func:`~dspark_jax.serving.programs.step_program`)."""
+        flags = (np.bool_(draft_next), np.bool_(use_bias), np.bool_(want_lp))
+        self.state, out = self.step_exe(rows, tokens)(self.t_state, self.d_state, self.state, ell, active, *flags)
+        return out
+
+    def run_bare_step(self, rows, ell, active, use_bias: bool, want_lp: bool):
+        """Runs the plain step without drafter upkeep; returns its outputs."""
+        flags = (np.bool_(False), np.bool_(use_bias), np.bool_(want_lp))
+        self.state, out = self.bare_step_exe(rows)(self.t_state, None, self.state, ell, active, *flags)
+        return out
+
+    def run_catchup(self, rows: int, tok, row, col, pos) -> None:
+        """Runs one catch-up pass (``[rows * (gamma + 1)]`` packed tokens)."""
+        self.state = self.catchup_exe(rows)(self.t_state, self.d_state, self.state, tok, row, col, pos)
+
+    def run_prefill(self, tokens: np.ndarray, prompt_len: int, sp: SamplingParams, drafted: bool, context: bool, bias):
+        """Prefills ``tokens [1, P]`` (``prompt_len`` real); returns ``(PrefixArrays, finite,
+        logprobs)`` on the device."""
+        return self.prefill_exe(tokens.shape[1])(
+            self.t_state,
+            self.d_state,
+            tokens,
+            np.int32(prompt_len),
+            np.int32(sp.seed),
+            np.float32(sp.temperature),
+            np.int32(sp.top_k),
+            np.float32(sp.top_p),
+            np.bool_(drafted),
+            np.bool_(context),
+            *bias,
+        )
+
+    def run_insert(self, p_len: int, pre: PrefixArrays, row: int, prompt_len: int, sp: SamplingParams, bias) -> None:
+        """Writes a prefix of bucket ``p_len`` into ``row``."""
+        scalars = (np.int32(row), np.int32(prompt_len), np.float32(sp.temperature), np.int32(sp.top_k))
+        self.state = self.insert_exe(p_len, pre)(self.state, pre, *scalars, np.float32(sp.top_p), *bias)
+
+    def run_move(self, src: int, dst: int) -> None:
+        """Copies row ``src`` into row ``dst``."""
+        self.state = self.move_exe()(self.state, np.int32(src), np.int32(dst))
+
+    def compile_all(self, buckets, bare_rows, prefill_buckets, examples: dict[int, PrefixArrays]) -> None:
+        """Compiles the steps of ``buckets``, the bare steps and catch-up passes of
+        ``bare_rows``, prefill and insert of every prefill bucket (``examples``: prefixes
+        already made for insert's example arguments, filled in) and the row move."""
+        for r, k in buckets:
+            self.step_exe(r, k)
+        for r in bare_rows:
+            self.bare_step_exe(r)
+            self.catchup_exe(r)
+        for p in prefill_buckets:
+            if p not in examples:
+                sp = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=0)
+                examples[p], _, _ = self.run_prefill(np.zeros((1, p), np.int32), 1, sp, False, False, no_bias(self.nb))
+            self.insert_exe(p, examples[p])
+        self.move_exe()
+
+    def meta(self) -> dict:
+        """What an SPS table must have been measured on: device, models, dtype and shape."""
+        dev = jax.devices()[0]
+        t, d = self.target, self.drafter
+        return {
+            "device_kind": f"{dev.platform}:{dev.device_kind}",
+            "model": t.cfg.name,
+            "fingerprint": getattr(t, "fingerprint", ""),
+            "drafter": None if d is None else f"{d.cfg.variant}-g{self.gamma}-n{d.cfg.num_layers}",
+            "dtype": str(t.dtype.__name__ if hasattr(t.dtype, "__name__") else t.dtype),
+            "num_slots": self.num_slots,
+            "gamma": self.gamma,
+            "cache_len": self.cache_len,
+            **({} if self.mesh is None else {"mesh": shd.describe(self.mesh)}),
+        }
+
+    def drafts_flags(self) -> list[bool]:
+        """Whether steps can draft: ``[False]`` without a drafter, else ``[False, True]``."""
+        return [False] if self.gamma == 0 else [False, True]
+
+    def profile(self, buckets, iters: int) -> SPSTable:
+        """Times ``iters`` steps of every bucket with and without drafting, every row inactive
+        (no request's state changes): the :class:`SPSTable` (steps per second)."""
+        b = self.num_slots
+        ell, active = np.zeros(b, np.int32), np.zeros(b, bool)
+
+        def run(r, k, d):
+            out = self.run_step(r, k, ell, active, d)
+            jax.block_until_ready(out)
+
+        return profile_buckets(run, buckets, self.drafts_flags(), self.meta(), iters=iters)

@@ -1,0 +1,329 @@
+"""The engine's scheduler: per step, how many drafts each row verifies, the compiled bucket the
+step runs in, whether to draft the next block, and when the drafter is suspended, resumed and
+caught up.
+
+Policies (:func:`parse_policy`; DESIGN.md "Scheduler", paper Section 7): ``plain`` (no
+drafts), ``fixed:G``, ``threshold:C``, ``greedy`` (the clean greedy Theta scheduler) and
+``dspark`` (the deployed scheduler), all from :mod:`dspark_jax.decoding.scheduler`. The plan
+is a function of host state only (confidences, lengths, the SPS table), never of draft token
+values, which stay on the device: every policy is non-anticipating by construction.
+
+Drafter suspension
+------------------
+A step also writes the drafter's context keys/values of every verified token (from the
+target's tapped hidden states), so that drafting can resume at any step. When the policy has
+not drafted for ``suspend_after`` consecutive steps (the throughput-aware policies stop
+drafting when it does not pay; ``plain`` never drafts), plain steps drop that upkeep and run
+the drafter-less engine's program, so a non-drafting engine costs what plain decoding costs.
+The host keeps every request's confirmed tokens; when drafting resumes, a catch-up pass
+re-runs the skipped tokens through the target (packed, taps on, the target cache already
+holds their context) and writes their drafter context before the step, which then drafts
+exactly as with continuous upkeep.
+The throughput-aware policies price that catch-up (:func:`catchup_batches`) into their
+decision to resume.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import cast
+
+import numpy as np
+
+from dspark_jax.decoding import scheduler as sch
+from dspark_jax.decoding.online_calibration import OnlineCalibrator
+from dspark_jax.decoding.sps import SPSTable
+from dspark_jax.errors import DSparkInputError
+from dspark_jax.serving.slots import SlotRecord
+
+__all__ = ["Planner", "catchup_batches", "parse_policy"]
+
+# The engine's logger: suspension / resumption lines are the engine's (tests filter on it).
+_log = logging.getLogger("dspark_jax.serving.engine")
+
+
+def parse_policy(policy: str, gamma: int) -> tuple[str, float | int | None]:
+    """Parses a policy string.
+
+    Args:
+      policy: ``"plain"``, ``"fixed:G"`` (``1 <= G <= gamma``), ``"threshold:C"``
+        (``0 <= C <= 1``), ``"greedy"`` or ``"dspark"``.
+      gamma: the drafter's block size (0 without a drafter: only ``"plain"``).
+    Returns:
+      ``(name, argument)``.
+    Raises:
+      DSparkInputError: unknown policy, bad argument, or a speculative policy without drafter.
+    """
+    if not isinstance(policy, str):
+        raise DSparkInputError(f"policy must be a string, got {policy!r}")
+    name, _, arg = policy.strip().partition(":")
+    name = name.lower()
+    if name == "plain" and not arg:
+        return "plain", None
+    if name not in ("fixed", "threshold", "greedy", "dspark") or (name in ("greedy", "dspark") and arg):
+        raise DSparkInputError(f"unknown policy {policy!r}: use plain, fixed:G, threshold:C, greedy or dspark")
+    if gamma < 1:
+        raise DSparkInputError(f"policy {policy!r} needs a drafter; without one use 'plain'")
+    if name == "fixed":
+        try:
+            g = int(arg)
+        except ValueError:
+            raise DSparkInputError(f"policy {policy!r}: fixed:G needs an integer G") from None
+        if not 1 <= g <= gamma:
+            raise DSparkInputError(f"policy {policy!r}: G must be in [1, {gamma}] for this drafter")
+        return "fixed", g
+    if name == "threshold":
+        try:
+            c = float(arg)
+        except ValueError:
+            raise DSparkInputError(f"policy {policy!r}: threshold:C needs a number C") from None
+        if not 0.0 <= c <= 1.0:
+            raise DSparkInputError(f"policy {policy!r}: C must be in [0, 1]")
+        return "threshold", c
+    return name, None
+
+
+def catchup_batches(records: Sequence[SlotRecord], rows: int, width: int) -> Iterator[tuple[np.ndarray, ...]]:
+    """Packs the confirmed tokens whose drafter context is missing, for catch-up passes.
+
+    Each record with ``stale_from`` set contributes positions ``[stale_from, length - 1)``
+    (everything below its anchor), at most ``width`` per pass, as row ``r`` (its index).
+    Yields ``(tok, row, col, pos)`` ``[rows * width]`` int32 (``pos == -1``: padding) and
+    advances ``stale_from``; stops when nothing is left, then clears every ``stale_from``.
+    """
+    while True:
+        tok, row, col, pos = (np.zeros(rows * width, np.int32) for _ in range(4))
+        pos -= 1
+        i = 0
+        for r, rec in enumerate(records):
+            if rec.stale_from is None:
+                continue
+            a = rec.stale_from
+            b = min(a + width, rec.length - 1)
+            k = b - a
+            tok[i : i + k] = rec.tokens[a:b]
+            row[i : i + k], col[i : i + k], pos[i : i + k] = r, np.arange(k), np.arange(a, b)
+            i += k
+            rec.stale_from = b
+        if i == 0:
+            break
+        yield tok, row, col, pos
+    for rec in records:
+        rec.stale_from = None
+
+
+class Planner:
+    """Policy state and decisions of one engine.
+
+    Args:
+      gamma: the drafter's block size (0: no drafter).
+      has_drafter: whether the engine has a drafter (suspension needs one).
+      ladder: packed-token budgets of speculative steps.
+      row_buckets: compiled row counts (ascending, ending at ``num_slots``).
+      calibrator: the engine's online confidence calibrator.
+      suspend_after: see :class:`~dspark_jax.serving.engine.Engine` (None: never suspend).
+      policy: the initial policy string.
+
+    Raises:
+      DSparkInputError: bad policy string.
+    """
+
+    def __init__(
+        self,
+        gamma: int,
+        has_drafter: bool,
+        ladder: Sequence[int],
+        row_buckets: Sequence[int],
+        calibrator: OnlineCalibrator,
+        suspend_after: int | None,
+        policy: str,
+    ):
+        self.gamma, self.has_drafter = gamma, has_drafter
+        self.ladder, self.row_buckets = list(ladder), list(row_buckets)
+        self.calibrator, self.suspend_after = calibrator, suspend_after
+        self.sps_table: SPSTable | None = None
+        self.idle_steps = 0  # consecutive steps that did not draft
+        self._was_suspended = False
+        self.decision: dict | None = None  # the dspark/greedy policy's last drafting decision
+        self.set_policy(policy)
+
+    def set_policy(self, policy: str) -> None:
+        """Switches the policy (the caller recompiles / re-profiles lazily).
+
+        Raises:
+          DSparkInputError: bad policy string.
+        """
+        self.name, self.arg = parse_policy(policy, self.gamma)
+        self.policy = policy
+        self._sps_cache: dict = {}
+        # Whether the last step drafted; prefill drafts the first block only then (the
+        # throughput-aware policies stop drafting when it does not pay).
+        self.drafting = self.name != "plain"
+
+    def set_table(self, table: SPSTable | None) -> None:
+        """Installs an SPS table (and forgets what was derived from the previous one)."""
+        self.sps_table = table
+        self._sps_cache = {}
+
+    def adopt_table(self, meta: dict, buckets, given: SPSTable | None) -> bool:
+        """Installs the current or the ``given`` SPS table if one was measured on ``meta`` and
+        covers ``buckets`` (with and without drafting); False when a new one must be profiled."""
+        flags = [False] if self.gamma == 0 else [False, True]
+        for t in (self.sps_table, given):
+            if t is not None and t.matches(meta) and t.covers(buckets, flags):
+                self.set_table(t)
+                return True
+        return False
+
+    def budgets(self, rows: int) -> list[int]:
+        """Compiled token budgets for ``rows`` rows under the current policy (``rows`` first)."""
+        g = self.gamma
+        if self.name == "plain" or g == 0:
+            return [rows]
+        if self.name == "fixed":
+            return [rows, rows * (cast(int, self.arg) + 1)]
+        top = rows * (g + 1)
+        return sorted({rows} | {min(k, top) for k in self.ladder if k > rows})
+
+    def rows_for(self, n: int) -> int:
+        """The smallest row bucket holding ``n`` rows."""
+        return next(r for r in self.row_buckets if r >= n)
+
+    def _table(self) -> SPSTable:
+        if self.sps_table is None:
+            raise RuntimeError("the dspark/greedy policies need an SPS table: call Engine.warmup() first")
+        return self.sps_table
+
+    def sps_of_total(self, rows: int, n: int, draft: bool) -> np.ndarray:
+        """``[K_max + 1]`` SPS of the bucket a pass of ``t`` packed tokens runs in."""
+        key = (rows, n, draft)
+        arr = self._sps_cache.get(key)
+        if arr is None:
+            table = self._table()
+            budgets = self.budgets(rows)
+            arr = np.zeros(budgets[-1] + 1)
+            arr[n] = table.sps(rows, rows, draft)
+            spec = budgets[1:]
+            for t in range(n + 1, len(arr)):
+                k = next((b for b in spec if b >= t), None)
+                arr[t] = 0.0 if k is None else table.sps(rows, k, draft)
+            self._sps_cache[key] = arr
+        return arr
+
+    # ------------------------------------------------------------------ suspension
+
+    def suspended(self) -> bool:
+        """Whether the policy has not drafted for ``suspend_after`` consecutive steps."""
+        return self.has_drafter and self.suspend_after is not None and self.idle_steps >= self.suspend_after
+
+    def suspend_now(self, rows: int, tokens: int, draft_next: bool) -> bool:
+        """Whether this step runs without drafter context upkeep (a plain step, no drafting,
+        while suspended)."""
+        return tokens == rows and not draft_next and self.suspended()
+
+    def record_step(self, rows: int, tokens: int, draft_next: bool) -> None:
+        """Counts a step that did (not) draft or verify drafts; logs a suspension change."""
+        self.idle_steps = 0 if (draft_next or tokens > rows) else self.idle_steps + 1
+        self._log_drafting_change()
+
+    def _log_drafting_change(self) -> None:
+        """One log line when drafting is suspended or resumes, with the scheduler's reason."""
+        now = self.suspended()
+        if now == self._was_suspended:
+            return
+        self._was_suspended = now
+        d = self.decision or {}
+        why = (
+            f"expected {d.get('tokens_per_s_drafting', float('nan')):.1f} tokens/s drafting vs "
+            f"{d.get('tokens_per_s_plain', float('nan')):.1f} plain (SPS table)"
+        )
+        if now:
+            _log.info("suspending drafting after %d steps without drafts: %s", self.idle_steps, why)
+        else:
+            _log.info("resuming drafting: %s; catch-up %.3f s", why, d.get("catchup_seconds", 0.0))
+
+    def _catchup_seconds(self, records: Sequence[SlotRecord], rows: int) -> float:
+        """Resuming from suspension first costs the catch-up passes over the skipped tokens
+        (one packed pass of the widest bucket per gamma + 1 of the longest gap)."""
+        if not self.suspended():
+            return 0.0
+        gap = max((rec.length - 1 - rec.stale_from for rec in records if rec.stale_from is not None), default=0)
+        w = self.gamma + 1
+        return -(-gap // w) / max(self._table().sps(rows, rows * w, False), 1e-9)
+
+    def want_drafts(self, records: Sequence[SlotRecord], rows: int, surv_fc: np.ndarray, cap_fc: np.ndarray) -> bool:
+        """Draft the next block? Compares the best forecast Theta of a drafting step with the
+        Theta of a plain step (forecast survival: latest known confidences or the prior); when
+        resuming, drafting must also win back the catch-up within a horizon of
+        ``suspend_after`` steps' worth of tokens. Records the decision (:attr:`decision`)."""
+        n = len(records)
+        sps_d = self.sps_of_total(rows, n, True)
+        k = sch.best_budget(surv_fc, cap_fc, sps_d, self.budgets(rows))
+        _, _, probs = sch.candidate_order(surv_fc, cap_fc)
+        theta_d = (n + float(np.sum(probs[: k - n]))) * sps_d[k]
+        theta_p = n * self._table().sps(rows, rows, False)
+        catchup_s = self._catchup_seconds(records, rows)
+        horizon = n * max(self.suspend_after or 16, 1)  # tokens the decision is made for
+        draft = theta_d > theta_p and catchup_s + horizon / theta_d < horizon / theta_p
+        self.decision = {
+            "tokens_per_s_drafting": theta_d,
+            "tokens_per_s_plain": theta_p,
+            "catchup_seconds": catchup_s,
+            "draft": bool(draft),
+        }
+        return draft
+
+    # ------------------------------------------------------------------ the plan
+
+    def _throughput_lengths(self, records, rows, room, surv, cap) -> tuple[np.ndarray, bool]:
+        """``(lengths, draft_next)`` of the greedy / dspark policies."""
+        prior = self.calibrator.prior_survival()
+
+        def surv_of(zz):
+            return prior if zz is None else sch.survival(self.calibrator.confidence(zz))
+
+        latest = [next((h for h in reversed(rec.hist) if h is not None), None) for rec in records]
+        fc = np.stack([surv_of(zz) for zz in latest])
+        draft_next = self.want_drafts(records, rows, fc, room)
+        sps = self.sps_of_total(rows, len(records), draft_next)
+        if self.name == "greedy":
+            return sch.greedy_lengths(surv, cap, sps), draft_next
+        old = np.stack([surv_of(rec.hist[0] if len(rec.hist) == 3 else None) for rec in records])
+        ell, _ = sch.deployed_lengths(old, surv, cap, sps, self.budgets(rows))
+        return ell, draft_next
+
+    def plan(self, records: Sequence[SlotRecord]) -> tuple[np.ndarray, int, int, bool]:
+        """The decision for the next step over the rows' ``records`` (row order).
+
+        Returns:
+          ``(lengths [n] int32 drafts verified per active row, rows R, tokens K, draft_next)``.
+          Depends on confidences and lengths only, never on draft token values (which stay
+          on the device).
+        """
+        n = len(records)
+        rows = self.rows_for(n)
+        g = self.gamma
+        if self.name == "plain" or g == 0:
+            return np.zeros(n, np.int32), rows, rows, False
+        room = np.array([min(g, rec.end - rec.length - 1) for rec in records], np.int64).clip(0)
+        has = np.array([rec.z is not None for rec in records], bool)
+        cap = np.where(has, room, 0)
+        z = np.stack([rec.z if rec.z is not None else np.zeros(g) for rec in records])
+        surv = np.where(has[:, None], sch.survival(self.calibrator.confidence(z)), 0.0)
+        budgets = self.budgets(rows)
+        draft_next = True
+        if self.name == "fixed":
+            ell = sch.fixed_lengths(cap, cast(int, self.arg))
+        elif self.name == "threshold":
+            ell = sch.threshold_lengths(surv, cap, cast(float, self.arg))
+        else:
+            ell, draft_next = self._throughput_lengths(records, rows, room, surv, cap)
+        total = n + int(ell.sum())
+        if total == n:
+            return ell.astype(np.int32), rows, rows, draft_next
+        spec = budgets[1:]
+        if total > spec[-1]:
+            ell = sch.fill_lengths(surv, np.minimum(cap, ell), spec[-1] - n)
+            total = n + int(ell.sum())
+        return ell.astype(np.int32), rows, next(b for b in spec if b >= total), draft_next

@@ -1,0 +1,536 @@
+"""The serving engine's device programs: one step, the drafter catch-up, prefill, insert and
+row move, each a pure function over pytrees, compiled once per shape by the engine
+(:class:`dspark_jax.serving.device.EngineDevice`) into its bounded :class:`ProgramCache`.
+
+One step, one jitted function, no host round-trip inside (paper Section 7; DESIGN.md
+"Pipeline" (serve) and "Verification"): pack the anchors and the chosen number of drafts of
+every row -> one target pass -> sample the target's token at every packed position -> accept
+(Gumbel-coupled: :func:`dspark_jax.decoding.verifier.coupled_accept`; rejection sampling:
+:func:`dspark_jax.decoding.verifier.verify`) -> write target/drafter caches -> draft the NEXT
+block of every row (skipped under ``lax.cond`` when the scheduler says drafting does not pay).
+Everything variable (active rows, verification lengths, drafting, logit bias, logprobs) is a
+mask or a runtime scalar, so a program compiles once per ``(rows, tokens)`` bucket. The
+argument names of these functions name the parameters of the compiled HLO: keep them.
+
+Exactness (Gumbel-coupled verification, ``verification="coupled"``, the default)
+----------------------------------------------------------------------------------
+The token after position ``t`` of a request is ``sample(fold_in(request_key, t), p_t)``, the
+same key derivation as :func:`dspark_jax.decoding.speculative.generate_autoregressive`
+(``request_key = PRNGKey(seed)``), where ``sample`` is a Gumbel-max draw and ``p_t`` the
+target's processed distribution (temperature/top-k/top-p). The drafter draws its draft for the
+same position with the SAME key (``markov.sample_block(step_keys=...)``), i.e. with the same
+Gumbel noise. Verification samples the target's own token ``y_j`` at every packed position
+``P + j`` of a row and accepts draft ``x_{j+1}`` iff ``x_{j+1} == y_j`` (and all earlier ones
+were accepted); the first mismatch emits ``y_j`` (the correction), full acceptance emits
+``y_l`` (the bonus). By induction every emitted token equals the target's Gumbel-max sample
+given the true prefix: accepted drafts equal it by the acceptance test, and the correction or
+bonus is it. So the output is, token for token, plain autoregressive sampling with that seed,
+whatever the verification lengths, the policy, the batch-mates or the slot, at any
+temperature/top-k/top-p. (In floating point this holds up to rounding differences between
+matmul shapes, which can only flip exact near-ties.) The draft acceptance rate under this
+coupling is ``P(x == y)`` for shared Gumbel noise rather than ``1 - TV(p, q)``. The
+acceptance test itself is :func:`dspark_jax.decoding.verifier.coupled_accept`.
+
+Rejection-sampling verification (``verification="rejection"``)
+---------------------------------------------------------------
+The paper's mode (DESIGN.md "Verification (lossless)"): drafts are drawn with independent
+keys (``fold_in(fold_in(request_key, t), 2)``), each drafted block keeps its q
+(``[num_slots, gamma, V]`` on the device), and a speculative step scatters the target's p of
+the packed tokens to a ``[R, gamma + 1, V]`` grid and calls :func:`dspark_jax.decoding.verifier.verify`
+with one key per row and anchor position ``P`` (``fold_in(fold_in(request_key, P), 1)``;
+anchors strictly increase, so no round reuses noise). Output law: exactly plain sampling
+(tested in ``tests/test_verifier.py`` with the same law tests as coupled draws), but not
+token-for-token plain decoding with the seed; acceptance ``1 - TV(p, q)``, higher at T > 0.
+Plain (non-speculative) steps sample as coupled mode does. Greedy output is identical in both.
+Online calibration observes the acceptance of the mode in use.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Hashable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.decoding.verifier import coupled_accept, verify
+from dspark_jax.drafters.markov import sample_block
+from dspark_jax.models.layers import KVCache
+from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample
+from dspark_jax.serving.state import CACHE_FIELDS, DecodeState, PrefixArrays
+
+__all__ = [
+    "ProgramCache",
+    "apply_bias",
+    "catchup_program",
+    "insert_program",
+    "move_program",
+    "prefill_program",
+    "step_program",
+]
+
+
+# ------------------------------------------------------------------------------ building blocks
+
+
+def fold(keys: jax.Array, pos: jax.Array) -> jax.Array:
+    """``[..., 2]`` keys, ``[...]`` positions -> ``fold_in(key, pos)`` elementwise."""
+    flat_k = keys.reshape(-1, 2)
+    out = jax.vmap(jax.random.fold_in)(flat_k, pos.reshape(-1).astype(jnp.uint32))
+    return out.reshape(pos.shape + (2,))
+
+
+def apply_bias(logits, row, pos, ids, val, until):
+    """Adds the sparse per-row logit bias to ``logits [..., V]``.
+
+    ``row`` / ``pos`` ``[...]`` (the shape of ``logits`` without V): the row of each
+    distribution and the position whose NEXT token it predicts; ``ids / val / until``
+    ``[R, NB]``. Entry ``e`` of row ``r`` adds ``val[r, e]`` to logit ``ids[r, e]`` iff
+    ``pos < until[r, e]`` (``logit_bias``: until = INT32_MAX; min_tokens' stop masking:
+    ``-inf`` until the position of the ``min_tokens``-th generated token). Padding entries
+    never apply (until = INT32_MIN) and add exactly 0.
+    """
+    shape = logits.shape
+    flat = logits.reshape(-1, shape[-1])
+    r, p = row.reshape(-1), pos.reshape(-1)
+    on = p[:, None] < until[r]
+    add = jnp.where(on, val[r], 0.0).astype(flat.dtype)
+    flat = flat.at[jnp.arange(flat.shape[0])[:, None], ids[r]].add(add)
+    return flat.reshape(shape)
+
+
+def maybe_bias(use_bias, logits, row, pos, st):
+    """:func:`apply_bias` under ``lax.cond``: free (one executable) when no row uses it."""
+    return jax.lax.cond(use_bias, lambda x: apply_bias(x, row, pos, st[0], st[1], st[2]), lambda x: x, logits)
+
+
+def draft(target, drafter, anchors, pos, keys, samp, dk, dv, bias, use_bias, mode):
+    """Next block for every row: ``[R, G]`` tokens, raw confidence logits and, in rejection
+    mode, ``[R, G, V]`` q (else None).
+
+    Draft position ``k`` predicts the token after position ``pos + k``. Coupled mode draws it
+    with the key the target samples that token with (``fold_in(request_key, pos + k)``, shared
+    Gumbel noise); rejection mode with an independent key (``fold_in(that, 2)``). The rows'
+    logit bias (``bias = (ids, val, until)``) is added to the base logits, i.e. to q's logits
+    (the Markov correction is additive), exactly as to the target's.
+    """
+    g = drafter.cfg.gamma
+    r_ = anchors.shape[0]
+    block = drafter.draft_block(target, anchors, pos, KVCache(dk, dv))
+    dpos = pos[:, None] + jnp.arange(g, dtype=jnp.int32)
+    if drafter.cfg.draft_vocab_size:  # the table holds target ids; a draft vocabulary's logits are indexed by N
+        b_ids, b_val, b_until = bias
+        d_ids = drafter.draft_index(b_ids)
+        inside = d_ids < drafter.cfg.draft_vocab_size  # ids outside are never drafted anyway
+        bias = (jnp.where(inside, d_ids, 0), jnp.where(inside, b_val, 0.0), b_until)
+    block = block._replace(
+        logits=maybe_bias(
+            use_bias, block.logits, jnp.broadcast_to(jnp.arange(r_, dtype=jnp.int32)[:, None], dpos.shape), dpos, bias
+        )
+    )
+    step_keys = fold(jnp.broadcast_to(keys[:, None], (r_, g, 2)), dpos)
+    if mode == "rejection":
+        step_keys = fold(step_keys, jnp.full(dpos.shape, 2, jnp.int32))
+    d = sample_block(drafter, block, anchors, keys, samp, step_keys=step_keys)
+    return d.tokens.astype(jnp.int32), d.confidence_logit, (d.probs if mode == "rejection" else None)
+
+
+def write_context(drafter, features, row, pos, dk, dv):
+    """Writes the drafter context K/V of ``[K]`` packed tokens (tapped ``features [K, F]``) at
+    ``(row, pos)``; ``pos < 0`` marks padding (nothing written)."""
+    cache = drafter.write_context(KVCache(dk, dv), features, row, pos)
+    return cache.k, cache.v
+
+
+def logprobs(raw_logits, emitted, n_top: int):
+    """Target logprobs (raw mode): ``log_softmax`` of the raw logits ``[K, V]``, the emitted
+    tokens' ``[K]`` logprobs and the ``n_top`` most likely ``(ids, logprobs)`` ``[K, n_top]``."""
+    lsm = jax.nn.log_softmax(raw_logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lsm, jnp.maximum(emitted, 0)[:, None], axis=-1)[:, 0]
+    top_v, top_i = jax.lax.top_k(lsm, n_top)
+    return chosen, top_v, top_i.astype(jnp.int32)
+
+
+# ------------------------------------------------------------------------------ the step
+
+
+class _Packed(NamedTuple):
+    """The ``[K]`` packed tokens of a step: row ``r`` holds its anchor and its first ``ell[r]``
+    drafts at columns ``0 .. ell[r]``; ``pos == -1`` marks padding."""
+
+    act: jax.Array  # [R] bool active rows
+    n: jax.Array  # [R] int32 packed tokens per row (0 when inactive)
+    row: jax.Array  # [K] int32
+    valid: jax.Array  # [K] bool
+    col: jax.Array  # [K] int32
+    anchor: jax.Array  # [R] int32
+    p0: jax.Array  # [R] int32 anchor positions
+    drafts: jax.Array  # [R, G'] int32
+    tok: jax.Array  # [K] int32
+    pos: jax.Array  # [K] int32
+
+
+def _pack(st: DecodeState, ell, active, r_: int, k_: int, width: int, gamma: int) -> _Packed:
+    act = active[:r_]
+    n = jnp.where(act, 1 + jnp.clip(ell[:r_], 0, width - 1), 0)
+    ends = jnp.cumsum(n)
+    starts = ends - n
+    i = jnp.arange(k_, dtype=jnp.int32)
+    row = jnp.minimum(jnp.sum(ends[None, :] <= i[:, None], axis=1), r_ - 1).astype(jnp.int32)
+    valid = i < ends[-1]
+    col = jnp.where(valid, i - starts[row], 0)
+    anchor, p0 = st.anchor[:r_], st.pos[:r_]
+    drafts = st.draft[:r_]
+    tok = anchor[row]
+    if width > 1:
+        tok = jnp.where(col == 0, tok, drafts[row, jnp.clip(col - 1, 0, gamma - 1)])
+    pos = jnp.where(valid, p0[row] + col, -1)
+    return _Packed(act, n, row, valid, col, anchor, p0, drafts, tok, pos)
+
+
+def _verify_packed(st: DecodeState, pk: _Packed, probs, prow, r_: int, width: int, gamma: int, gp: int, mode: str):
+    """``(ypad [R, G'+1], acc [R])``: the target's token at every packed position of each row
+    (-1 where nothing was packed) and the number of accepted drafts."""
+    if width > 1 and mode == "rejection":
+        # Rejection sampling (verifier.verify): p on the [R, G+1] grid; one round key per
+        # row and anchor position, independent of the draft keys (fold_in(., 2)) and of
+        # every other round (anchor positions strictly increase).
+        p_grid = jnp.zeros((r_, gamma + 1, probs.shape[-1]), jnp.float32).at[prow, pk.col].set(probs, mode="drop")
+        vkeys = fold(fold(st.key[:r_], pk.p0), jnp.ones((r_,), jnp.int32))
+        res = verify(vkeys, pk.drafts[:, :gamma], st.qprob[:r_], p_grid, pk.n - 1)
+        return res.tokens, res.num_accepted
+    # Coupled draws (verifier.coupled_accept): the target's own sample at every packed
+    # position with plain decoding's key; drafts were drawn with the same keys.
+    keys = fold(st.key[:r_][pk.row], jnp.maximum(pk.pos, 0))
+    y = sample(keys, probs)
+    ypad = jnp.full((r_, gp + 1), -1, jnp.int32).at[prow, pk.col].set(y, mode="drop")
+    if width > 1:
+        acc = coupled_accept(pk.drafts[:, :gamma], ypad, pk.n - 1).num_accepted
+    else:
+        acc = jnp.zeros((r_,), jnp.int32)
+    return ypad, acc
+
+
+def _packed_logprobs(want_lp, raw_logits, ypad, pk: _Packed, prow, r_: int, gp: int, n_top: int):
+    """Raw target logprobs of every emitted token on the ``[R, G'+1]`` grid (zeros unless
+    ``want_lp``)."""
+
+    def lp_on(_):
+        c, tv, ti = logprobs(raw_logits, ypad[pk.row, pk.col], n_top)
+        return (
+            jnp.zeros((r_, gp + 1), jnp.float32).at[prow, pk.col].set(c, mode="drop"),
+            jnp.zeros((r_, gp + 1, n_top), jnp.float32).at[prow, pk.col].set(tv, mode="drop"),
+            jnp.zeros((r_, gp + 1, n_top), jnp.int32).at[prow, pk.col].set(ti, mode="drop"),
+        )
+
+    def lp_off(_):
+        return (
+            jnp.zeros((r_, gp + 1), jnp.float32),
+            jnp.zeros((r_, gp + 1, n_top), jnp.float32),
+            jnp.zeros((r_, gp + 1, n_top), jnp.int32),
+        )
+
+    # Logprobs cost a log-softmax and a top-k over V per packed token: only when some row
+    # asked (lax.cond: one executable, nothing computed otherwise).
+    return jax.lax.cond(want_lp, lp_on, lp_off, None)
+
+
+def _upkeep_and_draft(target, drafter, st, pk, out, prow, new_anchor, new_pos, new_q, samp_r, bias, flags, mode):
+    """Writes the drafter context of the packed tokens and drafts every active row's next
+    block (under ``lax.cond`` on ``draft_next``; ``flags = (draft_next, use_bias)``; ``new_q``:
+    the rows' current q or None). Returns ``(dk, dv, draft, conf, q)``."""
+    r_ = pk.act.shape[0]
+    draft_next, use_bias = flags
+    dk, dv = write_context(drafter, out.features, prow, pk.pos, st.dk, st.dv)
+
+    def do_draft(_):
+        t, z, q = draft(
+            target, drafter, new_anchor, new_pos, st.key[:r_], samp_r, dk[:, :r_], dv[:, :r_], bias, use_bias, mode
+        )
+        q = None if q is None else jnp.where(pk.act[:, None, None], q, new_q)
+        return jnp.where(pk.act[:, None], t, pk.drafts), jnp.where(pk.act[:, None], z, st.conf[:r_]), q
+
+    new_draft, new_conf, new_q = jax.lax.cond(draft_next, do_draft, lambda _: (pk.drafts, st.conf[:r_], new_q), None)
+    return dk, dv, new_draft, new_conf, new_q
+
+
+def step_program(
+    t_state,
+    d_state,
+    st: DecodeState,
+    ell,
+    active,
+    draft_next,
+    use_bias,
+    want_lp,
+    *,
+    t_graph,
+    d_graph,
+    rows: int,
+    tokens: int,
+    gamma: int,
+    mode: str = "coupled",
+    n_top: int = 20,
+):
+    """One engine step over the first ``rows`` rows with ``tokens`` packed tokens.
+
+    Args:
+      t_state / d_state: the target's / drafter's NNX state (``d_graph`` None: no drafter
+        upkeep, the drafter-less engine's program).
+      st: :class:`DecodeState` (donated).
+      ell: ``[B]`` int32 drafts verified per row; active: ``[B]`` bool.
+      draft_next / use_bias / want_lp: runtime flags (draft the next block; apply the bias
+        tables; compute logprobs).
+      rows / tokens: the bucket ``(R, K)``; ``K == R`` is a plain step.
+      gamma: block size; mode: ``"coupled"`` or ``"rejection"``; n_top: logprob alternatives.
+    Returns:
+      ``(new state, (ypad [R, G'+1] int32, acc [R] int32, finite [R] bool, conf [R, G'] f32,
+      (logprob [R, G'+1], top values, top ids [R, G'+1, n_top])))``.
+    """
+    target = nnx.merge(t_graph, t_state)
+    drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
+    r_, k_ = rows, tokens
+    width = 1 if k_ == r_ else gamma + 1
+    pk = _pack(st, ell, active, r_, k_, width, gamma)
+    taps = drafter.cfg.taps if drafter is not None else ()
+    out = target.forward_packed(
+        pk.tok, pk.row, pk.col, pk.pos, KVCache(st.tk, st.tv), num_rows=r_, width=width, taps=taps
+    )
+
+    bias = (st.bias_ids[:r_], st.bias_val[:r_], st.bias_until[:r_])
+    samp_r = SamplingArrays(st.temperature[:r_], st.top_k[:r_], st.top_p[:r_])
+    samp_k = SamplingArrays(*(a[pk.row] for a in samp_r))
+    probs = process_logits(maybe_bias(use_bias, out.logits, pk.row, pk.pos, bias), samp_k)
+    prow = jnp.where(pk.valid, pk.row, r_)
+    gp = max(gamma, 1)
+    bad = (~logits_are_finite(out.logits)).astype(jnp.int32)
+    finite = jnp.zeros((r_,), jnp.int32).at[prow].max(bad, mode="drop") == 0
+
+    ypad, acc = _verify_packed(st, pk, probs, prow, r_, width, gamma, gp, mode)
+    acc = jnp.where(pk.act, acc, 0)
+    new_anchor = jnp.where(pk.act, jnp.take_along_axis(ypad, acc[:, None], 1)[:, 0], pk.anchor)
+    new_pos = jnp.where(pk.act, pk.p0 + acc + 1, pk.p0)
+    lp = _packed_logprobs(want_lp, out.logits, ypad, pk, prow, r_, gp, n_top)
+
+    dk, dv, new_draft, new_conf = st.dk, st.dv, pk.drafts, st.conf[:r_]
+    new_q = st.qprob[:r_] if st.qprob is not None else None
+    if drafter is not None:
+        dk, dv, new_draft, new_conf, new_q = _upkeep_and_draft(
+            target, drafter, st, pk, out, prow, new_anchor, new_pos, new_q, samp_r, bias, (draft_next, use_bias), mode
+        )
+
+    new_st = st._replace(
+        tk=out.cache.k,
+        tv=out.cache.v,
+        dk=dk,
+        dv=dv,
+        anchor=st.anchor.at[:r_].set(new_anchor),
+        pos=st.pos.at[:r_].set(new_pos),
+        draft=st.draft.at[:r_].set(new_draft),
+        conf=st.conf.at[:r_].set(new_conf),
+        qprob=st.qprob if (st.qprob is None or drafter is None) else st.qprob.at[:r_].set(new_q),
+    )
+    return new_st, (ypad, acc, finite, new_conf, lp)
+
+
+# ------------------------------------------------------------------------------ other programs
+
+
+def catchup_program(t_state, d_state, st: DecodeState, tok, row, col, pos, *, t_graph, d_graph, rows: int, width: int):
+    """Rebuilds the drafter context KV of skipped positions (see :meth:`Engine._catch_up`).
+
+    ``tok/row/col/pos`` ``[rows * width]`` pack up to ``width`` already-confirmed tokens per
+    row (``pos == -1``: padding). The target cache already holds every position below each
+    row's anchor, so one packed target pass with taps gives the same features those tokens
+    had; their (recomputed, identical) target keys/values are written back in place.
+    """
+    target = nnx.merge(t_graph, t_state)
+    drafter = nnx.merge(d_graph, d_state)
+    out = target.forward_packed(
+        tok, row, col, pos, KVCache(st.tk, st.tv), num_rows=rows, width=width, taps=drafter.cfg.taps
+    )
+    dk, dv = write_context(drafter, out.features, row, pos, st.dk, st.dv)
+    return st._replace(tk=out.cache.k, tv=out.cache.v, dk=dk, dv=dv)
+
+
+def _prefill_drafter(target, drafter, out, tok, pos, prompt_len, key, samp, bias, do_draft, do_context, init, mode):
+    """The drafter part of prefill: its context (skipped while suspended) and optionally the
+    first block. Returns ``(dk, dv, draft, conf, q)``."""
+    p_len = pos.shape[1]
+    empty = drafter.init_cache(1, p_len)
+    # The drafter context is skipped (lax.cond, one executable) while the drafter is
+    # suspended; drafting implies context.
+    dc = jax.lax.cond(
+        do_context | do_draft,
+        lambda _: drafter.extend_cache(empty, out.features, jnp.where(pos < prompt_len, pos, -1)),
+        lambda _: empty,
+        None,
+    )
+    dk, dv = dc.k, dc.v
+    # Drafting the first block costs a drafter pass plus gamma LM-head rows; skipped (under
+    # lax.cond, one executable) while the scheduler is not drafting.
+    d, conf, q = jax.lax.cond(
+        do_draft,
+        lambda _: draft(target, drafter, tok, prompt_len[None], key[None], samp, dk, dv, bias, jnp.bool_(True), mode),
+        lambda _: init,
+        None,
+    )
+    return dk, dv, d, conf, q
+
+
+def prefill_program(
+    t_state,
+    d_state,
+    tokens,
+    prompt_len,
+    seed,
+    temperature,
+    top_k,
+    top_p,
+    do_draft,
+    do_context,
+    bias_ids,
+    bias_val,
+    bias_until,
+    *,
+    t_graph,
+    d_graph,
+    gamma: int,
+    mode: str = "coupled",
+    n_top: int = 20,
+):
+    """Prefill of one request: caches, the first token (biased like every later one), its
+    raw target logprobs (one row: always computed, cheap) and optionally the first block.
+
+    ``tokens [1, P]`` int32 (the prompt padded to the bucket), ``prompt_len`` / ``seed`` /
+    ``top_k`` int32, ``temperature`` / ``top_p`` float32, ``do_draft`` / ``do_context`` bool,
+    ``bias_* [NB]``. Returns ``(PrefixArrays, finite [] bool, (logprob [1], top values, top
+    ids [1, n_top]))``.
+    """
+    target = nnx.merge(t_graph, t_state)
+    drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
+    p_len = tokens.shape[1]
+    pos = jnp.arange(p_len, dtype=jnp.int32)[None]
+    key = jax.random.PRNGKey(seed)
+    taps = drafter.cfg.taps if drafter is not None else ()
+    out = target(tokens, pos, target.init_cache(1, p_len), taps=taps, logit_index=prompt_len[None] - 1)
+    samp = SamplingArrays(temperature[None], top_k[None], top_p[None])
+    bias = (bias_ids[None], bias_val[None], bias_until[None])
+    zero = jnp.zeros((1,), jnp.int32)
+    logits = apply_bias(out.logits, zero, prompt_len[None] - 1, *bias)
+    tok = sample(
+        jax.random.fold_in(key, (prompt_len - 1).astype(jnp.uint32))[None], process_logits(logits, samp)
+    ).astype(jnp.int32)
+    lp = logprobs(out.logits, tok, n_top)
+    finite = logits_are_finite(out.logits)[0]
+    gp = max(gamma, 1)
+    dk = dv = None
+    d, conf = jnp.zeros((1, gp), jnp.int32), jnp.zeros((1, gp), jnp.float32)
+    q = jnp.zeros((1, gamma, target.cfg.vocab_size), jnp.float32) if (mode == "rejection" and gamma) else None
+    if drafter is not None:
+        dk, dv, d, conf, q = _prefill_drafter(
+            target, drafter, out, tok, pos, prompt_len, key, samp, bias, do_draft, do_context, (d, conf, q), mode
+        )
+    return (
+        PrefixArrays(out.cache.k, out.cache.v, dk, dv, key, tok[0], d[0], conf[0], None if q is None else q[0]),
+        finite,
+        lp,
+    )
+
+
+def insert_program(
+    st: DecodeState, pre: PrefixArrays, row, pos, temperature, top_k, top_p, bias_ids, bias_val, bias_until
+) -> DecodeState:
+    """Writes a prefilled request (``pre``) into row ``row`` (its anchor at position ``pos``)."""
+    z = jnp.int32(0)
+
+    def put(cache, part):
+        return (
+            None if cache is None else jax.lax.dynamic_update_slice(cache, part.astype(cache.dtype), (z, row, z, z, z))
+        )
+
+    return DecodeState(
+        tk=put(st.tk, pre.tk),
+        tv=put(st.tv, pre.tv),
+        dk=put(st.dk, pre.dk),
+        dv=put(st.dv, pre.dv),
+        anchor=st.anchor.at[row].set(pre.token),
+        pos=st.pos.at[row].set(pos),
+        key=st.key.at[row].set(pre.key),
+        temperature=st.temperature.at[row].set(temperature),
+        top_k=st.top_k.at[row].set(top_k),
+        top_p=st.top_p.at[row].set(top_p),
+        draft=st.draft.at[row].set(pre.draft),
+        conf=st.conf.at[row].set(pre.conf),
+        bias_ids=st.bias_ids.at[row].set(bias_ids),
+        bias_val=st.bias_val.at[row].set(bias_val),
+        bias_until=st.bias_until.at[row].set(bias_until),
+        qprob=None if st.qprob is None else st.qprob.at[row].set(pre.qprob),
+    )
+
+
+def move_program(st: DecodeState, src, dst) -> DecodeState:
+    """Copies row ``src`` of every field into row ``dst`` (freeing a slot moves the last
+    active row into the hole). The row axis is found by field name: 1 for the KV caches
+    (``[L, B, S, kvh, hd]``), 0 for everything else."""
+
+    def mv(x, axis) -> Any:
+        if x is None:
+            return None
+        part = jax.lax.dynamic_slice_in_dim(x, src, 1, axis)
+        return jax.lax.dynamic_update_slice_in_dim(x, part, dst, axis)
+
+    return type(st)(**{f: mv(x, 1 if f in CACHE_FIELDS else 0) for f, x in st._asdict().items()})
+
+
+# ------------------------------------------------------------------------------ compiled programs
+
+
+class ProgramCache:
+    """A least-recently-used cache of compiled executables.
+
+    Args:
+      max_size: executables kept (>= 1); the least recently used one is dropped beyond it
+        (it is compiled again if needed). The default is generous: an engine compiles about
+        ``row buckets x (token budgets + 2) + 2 x prefill buckets + 1`` programs per policy.
+
+    Raises:
+      ValueError: ``max_size < 1``.
+    """
+
+    def __init__(self, max_size: int = 512):
+        if max_size < 1:
+            raise ValueError(f"max_size must be >= 1, got {max_size}")
+        self.max_size = int(max_size)
+        self._exes: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+        self._signatures: dict[Hashable, int] = {}
+
+    def intern(self, signature: Hashable) -> int:
+        """A small id for an engine signature (hashed once, not at every lookup)."""
+        return self._signatures.setdefault(signature, len(self._signatures))
+
+    def get(self, key: Hashable) -> Any:
+        """The executable of ``key`` (now the most recently used), or None."""
+        exe = self._exes.get(key)
+        if exe is not None:
+            self._exes.move_to_end(key)
+        return exe
+
+    def put(self, key: Hashable, exe: Any) -> None:
+        """Stores ``exe``, dropping the least recently used executables beyond ``max_size``."""
+        self._exes[key] = exe
+        self._exes.move_to_end(key)
+        while len(self._exes) > self.max_size:
+            self._exes.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._exes)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._exes
+
+    def clear(self) -> None:
+        """Drops every executable."""
+        self._exes.clear()

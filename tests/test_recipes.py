@@ -1,0 +1,142 @@
+"""Recipes: the packaged ``dspark_jax/recipes/*.yaml`` are the only preset definitions; every one
+loads, round-trips through a config file, and ``--preset NAME``, ``--config NAME`` and
+``--config PATH`` give the same config."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dspark_jax.errors import DSparkInputError
+from dspark_jax.training.cli import build_parser, load_config
+from dspark_jax.training.recipes import TRAIN_PRESETS, load_config_file, load_recipe, recipe_names
+from dspark_jax.training.trainer import TrainConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The presets as they were defined in Python before the YAML files became their only source
+# (fields that differ from TrainConfig's defaults): the recipes must still give exactly these.
+_QWEN3 = dict(
+    prompts="chat",
+    variant="dspark",
+    gamma=7,
+    num_layers=5,
+    markov_rank=256,
+    taps=(1, 9, 17, 25, 33),
+    num_prompts=100_000,
+    num_eval_prompts=32,
+    gen_max_new_tokens=1536,
+    gen_temperature=0.7,
+    gen_top_p=0.8,
+    gen_batch_size=256,
+    gen_shard_size=4096,
+    seq_len=2048,
+    steps=10_000,
+    batch_size=64,
+    anchors_per_seq=64,
+    learning_rate=6e-4,
+    dtype="bfloat16",
+    remat=True,
+    log_every=50,
+    ckpt_every=500,
+    eval_max_new_tokens=512,
+)
+LEGACY_PRESETS = {
+    "stories260k": TrainConfig(drafter_width=128, steps=1100, feature_cache="auto"),
+    "smollm2-135m-instruct": TrainConfig(
+        target="smollm2-135m-instruct",
+        workdir="runs/smollm2-135m-instruct",
+        prompts="chat",
+        markov_rank=128,
+        num_prompts=512,
+        num_eval_prompts=16,
+        gen_max_new_tokens=160,
+        gen_batch_size=16,
+        seq_len=256,
+        steps=600,
+        batch_size=8,
+        learning_rate=1e-3,
+        eval_max_new_tokens=96,
+    ),
+    "qwen3-4b": TrainConfig(target="qwen3-4b", workdir="runs/qwen3-4b", grad_accum_steps=4, **_QWEN3),
+    "qwen3-8b": TrainConfig(target="qwen3-8b", workdir="runs/qwen3-8b", grad_accum_steps=8, **_QWEN3),
+}
+
+
+def _args(*argv: str):
+    return build_parser().parse_args(list(argv))
+
+
+def test_every_packaged_yaml_is_a_recipe():
+    on_disk = sorted(p.stem for p in (REPO / "dspark_jax" / "recipes").glob("*.yaml"))
+    assert recipe_names() == on_disk and sorted(TRAIN_PRESETS) == on_disk
+    assert set(LEGACY_PRESETS) <= set(on_disk)
+
+
+@pytest.mark.parametrize("name", sorted(LEGACY_PRESETS))
+def test_recipe_equals_the_former_python_preset(name):
+    assert TRAIN_PRESETS[name] == load_recipe(name) == LEGACY_PRESETS[name]
+
+
+def test_dflash_recipe_inherits_stories260k():
+    want = dataclasses.replace(TRAIN_PRESETS["stories260k"], workdir="runs/stories260k-dflash", variant="dflash")
+    assert TRAIN_PRESETS["stories260k-dflash"] == want
+
+
+@pytest.mark.parametrize("name", recipe_names())
+def test_recipe_loads_and_round_trips(name, tmp_path):
+    """Every recipe -> TrainConfig -> YAML / JSON file of all its keys -> the same TrainConfig,
+    whatever preset the file is applied over; --preset, --config NAME and --config PATH agree."""
+    cfg = TRAIN_PRESETS[name]
+    assert isinstance(cfg, TrainConfig) and isinstance(cfg.taps, tuple)
+    keys = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()}
+    (tmp_path / "all.yaml").write_text(yaml.safe_dump(keys))
+    (tmp_path / "all.json").write_text(json.dumps(keys))
+    for base in (None, "qwen3-8b", "stories260k"):
+        assert load_config_file(str(tmp_path / "all.yaml"), base) == cfg
+        assert load_config_file(str(tmp_path / "all.json"), base) == cfg
+    packaged = str(REPO / "dspark_jax" / "recipes" / f"{name}.yaml")
+    assert load_config(_args("--preset", name)) == cfg
+    assert load_config(_args("--config", name)) == cfg
+    assert load_config(_args("--config", f"{name}.yaml")) == cfg
+    assert load_config(_args("--config", packaged)) == cfg
+
+
+def test_config_file_over_presets_and_overrides(tmp_path):
+    f = tmp_path / "mine.yaml"
+    f.write_text("preset: smollm2-135m-instruct\nsteps: 7\n")
+    assert load_config(_args("--config", str(f))) == dataclasses.replace(
+        TRAIN_PRESETS["smollm2-135m-instruct"], steps=7
+    )
+    # --preset wins over the file's preset: key; key=value overrides come last.
+    assert load_config(_args("--preset", "qwen3-4b", "--config", str(f), "steps=9")) == dataclasses.replace(
+        TRAIN_PRESETS["qwen3-4b"], steps=9
+    )
+    # No preset anywhere: the default recipe.
+    (tmp_path / "plain.yaml").write_text("steps: 3\n")
+    assert load_config(_args("--config", str(tmp_path / "plain.yaml"))) == dataclasses.replace(
+        TRAIN_PRESETS["stories260k"], steps=3
+    )
+    assert load_config(_args()) == TRAIN_PRESETS["stories260k"]
+
+
+def test_bad_config_sources_are_input_errors(tmp_path):
+    with pytest.raises(DSparkInputError, match="config file not found"):
+        load_config(_args("--config", "no-such-recipe"))
+    with pytest.raises(DSparkInputError, match="config file not found"):
+        load_config(_args("--config", str(tmp_path / "missing.yaml")))
+    (tmp_path / "bad.yaml").write_text("preset: nope\n")
+    with pytest.raises(DSparkInputError, match="unknown preset 'nope'"):
+        load_config(_args("--config", str(tmp_path / "bad.yaml")))
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(DSparkInputError, match="expected a mapping"):
+        load_config(_args("--config", str(tmp_path / "list.yaml")))
+    (tmp_path / "key.yaml").write_text("no_such_key: 1\n")
+    with pytest.raises(DSparkInputError, match="unknown config key"):
+        load_config(_args("--config", str(tmp_path / "key.yaml")))
+    with pytest.raises(DSparkInputError, match="unknown recipe"):
+        load_recipe("no-such-recipe")
