@@ -9,7 +9,7 @@ today (``tests/test_drafters.py`` loads it and checks a greedy draft pinned when
 
 The drafter: DSpark, gated Markov head (the 2-input gate of format 2's ``"gated"``), rank 4,
 one backbone layer, block size 3, taps (0, 2), calibrated confidences; for the target
-``TINY_TARGET`` below (V = 16, H = 8, 3 layers). About 20 KB on disk.
+``TINY_TARGET`` below (V = 16, H = 8, 3 layers). About 15 KB on disk.
 
 Run: ``python tests/data/make_tiny_export.py`` (from the repository root).
 """
