@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from test_trainer import CFG, TCFG, _target
+from tiny import TINY_TARGET, tiny_target, tiny_train_config
 
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.training.losses import drafter_loss, finalize_loss, loss_sums, sample_anchors
@@ -34,7 +34,7 @@ STEPS = 2
 def global_batch(n=16, length=40, seed=0):
     """Rows of very different lengths per device: a mean of per-device means would be wrong."""
     rng = np.random.default_rng(seed)
-    toks = rng.integers(3, TCFG.vocab_size, (n, length)).astype(np.int32)
+    toks = rng.integers(3, TINY_TARGET.vocab_size, (n, length)).astype(np.int32)
     lens = np.where(np.arange(n) < n // 2, rng.integers(8, 12, n), length).astype(np.int32)
     return {"tokens": toks, "lengths": lens, "prompt_lengths": np.full(n, 4, np.int32)}
 
@@ -65,8 +65,10 @@ def max_diffs(a, b):
 def main():
     assert jax.device_count() == N_DEV, jax.devices()
     out = {"devices": jax.device_count()}
-    cfg = dataclasses.replace(CFG, batch_size=16)
-    target = _target()
+    cfg = tiny_train_config(
+        steps=6, batch_size=16, anchors_per_seq=4, learning_rate=1e-2, ckpt_every=3, keep_checkpoints=2
+    )
+    target = tiny_target()
     one = Mesh(np.array(jax.devices()[:1]), ("data",))
     eight = Mesh(np.array(jax.devices()), ("data",))
 

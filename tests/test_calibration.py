@@ -7,7 +7,6 @@ DESIGN.md "Training" (last bullet) and "Metrics"; paper Appendix A5.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 
@@ -16,50 +15,32 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tiny import tiny_data, tiny_drafter, tiny_target, tiny_train_config
 
-from dspark_jax.config import TargetConfig
 from dspark_jax.drafters.checkpoint import export_drafter, load_drafter
-from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.drafters.markov import sample_block
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.evaluation import reliability as R
 from dspark_jax.models.sampling import sampling_arrays
-from dspark_jax.models.target import Target, random_params
 from dspark_jax.training import calibration as C
 from dspark_jax.training.losses import drafter_loss, sample_anchors
-from dspark_jax.training.trainer import TrainConfig, drafter_config
 
-TCFG = TargetConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    max_position=128,
-    name="tiny",
-)
-CFG = TrainConfig(gamma=4, num_layers=1, markov_rank=8, anchors_per_seq=6)
-
-
-@functools.cache
-def _tiny_target():
-    return Target(TCFG, random_params(TCFG, seed=1, scale=0.2), fingerprint="tinyfp")
+CFG = tiny_train_config(anchors_per_seq=6)
 
 
 @functools.cache
 def _tiny_drafter(variant):
-    d = Drafter(drafter_config(dataclasses.replace(CFG, variant=variant), _tiny_target()), nnx.Rngs(0))
+    d = tiny_drafter(_target(), variant, train=CFG)
     if d.cfg.has_confidence:  # a confidence head that actually varies
         rng = np.random.default_rng(0)
         d.conf_w[...] = jnp.asarray(rng.standard_normal(d.conf_w[...].shape).astype(np.float32) * 0.5)
     return d
 
 
+@functools.cache
 def _target():
     """The tiny target (built once: eager initialisation is slow on CPU); read-only."""
-    return _tiny_target()
+    return tiny_target()
 
 
 def _drafter(target, variant="dspark"):
@@ -68,12 +49,7 @@ def _drafter(target, variant="dspark"):
 
 
 def _data(n=6, length=40, seed=0):
-    rng = np.random.default_rng(seed)
-    return {
-        "tokens": rng.integers(3, TCFG.vocab_size, (n, length)).astype(np.int32),
-        "lengths": rng.integers(length // 2, length + 1, n).astype(np.int32),
-        "prompt_lengths": np.full(n, 4, np.int32),
-    }
+    return tiny_data(n, length, seed)
 
 
 # ======================================================================================

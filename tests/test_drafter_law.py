@@ -20,17 +20,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tiny import LAW_TARGET, law_target
 
-from dspark_jax.config import DrafterConfig, TargetConfig
+from dspark_jax.config import DrafterConfig
 from dspark_jax.decoding.verifier import verify
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.drafters.markov import sample_block
 from dspark_jax.models.sampling import process_logits, sampling_arrays
-from dspark_jax.models.target import Target, random_params
 
 pytestmark = pytest.mark.exactness
 
-V, G, N = 6, 3, 200_000
+V, G, N = LAW_TARGET.vocab_size, 3, 200_000
 CTX = [1, 4, 2, 5]  # prompt; its last token is the anchor of the round
 SETTINGS = [
     dict(temperature=0.5, top_k=0, top_p=1.0),
@@ -43,20 +43,8 @@ SETTINGS = [
 
 @pytest.fixture(scope="module")
 def models():
-    tcfg = TargetConfig(
-        vocab_size=V,
-        hidden_size=16,
-        intermediate_size=32,
-        num_layers=3,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=8,
-        max_position=32,
-        tie_embeddings=False,
-        name="law",
-    )
-    target = Target(tcfg, random_params(tcfg, seed=7, scale=0.4))
-    dcfg = DrafterConfig.for_target(tcfg, gamma=G, num_layers=1, markov_rank=4, taps=(0, 1))
+    target = law_target()
+    dcfg = DrafterConfig.for_target(target.cfg, gamma=G, num_layers=1, markov_rank=4, taps=(0, 1))
     drafter = Drafter(dcfg, nnx.Rngs(1))
     rng = np.random.default_rng(0)
     # Flatten the backbone's logits so proposals overlap the target (accepts and rejects both

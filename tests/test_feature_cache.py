@@ -10,41 +10,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tiny import TINY_TARGET, tiny_data, tiny_target, tiny_train_config
 
-from dspark_jax.config import TargetConfig
 from dspark_jax.drafters.build import build_drafter
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.models.target import Target, random_params
+from dspark_jax.models.target import Target
 from dspark_jax.training.data import batches
 from dspark_jax.training.feature_cache import MANIFEST, build_feature_cache, ensure_feature_cache, open_feature_cache
 from dspark_jax.training.losses import loss_sums, sample_anchors
 from dspark_jax.training.trainer import TrainConfig, Trainer, drafter_config
 
-TCFG = TargetConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    max_position=128,
-    name="tiny",
-)
-CFG = TrainConfig(
-    steps=4, batch_size=4, anchors_per_seq=4, gamma=4, num_layers=1, markov_rank=8, learning_rate=1e-2, ckpt_every=100
-)
+TCFG = TINY_TARGET
+CFG = tiny_train_config(steps=4, batch_size=4, anchors_per_seq=4, learning_rate=1e-2, ckpt_every=100)
 
 
 def _data(n=12, length=24, seed=0):
-    rng = np.random.default_rng(seed)
-    toks = rng.integers(3, TCFG.vocab_size, (n, length)).astype(np.int32)
-    lens = rng.integers(length // 2, length + 1, n).astype(np.int32)
-    return {"tokens": toks, "lengths": lens, "prompt_lengths": np.full(n, 3, np.int32)}
-
-
-def _target(seed=1, fingerprint="tinyfp"):
-    return Target(TCFG, random_params(TCFG, seed=seed, scale=0.2), fingerprint=fingerprint)
+    return tiny_data(n, length, seed, prompt_len=3)
 
 
 def _cfg(variant):
@@ -54,7 +35,7 @@ def _cfg(variant):
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """A float32 cache over the union of the DSpark (default) and Eagle3 taps of the tiny target."""
-    target, data = _target(), _data()
+    target, data = tiny_target(), _data()
     taps = sorted({t for v in ("dspark", "eagle3") for t in drafter_config(_cfg(v), target).taps})
     d = tmp_path_factory.mktemp("fc") / "cache"
     return target, data, build_feature_cache(d, target, data, taps, batch_size=5, progress=False)
@@ -151,7 +132,7 @@ def test_mismatched_cache_is_refused_or_extended(built, tmp_path):
     with pytest.raises(DSparkInputError, match="tokens_sha256"):
         ensure_feature_cache(d, target, _data(seed=5), (1,), progress=False)
     with pytest.raises(DSparkInputError, match="target_fingerprint"):
-        ensure_feature_cache(d, _target(seed=2, fingerprint="other"), data, (1,), progress=False)
+        ensure_feature_cache(d, tiny_target(seed=2, fingerprint="other"), data, (1,), progress=False)
     with pytest.raises(DSparkInputError, match="not a feature cache"):
         (tmp_path / "junk").mkdir()
         (tmp_path / "junk" / "x.txt").write_text("x")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +83,9 @@ def export_drafter(
         shutil.rmtree(path)
     path.mkdir(parents=True)
     params = nnx.state(drafter, nnx.Param)
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(path / "params", nnx.to_pure_dict(params))
-    ckptr.wait_until_finished()
+    with ocp.StandardCheckpointer() as ckptr:  # closing it stops its background save thread
+        ckptr.save(path / "params", nnx.to_pure_dict(params))
+        ckptr.wait_until_finished()
     meta = {
         "format": FORMAT,
         "config": drafter.cfg.to_dict(),
@@ -162,7 +163,9 @@ def load_drafter(path: str | Path, dtype: Any = None) -> tuple[Drafter, dict[str
     if not (path / "params").exists():
         raise DSparkInputError(f"{path} has no params/ folder: the export is incomplete")
     try:
-        restored = ocp.StandardCheckpointer().restore(path / "params", target_tree)
+        with ocp.StandardCheckpointer() as ckptr:
+            check_stored_shapes(lambda: ckptr.metadata(path / "params"), target_tree)
+            restored = ckptr.restore(path / "params", target_tree)
     except Exception as e:  # orbax raises many types for corrupt/mismatched trees
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DSparkInputError(f"cannot restore drafter parameters from {path}/params: {msg}") from None
@@ -184,3 +187,33 @@ def load_drafter(path: str | Path, dtype: Any = None) -> tuple[Drafter, dict[str
         except (TypeError, ValueError) as e:
             raise DSparkInputError(f"{path}/drafter.json has an invalid draft vocabulary: {e}") from None
     return drafter, meta
+
+
+def check_stored_shapes(read_metadata: Callable[[], Any], target_tree: Any) -> None:
+    """Refuses a checkpoint whose arrays differ in name or shape from ``target_tree``'s, from its
+    metadata alone (no array is read).
+
+    Args:
+      read_metadata: returns the checkpoint's orbax tree metadata (``ArrayMetadata`` leaves with
+        ``.shape``); when it raises or returns None the check is skipped and the restore decides.
+      target_tree: the tree to restore into (leaves with ``.shape``).
+    Raises:
+      ValueError: names the mismatched arrays. Checked before restoring because orbax abandons
+        its other pending reads when one fails, and they surface later (at garbage collection or
+        interpreter exit) as unraisable-exception tracebacks.
+    """
+    try:
+        stored = read_metadata()
+        stored = getattr(stored, "item_metadata", stored)
+        have = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(stored)}
+    except Exception:  # no readable metadata (or a layout this check does not know): the restore decides
+        return
+    if not have:
+        return
+    want = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(target_tree)}
+    bad = sorted(k for k in have.keys() | want.keys() if have.get(k) != want.get(k))
+    if bad:
+        k = bad[0]
+        raise ValueError(
+            f"{len(bad)} array(s) differ from the config, e.g. {k}: stored {have.get(k)}, config {want.get(k)}"
+        )

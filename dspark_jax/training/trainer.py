@@ -66,6 +66,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dspark_jax.config import DrafterConfig, TargetConfig
+from dspark_jax.drafters.checkpoint import check_stored_shapes
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import sharding as shd
 from dspark_jax.models.target import Target
@@ -395,7 +396,7 @@ def _train_step(
             grads, sums = _accumulate(grad_fn, params, (tokens, lengths, anchors, cached), mesh, n_micro)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, finalize_loss(sums), optax.global_norm(grads)
+        return params, opt_state, finalize_loss(sums), optax.tree.norm(grads)
 
     return step
 
@@ -545,6 +546,7 @@ class Trainer:
         failed: list[tuple[int, str]] = []
         for step in sorted(mgr.all_steps(), reverse=True):
             try:
+                check_stored_shapes(lambda s=step: mgr.item_metadata(s)["params"], abstract["params"])
                 state = mgr.restore(step, args=ocp.args.StandardRestore(abstract))
             except Exception as e:  # orbax raises many types for damaged or mismatched checkpoints
                 failed.append((step, (str(e).splitlines() or [type(e).__name__])[0][:300]))
