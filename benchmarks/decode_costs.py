@@ -59,7 +59,7 @@ def read_bandwidth_gb_s(gib: float = 1.0, repeats: int = 5) -> float:
 def random_drafter(target, preset: str, draft_vocab_size: int, seed: int = 0):
     """The preset's drafter architecture with random weights (costs do not depend on values).
     With a draft vocabulary, its ids are the ``draft_vocab_size`` lowest (any ids cost the same)."""
-    from dspark_jax.drafters.dspark import build_drafter
+    from dspark_jax.drafters.build import build_drafter
     from dspark_jax.models.presets import canonical_preset
     from dspark_jax.training.recipes import TRAIN_PRESETS
     from dspark_jax.training.trainer import TrainConfig, drafter_config

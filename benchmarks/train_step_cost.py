@@ -31,7 +31,7 @@ from flax import nnx
 def main(argv: list[str] | None = None) -> int:
     from dspark_jax.api import load_target
     from dspark_jax.config import apply_overrides
-    from dspark_jax.drafters.dspark import build_drafter
+    from dspark_jax.drafters.build import build_drafter
     from dspark_jax.models.presets import canonical_preset
     from dspark_jax.training.data import batches, draft_vocabulary, load_shards
     from dspark_jax.training.recipes import TRAIN_PRESETS

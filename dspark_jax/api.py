@@ -17,7 +17,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
-from dspark_jax.decoding.validation import check_compatible, check_sampling, resolve_num_speculative_tokens
+from dspark_jax.decoding.validation import check_sampling, resolve_num_speculative_tokens
+from dspark_jax.drafters.base import BlockDrafter, check_compatible
 from dspark_jax.drafters.checkpoint import load_drafter
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.errors import DSparkInputError
@@ -129,7 +130,7 @@ def generate_text(
             num_speculative_tokens,
             gamma,
             drafter.cfg.gamma,
-            default="auto" if drafter.cfg.variant != "eagle3" else None,
+            default="auto" if isinstance(drafter, BlockDrafter) else None,  # "auto" reads block confidences
         )
         res = generate_speculative(target, drafter, [ids], num_speculative_tokens=n_spec, **kw)
     else:

@@ -264,8 +264,8 @@ def test_serve_cli_refuses_eagle3_drafter_in_one_line(stories260k, tmp_path, cap
     from flax import nnx
 
     from dspark_jax.config import DrafterConfig
+    from dspark_jax.drafters.build import build_drafter
     from dspark_jax.drafters.checkpoint import export_drafter
-    from dspark_jax.drafters.dspark import build_drafter
     from dspark_jax.drafters.eagle import eagle_taps
     from dspark_jax.models.weights import params_fingerprint
     from dspark_jax.serving.cli import main

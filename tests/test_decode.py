@@ -30,7 +30,7 @@ from flax import nnx
 
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
-from dspark_jax.decoding.validation import check_compatible
+from dspark_jax.drafters.base import check_compatible
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.sampling import process_logits, sampling_arrays

@@ -23,7 +23,7 @@ from flax import nnx
 
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
-from dspark_jax.drafters.dspark import build_drafter
+from dspark_jax.drafters.build import build_drafter
 from dspark_jax.drafters.eagle import EagleCache, EagleDrafter, eagle_taps
 from dspark_jax.models.sampling import sampling_arrays
 from dspark_jax.models.target import Target, random_params

@@ -611,7 +611,7 @@ def test_new_sampling_params_are_validated(engine):
 
 
 def test_eagle3_drafter_is_refused_at_start(target):
-    from dspark_jax.drafters.dspark import build_drafter
+    from dspark_jax.drafters.build import build_drafter
     from dspark_jax.drafters.eagle import eagle_taps
 
     cfg = DrafterConfig.for_target(

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from tiny import TINY_TARGET, tiny_data, tiny_target, tiny_train_config
 
-from dspark_jax.drafters.dspark import build_drafter
+from dspark_jax.drafters.build import build_drafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.target import Target
 from dspark_jax.training.data import batches

@@ -14,15 +14,17 @@ For every variant, on a tiny random target (V = 6) with every head weight random
 from __future__ import annotations
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
 from dspark_jax.config import DrafterConfig, TargetConfig
-from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.drafters.markov import sample_block
 from dspark_jax.models.sampling import process_logits, sampling_arrays
 from dspark_jax.models.target import Target, random_params
@@ -49,13 +51,14 @@ def target():
     return Target(tcfg, random_params(tcfg, seed=7, scale=0.4))
 
 
-def make_drafter(target, head, seed=1) -> Drafter:
+def make_drafter(target, head, seed=1) -> DSparkDrafter:
     cfg = DrafterConfig.for_target(target.cfg, gamma=G, num_layers=1, markov_rank=4, taps=(0, 1), markov_head=head)
-    d = Drafter(cfg, nnx.Rngs(seed))
+    d = DSparkDrafter(cfg, nnx.Rngs(seed))
     rng = np.random.default_rng(seed)
     d.final_norm[...] = jnp.full(d.final_norm.shape, 0.05, jnp.float32)  # flat base logits: the head dominates
     for name in ("markov_w2", "conf_w", "markov_gate_w", "markov_rnn_wx", "markov_rnn_wh", "markov_rnn_b"):
-        var = getattr(d, name)
+        # the head's weights live on its module: markov_<x> is markov_head.<x>
+        var = getattr(d.markov_head, name[len("markov_") :], None) if name.startswith("markov_") else getattr(d, name)
         if var is not None:
             var[...] = jnp.asarray(rng.normal(size=var[...].shape) * (1.5 if name == "markov_w2" else 1.0), jnp.float32)
     return d
@@ -186,14 +189,26 @@ def test_format1_export_loads_under_its_versioned_head_name(target, head, tmp_pa
     d = make_drafter(target, head + "_v0")
     path = export_drafter(d, tmp_path / head)
     meta = json.loads((path / "drafter.json").read_text())
-    meta["format"], meta["config"]["markov_head"] = "dspark_jax.drafters.dspark/1", head
+    meta["format"], meta["config"]["markov_head"] = "dspark_jax.drafter/1", head
     (path / "drafter.json").write_text(json.dumps(meta))
+    _rewrite_params_in_format1_layout(path)
     loaded, _ = load_drafter(path)
     assert loaded.cfg.markov_head == head + "_v0"
     blk = block_of(target, d, 4)
     keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(4, dtype=jnp.uint32))
     run = lambda m: sample_block(m, blk, jnp.full((4,), CTX[-1], jnp.int32), keys, sampling_arrays(4, 1.0))
     np.testing.assert_array_equal(run(d).probs, run(loaded).probs)
+
+
+def _rewrite_params_in_format1_layout(path):
+    """Formats 1 and 2 kept the Markov head's weights at the top level (``markov_w1``, ...)."""
+    ckptr = ocp.StandardCheckpointer()
+    tree = ckptr.restore(path / "params")
+    head = tree.pop("markov_head")
+    tree.update({"markov_" + k: v for k, v in head.items()})
+    shutil.rmtree(path / "params")
+    ckptr.save(path / "params", tree)
+    ckptr.wait_until_finished()
 
 
 def test_reference_maths(target):
@@ -203,21 +218,23 @@ def test_reference_maths(target):
     prev = np.array([3, 5], np.int32)
     sig = lambda z: 1 / (1 + np.exp(-z))
     d = make_drafter(target, "gated")
-    e = np.asarray(d.markov_w1[...])[prev]
-    g = sig(np.concatenate([h, e], -1) @ np.asarray(d.markov_gate_w[...]) + np.asarray(d.markov_gate_b[...]))
+    e = np.asarray(d.markov_head.w1[...])[prev]
+    g = sig(np.concatenate([h, e], -1) @ np.asarray(d.markov_head.gate_w[...]) + np.asarray(d.markov_head.gate_b[...]))
     _, _, bias = d.markov_step(None, jnp.asarray(prev), jnp.asarray(h))
-    np.testing.assert_allclose(bias, (g * e) @ np.asarray(d.markov_w2[...]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(bias, (g * e) @ np.asarray(d.markov_head.w2[...]), rtol=1e-5, atol=1e-5)
     d = make_drafter(target, "rnn")
-    r, w, b = 4, np.asarray(d.markov_rnn_wx[...]), np.asarray(d.markov_rnn_b[...])
+    r, w, b = 4, np.asarray(d.markov_head.rnn_wx[...]), np.asarray(d.markov_head.rnn_b[...])
     s = np.zeros((2, r), np.float32)
     state = d.markov_init((2,))
     for _k in range(3):  # three positions, the state carried
-        e = np.asarray(d.markov_w1[...])[prev]
+        e = np.asarray(d.markov_head.w1[...])[prev]
         z = np.concatenate([s, e, h], -1) @ w + b
         u = sig(z[:, :r])
         s = u * s + (1 - u) * np.tanh(z[:, r : 2 * r])
         state, _, bias = d.markov_step(state, jnp.asarray(prev), jnp.asarray(h))
-        np.testing.assert_allclose(bias, np.tanh(z[:, 2 * r :]) @ np.asarray(d.markov_w2[...]), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(
+            bias, np.tanh(z[:, 2 * r :]) @ np.asarray(d.markov_head.w2[...]), rtol=1e-4, atol=1e-4
+        )
 
 
 def test_export_without_markov_head_field_loads_as_vanilla(target, tmp_path):

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.config import DrafterConfig, TargetConfig
-from dspark_jax.drafters.dspark import build_drafter
+from dspark_jax.drafters.build import build_drafter
 from dspark_jax.models.target import Target, random_params
 from dspark_jax.training.trainer import TrainConfig, drafter_config
 

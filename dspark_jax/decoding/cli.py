@@ -115,13 +115,14 @@ def _speculative(args: argparse.Namespace, target, ids: list[int], kw: dict, out
     import jax.numpy as jnp
 
     from dspark_jax.decoding.speculative import generate_speculative
-    from dspark_jax.decoding.validation import check_compatible, resolve_num_speculative_tokens
+    from dspark_jax.decoding.validation import resolve_num_speculative_tokens
+    from dspark_jax.drafters.base import BlockDrafter, check_compatible
     from dspark_jax.drafters.checkpoint import load_drafter
 
     drafter, _ = load_drafter(args.drafter, dtype=jnp.dtype(args.dtype))
     check_compatible(target, drafter)
     block_size = drafter.cfg.gamma
-    default = "auto" if drafter.cfg.variant != "eagle3" else None
+    default = "auto" if isinstance(drafter, BlockDrafter) else None  # "auto" reads block confidences
     n_spec = resolve_num_speculative_tokens(args.num_speculative_tokens, None, block_size, default=default)
     if args.compare_ar:  # warm-up run: the timed runs below then compare steady-state speed
         generate_speculative(target, drafter, [ids], num_speculative_tokens=n_spec, **kw)

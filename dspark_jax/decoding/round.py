@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.decoding.verifier import verify
-from dspark_jax.drafters.markov import Draft, sample_block
+from dspark_jax.drafters.base import BlockDrafter, Draft
+from dspark_jax.drafters.markov import sample_block
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample
 from dspark_jax.models.target import Target
 
@@ -180,10 +181,10 @@ def draft_tokens(
     step_keys: Literal["coupled", "rejection"] | None = None,
     adjust_logits: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
 ) -> Draft:
-    """One drafting round for every row, whatever the drafter kind.
+    """One drafting round for every row, whatever the drafter kind (its ``draft``).
 
     DSpark / DFlash: one parallel backbone pass then the ``lax.scan`` Markov sampler;
-    eagle3: ``block_size`` autoregressive single-token steps (:meth:`EagleDrafter.draft`).
+    eagle3: ``block_size`` autoregressive single-token steps.
 
     Args:
       anchors: ``[B]`` int32 last confirmed tokens; anchor_pos: ``[B]`` int32 their positions.
@@ -197,13 +198,16 @@ def draft_tokens(
         the Markov correction is additive, so q moves exactly as the target's p). Block
         drafters only.
     Returns:
-      :class:`~dspark_jax.drafters.markov.Draft` with ``tokens [B, G]`` and ``probs [B, G, V]``.
+      :class:`~dspark_jax.drafters.base.Draft` with ``tokens [B, G]`` and ``probs [B, G, V]``.
+    Raises:
+      TypeError: ``step_keys`` or ``adjust_logits`` for a drafter that is not a
+        :class:`~dspark_jax.drafters.base.BlockDrafter`.
     """
-    if drafter.cfg.variant == "eagle3":
-        return drafter.draft(target, anchors, anchor_pos, cache, keys, sampling)
-    block = drafter.draft_block(target, anchors, anchor_pos, cache)
     if step_keys is None and adjust_logits is None:
-        return sample_block(drafter, block, anchors, keys, sampling)
+        return drafter.draft(target, anchors, anchor_pos, cache, keys, sampling)
+    if not isinstance(drafter, BlockDrafter):
+        raise TypeError(f"step_keys / adjust_logits need a block drafter (dspark/dflash), not {drafter.cfg.variant}")
+    block = drafter.draft_block(target, anchors, anchor_pos, cache)
     draft_pos = anchor_pos[:, None] + jnp.arange(drafter.cfg.gamma, dtype=jnp.int32)
     if adjust_logits is not None:
         block = block._replace(logits=adjust_logits(block.logits, draft_pos))

@@ -56,13 +56,12 @@ from dspark_jax.decoding.round import (
     verify_pass,
 )
 from dspark_jax.decoding.validation import (
-    check_compatible,
     check_max_new_tokens,
     check_prompts,
     check_sampling,
     resolve_num_speculative_tokens,
 )
-from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.drafters.base import BlockDrafter, Drafter, check_compatible
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.layers import KVCache
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, sampling_arrays
@@ -404,8 +403,10 @@ def generate_autoregressive(
 
 def _auto_costs(target: Target, drafter: Drafter, cost_table, bt: _Batch):
     """``(widths, (t_verify [len(widths)], t_draft []))`` of ``num_speculative_tokens="auto"``."""
-    if drafter.cfg.variant == "eagle3":
-        raise DSparkInputError("num_speculative_tokens='auto' needs a block drafter (dspark/dflash), not eagle3")
+    if not isinstance(drafter, BlockDrafter):
+        raise DSparkInputError(
+            f"num_speculative_tokens='auto' needs a block drafter (dspark/dflash), not {drafter.cfg.variant}"
+        )
     widths = auto_verify.default_widths(drafter.cfg.gamma)
     table = cost_table if cost_table is not None else cached_cost_table(target, drafter, bt.cache_len)
     greedy = bool(np.all(np.asarray(bt.sampling.temperature) <= 0))
@@ -439,7 +440,7 @@ def generate_speculative(
       target / prompts / max_new_tokens / temperature / top_k / top_p / seed /
         stop_ids / cache_len: as in :func:`generate_autoregressive`.
       drafter: a drafter built for this target
-        (see :func:`~dspark_jax.decoding.validation.check_compatible`).
+        (see :func:`~dspark_jax.drafters.base.check_compatible`).
       num_speculative_tokens: draft tokens verified per round, ``1..block_size`` (the
         drafter's block size ``drafter.cfg.gamma``; drafting always produces the full block), or ``"auto"``
         (:mod:`dspark_jax.decoding.auto_verify`: per round the width among a few compiled ones that

@@ -3,9 +3,10 @@
 Used by :mod:`dspark_jax.decoding.speculative`, :mod:`dspark_jax.decoding.cli` and
 :mod:`dspark_jax.api` (and meant for the serving engine, server and CLI): sampling settings
 (NaN/inf included), prompts and their token ids, context limits, the number of speculative
-tokens, per-request serving extras (seed, stop ids, logit bias, logprobs, min_tokens), and
-the drafter/target pairing. Every check raises :class:`~dspark_jax.errors.DSparkInputError`
-with one line naming the setting, before any model is touched.
+tokens and per-request serving extras (seed, stop ids, logit bias, logprobs, min_tokens).
+Every check raises :class:`~dspark_jax.errors.DSparkInputError` with one line naming the
+setting, before any model is touched. The drafter/target pairing is checked by
+:func:`dspark_jax.drafters.base.check_compatible` (it reads the drafter's config).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from dspark_jax.errors import DSparkInputError
 __all__ = [
     "INT32_MAX",
     "INT32_MIN",
-    "check_compatible",
     "check_logit_bias",
     "check_logprobs",
     "check_max_new_tokens",
@@ -274,30 +274,3 @@ def resolve_num_speculative_tokens(num_speculative_tokens, gamma, block_size: in
             f"drafter (its block size) or 'auto', got {n}"
         )
     return int(n)
-
-
-def check_compatible(target, drafter) -> None:
-    """Refuses a drafter built for another target.
-
-    Raises:
-      DSparkInputError: vocab size, hidden size, depth/tapped layers or weights
-        fingerprint differ between the drafter's recorded target and ``target``.
-    """
-    t, d = target.cfg, drafter.cfg
-    if d.vocab_size != t.vocab_size:
-        raise DSparkInputError(
-            f"drafter was trained for a vocabulary of {d.vocab_size} tokens but the target has {t.vocab_size}"
-        )
-    if d.hidden_size != t.hidden_size:
-        raise DSparkInputError(f"drafter expects target hidden size {d.hidden_size} but the target has {t.hidden_size}")
-    if d.target_num_layers != t.num_layers or max(d.taps) >= t.num_layers:
-        raise DSparkInputError(
-            f"drafter taps layers {list(d.taps)} of a {d.target_num_layers}-layer target but the "
-            f"target has {t.num_layers} layers"
-        )
-    fp = getattr(target, "fingerprint", "")
-    if d.target_fingerprint and fp and d.target_fingerprint != fp:
-        raise DSparkInputError(
-            f"drafter was trained for target '{d.target_name}' (weights {d.target_fingerprint}) but "
-            f"these target weights are {fp}: train a drafter for this target"
-        )

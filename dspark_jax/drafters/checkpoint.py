@@ -10,6 +10,12 @@ An export directory holds:
 * ``params/`` -- the drafter parameters as an Orbax ``StandardCheckpointer`` tree.
 
 ``load_drafter(path)`` rebuilds the module from these two alone.
+
+Formats: ``dspark_jax.drafter/3`` (written now) nests a DSpark drafter's Markov-head weights
+under ``markov_head`` (``markov_head/w1``, ``markov_head/gate_w``, ...: one module per head
+type, :mod:`dspark_jax.drafters.markov`); formats 1 and 2 kept them at the top level
+(``markov_w1``, ``markov_gate_w``, ...) and load through a renaming of those paths. Format 1
+also named the first head variants ``"gated"`` / ``"rnn"`` (now ``"gated_v0"`` / ``"rnn_v0"``).
 """
 
 from __future__ import annotations
@@ -26,12 +32,33 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from dspark_jax.config import LEGACY_MARKOV_HEADS, DrafterConfig
-from dspark_jax.drafters.dspark import Drafter, build_drafter
+from dspark_jax.drafters.base import Drafter
+from dspark_jax.drafters.build import build_drafter
 from dspark_jax.errors import DSparkInputError
 
-FORMAT = "dspark_jax.drafters.dspark/2"
-# Format 1 named the first Markov-head variants "gated"/"rnn" (now "gated_v0"/"rnn_v0").
-_FORMATS = ("dspark_jax.drafters.dspark/1", FORMAT)
+FORMAT = "dspark_jax.drafter/3"
+_FORMAT_1, _FORMAT_2 = "dspark_jax.drafter/1", "dspark_jax.drafter/2"
+# Formats 1 and 2 under the names the package layout move briefly wrote them with.
+_RENAMED = {"dspark_jax.drafters.dspark/1": _FORMAT_1, "dspark_jax.drafters.dspark/2": _FORMAT_2}
+_FORMATS = (_FORMAT_1, _FORMAT_2, FORMAT)
+# Formats 1 and 2 kept the Markov head's weights at the top level: markov_<name> is now markov_head/<name>.
+_FLAT_HEAD_PREFIX, _HEAD = "markov_", "markov_head"
+
+
+def _flat_head_layout(tree: dict[str, Any]) -> dict[str, Any]:
+    """A parameter tree (pure dict) with ``markov_head/<name>`` written as format 2's ``markov_<name>``."""
+    out = {k: v for k, v in tree.items() if k != _HEAD}
+    out.update({_FLAT_HEAD_PREFIX + k: v for k, v in (tree.get(_HEAD) or {}).items()})
+    return out
+
+
+def _nested_head_layout(tree: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`_flat_head_layout`: format 2's ``markov_<name>`` -> ``markov_head/<name>``."""
+    out = {k: v for k, v in tree.items() if not k.startswith(_FLAT_HEAD_PREFIX)}
+    head = {k[len(_FLAT_HEAD_PREFIX) :]: v for k, v in tree.items() if k.startswith(_FLAT_HEAD_PREFIX)}
+    if head:
+        out[_HEAD] = head
+    return out
 
 
 def export_drafter(
@@ -44,7 +71,7 @@ def export_drafter(
       path: export directory.
       calibration: optional per-position temperatures T_1..T_gamma for the
         confidence head (sequential temperature scaling); default: the
-        drafter's own :attr:`~dspark_jax.drafters.dspark.Drafter.calibration`.
+        drafter's own ``calibration``.
       extra: JSON-serialisable metadata (training summary, metrics).
     Returns:
       The absolute export path.
@@ -64,8 +91,8 @@ def export_drafter(
         "config": drafter.cfg.to_dict(),
         "dtype": jnp.dtype(drafter.dtype).name,
         "calibration": calibration,
-        "calibration_greedy": list(getattr(drafter, "calibration_greedy", None) or []) or None,
-        "draft_vocab": list(getattr(drafter, "draft_vocab", None) or []) or None,
+        "calibration_greedy": list(drafter.calibration_greedy or []) or None,
+        "draft_vocab": list(drafter.draft_vocab or []) or None,
         "extra": extra or {},
     }
     (path / "drafter.json").write_text(json.dumps(meta, indent=2))
@@ -89,6 +116,10 @@ def read_export_meta(path: str | Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DSparkInputError(f"{meta_path} is corrupt: {e}") from None
+    if not isinstance(meta, dict):
+        raise DSparkInputError(f"{meta_path} is corrupt: not a JSON object")
+    if meta.get("format") in _RENAMED:
+        meta["format"] = _RENAMED[meta["format"]]
     if meta.get("format") not in _FORMATS:
         raise DSparkInputError(
             f"{meta_path}: unsupported export format {meta.get('format')!r} (expected one of {', '.join(_FORMATS)})"
@@ -105,8 +136,8 @@ def load_drafter(path: str | Path, dtype: Any = None) -> tuple[Drafter, dict[str
     Returns:
       ``(drafter, meta)`` where ``meta`` has ``calibration`` and ``extra``; the
       calibration temperatures are also installed on the drafter
-      (:meth:`~dspark_jax.drafters.dspark.Drafter.set_calibration`), so decoding uses
-      calibrated confidences.
+      (``set_calibration``), so decoding uses calibrated confidences. Formats 1 and 2 load
+      through the renaming of their Markov-head paths (module doc).
     Raises:
       DSparkInputError: missing/corrupt export or parameters that do not match
         the recorded config.
@@ -115,7 +146,7 @@ def load_drafter(path: str | Path, dtype: Any = None) -> tuple[Drafter, dict[str
     meta = read_export_meta(path)
     try:
         conf = dict(meta["config"])
-        if meta.get("format") == _FORMATS[0] and conf.get("markov_head") in LEGACY_MARKOV_HEADS:
+        if meta.get("format") == _FORMAT_1 and conf.get("markov_head") in LEGACY_MARKOV_HEADS:
             conf["markov_head"] = LEGACY_MARKOV_HEADS[conf["markov_head"]]
         cfg = DrafterConfig.from_dict(conf)
     except (KeyError, TypeError, ValueError) as e:
@@ -126,6 +157,9 @@ def load_drafter(path: str | Path, dtype: Any = None) -> tuple[Drafter, dict[str
     target_tree = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     )
+    flat_head = meta["format"] in (_FORMAT_1, _FORMAT_2)
+    if flat_head:
+        target_tree = _flat_head_layout(target_tree)
     if not (path / "params").exists():
         raise DSparkInputError(f"{path} has no params/ folder: the export is incomplete")
     try:
@@ -135,6 +169,8 @@ def load_drafter(path: str | Path, dtype: Any = None) -> tuple[Drafter, dict[str
     except Exception as e:  # orbax raises many types for corrupt/mismatched trees
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DSparkInputError(f"cannot restore drafter parameters from {path}/params: {msg}") from None
+    if flat_head:
+        restored = _nested_head_layout(restored)
     drafter = nnx.merge(graphdef, abs_state)
     state = nnx.state(drafter, nnx.Param)
     nnx.replace_by_pure_dict(state, restored)

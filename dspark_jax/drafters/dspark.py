@@ -12,55 +12,41 @@ Implements DESIGN.md "Drafter" (paper Sections 4-6 and Appendix A3/A4):
    at anchor position + i;
 3. base logits ``U_k`` through the drafter's final norm and the *target's* LM
    head (frozen, passed in);
-4. sequential (Markov) head adding a bias to ``U_k`` (see :mod:`dspark_jax.drafters.markov`), of
-   type ``cfg.markov_head`` (paper Section 6; DeepSpec's GatedMarkovHead / RNNHead), with
-   the Markov embedding ``e = W1[x_{k-1}]``:
-
-   * ``vanilla``: ``B_k = e W2``;
-   * ``gated``: ``g = sigmoid(W_g [h_k; e] + b_g)``, ``B_k = (g * e) W2``;
-   * ``rnn``: ``s_0 = 0``, ``[a; c; o] = split3(W [s_{k-1}; e; h_k] + b)``,
-     ``u = sigmoid(a)``, ``s_k = u * s_{k-1} + (1 - u) * tanh(c)``, ``B_k = tanh(o) W2``
-     (carries the whole in-block prefix);
-   * ``gated_v0`` / ``rnn_v0``: the first variants of this project (gate from ``h_k`` alone;
-     a GRU state added to ``e``), kept so that their exports still load;
+4. sequential (Markov) head adding a bias to ``U_k``: one
+   :class:`~dspark_jax.drafters.markov.MarkovHead` of type ``cfg.markov_head`` (vanilla,
+   gated, rnn and the legacy gated_v0 / rnn_v0; paper Section 6, DeepSpec's heads) built by
+   :func:`~dspark_jax.drafters.markov.build_markov_head`, reading the Markov embedding
+   ``W1[x_{k-1}]``;
 
 5. confidence head: ``c_k = sigmoid(w . [h_k ; e_k] + b)``, optionally
    calibrated per position by sequential temperature scaling
-   (``c_k = sigmoid(z_k / T_k)``, :attr:`Drafter.calibration`, fit by
+   (``c_k = sigmoid(z_k / T_k)``, :attr:`DSparkDrafter.calibration`, fit by
    :mod:`dspark_jax.training.calibration`).
 
 The module owns only its own weights. Target pieces (embedding, LM head) come
-from the :class:`~dspark_jax.models.target.Target` passed to each call.
+from the :class:`~dspark_jax.models.target.Target` passed to each call. It implements the
+:class:`~dspark_jax.drafters.base.BlockDrafter` protocol.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import DrafterConfig
+from dspark_jax.drafters.base import BlockOutput, Draft
+from dspark_jax.drafters.markov import build_markov_head, sample_block
 from dspark_jax.models.layers import KVCache, apply_rope, block_attention, cache_write, rms_norm, swiglu
+from dspark_jax.models.sampling import SamplingArrays
 from dspark_jax.models.target import Target
 
 
-class BlockOutput(NamedTuple):
-    """Backbone output for drafting blocks.
+class DSparkDrafter(nnx.Module):
+    """DSpark (or DFlash) drafter weights and their forward functions (module doc).
 
-    Attributes:
-      hidden: ``[..., gamma, d]`` final-normed hidden state per predicted position.
-      logits: ``[..., gamma, N]`` float32 base logits ``U_k`` (no Markov bias) over the draft
-        vocabulary: N = V, or ``cfg.draft_vocab_size`` (map with :meth:`Drafter.to_target_probs`).
-    """
-
-    hidden: jax.Array
-    logits: jax.Array
-
-
-class Drafter(nnx.Module):
-    """DSpark (or DFlash) drafter weights and their forward functions.
+    Implements :class:`~dspark_jax.drafters.base.BlockDrafter`. ``markov_head`` is the
+    sequential head (None for DFlash or ``markov_rank=0``).
 
     Args:
       cfg: :class:`DrafterConfig`.
@@ -101,30 +87,7 @@ class Drafter(nnx.Module):
         # Width adapters around the target's frozen embedding (H) and LM head (H): only when d != H.
         self.embed_in = w(big_h, d) if d != big_h else None
         self.proj_out = w(d, big_h) if d != big_h else None
-        w1 = w2 = gate_w = gate_b = rnn_wx = rnn_wh = rnn_b = None
-        if cfg.markov:
-            r = cfg.markov_rank
-            # With a draft vocabulary, W1 has one row per draft token plus one shared row for
-            # every previous token outside it (an anchor can be any target token).
-            n_w1 = cfg.draft_size + (1 if cfg.draft_vocab_size else 0)
-            w1 = nnx.Param(jax.random.normal(rngs.params(), (n_w1, r), dtype) / jnp.sqrt(r))
-            # W2 = 0: the Markov correction starts as exactly zero (pure DFlash).
-            w2 = nnx.Param(jnp.zeros((r, cfg.draft_size), dtype))
-            if cfg.markov_head in ("gated", "gated_v0"):
-                gate_in = d + r if cfg.markov_head == "gated" else d
-                gate_w = nnx.Param(jnp.zeros((gate_in, r), dtype))
-                # Gate starts mostly open (sigmoid(2) ~ 0.88): close to the vanilla head.
-                gate_b = nnx.Param(jnp.full((r,), 2.0, dtype))
-            elif cfg.markov_head == "rnn":
-                rnn_wx = w(2 * r + d, 3 * r)  # W over [s_{k-1}; e; h_k]
-                rnn_b = nnx.Param(jnp.zeros((3 * r,), dtype))
-            elif cfg.markov_head == "rnn_v0":
-                rnn_wx, rnn_wh = w(r, 3 * r), w(r, 3 * r)
-                rnn_b = nnx.Param(jnp.zeros((3 * r,), dtype))
-        # Each attribute is assigned once (NNX fixes an attribute's data/static status on first set).
-        self.markov_w1, self.markov_w2 = w1, w2
-        self.markov_gate_w, self.markov_gate_b = gate_w, gate_b
-        self.markov_rnn_wx, self.markov_rnn_wh, self.markov_rnn_b = rnn_wx, rnn_wh, rnn_b
+        self.markov_head = build_markov_head(cfg, rngs, dtype)
         if cfg.has_confidence:
             c_in = d + (cfg.markov_rank if cfg.markov else 0)
             self.conf_w = nnx.Param(jnp.zeros((c_in,), dtype))
@@ -247,7 +210,7 @@ class Drafter(nnx.Module):
 
     # -- backbone -----------------------------------------------------------------
 
-    def backbone(self, x, positions, ctx_k, ctx_v, ctx_mask) -> jax.Array:
+    def backbone(self, x, positions, ctx_k, ctx_v, ctx_mask, *, remat: bool = False) -> jax.Array:
         """N layers over draft blocks with injected context keys/values.
 
         Args:
@@ -256,6 +219,8 @@ class Drafter(nnx.Module):
           ctx_k, ctx_v: ``[N, B, C, kvh, hd]`` injected context keys/values.
           ctx_mask: ``[B, A, S, C]`` bool, context entries each slot sees.
             Slots of one block always see each other (bidirectional).
+          remat: store only each layer's input and recompute the rest in the backward pass
+            (the trainer's ``remat`` option).
         Returns:
           ``[B, A, S, d]`` final-normed hidden states.
         """
@@ -281,9 +246,7 @@ class Drafter(nnx.Module):
             m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
             return h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"]), None
 
-        # `remat` (a static attribute the trainer sets on its compute copy, see
-        # trainer.Trainer): store only each layer's input, recompute the rest in the backward pass.
-        body = jax.checkpoint(layer, prevent_cse=False) if getattr(self, "remat", False) else layer
+        body = jax.checkpoint(layer, prevent_cse=False) if remat else layer
         h, _ = jax.lax.scan(body, x.astype(self.dtype), (params, ctx_k, ctx_v))
         return rms_norm(h, self.final_norm[...], cfg.rms_eps)
 
@@ -320,72 +283,52 @@ class Drafter(nnx.Module):
 
     # -- heads ---------------------------------------------------------------------
 
+    @property
+    def markov_w1(self) -> nnx.Param | None:
+        """The Markov head's ``W1`` ``[N (+1), r]`` (``markov_head.w1``; None without a Markov head)."""
+        return None if self.markov_head is None else self.markov_head.w1
+
+    @property
+    def markov_w2(self) -> nnx.Param | None:
+        """The Markov head's ``W2`` ``[r, N]`` (``markov_head.w2``; None without a Markov head)."""
+        return None if self.markov_head is None else self.markov_head.w2
+
     def markov_embedding(self, prev: jax.Array) -> jax.Array | None:
-        """``[...]`` previous-token ids -> ``[..., r]`` Markov embeddings ``W1[x]``.
+        """``[...]`` previous-token ids -> ``[..., r]`` Markov embeddings ``W1[x]`` (None without a head).
 
         The table lookup shared by every head type; the embedding ``e_k`` the
         heads actually use comes from :meth:`markov_step` / :meth:`teacher_forced_heads`
         (identical to this for ``markov_head="vanilla"``).
         """
-        if not self.cfg.markov:
+        if self.markov_head is None:
             return None
-        return jnp.take(self.markov_w1[...], self.draft_index(prev), axis=0)
+        return self.markov_head.embedding(self.draft_index(prev))
 
     def markov_init(self, batch_shape: tuple[int, ...]) -> jax.Array | None:
-        """Sequential-head state before position 1: ``[*batch_shape, r]`` zeros (rnn) or None."""
-        if not (self.cfg.markov and self.cfg.markov_head in ("rnn", "rnn_v0")):
+        """Sequential-head state before position 1: ``[*batch_shape, r]`` zeros (rnn heads) or None."""
+        if self.markov_head is None:
             return None
-        return jnp.zeros(tuple(batch_shape) + (self.cfg.markov_rank,), self.dtype)
-
-    def _rnn(self, s: jax.Array, e: jax.Array, h: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """DeepSpec's RNN head, one position: ``(s_{k-1}, e, h_k) -> (s_k, tanh(o))``, each ``[..., r]``."""
-        r = self.cfg.markov_rank
-        z = jnp.concatenate([s, e, h.astype(e.dtype)], axis=-1) @ self.markov_rnn_wx[...] + self.markov_rnn_b[...]
-        u = jax.nn.sigmoid(z[..., :r])
-        s = u * s + (1.0 - u) * jnp.tanh(z[..., r : 2 * r])
-        return s, jnp.tanh(z[..., 2 * r :])
-
-    def _gru(self, s: jax.Array, x: jax.Array) -> jax.Array:
-        """``rnn_v0``: one GRU update ``[..., r], [..., r] -> [..., r]`` (reset gate on the recurrent term)."""
-        r = self.cfg.markov_rank
-        gx = x @ self.markov_rnn_wx[...] + self.markov_rnn_b[...]
-        gh = s @ self.markov_rnn_wh[...]
-        reset = jax.nn.sigmoid(gx[..., :r] + gh[..., :r])
-        update = jax.nn.sigmoid(gx[..., r : 2 * r] + gh[..., r : 2 * r])
-        cand = jnp.tanh(gx[..., 2 * r :] + reset * gh[..., 2 * r :])
-        return (1.0 - update) * cand + update * s
+        return self.markov_head.init_state(batch_shape, self.dtype)
 
     def markov_step(
         self, state: jax.Array | None, prev: jax.Array, h: jax.Array
     ) -> tuple[jax.Array | None, jax.Array | None, jax.Array | float]:
-        """One position of the sequential head (paper Section 6; variants in the module doc).
+        """One position of the sequential head (paper Section 6; head types in
+        :mod:`dspark_jax.drafters.markov`).
 
         Args:
           state: head state from :meth:`markov_init` or the previous step (rnn), else None.
           prev: ``[...]`` int32 previous token x_{k-1} (the anchor at k = 1).
-          h: ``[..., d]`` backbone hidden state h_k (read by the gated head).
+          h: ``[..., d]`` backbone hidden state h_k (read by the gated and rnn heads).
         Returns:
           ``(state, e_k [..., r], bias [..., N] float32)``; ``(state, None, 0.0)``
           for a drafter without a Markov head.
         """
-        if not self.cfg.markov:
+        head = self.markov_head
+        if head is None:
             return state, None, 0.0
-        x = self.markov_embedding(prev)
-        kind = self.cfg.markov_head
-        if kind == "gated":
-            z = jnp.concatenate([h.astype(x.dtype), x], axis=-1)
-            e = jax.nn.sigmoid(z @ self.markov_gate_w[...] + self.markov_gate_b[...]) * x
-        elif kind == "gated_v0":
-            gate = jax.nn.sigmoid(h.astype(x.dtype) @ self.markov_gate_w[...] + self.markov_gate_b[...])
-            e = gate * x
-        elif kind == "rnn":
-            state, e = self._rnn(state, x, h)
-        elif kind == "rnn_v0":
-            state = self._gru(state, x)
-            e = x + state
-        else:
-            e = x
-        return state, e, self.markov_bias(e)
+        state, e = head.step(state, head.embedding(self.draft_index(prev)), h)
+        return state, e, head.bias(e)
 
     def teacher_forced_heads(self, hidden: jax.Array, prev: jax.Array) -> tuple[jax.Array | float, jax.Array | None]:
         """Markov bias and embeddings of whole blocks given their true previous tokens (training).
@@ -397,36 +340,19 @@ class Drafter(nnx.Module):
           ``(bias [..., gamma, N] float32, e [..., gamma, r])``, or ``(0.0, None)``
           without a Markov head. Equals running :meth:`markov_step` left to right.
         """
-        if not self.cfg.markov:
+        head = self.markov_head
+        if head is None:
             return 0.0, None
-        kind = self.cfg.markov_head
-        if kind not in ("rnn", "rnn_v0"):
-            _, e, bias = self.markov_step(None, prev, hidden)
-            return bias, e
-        x = self.markov_embedding(prev)  # [..., g, r]
-        xs = jnp.moveaxis(x, -2, 0)  # [g, ..., r]
-        init = self.markov_init(prev.shape[:-1])
-        if kind == "rnn":
-            hs = jnp.moveaxis(hidden, -2, 0)
-            _, es = jax.lax.scan(lambda s, xh: self._rnn(s, *xh), init, (xs, hs))
-            e = jnp.moveaxis(es, 0, -2)
-        else:
-            _, states = jax.lax.scan(lambda s, xk: (self._gru(s, xk),) * 2, init, xs)
-            e = x + jnp.moveaxis(states, 0, -2)
-        return self.markov_bias(e), e
-
-    def markov_bias(self, e: jax.Array | None) -> jax.Array | float:
-        """Markov embedding ``[..., r]`` -> ``[..., N]`` float32 logit correction ``e @ W2`` (draft space)."""
-        if e is None:
-            return 0.0
-        return jnp.dot(e, self.markov_w2[...], preferred_element_type=jnp.float32)
+        x = head.embedding(self.draft_index(prev))  # [..., g, r]
+        e = head.teacher_forced(self.markov_init(prev.shape[:-1]), x, hidden)
+        return head.bias(e), e
 
     def confidence_logit(self, h: jax.Array, e: jax.Array | None) -> jax.Array:
         """Pre-sigmoid confidence ``w . [h ; e] + b``; ``[..., d]`` -> ``[...]`` float32.
 
         For DFlash (no confidence head) returns +inf, i.e. confidence 1.
         """
-        if not self.cfg.has_confidence:
+        if self.conf_w is None or self.conf_b is None:  # no confidence head (cfg.has_confidence)
             return jnp.full(h.shape[:-1], jnp.inf, jnp.float32)
         z = h if e is None else jnp.concatenate([h, e.astype(h.dtype)], axis=-1)
         return (jnp.dot(z, self.conf_w[...]) + self.conf_b[...]).astype(jnp.float32)
@@ -509,8 +435,8 @@ class Drafter(nnx.Module):
           cache: ``[N, B, S, kvh, hd]``.
           features: ``[B, T, n_taps * H]`` from a target prefill/verify pass.
           positions: ``[B, T]`` int32; out-of-range positions are dropped.
-          target / tokens: unused here (KV injection reads features only); accepted so
-            callers can treat every drafter kind alike (the eagle3 drafter needs them).
+          target / tokens: unused here (KV injection reads features only); part of the
+            :class:`~dspark_jax.drafters.base.Drafter` protocol (the eagle3 drafter needs them).
         """
         k, v = self.context_kv(self.context_features(features), positions)
         return KVCache(
@@ -518,9 +444,57 @@ class Drafter(nnx.Module):
             jax.vmap(cache_write, in_axes=(0, 0, None))(cache.v, v, positions),
         )
 
+    def write_context(
+        self,
+        cache: KVCache,
+        features: jax.Array,
+        rows: jax.Array,
+        positions: jax.Array,
+        *,
+        target: Target | None = None,
+        tokens: jax.Array | None = None,
+    ) -> KVCache:
+        """:meth:`extend_cache` for packed tokens of any rows (the serving engine's layout).
+
+        Args:
+          cache: ``[N, R, S, kvh, hd]``.
+          features: ``[K, n_taps * H]`` tapped target states of K tokens.
+          rows / positions: ``[K]`` int32 cache row and absolute position of each token;
+            ``positions < 0`` marks padding (nothing written).
+          target / tokens: unused here (as in :meth:`extend_cache`).
+        """
+        ck, cv = self.context_kv(self.context_features(features[None]), jnp.maximum(positions, 0)[None])
+        wpos = jnp.where(positions >= 0, positions, cache.length)  # out of range: dropped writes
+        return KVCache(
+            cache.k.at[:, rows, wpos].set(ck[:, 0].astype(cache.k.dtype), mode="drop"),
+            cache.v.at[:, rows, wpos].set(cv[:, 0].astype(cache.v.dtype), mode="drop"),
+        )
+
+    def draft(
+        self,
+        target: Target,
+        anchors: jax.Array,
+        anchor_pos: jax.Array,
+        cache: KVCache,
+        keys: jax.Array,
+        sampling: SamplingArrays,
+        step_keys: jax.Array | None = None,
+    ) -> Draft:
+        """One drafting round per row: the backbone pass (:meth:`draft_block`) then the
+        sequential sampler (:func:`~dspark_jax.drafters.markov.sample_block`, which documents
+        ``keys`` / ``step_keys``).
+
+        Returns:
+          :class:`~dspark_jax.drafters.base.Draft` with ``tokens [B, gamma]`` and ``probs [B, gamma, V]``.
+        """
+        block = self.draft_block(target, anchors, anchor_pos, cache)
+        return sample_block(self, block, anchors, keys, sampling, step_keys=step_keys)
+
     # -- training ------------------------------------------------------------------
 
-    def train_blocks(self, target: Target, features: jax.Array, tokens: jax.Array, anchors: jax.Array) -> BlockOutput:
+    def train_blocks(
+        self, target: Target, features: jax.Array, tokens: jax.Array, anchors: jax.Array, *, remat: bool = False
+    ) -> BlockOutput:
         """Backbone over many anchor blocks of each sequence in one pass.
 
         Block-sparse attention: block j sees context positions < anchor_j and its
@@ -530,6 +504,7 @@ class Drafter(nnx.Module):
           features: ``[B, L, n_taps * H]`` tapped target states of the sequence.
           tokens: ``[B, L]`` int32 sequence.
           anchors: ``[B, A]`` int32 anchor positions (0 <= a < L).
+          remat: rematerialise each backbone layer in the backward pass (:meth:`backbone`).
         Returns:
           :class:`BlockOutput` with ``[B, A, gamma, d]`` and ``[B, A, gamma, N]``.
         """
@@ -543,15 +518,9 @@ class Drafter(nnx.Module):
         pos = anchors[:, :, None] + jnp.arange(s, dtype=jnp.int32)  # [B, A, S]
         ctx_mask = ctx_pos[:, None, None, :] < anchors[:, :, None, None]  # [B, A, 1, L]
         ctx_mask = jnp.broadcast_to(ctx_mask, (b, anchors.shape[1], s, l))
-        h = self.predicted_slots(self.backbone(x, pos, ck, cv, ctx_mask))
+        h = self.predicted_slots(self.backbone(x, pos, ck, cv, ctx_mask, remat=remat))
         return BlockOutput(h, self.base_logits(target, h))
 
 
-def build_drafter(cfg: DrafterConfig, rngs: nnx.Rngs, dtype=jnp.float32):
-    """The drafter module for ``cfg.variant``: :class:`Drafter` (dspark / dflash) or
-    :class:`~dspark_jax.drafters.eagle.EagleDrafter` (eagle3)."""
-    if cfg.variant == "eagle3":
-        from dspark_jax.drafters.eagle import EagleDrafter  # eagle builds on this module's BlockOutput
-
-        return EagleDrafter(cfg, rngs, dtype=dtype)
-    return Drafter(cfg, rngs, dtype=dtype)
+# The class's name until the drafter modules were split; exports' loaders and user code import it.
+Drafter = DSparkDrafter

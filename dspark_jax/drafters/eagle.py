@@ -1,10 +1,12 @@
 """Eagle3-style autoregressive baseline drafter (DESIGN.md "Drafter", baselines).
 
 The paper compares DSpark with Eagle3 trained on the same data. This module is that
-baseline in the same code base, with the same interfaces as
-:class:`~dspark_jax.drafters.dspark.Drafter` (``train_blocks`` for the trainer,
-``init_cache`` / ``extend_cache`` / ``draft`` for the decode loop), so it trains,
-exports, loads and evaluates through the same paths (``variant="eagle3"``).
+baseline in the same code base. It implements the :class:`~dspark_jax.drafters.base.Drafter`
+protocol (``train_blocks`` for the trainer, ``init_cache`` / ``extend_cache`` /
+``write_context`` / ``draft`` for the decode loops), so it trains, exports, loads and evaluates
+through the same paths (``variant="eagle3"``). It is not a
+:class:`~dspark_jax.drafters.base.BlockDrafter`: it has no block pass, no Markov or confidence
+head and no draft vocabulary.
 
 Architecture (Li et al., EAGLE-3; the seed article's "autoregressive drafter"):
 
@@ -21,7 +23,7 @@ Architecture (Li et al., EAGLE-3; the seed article's "autoregressive drafter"):
 Drafting is autoregressive: ``gamma`` sequential single-token steps, each sampling a
 draft token and feeding it (and ``a``) to the next, so the draft cost grows linearly
 with ``gamma`` (paper Section 3: ``T_draft ~ gamma``). ``q_k`` returned in
-:class:`~dspark_jax.drafters.markov.Draft` is exactly the distribution ``x_k`` was drawn from,
+:class:`~dspark_jax.drafters.base.Draft` is exactly the distribution ``x_k`` was drawn from,
 so verification stays lossless. No Markov or confidence head (confidence 1).
 
 Training uses training-time test (EAGLE-3): step 1 is a causal pass over the whole
@@ -42,7 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import DrafterConfig, TargetConfig
-from dspark_jax.drafters.dspark import BlockOutput
+from dspark_jax.drafters.base import BlockOutput, Draft
 from dspark_jax.models.layers import _NEG_INF, apply_rope, attention, cache_write, rms_norm, swiglu
 from dspark_jax.models.sampling import SamplingArrays, process_logits, sample
 from dspark_jax.models.target import Target
@@ -147,7 +149,11 @@ class EagleDrafter(nnx.Module):
         self.w_gate, self.w_up = w(d, cfg.intermediate_size), w(d, cfg.intermediate_size)
         self.w_down = nnx.Param(jnp.zeros((cfg.intermediate_size, d), dtype))
         self.final_norm = nnx.Param(jnp.ones((d,), dtype))
-        self.calibration: tuple[float, ...] | None = None  # no confidence head: always None
+        # Export metadata of the Drafter protocol: no confidence head (never calibrated) and
+        # the full vocabulary (no draft vocabulary).
+        self.calibration: tuple[float, ...] | None = None
+        self.calibration_greedy: tuple[float, ...] | None = None
+        self.draft_vocab: tuple[int, ...] | None = None
 
     # -- layer pieces --------------------------------------------------------------------
 
@@ -186,26 +192,7 @@ class EagleDrafter(nnx.Module):
     def _normed(self, a: jax.Array) -> jax.Array:
         return rms_norm(a, self.final_norm[...], self.cfg.rms_eps)
 
-    # -- interface shared with Drafter (no Markov / confidence head) ------------------------
-
-    def markov_embedding(self, prev):
-        return None
-
-    def markov_init(self, batch_shape):
-        return None
-
-    def markov_step(self, state, prev, h):
-        return state, None, 0.0
-
-    def teacher_forced_heads(self, hidden, prev):
-        return 0.0, None
-
-    def markov_bias(self, e):
-        return 0.0
-
-    def confidence_logit(self, h: jax.Array, e=None) -> jax.Array:
-        """No confidence head: ``+inf`` (confidence 1) of shape ``h.shape[:-1]``."""
-        return jnp.full(h.shape[:-1], jnp.inf, jnp.float32)
+    # -- export metadata -----------------------------------------------------------------
 
     def set_calibration(self, temperatures, greedy: bool = False) -> None:
         """Only ``None`` is accepted (there is no confidence head to calibrate).
@@ -215,29 +202,14 @@ class EagleDrafter(nnx.Module):
         """
         if temperatures is not None:
             raise ValueError("this drafter has no confidence head to calibrate")
-        self.calibration = None
 
-    calibration_greedy = None
-    draft_vocab = None
+    def set_draft_vocab(self, ids) -> None:
+        """Always refused: the eagle3 drafter drafts over the full vocabulary.
 
-    def draft_vocab_ids(self):
-        """Always the full vocabulary (``draft_vocab_size`` is for block drafters): None."""
-        return None
-
-    def draft_index(self, tokens):
-        return tokens.astype(jnp.int32)
-
-    def to_target_ids(self, draft_tokens):
-        return draft_tokens.astype(jnp.int32)
-
-    def to_target_probs(self, q):
-        return q
-
-    def to_target_logits(self, logits):
-        return logits
-
-    def confidence_temperatures(self, greedy: bool = False) -> jax.Array:
-        return jnp.ones((self.cfg.gamma,), jnp.float32)
+        Raises:
+          ValueError: always.
+        """
+        raise ValueError("the eagle3 drafter drafts over the full vocabulary (draft_vocab_size=0)")
 
     # -- decoding --------------------------------------------------------------------------
 
@@ -277,6 +249,43 @@ class EagleDrafter(nnx.Module):
         _, k, v = self._qkv(u, target.embed_tokens(jnp.maximum(tokens, 0)), positions)
         return EagleCache(cache_write(cache.k, k, positions), cache_write(cache.v, v, positions), feat)
 
+    def write_context(
+        self,
+        cache: EagleCache,
+        features: jax.Array,
+        rows: jax.Array,
+        positions: jax.Array,
+        *,
+        target: Target | None = None,
+        tokens: jax.Array | None = None,
+    ) -> EagleCache:
+        """:meth:`extend_cache` for ``K`` packed tokens of any rows.
+
+        Args:
+          cache: :class:`EagleCache`.
+          features: ``[K, n_taps * H]`` target features of the tokens.
+          rows / positions: ``[K]`` int32 cache row and absolute position of each token
+            (``positions < 0``: padding, nothing written).
+          target: the target (its token embedding).
+          tokens: ``[K]`` int32 the tokens.
+        Raises:
+          ValueError: ``target`` or ``tokens`` missing.
+        """
+        if target is None or tokens is None:
+            raise ValueError("the eagle3 drafter's cache needs the target and the tokens at the new positions")
+        wpos = jnp.where(positions >= 0, positions, cache.length)  # out of range: dropped writes
+        feat = cache.feat.at[rows, wpos].set(self.fuse(features).astype(cache.feat.dtype), mode="drop")
+        prev = positions - 1
+        # g_{t-1}, read after the write (as extend_cache); g_{-1} = 0.
+        u = jnp.where((prev >= 0)[:, None], feat[rows, jnp.clip(prev, 0, cache.length - 1)], 0.0)
+        emb = target.embed_tokens(jnp.maximum(tokens, 0))
+        _, k, v = self._qkv(u[None], emb[None], jnp.maximum(positions, 0)[None])
+        return EagleCache(
+            cache.k.at[rows, wpos].set(k[0].astype(cache.k.dtype), mode="drop"),
+            cache.v.at[rows, wpos].set(v[0].astype(cache.v.dtype), mode="drop"),
+            feat,
+        )
+
     def draft(
         self,
         target: Target,
@@ -286,7 +295,7 @@ class EagleDrafter(nnx.Module):
         keys: jax.Array,
         sampling: SamplingArrays,
         step_keys: jax.Array | None = None,
-    ):
+    ) -> Draft:
         """Drafts ``gamma`` tokens autoregressively (one decoder-layer step per token).
 
         Step ``k`` (position ``P + k - 1``) reads ``[emb(x_{k-1}) ; u]`` with ``u = g_{P-1}``
@@ -300,15 +309,13 @@ class EagleDrafter(nnx.Module):
           anchor_pos: ``[B]`` int32 its position P (context = cache positions < P).
           cache: :class:`EagleCache` filled by :meth:`extend_cache`.
           keys: ``[B, 2]`` uint32 per-row keys; step k uses ``fold_in(key, k)``
-            (as :func:`dspark_jax.drafters.markov.sample_block`).
+            (as :func:`dspark_jax.drafters.markov.sample_block` for block drafters).
           sampling: per-row temperature / top-k / top-p.
           step_keys: optional ``[B, gamma, 2]`` per-position keys replacing ``keys``.
         Returns:
-          :class:`~dspark_jax.drafters.markov.Draft` (``tokens [B, gamma]``, ``probs [B, gamma, V]``,
+          :class:`~dspark_jax.drafters.base.Draft` (``tokens [B, gamma]``, ``probs [B, gamma, V]``,
           confidence 1, confidence logit ``+inf``).
         """
-        from dspark_jax.drafters.markov import Draft  # markov imports drafter; keep module import order acyclic
-
         c = self.cfg
         g = c.gamma
         b = anchors.shape[0]
@@ -346,7 +353,9 @@ class EagleDrafter(nnx.Module):
 
     # -- training (training-time test) -------------------------------------------------------
 
-    def train_blocks(self, target: Target, features: jax.Array, tokens: jax.Array, anchors: jax.Array) -> BlockOutput:
+    def train_blocks(
+        self, target: Target, features: jax.Array, tokens: jax.Array, anchors: jax.Array, *, remat: bool = False
+    ) -> BlockOutput:
         """Training-time-test unroll over ``gamma`` steps; blocks gathered at ``anchors``.
 
         Args:
@@ -354,6 +363,8 @@ class EagleDrafter(nnx.Module):
           tokens: ``[B, L]`` int32 sequence.
           anchors: ``[B, A]`` int32 anchor positions P; block position k (1-based) is the
             step-k output at position ``P + k - 1`` (predicting token ``P + k``).
+          remat: accepted as every drafter's; not used: the one layer's activations are small
+            next to the vocabulary-sized loss head, which the trainer rematerialises itself.
         Returns:
           :class:`BlockOutput` with ``hidden [B, A, gamma, d]`` (final-normed) and
           ``logits [B, A, gamma, V]`` float32.

@@ -1,49 +1,230 @@
-"""The Markov-head sampler: sequential draft sampling over one block with ``lax.scan``.
+"""DSpark's sequential (Markov) heads and the sampler that drafts a block with them.
 
-Implements DESIGN.md "Drafter" step 3 (paper Section 6, Appendix A4):
-``p_draft_k = process(U_k + e_k @ W2)`` with ``x_0`` = the anchor and ``e_k`` the
-sequential head's embedding (vanilla: ``W1[x_{k-1}]``; gated / rnn variants:
-:meth:`~dspark_jax.drafters.dspark.Drafter.markov_step`), one row lookup and one ``r x V``
-matvec per step, plus the confidence head
-``c_k = sigmoid(w . [h_k ; e_k] + b)`` (step 4), divided per position by the
-calibration temperature ``T_k`` before the sigmoid (sequential temperature scaling,
-:mod:`dspark_jax.training.calibration`); the temperatures never touch the sampled tokens.
+Implements DESIGN.md "Drafter" steps 3-4 (paper Section 6, Appendix A4). A head turns the
+Markov embedding ``x = W1[x_{k-1}]`` of the previous token (and, depending on its type, the
+backbone hidden state ``h_k`` and a state carried along the block) into the embedding
+``e_k``; its logit correction is ``B_k = e_k W2`` and the draft distribution
+``p_draft_k = process(U_k + B_k)``. One class per ``DrafterConfig.markov_head``, built by
+:func:`build_markov_head` (DeepSpec's GatedMarkovHead / RNNHead for ``gated`` / ``rnn``):
+
+* ``vanilla`` (:class:`MarkovHead`): ``e = x``;
+* ``gated`` (:class:`GatedMarkovHead`): ``g = sigmoid(W_g [h_k; x] + b_g)``, ``e = g * x``;
+* ``rnn`` (:class:`RNNMarkovHead`): ``s_0 = 0``, ``[a; c; o] = split3(W [s_{k-1}; x; h_k] + b)``,
+  ``u = sigmoid(a)``, ``s_k = u * s_{k-1} + (1 - u) * tanh(c)``, ``e = tanh(o)`` (carries the
+  whole in-block prefix);
+* ``gated_v0`` / ``rnn_v0`` (:class:`GatedV0MarkovHead`, :class:`RNNV0MarkovHead`): the first
+  variants of this project (gate from ``h_k`` alone; a GRU state added to ``x``), kept so that
+  their exports still load.
+
+:func:`sample_block` samples ``x_1..x_gamma`` left to right with ``lax.scan`` (one row lookup
+and one ``r x N`` matvec per step) plus the confidence head ``c_k = sigmoid(w . [h_k ; e_k] + b)``
+(step 4), divided per position by the calibration temperature ``T_k`` before the sigmoid
+(sequential temperature scaling, :mod:`dspark_jax.training.calibration`); the temperatures
+never touch the sampled tokens.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from dspark_jax.drafters.dspark import BlockOutput, Drafter
+from dspark_jax.config import DrafterConfig
+from dspark_jax.drafters.base import BlockDrafter, BlockOutput, Draft
 from dspark_jax.models.sampling import SamplingArrays, process_logits, sample
 
 
-class Draft(NamedTuple):
-    """One drafted block per row.
+def _fan_in(rngs: nnx.Rngs, dtype, *shape: int) -> nnx.Param:
+    """``[..., fan_in, fan_out]`` truncated-normal weights scaled by ``1 / sqrt(fan_in)``."""
+    fn = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1)
+    return nnx.Param(fn(rngs.params(), shape, dtype))
 
-    Attributes:
-      tokens: ``[B, gamma]`` int32 draft tokens x_1..x_gamma.
-      probs: ``[B, gamma, V]`` float32, the exact distribution q_k each draft token
-        was sampled from (handed to the verifier unchanged), in target ids: exact zeros
-        off a draft vocabulary.
-      confidence: ``[B, gamma]`` float32 c_k in (0, 1], the predicted probability
-        that position k is accepted given that verification reached it
-        (calibrated: ``sigmoid(z_k / T_k)``).
-      confidence_logit: ``[B, gamma]`` float32 raw confidence logits z_k (before
-        calibration; ``+inf`` for a drafter without a confidence head).
+
+def _carried(state: jax.Array | None) -> jax.Array:
+    """The state of a recurrent head (from its ``init_state``; never None)."""
+    if state is None:
+        raise ValueError("a recurrent Markov head needs its state: start from init_state()")
+    return state
+
+
+class MarkovHead(nnx.Module):
+    """The vanilla head: ``e_k = W1[x_{k-1}]``, bias ``B_k = e_k W2`` (a rank-r bigram).
+
+    Every head holds ``w1 [N (+1), r]`` (one row per draft-vocabulary token, plus one shared
+    row for every previous token outside a draft vocabulary: an anchor can be any target
+    token) and ``w2 [r, N]``. ``W2 = 0`` at initialisation: the correction starts as exactly
+    zero (pure DFlash).
+
+    Args:
+      cfg: :class:`DrafterConfig` with ``markov_rank`` r > 0.
+      rngs: ``nnx.Rngs`` for initialisation.
+      dtype: parameter dtype.
     """
 
-    tokens: jax.Array
-    probs: jax.Array
-    confidence: jax.Array
-    confidence_logit: jax.Array
+    def __init__(self, cfg: DrafterConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        r = cfg.markov_rank
+        self.rank = r
+        n_w1 = cfg.draft_size + (1 if cfg.draft_vocab_size else 0)
+        self.w1 = nnx.Param(jax.random.normal(rngs.params(), (n_w1, r), dtype) / jnp.sqrt(r))
+        self.w2 = nnx.Param(jnp.zeros((r, cfg.draft_size), dtype))
+
+    def init_state(self, batch_shape: tuple[int, ...], dtype) -> jax.Array | None:
+        """State before position 1: None (this head carries none)."""
+        return None
+
+    def embedding(self, index: jax.Array) -> jax.Array:
+        """``[...]`` int32 draft-vocabulary indices -> ``[..., r]`` rows of ``W1``."""
+        return jnp.take(self.w1[...], index, axis=0)
+
+    def step(self, state: jax.Array | None, x: jax.Array, h: jax.Array) -> tuple[jax.Array | None, jax.Array]:
+        """One position: ``(s_{k-1}, x [..., r], h_k [..., d]) -> (s_k, e_k [..., r])``."""
+        return state, x
+
+    def teacher_forced(self, state: jax.Array | None, x: jax.Array, hidden: jax.Array) -> jax.Array:
+        """``e`` of whole blocks: ``x [..., gamma, r]``, ``hidden [..., gamma, d]`` -> ``[..., gamma, r]``,
+        equal to :meth:`step` left to right from ``state`` (:meth:`init_state`)."""
+        return self.step(state, x, hidden)[1]
+
+    def bias(self, e: jax.Array) -> jax.Array:
+        """``[..., r]`` -> ``[..., N]`` float32 logit correction ``e W2`` (draft space)."""
+        return jnp.dot(e, self.w2[...], preferred_element_type=jnp.float32)
+
+
+class GatedMarkovHead(MarkovHead):
+    """``gated``: ``e = sigmoid(W_g [h_k; x] + b_g) * x`` (DeepSpec's GatedMarkovHead).
+
+    ``W_g = 0``, ``b_g = 2``: the gate starts mostly open (``sigmoid(2) ~ 0.88``), close to the
+    vanilla head.
+    """
+
+    def __init__(self, cfg: DrafterConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        super().__init__(cfg, rngs, dtype)
+        self.gate_w = nnx.Param(jnp.zeros((self._gate_inputs(cfg), cfg.markov_rank), dtype))
+        self.gate_b = nnx.Param(jnp.full((cfg.markov_rank,), 2.0, dtype))
+
+    @staticmethod
+    def _gate_inputs(cfg: DrafterConfig) -> int:
+        return cfg.model_width + cfg.markov_rank
+
+    def step(self, state, x, h):
+        z = jnp.concatenate([h.astype(x.dtype), x], axis=-1)
+        return state, jax.nn.sigmoid(z @ self.gate_w[...] + self.gate_b[...]) * x
+
+
+class GatedV0MarkovHead(GatedMarkovHead):
+    """``gated_v0`` (format-1 exports' ``gated``): ``e = sigmoid(W_g h_k + b_g) * x``."""
+
+    @staticmethod
+    def _gate_inputs(cfg: DrafterConfig) -> int:
+        return cfg.model_width
+
+    def step(self, state, x, h):
+        gate = jax.nn.sigmoid(h.astype(x.dtype) @ self.gate_w[...] + self.gate_b[...])
+        return state, gate * x
+
+
+class RNNMarkovHead(MarkovHead):
+    """``rnn``: DeepSpec's RNNHead (module doc), ``W [2r + d, 3r]``, ``b [3r]``; state ``s_0 = 0``."""
+
+    def __init__(self, cfg: DrafterConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        super().__init__(cfg, rngs, dtype)
+        r = cfg.markov_rank
+        self.rnn_wx = _fan_in(rngs, dtype, 2 * r + cfg.model_width, 3 * r)  # W over [s_{k-1}; x; h_k]
+        self.rnn_b = nnx.Param(jnp.zeros((3 * r,), dtype))
+
+    def init_state(self, batch_shape, dtype):
+        """``[*batch_shape, r]`` zeros."""
+        return jnp.zeros(tuple(batch_shape) + (self.rank,), dtype)
+
+    def step(self, state, x, h):
+        r, state = self.rank, _carried(state)
+        z = jnp.concatenate([state, x, h.astype(x.dtype)], axis=-1) @ self.rnn_wx[...] + self.rnn_b[...]
+        u = jax.nn.sigmoid(z[..., :r])
+        state = u * state + (1.0 - u) * jnp.tanh(z[..., r : 2 * r])
+        return state, jnp.tanh(z[..., 2 * r :])
+
+    def teacher_forced(self, state, x, hidden):
+        xs = jnp.moveaxis(x, -2, 0)  # [g, ..., r]
+        hs = jnp.moveaxis(hidden, -2, 0)
+        _, es = jax.lax.scan(lambda s, xh: self.step(s, *xh), state, (xs, hs))
+        return jnp.moveaxis(es, 0, -2)
+
+
+class RNNV0MarkovHead(MarkovHead):
+    """``rnn_v0`` (format-1 exports' ``rnn``): a GRU over the block, ``e = x + s_k``, with
+    ``W_x, W_h [r, 3r]``, ``b [3r]`` (reset gate on the recurrent term); state ``s_0 = 0``."""
+
+    def __init__(self, cfg: DrafterConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        super().__init__(cfg, rngs, dtype)
+        r = cfg.markov_rank
+        self.rnn_wx, self.rnn_wh = _fan_in(rngs, dtype, r, 3 * r), _fan_in(rngs, dtype, r, 3 * r)
+        self.rnn_b = nnx.Param(jnp.zeros((3 * r,), dtype))
+
+    def init_state(self, batch_shape, dtype):
+        """``[*batch_shape, r]`` zeros."""
+        return jnp.zeros(tuple(batch_shape) + (self.rank,), dtype)
+
+    def _gru(self, s: jax.Array, x: jax.Array) -> jax.Array:
+        r = self.rank
+        gx = x @ self.rnn_wx[...] + self.rnn_b[...]
+        gh = s @ self.rnn_wh[...]
+        reset = jax.nn.sigmoid(gx[..., :r] + gh[..., :r])
+        update = jax.nn.sigmoid(gx[..., r : 2 * r] + gh[..., r : 2 * r])
+        cand = jnp.tanh(gx[..., 2 * r :] + reset * gh[..., 2 * r :])
+        return (1.0 - update) * cand + update * s
+
+    def step(self, state, x, h):
+        state = self._gru(_carried(state), x)
+        return state, x + state
+
+    def teacher_forced(self, state, x, hidden):
+        def gru(s: jax.Array, xk: jax.Array) -> tuple[jax.Array, jax.Array]:
+            s = self._gru(s, xk)
+            return s, s
+
+        xs = jnp.moveaxis(x, -2, 0)  # [g, ..., r]
+        _, states = jax.lax.scan(gru, _carried(state), xs)
+        return x + jnp.moveaxis(states, 0, -2)
+
+
+MARKOV_HEAD_TYPES: dict[str, type[MarkovHead]] = {
+    "vanilla": MarkovHead,
+    "gated": GatedMarkovHead,
+    "rnn": RNNMarkovHead,
+    "gated_v0": GatedV0MarkovHead,
+    "rnn_v0": RNNV0MarkovHead,
+}
+
+
+def build_markov_head(cfg: DrafterConfig, rngs: nnx.Rngs, dtype=jnp.float32) -> MarkovHead | None:
+    """The sequential head of ``cfg.markov_head``, or None for a drafter without one
+    (``dflash``, or ``markov_rank=0``).
+
+    Raises:
+      KeyError: an unknown head type (:class:`DrafterConfig` refuses those first).
+    """
+    if not cfg.markov:
+        return None
+    return MARKOV_HEAD_TYPES[cfg.markov_head](cfg, rngs, dtype)
+
+
+def _confidence_temperatures(
+    drafter: BlockDrafter, sampling: SamplingArrays, conf_temperature: jax.Array | None, g: int, b: int
+) -> jax.Array:
+    """``[gamma, B]`` float32 temperatures of each position and row (:func:`sample_block`)."""
+    if conf_temperature is not None:
+        return jnp.broadcast_to(jnp.asarray(conf_temperature, jnp.float32)[:, None], (g, b))
+    # Per row: the greedy fit for rows at T = 0.
+    row_greedy = jnp.broadcast_to(jnp.asarray(sampling.temperature) <= 0.0, (b,))
+    return jnp.where(
+        row_greedy[None, :],
+        drafter.confidence_temperatures(greedy=True)[:, None],
+        drafter.confidence_temperatures()[:, None],
+    )
 
 
 def sample_block(
-    drafter: Drafter,
+    drafter: BlockDrafter,
     block: BlockOutput,
     anchors: jax.Array,
     keys: jax.Array,
@@ -54,7 +235,7 @@ def sample_block(
     """Samples x_1..x_gamma left to right with the Markov correction.
 
     Args:
-      drafter: supplies the Markov and confidence heads.
+      drafter: a block drafter; supplies the Markov and confidence heads.
       block: backbone output, ``hidden [B, gamma, d]`` and ``logits [B, gamma, N]`` (N = V or
         the draft vocabulary's size; tokens and ``probs`` come back in target ids).
       anchors: ``[B]`` int32 x_0.
@@ -64,7 +245,7 @@ def sample_block(
         verifier applies to the target's logits.
       conf_temperature: optional ``[gamma]`` per-position confidence temperatures
         ``T_k`` (``c_k = sigmoid(z_k / T_k)``); default: the drafter's own
-        calibration (:attr:`Drafter.calibration`; :attr:`Drafter.calibration_greedy` for
+        calibration (``drafter.calibration``; ``drafter.calibration_greedy`` for
         rows at temperature 0 when it has one), ones when it has none. Only the
         confidences change, never the tokens or ``probs``.
       step_keys: optional ``[B, gamma, 2]`` uint32 keys, one per draft position,
@@ -79,17 +260,7 @@ def sample_block(
     hidden = jnp.swapaxes(block.hidden, 0, 1)  # [gamma, B, d]
     logits = jnp.swapaxes(block.logits, 0, 1)  # [gamma, B, V]
     steps = jnp.arange(hidden.shape[0], dtype=jnp.uint32)
-    g, b = hidden.shape[0], hidden.shape[1]
-    if conf_temperature is None:  # per row: the greedy fit for rows at T = 0
-        row_greedy = jnp.broadcast_to(jnp.asarray(sampling.temperature) <= 0.0, (b,))
-        temps = jnp.where(
-            row_greedy[None, :],
-            drafter.confidence_temperatures(greedy=True)[:, None],
-            drafter.confidence_temperatures()[:, None],
-        )  # [gamma, B]
-    else:
-        temps = jnp.broadcast_to(jnp.asarray(conf_temperature, jnp.float32)[:, None], (g, b))
-
+    temps = _confidence_temperatures(drafter, sampling, conf_temperature, hidden.shape[0], hidden.shape[1])
     if step_keys is None:
         step_keys = jax.vmap(lambda k: jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, k), out_axes=1)(steps)
     step_keys = jnp.swapaxes(step_keys, 0, 1)  # [gamma, B, 2]

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from dspark_jax.decoding.speculative import BatchResult, generate_speculative
-from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.drafters.base import Drafter
 from dspark_jax.models.target import Target
 
 

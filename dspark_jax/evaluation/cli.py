@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: the heavy imports stay lazy so that --help is instant
-    from dspark_jax.drafters.dspark import Drafter
+    from dspark_jax.drafters.base import Drafter
     from dspark_jax.models.target import Target
     from dspark_jax.models.tokenizer import Tokenizer
 
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import jax.numpy as jnp
 
     from dspark_jax.api import load_target
-    from dspark_jax.decoding.speculative import check_compatible
+    from dspark_jax.drafters.base import check_compatible
     from dspark_jax.drafters.checkpoint import load_drafter, read_export_meta
     from dspark_jax.errors import DSparkInputError
     from dspark_jax.evaluation.acceptance import evaluate_tau

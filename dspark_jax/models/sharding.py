@@ -67,8 +67,8 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "w_up": ("embed", "mlp"),
     "w_down": ("mlp", "embed"),
     "fc": ("features", "embed"),
-    "markov_w1": ("vocab", "rank"),
-    "markov_w2": ("rank", "vocab"),
+    "w1": ("vocab", "rank"),  # the DSpark drafter's Markov head, markov_head/w1 (drafters.markov)
+    "w2": ("rank", "vocab"),
 }
 
 # A KV cache ``[L, B, S, kv_heads, head_dim]`` (target and drafter context caches).

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.decoding.sps import SPSTable, profile_buckets
+from dspark_jax.drafters.base import BlockDrafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import sharding as shd
 from dspark_jax.serving.programs import (
@@ -175,14 +176,14 @@ class EngineDevice:
 
     @staticmethod
     def check_servable(drafter) -> None:
-        """Refuses a drafter kind the engine cannot serve (eagle3: no context K/V to keep).
+        """Refuses a drafter kind the engine cannot serve: not a block drafter (eagle3: no block pass).
 
         Raises:
-          DSparkInputError: an eagle3 drafter, or one without ``context_kv``.
+          DSparkInputError: a drafter that is not a :class:`~dspark_jax.drafters.base.BlockDrafter`.
         """
         if drafter is None:
             return
-        if getattr(drafter.cfg, "variant", "") == "eagle3" or not hasattr(drafter, "context_kv"):
+        if not isinstance(drafter, BlockDrafter):
             raise DSparkInputError(
                 f"the serving engine cannot serve a {getattr(drafter.cfg, 'variant', type(drafter).__name__)} "
                 "drafter (it drafts autoregressively from its own cache); serve a dspark/dflash drafter, "

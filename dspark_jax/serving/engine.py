@@ -66,8 +66,8 @@ import jax
 import numpy as np
 
 from dspark_jax.decoding.online_calibration import OnlineCalibrator
-from dspark_jax.decoding.speculative import check_compatible
 from dspark_jax.decoding.sps import SPSTable
+from dspark_jax.drafters.base import check_compatible
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.target import Target

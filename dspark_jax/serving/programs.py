@@ -131,12 +131,8 @@ def draft(target, drafter, anchors, pos, keys, samp, dk, dv, bias, use_bias, mod
 def write_context(drafter, features, row, pos, dk, dv):
     """Writes the drafter context K/V of ``[K]`` packed tokens (tapped ``features [K, F]``) at
     ``(row, pos)``; ``pos < 0`` marks padding (nothing written)."""
-    ck, cv = drafter.context_kv(drafter.context_features(features[None]), jnp.maximum(pos, 0)[None])
-    wpos = jnp.where(pos >= 0, pos, dk.shape[2])  # out of range: dropped writes
-    return (
-        dk.at[:, row, wpos].set(ck[:, 0].astype(dk.dtype), mode="drop"),
-        dv.at[:, row, wpos].set(cv[:, 0].astype(dv.dtype), mode="drop"),
-    )
+    cache = drafter.write_context(KVCache(dk, dv), features, row, pos)
+    return cache.k, cache.v
 
 
 def logprobs(raw_logits, emitted, n_top: int):

@@ -118,7 +118,7 @@ def estimate_memory(
     import jax.numpy as jnp
     from flax import nnx
 
-    from dspark_jax.drafters.dspark import build_drafter
+    from dspark_jax.drafters.build import build_drafter
     from dspark_jax.models.sharding import tree_bytes_per_device
     from dspark_jax.models.weights import target_param_shapes
 
@@ -176,7 +176,7 @@ def estimate_serving_memory(
     import jax.numpy as jnp
     from flax import nnx
 
-    from dspark_jax.drafters.dspark import build_drafter
+    from dspark_jax.drafters.build import build_drafter
     from dspark_jax.models.sharding import tree_bytes_per_device
     from dspark_jax.models.weights import target_param_shapes
 
@@ -274,7 +274,7 @@ def dry_run(
     import jax
     from flax import nnx
 
-    from dspark_jax.drafters.dspark import build_drafter
+    from dspark_jax.drafters.build import build_drafter
     from dspark_jax.models.weights import count_target_params
     from dspark_jax.training.trainer import count_params
 

@@ -1,7 +1,7 @@
 """The drafter's training loss (DESIGN.md "Training"; paper Section 5 and Appendix A4).
 
 For ``A`` anchor blocks per sequence (:func:`sample_anchors`), all run in one drafter pass
-(:meth:`Drafter.train_blocks <dspark_jax.drafters.dspark.Drafter.train_blocks>`) with the
+(``train_blocks`` of the :class:`~dspark_jax.drafters.base.Drafter` protocol) with the
 teacher-forced Markov correction (``x_{k-1}`` = the true previous token), the per-position
 terms are
 
@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dspark_jax.drafters.dspark import Drafter
-from dspark_jax.drafters.eagle import EagleDrafter
+from dspark_jax.drafters.base import BlockDrafter, Drafter
 from dspark_jax.models.target import Target
 
-# The drafters the loss trains: block drafters (dspark / dflash) and the eagle3 baseline.
-TrainableDrafter = Drafter | EagleDrafter
+# The drafters the loss trains: every kind (block drafters, dspark / dflash, with their
+# sequential and confidence heads and draft vocabulary; the eagle3 baseline without them).
+TrainableDrafter = Drafter
 
 
 class LossConfig(Protocol):
@@ -104,12 +104,13 @@ def _target_features(
 
 
 def _ce_tv(
-    drafter: TrainableDrafter, logq: jax.Array, p_t: jax.Array, labels: jax.Array
+    drafter: BlockDrafter | None, logq: jax.Array, p_t: jax.Array, labels: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """``(CE, TV)`` per position ``[B, A, gamma]`` from the draft log-probabilities ``logq [.., N]``
-    (draft space) and the target's probabilities ``p_t [.., V]``."""
-    ids = drafter.draft_vocab_ids()
-    if ids is None:
+    (draft space) and the target's probabilities ``p_t [.., V]``; ``drafter``: the block drafter
+    (its draft vocabulary), None for one drafting over the full vocabulary (eagle3)."""
+    ids = None if drafter is None else drafter.draft_vocab_ids()
+    if drafter is None or ids is None:
         ce = -jnp.take_along_axis(logq, labels[..., None], axis=-1)[..., 0]
         tv = 0.5 * jnp.sum(jnp.abs(jnp.exp(logq) - p_t), axis=-1)
         return ce, tv
@@ -125,11 +126,11 @@ def _ce_tv(
 
 
 def _confidence_terms(
-    drafter: TrainableDrafter, hidden: jax.Array, e: jax.Array | None, tv: jax.Array
+    drafter: BlockDrafter | None, hidden: jax.Array, e: jax.Array | None, tv: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """``(BCE, |c - (1 - TV)|)`` per position of the confidence head against the label ``sg(1 - TV)``;
-    zeros for drafters without a confidence head (DFlash, eagle3)."""
-    if not drafter.cfg.has_confidence:
+    zeros for drafters without a confidence head (DFlash; eagle3, passed as None)."""
+    if drafter is None or not drafter.cfg.has_confidence:
         return jnp.zeros_like(tv), jnp.zeros_like(tv)
     z = drafter.confidence_logit(hidden, e)
     soft = jax.lax.stop_gradient(1.0 - tv)
@@ -162,10 +163,12 @@ def _loss_head(
         base_logits = drafter.base_logits(target, hidden)
     assert base_logits is not None
     p_t = jax.nn.softmax(t_sel, axis=-1)
-    bias, e = drafter.teacher_forced_heads(hidden, prev)
+    # Sequential / confidence heads and a draft vocabulary: block drafters only (not eagle3).
+    block = drafter if isinstance(drafter, BlockDrafter) else None
+    bias, e = (0.0, None) if block is None else block.teacher_forced_heads(hidden, prev)
     logq = jax.nn.log_softmax(base_logits + bias, axis=-1)  # [..., N] draft space
-    ce, tv = _ce_tv(drafter, logq, p_t, labels)
-    bce, conf_err = _confidence_terms(drafter, hidden, e, tv)
+    ce, tv = _ce_tv(block, logq, p_t, labels)
+    bce, conf_err = _confidence_terms(block, hidden, e, tv)
     return ce, tv, bce, conf_err
 
 
@@ -210,7 +213,8 @@ def loss_sums(
 
     Args:
       tokens: ``[B, L]`` int32; lengths: ``[B]`` int32; anchors: ``[B, A]`` int32.
-      remat: recompute the vocabulary-sized loss head in the backward pass.
+      remat: recompute the drafter's layers (``train_blocks(remat=True)``) and the
+        vocabulary-sized loss head in the backward pass.
       cached: optional ``(tap_features [B, L, n_taps * H], last_hidden [B, L, H])`` of the
         target from a feature cache (:mod:`dspark_jax.training.feature_cache`; any float dtype, cast
         to the target's): the target forward is skipped and ``p_target`` is computed only at
@@ -222,7 +226,7 @@ def loss_sums(
     """
     g = drafter.cfg.gamma
     feats, t_logits, c_hidden = _target_features(target, tokens, drafter.cfg.taps, cached)
-    block = drafter.train_blocks(target, feats, tokens, anchors)
+    block = drafter.train_blocks(target, feats, tokens, anchors, remat=remat)
     k = jnp.arange(g, dtype=jnp.int32)
     src = anchors[..., None] + k  # position whose next token is predicted
     valid = (src + 1) < lengths[:, None, None]  # [B, A, g]

@@ -215,13 +215,13 @@ def _build_trainer(cfg: TrainConfig, target, dcfg, data: dict[str, Any], mesh):
     """A :class:`~dspark_jax.training.trainer.Trainer` for a freshly initialised drafter of ``dcfg``."""
     from flax import nnx
 
-    from dspark_jax.drafters.dspark import Drafter, build_drafter
+    from dspark_jax.drafters.build import build_drafter
     from dspark_jax.training import data as data_mod
     from dspark_jax.training.trainer import Trainer
 
     # float32 master weights whatever cfg.dtype: the Trainer computes in cfg.dtype.
     drafter = build_drafter(dcfg, nnx.Rngs(cfg.seed))
-    if dcfg.draft_vocab_size and isinstance(drafter, Drafter):  # eagle3 refuses a draft vocabulary
+    if dcfg.draft_vocab_size:  # dspark / dflash only (DrafterConfig refuses one for eagle3)
         # From the data, so a resumed run rebuilds the same vocabulary.
         drafter.set_draft_vocab(data_mod.draft_vocabulary(data, dcfg.draft_vocab_size, target.cfg.vocab_size))
     return Trainer(cfg, target, drafter, mesh=mesh)

@@ -310,14 +310,12 @@ def replicate(tree: Any, sharding: NamedSharding) -> Any:
     return jax.tree.map(put, tree)
 
 
-def _master_and_compute_graphs(
-    drafter: TrainableDrafter, compute: Any, remat: bool
-) -> tuple[nnx.GraphDef, nnx.GraphDef, nnx.State]:
+def _master_and_compute_graphs(drafter: TrainableDrafter, compute: Any) -> tuple[nnx.GraphDef, nnx.GraphDef, nnx.State]:
     """``(master graph, compute graph, float32 params)`` of ``drafter``.
 
     The master copy holds float32 parameters (and optimizer state); the graph that runs the
-    forward pass may compute in bfloat16 and/or rematerialise its layers (its static attributes
-    ``dtype`` / ``remat`` replaced, no array copies).
+    forward pass may compute in bfloat16 (its static attribute ``dtype`` replaced, no array
+    copies). Rematerialisation is an argument of :func:`~dspark_jax.training.losses.loss_sums`.
     """
     graph, params = nnx.split(drafter, nnx.Param)
 
@@ -329,10 +327,7 @@ def _master_and_compute_graphs(
         return nnx.split(m, nnx.Param)[0]
 
     d_graph = graph if jnp.dtype(drafter.dtype) == jnp.float32 else graph_with(dtype=jnp.float32)
-    if compute == jnp.float32 and not remat:
-        c_graph = d_graph
-    else:
-        c_graph = graph_with(dtype=compute, remat=remat)
+    c_graph = d_graph if compute == jnp.float32 else graph_with(dtype=compute)
     params = jax.tree.map(lambda x: x.astype(jnp.float32) if _is_float(x) else x, params)
     return d_graph, c_graph, params
 
@@ -431,7 +426,7 @@ class Trainer:
             mesh = shd.make_mesh(cfg.mesh) if cfg.mesh else data_mesh()
         self.mesh = mesh
         self.tx = make_optimizer(cfg)
-        self.d_graph, c_graph, params = _master_and_compute_graphs(drafter, jnp.dtype(cfg.dtype), cfg.remat)
+        self.d_graph, c_graph, params = _master_and_compute_graphs(drafter, jnp.dtype(cfg.dtype))
         self.t_graph, self.t_state = nnx.split(target)
         self._place_state(params, drafter.cfg, target.cfg)
         repl = NamedSharding(self.mesh, P())

@@ -1,0 +1,237 @@
+"""The drafter interface: what decoding, training, serving and export need of a drafter.
+
+Two kinds implement it (DESIGN.md "Drafter" and its baselines):
+
+* :class:`~dspark_jax.drafters.dspark.DSparkDrafter` (``variant`` ``dspark`` / ``dflash``): one
+  parallel backbone pass predicts a whole block, sequential Markov and confidence heads sample
+  it (paper Sections 4-6); it is a :class:`BlockDrafter`;
+* :class:`~dspark_jax.drafters.eagle.EagleDrafter` (``eagle3``): the autoregressive baseline,
+  one decoder-layer step per draft token; a :class:`Drafter` only.
+
+Callers program against :class:`Drafter` (every kind) and check :class:`BlockDrafter` where
+they need the block pass itself (the serving engine adds its logit bias to the block's base
+logits; ``num_speculative_tokens="auto"`` reads calibrated confidences). Both protocols are
+``runtime_checkable``. :func:`~dspark_jax.drafters.build.build_drafter` builds the kind of a
+config; this module holds the shared output types and :func:`check_compatible`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import jax
+
+from dspark_jax.config import DrafterConfig
+from dspark_jax.errors import DSparkInputError
+from dspark_jax.models.sampling import SamplingArrays
+from dspark_jax.models.target import Target
+
+
+class BlockOutput(NamedTuple):
+    """Hidden states and base logits of drafting blocks.
+
+    Attributes:
+      hidden: ``[..., gamma, d]`` final-normed hidden state per predicted position.
+      logits: ``[..., gamma, N]`` float32 base logits ``U_k`` (no Markov bias) over the draft
+        vocabulary: N = V, or ``cfg.draft_vocab_size`` (map with
+        :meth:`BlockDrafter.to_target_probs`).
+    """
+
+    hidden: jax.Array
+    logits: jax.Array
+
+
+class Draft(NamedTuple):
+    """One drafted block per row.
+
+    Attributes:
+      tokens: ``[B, gamma]`` int32 draft tokens x_1..x_gamma (target ids).
+      probs: ``[B, gamma, V]`` float32, the exact distribution q_k each draft token
+        was sampled from (handed to the verifier unchanged), in target ids: exact zeros
+        off a draft vocabulary.
+      confidence: ``[B, gamma]`` float32 c_k in (0, 1], the predicted probability
+        that position k is accepted given that verification reached it
+        (calibrated: ``sigmoid(z_k / T_k)``; 1 for a drafter without a confidence head).
+      confidence_logit: ``[B, gamma]`` float32 raw confidence logits z_k (before
+        calibration; ``+inf`` for a drafter without a confidence head).
+    """
+
+    tokens: jax.Array
+    probs: jax.Array
+    confidence: jax.Array
+    confidence_logit: jax.Array
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Any drafter kind: an ``nnx.Module`` owning only its own weights (the target's embedding
+    and LM head come from the :class:`~dspark_jax.models.target.Target` passed to each call).
+
+    Attributes:
+      cfg: its :class:`~dspark_jax.config.DrafterConfig` (``variant``, block size ``gamma``,
+        tapped target layers, the target it was built for).
+      dtype: parameter and compute dtype.
+      calibration / calibration_greedy: per-position confidence temperatures (sampled rows /
+        rows at T = 0) recorded in exports; None without calibration or confidence head.
+      draft_vocab: the draft vocabulary's target ids recorded in exports, or None (full V).
+    """
+
+    cfg: DrafterConfig
+    dtype: Any
+    calibration: tuple[float, ...] | None
+    calibration_greedy: tuple[float, ...] | None
+    draft_vocab: tuple[int, ...] | None
+
+    def init_cache(self, batch: int, length: int) -> Any:
+        """Empty context cache (a pytree of arrays) of ``batch`` rows and ``length`` positions."""
+        ...
+
+    def extend_cache(
+        self,
+        cache: Any,
+        features: jax.Array,
+        positions: jax.Array,
+        *,
+        target: Target | None = None,
+        tokens: jax.Array | None = None,
+    ) -> Any:
+        """Writes verified context: tapped target ``features [B, T, n_taps * H]`` of the tokens
+        ``tokens [B, T]`` at ``positions [B, T]`` (out of range or ``-1``: dropped)."""
+        ...
+
+    def write_context(
+        self,
+        cache: Any,
+        features: jax.Array,
+        rows: jax.Array,
+        positions: jax.Array,
+        *,
+        target: Target | None = None,
+        tokens: jax.Array | None = None,
+    ) -> Any:
+        """:meth:`extend_cache` for ``K`` packed tokens of any rows: ``features [K, n_taps * H]``,
+        ``rows [K]``, ``positions [K]`` (``< 0``: nothing written), ``tokens [K]``."""
+        ...
+
+    def draft(
+        self,
+        target: Target,
+        anchors: jax.Array,
+        anchor_pos: jax.Array,
+        cache: Any,
+        keys: jax.Array,
+        sampling: SamplingArrays,
+        step_keys: jax.Array | None = None,
+    ) -> Draft:
+        """One drafting round per row: ``anchors [B]`` (last confirmed tokens) at ``anchor_pos [B]``
+        (context = cache positions before it), per-row ``keys [B, 2]`` (or per-position
+        ``step_keys [B, gamma, 2]``) -> :class:`Draft` of ``gamma`` tokens."""
+        ...
+
+    def train_blocks(
+        self, target: Target, features: jax.Array, tokens: jax.Array, anchors: jax.Array, *, remat: bool = False
+    ) -> BlockOutput:
+        """Training blocks of ``anchors [B, A]`` of sequences ``tokens [B, L]`` with their tapped
+        features ``[B, L, n_taps * H]`` -> :class:`BlockOutput` ``[B, A, gamma, ...]``;
+        ``remat``: recompute activations in the backward pass instead of storing them."""
+        ...
+
+    def base_logits(self, target: Target, h: jax.Array) -> jax.Array:
+        """``[..., d]`` hidden states -> ``[..., N]`` float32 logits via the target's frozen LM head."""
+        ...
+
+    def set_calibration(self, temperatures: Any, greedy: bool = False) -> None:
+        """Installs (or clears, with None) confidence temperatures.
+
+        Raises:
+          ValueError: temperatures for a drafter without a confidence head, or bad values.
+        """
+        ...
+
+    def set_draft_vocab(self, ids: Any) -> None:
+        """Installs the draft vocabulary's target ids.
+
+        Raises:
+          ValueError: a drafter that drafts over the full vocabulary, or bad ids.
+        """
+        ...
+
+
+@runtime_checkable
+class BlockDrafter(Drafter, Protocol):
+    """A drafter that predicts a whole block in one backbone pass (:meth:`draft_block`) and
+    samples it with sequential heads (:func:`dspark_jax.drafters.markov.sample_block`): the
+    pieces callers that change the block's logits or read its confidences use."""
+
+    def draft_block(self, target: Target, anchors: jax.Array, anchor_pos: jax.Array, cache: Any) -> BlockOutput:
+        """Backbone pass of one block per row: :class:`BlockOutput` ``[B, gamma, ...]``."""
+        ...
+
+    def markov_init(self, batch_shape: tuple[int, ...]) -> jax.Array | None:
+        """Sequential-head state before position 1 (None for a stateless head)."""
+        ...
+
+    def markov_step(
+        self, state: jax.Array | None, prev: jax.Array, h: jax.Array
+    ) -> tuple[jax.Array | None, jax.Array | None, jax.Array | float]:
+        """One position of the sequential head: ``(state, e_k, bias [..., N])``."""
+        ...
+
+    def teacher_forced_heads(self, hidden: jax.Array, prev: jax.Array) -> tuple[jax.Array | float, jax.Array | None]:
+        """Sequential-head bias and embeddings of whole blocks given the true previous tokens."""
+        ...
+
+    def confidence_logit(self, h: jax.Array, e: jax.Array | None) -> jax.Array:
+        """Pre-sigmoid confidence ``[...]`` float32 (``+inf`` without a confidence head)."""
+        ...
+
+    def confidence_temperatures(self, greedy: bool = False) -> jax.Array:
+        """``[gamma]`` float32 confidence temperatures in use."""
+        ...
+
+    def draft_vocab_ids(self) -> jax.Array | None:
+        """``[N]`` int32 target ids of the draft vocabulary, or None (full vocabulary)."""
+        ...
+
+    def draft_index(self, tokens: jax.Array) -> jax.Array:
+        """Target ids -> draft-vocabulary indices (N outside it)."""
+        ...
+
+    def to_target_ids(self, draft_tokens: jax.Array) -> jax.Array:
+        """Draft-vocabulary indices -> target ids."""
+        ...
+
+    def to_target_probs(self, q: jax.Array) -> jax.Array:
+        """``[..., N]`` draft-space probabilities -> ``[..., V]`` (zeros off the draft vocabulary)."""
+        ...
+
+    def to_target_logits(self, logits: jax.Array) -> jax.Array:
+        """``[..., N]`` draft-space logits -> ``[..., V]`` (``-inf`` off the draft vocabulary)."""
+        ...
+
+
+def check_compatible(target: Target, drafter: Drafter) -> None:
+    """Refuses a drafter built for another target.
+
+    Raises:
+      DSparkInputError: vocab size, hidden size, depth/tapped layers or weights
+        fingerprint differ between the drafter's recorded target and ``target``.
+    """
+    t, d = target.cfg, drafter.cfg
+    if d.vocab_size != t.vocab_size:
+        raise DSparkInputError(
+            f"drafter was trained for a vocabulary of {d.vocab_size} tokens but the target has {t.vocab_size}"
+        )
+    if d.hidden_size != t.hidden_size:
+        raise DSparkInputError(f"drafter expects target hidden size {d.hidden_size} but the target has {t.hidden_size}")
+    if d.target_num_layers != t.num_layers or max(d.taps) >= t.num_layers:
+        raise DSparkInputError(
+            f"drafter taps layers {list(d.taps)} of a {d.target_num_layers}-layer target but the "
+            f"target has {t.num_layers} layers"
+        )
+    fp = getattr(target, "fingerprint", "")
+    if d.target_fingerprint and fp and d.target_fingerprint != fp:
+        raise DSparkInputError(
+            f"drafter was trained for target '{d.target_name}' (weights {d.target_fingerprint}) but "
+            f"these target weights are {fp}: train a drafter for this target"
+        )
