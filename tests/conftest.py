@@ -142,3 +142,14 @@ def stories260k_export(stories260k_dir, tmp_path_factory):
     cfg = dataclasses.replace(TRAIN_PRESETS["stories260k"], workdir=str(workdir), **QUICK_TRAIN)
     summary = run(cfg)
     return workdir, summary
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks every test ``unit`` or ``integration`` by its folder, so either half runs alone
+    (``pytest -m unit``: tiny models, fake engine; ``pytest -m integration``: real weights, CLIs,
+    subprocesses, servers, notebooks, forced multi-device workers)."""
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        for kind in ("unit", "integration"):
+            if kind in parts:
+                item.add_marker(getattr(pytest.mark, kind))

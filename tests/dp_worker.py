@@ -1,4 +1,4 @@
-"""Worker for tests/test_data_parallel.py: run as a script with 8 forced CPU devices.
+"""Worker for tests/integration/test_data_parallel.py: run as a script with 8 forced CPU devices.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/dp_worker.py
 

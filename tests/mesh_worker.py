@@ -1,4 +1,4 @@
-"""Worker for tests/test_mesh.py: every (data, model) mesh check, run with 8 forced CPU devices.
+"""Worker for tests/integration/test_mesh.py: every (data, model) mesh check, run with 8 forced CPU devices.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/mesh_worker.py
 

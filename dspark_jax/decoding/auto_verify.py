@@ -21,7 +21,7 @@ and ``c_{w_i + 1}`` only (the gain of the chunk is estimated as a geometric seri
 ratio ``c_{w_i + 1}``): that depends on ``x_1 .. x_{w_i}``, all of which are already going
 to be verified, and never on a token of the chunk itself. Each chunk is then verified
 whole. The stopping rule is thus a stopping time of the draft sequence and the output law
-is exactly the target's (tested in tests/test_auto_verify.py).
+is exactly the target's (tested in tests/unit/test_decode.py).
 
 Everything here is traced inside the decode loop (pure ``jnp``; widths are static);
 :func:`auto_round` is one such round of :mod:`dspark_jax.decoding.speculative`'s loop.

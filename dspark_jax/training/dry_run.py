@@ -107,7 +107,7 @@ def estimate_memory(
     and vocabulary terms are divided by ``model`` where it divides them, the hidden-size
     terms are replicated. Total = weights and optimizer state + the larger of the two
     activation peaks (target forward; drafter forward/backward). XLA's actual peak differs
-    (fusion, buffer reuse); ``tests/test_mesh.py`` checks it against the compiled sharded
+    (fusion, buffer reuse); ``tests/integration/test_mesh.py`` checks it against the compiled sharded
     step's memory analysis on forced CPU devices.
 
     Args:

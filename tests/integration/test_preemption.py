@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from conftest import MODELS_DIR
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS, CKPT_EVERY, KEEP, N_SHARDS = 40, 5, 2, 8
 ARGS = [
     "--preset",

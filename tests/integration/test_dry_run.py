@@ -19,7 +19,7 @@ import pytest
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import hf_io, model_io
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Published sizes: Qwen3-4B 4.0B parameters (tied), Qwen3-8B 8.2B (untied).
 QWEN3 = {

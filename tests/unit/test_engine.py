@@ -669,7 +669,7 @@ def rejection_engine(target, drafter):
 def test_rejection_verification_mode(rejection_engine, requests, reference):
     """verification="rejection": greedy output equals plain decoding exactly; at T>0 it runs
     with logit_bias (a banned token never appears) and accepts drafts. (Its output law is
-    pinned by the shared distribution tests of tests/test_verifier.py and by the PIT test
+    pinned by the shared distribution tests of tests/unit/test_verifier.py and by the PIT test
     below.)"""
     eng = rejection_engine
     assert eng.verification == "rejection" and eng.metrics()["verification"] == "rejection"
@@ -711,7 +711,7 @@ def test_rejection_mode_replays_verify(rejection_engine, tokenizer, full_logits)
     exactly what :func:`dspark_jax.decoding.verifier.verify` emits for the block on the device (drafts
     and their stored q), the target's p recomputed by plain full forwards at the block's
     positions, and the engine's round key ``fold_in(fold_in(PRNGKey(seed), P), 1)``. The
-    output law then follows from verify's (tests/test_verifier.py). Also: every draft has
+    output law then follows from verify's (tests/unit/test_verifier.py). Also: every draft has
     q > 0 under its stored q (it was drawn from it). Catches a misaligned p, q or key, which
     greedy decoding cannot see."""
     from dspark_jax.decoding.verifier import verify

@@ -26,7 +26,7 @@ from forced_devices import run_worker
 
 from dspark_jax.models import sharding as shd
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 
 

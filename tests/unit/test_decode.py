@@ -444,7 +444,7 @@ def test_gamma_smaller_than_block(gamma, peaked, drafters, ar_peaked):
 @pytest.mark.exactness
 def test_draft_vocabulary_and_width_greedy(peaked, ar_peaked):
     """A drafter that drafts over 6 of the 16 ids and is wider than the target decodes
-    exactly like the target at T=0 (the output law at T>0: tests/test_drafter_law.py)."""
+    exactly like the target at T=0 (the output law at T>0: tests/unit/test_drafter_law.py)."""
     # The draft vocabulary of the AR outputs (as the trainer builds it from its data), and a
     # bigram Markov head restricted to it, so that drafts are often accepted.
     toks = [[0] + g.token_ids for g in ar_peaked.generations]

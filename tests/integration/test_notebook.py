@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import MODELS_DIR
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "quickstart.ipynb"
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@ compilation, so these run in seconds. Validation (every unhonoured field refused
 refused), model names (404), ``n`` > 1, ``stream_options``, ``max_tokens`` defaults, API
 keys, logprobs / logit_bias / min_tokens plumbing, UTF-8-safe detokenization at every cut,
 stop strings, one tau definition (a stop inside an accepted block), queue limits,
-disconnects and metrics. ``tests/test_server.py`` checks the real engine end to end.
+disconnects and metrics. ``tests/integration/test_server.py`` checks the real engine end to end.
 """
 
 from __future__ import annotations

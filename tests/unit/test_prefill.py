@@ -8,7 +8,7 @@
   for chunk boundaries at several offsets and several requests packed in one pass; and the
   same decoded tokens (greedy and seeded T > 0) through the engine and through the server's
   engine loop; in rejection mode the first block's q too.
-* No recompilation after warm-up (compile events counted as in ``tests/test_engine.py``).
+* No recompilation after warm-up (compile events counted as in ``tests/unit/test_engine.py``).
 
 One engine (3 slots, gamma 3, one prefill bucket of 32, a 12-token chunk of 4-token blocks
 over 3 lanes) is shared, so that its handful of programs compile once.
