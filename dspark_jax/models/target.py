@@ -333,28 +333,50 @@ def _packed_layer(
       the new carry and the layer output ``[K, H]`` (None unless ``keep_hidden``).
     """
     h, ck_all, cv_all, li = carry
-    num_rows, s_len, k_tok = g.num_rows, g.s_len, g.k_tok
+    num_rows, s_len = g.num_rows, g.s_len
     kvh, hd = cfg.num_kv_heads, cfg.head_dim
+    q, ck_all, cv_all = packed_qkv(cfg, p, h, g.rope_pos, g.qrow, g.wpos, ck_all, cv_all, li)
+    ck = jax.lax.dynamic_slice(ck_all, (li, 0, 0, 0, 0), (1, num_rows, s_len, kvh, hd))[0]
+    cv = jax.lax.dynamic_slice(cv_all, (li, 0, 0, 0, 0), (1, num_rows, s_len, kvh, hd))[0]
+    qg = jnp.zeros((num_rows, g.width) + q.shape[1:], q.dtype).at[g.qrow, g.cols].set(q, mode="drop")
+    attn = attention(qg, ck, cv, g.mask)[g.grow, g.gcol]  # [K, nh*hd]
+    h = packed_attn_out_and_mlp(cfg, p, h, attn)
+    return (h, ck_all, cv_all, li + 1), (h[0] if keep_hidden else None)
+
+
+def packed_qkv(cfg: TargetConfig, p: dict[str, jax.Array], h, rope_pos, row, wpos, ck_all, cv_all, li):
+    """A packed layer's pre-attention half: RMSNorm, q/k/v projections (qk-norm), RoPE, and the
+    scatter of the ``K`` new keys/values into layer ``li`` of the full cache at ``(row, wpos)``
+    (``wpos`` out of range: padding, nothing written).
+
+    Args:
+      h: ``[1, K, H]`` hidden states; rope_pos: ``[1, K]`` positions; row / wpos: ``[K]`` int32.
+      ck_all / cv_all: ``[L, B, S, kvh, hd]`` caches; li: int32 layer index.
+    Returns:
+      ``(q [K, nh, hd], ck_all, cv_all)``.
+    """
+    k_tok, kvh, hd = h.shape[1], cfg.num_kv_heads, cfg.head_dim
     a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
-    q = (a @ p["wq"]).reshape(1, k_tok, cfg.num_heads, cfg.head_dim)
+    q = (a @ p["wq"]).reshape(1, k_tok, cfg.num_heads, hd)
     k = (a @ p["wk"]).reshape(1, k_tok, kvh, hd)
     v = (a @ p["wv"]).reshape(1, k_tok, kvh, hd)
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_eps)
-    q = apply_rope(q, g.rope_pos, cfg.rope_theta)[0]
-    k = apply_rope(k, g.rope_pos, cfg.rope_theta)[0]
-    lidx = jnp.full_like(g.qrow, li)
-    ck_all = ck_all.at[lidx, g.qrow, g.wpos].set(k.astype(ck_all.dtype), mode="drop")
-    cv_all = cv_all.at[lidx, g.qrow, g.wpos].set(v[0].astype(cv_all.dtype), mode="drop")
-    ck = jax.lax.dynamic_slice(ck_all, (li, 0, 0, 0, 0), (1, num_rows, s_len, kvh, hd))[0]
-    cv = jax.lax.dynamic_slice(cv_all, (li, 0, 0, 0, 0), (1, num_rows, s_len, kvh, hd))[0]
-    qg = jnp.zeros((num_rows, g.width) + q.shape[1:], q.dtype).at[g.qrow, g.cols].set(q, mode="drop")
-    attn = attention(qg, ck, cv, g.mask)[g.grow, g.gcol]  # [K, nh*hd]
+    q = apply_rope(q, rope_pos, cfg.rope_theta)[0]
+    k = apply_rope(k, rope_pos, cfg.rope_theta)[0]
+    lidx = jnp.full_like(row, li)
+    ck_all = ck_all.at[lidx, row, wpos].set(k.astype(ck_all.dtype), mode="drop")
+    cv_all = cv_all.at[lidx, row, wpos].set(v[0].astype(cv_all.dtype), mode="drop")
+    return q, ck_all, cv_all
+
+
+def packed_attn_out_and_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h, attn):
+    """A packed layer's second half: output projection of ``attn [K, nh*hd]`` added to
+    ``h [1, K, H]``, then the SwiGLU MLP with its residual. Returns the new ``[1, K, H]``."""
     h = h + (attn @ p["wo"])[None]
     m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
-    h = h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"])
-    return (h, ck_all, cv_all, li + 1), (h[0] if keep_hidden else None)
+    return h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"])
 
 
 def _check_params(cfg: TargetConfig, params: dict[str, Any]) -> None:

@@ -41,8 +41,9 @@ from flax import nnx
 
 from dspark_jax.decoding.round import token_keys
 from dspark_jax.models import sharding as shd
-from dspark_jax.models.layers import KVCache, apply_rope, attention, rms_norm, swiglu
+from dspark_jax.models.layers import KVCache, attention
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample
+from dspark_jax.models.target import packed_attn_out_and_mlp, packed_qkv
 from dspark_jax.serving.programs import apply_bias, draft, logprobs, write_context
 from dspark_jax.serving.state import PrefixArrays
 
@@ -140,28 +141,14 @@ def _chunk_layer(cfg, g: _ChunkGeometry, keep_hidden: bool, carry: tuple, p: dic
     """One decoder layer of :func:`chunk_forward` (a ``lax.scan`` body over layers; the whole
     staging cache rides in the carry and is updated in place, as in the target's packed pass)."""
     h, ck_all, cv_all, li = carry
-    k_tok, nblk = g.k_tok, g.k_tok // g.block
-    kvh, hd = cfg.num_kv_heads, cfg.head_dim
-    a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
-    q = (a @ p["wq"]).reshape(1, k_tok, cfg.num_heads, hd)
-    k = (a @ p["wk"]).reshape(1, k_tok, kvh, hd)
-    v = (a @ p["wv"]).reshape(1, k_tok, kvh, hd)
-    if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_eps)
-    q = apply_rope(q, g.rope_pos, cfg.rope_theta)[0]
-    k = apply_rope(k, g.rope_pos, cfg.rope_theta)[0]
-    lidx = jnp.full_like(g.lane, li)
-    ck_all = ck_all.at[lidx, g.lane, g.wpos].set(k.astype(ck_all.dtype), mode="drop")
-    cv_all = cv_all.at[lidx, g.lane, g.wpos].set(v[0].astype(cv_all.dtype), mode="drop")
+    k_tok, nblk, hd = g.k_tok, g.k_tok // g.block, cfg.head_dim
+    q, ck_all, cv_all = packed_qkv(cfg, p, h, g.rope_pos, g.lane, g.wpos, ck_all, cv_all, li)
     # Every block reads its lane's first `span` slots: the lane's earlier chunks and the
     # tokens just written (its own and the earlier blocks of the same lane).
     ck = ck_all[li, g.blk_lane, : g.span]  # [T / g, span, kvh, hd]
     cv = cv_all[li, g.blk_lane, : g.span]
     attn = attention(q.reshape(nblk, g.block, cfg.num_heads, hd), ck, cv, g.mask).reshape(k_tok, -1)
-    h = h + (attn @ p["wo"])[None]
-    m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
-    h = h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"])
+    h = packed_attn_out_and_mlp(cfg, p, h, attn)
     return (h, ck_all, cv_all, li + 1), (h[0] if keep_hidden else None)
 
 

@@ -665,7 +665,8 @@ def test_input_errors(peaked, drafters):
             with pytest.raises(DSparkInputError, match=match):
                 fn([[1, 2], [3, 4]], max_new_tokens=4, **kw)
     for g in (0, 5, -1):
-        with pytest.raises(DSparkInputError, match="gamma"):
+        # gamma= is the deprecated alias: it warns, then is validated like num_speculative_tokens
+        with pytest.raises(DSparkInputError, match="gamma"), pytest.warns(DeprecationWarning, match="gamma"):
             generate_speculative(peaked, d, [[1, 2]], max_new_tokens=4, gamma=g)
 
 
