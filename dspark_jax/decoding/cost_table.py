@@ -33,6 +33,7 @@ from flax import nnx
 from dspark_jax.decoding.auto_verify import default_widths
 from dspark_jax.decoding.compile_cache import LRUCache
 from dspark_jax.decoding.round import draft_tokens, verify_pass
+from dspark_jax.drafters.base import prepare_drafter
 from dspark_jax.models.sampling import process_logits, sample, sampling_arrays
 
 __all__ = ["CostTable", "cached_cost_table", "measure_costs"]
@@ -153,7 +154,11 @@ def measure_costs(
       inner: calls per timing (default: enough for ~2 ms per timing, at least 1).
     Returns:
       :class:`CostTable`.
+    Raises:
+      DSparkInputError: a drafter for another target (the drafter is prepared for ``target``
+        first, as decoding does: :func:`~dspark_jax.drafters.base.prepare_drafter`).
     """
+    prepare_drafter(target, drafter)
     g = drafter.cfg.gamma
     widths = tuple(default_widths(g) if widths is None else sorted(set(int(w) for w in widths)))
     if widths[0] != 0 or widths[-1] > g:
