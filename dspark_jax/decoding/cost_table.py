@@ -155,8 +155,7 @@ def measure_costs(
     Returns:
       :class:`CostTable`.
     Raises:
-      DSparkInputError: a drafter for another target (the drafter is prepared for ``target``
-        first, as decoding does: :func:`~dspark_jax.drafters.base.prepare_drafter`).
+      DSparkInputError: a drafter for another target (prepared first, as decoding does).
     """
     prepare_drafter(target, drafter)
     g = drafter.cfg.gamma
@@ -165,11 +164,9 @@ def measure_costs(
         raise ValueError(f"widths must start at 0 and stay <= the block size {g}, got {list(widths)}")
     pos0 = cache_len // 4 if position is None else int(position)
     verify_p, draft_p, step_p, context_p = _programs(target, drafter, widths, cache_len)
-    _, t_state = nnx.split(target)
-    _, d_state = nnx.split(drafter)
+    (_, t_state), (_, d_state) = nnx.split(target), nnx.split(drafter)
     state = {"tcache": target.init_cache(1, cache_len), "dcache": drafter.init_cache(1, cache_len)}
-    anchor = jnp.asarray([1], jnp.int32)
-    pos = jnp.asarray([pos0], jnp.int32)
+    anchor, pos = jnp.asarray([1], jnp.int32), jnp.asarray([pos0], jnp.int32)
     key = jax.random.PRNGKey(0)[None]
     greedy, sampled = sampling_arrays(1, 0.0), sampling_arrays(1, 1.0)
     drafts, dprobs, _ = draft_p(t_state, d_state, state["dcache"], anchor, pos, key, sampled)
