@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
 from dspark_jax.decoding.validation import check_sampling, resolve_num_speculative_tokens
-from dspark_jax.drafters.base import BlockDrafter, check_compatible
+from dspark_jax.drafters.base import BlockDrafter, prepare_drafter
 from dspark_jax.drafters.checkpoint import load_drafter
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.errors import DSparkInputError
@@ -50,7 +50,8 @@ def load_target(spec: str, dtype: Any = jnp.float32, mesh=None):
 
 
 def load_target_and_drafter(target_spec: str, drafter_dir: str | None, dtype: Any = jnp.float32, mesh=None):
-    """Loads a target and, when ``drafter_dir`` is given, its drafter, checked against it.
+    """Loads a target and, when ``drafter_dir`` is given, its drafter, checked against it and
+    prepared for it (:func:`~dspark_jax.drafters.base.prepare_drafter`).
 
     Returns:
       ``(target, tokenizer, drafter_or_None)``.
@@ -62,7 +63,7 @@ def load_target_and_drafter(target_spec: str, drafter_dir: str | None, dtype: An
     drafter = None
     if drafter_dir:
         drafter, _ = load_drafter(drafter_dir, dtype=dtype)
-        check_compatible(target, drafter)
+        prepare_drafter(target, drafter)
     return target, tokenizer, drafter
 
 
@@ -125,7 +126,7 @@ def generate_text(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
     )
     if drafter is not None:
-        check_compatible(target, drafter)
+        prepare_drafter(target, drafter)
         n_spec = resolve_num_speculative_tokens(
             num_speculative_tokens,
             gamma,

@@ -116,11 +116,11 @@ def _speculative(args: argparse.Namespace, target, ids: list[int], kw: dict, out
 
     from dspark_jax.decoding.speculative import generate_speculative
     from dspark_jax.decoding.validation import resolve_num_speculative_tokens
-    from dspark_jax.drafters.base import BlockDrafter, check_compatible
+    from dspark_jax.drafters.base import BlockDrafter, prepare_drafter
     from dspark_jax.drafters.checkpoint import load_drafter
 
     drafter, _ = load_drafter(args.drafter, dtype=jnp.dtype(args.dtype))
-    check_compatible(target, drafter)
+    prepare_drafter(target, drafter)
     block_size = drafter.cfg.gamma
     default = "auto" if isinstance(drafter, BlockDrafter) else None  # "auto" reads block confidences
     n_spec = resolve_num_speculative_tokens(args.num_speculative_tokens, None, block_size, default=default)

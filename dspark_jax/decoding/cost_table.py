@@ -33,6 +33,7 @@ from flax import nnx
 from dspark_jax.decoding.auto_verify import default_widths
 from dspark_jax.decoding.compile_cache import LRUCache
 from dspark_jax.decoding.round import draft_tokens, verify_pass
+from dspark_jax.drafters.base import prepare_drafter
 from dspark_jax.models.sampling import process_logits, sample, sampling_arrays
 
 __all__ = ["CostTable", "cached_cost_table", "measure_costs"]
@@ -153,18 +154,19 @@ def measure_costs(
       inner: calls per timing (default: enough for ~2 ms per timing, at least 1).
     Returns:
       :class:`CostTable`.
+    Raises:
+      DSparkInputError: a drafter for another target (prepared first, as decoding does).
     """
+    prepare_drafter(target, drafter)
     g = drafter.cfg.gamma
     widths = tuple(default_widths(g) if widths is None else sorted(set(int(w) for w in widths)))
     if widths[0] != 0 or widths[-1] > g:
         raise ValueError(f"widths must start at 0 and stay <= the block size {g}, got {list(widths)}")
     pos0 = cache_len // 4 if position is None else int(position)
     verify_p, draft_p, step_p, context_p = _programs(target, drafter, widths, cache_len)
-    _, t_state = nnx.split(target)
-    _, d_state = nnx.split(drafter)
+    (_, t_state), (_, d_state) = nnx.split(target), nnx.split(drafter)
     state = {"tcache": target.init_cache(1, cache_len), "dcache": drafter.init_cache(1, cache_len)}
-    anchor = jnp.asarray([1], jnp.int32)
-    pos = jnp.asarray([pos0], jnp.int32)
+    anchor, pos = jnp.asarray([1], jnp.int32), jnp.asarray([pos0], jnp.int32)
     key = jax.random.PRNGKey(0)[None]
     greedy, sampled = sampling_arrays(1, 0.0), sampling_arrays(1, 1.0)
     drafts, dprobs, _ = draft_p(t_state, d_state, state["dcache"], anchor, pos, key, sampled)

@@ -61,7 +61,7 @@ from dspark_jax.decoding.validation import (
     check_sampling,
     resolve_num_speculative_tokens,
 )
-from dspark_jax.drafters.base import BlockDrafter, Drafter, check_compatible
+from dspark_jax.drafters.base import BlockDrafter, Drafter, prepare_drafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.layers import KVCache
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, sampling_arrays
@@ -440,7 +440,8 @@ def generate_speculative(
       target / prompts / max_new_tokens / temperature / top_k / top_p / seed /
         stop_ids / cache_len: as in :func:`generate_autoregressive`.
       drafter: a drafter built for this target
-        (see :func:`~dspark_jax.drafters.base.check_compatible`).
+        (see :func:`~dspark_jax.drafters.base.check_compatible`); its decode-time state is
+        installed for ``target`` (:func:`~dspark_jax.drafters.base.prepare_drafter`).
       num_speculative_tokens: draft tokens verified per round, ``1..block_size`` (the
         drafter's block size ``drafter.cfg.gamma``; drafting always produces the full block), or ``"auto"``
         (:mod:`dspark_jax.decoding.auto_verify`: per round the width among a few compiled ones that
@@ -462,7 +463,7 @@ def generate_speculative(
         sampling settings, or a drafter for another target.
       FloatingPointError: the target produced NaN/inf logits.
     """
-    check_compatible(target, drafter)
+    prepare_drafter(target, drafter)
     block_size = drafter.cfg.gamma
     n_spec = resolve_num_speculative_tokens(num_speculative_tokens, gamma, block_size, default=block_size)
     check_sampling(temperature, top_k, top_p)

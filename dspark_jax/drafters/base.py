@@ -12,7 +12,9 @@ Callers program against :class:`Drafter` (every kind) and check :class:`BlockDra
 they need the block pass itself (the serving engine adds its logit bias to the block's base
 logits; ``num_speculative_tokens="auto"`` reads calibrated confidences). Both protocols are
 ``runtime_checkable``. :func:`~dspark_jax.drafters.build.build_drafter` builds the kind of a
-config; this module holds the shared output types and :func:`check_compatible`.
+config; this module holds the shared output types, :func:`check_compatible` and
+:func:`prepare_drafter` (the check plus the drafter's decode-time state, what decoding entry
+points call).
 """
 
 from __future__ import annotations
@@ -156,6 +158,16 @@ class Drafter(Protocol):
         """
         ...
 
+    def prepare_decoding(self, target: Target) -> None:
+        """Installs decode-time state derived from ``target`` (the draft vocabulary's LM-head rows,
+        :mod:`dspark_jax.drafters.decode_head`; a no-op for a drafter without such state), once per
+        (target, drafter): idempotent, replaced for another target. Outside ``jit``."""
+        ...
+
+    def release_decoding(self) -> None:
+        """Drops the state of :meth:`prepare_decoding` (never trained or exported in any case)."""
+        ...
+
 
 @runtime_checkable
 class BlockDrafter(Drafter, Protocol):
@@ -208,6 +220,18 @@ class BlockDrafter(Drafter, Protocol):
     def to_target_logits(self, logits: jax.Array) -> jax.Array:
         """``[..., N]`` draft-space logits -> ``[..., V]`` (``-inf`` off the draft vocabulary)."""
         ...
+
+
+def prepare_drafter(target: Target, drafter: Drafter) -> None:
+    """What every decoding entry point does with a (target, drafter) pair before decoding:
+    :func:`check_compatible`, then ``drafter.prepare_decoding(target)`` (the restricted LM head
+    of a draft vocabulary, computed once instead of in every drafting round). Idempotent.
+
+    Raises:
+      DSparkInputError: as :func:`check_compatible`.
+    """
+    check_compatible(target, drafter)
+    drafter.prepare_decoding(target)
 
 
 def check_compatible(target: Target, drafter: Drafter) -> None:

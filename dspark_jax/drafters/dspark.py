@@ -36,6 +36,7 @@ from flax import nnx
 
 from dspark_jax.config import DrafterConfig
 from dspark_jax.drafters.base import BlockOutput, Draft
+from dspark_jax.drafters.decode_head import DecodeHead, decode_head_rows, install_decode_head, release_decode_head
 from dspark_jax.drafters.markov import build_markov_head, sample_block
 from dspark_jax.models.layers import KVCache, apply_rope, block_attention, cache_write, rms_norm, swiglu
 from dspark_jax.models.sampling import SamplingArrays
@@ -107,6 +108,10 @@ class DSparkDrafter(nnx.Module):
         # ascending. Static like `calibration` (set by `load_drafter` from the export, or by the
         # trainer from its data with `set_draft_vocab`).
         self.draft_vocab: tuple[int, ...] | None = None
+        # The draft vocabulary's [N, H] LM-head rows for decoding (a DecodeHead variable, not a
+        # parameter) and the static identity of the target they came from: prepare_decoding.
+        self.decode_head: DecodeHead | None = nnx.data(None)
+        self.decode_head_key: tuple | None = None
 
     # -- draft vocabulary ---------------------------------------------------------
 
@@ -131,7 +136,26 @@ class DSparkDrafter(nnx.Module):
             )
         if ids[0] < 0 or ids[-1] >= v:
             raise ValueError(f"draft vocabulary ids must lie in [0, {v}), got {ids[0]}..{ids[-1]}")
+        if ids != self.draft_vocab:
+            self.release_decoding()  # rows of another vocabulary
         self.draft_vocab = ids
+
+    def prepare_decoding(self, target: Target) -> None:
+        """Installs the decode-time restricted LM head for ``target``: the draft vocabulary's
+        ``[N, H]`` rows, gathered once here instead of in every drafting round
+        (:mod:`dspark_jax.drafters.decode_head`). Idempotent; replaces a head of another target.
+        A no-op without a draft vocabulary; a target without a weights fingerprint gets no head
+        (the rows are gathered per call). Decoding entry points call it (through
+        :func:`~dspark_jax.drafters.base.prepare_drafter`); call it outside ``jit``.
+
+        Raises:
+          ValueError: ``draft_vocab_size > 0`` but no draft vocabulary installed.
+        """
+        install_decode_head(self, target)
+
+    def release_decoding(self) -> None:
+        """Drops the decode-time state of :meth:`prepare_decoding` (base logits gather again)."""
+        release_decode_head(self)
 
     def draft_vocab_ids(self) -> jax.Array | None:
         """``[N]`` int32 target ids of the draft vocabulary (ascending), or None (full vocabulary).
@@ -271,12 +295,20 @@ class DSparkDrafter(nnx.Module):
         vocabulary's size: those columns of the head only).
 
         A drafter narrower or wider than the target (``cfg.width``) projects ``d -> H`` first.
+        With a draft vocabulary the rows come from the head :meth:`prepare_decoding` installed
+        (bit-identical to gathering them, which happens without one).
+
+        Raises:
+          DSparkInputError: the installed head belongs to another target.
         """
         if self.proj_out is not None:
             h = h @ self.proj_out[...]
         ids = self.draft_vocab_ids()
         if ids is not None:  # only the draft vocabulary's rows of the head: [N, H]
-            rows = jax.lax.stop_gradient(target.lm_head_rows(ids)).astype(h.dtype)
+            rows = decode_head_rows(self, target)
+            if rows is None:
+                rows = target.lm_head_rows(ids)
+            rows = jax.lax.stop_gradient(rows).astype(h.dtype)
             return jnp.einsum("...h,nh->...n", h, rows, preferred_element_type=jnp.float32)
         w = jax.lax.stop_gradient(target.lm_head_weight())
         return jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32)

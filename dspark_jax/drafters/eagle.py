@@ -211,6 +211,12 @@ class EagleDrafter(nnx.Module):
         """
         raise ValueError("the eagle3 drafter drafts over the full vocabulary (draft_vocab_size=0)")
 
+    def prepare_decoding(self, target: Target) -> None:
+        """A no-op: without a draft vocabulary the full LM head is read in place (nothing to cache)."""
+
+    def release_decoding(self) -> None:
+        """A no-op (:meth:`prepare_decoding` installs nothing)."""
+
     # -- decoding --------------------------------------------------------------------------
 
     def init_cache(self, batch: int, length: int) -> EagleCache:

@@ -31,7 +31,7 @@ from flax import nnx
 
 from dspark_jax.config import DrafterConfig
 from dspark_jax.drafters.base import BlockDrafter, BlockOutput, Draft
-from dspark_jax.models.sampling import SamplingArrays, process_logits, sample
+from dspark_jax.models.sampling import SamplingArrays, first_argmax, process_logits, sample, sample_subset
 
 
 def _fan_in(rngs: nnx.Rngs, dtype, *shape: int) -> nnx.Param:
@@ -223,6 +223,34 @@ def _confidence_temperatures(
     )
 
 
+def _draws(ids: jax.Array | None, vocab: int, sampling: SamplingArrays):
+    """``(greedy, sampled)``: one position's draw ``(logits [B, N], keys [B, 2]) -> (x [B], q [B, N])``,
+    greedy when every row is at T = 0, else sampled (:func:`sample_block`'s ``lax.cond``).
+
+    ``ids`` None: the full vocabulary (N = V, x target ids). A draft vocabulary (``ids [N]``):
+    x are draft-vocabulary indices and q stays in draft space (zeros to V once per block).
+    """
+
+    def greedy(logits, kk):
+        # Exactly what process_logits + sample give a greedy row (one-hot at the first argmax),
+        # without the softmax and the random draw over the vocabulary.
+        if ids is not None:  # draft space; first_argmax: argmax's result, cheaper on CPU
+            x = first_argmax(logits)
+            return x, jax.nn.one_hot(x, ids.shape[0], dtype=jnp.float32)
+        x = jnp.argmax(logits, axis=-1)
+        return x, jax.nn.one_hot(x, vocab, dtype=jnp.float32)
+
+    def sampled(logits, kk):
+        q = process_logits(logits, sampling)
+        if ids is not None:
+            # Draft space, with the Gumbel noise the target's draw over the full vocabulary uses
+            # at these ids (the engine's coupled draws), computed at the N ids only.
+            return sample_subset(kk, q, ids, vocab), q
+        return jax.vmap(sample)(kk, q).astype(jnp.int32), q
+
+    return greedy, sampled
+
+
 def sample_block(
     drafter: BlockDrafter,
     block: BlockOutput,
@@ -255,7 +283,10 @@ def sample_block(
     Returns:
       :class:`Draft`. When every row is greedy (temperature 0), a batch-level ``lax.cond``
       takes an argmax path with no softmax or random draw over the vocabulary (same tokens
-      and the same one-hot q as the sampled path would give).
+      and the same one-hot q as the sampled path would give). With a draft vocabulary every
+      step works on its N entries (draws by :func:`~dspark_jax.models.sampling.sample_subset`:
+      the same tokens as a draw over the zero-padded V-vector with the same key) and ``probs``
+      is scattered to V once, after the scan.
     """
     hidden = jnp.swapaxes(block.hidden, 0, 1)  # [gamma, B, d]
     logits = jnp.swapaxes(block.logits, 0, 1)  # [gamma, B, V]
@@ -265,31 +296,24 @@ def sample_block(
         step_keys = jax.vmap(lambda k: jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, k), out_axes=1)(steps)
     step_keys = jnp.swapaxes(step_keys, 0, 1)  # [gamma, B, 2]
 
-    vocab = drafter.cfg.vocab_size
+    ids = drafter.draft_vocab_ids()  # None: the full vocabulary
     all_greedy = jnp.all(jnp.asarray(sampling.temperature) <= 0.0)
-
-    def greedy(logits, kk):
-        # Exactly what process_logits + sample give a greedy row (one-hot at the first argmax),
-        # without the softmax and the random draw over the vocabulary.
-        x = drafter.to_target_ids(jnp.argmax(logits, axis=-1))
-        return x, jax.nn.one_hot(x, vocab, dtype=jnp.float32)
-
-    def sampled(logits, kk):
-        # Sampled in target space (zeros off the draft vocabulary) so the draw consumes the
-        # same per-token noise as the target's with the same key (the engine's coupled draws).
-        q = drafter.to_target_probs(process_logits(logits, sampling))
-        return jax.vmap(sample)(kk, q).astype(jnp.int32), q
+    greedy, sampled = _draws(ids, drafter.cfg.vocab_size, sampling)
 
     def step(carry, xs):
         prev, state = carry
         h, u, kk, t = xs
         state, e, bias = drafter.markov_step(state, prev, h)
         x, q = jax.lax.cond(all_greedy, greedy, sampled, u + bias, kk)
+        if ids is not None:
+            x = ids[x]  # target ids; q stays [B, N] until the scan is done
         z = drafter.confidence_logit(h, e)
         c = jax.nn.sigmoid(z / t)  # t: [B]
         return (x, state), (x, q, c, z)
 
     init = (anchors.astype(jnp.int32), drafter.markov_init(anchors.shape))
     _, (tokens, probs, conf, zs) = jax.lax.scan(step, init, (hidden, logits, step_keys, temps))
+    if ids is not None:
+        probs = drafter.to_target_probs(probs)  # [gamma, B, V], exact zeros off the draft vocabulary
     sw = lambda a: jnp.swapaxes(a, 0, 1)
     return Draft(sw(tokens), sw(probs), sw(conf), sw(zs))

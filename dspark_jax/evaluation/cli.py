@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import jax.numpy as jnp
 
     from dspark_jax.api import load_target
-    from dspark_jax.drafters.base import check_compatible
+    from dspark_jax.drafters.base import prepare_drafter
     from dspark_jax.drafters.checkpoint import load_drafter, read_export_meta
     from dspark_jax.errors import DSparkInputError
     from dspark_jax.evaluation.acceptance import evaluate_tau
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = jnp.dtype(args.dtype)
     target, tok = load_target(args.target, dtype=dtype)
     drafter, meta = load_drafter(args.drafter, dtype=dtype)
-    check_compatible(target, drafter)
+    prepare_drafter(target, drafter)
     g_max = drafter.cfg.gamma
     if args.gamma is not None and not 1 <= args.gamma <= g_max:
         raise DSparkInputError(f"--gamma must be in [1, {g_max}] for this drafter, got {args.gamma}")

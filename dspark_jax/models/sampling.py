@@ -37,9 +37,11 @@ from jax import lax
 
 __all__ = [
     "SamplingArrays",
+    "first_argmax",
     "logits_are_finite",
     "process_logits",
     "sample",
+    "sample_subset",
     "sampling_arrays",
     "split_keys",
 ]
@@ -247,6 +249,86 @@ def sample(keys: jax.Array, probs: jax.Array) -> jax.Array:
     if _is_single_key(keys):
         return _categorical(keys, probs)
     return jax.vmap(_categorical)(keys, probs)
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """``[..., N]`` -> ``[...]`` int32: the first index of the maximum, as ``jnp.argmax``.
+
+    Two plain reductions (max, then the smallest index holding it) instead of ``argmax``'s
+    variadic (value, index) reduction, which XLA's CPU backend runs several times slower. Same
+    result for every input without NaN (a NaN row gives ``N - 1`` here, its first NaN there).
+    """
+    m = jnp.max(x, axis=-1, keepdims=True)
+    idx = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(x == m, idx, x.shape[-1] - 1), axis=-1)
+
+
+def _subset_noise_is_exact(key: jax.Array) -> bool:
+    """Whether :func:`_subset_gumbel` can compute ``jax.random.gumbel``'s noise at chosen
+    indices (static): raw ``uint32 [2]`` threefry keys, partitionable random bits (each value a
+    function of the key and its index alone), low-dynamic-range Gumbel. Unknown flags: False."""
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    return (
+        key.dtype == jnp.uint32
+        and key.shape == (2,)
+        and bool(getattr(jax.config, "jax_threefry_partitionable", False))
+        and getattr(jax.config, "jax_default_prng_impl", "") == "threefry2x32"
+        and not getattr(jax.config, "jax_high_dynamic_range_gumbel", True)
+    )
+
+
+def _subset_gumbel(key: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
+    """``[N]`` float32: ``jax.random.gumbel(key, (vocab_size,))[ids]``, bit for bit, computing
+    only the N values asked for.
+
+    With partitionable threefry the 32 random bits of index ``i`` are ``threefry2x32(key,
+    (0, i))``'s two words XOR-ed; ``uniform`` keeps 23 of them as a float in ``[tiny, 1)`` and
+    ``gumbel`` is ``-log(-log(u))``: the same operations here, at ``ids`` only. Other PRNG
+    configurations gather from the full noise (same values, V-sized cost).
+    """
+    if not _subset_noise_is_exact(key):
+        return jax.random.gumbel(key, (vocab_size,), jnp.float32)[ids]
+    from jax.extend.random import threefry2x32_p
+
+    key = jnp.asarray(key)
+    lo = ids.astype(jnp.uint32)
+    b1, b2 = threefry2x32_p.bind(key[0], key[1], jnp.zeros_like(lo), lo)
+    mantissa = lax.shift_right_logical(b1 ^ b2, jnp.uint32(32 - 23))
+    floats = lax.bitcast_convert_type(mantissa | jnp.uint32(0x3F800000), jnp.float32) - jnp.float32(1.0)
+    tiny = jnp.float32(np.finfo(np.float32).tiny)
+    u = lax.max(tiny, floats * (jnp.float32(1.0) - tiny) + tiny)
+    return -jnp.log(-jnp.log(u))
+
+
+def sample_subset(keys: jax.Array, probs: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
+    """:func:`sample` of a distribution that is zero outside a subset of the vocabulary, at the
+    subset's cost (a draft vocabulary, DESIGN.md "Drafter" 5).
+
+    ``ids[sample_subset(keys, probs, ids, V)]`` equals ``sample(keys, full)`` token for token, where
+    ``full [B, V]`` holds ``probs`` at ``ids`` and zeros elsewhere: the same per-token Gumbel noise
+    (computed at ``ids`` only, :func:`_subset_gumbel`) and the same tie-breaking (lowest id), so a
+    draft drawn this way keeps the coupled draws of the serving engine (the target samples the same
+    position with the same key over the full vocabulary).
+
+    Args:
+      keys: ``[B, 2]`` uint32 per-row keys (typed ``[B]`` keys work, at the full-vocabulary cost).
+      probs: ``[B, N]`` float32 probabilities over the subset (need not be normalised).
+      ids: ``[N]`` int32 ascending distinct target ids of the subset (all ``< vocab_size``).
+      vocab_size: V, the size of the full vocabulary.
+    Returns:
+      ``[B]`` int32 indices into ``ids`` (zero-probability entries are never drawn).
+    Raises:
+      ValueError: ``probs`` is not ``[B, N]`` with ``N = len(ids)``.
+    """
+    if probs.ndim != 2 or probs.shape[-1] != ids.shape[0]:
+        raise ValueError(f"sample_subset needs probs [B, {ids.shape[0]}], got {probs.shape}")
+
+    def one(key, p):
+        p = jnp.asarray(p, jnp.float32)
+        log_p = jnp.where(p > 0.0, jnp.log(jnp.where(p > 0.0, p, 1.0)), -jnp.inf)
+        return first_argmax(_subset_gumbel(key, ids, vocab_size) + log_p)
+
+    return jax.vmap(one)(keys, probs)
 
 
 def split_keys(keys: jax.Array, num: int = 2) -> jax.Array:

@@ -67,7 +67,7 @@ import numpy as np
 
 from dspark_jax.decoding.online_calibration import OnlineCalibrator
 from dspark_jax.decoding.sps import SPSTable
-from dspark_jax.drafters.base import check_compatible
+from dspark_jax.drafters.base import prepare_drafter
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.target import Target
@@ -99,7 +99,9 @@ class Engine:
 
     Args:
       target: the target model.
-      drafter: a DSpark/DFlash drafter for it (None: only the ``"plain"`` policy).
+      drafter: a DSpark/DFlash drafter for it (None: only the ``"plain"`` policy); its
+        decode-time state is installed for ``target``
+        (:func:`~dspark_jax.drafters.base.prepare_drafter`).
       num_slots: decode slots (concurrent requests).
       cache_len: KV cache positions per slot (prompt + generated tokens must fit).
       policy: ``"plain"``, ``"fixed:G"``, ``"threshold:C"``, ``"greedy"`` or ``"dspark"``
@@ -241,7 +243,7 @@ class Engine:
         if cache_len < 2:
             raise DSparkInputError(f"cache_len must be >= 2, got {cache_len}")
         if drafter is not None:
-            check_compatible(target, drafter)
+            prepare_drafter(target, drafter)
         self.target, self.drafter = target, drafter
         self.num_slots, self.cache_len = int(num_slots), int(cache_len)
         self.gamma = drafter.cfg.gamma if drafter is not None else 0

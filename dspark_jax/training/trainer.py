@@ -67,6 +67,7 @@ from jax.sharding import PartitionSpec as P
 
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafters.checkpoint import check_stored_shapes
+from dspark_jax.drafters.decode_head import without_decode_state
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import sharding as shd
 from dspark_jax.models.target import Target
@@ -426,6 +427,8 @@ class Trainer:
             mesh = shd.make_mesh(cfg.mesh) if cfg.mesh else data_mesh()
         self.mesh = mesh
         self.tx = make_optimizer(cfg)
+        # Parameters only: a drafter prepared for decoding carries derived rows (never trained).
+        drafter = without_decode_state(drafter)
         self.d_graph, c_graph, params = _master_and_compute_graphs(drafter, jnp.dtype(cfg.dtype))
         self.t_graph, self.t_state = nnx.split(target)
         self._place_state(params, drafter.cfg, target.cfg)
