@@ -44,20 +44,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# name -> TrainConfig overrides. Everything else (data, steps, batch, anchors, lr, gamma,
-# seed) is shared by all drafters of a comparison.
-DRAFTERS: dict[str, dict[str, Any]] = {
-    "dspark-2L": dict(variant="dspark", num_layers=2, markov_head="vanilla"),
-    "dflash-2L": dict(variant="dflash", num_layers=2),
-    "dflash-5L": dict(variant="dflash", num_layers=5),
-    "eagle3": dict(variant="eagle3", num_layers=1),
-    "dspark-2L-gated": dict(variant="dspark", num_layers=2, markov_head="gated"),
-    "dspark-2L-rnn": dict(variant="dspark", num_layers=2, markov_head="rnn"),
-    "dspark-5L": dict(variant="dspark", num_layers=5, markov_head="vanilla"),
-}
+from drafter_study import (
+    CHAT_SETS,
+    DRAFTERS,
+    data_summary,
+    eval_prompts,
+    evaluate_drafter,
+    floats,
+    shared_feature_cache,
+    tkey,
+    train_drafter,
+)
+
+__all__ = ["CHAT_SETS", "DRAFTERS", "eval_prompts"]  # re-exported: they lived here
 DEFAULT_DRAFTERS = ["dspark-2L", "dflash-2L", "dflash-5L", "eagle3", "dspark-2L-gated", "dspark-2L-rnn"]
 QUICK_DRAFTERS = ["dspark-2L", "dflash-2L", "eagle3"]
-CHAT_SETS = ["mt_bench", "gsm8k", "humaneval", "alpaca"]
 # (numerator, denominator, paper figure) of the reported tau ratios
 RATIOS = [
     ("dspark-2L", "dflash-2L", "1.16-1.18 (same depth)"),
@@ -119,50 +120,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x.strip()]
-
-
-def _tkey(t: float) -> str:
-    return f"T{t:g}"
-
-
-def eval_prompts(target_name: str, tok, eval_texts: list[str], n: int, max_len: int) -> dict[str, list[list[int]]]:
-    """Token ids of the evaluation prompts per dataset (chat template for chat targets)."""
-    from dspark_jax.api import encode_prompt
-    from dspark_jax.evaluation.cli import load_prompt_texts
-    from dspark_jax.models.presets import preset_info
-
-    chat = bool(preset_info(target_name).get("chat"))
-    if not chat:
-        sets = {"tinystories": eval_texts[:n]}
-    else:
-        sets = {s: load_prompt_texts(s)[0][:n] for s in CHAT_SETS}
-    out = {}
-    for name, texts in sets.items():
-        ids = [encode_prompt(tok, t, chat) for t in texts]
-        out[name] = [p for p in ids if len(p) < max_len]
-    return out
-
-
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else a / b
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import numpy as np
     import speedup
 
-    from dspark_jax.drafters.checkpoint import load_drafter
-    from dspark_jax.evaluation.acceptance import evaluate_tau
     from dspark_jax.models.presets import resolve_target
     from dspark_jax.models.target import Target
     from dspark_jax.models.weights import params_fingerprint
     from dspark_jax.training.pipeline import prepare_data
-    from dspark_jax.training.pipeline import run as train_run
     from dspark_jax.training.recipes import TRAIN_PRESETS
-    from dspark_jax.training.trainer import drafter_config
 
     t_all = time.perf_counter()
     out = Path(args.out)
@@ -172,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown drafter(s) {unknown}; choose from {list(DRAFTERS)}", file=sys.stderr)
         return 2
-    temps, speed_temps = _floats(args.temperatures), _floats(args.speed_temperatures)
+    temps, speed_temps = floats(args.temperatures), floats(args.speed_temperatures)
     num_prompts, max_new, speed_n = args.num_prompts, args.max_new_tokens, args.speed_prompts
     base = TRAIN_PRESETS[args.target]
     over: dict[str, Any] = dict(workdir=str(out / "data"), seed=args.seed)
@@ -193,59 +163,21 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     shards, eval_texts = prepare_data(base, target, tok)
     data_dir = Path(base.data_dir) if base.data_dir else Path(base.workdir) / "data"
-    from dspark_jax.training.data import load_shards
-
-    data = load_shards(shards)
-    data_info = {
-        "dir": str(data_dir),
-        "shards": len(shards),
-        "sequences": int(data["tokens"].shape[0]),
-        "seq_len": int(data["tokens"].shape[1]),
-        "generated_tokens": int((data["lengths"] - data["prompt_lengths"]).sum()),
-        "reused": bool(args.data_dir),
-        "seconds": round(time.perf_counter() - t0, 1),
-    }
+    data, data_info = data_summary(shards, data_dir, bool(args.data_dir), time.perf_counter() - t0)
     print(f"data: {data_info}", file=sys.stderr)
 
     # -- 2. identical training budget -------------------------------------------------------
     cfgs = {n: dataclasses.replace(base, workdir=str(out / n), data_dir=str(data_dir), **DRAFTERS[n]) for n in names}
     cache_info = None
-    if not args.no_feature_cache:
-        # One cache for the union of every drafter's taps (Eagle3's low/mid/high, DSpark/DFlash's
-        # default taps), so each train run opens it instead of rebuilding it for its own taps.
-        from dspark_jax.training.feature_cache import ensure_feature_cache
-
-        t0 = time.perf_counter()
-        union = sorted({t for c in cfgs.values() for t in drafter_config(c, target).taps})
-        fc = ensure_feature_cache(out / "feature_cache", target, data, union, store_dtype=base.feature_cache_dtype)
-        cache_info = {
-            "dir": str(fc.directory),
-            "layers": fc.manifest["layers"],
-            "dtype": fc.store_dtype,
-            "seconds": round(time.perf_counter() - t0, 1),
-        }
-        cfgs = {n: dataclasses.replace(c, feature_cache=str(fc.directory)) for n, c in cfgs.items()}
-        print(f"feature cache: {cache_info}", file=sys.stderr)
+    if args.no_feature_cache:  # the preset's feature_cache=auto would build one per drafter
+        cfgs = {n: dataclasses.replace(c, feature_cache="") for n, c in cfgs.items()}
+    else:
+        cfgs, cache_info = shared_feature_cache(out / "feature_cache", target, data, cfgs)
     drafters, train_info = {}, {}
     for n in names:
         cfg = cfgs[n]
         print(f"train {n}: {DRAFTERS[n]} steps={cfg.steps} batch={cfg.batch_size}", file=sys.stderr)
-        summary = train_run(cfg, evaluate=False, calibrate=False, target_and_tokenizer=(target, tok))
-        d, _ = load_drafter(summary["export_dir"])
-        drafters[n] = d
-        train_info[n] = {
-            "overrides": DRAFTERS[n],
-            "variant": d.cfg.variant,
-            "num_layers": d.cfg.num_layers,
-            "markov_head": d.cfg.markov_head if d.cfg.markov else None,
-            "gamma": d.cfg.gamma,
-            "taps": list(d.cfg.taps),
-            "params": summary["drafter_params"],
-            "steps": summary["steps"],
-            "train_seconds": summary["train_seconds"],
-            "export_dir": summary["export_dir"],
-            "final_train_metrics": summary["final_train_metrics"],
-        }
+        drafters[n], train_info[n] = train_drafter(cfg, target, tok, DRAFTERS[n])
 
     # -- 3. tau on the same prompts -----------------------------------------------------------
     prompts = eval_prompts(args.target, tok, eval_texts, num_prompts, cfg_t.max_position - max_new - 20)
@@ -253,38 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     ebs = 1 if args.quick else args.eval_batch_size  # quick: share the batch-1 speed run's compilation
     for t in temps:
         for n, d in drafters.items():
-            per = {}
-            reached = np.zeros(d.cfg.gamma)
-            accepted = np.zeros(d.cfg.gamma)
-            for ds, ids in prompts.items():
-                ev = evaluate_tau(target, d, ids, max_new_tokens=max_new, temperature=t, batch_size=ebs, seed=args.seed)
-                per[ds] = {
-                    k: ev[k]
-                    for k in (
-                        "tau",
-                        "acceptance_rate",
-                        "position_acceptance",
-                        "accept_rate_at_k",
-                        "num_requests",
-                        "num_target_passes",
-                        "num_generated_tokens",
-                    )
-                }
-                reached += ev["position_reached"]
-                accepted += ev["position_accepted"]
-            macro = float(np.mean([v["tau"] for v in per.values()]))
-            tau[n][_tkey(t)] = {
-                "datasets": per,
-                "macro_tau": macro,
-                "position_acceptance_pooled": [float(a / r) if r else None for a, r in zip(accepted, reached)],
-            }
+            row = evaluate_drafter(target, d, prompts, t, max_new, ebs, args.seed)
+            tau[n][tkey(t)] = row
             print(
-                f"tau {n} T={t:g}: macro {macro:.3f} " + " ".join(f"{k}={v['tau']:.3f}" for k, v in per.items()),
+                f"tau {n} T={t:g}: macro {row['macro_tau']:.3f} "
+                + " ".join(f"{k}={v['tau']:.3f}" for k, v in row["datasets"].items()),
                 file=sys.stderr,
             )
     ratios = {}
     for t in temps:
-        k = _tkey(t)
+        k = tkey(t)
         ratios[k] = {
             f"{a}/{b}": ratio(tau[a][k]["macro_tau"], tau[b][k]["macro_tau"])
             for a, b, _ in RATIOS
@@ -301,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         parity = speedup.hf_parity(hf, target, speed_prompts[0])
     speed = {}
     for t in speed_temps:
-        speed[_tkey(t)] = speedup.measure_speed(
+        speed[tkey(t)] = speedup.measure_speed(
             target,
             drafters,
             speed_prompts,
@@ -356,7 +266,7 @@ def _f(x, spec=".3f") -> str:
 def markdown(r: dict[str, Any]) -> str:
     """The result tables (tau per dataset and drafter, ratios, speed) as markdown."""
     names = list(r["drafters"])
-    temps = [_tkey(t) for t in r["eval"]["temperatures"]]
+    temps = [tkey(t) for t in r["eval"]["temperatures"]]
     sets = list(r["eval"]["datasets"])
     b = r["budget"]
     lines = [
@@ -432,7 +342,7 @@ def plot_acceptance(r: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    temps = [_tkey(t) for t in r["eval"]["temperatures"]]
+    temps = [tkey(t) for t in r["eval"]["temperatures"]]
     fig, axes = plt.subplots(1, len(temps), figsize=(5.2 * len(temps), 3.8), dpi=110, squeeze=False)
     for ax, tk in zip(axes[0], temps):
         for n in r["drafters"]:

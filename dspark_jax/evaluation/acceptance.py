@@ -64,7 +64,9 @@ def evaluate_tau(
       k = 1..gamma; ``position_reached`` / ``position_accepted``: its counts),
       ``accept_rate_at_k`` (list over k = 1..gamma: fraction of
       rounds with >= k accepted drafts), ``num_requests``, ``num_target_passes``,
-      ``tokens_per_s`` (compilation excluded) and the settings used.
+      ``tokens_per_s`` (compilation excluded), per request in prompt order ``request_tau`` and
+      ``request_target_passes`` (so ``tau`` = their passes-weighted mean; for standard errors
+      across prompts) and the settings used.
     """
     results = []
     reached = np.zeros(drafter.cfg.gamma)
@@ -88,6 +90,9 @@ def evaluate_tau(
             reached += g.position_reached
             accepted += g.position_accepted
     out = aggregate(results)
+    gens = [g for r in results for g in r.generations]
+    out["request_tau"] = [float(g.tau) for g in gens]
+    out["request_target_passes"] = [int(g.num_target_passes) for g in gens]
     out["position_acceptance"] = [float(a / r) if r else None for a, r in zip(accepted, reached)]
     # Raw counts, so acceptance can be pooled exactly over several prompt sets.
     out["position_reached"] = [int(r) for r in reached]

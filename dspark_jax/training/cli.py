@@ -36,6 +36,7 @@ from dspark_jax.training.trainer import TrainConfig
 _FIELD_NOTES = {
     "feature_cache": "folder of the target-feature cache: target forward once per sequence, not per step (empty = off)",
     "feature_cache_dtype": "float32 (same numbers as uncached) or bfloat16 (half the disk)",
+    "lr_schedule": "cosine (warmup + cosine) or wsd (warmup, constant, linear decay over the last decay_frac)",
     "mesh": "device mesh over data/fsdp/model, e.g. data:2,model:4 (empty = every device on data)",
 }
 

@@ -11,7 +11,7 @@ DESIGN.md "Training". One step:
    (:mod:`dspark_jax.training.losses`) with position weights ``w_k = exp(-(k-1)/pos_decay)``, normalised by the
    weight of valid positions; ``TV = 0.5 ||p_draft - p_target||_1`` is exactly
    one minus the acceptance probability;
-5. AdamW (warmup + cosine, global-norm clipping) update.
+5. AdamW (warmup + cosine or warmup-stable-decay, global-norm clipping) update.
 
 Data parallel: the step is ``jax.jit`` over a 1-D device mesh ``("data",)`` with
 the batch sharded along it and parameters replicated -- the ``shard_map``/``jit``
@@ -79,6 +79,7 @@ from dspark_jax.training.losses import (
     position_weights,
     sample_anchors,
 )
+from dspark_jax.training.schedules import host_lr_factor, learning_rate_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +109,9 @@ class TrainConfig:
         self-distillation generation settings; seq_len: stored length [tokens].
       steps, batch_size [sequences, global], anchors_per_seq: optimisation size.
       learning_rate, warmup_frac, weight_decay, grad_clip: AdamW schedule.
+      lr_schedule: ``cosine`` (warmup + cosine to 5%) or ``wsd`` (warmup, constant, linear decay to 0
+        over the last ``decay_frac`` of the steps; :mod:`dspark_jax.training.schedules`);
+        warmup_steps [steps]: warmup length (0 = ``warmup_frac * steps``).
       ce_weight, l1_weight, conf_weight, pos_decay: loss (DESIGN.md "Training").
       time_budget_s [s]: stop training early after this much wall time (0 = off;
         counted per invocation: rerunning the command continues towards ``steps``).
@@ -171,6 +175,9 @@ class TrainConfig:
     anchors_per_seq: int = 16
     learning_rate: float = 3e-3
     warmup_frac: float = 0.04
+    lr_schedule: str = "cosine"
+    decay_frac: float = 0.2
+    warmup_steps: int = 0
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     ce_weight: float = 0.1
@@ -254,13 +261,18 @@ def drafter_config(cfg: TrainConfig, target: TargetIdentity) -> DrafterConfig:
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warmup + cosine decay and global-norm clipping."""
-    warm = max(1, int(cfg.warmup_frac * cfg.steps))
-    sched = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.learning_rate, warm, max(cfg.steps, warm + 1), end_value=cfg.learning_rate * 0.05
-    )
+    """AdamW with ``cfg.lr_schedule`` and global-norm clipping.
+
+    ``cosine``: the schedule inside AdamW. ``wsd``: AdamW at the peak rate; :class:`Trainer` scales
+    each update by :func:`~dspark_jax.training.schedules.host_lr_factor` (a step input).
+
+    Raises:
+      DSparkInputError: unknown ``lr_schedule`` or a bad ``wsd`` setting.
+    """
+    sched = learning_rate_schedule(cfg)
+    lr = cfg.learning_rate if cfg.lr_schedule == "wsd" else sched
     return optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)
+        optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)
     )
 
 
@@ -367,7 +379,8 @@ def _train_step(
     gamma: int,
 ) -> Callable:
     """The (unjitted) optimisation step ``(params, opt_state, t_state, tokens, lengths, plens, step_idx,
-    cached) -> (params, opt_state, LossTerms, grad norm)`` (module docstring: steps 1-5)."""
+    cached, lr_scale) -> (params, opt_state, LossTerms, grad norm)`` (module docstring: steps 1-5;
+    ``lr_scale``: the ``wsd`` factor of this step, None for ``cosine``)."""
     compute = jnp.dtype(cfg.dtype)
     n_micro = cfg.grad_accum_steps
 
@@ -376,7 +389,7 @@ def _train_step(
             return p
         return jax.tree.map(lambda x: x.astype(compute) if _is_float(x) else x, p)
 
-    def step(params, opt_state, t_state, tokens, lengths, plens, step_idx, cached=None):
+    def step(params, opt_state, t_state, tokens, lengths, plens, step_idx, cached=None, lr_scale=None):
         target = nnx.merge(t_graph, t_state)
         key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), step_idx)  # depends only on (seed, step)
         # Anchors for the whole global batch, drawn once: identical whatever the number of
@@ -396,6 +409,8 @@ def _train_step(
         else:
             grads, sums = _accumulate(grad_fn, params, (tokens, lengths, anchors, cached), mesh, n_micro)
         updates, opt_state = tx.update(grads, opt_state, params)
+        if lr_scale is not None:  # wsd: lr(step) / peak from the host (make_optimizer)
+            updates = jax.tree.map(lambda u: u * lr_scale.astype(u.dtype), updates)
         params = optax.apply_updates(params, updates)
         return params, opt_state, finalize_loss(sums), optax.tree.norm(grads)
 
@@ -429,6 +444,7 @@ class Trainer:
         self.tx = make_optimizer(cfg)
         # Parameters only: a drafter prepared for decoding carries derived rows (never trained).
         drafter = without_decode_state(drafter)
+        self._lr_factor = host_lr_factor(cfg)
         self.d_graph, c_graph, params = _master_and_compute_graphs(drafter, jnp.dtype(cfg.dtype))
         self.t_graph, self.t_state = nnx.split(target)
         self._place_state(params, drafter.cfg, target.cfg)
@@ -511,6 +527,7 @@ class Trainer:
             plens,
             np.int32(step_idx),
             tuple(cached) if cached else None,
+            None if self._lr_factor is None else self._lr_factor(step_idx),
         )
         return terms, gnorm
 

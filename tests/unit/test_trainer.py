@@ -85,7 +85,7 @@ def test_training_reduces_loss():
     for s in range(30):
         terms, _ = tr.step(next(it), s)
         first = first if first is not None else float(terms.loss)
-    assert float(terms.loss) < first
+    assert first is not None and float(terms.loss) < first
 
 
 def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
@@ -117,6 +117,33 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
         second.step(next(it), s)
     a, b = _params(full), _params(second)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7), a, b)
+
+
+def test_wsd_branch_from_the_constant_trunk_equals_one_wsd_run(tmp_path):
+    """The learning-curve study's premise (benchmarks/learning_curve.py): a decay_frac=0 trunk checkpointed
+    at a budget's decay start and resumed with that budget's decay trains the parameters of one run."""
+    target = _target()
+    data = _data()
+    full_cfg = dataclasses.replace(CFG, lr_schedule="wsd", warmup_steps=2, decay_frac=0.5)  # decay from step 3
+
+    def run(cfg, start, stop, mgr=None):
+        tr = Trainer(cfg, target, Drafter(drafter_config(cfg, target), nnx.Rngs(cfg.seed)))
+        if mgr is not None:
+            assert tr.restore_latest(mgr) == start
+        it = batches(data, cfg.batch_size, cfg.seed, start_step=start)
+        for s in range(start, stop):
+            before = _params(tr) if s == 0 else None
+            tr.step(next(it), s)
+            if before is not None:  # lr(0) = 0: the Trainer applies the wsd factor (AdamW itself is at the peak)
+                jax.tree.map(np.testing.assert_array_equal, before, _params(tr))
+        return tr
+
+    full = run(full_cfg, 0, 6)
+    trunk = run(dataclasses.replace(full_cfg, steps=3, decay_frac=0.0), 0, 3)
+    mgr = trunk.checkpoint_manager(tmp_path / "ckpt")
+    trunk.save(mgr, 3)
+    branch = run(full_cfg, 3, 6, mgr)
+    jax.tree.map(np.testing.assert_array_equal, _params(full), _params(branch))
 
 
 def test_export_round_trip(tmp_path):
@@ -151,6 +178,7 @@ def test_draft_vocabulary_tv_and_export(tmp_path):
     ids = draft_vocabulary(data, 16, TCFG.vocab_size)
     d.set_draft_vocab(ids)
     rng = np.random.default_rng(0)
+    assert d.markov_w2 is not None
     d.markov_w2[...] = jnp.asarray(rng.normal(size=d.markov_w2.shape), jnp.float32)
     toks, lens = jnp.asarray(data["tokens"][:4]), jnp.asarray(data["lengths"][:4])
     anchors = jnp.asarray(rng.integers(3, 15, (4, 3)), jnp.int32)
