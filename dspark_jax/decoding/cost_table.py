@@ -220,7 +220,10 @@ def measure_costs(
 _COST_TABLES = LRUCache(maxsize=8)
 
 
-def cached_cost_table(target, drafter, cache_len: int) -> CostTable:
-    """:func:`measure_costs` (5 repeats) once per model configs, dtypes and ``cache_len``, then reused."""
+def cached_cost_table(target, drafter, cache_len: int, repeats: int = 5) -> CostTable:
+    """:func:`measure_costs` once per model configs, dtypes and ``cache_len``, then reused.
+
+    ``repeats`` applies to that first measurement only (a benchmark can measure the table the
+    decode loop will reuse more precisely ahead of time: ``benchmarks/speedup.py``)."""
     key = (target.cfg, jnp.dtype(target.dtype).name, drafter.cfg, jnp.dtype(drafter.dtype).name, cache_len)
-    return _COST_TABLES.get_or_build(key, lambda: measure_costs(target, drafter, cache_len=cache_len, repeats=5))
+    return _COST_TABLES.get_or_build(key, lambda: measure_costs(target, drafter, cache_len=cache_len, repeats=repeats))

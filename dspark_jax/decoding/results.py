@@ -31,6 +31,11 @@ class DecodeStats(NamedTuple):
       num_accepted: ``[B]`` accepted draft tokens that were emitted.
       position_reached: ``[B, block_size]`` blocks whose positions 1..k-1 were accepted and k verified.
       position_accepted: ``[B, block_size]`` of those, blocks where position k was accepted too.
+      num_drafting_rounds: ``[B]`` passes whose round ran the drafter (``"auto"`` skips drafting
+        when it does not pay; fixed lengths always draft).
+      verify_width_rounds: ``[B, block_size + 1]`` passes by compiled verification width ``w``
+        (a pass of ``w + 1`` tokens, what the round's cost depends on; a fixed length shorter
+        than the block still runs the block-wide pass and only accepts fewer).
     """
 
     num_passes: jax.Array
@@ -39,15 +44,25 @@ class DecodeStats(NamedTuple):
     num_accepted: jax.Array
     position_reached: jax.Array
     position_accepted: jax.Array
+    num_drafting_rounds: jax.Array
+    verify_width_rounds: jax.Array
 
     @classmethod
     def zeros(cls, b: int, block_size: int) -> DecodeStats:
         z = jnp.zeros((b,), jnp.int32)
         zg = jnp.zeros((b, max(block_size, 1)), jnp.int32)
-        return cls(z, z, z, z, zg, zg)
+        return cls(z, z, z, z, zg, zg, z, jnp.zeros((b, block_size + 1), jnp.int32))
 
-    def add(self, running: jax.Array, num_kept: jax.Array, rs: RoundStats) -> DecodeStats:
-        """Adds one round (:func:`~dspark_jax.decoding.round.round_statistics`) of every row."""
+    def add(
+        self, running: jax.Array, num_kept: jax.Array, rs: RoundStats, width: jax.Array, drafted: jax.Array
+    ) -> DecodeStats:
+        """Adds one round (:func:`~dspark_jax.decoding.round.round_statistics`) of every row.
+
+        ``width``: ``[]`` int32 compiled verification width of the round; ``drafted``: ``[]`` bool
+        whether it ran the drafter (both shared by the batch; only running rows count them).
+        """
+        run = running.astype(jnp.int32)
+        one_hot = jnp.arange(self.verify_width_rounds.shape[1], dtype=jnp.int32)[None, :] == width
         return DecodeStats(
             num_passes=self.num_passes + running,
             num_emitted=self.num_emitted + num_kept,
@@ -55,6 +70,8 @@ class DecodeStats(NamedTuple):
             num_accepted=self.num_accepted + rs.num_accepted,
             position_reached=self.position_reached + rs.position_reached,
             position_accepted=self.position_accepted + rs.position_accepted,
+            num_drafting_rounds=self.num_drafting_rounds + run * drafted.astype(jnp.int32),
+            verify_width_rounds=self.verify_width_rounds + run[:, None] * one_hot.astype(jnp.int32),
         )
 
 
@@ -104,6 +121,10 @@ class Generation:
       position_reached / position_accepted: per block position k, blocks whose
         positions 1..k-1 were accepted and k verified / of those, blocks where k was
         accepted too (``position_accepted[k-1]`` = rounds with >= k accepted drafts).
+      num_drafting_rounds: passes whose round ran the drafter (< ``num_target_passes`` only
+        with ``num_speculative_tokens="auto"``).
+      verify_width_rounds: passes by compiled verification width ``w`` (index ``w``: a pass of
+        ``w + 1`` tokens), the mix a cost-table bound needs (``benchmarks/speedup.py``).
       rounds: with ``record_rounds=True``, per-round numpy arrays of this request
         (see :class:`RoundLog`): ``conf_logit [n, block_size]``, ``accepted [n]``,
         ``verified [n]`` (its ``num_draft_tokens``) for its ``n = num_target_passes``
@@ -120,6 +141,8 @@ class Generation:
     num_draft_tokens: int = 0
     position_reached: list[int] = dataclasses.field(default_factory=list)
     position_accepted: list[int] = dataclasses.field(default_factory=list)
+    num_drafting_rounds: int = 0
+    verify_width_rounds: list[int] = dataclasses.field(default_factory=list)
     rounds: dict[str, np.ndarray] | None = None
 
     @property
@@ -130,11 +153,13 @@ class Generation:
 
 @dataclasses.dataclass
 class BatchResult:
-    """Generations of a batch plus timing (seconds, tokens/s; compilation excluded)."""
+    """Generations of a batch plus timing (seconds, tokens/s; compilation excluded) and the
+    KV-cache length [tokens] the loop ran with (0: not recorded)."""
 
     generations: list[Generation]
     seconds: float
     compile_seconds: float
+    cache_len: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -143,9 +168,6 @@ class BatchResult:
     @property
     def tokens_per_s(self) -> float:
         return self.num_tokens / self.seconds if self.seconds > 0 else float("nan")
-
-
-# Compiled loops by shape signature, shared by every call in the process; bounded so that
 
 
 def _generation(st, rl, i: int, ids: list[int], finish: int, speculative: bool) -> Generation:
@@ -164,6 +186,8 @@ def _generation(st, rl, i: int, ids: list[int], finish: int, speculative: bool) 
         num_draft_tokens=n_draft,
         position_reached=reached.tolist() if speculative else [],
         position_accepted=acc.tolist() if speculative else [],
+        num_drafting_rounds=int(st.num_drafting_rounds[i]) if speculative else 0,
+        verify_width_rounds=st.verify_width_rounds[i].tolist() if speculative else [],
         rounds=None
         if rl is None
         else {

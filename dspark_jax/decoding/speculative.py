@@ -69,7 +69,7 @@ from dspark_jax.models.target import Target
 
 # Generation / BatchResult live in decoding.results; they stay importable from here, the
 # documented home of the types these functions return.
-__all__ = ["BatchResult", "Generation", "generate_autoregressive", "generate_speculative"]
+__all__ = ["BatchResult", "Generation", "default_cache_len", "generate_autoregressive", "generate_speculative"]
 
 
 class _Loop(NamedTuple):
@@ -143,12 +143,15 @@ def _ar_decode(
 
 
 class _Round(NamedTuple):
-    """A round's verification: the verified pass, ``num_verify [B]`` and the drafts' raw
-    confidence logits ``[B, block_size]`` (for :class:`RoundLog`)."""
+    """A round's verification: the verified pass, ``num_verify [B]``, the drafts' raw
+    confidence logits ``[B, block_size]`` (for :class:`RoundLog`), the compiled pass width
+    ``[]`` int32 and whether the round drafted ``[]`` bool (for :class:`DecodeStats`)."""
 
     verified: VerifiedRound
     num_verify: jax.Array
     conf_logit: jax.Array
+    width: jax.Array
+    drafted: jax.Array
 
 
 def _fixed_round(target, drafter, s: _Loop, running, anchor, p, draft_keys, verify_keys, room, max_verify, sampling):
@@ -174,7 +177,8 @@ def _fixed_round(target, drafter, s: _Loop, running, anchor, p, draft_keys, veri
         sampling,
         taps=drafter.cfg.taps,
     )
-    return _Round(res, ell, d.confidence_logit)
+    # The pass is block-wide whatever num_speculative_tokens is (one program for every length).
+    return _Round(res, ell, d.confidence_logit, jnp.int32(block_size), jnp.ones((), bool))
 
 
 def _close_round(s: _Loop, r: _Round, running, limit, stop_ids, cache_len, new_auto) -> _Loop:
@@ -184,7 +188,7 @@ def _close_round(s: _Loop, r: _Round, running, limit, stop_ids, cache_len, new_a
     finish = jnp.where(running & ~v.finite, FINISH_ERROR, finish)
     block_size = s.stats.position_reached.shape[1]
     rs = round_statistics(r.num_verify, v.num_accepted, v.num_emitted, n_keep, block_size)
-    stats = s.stats.add(running, n_keep, rs)
+    stats = s.stats.add(running, n_keep, rs, r.width, r.drafted)
     rounds = s.rounds
     if rounds is not None:
         rounds = RoundLog(
@@ -270,7 +274,8 @@ def _spec_decode(
             costs,
             probe_every,
         )
-        return _close_round(s, _Round(res, ell, zlog), running, limit, stop_ids, cache_len, new_auto)
+        r = _Round(res, ell, zlog, jnp.asarray(widths, jnp.int32)[new_auto.width], s.auto.draft_on)
+        return _close_round(s, r, running, limit, stop_ids, cache_len, new_auto)
 
     return jax.lax.while_loop(partial(_running, max_steps=max_steps), body, init)
 
@@ -329,6 +334,19 @@ def _batch(target: Target, prompts, max_new_tokens, block_size: int, cache_len, 
     stop = jnp.asarray(list(stop_ids if stop_ids is not None else cfg.eos_ids) or [-2], jnp.int32)
     sampling = sampling_arrays(b, *sampling_kw)
     return _Batch(prompt, lens, limit, cache_len, stop, sampling, _keys(seed, b), int(np.max(limit - lens)))
+
+
+def default_cache_len(target: Target, prompts: Sequence[Sequence[int]], max_new_tokens, block_size: int = 0) -> int:
+    """KV-cache length [tokens] the decode loops give these prompts when ``cache_len`` is not set.
+
+    ``block_size``: the drafter's (0: plain decoding). E.g. to measure the cost table that
+    ``num_speculative_tokens="auto"`` will use ahead of time
+    (:func:`~dspark_jax.decoding.cost_table.cached_cost_table`).
+
+    Raises:
+      DSparkInputError: as :func:`generate_autoregressive` for bad prompts / max_new_tokens.
+    """
+    return _batch(target, prompts, max_new_tokens, block_size, None, (0.0, 0, 1.0), 0, None).cache_len
 
 
 def _generations(state: _Loop, lens, speculative: bool) -> list[Generation]:
@@ -398,7 +416,7 @@ def generate_autoregressive(
     statics = dict(t_graph=t_graph, cache_len=bt.cache_len, max_steps=bt.max_steps)
     key = ("ar", bt.prompt.shape, bt.stop.shape, *statics.values())
     state, secs, csecs = _run(_ar_decode, args, statics, key)
-    return BatchResult(_generations(state, bt.lens, speculative=False), secs, csecs)
+    return BatchResult(_generations(state, bt.lens, speculative=False), secs, csecs, bt.cache_len)
 
 
 def _auto_costs(target: Target, drafter: Drafter, cost_table, bt: _Batch):
@@ -493,4 +511,4 @@ def generate_speculative(
     )
     key = ("spec", bt.prompt.shape, bt.stop.shape, *statics.values())
     state, secs, csecs = _run(_spec_decode, args, statics, key)
-    return BatchResult(_generations(state, bt.lens, speculative=True), secs, csecs)
+    return BatchResult(_generations(state, bt.lens, speculative=True), secs, csecs, bt.cache_len)

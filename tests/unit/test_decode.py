@@ -195,6 +195,12 @@ def check_stats(res, gamma_used: int, speculative=True):
         assert np.all(reached[gamma_used:] == 0), f"row {i}: positions past gamma={gamma_used} reached"
         # every emitted token is an accepted draft or the one correction/bonus of a pass
         assert n - 1 <= g.num_accepted + g.num_target_passes
+        # the cost-table bound's mix (benchmarks/speedup.py): one compiled width per pass, and a
+        # pass verifies no more drafts than its width
+        hist = np.array(g.verify_width_rounds)
+        assert len(hist) == G + 1 and hist.sum() == g.num_target_passes, f"row {i}: {hist}"
+        assert g.num_draft_tokens <= int(np.dot(np.arange(G + 1), hist)), f"row {i}"
+        assert 0 <= g.num_drafting_rounds <= g.num_target_passes, f"row {i}"
         for k in range(G):
             pa = g.position_acceptance[k]
             assert (pa is None) == (reached[k] == 0)
@@ -429,6 +435,11 @@ def test_auto_num_speculative_tokens_greedy(table, peaked, drafters, ar_peaked):
     passes = sum(g.num_target_passes for g in sp.generations)
     verified = sum(g.num_draft_tokens for g in sp.generations)
     assert 0 < verified < 4 * passes if table is COSTLY else verified > 2 * passes, (verified, passes)
+    check_stats(sp, 4)
+    # passes by compiled width: only the table's widths, and the costly table picks narrower ones
+    hist = np.sum([g.verify_width_rounds for g in sp.generations], axis=0)
+    assert hist.sum() == passes and hist[3] == 0, hist
+    assert (hist[:4].sum() > 0) if table is COSTLY else (hist[4] > hist[:4].sum()), hist
 
 
 @pytest.mark.exactness
@@ -438,6 +449,9 @@ def test_gamma_smaller_than_block(gamma, peaked, drafters, ar_peaked):
     assert_same_outputs(ar_peaked, sp)
     check_stats(sp, gamma)
     assert max(g.tau for g in sp.generations if g.num_target_passes) <= gamma + 1
+    for g in sp.generations:  # a fixed length below the block still drafts and runs the block-wide pass
+        assert g.verify_width_rounds == [0] * 4 + [g.num_target_passes]
+        assert g.num_drafting_rounds == g.num_target_passes
     assert sum(g.num_accepted for g in sp.generations) > 0
 
 
