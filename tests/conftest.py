@@ -144,12 +144,42 @@ def stories260k_export(stories260k_dir, tmp_path_factory):
     return workdir, summary
 
 
+# Approximate seconds per test file on 2 busy cores (``--durations``), longest first. CI runs two
+# xdist workers, one file at a time each (``--dist loadfile``), in collection order: starting the
+# longest files first keeps one worker from finishing a long file alone at the end.
+LONG_FILES = (
+    "unit/test_decode.py",  # 120
+    "integration/test_cli.py",  # 95
+    "integration/test_notebook.py",  # 70
+    "integration/test_compare_drafters.py",  # 65
+    "unit/test_trainer.py",  # 65
+    "integration/test_mesh.py",  # 55
+    "integration/test_learning_curve.py",  # 50
+    "unit/test_engine.py",  # 50
+    "integration/test_preemption.py",  # 50
+    "unit/test_feature_cache.py",  # 48
+    "unit/test_eagle.py",  # 45
+    "integration/test_server.py",  # 41
+    "unit/test_drafters.py",  # 34
+    "integration/test_speed_table.py",  # 30
+    "unit/test_drafter_law.py",  # 32
+    "unit/test_verifier.py",  # 30
+)
+
+
+def _file_rank(item) -> int:
+    path = Path(str(item.fspath)).as_posix()
+    return next((i for i, f in enumerate(LONG_FILES) if path.endswith(f)), len(LONG_FILES))
+
+
 def pytest_collection_modifyitems(config, items):
     """Marks every test ``unit`` or ``integration`` by its folder, so either half runs alone
     (``pytest -m unit``: tiny models, fake engine; ``pytest -m integration``: real weights, CLIs,
-    subprocesses, servers, notebooks, forced multi-device workers)."""
+    subprocesses, servers, notebooks, forced multi-device workers), and puts the longest files
+    first (:data:`LONG_FILES`; the order inside a file is kept)."""
     for item in items:
         parts = Path(str(item.fspath)).parts
         for kind in ("unit", "integration"):
             if kind in parts:
                 item.add_marker(getattr(pytest.mark, kind))
+    items.sort(key=_file_rank)  # stable: files keep their tests' order

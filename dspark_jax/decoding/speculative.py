@@ -154,16 +154,20 @@ class _Round(NamedTuple):
     drafted: jax.Array
 
 
-def _fixed_round(target, drafter, s: _Loop, running, anchor, p, draft_keys, verify_keys, room, max_verify, sampling):
-    """A round verifying ``min(num_speculative_tokens, room)`` drafts of every running row."""
+def _fixed_round(
+    target, drafter, s: _Loop, running, anchor, p, draft_keys, verify_keys, room, max_verify, sampling, width: int
+):
+    """A round verifying ``min(num_speculative_tokens, room)`` drafts of every running row in a
+    pass of static ``width + 1`` tokens (``width`` = num_speculative_tokens: a shorter fixed
+    length costs a shorter pass, not a block-wide one with fewer accepts)."""
     block_size = drafter.cfg.gamma
     d = draft_tokens(target, drafter, anchor, p, s.dcache, draft_keys, sampling)
     # Verification length: fixed by limits only, never by draft values (non-anticipation).
-    ell = jnp.where(running, jnp.clip(jnp.minimum(max_verify, room), 0, block_size), 0)
+    ell = jnp.where(running, jnp.clip(jnp.minimum(max_verify, room), 0, width), 0)
     res = verify_pass(
         target,
         drafter,
-        block_size,
+        width,
         block_size,
         s.tcache,
         s.dcache,
@@ -177,8 +181,7 @@ def _fixed_round(target, drafter, s: _Loop, running, anchor, p, draft_keys, veri
         sampling,
         taps=drafter.cfg.taps,
     )
-    # The pass is block-wide whatever num_speculative_tokens is (one program for every length).
-    return _Round(res, ell, d.confidence_logit, jnp.int32(block_size), jnp.ones((), bool))
+    return _Round(res, ell, d.confidence_logit, jnp.int32(width), jnp.ones((), bool))
 
 
 def _close_round(s: _Loop, r: _Round, running, limit, stop_ids, cache_len, new_auto) -> _Loop:
@@ -200,7 +203,17 @@ def _close_round(s: _Loop, r: _Round, running, limit, stop_ids, cache_len, new_a
 
 
 @partial(
-    jax.jit, static_argnames=("t_graph", "d_graph", "cache_len", "max_steps", "record_rounds", "widths", "probe_every")
+    jax.jit,
+    static_argnames=(
+        "t_graph",
+        "d_graph",
+        "cache_len",
+        "max_steps",
+        "record_rounds",
+        "widths",
+        "probe_every",
+        "fixed_width",
+    ),
 )
 def _spec_decode(
     t_state,
@@ -221,6 +234,7 @@ def _spec_decode(
     record_rounds: bool = False,
     widths: tuple[int, ...] | None = None,
     probe_every: int = 8,
+    fixed_width: int | None = None,
 ):
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state)
@@ -252,8 +266,9 @@ def _spec_decode(
         draft_keys, verify_keys = split_round_keys(token_keys(base_keys, p))
         room = jnp.minimum(limit, cache_len) - s.length - 1
         if widths is None:
+            width = block_size if fixed_width is None else fixed_width
             r = _fixed_round(
-                target, drafter, s, running, anchor, p, draft_keys, verify_keys, room, max_verify, sampling
+                target, drafter, s, running, anchor, p, draft_keys, verify_keys, room, max_verify, sampling, width
             )
             return _close_round(s, r, running, limit, stop_ids, cache_len, None)
         assert costs is not None  # given with widths (generate_speculative)
@@ -487,20 +502,10 @@ def generate_speculative(
     check_sampling(temperature, top_k, top_p)
     bt = _batch(target, prompts, max_new_tokens, block_size, cache_len, (temperature, top_k, top_p), seed, stop_ids)
     widths, costs = _auto_costs(target, drafter, cost_table, bt) if n_spec == "auto" else (None, None)
-    t_graph, t_state = nnx.split(target)
-    d_graph, d_state = nnx.split(drafter)
-    args = (
-        t_state,
-        d_state,
-        jnp.asarray(bt.prompt),
-        jnp.asarray(bt.lens),
-        jnp.asarray(bt.limit),
-        bt.sampling,
-        bt.keys,
-        bt.stop,
-        jnp.int32(block_size if n_spec == "auto" else n_spec),
-        costs,
-    )
+    (t_graph, t_state), (d_graph, d_state) = nnx.split(target), nnx.split(drafter)
+    fixed = None if n_spec == "auto" else int(n_spec)  # a fixed length compiles its own shorter pass
+    arrays = (jnp.asarray(bt.prompt), jnp.asarray(bt.lens), jnp.asarray(bt.limit), bt.sampling, bt.keys, bt.stop)
+    args = (t_state, d_state, *arrays, jnp.int32(block_size if fixed is None else fixed), costs)
     statics = dict(
         t_graph=t_graph,
         d_graph=d_graph,
@@ -508,6 +513,7 @@ def generate_speculative(
         max_steps=bt.max_steps,
         record_rounds=bool(record_rounds),
         widths=widths,
+        fixed_width=fixed,
     )
     key = ("spec", bt.prompt.shape, bt.stop.shape, *statics.values())
     state, secs, csecs = _run(_spec_decode, args, statics, key)

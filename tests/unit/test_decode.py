@@ -449,8 +449,8 @@ def test_gamma_smaller_than_block(gamma, peaked, drafters, ar_peaked):
     assert_same_outputs(ar_peaked, sp)
     check_stats(sp, gamma)
     assert max(g.tau for g in sp.generations if g.num_target_passes) <= gamma + 1
-    for g in sp.generations:  # a fixed length below the block still drafts and runs the block-wide pass
-        assert g.verify_width_rounds == [0] * 4 + [g.num_target_passes]
+    for g in sp.generations:  # a fixed length below the block runs a pass of that width (not block-wide)
+        assert g.verify_width_rounds == [0] * gamma + [g.num_target_passes] + [0] * (4 - gamma)
         assert g.num_drafting_rounds == g.num_target_passes
     assert sum(g.num_accepted for g in sp.generations) > 0
 
