@@ -56,12 +56,12 @@ def main(argv=None):
     p.add_argument("--temperatures", default="0,0.7,1.0")
     a = p.parse_args(argv)
 
-    from dspark_jax.api import load_target_and_drafter
+    from dspark_jax.api import encode_prompt, load_target_and_drafter
     from dspark_jax.serving.engine import Engine, Request, SamplingParams
 
     target, tok, drafter = load_target_and_drafter(a.target, os.path.expanduser(a.drafter))
     prompts = json.loads(Path(os.path.expanduser(a.prompts)).read_text())[: a.num_prompts]
-    ids = [tok.encode(t) for t in prompts]
+    ids = [encode_prompt(tok, t, spec=a.target) for t in prompts]  # chat presets get their chat template
     policy = a.policy or f"fixed:{drafter.cfg.gamma}"
     res = {
         "target": a.target,
