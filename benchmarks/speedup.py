@@ -297,9 +297,9 @@ def cost_table_bound(target, drafter, per_prompt: Sequence[dict[str, Any]], gree
     Every prompt's passes are priced by :func:`~dspark_jax.decoding.cost_table.cached_cost_table`
     at that prompt's KV-cache length (the very table ``num_speculative_tokens="auto"`` chose its
     widths with): ``T_draft`` (greedy or sampled) for a round that drafted, ``T_verify(w)`` at
-    the compiled width ``w`` the pass verified (a fixed length below the block size still runs
-    the block-wide pass), and ``T_step`` (a plain step) for every emitted token's plain
-    alternative. So for ``auto``, ``T_draft`` and ``T_verify`` are means per pass over the mix
+    the compiled width ``w`` the pass verified (a fixed length ``n`` runs passes of width ``n``),
+    and ``T_step`` (a plain step) for every emitted token's plain alternative. So for ``auto``,
+    ``T_draft`` and ``T_verify`` are means per pass over the mix
     of widths it chose and the rounds where it skipped drafting, and
     ``bound = sum(emitted * T_step) / sum(pass costs) = tau * T_step / (T_draft + T_verify)``.
 

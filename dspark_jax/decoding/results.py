@@ -34,8 +34,8 @@ class DecodeStats(NamedTuple):
       num_drafting_rounds: ``[B]`` passes whose round ran the drafter (``"auto"`` skips drafting
         when it does not pay; fixed lengths always draft).
       verify_width_rounds: ``[B, block_size + 1]`` passes by compiled verification width ``w``
-        (a pass of ``w + 1`` tokens, what the round's cost depends on; a fixed length shorter
-        than the block still runs the block-wide pass and only accepts fewer).
+        (a pass of ``w + 1`` tokens, what the round's cost depends on; a fixed length ``n`` runs
+        passes of width ``n``).
     """
 
     num_passes: jax.Array
