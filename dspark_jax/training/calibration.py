@@ -73,6 +73,7 @@ __all__ = [
     "block_terms",
     "calibrate_training_run",
     "collect",
+    "decode_weights",
     "fit_and_store_calibration",
     "fit_temperatures",
     "survival_report",
@@ -182,15 +183,17 @@ class CalibrationData(NamedTuple):
       accept: ``[N, gamma]`` float32 exact acceptance probability ``1 - TV_k``.
       valid: ``[N, gamma]`` bool; prefix-closed (position k valid => 1..k-1 valid).
       seq: ``[N]`` int index of the source sequence (for splits by sequence).
+      anchor: ``[N]`` int position of the block's anchor in its sequence.
     """
 
     z: np.ndarray
     accept: np.ndarray
     valid: np.ndarray
     seq: np.ndarray
+    anchor: np.ndarray
 
     def take(self, mask: np.ndarray) -> CalibrationData:
-        return CalibrationData(self.z[mask], self.accept[mask], self.valid[mask], self.seq[mask])
+        return CalibrationData(*(x[mask] for x in self))
 
 
 def collect(
@@ -232,7 +235,7 @@ def collect(
     chunk = int(max(1, min(len(cand), memory_budget_mb * 2**20 // max(per_anchor, 1))))
     t_graph, t_state = nnx.split(target)
     d_graph, d_state = nnx.split(drafter)
-    out = {"z": [], "accept": [], "valid": [], "seq": []}
+    out = {"z": [], "accept": [], "valid": [], "seq": [], "anchor": []}
     for s in range(0, n, batch_size):
         rows = np.arange(s, min(s + batch_size, n))
         pad = batch_size - len(rows)
@@ -266,7 +269,8 @@ def collect(
             out["accept"].append(np.clip(acc[keep], 0.0, 1.0))
             out["valid"].append(valid[keep])
             out["seq"].append(np.broadcast_to((s + np.arange(batch_size))[:, None], keep.shape)[keep])
-    res = CalibrationData(*(np.concatenate(out[k]) for k in ("z", "accept", "valid", "seq")))
+            out["anchor"].append(anchors[keep])
+    res = CalibrationData(*(np.concatenate(out[k]) for k in CalibrationData._fields))
     if res.z.shape[0] == 0:
         raise DSparkInputError("no held-out block to calibrate on: sequences are too short")
     return res
@@ -276,13 +280,14 @@ def collect(
 # Survival and sequential temperature scaling
 # ======================================================================================
 def _loss_fn(name: str):
+    """``f(predicted, observed, weights)``: the weighted mean loss of one position."""
     if name == "brier":
-        return lambda a, o: float(np.mean((a - o) ** 2))
+        return lambda a, o, w: float(np.average((a - o) ** 2, weights=w))
     if name == "nll":
 
-        def nll(a, o):
+        def nll(a, o, w):
             a = np.clip(a, 1e-7, 1 - 1e-7)
-            return float(-np.mean(o * np.log(a) + (1 - o) * np.log1p(-a)))
+            return float(-np.average(o * np.log(a) + (1 - o) * np.log1p(-a), weights=w))
 
         return nll
     raise ValueError(f"loss must be 'brier' or 'nll', got {name!r}")
@@ -317,6 +322,7 @@ def fit_temperatures(
     *,
     loss: str = "brier",
     bounds: tuple[float, float] = T_BOUNDS,
+    weights: np.ndarray | None = None,
 ) -> np.ndarray:
     """Sequential temperature scaling: one ``T_k`` per position, fit left to right.
 
@@ -330,26 +336,72 @@ def fit_temperatures(
       observed: ``[N, gamma]`` observed survival (expected ``prod (1 - TV)`` or sampled 0/1).
       valid: ``[N, gamma]`` bool.
       loss: ``"brier"`` (squared error) or ``"nll"`` (binary cross-entropy, soft labels allowed).
+      weights: optional ``[N]`` non-negative block weights (e.g. :func:`decode_weights`);
+        default: every block alike.
     Returns:
       ``[gamma]`` float64 temperatures (positions without data repeat the previous one).
     """
     f = _loss_fn(loss)
     z = np.asarray(z, np.float64)
     n, g = z.shape
+    w_all = np.ones(n) if weights is None else np.asarray(weights, np.float64)
     lo, hi = np.log(bounds[0]), np.log(bounds[1])
     temps = np.ones(g)
     prev = np.ones(n)
     for k in range(g):
-        m = np.asarray(valid[:, k], bool)
+        m = np.asarray(valid[:, k], bool) & (w_all > 0)
         if not m.any():
             temps[k] = temps[k - 1] if k else 1.0
         else:
-            zk, pk, ok = z[m, k], prev[m], np.asarray(observed, np.float64)[m, k]
+            zk, pk, ok, wk = z[m, k], prev[m], np.asarray(observed, np.float64)[m, k], w_all[m]
             temps[k] = np.exp(
-                _minimize_1d(lambda lt, pk=pk, zk=zk, ok=ok: f(pk * sigmoid(zk / np.exp(lt)), ok), lo, hi)
+                _minimize_1d(lambda lt, pk=pk, zk=zk, ok=ok, wk=wk: f(pk * sigmoid(zk / np.exp(lt)), ok, wk), lo, hi)
             )
         prev = prev * sigmoid(z[:, k] / temps[k])
     return temps
+
+
+def decode_weights(data: CalibrationData) -> np.ndarray:
+    """How often speculative decoding would verify each teacher-forced block: ``[N]`` float64.
+
+    Teacher-forced data has a block at every anchor, but decoding only drafts from the
+    anchors its own rounds reach: after a round that accepted ``n`` drafts the next anchor is
+    ``n + 1`` positions later, so blocks right after a rejection (harder ones) are
+    over-represented and easy stretches are skipped. Fitting on every anchor alike therefore
+    over-predicts decode-time survival. This follows each held-out sequence's rounds
+    exactly: the first anchor (the prompt's first generated token) has weight 1 and a block
+    at ``a`` with weight ``w`` passes ``w * P(n accepted)`` to the anchor ``a + n + 1``, where
+    ``P(n) = s_n - s_{n+1}`` with ``s_k = prod_{i<=k} accept_i`` over its valid positions (at
+    greedy acceptance, 0/1, the weights are the 0/1 indicator of the blocks that greedy
+    decoding with a full block verifies; at ``1 - TV`` acceptance, the expected number of
+    visits along this sequence).
+
+    Args:
+      data: :func:`collect` output (every anchor of each sequence, ``anchor_stride`` 1).
+    Returns:
+      ``[N]`` weights in ``[0, 1]`` (0 for blocks decoding never reaches).
+    """
+    w = np.zeros(data.z.shape[0])
+    for sq in np.unique(data.seq):
+        rows = np.flatnonzero(data.seq == sq)
+        rows = rows[np.argsort(data.anchor[rows], kind="stable")]
+        at = {int(a): int(r) for a, r in zip(data.anchor[rows], rows)}
+        first = int(data.anchor[rows[0]])
+        start = first + 1 if first + 1 in at else first  # decoding's first anchor: the first generated token
+        visit = {start: 1.0}
+        for a in sorted(at):
+            p = visit.get(a, 0.0)
+            if p <= 0 or a < start:
+                continue
+            r = at[a]
+            w[r] = p
+            m = int(data.valid[r].sum())
+            surv = np.concatenate([[1.0], np.cumprod(np.clip(data.accept[r, :m], 0.0, 1.0))])
+            stop = np.append(surv[:-1] - surv[1:], surv[-1])  # P(exactly n accepted), n = 0..m
+            for n, pn in enumerate(stop):
+                if pn > 0:
+                    visit[a + n + 1] = visit.get(a + n + 1, 0.0) + p * pn
+    return w
 
 
 def survival_report(
@@ -405,6 +457,7 @@ def fit_and_store_calibration(
     n_bins: int = N_BINS,
     batch_size: int = 8,
     anchor_stride: int = 1,
+    weighting: str = "decode",
 ) -> dict[str, Any]:
     """Fits per-position confidence temperatures and stores them in an export.
 
@@ -426,6 +479,9 @@ def fit_and_store_calibration(
         calibration, ``calibration_greedy`` in the export, used for rows decoding at T = 0).
       fit_on: ``"expected"`` (``prod (1 - TV)``, default) or ``"sampled"`` (0/1 draws).
       loss: ``"brier"`` (default) or ``"nll"``.
+      weighting: ``"decode"`` (default): each fit block weighted by how often decoding would
+        verify it (:func:`decode_weights`; needs ``anchor_stride`` 1), so the confidences are
+        calibrated for the blocks decoding actually drafts; ``"uniform"``: every anchor alike.
     Returns:
       report dict: ``temperatures``, ``before`` / ``after`` (test part: pooled and
       per-position ECE, AUROC, Brier + reliability table), ``fit_split`` (pooled
@@ -436,6 +492,8 @@ def fit_and_store_calibration(
     """
     if fit_on not in ("expected", "sampled"):
         raise ValueError(f"fit_on must be 'expected' or 'sampled', got {fit_on!r}")
+    if weighting not in ("decode", "uniform") or (weighting == "decode" and anchor_stride != 1):
+        raise ValueError(f"weighting must be 'decode' (with anchor_stride 1) or 'uniform', got {weighting!r}")
     t0 = time.perf_counter()
     meta = read_export_meta(export_dir) if export_dir is not None else None
     data = collect(
@@ -447,8 +505,10 @@ def fit_and_store_calibration(
         if fit_on == "expected"
         else sampled_survival(fit.accept, fit.valid, seed + 1)
     )
-    temps = fit_temperatures(fit.z, obs, fit.valid, loss=loss)
+    weights = decode_weights(fit) if weighting == "decode" else None
+    temps = fit_temperatures(fit.z, obs, fit.valid, loss=loss, weights=weights)
     report = _fit_report(fit, test, temps, temperature=temperature, fit_on=fit_on, loss=loss, seed=seed, n_bins=n_bins)
+    report["weighting"] = weighting
     greedy = temperature <= 0
     drafter.set_calibration(report["temperatures"], greedy=greedy)
     if meta is not None and export_dir is not None:
@@ -528,44 +588,51 @@ def calibrate_training_run(
     heldout_prompt_ids: Sequence[Sequence[int]],
     export_dir: str | Path,
     workdir: str | Path,
+    *,
+    source: str = "target continuations of the held-out eval prompts",
 ) -> dict[str, Any]:
     """The calibration stage of ``python -m dspark_jax.train`` (after export).
 
-    The target generates continuations of the run's held-out prompts (the
-    ``num_eval_prompts`` prompts never used for training data) with the training
-    data settings of ``cfg`` (a :class:`~dspark_jax.training.trainer.TrainConfig`); the
-    temperatures are fit and stored in the export; the full report goes to
-    ``<workdir>/calibration.json``.
+    The target generates continuations of held-out prompts (``heldout_prompt_ids``, never
+    used for training data; ``source`` describes them in the report), sampled at T = 1 for
+    the temperature-1 fit and greedy for the greedy fit, with the length settings of ``cfg``
+    (a :class:`~dspark_jax.training.trainer.TrainConfig`); the temperatures are fit and stored
+    in the export; the full report goes to ``<workdir>/calibration.json``.
 
     Returns:
       compact summary for ``summary.json``: temperatures, pooled before/after
       ECE / AUROC / Brier on the test half, sizes, seconds.
     """
     t0 = time.perf_counter()
-    data = heldout_sequences(
-        target,
-        heldout_prompt_ids,
-        max_new_tokens=cfg.gen_max_new_tokens,
-        seq_len=cfg.seq_len,
-        temperature=cfg.gen_temperature,
-        top_p=cfg.gen_top_p,
-        seed=cfg.seed,
-        batch_size=cfg.gen_batch_size,
-    )
-    rep = fit_and_store_calibration(target, drafter, data, export_dir, seed=cfg.seed)
-    # Greedy decoding accepts on argmax agreement, not with probability 1 - TV: its own fit.
-    rep_greedy = fit_and_store_calibration(target, drafter, data, export_dir, seed=cfg.seed, temperature=0.0)
+
+    def continuations(temperature: float) -> dict[str, np.ndarray]:
+        return heldout_sequences(
+            target,
+            heldout_prompt_ids,
+            max_new_tokens=cfg.gen_max_new_tokens,
+            seq_len=cfg.seq_len,
+            temperature=temperature,
+            top_p=1.0,
+            seed=cfg.seed,
+            batch_size=cfg.gen_batch_size,
+        )
+
+    # Each fit sees the contexts its decoding regime produces: sampled (T = 1) continuations for
+    # the 1 - TV fit, greedy ones for the argmax-agreement fit used by rows decoding at T = 0.
+    rep = fit_and_store_calibration(target, drafter, continuations(1.0), export_dir, seed=cfg.seed)
+    greedy_data = continuations(0.0)
+    rep_greedy = fit_and_store_calibration(target, drafter, greedy_data, export_dir, seed=cfg.seed, temperature=0.0)
     rep["greedy"] = {
         "temperatures": rep_greedy["temperatures"],
         "before": _compact(rep_greedy["before"]),
         "after": _compact(rep_greedy["after"]),
     }
     rep["heldout"] = {
-        "source": "target continuations of the held-out eval prompts",
-        "num_prompts": len(data["lengths"]),
+        "source": source,
+        "num_prompts": len(greedy_data["lengths"]),
         "max_new_tokens": cfg.gen_max_new_tokens,
         "seq_len": cfg.seq_len,
-        "gen_temperature": cfg.gen_temperature,
+        "continuations": "sampled at T=1 for the T=1 fit, greedy for the greedy fit",
     }
     rep["seconds"] = round(time.perf_counter() - t0, 2)
     rep = jsonable(rep)

@@ -227,6 +227,21 @@ def _build_trainer(cfg: TrainConfig, target, dcfg, data: dict[str, Any], mesh):
     return Trainer(cfg, target, drafter, mesh=mesh)
 
 
+def _calibration_texts(cfg: TrainConfig, workdir: Path, eval_texts: list[str]) -> tuple[list[str], str]:
+    """``(prompts, description)`` whose continuations calibrate the confidence head: up to
+    ``num_calib_prompts`` of the training split past the first ``num_prompts`` (in no training
+    shard and no evaluation), else the evaluation prompts (then the fit half of calibration
+    overlaps ``python -m dspark_jax.eval`` on the same prompts)."""
+    train_texts, _, _ = _prompt_split(cfg, workdir)
+    if cfg.data_dir:  # shared shards: which prompts they hold is not known here
+        spare = []
+    else:
+        spare = train_texts[cfg.num_prompts : cfg.num_prompts + max(0, cfg.num_calib_prompts)]
+    if spare:
+        return spare, f"target continuations of {len(spare)} training-split prompts past num_prompts (unseen)"
+    return eval_texts, "target continuations of the held-out eval prompts"
+
+
 def _calibrate_and_evaluate(
     cfg: TrainConfig, target, tok, drafter, eval_texts: list[str], export: Path, evaluate: bool, calibrate: bool
 ) -> dict[str, Any]:
@@ -246,7 +261,9 @@ def _calibrate_and_evaluate(
     if calibrate:
         from dspark_jax.training.calibration import calibrate_training_run
 
-        out["calibration"] = calibrate_training_run(cfg, target, drafter, eval_ids, export, workdir)
+        calib_texts, source = _calibration_texts(cfg, workdir, eval_texts)
+        calib_ids = prompts_mod.encode_prompts(tok, calib_texts, cfg.prompts == "chat")
+        out["calibration"] = calibrate_training_run(cfg, target, drafter, calib_ids, export, workdir, source=source)
     if evaluate:
         from dspark_jax.evaluation.acceptance import evaluate_tau
 

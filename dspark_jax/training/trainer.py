@@ -105,6 +105,9 @@ class TrainConfig:
         count with ``head_dim = d / num_heads``; dspark/dflash only.
       prompts: ``tinystories`` or ``chat``; prompts_file: extra JSONL prompts;
       num_prompts: training prompts used; num_eval_prompts: held-out prompts;
+      num_calib_prompts: prompts whose target continuations calibrate the confidence head,
+        taken from the training split past the first ``num_prompts`` (so neither trained on
+        nor evaluated on); when that split has none left, the held-out evaluation prompts;
       gen_max_new_tokens [tokens], gen_temperature, gen_top_p, gen_batch_size:
         self-distillation generation settings; seq_len: stored length [tokens].
       steps, batch_size [sequences, global], anchors_per_seq: optimisation size.
@@ -165,6 +168,7 @@ class TrainConfig:
     prompts_file: str = ""
     num_prompts: int = 2048
     num_eval_prompts: int = 50
+    num_calib_prompts: int = 128
     gen_max_new_tokens: int = 150
     gen_temperature: float = 0.0
     gen_top_p: float = 1.0

@@ -120,6 +120,48 @@ def test_temperature_scaling_recovers_known_temperatures():
     np.testing.assert_allclose(C.fit_temperatures(z, y, valid, loss="nll"), t_true, rtol=0.15)
 
 
+def test_weighted_fit_equals_fit_on_the_weighted_blocks():
+    z, t_true, surv, y, valid = _synthetic(n=4000, seed=2)
+    w = (np.arange(len(z)) % 3 == 0).astype(float)
+    keep = w > 0
+    np.testing.assert_allclose(
+        C.fit_temperatures(z, y, valid, weights=w), C.fit_temperatures(z[keep], y[keep], valid[keep]), rtol=1e-9
+    )
+
+
+def _chain_data(accept, valid=None):
+    """One sequence with a block at every anchor 0..len-1 (gamma = accept.shape[1])."""
+    accept = np.asarray(accept, float)
+    n = accept.shape[0]
+    valid = np.ones(accept.shape, bool) if valid is None else np.asarray(valid, bool)
+    return C.CalibrationData(np.zeros(accept.shape), accept, valid, np.zeros(n, int), np.arange(n) + 4)
+
+
+def test_decode_weights_follow_greedy_rounds():
+    """Greedy (0/1) acceptance: weight 1 exactly on the anchors decoding's rounds reach."""
+    acc = np.zeros((12, 3))
+    acc[1] = [1, 1, 0]  # from anchor 5 (row 1, the first generated token): 2 accepted -> anchor 8
+    acc[4] = [1, 1, 1]  # anchor 8: all 3 accepted (+ bonus) -> anchor 12
+    acc[8] = [0, 1, 1]  # anchor 12: none accepted -> anchor 13, then one anchor per round
+    w = C.decode_weights(_chain_data(acc))
+    np.testing.assert_array_equal(np.flatnonzero(w), [1, 4, 8, 9, 10, 11])  # anchors 5, 8, 12, 13, 14, 15
+    assert set(w[w > 0]) == {1.0}
+
+
+def test_decode_weights_spread_expected_visits():
+    """Fractional acceptance: each block passes its weight to the anchors after it by
+    P(n accepted); the first round's mass is conserved."""
+    acc = np.full((8, 2), 0.5)
+    w = C.decode_weights(_chain_data(acc))
+    # from anchor row 1: P(n=0) = .5 -> row 2, P(n=1) = .25 -> row 3, P(n=2) = .25 -> row 4
+    assert w[0] == 0 and w[1] == 1.0
+    np.testing.assert_allclose(w[2], 0.5)
+    np.testing.assert_allclose(w[3], 0.25 + 0.5 * 0.5)
+    short = np.ones((8, 2), bool)
+    short[-1, 1] = False  # the last block has one valid position: its mass stops there
+    assert C.decode_weights(_chain_data(acc, short))[-1] > 0
+
+
 def test_temperature_scaling_reduces_ece():
     z, t_true, surv, y, valid = _synthetic(seed=1)
     temps = C.fit_temperatures(z, y, valid)
