@@ -14,25 +14,47 @@ flags on (``+bias+lp``). Prints one JSON object of median milliseconds.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import inspect
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def load_package(root: str, name: str):
-    """Imports ``root/dspark_jax`` as package ``name``."""
-    init = Path(root) / "dspark_jax" / "__init__.py"
-    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return importlib.import_module(f"{name}.engine")
+_SUBMODULES = ("engine", "api", "config", "drafters.dspark", "serving.engine", "models.target", "models.layers")
+
+
+def load_package(root: str) -> dict[str, Any]:
+    """Imports the ``dspark_jax`` package of checkout ``root`` beside this checkout's.
+
+    The package's absolute imports (``from dspark_jax.x import y``) must resolve inside the
+    same checkout, so this checkout's ``dspark_jax*`` modules are set aside while the other's
+    load, then restored; the other's modules keep their own globals. (Loading it under
+    another name instead would run only its top module on this checkout's code.) Imports
+    made lazily inside functions still resolve to this checkout: the hot step makes none.
+
+    Returns:
+      ``{submodule: module}`` for :data:`_SUBMODULES` of ``root``'s package.
+    """
+    mine = {k: v for k, v in sys.modules.items() if k == "dspark_jax" or k.startswith("dspark_jax.")}
+    for k in mine:
+        del sys.modules[k]
+    sys.path.insert(0, str(Path(root).resolve()))
+    try:
+        mods = {m: importlib.import_module(f"dspark_jax.{m}") for m in _SUBMODULES}
+        if not Path(mods["engine"].__file__).resolve().is_relative_to(Path(root).resolve()):
+            raise RuntimeError(f"{root} has no dspark_jax package")
+        return mods
+    finally:
+        sys.path.pop(0)
+        for k in [k for k in sys.modules if k == "dspark_jax" or k.startswith("dspark_jax.")]:
+            del sys.modules[k]
+        sys.modules.update(mine)
 
 
 def main(argv=None):
@@ -49,20 +71,28 @@ def main(argv=None):
     import numpy as np
     from flax import nnx
 
-    from dspark_jax.api import load_target
-    from dspark_jax.config import DrafterConfig
-    from dspark_jax.drafters.dspark import Drafter
-    from dspark_jax.serving import engine as new_engine
+    import dspark_jax.api
+    import dspark_jax.config
+    import dspark_jax.drafters.dspark
+    import dspark_jax.serving.engine
 
-    target, _ = load_target(a.target)
-    cfg = DrafterConfig.for_target(target.cfg, gamma=a.gamma, num_layers=1, markov_rank=64)
-    drafter = Drafter(cfg, nnx.Rngs(0))
-    mods = {"new": new_engine}
+    packages = {
+        "new": {
+            "api": dspark_jax.api,
+            "config": dspark_jax.config,
+            "drafters.dspark": dspark_jax.drafters.dspark,
+            "serving.engine": dspark_jax.serving.engine,
+        }
+    }
     if a.old:
-        mods["old"] = load_package(a.old, "dspark_old")
+        packages["old"] = load_package(a.old)
     engines = {}
-    for name, mod in mods.items():
-        eng = mod.Engine(
+    for name, mods in packages.items():
+        # Each checkout builds its own target and drafter, so model code is compared too.
+        target, _ = mods["api"].load_target(a.target)
+        cfg = mods["config"].DrafterConfig.for_target(target.cfg, gamma=a.gamma, num_layers=1, markov_rank=64)
+        drafter = mods["drafters.dspark"].Drafter(cfg, nnx.Rngs(0))
+        eng = mods["serving.engine"].Engine(
             target,
             drafter,
             num_slots=a.rows,
