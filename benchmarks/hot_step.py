@@ -26,7 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-_SUBMODULES = ("engine", "api", "config", "drafters.dspark", "serving.engine", "models.target", "models.layers")
+_SUBMODULES = ("api", "config", "drafters.dspark", "serving.engine")  # what main() builds an engine from
 
 
 def load_package(root: str) -> dict[str, Any]:
@@ -47,7 +47,7 @@ def load_package(root: str) -> dict[str, Any]:
     sys.path.insert(0, str(Path(root).resolve()))
     try:
         mods = {m: importlib.import_module(f"dspark_jax.{m}") for m in _SUBMODULES}
-        if not Path(mods["engine"].__file__).resolve().is_relative_to(Path(root).resolve()):
+        if not Path(mods["api"].__file__ or "").resolve().is_relative_to(Path(root).resolve()):
             raise RuntimeError(f"{root} has no dspark_jax package")
         return mods
     finally:
@@ -71,19 +71,7 @@ def main(argv=None):
     import numpy as np
     from flax import nnx
 
-    import dspark_jax.api
-    import dspark_jax.config
-    import dspark_jax.drafters.dspark
-    import dspark_jax.serving.engine
-
-    packages = {
-        "new": {
-            "api": dspark_jax.api,
-            "config": dspark_jax.config,
-            "drafters.dspark": dspark_jax.drafters.dspark,
-            "serving.engine": dspark_jax.serving.engine,
-        }
-    }
+    packages = {"new": {m: importlib.import_module(f"dspark_jax.{m}") for m in _SUBMODULES}}
     if a.old:
         packages["old"] = load_package(a.old)
     engines = {}

@@ -145,14 +145,13 @@ def decode_weights(data: CalibrationData) -> np.ndarray:
     w = np.zeros(data.z.shape[0])
     for sq in np.unique(data.seq):
         rows = np.flatnonzero(data.seq == sq)
-        rows = rows[np.argsort(data.anchor[rows], kind="stable")]
-        at = {int(a): int(r) for a, r in zip(data.anchor[rows], rows)}
-        first = int(data.anchor[rows[0]])
+        at = {int(data.anchor[r]): int(r) for r in rows}
+        first = min(at)
         start = first + 1 if first + 1 in at else first  # decoding's first anchor: the first generated token
         visit = {start: 1.0}
         for a in sorted(at):
-            p = visit.get(a, 0.0)
-            if p <= 0 or a < start:
+            p = visit.get(a, 0.0)  # 0 before start and for anchors no round reaches
+            if p <= 0:
                 continue
             r = at[a]
             w[r] = p
