@@ -62,7 +62,7 @@ def load_target_and_drafter(target_spec: str, drafter_dir: str | None, dtype: An
     target, tokenizer = load_target(target_spec, dtype=dtype, mesh=mesh)
     drafter = None
     if drafter_dir:
-        drafter, _ = load_drafter(drafter_dir, dtype=dtype)
+        drafter, _ = load_drafter(drafter_dir, dtype=dtype, target=target)
         prepare_drafter(target, drafter)
     return target, tokenizer, drafter
 

@@ -18,6 +18,9 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+# DeepSpec's mask token for Qwen3 drafters (and the size of the Qwen2/3 embedding table it lies in).
+QWEN_MASK_TOKEN_ID, QWEN_VOCAB_ROWS = 151669, 151936
+
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
@@ -41,6 +44,9 @@ class TargetConfig:
       rms_eps: RMSNorm epsilon.
       tie_embeddings: LM head is the transposed token embedding.
       qk_norm: Qwen3-style RMSNorm on each query/key head before RoPE.
+      mask_token_id: the token id whose frozen embedding row fills a new drafter's mask slots
+        (:meth:`DrafterConfig.for_target`), or None for the rule there. Set by the loaders
+        that know a better choice than the rule (a token the model never reads as input).
       bos_id: beginning-of-sequence id, or None.
       eos_ids: ids that end generation.
       name: human-readable identifier of the checkpoint (used to match drafters).
@@ -58,6 +64,7 @@ class TargetConfig:
     rms_eps: float = 1e-5
     tie_embeddings: bool = True
     qk_norm: bool = False
+    mask_token_id: int | None = None
     bos_id: int | None = 1
     eos_ids: tuple[int, ...] = (2,)
     name: str = "unnamed"
@@ -66,6 +73,21 @@ class TargetConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+
+    def default_mask_token_id(self) -> int:
+        """The id whose frozen embedding row fills a new drafter's mask slots.
+
+        ``mask_token_id`` when set; else, for a Qwen2/Qwen3 vocabulary table (151,936 rows),
+        151669, DeepSpec's choice (the first padding row past the tokenizer's 151,669 tokens, so
+        never an anchor); else the last id ``V - 1``. The mask slots work with any row (they are
+        told apart from the anchor by position); a row the target never reads keeps the anchor
+        and the masks distinct.
+        """
+        if self.mask_token_id is not None:
+            return self.mask_token_id
+        return QWEN_MASK_TOKEN_ID if self.vocab_size == QWEN_VOCAB_ROWS else self.vocab_size - 1
 
     def default_taps(self, n: int = 5) -> tuple[int, ...]:
         """Layers whose outputs feed the drafter: ``n`` layers spread over the depth.
@@ -170,6 +192,18 @@ def _set_path(cfg: Any, path: list[str], value: Any, full: str) -> Any:
 
 
 VARIANTS = ("dspark", "dflash", "eagle3")
+CONFIDENCE_INPUTS = ("head", "raw")
+MARKOV_W1_ROWS = ("draft", "target")
+# The drafter architecture DeepSpec's and speculators' formats express (DrafterConfig.for_target's
+# default; mask_token_id comes from the target) and the first one of this project (the field
+# defaults, which every export written before these fields existed holds).
+INTEROP_ARCH: dict[str, Any] = {"qk_norm": True, "confidence_input": "raw", "markov_w1_rows": "target"}
+LEGACY_ARCH: dict[str, Any] = {
+    "qk_norm": False,
+    "mask_token_id": -1,
+    "confidence_input": "head",
+    "markov_w1_rows": "draft",
+}
 MARKOV_HEADS = ("vanilla", "gated", "rnn", "gated_v0", "rnn_v0")
 # Exports of format 1 wrote "gated"/"rnn" for the first head variants; they load under these names.
 LEGACY_MARKOV_HEADS = {"gated": "gated_v0", "rnn": "rnn_v0"}
@@ -217,6 +251,23 @@ class DrafterConfig:
       vocab_size / hidden_size / target_num_layers / target_name /
         target_fingerprint: the target this drafter was built for; checked
         before decoding (a drafter for another vocab or model is refused).
+        ``target_num_layers`` 0: unknown (an imported speculators or z-lab checkpoint).
+      qk_norm: per-head RMSNorm (weights ``[head_dim]`` per layer) on the queries and on the
+        block and context keys before RoPE, as in Qwen3 layers; DeepSpec's, speculators' and
+        vLLM's DSpark/DFlash drafters all apply it.
+      mask_token_id: ``>= 0``: the mask slots' input is the target's frozen embedding row of
+        this id (the field's checkpoint formats record it); ``-1``: a learned mask vector
+        ``mask_embed [d]`` (this project's first architecture).
+      confidence_input: what the confidence head reads beside ``h_k``: ``"raw"``, the Markov
+        embedding ``W1[x_{k-1}]`` (DeepSpec, speculators, vLLM), or ``"head"``, the Markov head's
+        output ``e_k`` (the first architecture). The two agree for the vanilla head.
+      markov_w1_rows: ``"target"``: ``W1`` has one row per target token ``[V, r]`` (the formats'
+        layout); ``"draft"``: one per draft-vocabulary token plus one shared row for the rest,
+        ``[N + 1, r]`` (the first architecture; ``[V, r]`` without a draft vocabulary).
+
+    The last four fields' defaults are the first architecture's, the one every export written
+    before they existed holds; :meth:`for_target` builds new drafters in the formats' architecture
+    (:data:`INTEROP_ARCH`, DeepSpec's ``Qwen3DSparkModel`` / speculators' ``dspark``).
     """
 
     vocab_size: int
@@ -238,6 +289,10 @@ class DrafterConfig:
     markov_head: str = "vanilla"
     width: int = 0
     draft_vocab_size: int = 0
+    qk_norm: bool = False
+    mask_token_id: int = -1
+    confidence_input: str = "head"
+    markov_w1_rows: str = "draft"
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -261,10 +316,22 @@ class DrafterConfig:
             raise ValueError(f"width must be >= 0 (0 = the target's hidden size) and 0 for eagle3, got {self.width}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("drafter num_heads must be a multiple of num_kv_heads")
+        if not -1 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id must be a token id in [0, {self.vocab_size}) or -1 (a learned mask vector), "
+                f"got {self.mask_token_id}"
+            )
+        if self.confidence_input not in CONFIDENCE_INPUTS:
+            raise ValueError(f"confidence_input must be one of {CONFIDENCE_INPUTS}, got {self.confidence_input!r}")
+        if self.markov_w1_rows not in MARKOV_W1_ROWS:
+            raise ValueError(f"markov_w1_rows must be one of {MARKOV_W1_ROWS}, got {self.markov_w1_rows!r}")
+        if self.variant == "eagle3" and (self.qk_norm or self.mask_token_id >= 0):
+            raise ValueError("qk_norm and mask_token_id are dspark/dflash drafter options, not eagle3's")
         if not self.taps:
             raise ValueError("drafter needs at least one tapped target layer")
         for t in self.taps:
-            if not 0 <= t < self.target_num_layers:
+            # target_num_layers 0: an imported checkpoint that does not record the target's depth
+            if t < 0 or (self.target_num_layers and t >= self.target_num_layers):
                 raise ValueError(f"tap layer {t} out of range for a {self.target_num_layers}-layer target")
         object.__setattr__(self, "taps", tuple(int(t) for t in self.taps))
 
@@ -293,9 +360,20 @@ class DrafterConfig:
         For eagle3, the gamma sequential draft steps."""
         return self.gamma + 1 if self.variant == "dflash" else self.gamma
 
+    @property
+    def markov_w1_size(self) -> int:
+        """Rows of the Markov head's ``W1``: V (``markov_w1_rows="target"`` or no draft
+        vocabulary), else ``N + 1`` (the shared row of tokens outside the draft vocabulary)."""
+        if self.markov_w1_rows == "target" or not self.draft_vocab_size:
+            return self.vocab_size
+        return self.draft_vocab_size + 1
+
     @classmethod
     def for_target(cls, target: TargetConfig, **overrides: Any) -> DrafterConfig:
-        """Drafter sized for ``target``: width H, heads and FFN like the target's."""
+        """Drafter sized for ``target``: width H, heads and FFN like the target's, in the
+        checkpoint formats' architecture (:data:`INTEROP_ARCH`; mask row
+        :meth:`TargetConfig.default_mask_token_id`) unless ``overrides`` say otherwise (eagle3
+        drafters keep the field defaults)."""
         base: dict[str, Any] = dict(
             vocab_size=target.vocab_size,
             hidden_size=target.hidden_size,
@@ -309,6 +387,8 @@ class DrafterConfig:
             rms_eps=target.rms_eps,
             target_name=target.name,
         )
+        if overrides.get("variant", "dspark") != "eagle3":
+            base.update(INTEROP_ARCH, mask_token_id=target.default_mask_token_id())
         base.update(overrides)
         return cls(**base)
 

@@ -119,7 +119,7 @@ def _speculative(args: argparse.Namespace, target, ids: list[int], kw: dict, out
     from dspark_jax.drafters.base import BlockDrafter, prepare_drafter
     from dspark_jax.drafters.checkpoint import load_drafter
 
-    drafter, _ = load_drafter(args.drafter, dtype=jnp.dtype(args.dtype))
+    drafter, _ = load_drafter(args.drafter, dtype=jnp.dtype(args.dtype), target=target)
     prepare_drafter(target, drafter)
     block_size = drafter.cfg.gamma
     default = "auto" if isinstance(drafter, BlockDrafter) else None  # "auto" reads block confidences

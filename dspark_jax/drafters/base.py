@@ -248,7 +248,7 @@ def check_compatible(target: Target, drafter: Drafter) -> None:
         )
     if d.hidden_size != t.hidden_size:
         raise DSparkInputError(f"drafter expects target hidden size {d.hidden_size} but the target has {t.hidden_size}")
-    if d.target_num_layers != t.num_layers or max(d.taps) >= t.num_layers:
+    if (d.target_num_layers and d.target_num_layers != t.num_layers) or max(d.taps) >= t.num_layers:
         raise DSparkInputError(
             f"drafter taps layers {list(d.taps)} of a {d.target_num_layers}-layer target but the "
             f"target has {t.num_layers} layers"

@@ -9,7 +9,9 @@ An export directory holds:
   and the training summary;
 * ``params/`` -- the drafter parameters as an Orbax ``StandardCheckpointer`` tree.
 
-``load_drafter(path)`` rebuilds the module from these two alone.
+``load_drafter(path)`` rebuilds the module from these two alone. It also reads drafters in the
+field's checkpoint formats (DeepSpec, speculators, z-lab DFlash; :mod:`dspark_jax.drafters.formats`)
+and Hugging Face Hub ids of either.
 
 Formats: ``dspark_jax.drafter/3`` (written now) nests a DSpark drafter's Markov-head weights
 under ``markov_head`` (``markov_head/w1``, ``markov_head/gate_w``, ...: one module per head
@@ -20,8 +22,10 @@ also named the first head variants ``"gated"`` / ``"rnn"`` (now ``"gated_v0"`` /
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,9 +36,17 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from dspark_jax.config import LEGACY_MARKOV_HEADS, DrafterConfig
-from dspark_jax.drafters.base import Drafter
+from dspark_jax.drafters.base import Drafter, check_compatible
 from dspark_jax.drafters.build import build_drafter
+from dspark_jax.drafters.formats import (
+    ExternalDrafter,
+    check_reference_rows,
+    detect_format,
+    read_external,
+    resolve_drafter_source,
+)
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.models.target import Target
 
 FORMAT = "dspark_jax.drafter/3"
 _FORMAT_1, _FORMAT_2 = "dspark_jax.drafter/1", "dspark_jax.drafter/2"
@@ -100,13 +112,19 @@ def export_drafter(
 
 
 def read_export_meta(path: str | Path) -> dict[str, Any]:
-    """Reads and validates ``drafter.json`` of an export.
+    """Reads and validates ``drafter.json`` of an export, or the config of a drafter in one of the
+    field's formats (:mod:`dspark_jax.drafters.formats`; then ``format`` is ``"external/<name>"``,
+    ``config`` the converted :class:`DrafterConfig`'s dict and ``extra`` says where it came from).
+    ``path`` may be a Hugging Face Hub id (:func:`~dspark_jax.drafters.formats.resolve_drafter_source`).
 
     Raises:
       DSparkInputError: not an export directory, or a corrupt/unknown metadata file.
     """
-    path = Path(path)
+    path = resolve_drafter_source(path)
     meta_path = path / "drafter.json"
+    if not meta_path.is_file() and detect_format(path) is not None:
+        ext = read_external(path)
+        return _external_meta(path, ext)
     if not meta_path.is_file():
         raise DSparkInputError(
             f"{path} is not a drafter export (no drafter.json): pass the export directory "
@@ -127,22 +145,100 @@ def read_export_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
-def load_drafter(path: str | Path, dtype: Any = None) -> tuple[Drafter, dict[str, Any]]:
-    """Loads an exported drafter.
+def _external_meta(path: Path, ext: ExternalDrafter) -> dict[str, Any]:
+    """The metadata of a drafter read from another format (:func:`read_export_meta`)."""
+    return {
+        "format": f"external/{ext.format}",
+        "config": ext.cfg.to_dict(),
+        "dtype": str(ext.params["fc"].dtype),
+        "calibration": None,
+        "calibration_greedy": None,
+        "draft_vocab": list(ext.draft_vocab) if ext.draft_vocab else None,
+        "extra": {"source": str(path), "source_format": ext.format, "notes": ext.notes, "verifier": ext.verifier},
+    }
+
+
+def load_drafter(path: str | Path, dtype: Any = None, target: Target | None = None) -> tuple[Drafter, dict[str, Any]]:
+    """Loads an exported drafter, or a drafter in one of the field's checkpoint formats.
 
     Args:
-      path: export directory from :func:`export_drafter`.
+      path: export directory from :func:`export_drafter`; a DeepSpec, speculators (``dspark`` /
+        ``dflash``) or z-lab DFlash directory (:mod:`dspark_jax.drafters.formats`, converted exactly);
+        or a Hugging Face Hub id of either (resolved through the local Hub cache).
       dtype: parameter/compute dtype (default: the dtype it was saved in).
+      target: the target it will decode with, when known: the drafter is checked against it
+        (:func:`~dspark_jax.drafters.base.check_compatible`; for an imported checkpoint also its
+        stored embedding / LM-head copies, and the target's depth is recorded where the
+        checkpoint lacks it).
     Returns:
       ``(drafter, meta)`` where ``meta`` has ``calibration`` and ``extra``; the
       calibration temperatures are also installed on the drafter
       (``set_calibration``), so decoding uses calibrated confidences. Formats 1 and 2 load
-      through the renaming of their Markov-head paths (module doc).
+      through the renaming of their Markov-head paths (module doc). An imported checkpoint has no
+      calibration; ``meta["extra"]["notes"]`` lists what its conversion assumed (each also
+      printed as a warning).
     Raises:
-      DSparkInputError: missing/corrupt export or parameters that do not match
-        the recorded config.
+      DSparkInputError: missing/corrupt export, parameters that do not match
+        the recorded config, a checkpoint the drafter cannot represent, or a drafter for
+        another target.
     """
-    path = Path(path).absolute()
+    src = resolve_drafter_source(path)
+    if not (src / "drafter.json").is_file() and detect_format(src) is not None:
+        return _load_external(src, dtype, target)
+    drafter, meta = _load_export(src.absolute(), dtype)
+    if target is not None:
+        check_compatible(target, drafter)
+    return drafter, meta
+
+
+def _load_external(path: Path, dtype: Any, target: Target | None) -> tuple[Drafter, dict[str, Any]]:
+    """:func:`load_drafter` of a checkpoint in another format."""
+    ext = read_external(path)
+    cfg = ext.cfg
+    if target is not None:
+        t = target.cfg
+        if ext.format == "speculators" and max(cfg.taps) == t.num_layers - 1:
+            raise DSparkInputError(
+                f"{path}: aux_hidden_state_layer_ids {t.num_layers} (the target's final-normed output) is not "
+                "supported: taps are decoder-layer outputs before the final norm"
+            )
+        check_reference_rows(
+            ext.reference_rows,
+            lambda ids: target.embed_tokens(jnp.asarray(ids, jnp.int32)),
+            lambda ids: target.lm_head_rows(jnp.asarray(ids, jnp.int32)),
+        )
+        # The checks passed: record the target as this project's exports do.
+        cfg = dataclasses.replace(
+            cfg,
+            target_num_layers=cfg.target_num_layers or t.num_layers,
+            target_name=t.name,
+            target_fingerprint=getattr(target, "fingerprint", "") or cfg.target_fingerprint,
+        )
+    for note in ext.notes:
+        warnings.warn(f"{path}: {note}", stacklevel=3)
+    dtype = jnp.dtype(dtype or ext.params["fc"].dtype)
+    abstract = nnx.eval_shape(lambda: build_drafter(cfg, nnx.Rngs(0), dtype=dtype))
+    graphdef, abs_state = nnx.split(abstract)
+    want = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+    try:
+        check_stored_shapes(lambda: ext.params, want)
+    except ValueError as e:
+        raise DSparkInputError(f"{path}: {e}") from None
+    drafter = nnx.merge(graphdef, abs_state)
+    state = nnx.state(drafter, nnx.Param)
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda a: jnp.asarray(a, dtype), ext.params))
+    nnx.update(drafter, state)
+    if ext.draft_vocab is not None:
+        drafter.set_draft_vocab(ext.draft_vocab)
+    meta = _external_meta(path, ext)
+    meta["config"] = cfg.to_dict()
+    if target is not None:
+        check_compatible(target, drafter)
+    return drafter, meta
+
+
+def _load_export(path: Path, dtype: Any) -> tuple[Drafter, dict[str, Any]]:
+    """:func:`load_drafter` of this project's export directory."""
     meta = read_export_meta(path)
     try:
         conf = dict(meta["config"])

@@ -71,8 +71,17 @@ class DSparkDrafter(nnx.Module):
 
         self.fc = nnx.Param(init(rngs.params(), (f_in, d), dtype))
         self.ctx_norm = nnx.Param(jnp.ones((d,), dtype))
-        self.mask_embed = nnx.Param(0.02 * jax.random.normal(rngs.params(), (d,), dtype))
+        # The mask slots' input: the target's frozen embedding row cfg.mask_token_id, or (the
+        # first architecture) a learned vector. The draw happens either way, so the weights that
+        # follow get the same initial values in both architectures.
+        mask = 0.02 * jax.random.normal(rngs.params(), (d,), dtype)
+        self.mask_embed = nnx.Param(mask) if cfg.mask_token_id < 0 else None
+        qk = {
+            "q_norm": nnx.Param(jnp.ones((n, cfg.head_dim), dtype)),
+            "k_norm": nnx.Param(jnp.ones((n, cfg.head_dim), dtype)),
+        }
         self.layers = nnx.Dict(
+            **(qk if cfg.qk_norm else {}),
             attn_norm=nnx.Param(jnp.ones((n, d), dtype)),
             wq=w(n, d, qd),
             wk=w(n, d, kd),
@@ -224,6 +233,8 @@ class DSparkDrafter(nnx.Module):
         v = jnp.einsum("btd,nde->nbte", ctx, self.layers["wv"][...])
         k = k.reshape(cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:  # the context keys get k_norm too (before RoPE), like the block's
+            k = rms_norm(k, self.layers["k_norm"][...][:, None, None, None, :], cfg.rms_eps)
         k = jax.vmap(lambda kk: apply_rope(kk, positions, cfg.rope_theta))(k)
         return k, v
 
@@ -263,8 +274,11 @@ class DSparkDrafter(nnx.Module):
         def layer(h, xs):
             p, ck, cv = xs
             u = rms_norm(h, p["attn_norm"], cfg.rms_eps)
-            q = rope(heads(u @ p["wq"], cfg.num_heads))
-            k = rope(heads(u @ p["wk"], cfg.num_kv_heads))
+            q = heads(u @ p["wq"], cfg.num_heads)
+            k = heads(u @ p["wk"], cfg.num_kv_heads)
+            if cfg.qk_norm:  # per head, before RoPE (Qwen3 layers)
+                q, k = rms_norm(q, p["q_norm"], cfg.rms_eps), rms_norm(k, p["k_norm"], cfg.rms_eps)
+            q, k = rope(q), rope(k)
             v = heads(u @ p["wv"], cfg.num_kv_heads)
             h = h + block_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), ctx_mask, k, v) @ p["wo"]
             m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
@@ -277,12 +291,21 @@ class DSparkDrafter(nnx.Module):
     def block_inputs(self, target: Target, anchors: jax.Array) -> jax.Array:
         """``[...]`` anchor ids -> ``[..., num_slots, d]``: anchor embedding then mask embeddings.
 
-        The anchor's target embedding (width H) is projected to d when ``cfg.width`` differs.
+        The mask slots' input is the target's embedding row ``cfg.mask_token_id`` (or the
+        learned ``mask_embed`` when it is -1). Target rows (width H) are projected to d when
+        ``cfg.width`` differs.
         """
         a = target.embed_tokens(anchors).astype(self.dtype)[..., None, :]
+        if self.mask_embed is not None:
+            m = self.mask_embed[...]
+        else:  # the target's frozen row of cfg.mask_token_id, through the same width adapter
+            m = jax.lax.stop_gradient(target.embed_tokens(jnp.asarray(self.cfg.mask_token_id, jnp.int32)))
+            m = m.astype(self.dtype)
+            if self.embed_in is not None:
+                m = m @ self.embed_in[...]
         if self.embed_in is not None:
             a = a @ self.embed_in[...]
-        m = jnp.broadcast_to(self.mask_embed[...], anchors.shape + (self.cfg.num_slots - 1, a.shape[-1]))
+        m = jnp.broadcast_to(m, anchors.shape + (self.cfg.num_slots - 1, a.shape[-1]))
         return jnp.concatenate([a, m], axis=-2)
 
     def predicted_slots(self, h: jax.Array) -> jax.Array:
@@ -317,7 +340,7 @@ class DSparkDrafter(nnx.Module):
 
     @property
     def markov_w1(self) -> nnx.Param | None:
-        """The Markov head's ``W1`` ``[N (+1), r]`` (``markov_head.w1``; None without a Markov head)."""
+        """The Markov head's ``W1`` ``[cfg.markov_w1_size, r]`` (``markov_head.w1``; None without a Markov head)."""
         return None if self.markov_head is None else self.markov_head.w1
 
     @property
@@ -334,7 +357,14 @@ class DSparkDrafter(nnx.Module):
         """
         if self.markov_head is None:
             return None
-        return self.markov_head.embedding(self.draft_index(prev))
+        return self.markov_head.embedding(self.markov_index(prev))
+
+    def markov_index(self, prev: jax.Array) -> jax.Array:
+        """``[...]`` target ids -> ``[...]`` int32 rows of ``W1``: the ids themselves
+        (``cfg.markov_w1_size == V``), else draft-vocabulary indices (N for ids outside it)."""
+        if self.cfg.markov_w1_size == self.cfg.vocab_size:
+            return prev.astype(jnp.int32)
+        return self.draft_index(prev)
 
     def markov_init(self, batch_shape: tuple[int, ...]) -> jax.Array | None:
         """Sequential-head state before position 1: ``[*batch_shape, r]`` zeros (rnn heads) or None."""
@@ -353,14 +383,21 @@ class DSparkDrafter(nnx.Module):
           prev: ``[...]`` int32 previous token x_{k-1} (the anchor at k = 1).
           h: ``[..., d]`` backbone hidden state h_k (read by the gated and rnn heads).
         Returns:
-          ``(state, e_k [..., r], bias [..., N] float32)``; ``(state, None, 0.0)``
+          ``(state, e [..., r], bias [..., N] float32)`` with ``e`` the confidence head's Markov
+          input (``W1[x_{k-1}]`` or ``e_k``, ``cfg.confidence_input``); ``(state, None, 0.0)``
           for a drafter without a Markov head.
         """
         head = self.markov_head
         if head is None:
             return state, None, 0.0
-        state, e = head.step(state, head.embedding(self.draft_index(prev)), h)
-        return state, e, head.bias(e)
+        x = head.embedding(self.markov_index(prev))
+        state, e = head.step(state, x, h)
+        return state, self._confidence_embedding(x, e), head.bias(e)
+
+    def _confidence_embedding(self, x: jax.Array, e: jax.Array) -> jax.Array:
+        """The Markov input of the confidence head: ``W1[x_{k-1}]`` (``confidence_input="raw"``)
+        or the head's output ``e_k``."""
+        return x if self.cfg.confidence_input == "raw" else e
 
     def teacher_forced_heads(self, hidden: jax.Array, prev: jax.Array) -> tuple[jax.Array | float, jax.Array | None]:
         """Markov bias and embeddings of whole blocks given their true previous tokens (training).
@@ -369,15 +406,15 @@ class DSparkDrafter(nnx.Module):
           hidden: ``[..., gamma, d]`` backbone hidden states.
           prev: ``[..., gamma]`` int32 true previous tokens (``prev[..., 0]`` = anchor).
         Returns:
-          ``(bias [..., gamma, N] float32, e [..., gamma, r])``, or ``(0.0, None)``
+          ``(bias [..., gamma, N] float32, e [..., gamma, r])`` (``e`` as in :meth:`markov_step`), or ``(0.0, None)``
           without a Markov head. Equals running :meth:`markov_step` left to right.
         """
         head = self.markov_head
         if head is None:
             return 0.0, None
-        x = head.embedding(self.draft_index(prev))  # [..., g, r]
+        x = head.embedding(self.markov_index(prev))  # [..., g, r]
         e = head.teacher_forced(self.markov_init(prev.shape[:-1]), x, hidden)
-        return head.bias(e), e
+        return head.bias(e), self._confidence_embedding(x, e)
 
     def confidence_logit(self, h: jax.Array, e: jax.Array | None) -> jax.Array:
         """Pre-sigmoid confidence ``w . [h ; e] + b``; ``[..., d]`` -> ``[...]`` float32.

@@ -50,10 +50,10 @@ def _carried(state: jax.Array | None) -> jax.Array:
 class MarkovHead(nnx.Module):
     """The vanilla head: ``e_k = W1[x_{k-1}]``, bias ``B_k = e_k W2`` (a rank-r bigram).
 
-    Every head holds ``w1 [N (+1), r]`` (one row per draft-vocabulary token, plus one shared
-    row for every previous token outside a draft vocabulary: an anchor can be any target
-    token) and ``w2 [r, N]``. ``W2 = 0`` at initialisation: the correction starts as exactly
-    zero (pure DFlash).
+    Every head holds ``w1 [cfg.markov_w1_size, r]`` (one row per target token, or, with
+    ``markov_w1_rows="draft"``, one per draft-vocabulary token plus one shared row for every
+    previous token outside it: an anchor can be any target token) and ``w2 [r, N]``. ``W2 = 0``
+    at initialisation: the correction starts as exactly zero (pure DFlash).
 
     Args:
       cfg: :class:`DrafterConfig` with ``markov_rank`` r > 0.
@@ -64,8 +64,7 @@ class MarkovHead(nnx.Module):
     def __init__(self, cfg: DrafterConfig, rngs: nnx.Rngs, dtype=jnp.float32):
         r = cfg.markov_rank
         self.rank = r
-        n_w1 = cfg.draft_size + (1 if cfg.draft_vocab_size else 0)
-        self.w1 = nnx.Param(jax.random.normal(rngs.params(), (n_w1, r), dtype) / jnp.sqrt(r))
+        self.w1 = nnx.Param(jax.random.normal(rngs.params(), (cfg.markov_w1_size, r), dtype) / jnp.sqrt(r))
         self.w2 = nnx.Param(jnp.zeros((r, cfg.draft_size), dtype))
 
     def init_state(self, batch_shape: tuple[int, ...], dtype) -> jax.Array | None:
@@ -73,7 +72,7 @@ class MarkovHead(nnx.Module):
         return None
 
     def embedding(self, index: jax.Array) -> jax.Array:
-        """``[...]`` int32 draft-vocabulary indices -> ``[..., r]`` rows of ``W1``."""
+        """``[...]`` int32 row indices (:meth:`DSparkDrafter.markov_index`) -> ``[..., r]`` rows of ``W1``."""
         return jnp.take(self.w1[...], index, axis=0)
 
     def step(self, state: jax.Array | None, x: jax.Array, h: jax.Array) -> tuple[jax.Array | None, jax.Array]:

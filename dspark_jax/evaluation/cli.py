@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise DSparkInputError(f"prompt set {args.prompts!r} is empty")
     dtype = jnp.dtype(args.dtype)
     target, tok = load_target(args.target, dtype=dtype)
-    drafter, meta = load_drafter(args.drafter, dtype=dtype)
+    drafter, meta = load_drafter(args.drafter, dtype=dtype, target=target)
     prepare_drafter(target, drafter)
     g_max = drafter.cfg.gamma
     if args.gamma is not None and not 1 <= args.gamma <= g_max:

@@ -21,6 +21,7 @@ without loading weights; :func:`resolve_target` loads them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from pathlib import Path
 
@@ -30,9 +31,13 @@ from dspark_jax.errors import DSparkInputError
 #   chat: prompts should be rendered with the tokenizer's chat template.
 #   stop_on_bos: generating BOS ends the sequence (llama2.c run.c behaviour).
 #   default_taps: target layers feeding the drafter (None = cfg.default_taps()).
+#   mask_token_id: the row a new drafter's mask slots read (TargetConfig.mask_token_id; absent:
+#     TargetConfig.default_mask_token_id's rule, 151669 for Qwen3 as in DeepSpec). stories260k:
+#     0 (<unk>; its tokenizer falls back to bytes, so the model never reads it); SmolLM2: 16
+#     (<empty_output>, a Jupyter-cell marker that chat prompts and the chat template never contain).
 PRESET_INFO: dict[str, dict] = {
-    "stories260k": {"chat": False, "stop_on_bos": True, "default_taps": None},
-    "smollm2-135m-instruct": {"chat": True, "stop_on_bos": False, "default_taps": None},
+    "stories260k": {"chat": False, "stop_on_bos": True, "default_taps": None, "mask_token_id": 0},
+    "smollm2-135m-instruct": {"chat": True, "stop_on_bos": False, "default_taps": None, "mask_token_id": 16},
     "qwen3-4b": {"chat": True, "stop_on_bos": False, "default_taps": None},
     "qwen3-8b": {"chat": True, "stop_on_bos": False, "default_taps": None},
 }
@@ -210,7 +215,14 @@ def resolve_target(spec: str):
     if canonical_preset(spec) is None:
         p = _existing_path(spec)
         return load_target_files(p)
-    return load_target_files(preset_path(spec))
+    cfg, params, tok = load_target_files(preset_path(spec))
+    return _with_preset_mask(cfg, spec), params, tok
+
+
+def _with_preset_mask(cfg, spec: str):
+    """``cfg`` with the preset's ``mask_token_id`` (``PRESET_INFO``), when it names one."""
+    mask = PRESET_INFO[canonical_preset(spec) or ""].get("mask_token_id")
+    return cfg if mask is None or cfg.mask_token_id is not None else dataclasses.replace(cfg, mask_token_id=mask)
 
 
 def builtin_target_config(name: str):
@@ -251,8 +263,8 @@ def target_config(spec: str):
         return hf_config(snap) if snap is not None else builtin_target_config(name)
     path = preset_path(spec)
     if path.is_dir():
-        return hf_config(path)
-    return gguf_config(path) if path.suffix == ".gguf" else llama2c_config(path)
+        return _with_preset_mask(hf_config(path), spec)
+    return _with_preset_mask(gguf_config(path) if path.suffix == ".gguf" else llama2c_config(path), spec)
 
 
 def preset_info(spec: str) -> dict:

@@ -65,7 +65,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dspark_jax.config import DrafterConfig, TargetConfig
+from dspark_jax.config import LEGACY_ARCH, DrafterConfig, TargetConfig
 from dspark_jax.drafters.checkpoint import check_stored_shapes
 from dspark_jax.drafters.decode_head import without_decode_state
 from dspark_jax.errors import DSparkInputError
@@ -102,7 +102,13 @@ class TrainConfig:
         0 = the full vocabulary.
       drafter_width: the drafter's residual width d (0 = the target's hidden size H; a
         tiny target trains a better drafter wider than itself). Heads keep the target's
-        count with ``head_dim = d / num_heads``; dspark/dflash only.
+        count with ``head_dim = d / num_heads``; dspark/dflash only. A width other than H
+        cannot be exported to DeepSpec's or speculators' format (:mod:`dspark_jax.drafters.formats`).
+      drafter_arch: ``interop`` (q/k-norm, mask slots from the target's embedding row of
+        :meth:`~dspark_jax.config.TargetConfig.default_mask_token_id`, confidence on
+        ``[h_k; W1[x_{k-1}]]``, ``W1`` over the target vocabulary: what DeepSpec's and
+        speculators' formats hold, :data:`~dspark_jax.config.INTEROP_ARCH`) or ``legacy``
+        (this project's first architecture, :data:`~dspark_jax.config.LEGACY_ARCH`); dspark/dflash only.
       prompts: ``tinystories`` or ``chat``; prompts_file: extra JSONL prompts;
       num_prompts: training prompts used; num_eval_prompts: held-out prompts;
       num_calib_prompts: prompts whose target continuations calibrate the confidence head,
@@ -164,6 +170,7 @@ class TrainConfig:
     taps: tuple[int, ...] = ()
     drafter_intermediate_size: int = 0
     drafter_width: int = 0
+    drafter_arch: str = "interop"
     prompts: str = "tinystories"
     prompts_file: str = ""
     num_prompts: int = 2048
@@ -215,6 +222,9 @@ class TrainConfig:
         return Path(self.export_dir) if self.export_dir else Path(self.workdir) / "export"
 
 
+DRAFTER_ARCHS = ("interop", "legacy")
+
+
 class TargetIdentity(Protocol):
     """What :func:`drafter_config` reads of a target: its config and its weights' fingerprint
     (a :class:`~dspark_jax.models.target.Target`, or a config alone for a dry run)."""
@@ -229,7 +239,7 @@ def drafter_config(cfg: TrainConfig, target: TargetIdentity) -> DrafterConfig:
     """The :class:`DrafterConfig` a run builds for ``target``.
 
     Raises:
-      DSparkInputError: ``drafter_width`` is not a multiple of the target's heads.
+      DSparkInputError: ``drafter_width`` is not a multiple of the target's heads, or an unknown ``drafter_arch``.
       ValueError: the drafter config does not fit the target (e.g. taps beyond its depth).
     """
     t = target.cfg
@@ -261,6 +271,10 @@ def drafter_config(cfg: TrainConfig, target: TargetIdentity) -> DrafterConfig:
         )
     if cfg.drafter_intermediate_size:
         over["intermediate_size"] = cfg.drafter_intermediate_size
+    if cfg.drafter_arch not in DRAFTER_ARCHS:
+        raise DSparkInputError(f"drafter_arch must be one of {', '.join(DRAFTER_ARCHS)}, got {cfg.drafter_arch!r}")
+    if cfg.drafter_arch == "legacy" and not eagle:
+        over.update(LEGACY_ARCH)
     return DrafterConfig.for_target(t, **over)
 
 

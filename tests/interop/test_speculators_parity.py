@@ -1,0 +1,269 @@
+"""Parity with the reference implementation (vllm-project/speculators 0.9.0) and DeepSpec's layout.
+
+A tiny random Qwen3 target (transformers, saved as safetensors) and tiny speculators
+``DSparkDraftModel`` drafters with random weights, saved by speculators' own ``save_pretrained``
+(:mod:`interop.speculators_ref`), are read by :func:`~dspark_jax.drafters.checkpoint.load_drafter`.
+From the same token ids, speculators' modules get transformers' ``hidden_states[aux_ids]`` and ours
+get our target's taps; per slot our block logits after the Markov bias, our confidences, labels and
+greedy drafts must equal speculators'. Exports reload in speculators with no missing or unexpected
+keys and reproduce the logits; import -> export -> import is bit-exact.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from dspark_jax.api import load_target
+from dspark_jax.drafters.checkpoint import load_drafter
+from dspark_jax.drafters.format_export import export_to_format
+from dspark_jax.errors import DSparkInputError
+
+ref = pytest.importorskip("interop.speculators_ref")
+pytest.importorskip("speculators")
+
+pytestmark = pytest.mark.exactness
+ATOL = 1e-4
+T = 24
+ANCHORS = [0, 3, 9, 14, 19]  # speculators anchors p <= T - 1 - block_size
+SEQ_SEED = 7
+# (head, draft vocabulary size, block size, markov rank, draft layers)
+CASES = {
+    "vanilla": ("vanilla", None, 4, 8, 1),
+    "gated": ("gated", None, 4, 8, 1),
+    "rnn": ("rnn", None, 4, 8, 2),
+    "draft_vocab": ("vanilla", 100, 4, 8, 1),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny Qwen3 target: its directory, the transformers model and our Target."""
+    root = tmp_path_factory.mktemp("specparity")
+    tdir, hf_model = ref.make_tiny_qwen3_target(root, seed=0)
+    target, tok = load_target(str(tdir))
+    ids = np.random.default_rng(SEQ_SEED).integers(0, target.cfg.vocab_size, size=T)
+    target.tokenizer_for_tests = tok
+    return root, tdir, hf_model, target, ids
+
+
+def _ours(target, drafter, ids, anchors):
+    """Our teacher-forced block outputs at ``anchors``: biased logits, confidence logits, labels,
+    greedy drafts (target ids)."""
+    cfg = drafter.cfg
+    tokens = jnp.asarray(ids, jnp.int32)[None]
+    out = target(tokens, jnp.arange(len(ids), dtype=jnp.int32)[None], taps=cfg.taps)
+    a = jnp.asarray(anchors, jnp.int32)[None]
+    block = drafter.train_blocks(target, out.features, tokens, a)
+    g = cfg.gamma
+    prev = jnp.asarray([[ids[p + k] for k in range(g)] for p in anchors], jnp.int32)[None]
+    bias, e = drafter.teacher_forced_heads(block.hidden, prev)
+    logits = np.asarray(block.logits + bias)[0]
+    z = np.asarray(drafter.confidence_logit(block.hidden, e))[0]
+    labels = np.asarray([[ids[p + k + 1] for k in range(g)] for p in anchors])
+    greedy = np.asarray(drafter.to_target_ids(jnp.argmax(jnp.asarray(logits), axis=-1)))
+    return logits, z, labels, greedy
+
+
+def _theirs(model, hf_model, drafter_cfg, ids, anchors):
+    aux = [t + 1 for t in drafter_cfg.taps]
+    feats = ref.target_features(hf_model, ids, aux)
+    return ref.speculators_block_outputs(model, feats["hidden_states"], ids, anchors)
+
+
+def _build(tiny, name):
+    root, tdir, _, _, _ = tiny
+    head, n, block, r, layers = CASES[name]
+    return ref.make_tiny_speculators_dspark(
+        tdir, root / name, seed=11, block_size=block, markov_rank=r, markov_head_type=head,
+        draft_vocab_size=n, num_layers=layers, name=name,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_block_logits_confidences_labels_drafts_match(tiny, name):
+    _, _, hf_model, target, ids = tiny
+    sdir, model = _build(tiny, name)
+    drafter, meta = load_drafter(sdir, target=target)
+    assert meta["extra"]["source_format"] == "speculators" and not meta["extra"]["notes"]
+    logits, z, labels, greedy = _ours(target, drafter, ids, ANCHORS)
+    theirs = _theirs(model, hf_model, drafter.cfg, ids, ANCHORS)
+    diff_logits = float(np.max(np.abs(logits - theirs["logits"])))
+    diff_conf = float(np.max(np.abs(z - theirs["confidence_logits"])))
+    print(f"{name}: max |logits diff| {diff_logits:.2e}, max |confidence-logit diff| {diff_conf:.2e}")
+    assert diff_logits <= ATOL and diff_conf <= ATOL
+    np.testing.assert_array_equal(labels, theirs["labels"])
+    np.testing.assert_array_equal(greedy, theirs["draft_ids"])
+    # The Markov bias matters in these weights (a parity test of the base logits alone would pass
+    # without the head).
+    assert np.any(np.argmax(theirs["base_logits"], -1) != np.argmax(theirs["logits"], -1))
+
+
+@pytest.mark.parametrize("name", ["rnn", "draft_vocab"])
+def test_export_reloads_in_speculators_and_round_trips(tiny, name, tmp_path):
+    _, _, hf_model, target, ids = tiny
+    sdir, _ = _build(tiny, name)
+    drafter, _ = load_drafter(sdir, target=target)
+    out, notes = export_to_format(drafter, target, "speculators", tmp_path / "exp", verifier=str(tiny[1]))
+    assert bool(notes) == (CASES[name][0] != "vanilla")
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["sample_from_anchor"] is True and "draft_vocab_size" in conf
+    # Same tensor names, shapes and values as speculators' own save.
+    mine, orig = load_file(str(out / "model.safetensors")), load_file(str(sdir / "model.safetensors"))
+    assert sorted(mine) == sorted(orig)
+    for k in orig:
+        np.testing.assert_array_equal(mine[k], orig[k], err_msg=k)
+    reloaded = ref.load_speculators_dspark(out)  # strict: raises on missing / unexpected keys
+    logits, z, _, _ = _ours(target, drafter, ids, ANCHORS)
+    theirs = _theirs(reloaded, hf_model, drafter.cfg, ids, ANCHORS)
+    assert np.max(np.abs(logits - theirs["logits"])) <= ATOL
+    assert np.max(np.abs(z - theirs["confidence_logits"])) <= ATOL
+    again, _ = load_drafter(out, target=target)
+    a, b = jax.tree.leaves(_params(drafter)), jax.tree.leaves(_params(again))
+    assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def _params(drafter):
+    from flax import nnx
+
+    return nnx.to_pure_dict(nnx.state(drafter, nnx.Param))
+
+
+def _deepspec_from_speculators(sdir, dst, tdir):
+    """A DeepSpec-format directory made from a speculators save with INTEROP.md 2.2's remap (flat
+    config, ``target_layer_ids = aux - 1``, embedding / LM-head copies added): not our exporter."""
+    c = json.loads((sdir / "config.json").read_text())
+    flat = dict(c["transformer_layer_config"])
+    tcfg = json.loads((tdir / "config.json").read_text())
+    flat.update(
+        architectures=["Qwen3DSparkModel"],
+        num_target_layers=tcfg["num_hidden_layers"],
+        block_size=c["block_size"],
+        target_layer_ids=[i - 1 for i in c["aux_hidden_state_layer_ids"]],
+        mask_token_id=c["mask_token_id"],
+        markov_rank=c["markov_rank"],
+        markov_head_type=c["markov_head_type"],
+        enable_confidence_head=c["enable_confidence_head"],
+        confidence_head_with_markov=c["confidence_head_with_markov"],
+        num_anchors=512,
+    )
+    dst.mkdir()
+    (dst / "config.json").write_text(json.dumps(flat))
+    t = load_file(str(sdir / "model.safetensors"))
+    hf = load_file(str(tdir / "model.safetensors"))
+    t["embed_tokens.weight"] = hf["model.embed_tokens.weight"]
+    t["lm_head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+    save_file(t, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_deepspec_layout_imports_to_the_same_drafter(tiny, tmp_path):
+    _, tdir, _, target, ids = tiny
+    sdir, _ = _build(tiny, "gated")
+    ddir = _deepspec_from_speculators(sdir, tmp_path / "deepspec", tdir)
+    a, _ = load_drafter(sdir, target=target)
+    b, meta = load_drafter(ddir, target=target)
+    assert meta["extra"]["source_format"] == "deepspec" and b.cfg == a.cfg
+    for x, y in zip(jax.tree.leaves(_params(a)), jax.tree.leaves(_params(b))):
+        np.testing.assert_array_equal(x, y)
+    # Our DeepSpec export of it writes the same tensors the remap made.
+    out, _ = export_to_format(b, target, "deepspec", tmp_path / "ours")
+    mine, theirs = load_file(str(out / "model.safetensors")), load_file(str(ddir / "model.safetensors"))
+    assert sorted(mine) == sorted(theirs)
+    for k in theirs:
+        np.testing.assert_array_equal(mine[k], theirs[k], err_msg=k)
+    # Embedding copies of another target are refused.
+    t = dict(theirs)
+    t["embed_tokens.weight"] = t["embed_tokens.weight"] + 1.0
+    save_file(t, str(ddir / "model.safetensors"))
+    with pytest.raises(DSparkInputError, match="embed_tokens copy differs"):
+        load_drafter(ddir, target=target)
+
+
+def test_unseen_speculators_checkpoint_decodes_losslessly_and_reexports(tiny, tmp_path):
+    """A shape and draft vocabulary no other test uses: 2 layers, block 6, rank 16, N = 37, rnn."""
+    from dspark_jax.api import generate_text
+
+    root, tdir, _, target, ids = tiny
+    sdir, _ = ref.make_tiny_speculators_dspark(
+        tdir, tmp_path / "unseen", seed=5, block_size=6, markov_rank=16, markov_head_type="rnn",
+        draft_vocab_size=37, num_layers=2, aux_hidden_state_layer_ids=[1, 3], name="unseen",
+    )  # fmt: skip
+    drafter, _ = load_drafter(sdir, target=target)
+    prompt = [int(i) for i in ids[:6]]
+    tok = target.tokenizer_for_tests
+    plain = generate_text(target, tok, prompt, max_new_tokens=20, temperature=0.0)
+    spec = generate_text(
+        target, tok, prompt, drafter=drafter, max_new_tokens=20, temperature=0.0, num_speculative_tokens=6
+    )
+    assert spec["token_ids"] == plain["token_ids"]
+    out, _ = export_to_format(drafter, target, "speculators", tmp_path / "re")
+    mine, orig = load_file(str(out / "model.safetensors")), load_file(str(sdir / "model.safetensors"))
+    assert sorted(mine) == sorted(orig)
+    for k in orig:
+        np.testing.assert_array_equal(mine[k], orig[k], err_msg=k)
+
+
+def _edited_copy(sdir, dst, **changes):
+    shutil.copytree(sdir, dst)
+    c = json.loads((dst / "config.json").read_text())
+    for k, v in changes.items():
+        if k.startswith("layer."):
+            c["transformer_layer_config"][k[6:]] = v
+        else:
+            c[k] = v
+    (dst / "config.json").write_text(json.dumps(c))
+    return dst
+
+
+def test_refusals_name_what_is_not_supported(tiny, tmp_path):
+    _, _, _, target, _ = tiny
+    sdir, _ = _build(tiny, "vanilla")
+    L = target.cfg.num_layers
+    cases = [
+        ({"aux_hidden_state_layer_ids": [0, 1, 2]}, "embedding output"),
+        ({"aux_hidden_state_layer_ids": [1, 2, L]}, "final-normed output"),
+        ({"layer.layer_types": ["sliding_attention"]}, "sliding-window"),
+        ({"layer.rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "RoPE scaling 'yarn'"),
+        ({"layer.model_type": "gemma3"}, "Gemma"),
+        ({"markov_head_type": "lstm"}, "Markov head type 'lstm'"),
+        ({"speculators_model_type": "eagle3"}, "not a DSpark/DFlash drafter"),
+    ]
+    for i, (changes, msg) in enumerate(cases):
+        with pytest.raises(DSparkInputError, match=msg):
+            load_drafter(_edited_copy(sdir, tmp_path / f"c{i}", **changes), target=target)
+    # A config written before speculators recorded the layout: the documented default, said aloud.
+    c = _edited_copy(sdir, tmp_path / "nolayout")
+    conf = json.loads((c / "config.json").read_text())
+    del conf["sample_from_anchor"]
+    (c / "config.json").write_text(json.dumps(conf))
+    with pytest.warns(UserWarning, match="assumed True"):
+        _, meta = load_drafter(c, target=target)
+    assert meta["extra"]["notes"]
+
+
+def test_hub_id_resolves_from_a_prefilled_cache(tiny, tmp_path, monkeypatch):
+    _, _, _, target, _ = tiny
+    sdir, _ = _build(tiny, "vanilla")
+    cache = tmp_path / "hub"
+    repo = cache / "models--someone--tiny-dspark"
+    snap = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(sdir, snap)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    drafter, meta = load_drafter("someone/tiny-dspark", target=target)
+    assert meta["extra"]["source_format"] == "speculators" and drafter.cfg.gamma == CASES["vanilla"][2]
+    with pytest.raises(DSparkInputError, match="could not be resolved"):
+        load_drafter("someone/not-cached", target=target)
