@@ -21,6 +21,7 @@ from dspark_jax.decoding.validation import check_sampling, resolve_num_speculati
 from dspark_jax.drafters.base import BlockDrafter, prepare_drafter
 from dspark_jax.drafters.checkpoint import load_drafter
 from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.drafters.formats import warn_if_misaligned
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.presets import preset_info, resolve_target
 from dspark_jax.models.target import Target
@@ -58,12 +59,18 @@ def load_target_and_drafter(target_spec: str, drafter_dir: str | None, dtype: An
     Raises:
       DSparkInputError: as :func:`load_target` / :func:`load_drafter`, or a drafter
         trained for another target (vocabulary, depth, taps or weights).
+    Warns:
+      UserWarning: a drafter imported from another format whose first draft token agrees with
+        the target on almost no position of plain text
+        (:func:`~dspark_jax.drafters.formats.warn_if_misaligned`).
     """
     target, tokenizer = load_target(target_spec, dtype=dtype, mesh=mesh)
     drafter = None
     if drafter_dir:
-        drafter, _ = load_drafter(drafter_dir, dtype=dtype, target=target)
+        drafter, meta = load_drafter(drafter_dir, dtype=dtype, target=target)
         prepare_drafter(target, drafter)
+        if str(meta.get("format", "")).startswith("external/"):  # another project's layout: check it
+            warn_if_misaligned(target, tokenizer, drafter, str(drafter_dir))
     return target, tokenizer, drafter
 
 

@@ -110,7 +110,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise DSparkInputError("--num-speculative-tokens needs --drafter")
 
 
-def _speculative(args: argparse.Namespace, target, ids: list[int], kw: dict, out: dict):
+def _speculative(args: argparse.Namespace, target, tok, ids: list[int], kw: dict, out: dict):
     """Loads the drafter and decodes speculatively (after a warm-up run with ``--compare-ar``)."""
     import jax.numpy as jnp
 
@@ -119,8 +119,12 @@ def _speculative(args: argparse.Namespace, target, ids: list[int], kw: dict, out
     from dspark_jax.drafters.base import BlockDrafter, prepare_drafter
     from dspark_jax.drafters.checkpoint import load_drafter
 
-    drafter, _ = load_drafter(args.drafter, dtype=jnp.dtype(args.dtype), target=target)
+    drafter, meta = load_drafter(args.drafter, dtype=jnp.dtype(args.dtype), target=target)
     prepare_drafter(target, drafter)
+    if str(meta.get("format", "")).startswith("external/"):
+        from dspark_jax.drafters.formats import warn_if_misaligned
+
+        warn_if_misaligned(target, tok, drafter, args.drafter)
     block_size = drafter.cfg.gamma
     default = "auto" if isinstance(drafter, BlockDrafter) else None  # "auto" reads block confidences
     n_spec = resolve_num_speculative_tokens(args.num_speculative_tokens, None, block_size, default=default)
@@ -178,7 +182,7 @@ def run(args: argparse.Namespace) -> dict:
     )
     out: dict = {"target": target.cfg.name, "prompt_tokens": len(ids)}
     if args.drafter:
-        res = _speculative(args, target, ids, kw, out)
+        res = _speculative(args, target, tok, ids, kw, out)
     else:
         res = generate_autoregressive(target, [ids], **kw)
         out.update(mode="autoregressive")

@@ -470,3 +470,56 @@ def check_reference_rows(ext_rows: dict[str, tuple[np.ndarray, np.ndarray]], emb
             raise DSparkInputError(
                 f"the drafter's stored {label} copy differs from this target's: it was made for another target"
             )
+
+
+# Texts for the first-position check: plain English any chat or story tokenizer encodes.
+CHECK_TEXTS = (
+    "Once upon a time, there was a little girl who lived in a village near the forest. She liked to play outside.",
+    "The capital of France is Paris. It is known for the Eiffel Tower, its museums and its food.",
+    "To sort a list in Python, call the sorted function: it returns a new list and leaves the old one unchanged.",
+)
+# Below this first-position greedy agreement a drafter is almost surely misaligned (the field's
+# layout mismatches give about 1%); a drafter merely trained for little reaches far more.
+MIN_FIRST_POSITION_AGREEMENT = 0.05
+
+
+def first_position_agreement(target: Any, drafter: Any, rows: list[list[int]]) -> float:
+    """Fraction of positions where the drafter's first draft token (greedy, Markov bias included)
+    equals the target's greedy next token, teacher-forced over ``rows`` (token ids; every position
+    but the last is an anchor). A layout mismatch (anchor-first read as 1 + N, taps shifted by one)
+    drops it to about 1% without any error.
+    """
+    import jax.numpy as jnp
+
+    hits = total = 0
+    for row in rows:
+        if len(row) < 2:
+            continue
+        tokens = jnp.asarray(row, jnp.int32)[None]
+        out = target(tokens, jnp.arange(len(row), dtype=jnp.int32)[None], taps=drafter.cfg.taps)
+        anchors = jnp.arange(len(row) - 1, dtype=jnp.int32)[None]
+        block = drafter.train_blocks(target, out.features, tokens, anchors)
+        bias, _ = drafter.teacher_forced_heads(block.hidden[:, :, :1], tokens[:, :-1, None])
+        first = drafter.to_target_ids(jnp.argmax(block.logits[:, :, 0] + jnp.asarray(bias)[:, :, 0], axis=-1))
+        hits += int(jnp.sum(first[0] == jnp.argmax(out.logits[0, :-1], axis=-1)))
+        total += len(row) - 1
+    return hits / max(total, 1)
+
+
+def warn_if_misaligned(target: Any, tokenizer: Any, drafter: Any, where: str) -> float | None:
+    """Runs :func:`first_position_agreement` on :data:`CHECK_TEXTS` and warns (``UserWarning``)
+    below :data:`MIN_FIRST_POSITION_AGREEMENT`; returns the agreement (None for a drafter without
+    blocks, e.g. eagle3)."""
+    import warnings
+
+    if not hasattr(drafter, "train_blocks"):
+        return None
+    rows = [list(tokenizer.encode(t))[:48] for t in CHECK_TEXTS]
+    agree = first_position_agreement(target, drafter, rows)
+    if agree < MIN_FIRST_POSITION_AGREEMENT:
+        warnings.warn(
+            f"{where}: the drafter's first draft token agrees with the target on only {agree:.1%} of "
+            "positions of plain text: it was probably made for another target or read in the wrong layout",
+            stacklevel=2,
+        )
+    return agree

@@ -200,6 +200,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     target, tok = load_target(args.target, dtype=dtype)
     drafter, meta = load_drafter(args.drafter, dtype=dtype, target=target)
     prepare_drafter(target, drafter)
+    if str(meta.get("format", "")).startswith("external/"):
+        from dspark_jax.drafters.formats import warn_if_misaligned
+
+        warn_if_misaligned(target, tok, drafter, args.drafter)
     g_max = drafter.cfg.gamma
     if args.gamma is not None and not 1 <= args.gamma <= g_max:
         raise DSparkInputError(f"--gamma must be in [1, {g_max}] for this drafter, got {args.gamma}")

@@ -267,3 +267,71 @@ def test_hub_id_resolves_from_a_prefilled_cache(tiny, tmp_path, monkeypatch):
     assert meta["extra"]["source_format"] == "speculators" and drafter.cfg.gamma == CASES["vanilla"][2]
     with pytest.raises(DSparkInputError, match="could not be resolved"):
         load_drafter("someone/not-cached", target=target)
+
+
+@pytest.mark.parametrize("anchor_first", [True, False])
+def test_dflash_layouts_match(tiny, tmp_path, anchor_first):
+    """DFlash checkpoints: anchor-first (DeepSpec's DFlash: ``markov_rank=0``, no confidence head;
+    here as speculators writes it and as DeepSpec's flat layout) imports as a ``dspark`` drafter of
+    confidence 1; the 1 + N layout (z-lab's, speculators' ``sample_from_anchor=false``) as ``dflash``."""
+    _, tdir, hf_model, target, ids = tiny
+    sdir, model = ref.make_tiny_speculators_dspark(
+        tdir, tmp_path / "dflash", seed=3, block_size=5, markov_rank=0, enable_confidence_head=False,
+        sample_from_anchor=anchor_first, name="dflash",
+    )  # fmt: skip
+    drafter, _ = load_drafter(sdir, target=target)
+    assert drafter.cfg.variant == ("dspark" if anchor_first else "dflash") and not drafter.cfg.markov
+    cfg = drafter.cfg
+    tokens = jnp.asarray(ids, jnp.int32)[None]
+    out = target(tokens, jnp.arange(len(ids), dtype=jnp.int32)[None], taps=cfg.taps)
+    anchors = ANCHORS[:-1] + [17]  # p <= T - 1 - block_size
+    block = drafter.train_blocks(target, out.features, tokens, jnp.asarray(anchors, jnp.int32)[None])
+    theirs = _theirs(model, hf_model, cfg, ids, anchors)
+    slots = slice(0, 5) if anchor_first else slice(1, 5)  # 1 + N: slot 0 is the anchor (loss-masked)
+    assert np.max(np.abs(np.asarray(block.logits)[0] - theirs["logits"][:, slots])) <= ATOL
+    np.testing.assert_array_equal(theirs["loss_mask"][:, 0], 1 if anchor_first else 0)
+    if anchor_first:
+        assert np.all(np.isinf(np.asarray(drafter.confidence_logit(block.hidden, None))))
+        c = json.loads((sdir / "config.json").read_text())
+        ddir = tmp_path / "deepspec-dflash"
+        ddir.mkdir()
+        flat = dict(c["transformer_layer_config"])
+        flat.update(
+            architectures=["Qwen3DSparkModel"], block_size=5, markov_rank=0, enable_confidence_head=False,
+            target_layer_ids=[i - 1 for i in c["aux_hidden_state_layer_ids"]], mask_token_id=c["mask_token_id"],
+            num_target_layers=target.cfg.num_layers,
+        )  # fmt: skip
+        (ddir / "config.json").write_text(json.dumps(flat))
+        shutil.copy(sdir / "model.safetensors", ddir / "model.safetensors")
+        other, _ = load_drafter(ddir)
+        out, _ = export_to_format(other, target, "deepspec", tmp_path / "re")
+        conf = json.loads((out / "config.json").read_text())
+        assert conf["markov_rank"] == 0 and conf["enable_confidence_head"] is False
+    else:
+        c = json.loads((sdir / "config.json").read_text())
+        zdir = tmp_path / "zlab"
+        zdir.mkdir()
+        flat = dict(c["transformer_layer_config"])
+        flat.update(
+            architectures=["DFlashDraftModel"], block_size=5, num_target_layers=target.cfg.num_layers,
+            dflash_config={"target_layer_ids": [i - 1 for i in c["aux_hidden_state_layer_ids"]],
+                           "mask_token_id": c["mask_token_id"]},
+        )  # fmt: skip
+        (zdir / "config.json").write_text(json.dumps(flat))
+        shutil.copy(sdir / "model.safetensors", zdir / "model.safetensors")
+        other, meta = load_drafter(zdir, target=target)
+        assert meta["extra"]["source_format"] == "zlab-dflash"
+    for x, y in zip(jax.tree.leaves(_params(drafter)), jax.tree.leaves(_params(other))):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_misaligned_drafter_warns(tiny, tmp_path):
+    """A random-weight drafter agrees with the target on ~1/V of the positions: the loaders that
+    know the target warn (the field's layout mismatches fail the same way, silently)."""
+    from dspark_jax.api import load_target_and_drafter
+
+    _, tdir, _, target, _ = tiny
+    sdir, _ = _build(tiny, "vanilla")
+    with pytest.warns(UserWarning, match="agrees with the target on only"):
+        _, _, drafter = load_target_and_drafter(str(tdir), str(sdir))
+    assert drafter is not None and drafter.cfg.target_fingerprint == target.fingerprint
