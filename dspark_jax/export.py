@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype", default=None, choices=["float32", "bfloat16"], help="tensor dtype (default: the drafter's)"
     )
-    p.add_argument("--verifier", default=None, help="speculators' verifier name_or_path (default: the target's name)")
+    p.add_argument("--verifier", default=None, help="speculators' verifier name_or_path (default: --target as given)")
     return p
 
 
@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> str:
     target, _ = load_target(args.target)
     drafter, _ = load_drafter(args.drafter, target=target)
     dtype = jnp.dtype(args.dtype) if args.dtype else None
-    out, notes = export_to_format(drafter, target, args.format, args.out, dtype=dtype, verifier=args.verifier)
+    verifier = args.verifier or args.target  # what vLLM / speculators load as the verifier
+    out, notes = export_to_format(drafter, target, args.format, args.out, dtype=dtype, verifier=verifier)
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
     print(f"wrote {args.format} checkpoint to {out}")

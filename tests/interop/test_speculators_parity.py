@@ -335,3 +335,47 @@ def test_misaligned_drafter_warns(tiny, tmp_path):
     with pytest.warns(UserWarning, match="agrees with the target on only"):
         _, _, drafter = load_target_and_drafter(str(tdir), str(sdir))
     assert drafter is not None and drafter.cfg.target_fingerprint == target.fingerprint
+
+
+def test_export_cli_of_a_drafter_built_here(tiny, tmp_path, capsys):
+    """A drafter of this project's default architecture (random weights, a draft vocabulary) goes
+    through ``python -m dspark_jax.export``, reloads in speculators strictly and gives our logits;
+    a first-architecture drafter is refused with one line naming every reason."""
+    from flax import nnx
+
+    from dspark_jax import export as export_cli
+    from dspark_jax.config import LEGACY_ARCH, DrafterConfig
+    from dspark_jax.drafters.build import build_drafter
+    from dspark_jax.drafters.checkpoint import export_drafter
+
+    _, tdir, hf_model, target, ids = tiny
+    cfg = DrafterConfig.for_target(
+        target.cfg, gamma=4, num_layers=1, markov_rank=8, markov_head="gated", taps=(0, 1),
+        draft_vocab_size=50, target_fingerprint=target.fingerprint,
+    )  # fmt: skip
+    assert cfg.qk_norm and cfg.mask_token_id == target.cfg.vocab_size - 1 and cfg.confidence_input == "raw"
+    d = build_drafter(cfg, nnx.Rngs(4))
+    d.set_draft_vocab(range(3, 253, 5))
+    state = nnx.state(d, nnx.Param)  # non-zero W2 / wo / w_down / confidence, so parity means something
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(9), len(leaves))
+    leaves = [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    nnx.update(d, jax.tree.unflatten(treedef, leaves))
+    export_drafter(d, tmp_path / "ours")
+    argv = [str(tmp_path / "ours"), "--target", str(tdir), "--format", "speculators", "--out", str(tmp_path / "spec")]
+    assert export_cli.main(argv) == 0
+    reloaded = ref.load_speculators_dspark(tmp_path / "spec")
+    logits, z, _, greedy = _ours(target, d, ids, ANCHORS)
+    theirs = _theirs(reloaded, hf_model, cfg, ids, ANCHORS)
+    assert np.max(np.abs(logits - theirs["logits"])) <= ATOL
+    assert np.max(np.abs(z - theirs["confidence_logits"])) <= ATOL
+    np.testing.assert_array_equal(greedy, theirs["draft_ids"])
+    # DeepSpec has no draft vocabulary; the first architecture is refused with its reasons.
+    assert export_cli.main([*argv[:4], "deepspec", "--out", str(tmp_path / "ds")]) == 2
+    assert "no draft vocabulary" in capsys.readouterr().err
+    legacy = build_drafter(DrafterConfig.for_target(target.cfg, gamma=4, num_layers=1, markov_rank=8,
+                                                    taps=(0, 1), **LEGACY_ARCH), nnx.Rngs(0))  # fmt: skip
+    export_drafter(legacy, tmp_path / "legacy")
+    assert export_cli.main([str(tmp_path / "legacy"), *argv[1:4], "speculators", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "q/k-norm" in err[0] and "learned vector" in err[0]
