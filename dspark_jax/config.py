@@ -18,6 +18,8 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+from dspark_jax.errors import DSparkInputError
+
 # DeepSpec's mask token for Qwen3 drafters (and the size of the Qwen2/3 embedding table it lies in).
 QWEN_MASK_TOKEN_ID, QWEN_VOCAB_ROWS = 151669, 151936
 
@@ -204,6 +206,7 @@ LEGACY_ARCH: dict[str, Any] = {
     "confidence_input": "head",
     "markov_w1_rows": "draft",
 }
+DRAFTER_ARCHS = ("interop", "legacy")
 MARKOV_HEADS = ("vanilla", "gated", "rnn", "gated_v0", "rnn_v0")
 # Exports of format 1 wrote "gated"/"rnn" for the first head variants; they load under these names.
 LEGACY_MARKOV_HEADS = {"gated": "gated_v0", "rnn": "rnn_v0"}
@@ -369,11 +372,21 @@ class DrafterConfig:
         return self.draft_vocab_size + 1
 
     @classmethod
-    def for_target(cls, target: TargetConfig, **overrides: Any) -> DrafterConfig:
-        """Drafter sized for ``target``: width H, heads and FFN like the target's, in the
-        checkpoint formats' architecture (:data:`INTEROP_ARCH`; mask row
-        :meth:`TargetConfig.default_mask_token_id`) unless ``overrides`` say otherwise (eagle3
-        drafters keep the field defaults)."""
+    def for_target(cls, target: TargetConfig, arch: str = "interop", **overrides: Any) -> DrafterConfig:
+        """Drafter sized for ``target``: width H, heads and FFN like the target's.
+
+        Args:
+          target: the target's config.
+          arch: ``"interop"``, the checkpoint formats' architecture (:data:`INTEROP_ARCH`, mask
+            row :meth:`TargetConfig.default_mask_token_id`), or ``"legacy"``, this project's first
+            (:data:`LEGACY_ARCH`); eagle3 drafters keep the field defaults either way.
+          overrides: any field.
+        Raises:
+          DSparkInputError: an unknown ``arch``.
+          ValueError: an invalid field (:class:`DrafterConfig`).
+        """
+        if arch not in DRAFTER_ARCHS:
+            raise DSparkInputError(f"drafter_arch must be one of {', '.join(DRAFTER_ARCHS)}, got {arch!r}")
         base: dict[str, Any] = dict(
             vocab_size=target.vocab_size,
             hidden_size=target.hidden_size,
@@ -388,7 +401,8 @@ class DrafterConfig:
             target_name=target.name,
         )
         if overrides.get("variant", "dspark") != "eagle3":
-            base.update(INTEROP_ARCH, mask_token_id=target.default_mask_token_id())
+            arch_fields = LEGACY_ARCH if arch == "legacy" else INTEROP_ARCH
+            base.update({"mask_token_id": target.default_mask_token_id(), **arch_fields})
         base.update(overrides)
         return cls(**base)
 

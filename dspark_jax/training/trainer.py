@@ -20,12 +20,10 @@ DESIGN.md "Scale: a device mesh") the frozen target and the drafter are also sha
 over ``model`` (heads, MLP, vocabulary; replicated where ``M`` does not divide them),
 the optimizer state like its parameters, and ``fsdp`` shards parameters' ``embed``
 dimension; the jitted step has explicit in/out shardings, XLA inserts the collectives.
-The loss is one weighted mean over the *global* batch
-(sums over every device's rows divided by the global weight; XLA inserts the
-all-reduces), so an N-device step equals a one-device step on the same global
-batch. Multi-host: :func:`maybe_initialize_distributed`; each process feeds only
-the rows of the global batch that live on its own devices
-(``jax.make_array_from_process_local_data``).
+The loss is one weighted mean over the *global* batch (sums over every device's rows divided
+by the global weight), so an N-device step equals a one-device step on the same global batch.
+Multi-host: :func:`maybe_initialize_distributed`; each process feeds only the rows of the global
+batch that live on its own devices (``jax.make_array_from_process_local_data``).
 
 Gradient accumulation (``grad_accum_steps``): the global batch is split into
 micro-batches processed by ``lax.scan`` inside the same jitted step. Anchors are
@@ -65,7 +63,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dspark_jax.config import LEGACY_ARCH, DrafterConfig, TargetConfig
+from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafters.checkpoint import check_stored_shapes
 from dspark_jax.drafters.decode_head import without_decode_state
 from dspark_jax.errors import DSparkInputError
@@ -102,13 +100,9 @@ class TrainConfig:
         0 = the full vocabulary.
       drafter_width: the drafter's residual width d (0 = the target's hidden size H; a
         tiny target trains a better drafter wider than itself). Heads keep the target's
-        count with ``head_dim = d / num_heads``; dspark/dflash only. A width other than H
-        cannot be exported to DeepSpec's or speculators' format (:mod:`dspark_jax.drafters.formats`).
-      drafter_arch: ``interop`` (q/k-norm, mask slots from the target's embedding row of
-        :meth:`~dspark_jax.config.TargetConfig.default_mask_token_id`, confidence on
-        ``[h_k; W1[x_{k-1}]]``, ``W1`` over the target vocabulary: what DeepSpec's and
-        speculators' formats hold, :data:`~dspark_jax.config.INTEROP_ARCH`) or ``legacy``
-        (this project's first architecture, :data:`~dspark_jax.config.LEGACY_ARCH`); dspark/dflash only.
+        count with ``head_dim = d / num_heads``; dspark/dflash only (d != H has no external format).
+      drafter_arch: ``interop`` (the checkpoint formats' architecture) or ``legacy`` (this
+        project's first): :meth:`~dspark_jax.config.DrafterConfig.for_target`'s ``arch``.
       prompts: ``tinystories`` or ``chat``; prompts_file: extra JSONL prompts;
       num_prompts: training prompts used; num_eval_prompts: held-out prompts;
       num_calib_prompts: prompts whose target continuations calibrate the confidence head,
@@ -222,9 +216,6 @@ class TrainConfig:
         return Path(self.export_dir) if self.export_dir else Path(self.workdir) / "export"
 
 
-DRAFTER_ARCHS = ("interop", "legacy")
-
-
 class TargetIdentity(Protocol):
     """What :func:`drafter_config` reads of a target: its config and its weights' fingerprint
     (a :class:`~dspark_jax.models.target.Target`, or a config alone for a dry run)."""
@@ -239,7 +230,7 @@ def drafter_config(cfg: TrainConfig, target: TargetIdentity) -> DrafterConfig:
     """The :class:`DrafterConfig` a run builds for ``target``.
 
     Raises:
-      DSparkInputError: ``drafter_width`` is not a multiple of the target's heads, or an unknown ``drafter_arch``.
+      DSparkInputError: ``drafter_width`` is not a multiple of the target's heads; an unknown ``drafter_arch``.
       ValueError: the drafter config does not fit the target (e.g. taps beyond its depth).
     """
     t = target.cfg
@@ -271,11 +262,7 @@ def drafter_config(cfg: TrainConfig, target: TargetIdentity) -> DrafterConfig:
         )
     if cfg.drafter_intermediate_size:
         over["intermediate_size"] = cfg.drafter_intermediate_size
-    if cfg.drafter_arch not in DRAFTER_ARCHS:
-        raise DSparkInputError(f"drafter_arch must be one of {', '.join(DRAFTER_ARCHS)}, got {cfg.drafter_arch!r}")
-    if cfg.drafter_arch == "legacy" and not eagle:
-        over.update(LEGACY_ARCH)
-    return DrafterConfig.for_target(t, **over)
+    return DrafterConfig.for_target(t, arch=cfg.drafter_arch, **over)
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:

@@ -470,7 +470,8 @@ def test_draft_vocabulary_and_width_greedy(peaked, ar_peaked):
     }
     ids = draft_vocabulary(data, 6, V)
     d = random_drafter(peaked, seed=9, draft_vocab=ids, width=48, markov_rank=7)
-    assert d.markov_w2.shape == (7, 6) and d.markov_w1.shape == (7, 7) and d.proj_out.shape == (48, 32)
+    # W1 has a row per target token (markov_w1_rows="target"), W2 a column per draft token.
+    assert d.markov_w2.shape == (7, 6) and d.markov_w1.shape == (V, 7) and d.proj_out.shape == (48, 32)
     big = bigram_table(peaked)
     d.markov_w1[...] = jnp.eye(7, dtype=jnp.float32)
     d.markov_w2[...] = jnp.asarray(np.concatenate([big[ids][:, ids], big[:, ids].mean(0, keepdims=True)]))
