@@ -110,6 +110,30 @@ def test_reexport_writes_the_current_format(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_new_drafters_get_the_formats_architecture_and_legacy_stays_loadable(tiny_target):
+    """for_target builds the checkpoint formats' architecture (q/k-norm weights, no learned mask
+    vector, mask slots = the target's embedding row, W1 over the target vocabulary); ``arch="legacy"``
+    the first one, which the committed format-2 export holds."""
+    from dspark_jax.config import LEGACY_ARCH
+    from dspark_jax.errors import DSparkInputError
+
+    new = DrafterConfig.for_target(TINY_TARGET, gamma=3, num_layers=1, markov_rank=4, draft_vocab_size=6)
+    assert new.qk_norm and new.mask_token_id == TINY_TARGET.vocab_size - 1
+    assert new.markov_w1_size == TINY_TARGET.vocab_size
+    d = build_drafter(new, nnx.Rngs(0))
+    tree = nnx.to_pure_dict(nnx.state(d, nnx.Param))
+    assert "mask_embed" not in tree and tree["layers"]["q_norm"].shape == (1, TINY_TARGET.head_dim)
+    x = d.block_inputs(tiny_target, jnp.asarray([5, 7]))
+    mask_row = tiny_target.embed_tokens(jnp.asarray(TINY_TARGET.vocab_size - 1))
+    np.testing.assert_array_equal(x[:, 1:], jnp.broadcast_to(mask_row, (2, 2, mask_row.shape[-1])))
+    old = DrafterConfig.for_target(TINY_TARGET, arch="legacy", gamma=3, num_layers=1, markov_rank=4)
+    assert {k: getattr(old, k) for k in LEGACY_ARCH} == LEGACY_ARCH
+    loaded, _ = load_drafter(TINY_EXPORT)
+    assert {k: getattr(loaded.cfg, k) for k in LEGACY_ARCH} == LEGACY_ARCH
+    with pytest.raises(DSparkInputError, match="drafter_arch"):
+        DrafterConfig.for_target(TINY_TARGET, arch="v2")
+
+
 def _config(variant: str) -> DrafterConfig:
     over = dict(variant=variant, gamma=3, num_layers=1)
     if variant == "eagle3":
