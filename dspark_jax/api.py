@@ -111,8 +111,11 @@ def generate_text(
 
     Args:
       prompt: text (tokenized, with the chat template when ``chat``) or token ids.
-      temperature: finite, >= 0 (0 = greedy). top_k: integer >= 0 (0 = off).
-      top_p: in (0, 1] (1 = off). seed: PRNG seed of the request.
+      temperature: finite, in ``[0, 3.4e38]`` (float32's range; 0 = greedy, and so is one so
+        small that the scaled logits overflow float32, e.g. ``2e-38``: its T -> 0 limit).
+        top_k: integer in ``[0, 2**31 - 1]`` (0 = off). top_p: in (0, 1] (1 = off).
+      max_new_tokens: in ``[1, 2**31 - 1]`` (generation also ends at the context's end).
+      seed: PRNG seed of the request, an int64.
       num_speculative_tokens: draft tokens verified per round (1..the drafter's block size) or
         ``"auto"``, the default for block drafters (:mod:`dspark_jax.decoding.auto_verify`; the first call
         measures this machine's cost table). At T > 0 the sampled tokens then depend on the
@@ -124,8 +127,8 @@ def generate_text(
       ran), ``acceptance_rate``, ``num_target_passes``, ``tokens_per_s`` (compilation
       excluded) and ``position_acceptance``.
     Raises:
-      DSparkInputError: empty prompt, NaN/inf or out-of-range sampling settings (one
-        line naming the setting), a drafter for another target.
+      DSparkInputError: empty prompt, NaN/inf or out-of-range sampling settings,
+        max_new_tokens or seed (one line naming the setting), a drafter for another target.
     """
     check_sampling(temperature, top_k, top_p)
     ids = list(prompt) if not isinstance(prompt, str) else encode_prompt(tokenizer, prompt, chat)

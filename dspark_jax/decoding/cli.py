@@ -12,7 +12,9 @@ in half a character (a multi-byte character the last token did not complete is d
 the prefill token excluded; 1.0 for autoregressive decoding; null when no pass ran). Exit
 status 2 with a one-line ``error:`` message on bad input (missing model files,
 a drafter exported for another target, an empty or too-long prompt, a NaN/inf sampling
-setting, ...).
+setting, a number beyond what the device holds such as ``--top-k 2147483648``, ...). A
+temperature so small that the scaled logits overflow float32 (``--temperature 2e-38``) decodes
+greedily, its T -> 0 limit.
 """
 
 from __future__ import annotations
@@ -89,15 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(args: argparse.Namespace) -> None:
     """Flag checks that need no model (one ``error:`` line each); resolves ``--gamma``."""
-    from dspark_jax.decoding.validation import check_sampling
+    from dspark_jax.decoding.validation import check_max_new_tokens, check_sampling, check_seeds
     from dspark_jax.drafters.checkpoint import read_export_meta
     from dspark_jax.errors import DSparkInputError
 
-    if args.max_new_tokens < 1:
-        raise DSparkInputError("--max-new-tokens must be >= 1")
+    check_max_new_tokens(args.max_new_tokens, 1, "--max-new-tokens")
     try:
         check_sampling(args.temperature, args.top_k, args.top_p)
-    except DSparkInputError as e:
+        check_seeds(args.seed, 1)
+    except DSparkInputError as e:  # "top_k must ..." -> "--top-k must ..."
         raise DSparkInputError(f"--{str(e).replace('_', '-', 1)}") from None
     if args.drafter:
         read_export_meta(args.drafter)  # fail fast, before loading the target

@@ -59,6 +59,7 @@ from dspark_jax.decoding.validation import (
     check_max_new_tokens,
     check_prompts,
     check_sampling,
+    check_seeds,
     resolve_num_speculative_tokens,
 )
 from dspark_jax.drafters.base import BlockDrafter, Drafter, prepare_drafter
@@ -348,7 +349,8 @@ def _batch(target: Target, prompts, max_new_tokens, block_size: int, cache_len, 
     limit = np.minimum(lens.astype(np.int64) + max_new, cfg.max_position).astype(np.int32)
     stop = jnp.asarray(list(stop_ids if stop_ids is not None else cfg.eos_ids) or [-2], jnp.int32)
     sampling = sampling_arrays(b, *sampling_kw)
-    return _Batch(prompt, lens, limit, cache_len, stop, sampling, _keys(seed, b), int(np.max(limit - lens)))
+    keys = _keys(check_seeds(seed, b), b)
+    return _Batch(prompt, lens, limit, cache_len, stop, sampling, keys, int(np.max(limit - lens)))
 
 
 def default_cache_len(target: Target, prompts: Sequence[Sequence[int]], max_new_tokens, block_size: int = 0) -> int:
@@ -411,7 +413,7 @@ def generate_autoregressive(
       max_new_tokens: per-request (or shared) cap on generated tokens.
       temperature / top_k / top_p: sampling settings (scalars or per request);
         temperature 0 is greedy.
-      seed: per-request (or shared) PRNG seed.
+      seed: per-request (or shared) PRNG seed, an integer in the int64 range.
       stop_ids: token ids that end a request (default: the target's EOS ids).
       cache_len: KV-cache length in tokens (default: just enough, rounded up).
 
@@ -420,7 +422,8 @@ def generate_autoregressive(
 
     Raises:
       DSparkInputError: empty prompt, unknown token id, prompt too long, NaN/inf or
-        out-of-range sampling settings (:func:`~dspark_jax.decoding.validation.check_sampling`).
+        out-of-range sampling settings (:func:`~dspark_jax.decoding.validation.check_sampling`),
+        a max_new_tokens outside ``[1, INT32_MAX]``, a seed that is not an int64.
       FloatingPointError: the target produced NaN/inf logits.
     """
     check_sampling(temperature, top_k, top_p)

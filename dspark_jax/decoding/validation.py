@@ -5,8 +5,11 @@ Used by :mod:`dspark_jax.decoding.speculative`, :mod:`dspark_jax.decoding.cli` a
 (NaN/inf included), prompts and their token ids, context limits, the number of speculative
 tokens and per-request serving extras (seed, stop ids, logit bias, logprobs, min_tokens).
 Every check raises :class:`~dspark_jax.errors.DSparkInputError` with one line naming the
-setting, before any model is touched. The drafter/target pairing is checked by
-:func:`dspark_jax.drafters.base.check_compatible` (it reads the drafter's config).
+setting, before any model is touched. Values the device arrays cannot hold are refused rather
+than wrapped or saturated: integers (``top_k``, token ids, ``max_new_tokens``, seeds of the
+serving engine) beyond int32, a temperature beyond float32's largest finite value. The
+drafter/target pairing is checked by :func:`dspark_jax.drafters.base.check_compatible` (it
+reads the drafter's config).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 from dspark_jax.errors import DSparkInputError
 
 __all__ = [
+    "FLOAT32_MAX",
     "INT32_MAX",
     "INT32_MIN",
     "check_logit_bias",
@@ -32,36 +36,65 @@ __all__ = [
     "check_prompts",
     "check_sampling",
     "check_seed",
+    "check_seeds",
     "check_stop_token_ids",
     "resolve_num_speculative_tokens",
 ]
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # the largest temperature the samplers can hold
 
 
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def _as_float(x: float) -> float:
+    """``float(x)``, with +-inf for an int too large for a float (``10**400``)."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
 def _numbers(value) -> np.ndarray | None:
     """``value`` (a number or an array of them) as flat float64, or None when it is not
-    numeric (a string, None, an object)."""
+    numeric (a string, None, an object). Python ints too large for int64 (``2**70``, an object
+    array to numpy) are numbers too, so that range checks can name them."""
     try:
         arr = np.asarray(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
+    if arr.dtype.kind == "O":
+        if not all(isinstance(x, numbers.Real) for x in arr.flat):
+            return None
+        return np.array([_as_float(x) for x in arr.flat], np.float64)
     if arr.dtype.kind not in "biuf":
         return None
     return arr.astype(np.float64).reshape(-1)
 
 
+def _shown(x: float) -> str:
+    """A refused value for a message: ``2147483648`` rather than ``2147483648.0``."""
+    return str(int(x)) if math.isfinite(x) and x.is_integer() else str(x)
+
+
 def check_sampling(temperature=0.0, top_k=0, top_p=1.0) -> None:
     """Refuses sampling settings the samplers cannot honour (scalars or per-request sequences).
 
+    A temperature so small that the temperature-scaled logits overflow float32 (``2e-38``; a
+    subnormal one) is valid: it samples the T -> 0 limit, the greedy token, as
+    :func:`~dspark_jax.models.sampling.process_logits` documents. A ``top_k`` at least the
+    vocabulary size is off, as 0 is.
+
     Raises:
-      DSparkInputError: a NaN/inf or negative temperature, a top_p outside (0, 1] (NaN
-        included), or a top_k that is not an integer >= 0. One line naming the setting.
+      DSparkInputError: a NaN/inf or negative temperature, or one above float32's largest
+        finite value (:data:`FLOAT32_MAX`, about 3.4e38: float32 would hold it as inf); a
+        top_p outside (0, 1] (NaN included); a top_k that is not an integer in
+        ``[0, INT32_MAX]`` (the samplers hold it as int32). One line naming the setting.
     """
+    arrays = {}
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
         arr = _numbers(value)
         if arr is None:
@@ -69,17 +102,19 @@ def check_sampling(temperature=0.0, top_k=0, top_p=1.0) -> None:
         bad = arr[~np.isfinite(arr)]
         if bad.size:
             raise DSparkInputError(f"{name} must be a finite number, got {float(bad[0])}")
-    t = np.asarray(temperature, np.float64).reshape(-1)
+        arrays[name] = arr
+    t, p, k = arrays["temperature"], arrays["top_p"], arrays["top_k"]
     if np.any(t < 0):
         raise DSparkInputError(f"temperature must be >= 0 (0 is greedy), got {float(t[t < 0][0])}")
-    p = np.asarray(top_p, np.float64).reshape(-1)
+    if np.any(t > FLOAT32_MAX):
+        raise DSparkInputError(
+            f"temperature must be at most {FLOAT32_MAX:.7g} (float32's largest), got {float(t[t > FLOAT32_MAX][0])}"
+        )
     if np.any((p <= 0) | (p > 1)):
         raise DSparkInputError(f"top_p must be in (0, 1], got {float(p[(p <= 0) | (p > 1)][0])}")
-    k = np.asarray(top_k, np.float64).reshape(-1)
-    if np.any((k < 0) | (k != np.round(k))):
-        raise DSparkInputError(
-            f"top_k must be an integer >= 0 (0 is off), got {float(k[(k < 0) | (k != np.round(k))][0])}"
-        )
+    bad_k = (k < 0) | (k != np.round(k)) | (k > INT32_MAX)
+    if np.any(bad_k):
+        raise DSparkInputError(f"top_k must be an integer in [0, {INT32_MAX}] (0 is off), got {_shown(k[bad_k][0])}")
 
 
 def check_max_new_tokens(
@@ -93,13 +128,19 @@ def check_max_new_tokens(
         integral floats (``3.0``) pass. The serving engine's ``max_tokens`` has always been
         checked so.
     Raises:
-      DSparkInputError: a value < 1 (or, with ``strict_int``, not an integer).
+      DSparkInputError: a value < 1 or > ``INT32_MAX`` (a cap no context reaches; the device
+        holds positions as int32), or, with ``strict_int``, not an integer.
     """
-    if strict_int:
-        as_float = _numbers(max_new_tokens)
-        if as_float is None or not np.all(np.isfinite(as_float) & (as_float == np.round(as_float))):
-            raise DSparkInputError(f"{name} must be an integer >= 1, got {max_new_tokens!r}")
-    max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (num_requests,))
+    as_float = _numbers(max_new_tokens)
+    if strict_int and (as_float is None or not np.all(np.isfinite(as_float) & (as_float == np.round(as_float)))):
+        raise DSparkInputError(f"{name} must be an integer >= 1, got {max_new_tokens!r}")
+    if as_float is not None and np.any(as_float > INT32_MAX):
+        raise DSparkInputError(f"{name} must be at most {INT32_MAX}, got {_shown(as_float[as_float > INT32_MAX][0])}")
+    try:
+        arr = np.asarray(max_new_tokens, np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise DSparkInputError(f"{name} must be an integer >= 1, got {max_new_tokens!r}") from None
+    max_new = np.broadcast_to(arr, (num_requests,))
     if np.any(max_new < 1):
         raise DSparkInputError(f"{name} must be >= 1")
     return max_new
@@ -122,6 +163,11 @@ def check_prompt(
         raise DSparkInputError(f"{name} is empty: give at least one token")
     try:
         arr = np.asarray(ids, np.int64)
+    except OverflowError:  # a Python int beyond int64: outside any vocabulary
+        bad_id = next((t for t in ids if _is_int(t) and not INT64_MIN <= t <= INT64_MAX), None)
+        if bad_id is None:
+            raise DSparkInputError(f"{name}: token ids must be a flat list of integers") from None
+        raise DSparkInputError(f"{name} has token id {bad_id} outside the vocabulary [0, {vocab_size})") from None
     except (TypeError, ValueError):
         raise DSparkInputError(f"{name}: token ids must be integers") from None
     if arr.ndim != 1:
@@ -169,6 +215,30 @@ def check_seed(seed, *, integral_floats: bool = False) -> int:
     return value
 
 
+def check_seeds(seeds, num_requests: int) -> np.ndarray:
+    """``[num_requests]`` int64 PRNG seeds of the decode API (a shared seed or one per request).
+
+    Unlike :func:`check_seed` (the serving engine's int32 seeds) any int64 is taken, as
+    :func:`jax.random.PRNGKey` takes it (without x64 it keeps the low 32 bits: ``2**32``
+    gives seed 0's key); the training pipelines derive such seeds. Integral floats (``3.0``)
+    pass.
+
+    Raises:
+      DSparkInputError: a seed that is not an integer, or outside ``[-2**63, 2**63 - 1]``.
+    """
+    out = []
+    for seed in np.asarray(seeds, dtype=object).reshape(-1):  # the exact Python / numpy values
+        value = None
+        if _is_int(seed):
+            value = int(seed)
+        elif isinstance(seed, numbers.Real) and not isinstance(seed, bool) and float(seed).is_integer():
+            value = int(float(seed))
+        if value is None or not INT64_MIN <= value <= INT64_MAX:
+            raise DSparkInputError(f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {seed!r}")
+        out.append(value)
+    return np.broadcast_to(np.asarray(out, np.int64).reshape(np.shape(seeds)), (num_requests,))
+
+
 def check_stop_token_ids(ids, vocab_size: int | None = None) -> tuple[int, ...]:
     """Stop token ids: integers (inside the vocabulary when ``vocab_size`` is given).
 
@@ -203,7 +273,7 @@ def check_logit_bias(
         for t, b in pairs:
             if not _is_int(t) or isinstance(b, (bool, str)):
                 raise ValueError
-            out[int(t)] = float(b)
+            out[int(t)] = _as_float(b)  # an int too large for a float: inf, refused below
     except (TypeError, ValueError):
         raise DSparkInputError(
             "logit_bias must be a sequence of (token_id, bias) pairs with integer ids and numeric biases"

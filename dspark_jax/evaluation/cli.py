@@ -135,23 +135,17 @@ def load_prompt_texts(spec: str, export_meta: dict | None = None) -> tuple[list[
 
 
 def _validate(args: argparse.Namespace) -> None:
-    import math
-
+    from dspark_jax.decoding.validation import check_max_new_tokens, check_sampling, check_seeds
     from dspark_jax.errors import DSparkInputError
 
     if args.num_prompts < 1:
         raise DSparkInputError("--num-prompts must be >= 1")
-    if args.max_new_tokens < 1:
-        raise DSparkInputError("--max-new-tokens must be >= 1")
-    if not math.isfinite(args.temperature) or not math.isfinite(args.top_p):
-        name = "--temperature" if not math.isfinite(args.temperature) else "--top-p"
-        raise DSparkInputError(f"{name} must be a finite number")
-    if args.temperature < 0:
-        raise DSparkInputError("--temperature must be >= 0")
-    if not 0 < args.top_p <= 1:
-        raise DSparkInputError("--top-p must be in (0, 1]")
-    if args.top_k < 0:
-        raise DSparkInputError("--top-k must be >= 0")
+    check_max_new_tokens(args.max_new_tokens, 1, "--max-new-tokens")
+    try:  # the decode API's checks, before any model is loaded
+        check_sampling(args.temperature, args.top_k, args.top_p)
+        check_seeds(args.seed, 1)
+    except DSparkInputError as e:  # "top_k must ..." -> "--top-k must ..."
+        raise DSparkInputError(f"--{str(e).replace('_', '-', 1)}") from None
     if args.batch_size < 1:
         raise DSparkInputError("--batch-size must be >= 1")
     out = Path(args.out)

@@ -21,7 +21,8 @@ Non-finite logits
 ``-inf`` is a supported logit: it bans a token (probability exactly 0), as long as
 at least one logit of the distribution is finite. ``NaN`` and ``+inf`` are not supported:
 the output of :func:`process_logits` for such a distribution is unspecified (typically
-NaN in sampled rows; greedy rows pick the first NaN / ``+inf``). Callers that can
+NaN in sampled rows; greedy rows, and sampled rows with a ``+inf``, pick the first NaN /
+``+inf``). Callers that can
 receive such logits should check :func:`logits_are_finite` outside ``jit`` and raise.
 """
 
@@ -51,7 +52,8 @@ class SamplingArrays(NamedTuple):
     """Per-row sampling parameters (a pytree: it can cross ``jit`` boundaries).
 
     Attributes:
-      temperature: ``[B] float32``. ``<= 0`` means greedy (one-hot at the argmax).
+      temperature: ``[B] float32``. ``<= 0`` means greedy (one-hot at the argmax); so does, per
+        distribution, one small enough that the scaled logits overflow (:func:`process_logits`).
       top_k: ``[B] int32``. ``<= 0`` (or ``>= V``) means off.
       top_p: ``[B] float32``. ``>= 1`` means off. Values ``<= 0`` keep only the top token.
     """
@@ -155,7 +157,10 @@ def process_logits(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     the temperature-scaled, top-k-renormalised distribution; the smallest prefix of the
     ranking whose mass is ``>= top_p`` is kept, always at least one token; ties ranked by
     token id, lower first). ``temperature <= 0`` gives exactly ``one_hot(argmax(logits))``
-    (first index on ties); top-k / top-p cannot change a greedy row.
+    (first index on ties); top-k / top-p cannot change a greedy row. So does a distribution
+    whose scaled logits overflow float32 (a positive temperature below about
+    ``|max logit| / 3.4e38``, such as ``2e-38``): that one-hot is its exact T -> 0 limit (ties
+    aside, which go to the lowest id), where ``logits / T`` would give NaN.
 
     The full sort over V needed by top-k / top-p runs under ``lax.cond`` only when some
     sampled (non-greedy) row actually uses them; otherwise this is an elementwise scale
@@ -177,8 +182,13 @@ def process_logits(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     top_k = _per_row(jnp.asarray(params.top_k, jnp.int32), nd)
     top_p = _per_row(jnp.asarray(params.top_p, jnp.float32), nd)
 
-    greedy = temperature <= 0.0
-    scaled = logits / jnp.where(greedy, 1.0, temperature)
+    greedy_row = temperature <= 0.0
+    scaled = logits / jnp.where(greedy_row, 1.0, temperature)
+    # A temperature so small that the scaled logits overflow (|max logit| / T > float32's max,
+    # e.g. T = 2e-38) would give softmax NaN (and the sampler token 0). Its exact T -> 0 limit is
+    # the greedy one-hot: every other distinct logit is at least ulp(max) / T ~ 2e31 below the
+    # max, so its probability is exactly 0 in float32. Such a distribution is therefore greedy.
+    greedy = greedy_row | jnp.isinf(jnp.max(scaled, axis=-1, keepdims=True))
 
     uses_filter = (~greedy) & (((top_k > 0) & (top_k < v)) | (top_p < 1.0))
     filtered = lax.cond(

@@ -120,7 +120,8 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
         "--max-queue",
         type=int,
         default=256,
-        help="requests allowed to wait for a slot; more get HTTP 429 (default 256)",
+        help="requests allowed to wait for a slot when all are busy; more get HTTP 429 "
+        "(0: no waiting queue, requests are admitted while slots are free; default 256)",
     )
     p.add_argument(
         "--default-max-tokens",

@@ -11,9 +11,14 @@ prefill; (3) runs one
 speculative step for all active slots (``generate``) and hands each request its new token ids
 (and logprobs, speculative counts) as a :class:`RequestEvent`, with
 ``loop.call_soon_threadsafe``, to the request's ``asyncio.Queue``. It never detokenizes
-(:mod:`dspark_jax.serving.detokenize` does, on the asyncio side). The waiting queue is bounded
-(``max_queue``): a full queue raises :class:`QueueFullError` (HTTP 429). Stopping fails
-whatever is still queued or running with 503. DESIGN.md "Pipeline" (serve).
+(:mod:`dspark_jax.serving.detokenize` does, on the asyncio side).
+
+Admission: the loop holds at most ``num_slots + max_queue`` requests (choices) at a time, those
+in slots (or being prefilled into one) and those waiting for one. A submission that does not fit
+raises :class:`QueueFullError` (HTTP 429); one that could never fit (more choices than that
+total) :class:`~dspark_jax.errors.DSparkInputError` (HTTP 400). ``max_queue=0`` means no waiting
+queue: requests are admitted while slots are free. Stopping fails whatever is still queued or
+running with 503. DESIGN.md "Pipeline" (serve).
 """
 
 from __future__ import annotations
@@ -130,8 +135,9 @@ class EngineLoop:
       engine: a warmed-up engine (``prefill/insert/generate/free/active_slots/free_slots/
         metrics``, ``num_slots``); only this thread calls it after :meth:`start`.
       tokenizer: kept for callers (the loop itself never detokenizes).
-      max_queue: waiting requests (not yet in a slot) beyond which :meth:`submit`
-        raises :class:`QueueFullError`; may be changed at run time.
+      max_queue: requests allowed to wait for a slot (0: none, admitted only while slots are
+        free); beyond them :meth:`submit` raises :class:`QueueFullError`. May be changed at
+        run time.
       model_name: the ``model`` label of the metrics.
     """
 
@@ -145,6 +151,10 @@ class EngineLoop:
         self._aborts: dict[str, bool] = {}  # request id -> count it as a client abort
         self._running: dict[int, TrackedRequest] = {}
         self._prefilling: list[TrackedRequest] = []  # in the engine's chunked-prefill queue
+        # Submitted and not ended (waiting, being prefilled, in a slot, or between those on the
+        # engine thread), under _cv: admission counts these, not just the waiting queue, so
+        # that free slots are room too and a request moving into a slot is never counted twice.
+        self._held = 0
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._steps = 0
@@ -179,17 +189,28 @@ class EngineLoop:
         """Queues requests for admission, all or none (the ``n`` choices of one HTTP request).
 
         Raises:
-          QueueFullError: fewer than ``len(tracked)`` places left in the waiting queue.
+          DSparkInputError: more requests than the loop can ever hold (``num_slots +
+            max_queue``).
+          QueueFullError: fewer than ``len(tracked)`` places left: free slots plus free places
+            in the waiting queue.
           ServerClosedError: the loop is stopping or not running.
         """
         with self._cv:
             if self._stopping or self._thread is None:
                 raise ServerClosedError("the server is shutting down")
-            if len(self._waiting) + len(tracked) > self.max_queue:
-                raise QueueFullError(
-                    f"the waiting queue is full ({len(self._waiting)} requests waiting, "
-                    f"max_queue={self.max_queue}, {self.num_slots} slots busy): retry later"
+            capacity = self.num_slots + self.max_queue
+            if len(tracked) > capacity:
+                raise DSparkInputError(
+                    f"{len(tracked)} choices can never run at once here: the server holds {self.num_slots} "
+                    f"running and at most {self.max_queue} waiting requests"
                 )
+            if self._held + len(tracked) > capacity:
+                waiting = len(self._waiting)
+                raise QueueFullError(
+                    f"the waiting queue is full ({waiting} requests waiting, max_queue={self.max_queue}, "
+                    f"{self._held - waiting} of {self.num_slots} slots busy): retry later"
+                )
+            self._held += len(tracked)
             self._waiting.extend(tracked)
             self._cv.notify_all()
 
@@ -254,8 +275,7 @@ class EngineLoop:
             for t in pending:
                 if t.slot is not None:
                     self._free_slot(t)
-                t.done = True
-                t._put(RequestEvent("error", message="the server is shutting down", status=503))
+                self._end(t, RequestEvent("error", message="the server is shutting down", status=503))
             self._running.clear()
             self._update_snapshot()
 
@@ -276,13 +296,11 @@ class EngineLoop:
                 prefix = self.engine.prefill(t.request)
                 self.engine.insert(prefix, free[0])
             except DSparkInputError as e:
-                t.done = True
-                t._put(RequestEvent("error", message=str(e), status=400))
+                self._end(t, RequestEvent("error", message=str(e), status=400))
                 continue
             except Exception as e:
                 log.exception("prefill of %s failed", t.request_id)
-                t.done = True
-                t._put(RequestEvent("error", message=f"prefill failed: {type(e).__name__}: {e}", status=500))
+                self._end(t, RequestEvent("error", message=f"prefill failed: {type(e).__name__}: {e}", status=500))
                 continue
             self._placed(t, free[0])
 
@@ -305,8 +323,11 @@ class EngineLoop:
             try:
                 prefiller.submit(t.request, tag=t)
             except DSparkInputError as e:
-                t.done = True
-                t._put(RequestEvent("error", message=str(e), status=400))
+                self._end(t, RequestEvent("error", message=str(e), status=400))
+                continue
+            except Exception as e:  # a bug in validation: fail this request, not the loop
+                log.exception("queueing %s for prefill failed", t.request_id)
+                self._end(t, RequestEvent("error", message=f"prefill failed: {type(e).__name__}: {e}", status=500))
                 continue
             self._prefilling.append(t)
         if not self._prefilling:
@@ -317,8 +338,7 @@ class EngineLoop:
             log.exception("chunked prefill failed")
             for t in self._prefilling:
                 prefiller.cancel(t)
-                t.done = True
-                t._put(RequestEvent("error", message=f"prefill failed: {type(e).__name__}: {e}", status=500))
+                self._end(t, RequestEvent("error", message=f"prefill failed: {type(e).__name__}: {e}", status=500))
             self._prefilling = []
             return
         for t, prefix in finished:
@@ -328,8 +348,7 @@ class EngineLoop:
                 self.engine.insert(prefix, slot)
             except Exception as e:
                 log.exception("insert of %s failed", t.request_id)
-                t.done = True
-                t._put(RequestEvent("error", message=f"prefill failed: {type(e).__name__}: {e}", status=500))
+                self._end(t, RequestEvent("error", message=f"prefill failed: {type(e).__name__}: {e}", status=500))
                 continue
             self._placed(t, slot)
 
@@ -348,8 +367,7 @@ class EngineLoop:
             self.last_error = f"{type(e).__name__}: {e}"
             for t in list(self._running.values()):
                 self._free_slot(t)
-                t.done = True
-                t._put(RequestEvent("error", message=f"engine step failed: {type(e).__name__}: {e}", status=500))
+                self._end(t, RequestEvent("error", message=f"engine step failed: {type(e).__name__}: {e}", status=500))
             return
         self._steps += 1
         self.metrics.step_seconds.labels(**self.metrics.labels()).observe(time.monotonic() - t0)
@@ -365,27 +383,32 @@ class EngineLoop:
             finish = "stop"
         if finish == "error":
             self._free_slot(t)
-            t.done = True
-            t._put(
-                RequestEvent(
-                    "error", message="the engine reported an error for this request (non-finite logits)", status=500
-                )
-            )
+            message = "the engine reported an error for this request (non-finite logits)"
+            self._end(t, RequestEvent("error", message=message, status=500))
             return
         ev = event_from_output(out, first=not t.started)
         t.started = True
-        if finish is not None:
-            self._free_slot(t)
-            t.done = True
-        t._put(ev)
+        if finish is None:
+            t._put(ev)
+            return
+        self._free_slot(t)
+        self._end(t, ev)
 
     def _abort(self, t: TrackedRequest, count: bool) -> None:
         if t.slot is not None:
             self._free_slot(t)
-        t.done = True
         if count:
             self.metrics.request_aborted.labels(**self.metrics.labels()).inc()
-        t._put(RequestEvent("final", finish_reason="abort"))
+        self._end(t, RequestEvent("final", finish_reason="abort"))
+
+    def _end(self, t: TrackedRequest, ev: RequestEvent) -> None:
+        """Hands ``t`` its last event (final or error): ``done``, and its place is free for
+        :meth:`submit` (its slot, if it had one, was freed before)."""
+        with self._cv:
+            if not t.done:
+                self._held -= 1
+            t.done = True
+        t._put(ev)
 
     def _free_slot(self, t: TrackedRequest) -> None:
         slot, t.slot = t.slot, None

@@ -4,7 +4,10 @@ engine's :class:`~dspark_jax.serving.requests.SamplingParams`.
 
 Every field the server does not honour is refused with 400 naming it (the request models
 forbid undeclared fields); declared fields with values the engine cannot honour
-(``presence_penalty`` != 0, ``echo``, ...) are refused too. ``max_tokens`` defaults as in vLLM:
+(``presence_penalty`` != 0, ``echo``, ...) are refused too, and so are numbers its device
+arrays cannot hold (a ``top_k`` beyond int32, a ``temperature`` beyond float32, a token id
+beyond int64): a 400 naming the field, before anything reaches the engine, so a bad request
+never fails the others prefilled with it. ``max_tokens`` defaults as in vLLM:
 16 for completions, the rest of the context for chat (``ServerConfig.default_max_tokens``
 overrides both). ``n`` > 1 runs ``n`` requests: choice ``i`` is the same request with
 ``seed + i`` wrapped into int32 (:func:`choice_seed`).
@@ -20,7 +23,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dspark_jax.decoding.validation import check_logit_bias, check_min_tokens, check_prompt, check_stop_token_ids
+from dspark_jax.decoding.validation import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    check_logit_bias,
+    check_min_tokens,
+    check_prompt,
+    check_stop_token_ids,
+)
 from dspark_jax.errors import DSparkInputError
 
 __all__ = [
@@ -91,9 +101,15 @@ class SamplingRequest(_Strict):
         ge=1,
         description="maximum generated tokens (default: 16 for completions, the rest of the context for chat)",
     )
-    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False, description="0 = greedy")
+    temperature: float = Field(
+        1.0,
+        ge=0.0,
+        le=FLOAT32_MAX,
+        allow_inf_nan=False,
+        description="0 = greedy; so small that the scaled logits overflow float32 (2e-38): greedy too",
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(0, ge=-1, description="0 or -1 = off")
+    top_k: int = Field(0, ge=-1, le=INT32_MAX, description="0 or -1 = off (so is any k >= the vocabulary size)")
     seed: int | None = Field(
         None,
         ge=SEED_RANGE[0],
@@ -200,10 +216,12 @@ def _max_tokens(req: SamplingRequest, prompt_len: int, max_tokens: int | None, c
         default = cfg.default_max_tokens if cfg.default_max_tokens is not None else (room if chat else 16)
         max_tokens = min(default, room)
     elif prompt_len + max_tokens > cfg.context_len:
+        # chat's max_completion_tokens takes precedence over max_tokens (the handler passes it)
+        name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
         raise APIError(
             400,
-            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length {cfg.context_len}",
-            "max_tokens",
+            f"prompt ({prompt_len} tokens) + {name} ({max_tokens}) exceeds the context length {cfg.context_len}",
+            name,
         )
     with _refused("min_tokens"):
         check_min_tokens(req.min_tokens, max_tokens)

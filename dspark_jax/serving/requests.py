@@ -63,11 +63,12 @@ class SamplingParams:
     """Per-request sampling settings.
 
     Attributes:
-      temperature: >= 0; 0 is greedy.
-      top_k: >= 0; 0 is off.
+      temperature: in ``[0, FLOAT32_MAX]``; 0 is greedy, and so is one small enough that the
+        scaled logits overflow float32 (``2e-38``; :func:`~dspark_jax.models.sampling.process_logits`).
+      top_k: an integer in ``[0, INT32_MAX]``; 0 (or at least the vocabulary size) is off.
       top_p: in (0, 1]; 1 is off.
       seed: PRNG seed in the int32 range (same meaning as ``decode.generate_*(seed=...)``).
-      max_tokens: >= 1, generated tokens at most.
+      max_tokens: in ``[1, INT32_MAX]``, generated tokens at most.
       stop_token_ids: extra ids that end the request (EOS ids are added by the engine).
       logit_bias: ``((token_id, bias), ...)``: ``bias`` is added to the raw logit of
         ``token_id`` before temperature / top-k / top-p, identically for the target's p and
@@ -266,6 +267,7 @@ def bias_table(p: SamplingParams, prompt_len: int, limits: RequestLimits):
         i += 1
     if p.min_tokens:
         for t in sorted(t for t in stop_ids(p, limits.eos_ids) if 0 <= t < limits.vocab_size):
-            ids[i], val[i], until[i] = t, -np.inf, prompt_len + int(p.min_tokens) - 1
+            # Capped to int32 (a min_tokens near INT32_MAX): no cache reaches that position anyway.
+            ids[i], val[i], until[i] = t, -np.inf, min(prompt_len + int(p.min_tokens) - 1, INT32_MAX)
             i += 1
     return ids, val, until

@@ -14,7 +14,9 @@ Shutdown (uvicorn's graceful drain, then the app's lifespan end) stops the threa
 whatever is still queued with 503.
 
 Requests: unhonoured fields get 400 naming them; a ``model`` other than the served name gets
-404 (as vLLM); a full waiting queue 429. ``n`` > 1 runs ``n`` requests: choice ``i`` is exactly
+404 (as vLLM); a request that does not fit in the free slots plus the free places of the
+waiting queue 429 (``n`` choices are admitted all or none; more than the server can ever hold,
+400). ``n`` > 1 runs ``n`` requests: choice ``i`` is exactly
 what the same request with ``seed + i`` (wrapped into int32) returns as its only choice.
 ``logit_bias``, ``logprobs`` / ``top_logprobs`` and ``min_tokens`` are passed to the engine
 (:class:`~dspark_jax.serving.engine.SamplingParams`); logprobs are the target's raw log-softmax
@@ -54,6 +56,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from dspark_jax import __version__
+from dspark_jax.errors import DSparkInputError
 from dspark_jax.serving.detokenize import OutputState, Update
 from dspark_jax.serving.loop import EngineLoop, QueueFullError, RequestEvent, ServerClosedError, TrackedRequest
 from dspark_jax.serving.protocol import (
@@ -236,6 +239,8 @@ class _Routes:
         states = [OutputState(t, self.tokenizer, stop, req.min_tokens) for t in tracked]
         try:
             self.loop.submit(*tracked)
+        except DSparkInputError as e:  # more choices than the server can ever hold at once
+            raise APIError(400, str(e), "n") from None
         except QueueFullError as e:
             raise APIError(429, str(e), None, "rate_limit_error") from None
         except ServerClosedError as e:

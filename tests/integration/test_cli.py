@@ -225,6 +225,12 @@ def test_main_job_end_to_end(stories260k_export):
         (["--top-p", "nan"], "--top-p must be a finite number"),
         (["--temperature", "-0.5"], "--temperature must be >= 0"),
         (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        # issue 27: numbers beyond what the device holds (int32 / float32 / int64 seeds)
+        (["--top-k", "2147483648"], "--top-k must be an integer in [0, 2147483647] (0 is off), got 2147483648"),
+        (["--temperature", "1e39"], "--temperature must be at most 3.402823e+38"),
+        (["--max-new-tokens", "2147483648"], "--max-new-tokens must be at most 2147483647"),
+        (["--max-new-tokens", str(2**70)], "--max-new-tokens must be at most 2147483647"),
+        (["--seed", str(2**70)], "--seed must be an integer in"),
     ],
 )
 def test_nan_sampling_settings_are_one_line_errors(flags, needle, capsys):
@@ -257,6 +263,26 @@ def test_python_api_refuses_nan_sampling_settings(kw):
         generate_text(None, None, "Once upon a time", **kw)  # refused before the model is touched
     with pytest.raises(DSparkInputError, match=name):
         generate_autoregressive(None, [[1, 2]], **{name: np.array([0.5, kw[name]])})
+
+
+def test_temperature_whose_scaled_logits_overflow_is_greedy_in_api_and_cli(capsys):
+    """Issue 27: T = 2e-38 (``logits / T`` overflows float32) used to decode token 0 four times
+    with empty text; the API and ``generate`` now give the greedy tokens, and the API refuses
+    a top_k beyond int32 in one line instead of an OverflowError."""
+    from dspark_jax.api import generate_text, load_target
+    from dspark_jax.decoding.cli import main
+    from dspark_jax.errors import DSparkInputError
+
+    target, tok = load_target("stories260k")
+    greedy = generate_text(target, tok, "Once upon a time", max_new_tokens=4)
+    assert greedy["token_ids"] == [432, 383, 286, 261]
+    tiny = generate_text(target, tok, "Once upon a time", max_new_tokens=4, temperature=2e-38)
+    assert tiny["token_ids"] == greedy["token_ids"] and tiny["text"] == greedy["text"] != ""
+    with pytest.raises(DSparkInputError, match=r"^top_k must be an integer in \[0, 2147483647\]"):
+        generate_text(target, tok, "The cat", max_new_tokens=8, temperature=1.0, top_k=2**31)
+    args = ["--target", "stories260k", "--prompt", "Once upon a time", "--max-new-tokens", "4", "--json"]
+    assert main([*args, "--temperature", "2e-38"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == greedy["token_ids"]
 
 
 def test_serve_cli_refuses_eagle3_drafter_in_one_line(stories260k, tmp_path, capsys):

@@ -53,6 +53,8 @@ def fake_export(tmp_path):
         (["--temperature", "nan"], "--temperature must be a finite number"),
         (["--top-p", "inf"], "--top-p must be a finite number"),
         (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--top-k", "2147483648"], "--top-k must be an integer in [0, 2147483647]"),
+        (["--max-new-tokens", "2147483648"], "--max-new-tokens must be at most 2147483647"),
         (["--batch-size", "0"], "--batch-size must be >= 1"),
         (["--prompts", "no_such_set"], "neither a prompt set"),
         (["--drafter", "/nonexistent/export"], "not a drafter export"),

@@ -191,6 +191,40 @@ class TestHTTP:
         assert len({tuple(a[0]) for a in alone}) == len(alone)
         assert wait_idle(client)["free_slots"] == NUM_SLOTS
 
+    def test_bad_numbers_get_400_and_leave_the_others_alone(self, server, client):
+        """Issue 27 through the real engine: numbers it cannot hold get a 400 naming the field,
+        sent concurrently with good requests that come back exactly as when sent alone (a top_k
+        beyond int32 used to fail the whole prefill pass with 500s); T = 2e-38 decodes as T = 0
+        (it used to emit token 0)."""
+        good = [
+            {"prompt": p, "max_tokens": 8, "temperature": t, "seed": 5, "return_token_ids": True}
+            for p, t in (("The cat", 1.0), ("Once upon a time", 0.0), ("Tom and Lily", 0.8))
+        ]
+        bad = [
+            (dict(good[0], top_k=2**31), "top_k"),
+            (dict(good[0], prompt=[1, 2**70]), "prompt"),
+            (dict(good[0], temperature=1e39), "temperature"),
+        ]
+        bodies = [good[0], bad[0][0], good[1], bad[1][0], good[2], bad[2][0]]
+
+        async def together():
+            async with httpx.AsyncClient(
+                base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}
+            ) as c:
+                return await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))
+
+        rs = asyncio.run(together())
+        for r, (_, field) in zip(rs[1::2], bad):
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert all(r.status_code == 200 for r in rs[::2]), [r.text for r in rs]
+        alone = [client.post("/v1/completions", json=b).json()["choices"][0]["token_ids"] for b in good]
+        assert [r.json()["choices"][0]["token_ids"] for r in rs[::2]] == alone
+        for b in good:
+            tiny = client.post("/v1/completions", json=dict(b, temperature=2e-38)).json()["choices"][0]
+            zero = client.post("/v1/completions", json=dict(b, temperature=0)).json()["choices"][0]
+            assert tiny["token_ids"] == zero["token_ids"] and tiny["text"] == zero["text"] != ""
+        assert wait_idle(client)["free_slots"] == NUM_SLOTS
+
     def test_openai_client(self, server, client):
         """The official ``openai`` client: completions and chat, streamed and not, logprobs,
         logit_bias, n, errors; and the engine's counters agree with the responses."""

@@ -649,6 +649,16 @@ def test_alone_equals_in_batch(temperature, peaked, drafters):
         assert [g.token_ids for g in other.generations] != [g.token_ids for g in batch_ar.generations]
 
 
+@pytest.mark.exactness
+def test_temperature_whose_scaled_logits_overflow_decodes_greedily(peaked, drafters, ar_peaked):
+    """Issue 27: T = 2e-38 (``logits / T`` overflows float32) decodes exactly as T = 0, plainly
+    and speculatively (it used to emit token 0), also beside ordinary sampled rows."""
+    greedy = [g.token_ids for g in ar_peaked.generations]
+    temps = [2e-38] * 15 + [1.0]
+    for res in (ar_std(peaked, temperature=temps), spec_std(peaked, drafters["bigram"], temperature=temps)):
+        assert [g.token_ids for g in res.generations][:15] == greedy[:15]
+
+
 def test_input_errors(peaked, drafters):
     """(g) bad prompts / settings raise DSparkInputError before any compilation."""
     d = drafters["bigram"]
@@ -679,6 +689,20 @@ def test_input_errors(peaked, drafters):
         ]:
             with pytest.raises(DSparkInputError, match=match):
                 fn([[1, 2], [3, 4]], max_new_tokens=4, **kw)
+        # numbers the device arrays cannot hold are refused, never wrapped (issue 27)
+        for kw, match in [
+            (dict(top_k=2**31), r"top_k must be an integer in \[0, 2147483647\] \(0 is off\), got 2147483648"),
+            (dict(top_k=[0, 2**70]), "top_k must be an integer in"),
+            (dict(temperature=1e39), "temperature must be at most 3.4"),
+            (dict(max_new_tokens=2**31), "max_new_tokens must be at most 2147483647, got 2147483648"),
+            (dict(max_new_tokens=[4, 2**70]), "max_new_tokens must be at most 2147483647"),
+            (dict(seed=2**70), "seed must be an integer in"),
+            (dict(seed=[1, 2.5]), "seed must be an integer in"),
+        ]:
+            with pytest.raises(DSparkInputError, match=match):
+                fn([[1, 2], [3, 4]], **{"max_new_tokens": 4, **kw})
+        with pytest.raises(DSparkInputError, match="token id 1180591620717411303424 outside the vocabulary"):
+            fn([[1, 2**70]], max_new_tokens=4)
     for g in (0, 5, -1):
         # gamma= is the deprecated alias: it warns, then is validated like num_speculative_tokens
         with pytest.raises(DSparkInputError, match="gamma"), pytest.warns(DeprecationWarning, match="gamma"):

@@ -445,14 +445,19 @@ def test_request_validation_keeps_the_engine_rules():
             SamplingParams(max_tokens=3.5),
             SamplingParams(max_tokens=float("nan")),
             SamplingParams(max_tokens=0),
+            SamplingParams(max_tokens=2**31),
+            SamplingParams(max_tokens=2**70),
         ],
         "seed": [SamplingParams(seed=3.5), SamplingParams(seed=float("inf")), SamplingParams(seed=2**31)],
-        "top_k": [SamplingParams(top_k=1.5), SamplingParams(top_k=float("inf"))],
-        "temperature": [SamplingParams(temperature="0.5")],  # type: ignore[arg-type]
+        # issue 27: beyond int32 / float32 (the prefill pass's arrays) is refused, not a crash
+        "top_k": [SamplingParams(top_k=1.5), SamplingParams(top_k=float("inf")), SamplingParams(top_k=2**31)],
+        "temperature": [SamplingParams(temperature="0.5"), SamplingParams(temperature=1e39)],  # type: ignore[arg-type]
+        "logit_bias": [SamplingParams(logit_bias=((5, 10**400),)), SamplingParams(logit_bias=((2**70, 1.0),))],
         "prompt": [
             Request([], SamplingParams()),
             Request([1, 64], SamplingParams()),
             Request(list(range(33)), SamplingParams()),
+            Request([1, 2**70], SamplingParams()),
         ],
     }
     for field, cases in bad.items():
@@ -460,6 +465,13 @@ def test_request_validation_keeps_the_engine_rules():
             req = case if isinstance(case, Request) else Request([1, 2], case)
             with pytest.raises(DSparkInputError, match=field):
                 validate_request(req, limits)
+    # min_tokens near INT32_MAX: its stop masking's last position is capped to int32, not overflowed
+    from dspark_jax.serving.requests import bias_table
+
+    sp = SamplingParams(max_tokens=2**31 - 1, min_tokens=2**31 - 1)
+    validate_request(Request([1, 2], sp), limits)
+    _, val, until = bias_table(sp, 2, limits)
+    assert until[0] == 2**31 - 1 and val[0] == -np.inf
 
 
 # ------------------------------------------------------------------ issue 14: logit_bias, logprobs, min_tokens,

@@ -235,7 +235,10 @@ def test_chunked_decode_matches_one_shot(engine, decode_requests, one_shot, poli
 
 def test_engine_loop_chunked_matches_one_shot(engine, decode_requests, one_shot, story):
     """The server's engine thread with chunked prefill: same outputs; a request aborted while
-    it is being prefilled ends with ``abort`` and frees its lane."""
+    it is being prefilled ends with ``abort`` and frees its lane. Requests with numbers the
+    prefill pass cannot hold (a top_k beyond int32, a token id beyond int64), submitted between
+    good ones that share their pass, get a 400 and leave the others untouched (issue 27: the
+    pass used to fail with OverflowError, a 500 for every request in it)."""
     engine.set_policy("fixed:3")
     passes = engine.prefiller.passes
 
@@ -245,21 +248,29 @@ def test_engine_loop_chunked_matches_one_shot(engine, decode_requests, one_shot,
         loop.start()
         tracked = [TrackedRequest(r, aloop, asyncio.Queue()) for r in decode_requests]
         doomed = TrackedRequest(_requests(story, [31], "x")[0], aloop, asyncio.Queue())
-        loop.submit(doomed, *tracked)
+        bad = [
+            TrackedRequest(_requests(story, [5], "k", top_k=2**31)[0], aloop, asyncio.Queue()),
+            TrackedRequest(Request([1, 2**70], SamplingParams(), "i0"), aloop, asyncio.Queue()),
+        ]
+        loop.submit(doomed, tracked[0], bad[0], tracked[1], bad[1], *tracked[2:])
         loop.abort(doomed.request_id)
         got = {}
-        for t in [doomed, *tracked]:
+        for t in [doomed, *bad, *tracked]:
             toks, ev = [], None
             while ev is None or ev.kind == "delta":
                 ev = await asyncio.wait_for(t.queue.get(), 120)
                 toks += ev.token_ids
-            got[t.request_id] = (toks, ev.finish_reason)
+            got[t.request_id] = (toks, ev.finish_reason) if ev.kind != "error" else (ev.status, ev.message)
         snap = loop.snapshot()
         loop.stop()
         return got, snap
 
     got, snap = asyncio.run(run())
     assert got.pop("x0") == ([], "abort")
+    status, message = got.pop("k0")
+    assert status == 400 and "top_k must be an integer in [0, 2147483647]" in message
+    status, message = got.pop("i0")
+    assert status == 400 and "outside the vocabulary" in message
     assert got == one_shot and engine.prefiller.passes > passes
     assert all(len(toks) > 1 for toks, _ in one_shot.values())
     assert snap["waiting"] == 0 and len(engine.prefiller) == 0 and engine.free_slots() == [0, 1, 2]

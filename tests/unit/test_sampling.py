@@ -102,6 +102,31 @@ def test_temperature_zero_is_one_hot_at_first_argmax():
     np.testing.assert_array_equal(probs, expected)
 
 
+def test_temperature_whose_scaled_logits_overflow_is_greedy():
+    """Issue 27: ``logits / 2e-38`` overflows float32 (softmax NaN, then the sampler's token 0);
+    such a distribution is the greedy one-hot, its exact T -> 0 limit, with top-k / top-p and
+    banned (-inf) tokens too, per distribution, and in a batch with ordinary rows left as they
+    are. A tiny temperature that does not overflow is still sampled (its softmax is one-hot)."""
+    b, g, v = 5, 3, 11
+    logits = _logits(9, (b, g, v), scale=8.0)  # |logit| > 6.8 somewhere: 6.8 / 2e-38 overflows
+    logits[:, :, 0] = 0.0  # a token whose scaled logit stays finite: the overflow is elsewhere
+    logits[1, :, 4] = -np.inf  # banned
+    logits[2] = -np.abs(logits[2]) - 20.0  # every logit negative: overflows to -inf, not +inf
+    temperature = [2e-38, 2e-38, 1e-37, 0.7, 2e-38]
+    params = sampling_arrays(b, temperature=temperature, top_k=[0, 3, 0, 4, 2], top_p=[1.0, 0.9, 0.5, 0.8, 1.0])
+    probs = np.asarray(process_logits(logits, params))
+    assert np.all(np.isfinite(probs))
+    one_hot = np.eye(v, dtype=np.float32)[logits.argmax(-1)]
+    np.testing.assert_array_equal(probs[[0, 1, 2, 4]], one_hot[[0, 1, 2, 4]])
+    np.testing.assert_allclose(probs[3], ref_process(logits[3:4], [0.7], [4], [0.8])[0], rtol=2e-5, atol=1e-7)
+    keys = np.asarray(jax.random.split(jax.random.PRNGKey(3), b))
+    np.testing.assert_array_equal(np.asarray(sample(keys, probs))[[0, 1, 2, 4]], logits.argmax(-1)[[0, 1, 2, 4]])
+    # small logits: 2e-38 does not overflow them, and the distribution is one-hot all the same
+    small = _logits(10, (b, g, v), scale=1e-3)
+    probs = np.asarray(process_logits(small, sampling_arrays(b, temperature=2e-38)))
+    np.testing.assert_array_equal(probs, np.eye(v, dtype=np.float32)[small.argmax(-1)])
+
+
 # ------------------------------------------------------------------------------- top-k
 @pytest.mark.parametrize("k", [1, 2, 5, 10, 11, 50])
 def test_top_k_keeps_exactly_the_k_largest(k):

@@ -9,6 +9,7 @@ disconnects and metrics. ``tests/integration/test_server.py`` checks the real en
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import httpx
@@ -152,6 +153,34 @@ def test_property_any_undeclared_field_is_refused(name, value):
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"512": 1}}, "logit_bias"),
         ("/v1/completions", {"prompt": "hi", "min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         ("/v1/completions", {"prompt": "hi", "n": 17}, "n"),
+        # issue 27: numbers the engine's arrays cannot hold (int32 / float32 / int64 token ids)
+        ("/v1/completions", {"prompt": "The cat", "max_tokens": 8, "temperature": 1, "top_k": 2**31}, "top_k"),
+        ("/v1/completions", {"prompt": "hi", "top_k": 2**70}, "top_k"),
+        ("/v1/completions", {"prompt": "hi", "top_k": 1e10}, "top_k"),
+        ("/v1/completions", {"prompt": "hi", "temperature": 1e39}, "temperature"),
+        ("/v1/completions", {"prompt": [1, 2**70]}, "prompt"),
+        ("/v1/completions", {"prompt": [[1, 2**70]]}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**70]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {str(2**70): 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10**400}}, "logit_bias.5"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 2**70}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2**31}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2**70}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 2**70}, "min_tokens"),
+        ("/v1/completions", {"prompt": "hi", "seed": -(2**70)}, "seed"),
+        ("/v1/completions", {"prompt": "hi", "n": 2**70}, "n"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 2**70}, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "presence_penalty": 1e300}, "presence_penalty"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2**70},
+            "max_completion_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2**70},
+            "top_logprobs",
+        ),
     ],
 )
 def test_unhonoured_fields_get_400_naming_them(client, path, body, field):
@@ -588,7 +617,7 @@ def test_tau_with_a_stop_inside_an_accepted_block(server, client, tok):
 
 def test_queue_full_gets_429(tok):
     srv = _serve(
-        tok, FakeEngine(vocab_size=tok.vocab_size, num_slots=1, cache_len=CACHE_LEN, step_delay=0.01), max_queue=1
+        tok, FakeEngine(vocab_size=tok.vocab_size, num_slots=1, cache_len=CACHE_LEN, step_delay=0.02), max_queue=1
     )
     try:
 
@@ -606,12 +635,67 @@ def test_queue_full_gets_429(tok):
         assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
         err = next(r for r in rs if r.status_code == 429).json()["error"]
         assert err["type"] == "rate_limit_error" and "queue is full" in err["message"]
-        with httpx.Client(base_url=srv.url) as c:
-            # n choices are queued all or none
-            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 2})
-            assert r.status_code == 429
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
             assert metric(c.get("/metrics").text, "dspark:request_rejected_total", status="429") >= codes.count(429)
             assert wait_idle(c)["free_slots"] == 1
+            # idle: the free slot and the queue's place take n=2; n=3 can never fit (400, not 429)
+            assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 2}).status_code == 200
+            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 3})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+            # n choices are admitted all or none: with the slot busy only the queue's place is left
+            with _busy(c, 1):
+                r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 2})
+                assert r.status_code == 429 and "1 of 1 slots busy" in r.json()["error"]["message"], r.text
+            assert wait_idle(c)["free_slots"] == 1
+    finally:
+        srv.stop()
+
+
+@contextlib.contextmanager
+def _busy(client, n: int):
+    """Holds ``n`` long streamed requests, each in a slot (its first chunk arrived; about 60
+    engine steps are left, over a second with a 0.02 s fake step); the streams are closed (so
+    aborted) on exit."""
+    lines = []  # the line iterators: one dropped would close its stream
+    with contextlib.ExitStack() as stack:
+        for _ in range(n):
+            body = {"prompt": "Once upon a time", "max_tokens": CACHE_LEN - 8, "stream": True}
+            r = stack.enter_context(client.stream("POST", "/v1/completions", json=body))
+            lines.append(r.iter_lines())
+            assert r.status_code == 200 and next(lines[-1]).startswith("data: ")
+        yield
+
+
+def test_max_queue_zero_admits_while_slots_are_free(tok):
+    """Issue 27: ``max_queue=0`` means no waiting queue, not "refuse everything": requests (and
+    the n choices of one) are admitted while slots are free, refused with 429 naming the real
+    number of busy slots when none is; more choices than slots + queue is a 400."""
+    engine = FakeEngine(vocab_size=tok.vocab_size, num_slots=2, cache_len=CACHE_LEN, step_delay=0.02)
+    srv = _serve(tok, engine, max_queue=0)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            assert c.get("/health").json()["free_slots"] == 2
+            one = {"prompt": "The cat", "max_tokens": 4}
+            assert c.post("/v1/completions", json=one).status_code == 200
+            assert c.post("/v1/completions", json=dict(one, n=2)).status_code == 200
+            r = c.post("/v1/completions", json=dict(one, n=3))
+            assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "3 choices" in r.text, r.text
+            with _busy(c, 1):  # one slot left
+                assert c.post("/v1/completions", json=one).status_code == 200
+                r = c.post("/v1/completions", json=dict(one, n=2))
+                assert r.status_code == 429 and "1 of 2 slots busy" in r.json()["error"]["message"], r.text
+            with _busy(c, 2):
+                r = c.post("/v1/completions", json=one)
+                err = r.json()["error"]
+                assert r.status_code == 429 and err["type"] == "rate_limit_error", r.text
+                assert "0 requests waiting" in err["message"] and "2 of 2 slots busy" in err["message"], err
+            assert wait_idle(c)["free_slots"] == 2
+            assert c.post("/v1/completions", json=one).status_code == 200
+        srv.loop.max_queue = 2  # changed at run time: 2 slots + 2 places
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            assert c.post("/v1/completions", json=dict(one, n=3)).status_code == 200  # idle: fits
+            assert c.post("/v1/completions", json=dict(one, n=4)).status_code == 200
+            assert c.post("/v1/completions", json=dict(one, n=5)).status_code == 400
     finally:
         srv.stop()
 
