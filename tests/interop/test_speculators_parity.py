@@ -238,6 +238,12 @@ def test_refusals_name_what_is_not_supported(tiny, tmp_path):
     for i, (changes, msg) in enumerate(cases):
         with pytest.raises(DSparkInputError, match=msg):
             load_drafter(_edited_copy(sdir, tmp_path / f"c{i}", **changes), target=target)
+    # Loaded without the target, aux = L is caught when the target is met.
+    from dspark_jax.drafters.base import check_compatible
+
+    blind, _ = load_drafter(tmp_path / "c1")
+    with pytest.raises(DSparkInputError, match="final-normed output"):
+        check_compatible(target, blind)
     # A config written before speculators recorded the layout: the documented default, said aloud.
     c = _edited_copy(sdir, tmp_path / "nolayout")
     conf = json.loads((c / "config.json").read_text())
