@@ -473,7 +473,9 @@ def test_draft_vocabulary_and_width_greedy(peaked, ar_peaked):
     # W1 has a row per target token (markov_w1_rows="target"), W2 a column per draft token.
     assert d.markov_w2.shape == (7, 6) and d.markov_w1.shape == (V, 7) and d.proj_out.shape == (48, 32)
     big = bigram_table(peaked)
-    d.markov_w1[...] = jnp.eye(7, dtype=jnp.float32)
+    row = np.full(V, 6)  # W1[v]: one-hot of v's draft index, or of the shared row 6 outside the vocabulary
+    row[np.asarray(ids)] = np.arange(6)
+    d.markov_w1[...] = jnp.eye(7, dtype=jnp.float32)[row]
     d.markov_w2[...] = jnp.asarray(np.concatenate([big[ids][:, ids], big[:, ids].mean(0, keepdims=True)]))
     d.final_norm[...] = d.final_norm[...] * 0.1
     sp = spec_std(peaked, d, temperature=0)
