@@ -38,22 +38,11 @@ import numpy as np
 
 from dspark_jax.config import DrafterConfig
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.models.hf_io import HF_LAYER_TENSORS
 
 FORMATS = ("deepspec", "speculators", "zlab-dflash")
 # Per-layer tensors: this project's stacked name -> the formats' name under ``layers.{i}.``.
-LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "wq": "self_attn.q_proj",
-    "wk": "self_attn.k_proj",
-    "wv": "self_attn.v_proj",
-    "wo": "self_attn.o_proj",
-    "q_norm": "self_attn.q_norm",
-    "k_norm": "self_attn.k_norm",
-    "mlp_norm": "post_attention_layernorm",
-    "w_gate": "mlp.gate_proj",
-    "w_up": "mlp.up_proj",
-    "w_down": "mlp.down_proj",
-}
+LAYER_TENSORS = HF_LAYER_TENSORS
 # Layer tensors that are vectors (norm weights, copied as they are); the rest are [out, in] matrices.
 NORM_TENSORS = ("attn_norm", "q_norm", "k_norm", "mlp_norm")
 # Markov-head tensors per head type: ours -> the formats' (under ``markov_head.``), matrices transposed.

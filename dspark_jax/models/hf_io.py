@@ -20,6 +20,21 @@ from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.weights import Params, canonical_params, owned_f32, stack_layers
 
 _ST_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "F64": "<f8"}
+# A decoder layer's tensors: this project's stacked name -> the Hugging Face (Llama / Qwen3) name
+# under ``layers.{i}.`` (also the DSpark checkpoint formats' names, drafters.formats).
+HF_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "wq": "self_attn.q_proj",
+    "wk": "self_attn.k_proj",
+    "wv": "self_attn.v_proj",
+    "wo": "self_attn.o_proj",
+    "q_norm": "self_attn.q_norm",
+    "k_norm": "self_attn.k_norm",
+    "mlp_norm": "post_attention_layernorm",
+    "w_gate": "mlp.gate_proj",
+    "w_up": "mlp.up_proj",
+    "w_down": "mlp.down_proj",
+}
 
 
 def _safetensors_index(files: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ...], int, int]]:
@@ -156,19 +171,7 @@ def load_hf_dir(path: str | Path) -> tuple[TargetConfig, Params]:
             raise DSparkInputError(f"{path}: weight {name!r} not found in the safetensors files")
         return _read_st(index[name])
 
-    hf = {
-        "attn_norm": "input_layernorm",
-        "wq": "self_attn.q_proj",
-        "wk": "self_attn.k_proj",
-        "wv": "self_attn.v_proj",
-        "wo": "self_attn.o_proj",
-        "q_norm": "self_attn.q_norm",
-        "k_norm": "self_attn.k_norm",
-        "mlp_norm": "post_attention_layernorm",
-        "w_gate": "mlp.gate_proj",
-        "w_up": "mlp.up_proj",
-        "w_down": "mlp.down_proj",
-    }
+    hf = HF_LAYER_TENSORS
     layers = stack_layers(
         cfg, lambda i, key: get(f"model.layers.{i}.{hf[key]}.weight"), lambda i, key: f"{path}: layer {i} {hf[key]}"
     )
