@@ -94,7 +94,9 @@ def resolve_drafter_source(spec: str | Path) -> Path:
         return p
     text = str(spec)
     if text.count("/") != 1 or text.startswith((".", "/", "~")):
-        raise DSparkInputError(f"drafter {text!r} not found (not a directory, not a Hugging Face Hub id owner/name)")
+        raise DSparkInputError(
+            f"{text} is not a drafter export: no such directory (nor a Hugging Face Hub id owner/name)"
+        )
     try:
         from huggingface_hub import snapshot_download
     except ImportError:  # pragma: no cover - a core dependency

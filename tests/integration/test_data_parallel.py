@@ -47,7 +47,8 @@ def test_loss_normalisation_is_global(dp_report):
     r = dp_report
     glob, per_dev = r["loss_global_single_device"], r["loss_mean_of_device_means"]
     assert r["losses_8"][0] == pytest.approx(glob, rel=1e-5)
-    assert abs(per_dev - glob) > 1e-3 * abs(glob)  # the two normalisations really differ here
+    # The two normalisations really differ here (by 4e-4 relative), 40x the tolerance above.
+    assert abs(per_dev - glob) > 1e-4 * abs(glob)
 
 
 def test_gradient_accumulation_on_eight_devices_equals_big_batch(dp_report):
