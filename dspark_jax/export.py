@@ -40,10 +40,18 @@ def run(args: argparse.Namespace) -> str:
     import jax.numpy as jnp
 
     from dspark_jax.api import load_target
+    from dspark_jax.config import DrafterConfig
     from dspark_jax.drafters.checkpoint import load_drafter, read_export_meta
-    from dspark_jax.drafters.format_export import export_to_format
+    from dspark_jax.drafters.format_export import export_blockers, export_to_format
+    from dspark_jax.errors import DSparkInputError
+    from dspark_jax.models.presets import target_config
 
-    read_export_meta(args.drafter)  # fail fast, before loading the target
+    meta = read_export_meta(args.drafter)  # fail fast, before loading the target's weights
+    blockers = export_blockers(
+        DrafterConfig.from_dict(meta["config"]), args.format, target_config(args.target).num_layers
+    )
+    if blockers:
+        raise DSparkInputError(f"this drafter cannot be written in {args.format}'s format: {'; '.join(blockers)}")
     target, _ = load_target(args.target)
     drafter, _ = load_drafter(args.drafter, target=target)
     dtype = jnp.dtype(args.dtype) if args.dtype else None
