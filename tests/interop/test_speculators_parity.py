@@ -12,6 +12,7 @@ keys and reproduce the logits; import -> export -> import is bit-exact.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import jax
@@ -25,8 +26,13 @@ from dspark_jax.drafters.checkpoint import load_drafter
 from dspark_jax.drafters.format_export import export_to_format
 from dspark_jax.errors import DSparkInputError
 
-ref = pytest.importorskip("interop.speculators_ref")
-pytest.importorskip("speculators")
+try:  # CI installs speculators (.ci/run): there a missing reference fails, it never skips
+    import speculators  # noqa: F401
+    from interop import speculators_ref as ref
+except ImportError as e:
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        raise
+    pytest.skip(f"speculators is not installed ({e}); .ci/run installs it", allow_module_level=True)
 
 pytestmark = pytest.mark.exactness
 ATOL = 1e-4
