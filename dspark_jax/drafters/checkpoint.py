@@ -43,6 +43,7 @@ from dspark_jax.drafters.formats import (
     check_reference_rows,
     detect_format,
     read_external,
+    read_json_object,
     resolve_drafter_source,
 )
 from dspark_jax.errors import DSparkInputError
@@ -130,12 +131,7 @@ def read_export_meta(path: str | Path) -> dict[str, Any]:
             f"{path} is not a drafter export (no drafter.json): pass the export directory "
             "written by `python -m dspark_jax.train`"
         )
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DSparkInputError(f"{meta_path} is corrupt: {e}") from None
-    if not isinstance(meta, dict):
-        raise DSparkInputError(f"{meta_path} is corrupt: not a JSON object")
+    meta = read_json_object(meta_path)
     if meta.get("format") in _RENAMED:
         meta["format"] = _RENAMED[meta["format"]]
     if meta.get("format") not in _FORMATS:

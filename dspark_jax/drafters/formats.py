@@ -130,10 +130,12 @@ def detect_format(path: Path) -> str | None:
     return None
 
 
-def _read_config(path: Path) -> dict[str, Any] | None:
-    f = path / "config.json"
-    if not f.is_file():
-        return None
+def read_json_object(f: Path) -> dict[str, Any]:
+    """A JSON file holding one object (a drafter's ``config.json`` or ``drafter.json``).
+
+    Raises:
+      DSparkInputError: not valid JSON, or not an object.
+    """
     try:
         c = json.loads(f.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -141,6 +143,11 @@ def _read_config(path: Path) -> dict[str, Any] | None:
     if not isinstance(c, dict):
         raise DSparkInputError(f"{f} is corrupt: not a JSON object")
     return c
+
+
+def _read_config(path: Path) -> dict[str, Any] | None:
+    f = path / "config.json"
+    return read_json_object(f) if f.is_file() else None
 
 
 def _tensors(path: Path) -> dict[str, np.ndarray]:
