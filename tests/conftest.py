@@ -16,6 +16,10 @@ from pathlib import Path
 
 import pytest
 
+# Tests measure their own costs and compile their own programs: no table or executable stored
+# by one run (or by the user's own runs) may change another's (tests of the store set their own).
+os.environ["DSPARK_CACHE_DIR"] = "off"
+
 MODELS_DIR = Path(os.environ.get("DSPARK_MODELS") or Path(__file__).resolve().parents[2] / "shared/data/models")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

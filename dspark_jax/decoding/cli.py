@@ -23,6 +23,8 @@ import argparse
 import json
 import sys
 
+from dspark_jax.decoding import disk_cache
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -86,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(both runs are timed after one untimed warm-up run)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    disk_cache.add_cache_arguments(p)
     return p
 
 
@@ -172,6 +175,7 @@ def run(args: argparse.Namespace) -> dict:
     from dspark_jax.models.tokenizer import decode_complete
 
     _check_args(args)
+    disk_cache.apply_cache_arguments(args)
     target, tok = load_target(args.target, dtype=jnp.dtype(args.dtype))
     chat = args.chat if args.chat is not None else bool(preset_info(args.target).get("chat"))
     ids = encode_prompt(tok, args.prompt, chat)

@@ -20,6 +20,7 @@ the programs so that drift on a shared machine hits all of them alike.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import statistics
 import time
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.decoding import disk_cache
 from dspark_jax.decoding.auto_verify import default_widths
 from dspark_jax.decoding.compile_cache import LRUCache
 from dspark_jax.decoding.round import draft_tokens, verify_pass
@@ -37,6 +39,8 @@ from dspark_jax.drafters.base import prepare_drafter
 from dspark_jax.models.sampling import process_logits, sample, sampling_arrays
 
 __all__ = ["CostTable", "cached_cost_table", "measure_costs"]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +81,24 @@ class CostTable:
         verifying ``width`` drafts per round: ``tau / (T_draft + T_verify(width))``."""
         t_draft = self.t_draft_greedy if greedy else self.t_draft_sampled
         return tau / (t_draft + float(self.verify_array([width])[0]))
+
+    def to_record(self) -> dict[str, Any]:
+        """Every field in seconds, exactly (the stored form; :meth:`from_record` inverts it)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_record(cls, obj: dict[str, Any]) -> CostTable:
+        """Inverse of :meth:`to_record`.
+
+        Raises:
+          KeyError / TypeError / ValueError: a malformed record.
+        """
+        widths = tuple(int(w) for w in obj["widths"])
+        t_verify = tuple(float(t) for t in obj["t_verify"])
+        if len(widths) != len(t_verify) or not widths:
+            raise ValueError("widths and t_verify differ in length")
+        scalars = ("t_draft_greedy", "t_draft_sampled", "t_step", "t_context")
+        return cls(widths, t_verify, *(float(obj[k]) for k in scalars), cache_len=int(obj["cache_len"]))
 
     def to_json(self) -> dict[str, Any]:
         """Milliseconds, the layout of ``benchmarks/decode_costs.py``'s JSON."""
@@ -220,10 +242,38 @@ def measure_costs(
 _COST_TABLES = LRUCache(maxsize=8)
 
 
+def _stored_or_measured(target, drafter, cache_len: int, repeats: int) -> CostTable:
+    """The table stored on disk for these shapes (:mod:`~dspark_jax.decoding.disk_cache`), else
+    measured now and stored for the next process."""
+    key = disk_cache.cost_key(
+        "cost_table",
+        target=target.cfg,
+        target_dtype=jnp.dtype(target.dtype).name,
+        drafter=drafter.cfg,
+        drafter_dtype=jnp.dtype(drafter.dtype).name,
+        cache_len=int(cache_len),
+    )
+    stored = disk_cache.load_costs(key)
+    if stored is not None:
+        try:
+            return CostTable.from_record(stored)
+        except (KeyError, TypeError, ValueError) as e:
+            _log.warning("ignoring a malformed stored cost table (%s); measuring again", e)
+    t0 = time.perf_counter()
+    table = measure_costs(target, drafter, cache_len=cache_len, repeats=repeats)
+    path = disk_cache.save_costs(key, table.to_record())
+    _log.info("measured the cost table in %.1f s%s", time.perf_counter() - t0, f"; stored in {path}" if path else "")
+    return table
+
+
 def cached_cost_table(target, drafter, cache_len: int, repeats: int = 5) -> CostTable:
-    """:func:`measure_costs` once per model configs, dtypes and ``cache_len``, then reused.
+    """:func:`measure_costs` once per model configs, dtypes and ``cache_len``, then reused: in
+    this process (memory) and by later ones (stored on disk, keyed by the backend, device kind,
+    configs, dtypes, ``cache_len`` and versions; :mod:`~dspark_jax.decoding.disk_cache`), so the
+    same prompt gets the same chosen lengths, hence the same tau, in every process.
 
     ``repeats`` applies to that first measurement only (a benchmark can measure the table the
-    decode loop will reuse more precisely ahead of time: ``benchmarks/speedup.py``)."""
+    decode loop will reuse more precisely ahead of time: ``benchmarks/speedup.py``).
+    ``DSPARK_REFRESH_COSTS=1`` re-measures (and overwrites the stored table)."""
     key = (target.cfg, jnp.dtype(target.dtype).name, drafter.cfg, jnp.dtype(drafter.dtype).name, cache_len)
-    return _COST_TABLES.get_or_build(key, lambda: measure_costs(target, drafter, cache_len=cache_len, repeats=repeats))
+    return _COST_TABLES.get_or_build(key, lambda: _stored_or_measured(target, drafter, cache_len, repeats))

@@ -133,10 +133,12 @@ class OnlineCalibrator:
             "observations": num,
         }
 
-    def prior_survival(self, default: float = 0.5) -> np.ndarray:
-        """``[G]`` survival forecast from the window's observed conditional acceptance
-        (``default`` where a position has no observation yet); used for requests whose own
-        confidences are not available (e.g. the deployed scheduler's stale budget)."""
-        s = self.stats()["observed"]
-        c = np.array([default if v is None else v for v in s], np.float64)
-        return np.cumprod(c)
+    def prior_survival(self, default: float = 0.5, strength: float = 16.0) -> np.ndarray:
+        """``[G]`` survival forecast from the window's observed conditional acceptance, shrunk
+        towards ``default`` by ``strength`` pseudo-observations per position (a Beta prior:
+        ``(accepted + strength * default) / (observations + strength)``), so that a handful of
+        unlucky rounds cannot pin the forecast at 0; used for requests whose own confidences
+        are not available (e.g. the deployed scheduler's stale budget)."""
+        m = np.minimum(self._count, self.window).astype(np.float64)
+        acc = np.array([self._y[pos, : int(m[pos])].sum() for pos in range(self.block_size)])
+        return np.cumprod((acc + strength * default) / (m + strength))

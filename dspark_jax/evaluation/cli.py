@@ -31,6 +31,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dspark_jax.decoding import disk_cache
+
 if TYPE_CHECKING:  # annotations only: the heavy imports stay lazy so that --help is instant
     from dspark_jax.drafters.base import Drafter
     from dspark_jax.models.target import Target
@@ -99,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="weight/compute dtype (default float32)"
     )
     p.add_argument("--out", required=True, help="output directory for eval.json and the plots (created)")
+    disk_cache.add_cache_arguments(p)
     return p
 
 
@@ -184,6 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from dspark_jax.evaluation.acceptance import evaluate_tau
     from dspark_jax.evaluation.reliability import jsonable
 
+    disk_cache.apply_cache_arguments(args)
     _validate(args)
     meta = read_export_meta(args.drafter)  # fail fast, before loading the target
     texts, source = load_prompt_texts(args.prompts, meta)

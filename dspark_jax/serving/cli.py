@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dspark_jax.decoding import disk_cache
+
 __all__ = ["ServerThread", "build_engine", "build_server", "main", "warmup_engine"]
 
 
@@ -51,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p)
     _add_request_args(p)
     _add_runtime_args(p)
+    disk_cache.add_cache_arguments(p)
     return p
 
 
@@ -359,6 +362,8 @@ def run(args: argparse.Namespace) -> None:
     import jax.numpy as jnp
     import uvicorn
 
+    jax_cache = disk_cache.apply_cache_arguments(args)
+
     from dspark_jax.api import load_target_and_drafter
     from dspark_jax.drafters.checkpoint import read_export_meta
     from dspark_jax.errors import DSparkInputError
@@ -417,8 +422,10 @@ def run(args: argparse.Namespace) -> None:
     )
     warmup_engine(engine, args.sps_table)
     say(
-        f"engine ready in {time.monotonic() - t0:.1f} s ({engine.metrics()['compiles']} executables); serving "
-        f"on http://{args.host}:{args.port}"
+        f"engine ready in {time.monotonic() - t0:.1f} s: built {engine.metrics()['compiles']} programs"
+        + (f" (persistent compilation cache {jax_cache}: the next start reuses them)" if jax_cache else "")
+        + (f"; SPS table {engine.table_source}" if engine.table_source else "")
+        + f"; serving on http://{args.host}:{args.port}"
     )
     app, _ = build_server(
         engine,

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from dspark_jax.decoding import disk_cache
 from dspark_jax.decoding.sps import SPSTable, profile_buckets
 from dspark_jax.drafters.base import BlockDrafter
 from dspark_jax.errors import DSparkInputError
@@ -359,6 +360,39 @@ class EngineDevice:
             "cache_len": self.cache_len,
             **({} if self.mesh is None else {"mesh": shd.describe(self.mesh)}),
         }
+
+    def store_key(self) -> dict:
+        """The on-disk key of this engine's SPS table (:mod:`~dspark_jax.decoding.disk_cache`):
+        :meth:`meta` without the weights' fingerprint (costs do not depend on weight values),
+        plus the model configs, verification mode, bias-table size and logprob width."""
+        meta = {k: v for k, v in self.meta().items() if k != "fingerprint"}
+        d = self.drafter
+        return disk_cache.cost_key(
+            "sps_table",
+            **meta,
+            target_cfg=self.target.cfg,
+            drafter_cfg=None if d is None else d.cfg,
+            mode=self.mode,
+            bias_entries=self.nb,
+            n_top=self.n_top,
+        )
+
+    def stored_table(self) -> SPSTable | None:
+        """The SPS table stored on disk for this engine's shapes (carrying this engine's
+        :meth:`meta`), or None (none stored, the cache off, or a refresh requested)."""
+        stored = disk_cache.load_costs(self.store_key())
+        if stored is None:
+            return None
+        try:
+            table = SPSTable.from_json(stored)
+        except DSparkInputError:  # a stored table of an older layout: profile again
+            return None
+        table.meta = self.meta()
+        return table
+
+    def store_table(self, table: SPSTable) -> None:
+        """Stores ``table`` for later processes (a no-op when the cache is off)."""
+        disk_cache.save_costs(self.store_key(), table.to_json())
 
     def drafts_flags(self) -> list[bool]:
         """Whether steps can draft: ``[False]`` without a drafter, else ``[False, True]``."""

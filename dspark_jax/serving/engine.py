@@ -217,6 +217,7 @@ class Engine:
         self.calibrator = OnlineCalibrator(max(self.gamma, 1), init, window=calibration_window, lr=calibration_lr)
         self._slots = SlotTable(self.num_slots)
         self._warm = False
+        self.table_source: str | None = None  # where the SPS table came from (given, stored, profiled)
         self._given_table = (
             SPSTable.load(os.fspath(sps_table)) if isinstance(sps_table, (str, os.PathLike)) else sps_table
         )
@@ -345,19 +346,27 @@ class Engine:
         self._warm = True
 
     def _ensure_table(self) -> None:
+        """The SPS table of the throughput-aware policies: the one in use or given, else the one
+        stored on disk for this engine's shapes, else profiled now; :attr:`table_source` says which."""
         if self.policy_name in ("greedy", "dspark"):
             need, meta = self.buckets(), self._device.meta()
-            if not self.planner.adopt_table(meta, need, self._given_table):
+            if self.planner.adopt_table(meta, need, self._given_table):
+                self.table_source = self.table_source or "given"
+            elif self.planner.adopt_table(meta, need, self._device.stored_table()):
+                self.table_source = "stored"
+            else:
                 self.profile_sps()
 
     def profile_sps(self, iters: int | None = None) -> SPSTable:
-        """Times one step of every bucket of the current policy, with and without drafting.
+        """Times one step of every bucket of the current policy, with and without drafting, and
+        stores the table for later processes (:mod:`~dspark_jax.decoding.disk_cache`).
 
         Safe at any time: profiling steps run with every row inactive, so no request's state
         changes. Returns (and installs) the :class:`SPSTable`.
         """
         table = self._device.profile(self.buckets(), self.profile_iters if iters is None else iters)
-        self.sps_table = table
+        self.sps_table, self.table_source = table, "profiled"
+        self._device.store_table(table)
         return table
 
     # ------------------------------------------------------------------ requests
@@ -428,9 +437,8 @@ class Engine:
         bias = prefix.bias if prefix.bias is not None else bias_table(sp, prefix.prompt_len, self.limits)
         self._device.run_insert(prefix.bucket_len, prefix.arrays, self._slots.next_row(), prefix.prompt_len, sp, bias)
         self._slots.place(int(slot))
-        rec.z = prefix.conf_logit
         rec.stale_from = None if prefix.has_context else 0
-        rec.hist.append(rec.z)
+        rec.push_z(prefix.conf_logit)
 
     def free(self, slot: int) -> None:
         """Releases ``slot`` (finished, cancelled, disconnected, or a stop string was hit).
@@ -513,8 +521,7 @@ class Engine:
         if rec.n_lp is not None:
             lps = rec.pending_lp + [lp_entry(lpc[r, j], lpv[r, j], lpi[r, j], rec.n_lp) for j in range(len(rnd.tokens))]
             rec.pending_lp = []
-        rec.z = np.asarray(conf[r], np.float64) if (draft_next and self.gamma) else None
-        rec.hist.append(rec.z)
+        rec.push_z(np.asarray(conf[r], np.float64) if (draft_next and self.gamma) else None)
         done = rnd.reason is not None
         return StepOutput(slot, rec.request.request_id, toks, done, rnd.reason, rnd.verified, rnd.accepted, lps)
 

@@ -21,6 +21,20 @@ holds their context) and writes their drafter context before the step, which the
 exactly as with continuous upkeep.
 The throughput-aware policies price that catch-up (:func:`catchup_batches`) into their
 decision to resume.
+
+Probing
+-------
+A suspended policy has no fresh evidence: drafting stopped, so no confidence or acceptance
+is observed, and a decision made on one unlucky round would last for the life of the server.
+So while it does not draft, the policy *probes*: after ``probe_interval`` non-drafting steps
+(``suspend_after`` at first, doubling after every probe that does not resume drafting, at
+most :data:`MAX_PROBE_INTERVAL`; never stopping) and once the time spent since the last probe
+is worth a drafting round (its extra seconds over a plain step, from the SPS table, at most
+:data:`PROBE_BUDGET` of that time), one step drafts the next block and the following step
+verifies at least one draft per row. The probe's confidences and the acceptance observed then
+feed the same decision as always (forecast Theta, catch-up priced in); drafting resumes when
+it pays, and the interval goes back to ``suspend_after``. A probe never changes which tokens
+are emitted (verification is lossless), only where the time goes.
 """
 
 from __future__ import annotations
@@ -37,7 +51,10 @@ from dspark_jax.decoding.sps import SPSTable
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.serving.slots import SlotRecord
 
-__all__ = ["Planner", "catchup_batches", "parse_policy"]
+__all__ = ["MAX_PROBE_INTERVAL", "PROBE_BUDGET", "Planner", "catchup_batches", "parse_policy"]
+
+MAX_PROBE_INTERVAL = 512  # steps: the longest wait between two probes of a suspended policy
+PROBE_BUDGET = 0.1  # a probe's extra seconds may be at most this share of the time since the last one
 
 # The engine's logger: suspension / resumption lines are the engine's (tests filter on it).
 _log = logging.getLogger("dspark_jax.serving.engine")
@@ -143,9 +160,13 @@ class Planner:
         self.ladder, self.row_buckets = list(ladder), list(row_buckets)
         self.calibrator, self.suspend_after = calibrator, suspend_after
         self.sps_table: SPSTable | None = None
-        self.idle_steps = 0  # consecutive steps that did not draft
+        self.idle_steps = 0  # consecutive steps the policy chose not to draft (probes included)
         self._was_suspended = False
         self.decision: dict | None = None  # the dspark/greedy policy's last drafting decision
+        self.probes = 0  # probes run (drafting rounds forced while not drafting)
+        self.probe_interval = max(1, suspend_after or 16)
+        self._since_probe = 0  # non-drafting steps since the last probe
+        self._probe = 0  # 1: this step drafts as a probe; 2: this step verifies the probe's drafts
         self.set_policy(policy)
 
     def set_policy(self, policy: str) -> None:
@@ -223,9 +244,33 @@ class Planner:
         return tokens == rows and not draft_next and self.suspended()
 
     def record_step(self, rows: int, tokens: int, draft_next: bool) -> None:
-        """Counts a step that did (not) draft or verify drafts; logs a suspension change."""
-        self.idle_steps = 0 if (draft_next or tokens > rows) else self.idle_steps + 1
+        """Counts a step that did (not) draft or verify drafts; logs a suspension change. A
+        probe's two steps count as not drafting unless the policy itself chose to draft."""
+        chose = (draft_next or tokens > rows) and not self._probe
+        if self._probe == 2 and draft_next:  # the probe's evidence says drafting pays
+            chose = True
+        if chose:
+            self.idle_steps, self._since_probe = 0, 0
+            self.probe_interval = max(1, self.suspend_after or 16)
+        else:
+            self.idle_steps += 1
+            self._since_probe += 1
+        if self._probe == 2 and not chose:  # a probe that did not resume: back off
+            self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+        self._probe = 1 + self._probe if self._probe == 1 else 0
         self._log_drafting_change()
+
+    def _probe_due(self, rows: int) -> bool:
+        """Whether a non-drafting step should draft as a probe: ``probe_interval`` steps since
+        the last one, and the drafting round's extra seconds (SPS table) within
+        :data:`PROBE_BUDGET` of the plain time spent since then."""
+        if self._since_probe < self.probe_interval:
+            return False
+        table, budgets = self._table(), self.budgets(rows)
+        plain = 1.0 / max(table.sps(rows, rows, False), 1e-9)
+        verify = min((b for b in budgets if b >= 2 * rows), default=budgets[-1])  # >= 1 draft per row
+        extra = 1.0 / max(table.sps(rows, rows, True), 1e-9) + 1.0 / max(table.sps(rows, verify, False), 1e-9)
+        return extra - 2 * plain <= PROBE_BUDGET * self._since_probe * plain
 
     def _log_drafting_change(self) -> None:
         """One log line when drafting is suspended or resumes, with the scheduler's reason."""
@@ -241,7 +286,12 @@ class Planner:
         if now:
             _log.info("suspending drafting after %d steps without drafts: %s", self.idle_steps, why)
         else:
-            _log.info("resuming drafting: %s; catch-up %.3f s", why, d.get("catchup_seconds", 0.0))
+            _log.info(
+                "resuming drafting: %s; catch-up %.3f s (%d probes so far)",
+                why,
+                d.get("catchup_seconds", 0.0),
+                self.probes,
+            )
 
     def _catchup_seconds(self, records: Sequence[SlotRecord], rows: int) -> float:
         """Resuming from suspension first costs the catch-up passes over the skipped tokens
@@ -271,6 +321,8 @@ class Planner:
             "tokens_per_s_plain": theta_p,
             "catchup_seconds": catchup_s,
             "draft": bool(draft),
+            "probes": self.probes,
+            "probe_interval": self.probe_interval,
         }
         return draft
 
@@ -283,14 +335,20 @@ class Planner:
         def surv_of(zz):
             return prior if zz is None else sch.survival(self.calibrator.confidence(zz))
 
-        latest = [next((h for h in reversed(rec.hist) if h is not None), None) for rec in records]
-        fc = np.stack([surv_of(zz) for zz in latest])
+        fc = np.stack([surv_of(rec.last_z) for rec in records])
         draft_next = self.want_drafts(records, rows, fc, room)
+        if not draft_next and self._probe == 0 and self._probe_due(rows):
+            draft_next, self._probe, self._since_probe = True, 1, 0
+            self.probes += 1
+            self.decision = dict(self.decision or {}, probe=True, probes=self.probes)
         sps = self.sps_of_total(rows, len(records), draft_next)
         if self.name == "greedy":
-            return sch.greedy_lengths(surv, cap, sps), draft_next
-        old = np.stack([surv_of(rec.hist[0] if len(rec.hist) == 3 else None) for rec in records])
-        ell, _ = sch.deployed_lengths(old, surv, cap, sps, self.budgets(rows))
+            ell = sch.greedy_lengths(surv, cap, sps)
+        else:
+            old = np.stack([surv_of(rec.hist[0] if len(rec.hist) == 3 else None) for rec in records])
+            ell, _ = sch.deployed_lengths(old, surv, cap, sps, self.budgets(rows))
+        if self._probe == 2:  # verify the probe's drafts: at least one per row that has them
+            ell = np.maximum(ell, np.minimum(cap, 1))
         return ell, draft_next
 
     def plan(self, records: Sequence[SlotRecord]) -> tuple[np.ndarray, int, int, bool]:

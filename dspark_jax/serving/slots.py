@@ -57,6 +57,8 @@ class SlotRecord:
       done: finish reason when it finished at prefill.
       z: ``[gamma]`` raw confidence logits of the block verified next (None: no draft).
       hist: the last 3 blocks' ``z`` (the deployed scheduler reads 2-step-old confidences).
+      last_z: the latest ``z`` the drafter produced for this request, however old (the
+        forecast of a row that has not drafted lately); None before its first block.
       tokens: confirmed tokens by position (the catch-up re-runs them).
       stale_from: drafter context missing from this position on (None: current).
       min_tokens: stops cannot end the request before this many generated tokens.
@@ -75,6 +77,7 @@ class SlotRecord:
     done: str | None = None
     z: np.ndarray | None = None
     hist: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=3))
+    last_z: np.ndarray | None = None
     tokens: list = dataclasses.field(default_factory=list)
     stale_from: int | None = None
     min_tokens: int = 0
@@ -109,6 +112,14 @@ class SlotRecord:
         elif rec.length >= end:
             rec.done = "length"
         return rec
+
+    def push_z(self, z: np.ndarray | None) -> None:
+        """Records the confidence logits ``z [gamma]`` of the block verified next (None: the
+        step did not draft): :attr:`z`, :attr:`hist` and :attr:`last_z`."""
+        self.z = z
+        self.hist.append(z)
+        if z is not None:
+            self.last_z = z
 
     def biased(self) -> bool:
         """Whether a step must apply this row's bias table (logit_bias, or min_tokens masking

@@ -26,6 +26,7 @@ import json
 import sys
 
 from dspark_jax.config import apply_overrides
+from dspark_jax.decoding import disk_cache
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.training.dry_run import dry_run, serve_dry_run
 from dspark_jax.training.pipeline import run
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(report, indent=2))
             print(report["summary"], file=sys.stderr)
             return 0
+        disk_cache.enable_compilation_cache()  # a resumed run skips compiling its step again
         run(cfg, evaluate=not args.skip_eval)
     except DSparkInputError as e:
         print(f"error: {e}", file=sys.stderr)

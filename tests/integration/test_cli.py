@@ -150,9 +150,11 @@ def test_smollm2_golden_chatml_through_generate():
 
 
 @pytest.mark.slow
-def test_main_job_end_to_end(stories260k_export):
-    """train (fixture) -> export -> generate --drafter --compare-ar --json: lossless and reported."""
+def test_main_job_end_to_end(stories260k_export, tmp_path):
+    """train (fixture) -> export -> generate --drafter --compare-ar --json: lossless and reported;
+    a second process reuses the cost table the first measured (same lengths, so the same tau)."""
     workdir, summary = stories260k_export
+    store = {"DSPARK_CACHE_DIR": str(tmp_path / "cache")}
     export = Path(summary["export_dir"])
     assert (export / "drafter.json").is_file() and (export / "params").is_dir()
     assert (Path(workdir) / "checkpoints").is_dir() and (Path(workdir) / "metrics.jsonl").is_file()
@@ -172,9 +174,17 @@ def test_main_job_end_to_end(stories260k_export):
         "0",
         "--compare-ar",
         "--json",
+        env=store,
     )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
+    (stored,) = (tmp_path / "cache" / "costs").glob("cost_table-*.json")
+    measured_at = stored.stat().st_mtime_ns
+    again = cli("generate", *p.args[3:-2], "--json", env=store)  # the same request, without --compare-ar
+    assert again.returncode == 0, again.stderr
+    again_out = json.loads(again.stdout)
+    assert stored.stat().st_mtime_ns == measured_at  # loaded, not measured again
+    assert again_out["token_ids"] == out["token_ids"] and again_out["tau"] == out["tau"]
     for key in (
         "text",
         "token_ids",

@@ -764,6 +764,23 @@ def test_rejection_mode_replays_verify(rejection_engine, tokenizer, full_logits)
     assert checked >= 10 and eng.metrics()["accepted_tokens"] > 0
 
 
+def test_sps_table_is_stored_and_reused_by_a_new_engine(engine, target, drafter, tmp_path, monkeypatch):
+    """Issue 26: a second engine of the same shapes (a later process) adopts the SPS table the
+    first profiled, from disk, instead of profiling again; the weights' fingerprint is not part
+    of the key (costs do not depend on weight values)."""
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
+    engine.set_policy("dspark")
+    table = engine.profile_sps(iters=1)
+    assert list((tmp_path / "costs").glob("sps_table-*.json"))
+    kw = dict(num_slots=2, cache_len=CACHE, buckets=(8,), prefill_buckets=(32,), suspend_after=2)
+    twin = Engine(target, drafter, policy="dspark", program_cache=engine.program_cache, **kw)
+    twin._ensure_table()  # what warmup() does after compiling
+    assert twin.table_source == "stored" and twin.sps_table is not None
+    assert twin.sps_table.entries == table.entries and twin.sps_table.matches(twin._device.meta())
+    monkeypatch.setenv("DSPARK_REFRESH_COSTS", "1")
+    assert twin._device.stored_table() is None  # a refresh measures again
+
+
 def test_dspark_policy_reports_its_decision(engine, requests, caplog):
     """The dspark policy exposes why it drafts or not (expected tokens/s both ways, the priced
     catch-up) and logs one line when it suspends and when it resumes drafting."""

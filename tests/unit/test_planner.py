@@ -1,0 +1,103 @@
+"""The serving scheduler's suspension, probing and resumption (``dspark_jax.serving.planner``),
+driven without JAX: a scripted drafter whose acceptance changes over time, an SPS table in
+which drafting pays only when drafts are accepted, and the engine's host loop in miniature."""
+
+import numpy as np
+import pytest
+
+from dspark_jax.decoding.online_calibration import OnlineCalibrator
+from dspark_jax.decoding.sps import SPSTable
+from dspark_jax.serving.planner import MAX_PROBE_INTERVAL, Planner
+from dspark_jax.serving.slots import SlotRecord
+
+GAMMA = 4
+LADDER = (2, 4, 8, 16)
+
+
+def _table(rows: int = 1) -> SPSTable:
+    """Steps/s falling with packed tokens; a drafting step costs 25% more than a plain one."""
+    entries = {}
+    for k in range(rows, rows * (GAMMA + 1) + 1):
+        for d in (False, True):
+            entries[(rows, k, d)] = 100.0 / (1.0 + 0.1 * (k - rows)) / (1.25 if d else 1.0)
+    return SPSTable({}, entries)
+
+
+def _record() -> SlotRecord:
+    return SlotRecord(None, 0, 4, 5, 10**9, frozenset(), [])  # pyright: ignore[reportArgumentType]
+
+
+def _drive(planner: Planner, rec: SlotRecord, script, steps: int) -> list[dict]:
+    """Runs ``steps`` engine steps of one request; ``script(step) -> (z, accepted_per_draft)``
+    gives the drafter's raw confidence logit and whether each verified draft is accepted."""
+    log = []
+    for step in range(steps):
+        ell, rows, tokens, draft_next = planner.plan([rec])
+        planner.drafting = bool(draft_next)
+        suspended = planner.suspend_now(rows, tokens, draft_next)
+        rec.stale_from = (rec.length - 1 if rec.stale_from is None else rec.stale_from) if suspended else None
+        planner.record_step(rows, tokens, draft_next)
+        z, good = script(step)
+        acc = int(ell[0]) if good else 0
+        if ell[0] > 0:
+            planner.calibrator.observe(np.asarray(rec.z)[None], ell, np.asarray([acc]))
+            planner.calibrator.update()
+        rec.length += 1 + acc
+        rec.push_z(np.full(GAMMA, z) if draft_next else None)
+        log.append({"step": step, "verified": int(ell[0]), "drafted": bool(draft_next), "suspended": suspended})
+    return log
+
+
+@pytest.mark.parametrize("policy", ["dspark", "greedy"])
+def test_suspended_policy_probes_backs_off_and_resumes(policy):
+    """Bad drafts: the policy stops drafting, suspends, and probes at doubling intervals (never
+    stopping); once drafts are accepted again, a probe sees it and drafting resumes for good."""
+    cal = OnlineCalibrator(GAMMA, min_obs=4)
+    planner = Planner(GAMMA, True, LADDER, [1], cal, suspend_after=4, policy=policy)
+    planner.set_table(_table())
+    rec = _record()
+    rec.push_z(np.full(GAMMA, -4.0))  # the prefill's block: hopeless
+    switch = 300
+    log = _drive(planner, rec, lambda s: (-4.0, False) if s < switch else (4.0, True), switch + 2 * MAX_PROBE_INTERVAL)
+    bad, good = log[:switch], log[switch:]
+    assert sum(e["suspended"] for e in bad) > 0.8 * switch  # it gave up on the drafter ...
+    probes = [e["step"] for e in bad if e["drafted"]]
+    gaps = np.diff(probes)
+    assert len(probes) >= 4 and np.all(gaps[1:] >= gaps[:-1])  # ... but kept probing, backing off
+    resumed = next(e["step"] for e in good if e["verified"] > 0)  # the first probe after the switch
+    assert resumed - switch <= MAX_PROBE_INTERVAL + 1
+    after = [e for e in good if e["step"] > resumed + 2]
+    assert all(e["drafted"] and not e["suspended"] for e in after)  # drafting stayed on
+    assert np.mean([e["verified"] for e in after]) >= 2
+    assert planner.probe_interval == 4 and planner.probes == len(probes) + 1
+    assert planner.decision is not None and planner.decision["draft"]
+
+
+def test_one_unlucky_round_does_not_switch_drafting_off():
+    """The report that motivated probing: the first round's drafts are all rejected, later
+    ones are good. The prior over requests without confidences is shrunk towards 1/2, so the
+    drafter is back within a few probes (today's first failure pinned it at 0 forever)."""
+    cal = OnlineCalibrator(GAMMA, min_obs=4)
+    planner = Planner(GAMMA, True, LADDER, [1], cal, suspend_after=4, policy="dspark")
+    planner.set_table(_table())
+    rec = _record()
+    rec.push_z(np.full(GAMMA, 3.0))
+    log = _drive(planner, rec, lambda s: (3.0, s > 0), 200)
+    assert log[0]["verified"] > 0
+    assert sum(e["verified"] > 0 for e in log) > 150
+    assert cal.prior_survival()[0] > 0.5  # the good rounds, not the first one, set the prior
+
+
+def test_probes_are_priced():
+    """When a drafting round costs far more than the plain time since the last probe could pay
+    for, the probe waits (its extra seconds are at most PROBE_BUDGET of that time)."""
+    cal = OnlineCalibrator(GAMMA, min_obs=4)
+    planner = Planner(GAMMA, True, LADDER, [1], cal, suspend_after=4, policy="dspark")
+    table = _table()
+    for k in range(1, GAMMA + 2):
+        table.entries[(1, k, True)] = 1.0  # a drafting step costs 100 plain steps
+    planner.set_table(table)
+    rec = _record()
+    log = _drive(planner, rec, lambda s: (-4.0, False), 1100)
+    probes = [e["step"] for e in log if e["drafted"]]
+    assert len(probes) == 1 and probes[0] >= 990  # ~1000 plain steps (10 s) pay for one probe (1 s)
