@@ -98,6 +98,83 @@ def _per_row(x: jax.Array, ndim: int) -> jax.Array:
     return jnp.reshape(x, x.shape + (1,) * (ndim - 1))
 
 
+def _order_keys(x: jax.Array) -> jax.Array:
+    """``float32 -> uint32`` keys ordered as the floats (``-inf`` < ... < ``-0.0`` < ``+0.0`` < ... < ``+inf``)."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    negative = lax.shift_right_logical(bits, jnp.uint32(31)) == 1
+    return bits ^ jnp.where(negative, jnp.uint32(0xFFFFFFFF), jnp.uint32(0x80000000))
+
+
+def _largest_passing(pred, shape: tuple[int, ...], num_bits: int) -> jax.Array:
+    """The largest ``t`` in ``[0, 2**num_bits)`` (uint32, shape ``shape``) with ``pred(t)`` true, for
+    a ``pred`` that is true up to some point and false after it, elementwise; 0 where it is never
+    true. Built bit by bit from the most significant one: ``num_bits`` evaluations of ``pred``."""
+
+    def body(i, t):
+        cand = t | lax.shift_left(jnp.uint32(1), (num_bits - 1 - i).astype(jnp.uint32))
+        return jnp.where(pred(cand), cand, t)
+
+    return lax.fori_loop(0, num_bits, body, jnp.zeros(shape, jnp.uint32))
+
+
+def _count(mask: jax.Array) -> jax.Array:
+    return jnp.sum(mask, axis=-1, keepdims=True, dtype=jnp.int32)
+
+
+def _tie_cut(tie: jax.Array, ids: jax.Array, need: jax.Array) -> jax.Array:
+    """The id of the ``need``-th (1-based, by id) token of ``tie`` (``need`` <= its count); when a
+    row keeps every tie that is just its largest id, and the search over ids runs only under a
+    ``lax.cond`` when some row keeps fewer."""
+    last = jnp.max(jnp.where(tie, ids, -1), axis=-1, keepdims=True).astype(jnp.uint32)
+    uids = ids.astype(jnp.uint32)
+    num_bits = max(1, (ids.shape[-1] - 1).bit_length())
+
+    def search(_):
+        return _largest_passing(lambda j: _count(tie & (uids < j)) < need, need.shape, num_bits)
+
+    return lax.cond(jnp.any(_count(tie) > need), search, lambda _: last, None)
+
+
+def _prefix_mask(keys: jax.Array, uids: jax.Array, cut_key: jax.Array, cut_id: jax.Array) -> jax.Array:
+    """The ranking prefix that ends at the token ``(cut_key, cut_id)``."""
+    return (keys > cut_key) | ((keys == cut_key) & (uids <= cut_id))
+
+
+def _top_k_mask(keys: jax.Array, ids: jax.Array, k_eff: jax.Array) -> jax.Array:
+    """The ``k_eff`` first tokens of the ranking (``1 <= k_eff <= V``)."""
+    cut_key = _largest_passing(lambda t: _count(keys >= t) >= k_eff, k_eff.shape, 32)
+    tie = keys == cut_key
+    cut_id = _tie_cut(tie, ids, k_eff - _count(keys > cut_key))
+    return _prefix_mask(keys, ids.astype(jnp.uint32), cut_key, cut_id)
+
+
+def _top_p_mask(keys: jax.Array, ids: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The nucleus of ``probs`` (zero outside the top-k): the ranking positions whose mass strictly
+    before them is ``< top_p``, at least one.
+
+    ``cut_key`` is the largest logit ``L`` with ``mass(logit >= L) >= top_p``, capped at the
+    maximum (``top_p <= 0``); every token above it is kept, and of the ``n`` tokens tied at it
+    (equal logits, equal probabilities ``p``) the first ``ceil((top_p - mass(logit > L)) / p)``
+    by id, clipped to ``[1, n]``. Where even the whole mass is ``< top_p`` (rounding), the search
+    finds 0 and everything is kept.
+    """
+
+    def mass(mask):
+        return jnp.sum(jnp.where(mask, probs, 0.0), axis=-1, keepdims=True)
+
+    found = _largest_passing(lambda t: mass(keys >= t) >= top_p, top_p.shape, 32)
+    cut_key = jnp.minimum(found, jnp.max(keys, axis=-1, keepdims=True))
+    tie = (keys == cut_key) & (probs > 0.0)
+    p_tie = jnp.max(jnp.where(tie, probs, 0.0), axis=-1, keepdims=True)
+    before = top_p - mass(keys > cut_key)
+    wanted = jnp.where(p_tie > 0.0, jnp.ceil(before / jnp.where(p_tie > 0.0, p_tie, 1.0)), 1.0)
+    n_tie = _count(tie)
+    need = jnp.minimum(jnp.clip(wanted, 1.0, float(keys.shape[-1])).astype(jnp.int32), n_tie)
+    cut_id = _tie_cut(tie, ids, jnp.maximum(need, 1))
+    keep = _prefix_mask(keys, ids.astype(jnp.uint32), cut_key, cut_id)
+    return jnp.where(n_tie > 0, keep, keys > cut_key)
+
+
 def _filter_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Masks (to ``-inf``) the tokens outside the top-k, then outside the top-p nucleus.
 
@@ -106,43 +183,40 @@ def _filter_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -
       top_k: ``[B, 1, ..., 1] int32`` (``<= 0`` or ``>= V``: off).
       top_p: ``[B, 1, ..., 1] f32`` (``>= 1``: off).
 
-    Tokens are ranked by a *stable* descending sort of the scaled logits, so equal logits
-    are ordered by token id (lower id first). The kept set is always a prefix of that
-    ranking of length ``n = max(1, min(k_eff, n_p))`` where ``k_eff`` is the top-k size and
-    ``n_p`` the smallest prefix of the top-k-renormalised distribution whose mass reaches
-    ``top_p`` (vLLM / HF order: temperature, top-k, then top-p on the filtered
-    distribution). Ties at the cut are therefore broken deterministically by token id and
-    exactly ``n`` tokens are kept.
+    Tokens are ranked by scaled logit, descending, equal logits by token id (lower id first).
+    The kept set is always a prefix of that ranking of length ``n = max(1, min(k_eff, n_p))``
+    where ``k_eff`` is the top-k size and ``n_p`` the smallest prefix of the
+    top-k-renormalised distribution whose mass reaches ``top_p`` (vLLM / HF order:
+    temperature, top-k, then top-p on the filtered distribution). Ties at the cut are
+    therefore broken deterministically by token id and exactly ``n`` tokens are kept.
 
-    Instead of scattering the sorted mask back (a second sort or a scatter), the cut is
-    turned into a lexicographic threshold ``(logit, -token_id)`` and compared elementwise
-    in the original order.
+    Sort-free: each cut is a threshold ``(logit, token id)`` found by bisection, on the
+    logit's bits (32 steps of a count, or of a masked sum of the probabilities, over V) and,
+    only where a tie straddles the cut, on the token id (``ceil(log2 V)`` steps). Each search
+    runs under a ``lax.cond`` that skips it when no row uses its filter. Agrees with a stable
+    sort plus cumsum except where the nucleus mass is within float32 rounding of ``top_p``
+    (the masses are sums over V, not a cumsum, so they round differently).
     """
     v = scaled.shape[-1]
-    # Canonicalise -0.0 to +0.0 so the sort's total order agrees with IEEE ``==`` below.
+    # Canonicalise -0.0 to +0.0 so the keys' order agrees with IEEE ``==``.
     scaled = jnp.where(scaled == 0.0, jnp.zeros_like(scaled), scaled)
+    keys = _order_keys(scaled)
     ids = lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)
-    neg_sorted, ids_sorted = lax.sort((-scaled, ids), dimension=scaled.ndim - 1, is_stable=True, num_keys=1)
-    sorted_logits = -neg_sorted
+    row_shape = scaled.shape[:-1] + (1,)
+    top_k = jnp.broadcast_to(top_k, row_shape)
+    top_p = jnp.broadcast_to(top_p, row_shape)
+    k_on = (top_k > 0) & (top_k < v)
+    p_on = top_p < 1.0
+    everything = jnp.ones(scaled.shape, bool)
 
-    k_eff = jnp.where((top_k <= 0) | (top_k >= v), v, top_k)
-    rank = lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)
-    in_top_k = rank < k_eff
-    topk_logits = jnp.where(in_top_k, sorted_logits, -jnp.inf)
-    probs_sorted = jax.nn.softmax(topk_logits, axis=-1)
-    cum = jnp.cumsum(probs_sorted, axis=-1)
-    exclusive = jnp.concatenate([jnp.zeros_like(cum[..., :1]), cum[..., :-1]], axis=-1)
-    # Position j is in the nucleus iff the mass strictly before it is < top_p. Counting
-    # (rather than reading a boolean mask) keeps the kept set a prefix even if a parallel
-    # cumsum were not perfectly monotone.
-    n_p = jnp.sum((exclusive < top_p) & in_top_k, axis=-1, keepdims=True, dtype=jnp.int32)
-    n_p = jnp.where(top_p >= 1.0, v, n_p)
-    n_keep = jnp.clip(jnp.minimum(k_eff, n_p), 1, v)
+    in_top_k = lax.cond(jnp.any(k_on), lambda: _top_k_mask(keys, ids, jnp.where(k_on, top_k, v)), lambda: everything)
+    in_top_k = in_top_k | ~k_on
 
-    cut = n_keep - 1
-    thr_logit = jnp.take_along_axis(sorted_logits, cut, axis=-1)
-    thr_id = jnp.take_along_axis(ids_sorted, cut, axis=-1)
-    keep = (scaled > thr_logit) | ((scaled == thr_logit) & (ids <= thr_id))
+    def nucleus():
+        probs = jax.nn.softmax(jnp.where(in_top_k, scaled, -jnp.inf), axis=-1)
+        return _top_p_mask(keys, ids, probs, jnp.where(p_on, top_p, 1.0)) | ~p_on
+
+    keep = in_top_k & lax.cond(jnp.any(p_on), nucleus, lambda: everything)
     return jnp.where(keep, scaled, -jnp.inf)
 
 
@@ -162,9 +236,9 @@ def process_logits(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     ``|max logit| / 3.4e38``, such as ``2e-38``): that one-hot is its exact T -> 0 limit (ties
     aside, which go to the lowest id), where ``logits / T`` would give NaN.
 
-    The full sort over V needed by top-k / top-p runs under ``lax.cond`` only when some
-    sampled (non-greedy) row actually uses them; otherwise this is an elementwise scale
-    plus a softmax. (Do not ``vmap`` this function over the batch: a vmapped ``lax.cond``
+    The top-k / top-p threshold searches (no sort, :func:`_filter_top_k_top_p`) run under
+    ``lax.cond`` only when some sampled (non-greedy) row actually uses them; otherwise this is
+    an elementwise scale plus a softmax. (Do not ``vmap`` this function over the batch: a vmapped ``lax.cond``
     executes both branches. It already handles the batch and any middle axes.)
 
     Args:

@@ -238,14 +238,6 @@ def test_fast_path_equals_slow_path():
     )
 
 
-def test_sort_is_behind_a_cond():
-    jaxpr = str(jax.make_jaxpr(process_logits)(jnp.zeros((2, 8)), sampling_arrays(2)))
-    assert "cond[" in jaxpr and "sort[" in jaxpr
-    # the sort lives only inside the cond's branches
-    before_cond = jaxpr.split("cond[")[0]
-    assert "sort[" not in before_cond
-
-
 def test_large_vocab_fast_and_filtered():
     v = 49152
     logits = jnp.asarray(_logits(6, (2, v)))
