@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -247,6 +248,12 @@ class Context:
     report: dict[str, Any]
     compile_s: dict[str, float]
     step_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    current: str = ""  # the section running
+
+    def partial(self, data: dict[str, Any]) -> None:
+        """Records and writes the running section's results so far (a run cut short keeps them)."""
+        self.report["sections"][self.current] = {"partial": True, **data}
+        self.write()
 
     def write(self) -> None:
         if self.compile_s and "compile" in self.args.sections:
@@ -326,6 +333,7 @@ def measure_steps(ctx: Context, caches: tuple[int, ...]) -> list[dict[str, Any]]
                     times[n].append(time.perf_counter() - t0)
         rows += [{"cache_len": c, "live_len": n, "step_ms": 1e3 * statistics.median(times[n])} for n in lives]
         del cache
+        ctx.partial({"rows": rows})
     base = {r["live_len"]: r["step_ms"] for r in rows if r["cache_len"] == caches[0]}
     for r in rows:
         r["over_smallest_cache"] = _ratio(r["step_ms"], base.get(r["live_len"]))
@@ -475,7 +483,13 @@ def section_exactness(ctx: Context) -> dict[str, Any]:
         target = Target(ctx.cfg, ctx.params, dtype=bf16)
         drafter = random_drafter(ctx.drafter.cfg, bf16)
     cases = [exactness_case(ctx.cfg.name, target, drafter, p.exact_shape, p.gamma, ctx.compile_s)]
-    stories = _stories260k(bf16, p.gamma) if p.stories else None
+    ctx.partial({"cases": cases})
+    stories, note = None, "not with --tiny"
+    if p.stories and time.perf_counter() - T0 > ctx.args.budget_s:
+        note = "skipped: the budget was spent"
+    elif p.stories:
+        stories = _stories260k(bf16, p.gamma)
+        note = "run" if stories is not None else "absent from $DSPARK_MODELS"
     if stories is not None:
         cases.append(exactness_case("stories260k", *stories, (p.exact_shape[0], 16, 64), p.gamma, ctx.compile_s))
     keys = ["model", "tokens", "argmax_agreement", "plain_vs_speculative_agreement", "first_divergence_min"]
@@ -484,7 +498,7 @@ def section_exactness(ctx: Context) -> dict[str, Any]:
         keys + ["acceptance"],
         [[c[k] for k in keys] + [c["acceptance_rate"]] for c in cases],
     )
-    return {"stories260k": stories is not None, "cases": cases}
+    return {"stories260k": note, "cases": cases}
 
 
 # ----------------------------------------------------------------------------- engine
@@ -542,7 +556,9 @@ def section_engine(ctx: Context) -> dict[str, Any]:
         t0 = time.perf_counter()
         eng.warmup()
         ctx.compile_s[f"engine.warmup[{policy}]"] = time.perf_counter() - t0
-        out += [_engine_point(eng, r, p, ctx.cfg.vocab_size) for r in p.rows]
+        for r in p.rows:
+            out.append(_engine_point(eng, r, p, ctx.cfg.vocab_size))
+            ctx.partial({"rows": out})
     keys = ["policy", "rows", "ms_per_step", "steps_per_s", "tokens_per_s", "tokens_per_row_step"]
     table(f"engine: cache {p.engine_cache}, prompt {p.engine_prompt}", keys, [[r[k] for k in keys] for r in out])
     return {
@@ -699,6 +715,7 @@ def build(args: argparse.Namespace) -> Context:
         "num_devices": jax.device_count(),
         "jax": jax.__version__,
         "python": platform.python_version(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "dtype": str(dtype),
         "tiny": bool(args.tiny),
         "budget_s": args.budget_s,
@@ -734,7 +751,7 @@ def main(argv: list[str] | None = None) -> int:
             ctx.report["sections"][name] = {"skipped": f"the budget of {args.budget_s:g} s was spent"}
             print(f"\n== {name}: skipped (budget spent)")
         else:
-            t0 = time.perf_counter()
+            t0, ctx.current = time.perf_counter(), name
             try:
                 ctx.report["sections"][name] = {**run(ctx), "section_s": time.perf_counter() - t0}
             except Exception as e:  # one section's failure (say out of memory) leaves the others' results
@@ -744,6 +761,7 @@ def main(argv: list[str] | None = None) -> int:
                     "traceback": traceback.format_exc()[-3000:],
                 }
                 print(f"\n== {name}: FAILED {type(e).__name__}: {e}")
+        gc.collect()  # the section's models and caches leave the device before the next one
         ctx.write()
     if "compile" in args.sections:
         table("compile seconds", ["program", "s"], [[k, v] for k, v in ctx.compile_s.items()])

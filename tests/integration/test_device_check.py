@@ -46,7 +46,7 @@ def test_tiny_run_writes_every_section(tmp_path):
     s = r["sections"]
     assert list(s) == ["step", "roofline", "exactness", "engine", "train", "compile"]
     for name, sec in s.items():
-        assert "error" not in sec and "skipped" not in sec, (name, sec)
+        assert not {"error", "skipped", "partial"} & set(sec), (name, sec)
         assert f"== {name if name != 'compile' else 'compile seconds'}" in p.stdout
     bad = [(k, v) for k, v in _numbers(r) if not math.isfinite(v)]
     assert not bad, bad
@@ -60,7 +60,7 @@ def test_tiny_run_writes_every_section(tmp_path):
         (256, 64),
         (256, 192),
     }
-    assert all(x["step_ms"] > 0 and x["bytes_dense"] >= x["bytes_live"] for x in s["roofline"]["rows"])
+    assert all(x["ms_per_token"] > 0 and x["bytes_dense"] >= x["bytes_live"] for x in s["roofline"]["rows"])
     assert s["roofline"]["rows"][-1]["program"] == "generate_autoregressive"
     (case,) = s["exactness"]["cases"]
     assert case["dtype"] == "bfloat16" and case["tokens"] == 2 * 24
@@ -83,6 +83,7 @@ def _script(monkeypatch):
     return device_check
 
 
+@pytest.mark.slow
 def test_a_spent_budget_skips_the_sections_and_still_writes(tmp_path, monkeypatch, capsys):
     dc = _script(monkeypatch)
     assert dc.main(["--tiny", "--out", str(tmp_path), "--sections", "step,train", "--budget-s", "0"]) == 0
