@@ -157,6 +157,7 @@ LONG_FILES = (
     "integration/test_notebook.py",  # 70
     "integration/test_compare_drafters.py",  # 65
     "unit/test_trainer.py",  # 65
+    "integration/test_mesh_decode.py",  # 60
     "integration/test_mesh.py",  # 55
     "integration/test_learning_curve.py",  # 50
     "unit/test_engine.py",  # 50

@@ -13,8 +13,8 @@ they need the block pass itself (the serving engine adds its logit bias to the b
 logits; ``num_speculative_tokens="auto"`` reads calibrated confidences). Both protocols are
 ``runtime_checkable``. :func:`~dspark_jax.drafters.build.build_drafter` builds the kind of a
 config; this module holds the shared output types, :func:`check_compatible` and
-:func:`prepare_drafter` (the check plus the drafter's decode-time state, what decoding entry
-points call).
+:func:`prepare_drafter` (the check, the drafter's decode-time state and its placement beside the
+target's arrays, what decoding entry points call).
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
+from flax import nnx
 
 from dspark_jax.config import DrafterConfig
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.models import sharding as shd
 from dspark_jax.models.sampling import SamplingArrays
 from dspark_jax.models.target import Target
 
@@ -225,13 +227,54 @@ class BlockDrafter(Drafter, Protocol):
 def prepare_drafter(target: Target, drafter: Drafter) -> None:
     """What every decoding entry point does with a (target, drafter) pair before decoding:
     :func:`check_compatible`, then ``drafter.prepare_decoding(target)`` (the restricted LM head
-    of a draft vocabulary, computed once instead of in every drafting round). Idempotent.
+    of a draft vocabulary, computed once instead of in every drafting round), then
+    :func:`place_like_target` (a target on a device mesh takes its drafter along). Idempotent.
 
     Raises:
       DSparkInputError: as :func:`check_compatible`.
     """
     check_compatible(target, drafter)
     drafter.prepare_decoding(target)
+    place_like_target(target, drafter)
+
+
+def place_like_target(target: Target, drafter: Drafter) -> bool:
+    """Puts every array of ``drafter`` (parameters and decode-time state) on the target's devices,
+    so that one jitted program takes both (DESIGN.md "Scale: a device mesh").
+
+    A target whose weights carry a ``NamedSharding`` (``Target(mesh=...)``,
+    ``load_target(spec, mesh=...)``): the drafter goes on the same mesh, laid out by the sharding
+    rules (:func:`~dspark_jax.models.sharding.tree_shardings`: its heads, MLP and feature
+    projection over ``model`` where the mesh divides them, everything else replicated), as the
+    serving engine lays it out. A target on one device: the drafter on that device when it is not
+    already there.
+    The layout is a function of the target's mesh and the drafter's shapes only, so a second call
+    moves nothing. Call outside ``jit``.
+
+    Returns:
+      True when arrays were moved, False when the drafter already lay where it belongs.
+    """
+    state = nnx.state(drafter)
+    leaves = jax.tree.leaves(state)
+    ref = target.embed[...]
+    sharding = getattr(ref, "sharding", None)
+    if not leaves or sharding is None:
+        return False
+    mesh = sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) else None
+    if isinstance(mesh, jax.sharding.Mesh):
+        want = shd.tree_shardings(state, mesh, drafter.cfg)
+        wanted = jax.tree.leaves(want)
+        if all(getattr(x, "sharding", None) == s for x, s in zip(leaves, wanted)):
+            return False
+    else:
+        devices = sharding.device_set
+        if len(devices) != 1:  # laid out by hand (no mesh to read rules from): left to the caller
+            return False
+        if all(getattr(x, "sharding", None) is not None and x.sharding.device_set == devices for x in leaves):
+            return False
+        want = jax.sharding.SingleDeviceSharding(next(iter(devices)))
+    nnx.update(drafter, shd.place(state, want))
+    return True
 
 
 def check_compatible(target: Target, drafter: Drafter) -> None:

@@ -169,8 +169,9 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="model:N",
         help="tensor-parallel serving over N devices: weights, KV caches and drafter sharded over "
-        "'model' (default: one device); plan memory first with python -m dspark_jax.train "
-        "--config RECIPE --dry-run --serve --mesh model:N",
+        "'model' (default: one device); the first N devices of a larger host (CUDA_VISIBLE_DEVICES / "
+        "TPU_VISIBLE_CHIPS pick which), model:-1 every device; plan memory first with python -m "
+        "dspark_jax.train --config RECIPE --dry-run --serve --mesh model:N",
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")

@@ -115,8 +115,13 @@ def serving_mesh(mesh):
     """``None`` / a :class:`jax.sharding.Mesh` / a spec string -> ``None`` or a mesh whose
     non-``model`` axes have size 1.
 
+    A spec ``model:N`` runs on the first ``N`` devices of ``jax.devices()`` (the rest stay idle;
+    ``CUDA_VISIBLE_DEVICES`` / ``TPU_VISIBLE_CHIPS`` pick which); ``model:-1`` (or no ``model``)
+    takes every device. To choose other devices pass a mesh built over them
+    (``shd.make_mesh("model:4", devices)``).
+
     Raises:
-      DSparkInputError: bad spec, or ``data``/``fsdp`` larger than 1.
+      DSparkInputError: bad spec, ``N`` above the device count, or ``data``/``fsdp`` larger than 1.
     """
     if mesh is None or (isinstance(mesh, str) and not mesh.strip()):
         return None
@@ -125,7 +130,11 @@ def serving_mesh(mesh):
             spec = shd.parse_mesh(mesh)
             if "model" not in spec and -1 not in spec.values():
                 spec["model"] = -1
-            mesh = shd.make_mesh(spec)
+            devices = jax.devices()
+            n = spec.get("model", 1) * spec.get("data", 1) * spec.get("fsdp", 1)
+            if -1 not in spec.values() and n > len(devices):
+                raise ValueError(f"mesh {mesh} needs {n} devices, but {len(devices)} are available")
+            mesh = shd.make_mesh(spec, devices if -1 in spec.values() else devices[:n])
         except ValueError as e:
             raise DSparkInputError(str(e)) from None
     extra = {a: n for a, n in dict(mesh.shape).items() if a != "model" and n > 1}
