@@ -16,6 +16,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from dspark_jax.decoding import disk_cache
 from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
 from dspark_jax.decoding.validation import check_sampling, resolve_num_speculative_tokens
 from dspark_jax.drafters.base import BlockDrafter, prepare_drafter
@@ -44,7 +45,12 @@ def load_target(spec: str, dtype: Any = jnp.float32, mesh=None):
       ``(target, tokenizer)``.
     Raises:
       DSparkInputError: unknown preset or missing/corrupt files.
+
+    Also turns on JAX's persistent compilation cache (``DSPARK_CACHE_DIR``, default
+    ``~/.cache/dspark_jax``; ``off`` disables it: :mod:`~dspark_jax.decoding.disk_cache`), so a
+    second notebook or process skips most of the compiling.
     """
+    disk_cache.enable_compilation_cache()
     cfg, params, tokenizer = resolve_target(spec)
     target = Target(cfg, params, dtype=dtype, fingerprint=params_fingerprint(params), mesh=mesh)
     return target, tokenizer
