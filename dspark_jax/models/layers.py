@@ -105,7 +105,8 @@ def cached_attention(
     Query ``(b, t)`` attends to cache slots ``s <= q_pos[b, t]`` of row ``b``. The slots are read in
     blocks of ``block`` aligned to absolute positions, by a ``lax.fori_loop`` whose trip count is
     ``ceil((max(q_pos) + 1) / block)`` (a traced value): blocks past the longest row are never read,
-    so the cost does not depend on how many slots the cache was allocated with. The softmax is
+    so the cost does not depend on how many slots the cache was allocated with. A cache of at most
+    one block is read in one pass, without the loop. The softmax is
     accumulated online in float32; a block entirely masked for a row adds exact zeros to it, so a
     row's output does not depend on its batch-mates' lengths nor on the cache length.
 
@@ -170,6 +171,8 @@ def online_attention_stats(
 
     m0 = jnp.full((b, nkv, rep, t), _NEG_INF, jnp.float32)
     init = (m0, jnp.zeros_like(m0), jnp.zeros((b, nkv, rep, t, hd), jnp.float32))
+    if s_len <= bs:  # one block: no loop (an XLA while costs ~1 ms a layer on CPU)
+        return body(jnp.int32(0), init)
     return jax.lax.fori_loop(0, n_blocks, body, init)
 
 
