@@ -38,6 +38,7 @@ from dspark_jax.config import DrafterConfig
 from dspark_jax.drafters.base import BlockOutput, Draft
 from dspark_jax.drafters.decode_head import DecodeHead, decode_head_rows, install_decode_head, release_decode_head
 from dspark_jax.drafters.markov import build_markov_head, sample_block
+from dspark_jax.models import layers
 from dspark_jax.models.layers import KVCache, apply_rope, block_attention, cache_write, rms_norm, swiglu
 from dspark_jax.models.sampling import SamplingArrays
 from dspark_jax.models.target import Target
@@ -245,17 +246,19 @@ class DSparkDrafter(nnx.Module):
 
     # -- backbone -----------------------------------------------------------------
 
-    def backbone(self, x, positions, ctx_k, ctx_v, ctx_mask, *, remat: bool = False) -> jax.Array:
+    def backbone(self, x, positions, ctx_k, ctx_v, ctx_mask, *, remat: bool = False, ctx_end=None) -> jax.Array:
         """N layers over draft blocks with injected context keys/values.
 
         Args:
           x: ``[B, A, S, d]`` slot inputs of A blocks (anchor / mask embeddings).
           positions: ``[B, A, S]`` int32 RoPE positions of the slots.
           ctx_k, ctx_v: ``[N, B, C, kvh, hd]`` injected context keys/values.
-          ctx_mask: ``[B, A, S, C]`` bool, context entries each slot sees.
+          ctx_mask: ``[B, A, S, C]`` bool, context entries each slot sees, or None with ``ctx_end``.
             Slots of one block always see each other (bidirectional).
           remat: store only each layer's input and recompute the rest in the backward pass
             (the trainer's ``remat`` option).
+          ctx_end: instead of ``ctx_mask`` (decode time), ``[B, A]`` int32: block ``a`` sees the context
+            slots ``< ctx_end[b, a]``, live blocks only (:func:`~dspark_jax.models.layers.block_attention_cached`).
         Returns:
           ``[B, A, S, d]`` final-normed hidden states.
         """
@@ -271,8 +274,8 @@ class DSparkDrafter(nnx.Module):
             n = y.shape[-2]
             return apply_rope(y.reshape(b, a * s, n, cfg.head_dim), flat_pos, cfg.rope_theta).reshape(y.shape)
 
-        def layer(h, xs):
-            p, ck, cv = xs
+        def layer(carry, xs):
+            (h, li), (p, ck, cv) = carry, xs
             u = rms_norm(h, p["attn_norm"], cfg.rms_eps)
             q = heads(u @ p["wq"], cfg.num_heads)
             k = heads(u @ p["wk"], cfg.num_kv_heads)
@@ -280,12 +283,16 @@ class DSparkDrafter(nnx.Module):
                 q, k = rms_norm(q, p["q_norm"], cfg.rms_eps), rms_norm(k, p["k_norm"], cfg.rms_eps)
             q, k = rope(q), rope(k)
             v = heads(u @ p["wv"], cfg.num_kv_heads)
-            h = h + block_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), ctx_mask, k, v) @ p["wo"]
+            if ctx_end is None:
+                h = h + block_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), ctx_mask, k, v) @ p["wo"]
+            else:  # the caches are read in place, not mapped as scan xs
+                h = h + layers.block_attention_cached(q, ctx_k, ctx_v, li, ctx_end, k, v) @ p["wo"]
             m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
-            return h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"]), None
+            return (h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"]), li + 1), None
 
         body = jax.checkpoint(layer, prevent_cse=False) if remat else layer
-        h, _ = jax.lax.scan(body, x.astype(self.dtype), (params, ctx_k, ctx_v))
+        xs = (params, ctx_k, ctx_v) if ctx_end is None else (params, None, None)
+        (h, _), _ = jax.lax.scan(body, (x.astype(self.dtype), jnp.int32(0)), xs)
         return rms_norm(h, self.final_norm[...], cfg.rms_eps)
 
     def block_inputs(self, target: Target, anchors: jax.Array) -> jax.Array:
@@ -484,9 +491,7 @@ class DSparkDrafter(nnx.Module):
         s = self.cfg.num_slots
         x = self.block_inputs(target, anchors)[:, None]  # [B, 1, S, d]
         pos = (anchor_pos[:, None] + jnp.arange(s, dtype=jnp.int32))[:, None]  # [B, 1, S]
-        slots = jnp.arange(cache.length, dtype=jnp.int32)
-        ctx_mask = jnp.broadcast_to(slots < anchor_pos[:, None, None, None], (anchors.shape[0], 1, s, cache.length))
-        h = self.predicted_slots(self.backbone(x, pos, cache.k, cache.v, ctx_mask)[:, 0])
+        h = self.predicted_slots(self.backbone(x, pos, cache.k, cache.v, None, ctx_end=anchor_pos[:, None])[:, 0])
         return BlockOutput(h, self.base_logits(target, h))
 
     def extend_cache(

@@ -93,6 +93,120 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     return out.reshape(b, t, nh * hd).astype(q.dtype)
 
 
+ATTN_BLOCK = 256
+"""Keys per block of :func:`cached_attention` (a cache shorter than this is one block)."""
+
+
+def cached_attention(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, q_pos: jax.Array, *, block: int = ATTN_BLOCK
+) -> jax.Array:
+    """Grouped-query attention over one layer of a static KV cache, at a cost that follows the live length.
+
+    Query ``(b, t)`` attends to cache slots ``s <= q_pos[b, t]`` of row ``b``. The slots are read in
+    blocks of ``block`` aligned to absolute positions, by a ``lax.fori_loop`` whose trip count is
+    ``ceil((max(q_pos) + 1) / block)`` (a traced value): blocks past the longest row are never read,
+    so the cost does not depend on how many slots the cache was allocated with. A cache of at most
+    one block is read in one pass, without the loop. The softmax is
+    accumulated online in float32; a block entirely masked for a row adds exact zeros to it, so a
+    row's output does not depend on its batch-mates' lengths nor on the cache length.
+
+    Args:
+      q: ``[B, T, n_heads, hd]`` queries (RoPE applied).
+      k_cache, v_cache: ``[L, B', S, n_kv_heads, hd]`` the full caches (``B' >= B``: the first ``B``
+        rows are read), read in place (no per-layer copy).
+      layer: int32 scalar (traced or static) layer index into the caches' axis 0.
+      q_pos: ``[B, T]`` int32 last visible slot of each query; ``< 0``: sees nothing (its output is 0).
+      block: static keys per block (clipped to ``S``).
+    Returns:
+      ``[B, T, n_heads * hd]`` in the dtype of ``q``.
+    """
+    b, t, nh, hd = q.shape
+    nkv = k_cache.shape[3]
+    qg = q.reshape(b, t, nkv, nh // nkv, hd)
+    m, l, acc = online_attention_stats(qg, k_cache, v_cache, layer, q_pos, block=block)
+    out = acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]  # [B, g, r, T, hd]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, nh * hd).astype(q.dtype)
+
+
+def online_attention_stats(
+    qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, q_pos: jax.Array, *, block: int = ATTN_BLOCK
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Unnormalised online-softmax statistics of grouped queries over the live blocks of a cache layer.
+
+    The loop of :func:`cached_attention` (which documents ``k_cache``, ``v_cache``, ``layer``,
+    ``q_pos`` and ``block``), without the final normalisation, so that a caller can merge more keys.
+
+    Args:
+      qg: ``[B, T, g, r, hd]`` queries grouped by KV head.
+    Returns:
+      ``(m, l, acc)`` float32: the running max ``[B, g, r, T]`` (``-1e30`` where nothing was seen),
+      the sum of ``exp(score - m)`` ``[B, g, r, T]`` and the weighted values ``[B, g, r, T, hd]``.
+    """
+    b, t, nkv, rep, hd = qg.shape
+    s_len = k_cache.shape[2]
+    bs = min(block, s_len)
+    scale = 1.0 / jnp.sqrt(jnp.float32(hd))
+    n_blocks = (jnp.clip(jnp.max(q_pos) + 1, 1, s_len) + bs - 1) // bs
+    layer = jnp.asarray(layer, jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+
+    def body(i, carry):
+        m, l, acc = carry
+        start = i * bs
+        first = jnp.minimum(start, s_len - bs)  # the last block of a cache not a multiple of bs overlaps
+        idx = (layer, zero, first, zero, zero)
+        kb = jax.lax.dynamic_slice(k_cache, idx, (1, b, bs, nkv, hd))[0].astype(qg.dtype)
+        vb = jax.lax.dynamic_slice(v_cache, idx, (1, b, bs, nkv, hd))[0].astype(qg.dtype)
+        slots = first + jnp.arange(bs, dtype=jnp.int32)
+        ok = (slots >= start)[None, None, :] & (slots[None, None, :] <= q_pos[:, :, None])  # [B, T, bs]
+        ok = ok[:, None, None]  # [B, 1, 1, T, bs]
+        sc = jnp.einsum("btgrd,bsgd->bgrts", qg, kb, preferred_element_type=jnp.float32) * scale
+        sc = jnp.where(ok, sc, _NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+        p = jnp.where(ok, jnp.exp(sc - m_new[..., None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        l = l * corr + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("bgrts,bsgd->bgrtd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+        return m_new, l, acc * corr[..., None] + pv
+
+    m0 = jnp.full((b, nkv, rep, t), _NEG_INF, jnp.float32)
+    init = (m0, jnp.zeros_like(m0), jnp.zeros((b, nkv, rep, t, hd), jnp.float32))
+    if s_len <= bs:  # one block: no loop (an XLA while costs ~1 ms a layer on CPU)
+        return body(jnp.int32(0), init)
+    return jax.lax.fori_loop(0, n_blocks, body, init)
+
+
+def block_attention_cached(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, ctx_end: jax.Array, k_blk: jax.Array, v_blk: jax.Array
+) -> jax.Array:
+    """:func:`block_attention` with the context read from one layer of a cache, live blocks only.
+
+    Args:
+      q: ``[B, A, S, n_heads, hd]`` queries of A blocks of S slots.
+      k_cache, v_cache: ``[N, B, C, n_kv_heads, hd]`` context caches; ``layer``: int32 layer index.
+      ctx_end: ``[B, A]`` int32: block ``a`` of row ``b`` sees the context slots ``< ctx_end[b, a]``.
+      k_blk, v_blk: ``[B, A, S, n_kv_heads, hd]`` the blocks' own keys/values (bidirectional).
+    Returns:
+      ``[B, A, S, n_heads * hd]`` in the dtype of ``q``.
+    """
+    b, a, s, nh, hd = q.shape
+    g = k_cache.shape[3]
+    r = nh // g
+    qg = q.reshape(b, a * s, g, r, hd)
+    q_pos = jnp.broadcast_to(ctx_end[:, :, None] - 1, (b, a, s)).reshape(b, a * s)
+    m, l, acc = online_attention_stats(qg, k_cache, v_cache, layer, q_pos)
+    m, l, acc = (x.reshape((b, g, r, a, s) + x.shape[4:]) for x in (m, l, acc))
+    qb = q.reshape(b, a, s, g, r, hd)
+    scale = 1.0 / jnp.sqrt(jnp.float32(hd))
+    sb = jnp.einsum("basgrd,batgd->bgrast", qb, k_blk, preferred_element_type=jnp.float32) * scale
+    m_all = jnp.maximum(m, jnp.max(sb, axis=-1))
+    corr, eb = jnp.exp(m - m_all), jnp.exp(sb - m_all[..., None])
+    denom = l * corr + jnp.sum(eb, axis=-1)
+    pv = jnp.einsum("bgrast,batgd->bgrasd", eb.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
+    out = (acc * corr[..., None] + pv) / denom[..., None]  # [B, g, r, A, S, hd]
+    return jnp.transpose(out, (0, 3, 4, 1, 2, 5)).reshape(b, a, s, nh * hd).astype(q.dtype)
+
+
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """SwiGLU MLP: ``(silu(x W_gate) * (x W_up)) W_down``; kernels ``[in, out]``."""
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.config import TargetConfig
-from dspark_jax.models.layers import KVCache, apply_rope, attention, cache_write, rms_norm, swiglu
+from dspark_jax.models.layers import KVCache, apply_rope, attention, cached_attention, rms_norm, swiglu
 
 _LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
@@ -167,46 +167,36 @@ class Target(nnx.Module):
         if cache is None:
             causal = positions[:, None, :] <= positions[:, :, None]
             mask = causal if attn_mask is None else causal & attn_mask
+
+            def layer(h, p):
+                q, k, v = _qkv(cfg, p, h, positions)
+                h = _attn_out_and_mlp(cfg, p, h, attention(q, k, v, mask))
+                return h, (h if taps else None)
+
+            x, hidden = jax.lax.scan(layer, x, layer_params)
+            new_cache = None
         else:
-            slots = jnp.arange(cache.length, dtype=positions.dtype)
-            mask = slots[None, None, :] <= positions[:, :, None]
+            # The cache rides in the scan carry and is written in place at the block's positions;
+            # attention reads only the live blocks of the layer (cached_attention).
+            b_idx = jnp.arange(cache.k.shape[1])[:, None]
+            wpos = jnp.where(positions < 0, cache.length, positions)  # out of range: dropped writes
 
-        def layer(h, xs):
-            p, kv = xs
-            a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
-            b, t, _ = a.shape
-            q = (a @ p["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
-            k = (a @ p["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-            v = (a @ p["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-            if cfg.qk_norm:
-                q = rms_norm(q, p["q_norm"], cfg.rms_eps)
-                k = rms_norm(k, p["k_norm"], cfg.rms_eps)
-            q = apply_rope(q, positions, cfg.rope_theta)
-            k = apply_rope(k, positions, cfg.rope_theta)
-            if kv is not None:
-                ck, cv = kv
-                ck = cache_write(ck, k, positions)
-                cv = cache_write(cv, v, positions)
-                attn = attention(q, ck, cv, mask)
-                new_kv = (ck, cv)
-            else:
-                attn = attention(q, k, v, mask)
-                new_kv = None
-            h = h + attn @ p["wo"]
-            m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
-            h = h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"])
-            return h, (new_kv, h if taps else None)
+            def cached_layer(carry, p):
+                h, ck, cv, li = carry
+                q, k, v = _qkv(cfg, p, h, positions)
+                ck = ck.at[li, b_idx, wpos].set(k.astype(ck.dtype), mode="drop")
+                cv = cv.at[li, b_idx, wpos].set(v.astype(cv.dtype), mode="drop")
+                h = _attn_out_and_mlp(cfg, p, h, cached_attention(q, ck, cv, li, positions))
+                return (h, ck, cv, li + 1), (h if taps else None)
 
-        kv_in = None if cache is None else (cache.k, cache.v)
-        x, (new_kv, hidden) = jax.lax.scan(layer, x, (layer_params, kv_in))
+            (x, nk, nv, _), hidden = jax.lax.scan(cached_layer, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
+            new_cache = KVCache(nk, nv)
         features = None
         if taps and hidden is not None:  # hidden is None exactly when there are no taps
             features = jnp.concatenate([hidden[t] for t in taps], axis=-1)
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[:, None, None].astype(jnp.int32), axis=1)[:, 0]
-        logits = self.unembed(x)
-        new_cache = None if new_kv is None else KVCache(*new_kv)  # None exactly without a cache
-        return TargetOutput(logits, features, new_cache)
+        return TargetOutput(self.unembed(x), features, new_cache)
 
     def forward_packed(
         self,
@@ -267,6 +257,33 @@ class Target(nnx.Module):
         return KVCache.zeros(c.num_layers, batch, length, c.num_kv_heads, c.head_dim, self.dtype)
 
 
+def _qkv(cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, positions: jax.Array):
+    """A layer's pre-attention half: RMSNorm, q/k/v projections (qk-norm) and RoPE.
+
+    Args:
+      h: ``[B, T, H]`` hidden states; positions: ``[B, T]`` int32 RoPE positions.
+    Returns:
+      ``(q [B, T, nh, hd], k [B, T, kvh, hd], v [B, T, kvh, hd])``.
+    """
+    a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
+    b, t, _ = a.shape
+    q = (a @ p["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = (a @ p["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = (a @ p["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_eps)
+    return apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta), v
+
+
+def _attn_out_and_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, attn: jax.Array) -> jax.Array:
+    """A layer's second half: output projection of ``attn [B, T, nh*hd]`` added to ``h [B, T, H]``,
+    then the SwiGLU MLP with its residual. Returns the new ``[B, T, H]``."""
+    h = h + attn @ p["wo"]
+    m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
+    return h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"])
+
+
 def _check_taps(cfg: TargetConfig, taps: tuple[int, ...]) -> None:
     """Raises ValueError for a tap layer outside ``[0, num_layers)``."""
     for t in taps:
@@ -282,7 +299,8 @@ class _PackedGeometry(NamedTuple):
       qrow: ``[K]`` cache row of each token; ``num_rows`` (out of range) for padding.
       cols: ``[K]`` index of each token inside its row's block.
       wpos: ``[K]`` cache slot written; ``s_len`` (out of range: dropped write) for padding.
-      mask: ``[R, W, S]`` bool, query grid slot ``(r, w)`` may read cache slot ``s``.
+      qpos: ``[R, W]`` int32, query grid slot ``(r, w)`` reads the cache slots ``<= qpos[r, w]``
+        (-1: a padding slot, it reads nothing).
       grow / gcol: ``[K]`` clipped grid coordinates the attention output is gathered from.
       rope_pos: ``[1, K]`` RoPE positions (clipped into the cache).
       num_rows / width / s_len / k_tok: static R, W, S and K.
@@ -291,7 +309,7 @@ class _PackedGeometry(NamedTuple):
     qrow: jax.Array
     cols: jax.Array
     wpos: jax.Array
-    mask: jax.Array
+    qpos: jax.Array
     grow: jax.Array
     gcol: jax.Array
     rope_pos: jax.Array
@@ -304,19 +322,17 @@ class _PackedGeometry(NamedTuple):
 def _packed_geometry(
     rows: jax.Array, cols: jax.Array, positions: jax.Array, s_len: int, num_rows: int, width: int
 ) -> _PackedGeometry:
-    """The scatter/gather indices and the attention mask of a packed pass (see
+    """The scatter/gather indices and the query positions of a packed pass (see
     :meth:`Target.forward_packed` for the argument shapes); padding tokens (a position
     outside ``[0, s_len)``) write nothing and their queries see nothing."""
     valid = (positions >= 0) & (positions < s_len)
     wpos = jnp.where(valid, positions, s_len)  # out of range: dropped writes
     qrow = jnp.where(valid, rows, num_rows)
     qpos = jnp.full((num_rows, width), -1, jnp.int32).at[qrow, cols].set(positions, mode="drop")
-    slots = jnp.arange(s_len, dtype=jnp.int32)
-    mask = slots[None, None, :] <= qpos[:, :, None]  # [R, W, S]; padding queries see nothing
     grow = jnp.clip(rows, 0, num_rows - 1)
     gcol = jnp.clip(cols, 0, width - 1)
     rope_pos = jnp.clip(positions, 0, s_len - 1)[None]
-    return _PackedGeometry(qrow, cols, wpos, mask, grow, gcol, rope_pos, num_rows, width, s_len, positions.shape[0])
+    return _PackedGeometry(qrow, cols, wpos, qpos, grow, gcol, rope_pos, num_rows, width, s_len, positions.shape[0])
 
 
 def _packed_layer(
@@ -326,20 +342,17 @@ def _packed_layer(
 
     The full cache rides in the scan carry ``(h [1, K, H], k [L, B, S, kvh, hd], v, layer index)``
     and is updated in place (scatter at the layer index); attention reads only the first
-    ``num_rows`` rows of the layer. Mapping the cache as scan xs/ys instead would copy every row
-    of every layer each step, which dominates a serving step when most slots are idle.
+    ``num_rows`` rows of the layer, and of those only the live blocks (:func:`cached_attention`).
+    Mapping the cache as scan xs/ys instead would copy every row of every layer each step, which
+    dominates a serving step when most slots are idle.
 
     Returns:
       the new carry and the layer output ``[K, H]`` (None unless ``keep_hidden``).
     """
     h, ck_all, cv_all, li = carry
-    num_rows, s_len = g.num_rows, g.s_len
-    kvh, hd = cfg.num_kv_heads, cfg.head_dim
     q, ck_all, cv_all = packed_qkv(cfg, p, h, g.rope_pos, g.qrow, g.wpos, ck_all, cv_all, li)
-    ck = jax.lax.dynamic_slice(ck_all, (li, 0, 0, 0, 0), (1, num_rows, s_len, kvh, hd))[0]
-    cv = jax.lax.dynamic_slice(cv_all, (li, 0, 0, 0, 0), (1, num_rows, s_len, kvh, hd))[0]
-    qg = jnp.zeros((num_rows, g.width) + q.shape[1:], q.dtype).at[g.qrow, g.cols].set(q, mode="drop")
-    attn = attention(qg, ck, cv, g.mask)[g.grow, g.gcol]  # [K, nh*hd]
+    qg = jnp.zeros((g.num_rows, g.width) + q.shape[1:], q.dtype).at[g.qrow, g.cols].set(q, mode="drop")
+    attn = cached_attention(qg, ck_all, cv_all, li, g.qpos)[g.grow, g.gcol]  # [K, nh*hd]
     h = packed_attn_out_and_mlp(cfg, p, h, attn)
     return (h, ck_all, cv_all, li + 1), (h[0] if keep_hidden else None)
 

@@ -1,0 +1,230 @@
+"""Decode cost against the allocated KV-cache length at a fixed live length (issue 24).
+
+Three sections, each alternated in one process (medians of ``--reps`` repeats), optionally
+against another checkout of the package (``--old DIR``, loaded beside this one as
+``benchmarks/hot_step.py`` does, each checkout building its own target):
+
+* ``decode``: batch-1 plain decoding (``generate_autoregressive``, greedy, no stop ids) of one
+  prompt of ``--prompt-len`` tokens, ``--new-tokens`` new tokens, with the KV cache allocated at
+  each of ``--cache-lens`` slots: ms per generated token (compilation excluded) and the ratio to
+  the first cache length;
+* ``engine``: the serving engine's plain step (every one of ``--rows`` rows verifies its anchor,
+  rows at position 40) with the engine's cache at each of ``--engine-cache-lens``;
+* ``live`` (not run by default): the same decoding at cache length ``--live-cache-len`` with prompts
+  of each of ``--live-lens`` tokens, ms per token against the live length;
+* ``default``: batch-1 plain and ``num_speculative_tokens="auto"`` decoding at the default cache
+  length (a random drafter, block size 4, one cost table shared by both checkouts so that they
+  take the same decisions) on each of ``--default-targets``: ms per token, new / old speed.
+
+::
+
+    git archive <old-commit> | tar -x -C /tmp/old
+    python benchmarks/cache_length.py --old /tmp/old --out runs/cache_length
+
+Prints one table per section and writes ``OUT/cache_length.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import hot_step  # benchmarks/ is on sys.path
+
+_MODULES = ("api", "config", "drafters.dspark", "decoding.speculative", "serving.engine")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python benchmarks/cache_length.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="smollm2-135m-instruct", help="target of the decode and engine sections")
+    p.add_argument("--old", default=None, help="another checkout (its dspark_jax/) to compare with")
+    p.add_argument("--sections", default="decode,engine,default", help="comma-separated sections to run")
+    p.add_argument("--cache-lens", default="256,1024,4096", help="decode section's cache lengths")
+    p.add_argument("--engine-cache-lens", default="256,1024", help="engine section's cache lengths")
+    p.add_argument("--live-lens", default="40,200,1000", help="live section's prompt lengths")
+    p.add_argument("--live-cache-len", type=int, default=4096, help="live section's cache length")
+    p.add_argument("--default-targets", default="stories260k,smollm2-135m-instruct")
+    p.add_argument("--prompt-len", type=int, default=40, help="prompt tokens (default 40)")
+    p.add_argument("--new-tokens", type=int, default=32, help="generated tokens (default 32)")
+    p.add_argument("--rows", type=int, default=8, help="engine rows (default 8)")
+    p.add_argument("--reps", type=int, default=5, help="alternated repeats per case (default 5)")
+    p.add_argument("--out", default="runs/cache_length", help="output directory")
+    return p
+
+
+def _packages(old: str | None) -> dict[str, dict[str, Any]]:
+    pk = {"new": {m: importlib.import_module(f"dspark_jax.{m}") for m in _MODULES}}
+    if old:
+        saved = hot_step._SUBMODULES
+        hot_step._SUBMODULES = _MODULES
+        try:
+            pk["old"] = hot_step.load_package(old)
+        finally:
+            hot_step._SUBMODULES = saved
+    return pk
+
+
+def _alternate(cases: dict[str, Any], reps: int) -> dict[str, float]:
+    """Median seconds of each ``cases[label]()`` (which returns its own seconds, or None to be
+    timed here), run once to warm, then ``reps`` times in alternating order."""
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    labels = list(cases)
+    for i in range(reps + 1):
+        for label in labels if i % 2 == 0 else labels[::-1]:
+            t0 = time.perf_counter()
+            secs = cases[label]()
+            if i > 0:
+                times[label].append(secs if secs is not None else time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _prompt(target, n: int) -> list[int]:
+    v = target.cfg.vocab_size
+    return [(17 + 31 * i) % (v - 3) + 3 for i in range(n)]
+
+
+def decode_section(pk, a) -> list[dict[str, Any]]:
+    """Plain batch-1 decoding at each cache length, ms per token per checkout."""
+    lens = [int(c) for c in a.cache_lens.split(",")]
+    cases = {}
+    for name, mods in pk.items():
+        target, _ = mods["api"].load_target(a.target)
+        prompt = _prompt(target, a.prompt_len)
+        gen = mods["decoding.speculative"].generate_autoregressive
+        for c in lens:
+            kw = dict(max_new_tokens=a.new_tokens, stop_ids=[], cache_len=c)
+            cases[(name, c)] = lambda gen=gen, t=target, p=prompt, kw=kw: gen(t, [p], **kw).seconds / a.new_tokens
+    med = _alternate({f"{n}:{c}": f for (n, c), f in cases.items()}, a.reps)
+    rows = []
+    for name in pk:
+        base = med[f"{name}:{lens[0]}"]
+        for c in lens:
+            ms = med[f"{name}:{c}"] * 1e3
+            rows.append({"checkout": name, "cache_len": c, "ms_per_token": ms, "ratio": ms / (base * 1e3)})
+    return rows
+
+
+def live_section(pk, a) -> list[dict[str, Any]]:
+    """Plain batch-1 decoding at one cache length with prompts of several lengths."""
+    lens = [int(n) for n in a.live_lens.split(",")]
+    cases = {}
+    for name, mods in pk.items():
+        target, _ = mods["api"].load_target(a.target)
+        gen = mods["decoding.speculative"].generate_autoregressive
+        kw = dict(max_new_tokens=a.new_tokens, stop_ids=[], cache_len=a.live_cache_len)
+        for n in lens:
+            cases[f"{name}:{n}"] = lambda gen=gen, t=target, p=_prompt(target, n), kw=kw: (
+                gen(t, [p], **kw).seconds / a.new_tokens
+            )
+    med = _alternate(cases, a.reps)
+    return [
+        {"checkout": name, "cache_len": a.live_cache_len, "prompt_len": n, "ms_per_token": med[f"{name}:{n}"] * 1e3}
+        for name in pk
+        for n in lens
+    ]
+
+
+def engine_section(pk, a) -> list[dict[str, Any]]:
+    """The engine's plain step (``--rows`` rows, no drafter) at each engine cache length."""
+    import jax
+    import numpy as np
+
+    lens = [int(c) for c in a.engine_cache_lens.split(",")]
+    cases = {}
+    for name, mods in pk.items():
+        target, _ = mods["api"].load_target(a.target)
+        for c in lens:
+            eng = mods["serving.engine"].Engine(
+                target, None, num_slots=a.rows, cache_len=c, policy="plain", row_buckets=[a.rows], prefill_buckets=[32]
+            )
+            eng.warmup()
+            ell, active = np.zeros(a.rows, np.int32), np.ones(a.rows, bool)
+
+            def step(eng=eng, ell=ell, active=active):
+                jax.block_until_ready(eng._run_step(a.rows, a.rows, ell, active, False))
+                eng._state = eng._state._replace(pos=eng._state.pos * 0 + 40)  # the same live length
+
+            cases[f"{name}:{c}"] = step
+    med = _alternate(cases, a.reps)
+    rows = []
+    for name in pk:
+        for c in lens:
+            ms = med[f"{name}:{c}"] * 1e3
+            rows.append(
+                {"checkout": name, "cache_len": c, "step_ms": ms, "ratio": ms / (med[f"{name}:{lens[0]}"] * 1e3)}
+            )
+    return rows
+
+
+def default_section(pk, a) -> list[dict[str, Any]]:
+    """Plain and ``auto`` batch-1 decoding at the default cache length, per target and checkout."""
+    from flax import nnx
+
+    from dspark_jax.decoding.cost_table import cached_cost_table
+
+    cases, table = {}, {}
+    for spec in a.default_targets.split(","):
+        for name, mods in pk.items():
+            target, _ = mods["api"].load_target(spec)
+            dcfg = mods["config"].DrafterConfig.for_target(target.cfg, gamma=4, num_layers=1, markov_rank=8)
+            drafter = mods["drafters.dspark"].Drafter(dcfg, nnx.Rngs(0))
+            sp = mods["decoding.speculative"]
+            prompt = _prompt(target, a.prompt_len)
+            kw = dict(max_new_tokens=a.new_tokens, stop_ids=[])
+            if spec not in table:  # measured once (by the first checkout), shared
+                cache_len = sp.default_cache_len(target, [prompt], a.new_tokens, dcfg.gamma)
+                table[spec] = cached_cost_table(target, drafter, cache_len)
+            plain = dict(kw, cache_len=None)
+            auto = dict(kw, num_speculative_tokens="auto", cost_table=table[spec])
+            cases[f"{spec}:plain:{name}"] = lambda f=sp.generate_autoregressive, t=target, p=prompt, k=plain: (
+                f(t, [p], **k).seconds / a.new_tokens
+            )
+            cases[f"{spec}:auto:{name}"] = lambda f=sp.generate_speculative, t=target, d=drafter, p=prompt, k=auto: (
+                f(t, d, [p], **k).seconds / a.new_tokens
+            )
+    med = _alternate(cases, a.reps)
+    rows = []
+    for spec in a.default_targets.split(","):
+        for mode in ("plain", "auto"):
+            r = {"target": spec, "mode": mode, **{f"{n}_ms_per_token": med[f"{spec}:{mode}:{n}"] * 1e3 for n in pk}}
+            if "old" in pk:
+                r["speed_new_over_old"] = med[f"{spec}:{mode}:old"] / med[f"{spec}:{mode}:new"]
+            rows.append(r)
+    return rows
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    keys = list(rows[0])
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+    return "\n".join(lines + ["| " + " | ".join(fmt(r[k]) for k in keys) + " |" for r in rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    import jax
+
+    pk = _packages(a.old)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"args": vars(a), "device": str(jax.devices()[0])}
+    sections = {"decode": decode_section, "live": live_section, "engine": engine_section, "default": default_section}
+    for name in a.sections.split(","):
+        result[name] = sections[name](pk, a)
+        print(f"## {name}\n\n{_table(result[name])}\n", flush=True)
+        (out / "cache_length.json").write_text(json.dumps(result, indent=2))
+    print(f"wrote {out / 'cache_length.json'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
