@@ -359,6 +359,21 @@ class ServerThread:
         self.stop()
 
 
+def _read_chat_template(path: str | None) -> str | None:
+    """The text of ``--chat-template FILE`` (None without the flag).
+
+    Raises:
+      DSparkInputError: the file does not exist.
+    """
+    if not path:
+        return None
+    from dspark_jax.errors import DSparkInputError
+
+    if not Path(path).is_file():
+        raise DSparkInputError(f"--chat-template file not found: {Path(path)}")
+    return Path(path).read_text(encoding="utf-8")
+
+
 def run(args: argparse.Namespace) -> None:
     import jax.numpy as jnp
     import uvicorn
@@ -382,12 +397,7 @@ def run(args: argparse.Namespace) -> None:
         raise DSparkInputError(f"policy {args.policy!r} needs a drafter (--drafter EXPORT_DIR); use --policy plain")
     if args.drafter:
         read_export_meta(args.drafter)  # fail fast, before loading the target
-    chat_template = None
-    if args.chat_template:
-        path = Path(args.chat_template)
-        if not path.is_file():
-            raise DSparkInputError(f"--chat-template file not found: {path}")
-        chat_template = path.read_text(encoding="utf-8")
+    chat_template = _read_chat_template(args.chat_template)
 
     def say(msg: str) -> None:  # before uvicorn's logging is configured
         print(f"[dspark_jax.serve] {msg}", file=sys.stderr, flush=True)
