@@ -92,13 +92,23 @@ def export_drafter(
     path = Path(path).absolute()
     if calibration is None and drafter.calibration is not None:
         calibration = list(drafter.calibration)
-    if path.exists():
+    lead = jax.process_index() == 0
+    # Several processes (a multi-host run): every one saves its shards through Orbax into the same
+    # folder, process 0 alone clears it first and writes the metadata.
+    if lead and path.exists():
         shutil.rmtree(path)
-    path.mkdir(parents=True)
+    if lead:
+        path.mkdir(parents=True)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"export {path}")
     params = nnx.state(drafter, nnx.Param)
     with ocp.StandardCheckpointer() as ckptr:  # closing it stops its background save thread
         ckptr.save(path / "params", nnx.to_pure_dict(params))
         ckptr.wait_until_finished()
+    if not lead:
+        return path
     meta = {
         "format": FORMAT,
         "config": drafter.cfg.to_dict(),

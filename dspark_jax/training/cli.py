@@ -11,10 +11,15 @@ Usage::
         --device-memory-gib 16                        # -> per-device total: X GiB (fits 16 GiB)
     python -m dspark_jax.train --config dspark_jax/recipes/qwen3-8b.yaml --dry-run --serve --devices 8 --mesh model:8 \
         --num-slots 64 --cache-len 4096 --device-memory-gib 16    # serving: weights + KV caches
+    python -m dspark_jax.train --preset qwen3-8b --dry-run --devices 16 --num-processes 4   # a 4-host layout
+    python -m dspark_jax.train --preset qwen3-8b --distributed data_dir=...    # on every worker of a TPU pod slice
+    python -m dspark_jax.train --preset qwen3-8b --coordinator-address node0:12345 --num-processes 2 \
+        --process-id 0 data_dir=...                                            # one process per GPU node
 
 The stages (data, training, export, calibration, evaluation; each resumable) are in
 :mod:`dspark_jax.training.pipeline`, the ``--dry-run`` planner in :mod:`dspark_jax.training.dry_run`,
-the recipes (``--preset`` / ``--config NAME``) in :mod:`dspark_jax.training.recipes`.
+the recipes (``--preset`` / ``--config NAME``) in :mod:`dspark_jax.training.recipes`, multi-process
+runs (TPU pod slices, several GPU nodes) in :mod:`dspark_jax.training.distributed`.
 Every field of :class:`~dspark_jax.training.trainer.TrainConfig` is a ``key=value`` override.
 """
 
@@ -28,6 +33,7 @@ import sys
 from dspark_jax.config import apply_overrides
 from dspark_jax.decoding import disk_cache
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.training.distributed import add_distributed_arguments, initialize_distributed, spec_from_args
 from dspark_jax.training.dry_run import dry_run, serve_dry_run
 from dspark_jax.training.pipeline import run
 from dspark_jax.training.recipes import DEFAULT_RECIPE, TRAIN_PRESETS, load_config_file
@@ -117,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--skip-eval", action="store_true", help="do not evaluate tau after training")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. steps=500 gamma=8")
+    add_distributed_arguments(p)
     return p
 
 
@@ -143,6 +150,15 @@ def _apply(cfg, overrides):
         raise DSparkInputError(str(e)) from None
 
 
+def _layout_line(report: dict) -> str:
+    """``processes: P x D devices, mesh ..., per-process batch B of G`` of a training plan."""
+    lay = report["process_layout"]
+    return (
+        f"processes: {lay['processes']} x {lay['devices_per_process']} devices, mesh {report['mesh']}, "
+        f"per-process batch {lay['per_process_batch']} of {report['global_batch']}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -164,11 +180,19 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(report, indent=2))
             print(report["summary"], file=sys.stderr)
             return 0
+        spec = spec_from_args(args)
         if args.dry_run:
-            report = dry_run(cfg, devices=args.devices, device_memory_gib=args.device_memory_gib)
+            report = dry_run(
+                cfg,
+                devices=args.devices,
+                device_memory_gib=args.device_memory_gib,
+                num_processes=spec.num_processes or 1,
+            )
             print(json.dumps(report, indent=2))
+            print(_layout_line(report), file=sys.stderr)
             print(report["summary"], file=sys.stderr)
             return 0
+        initialize_distributed(spec)  # before anything touches a device
         disk_cache.enable_compilation_cache()  # a resumed run skips compiling its step again
         run(cfg, evaluate=not args.skip_eval)
     except DSparkInputError as e:

@@ -16,6 +16,7 @@ import numpy as np
 
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.training.distributed import process_layout
 from dspark_jax.training.trainer import TrainConfig
 
 
@@ -253,7 +254,11 @@ def _recipe_configs(cfg: TrainConfig):
 
 
 def dry_run(
-    cfg: TrainConfig, devices: int | None = None, mesh: str | None = None, device_memory_gib: float | None = None
+    cfg: TrainConfig,
+    devices: int | None = None,
+    mesh: str | None = None,
+    device_memory_gib: float | None = None,
+    num_processes: int = 1,
 ) -> dict:
     """Parameter counts and a per-device memory estimate, without any weights.
 
@@ -266,9 +271,13 @@ def dry_run(
       mesh: mesh spec to plan for (default: ``cfg.mesh``; empty = every device on ``data``).
       device_memory_gib: per-device memory; the report's ``fits`` and ``summary`` say
         whether the estimate fits it.
+      num_processes: processes the ``devices`` are spread over (hosts of a TPU pod slice, GPU
+        nodes); the report's ``process_layout`` is
+        :func:`~dspark_jax.training.distributed.process_layout`. Several need ``devices``.
     Raises:
-      DSparkInputError: unknown target, missing files, a bad mesh, or a drafter config that
-        does not fit the target (e.g. taps beyond its depth).
+      DSparkInputError: unknown target, missing files, a bad mesh, a drafter config that
+        does not fit the target (e.g. taps beyond its depth), or devices that do not split
+        over the processes.
     """
     t0 = time.perf_counter()
     import jax
@@ -282,11 +291,14 @@ def dry_run(
     abstract = nnx.eval_shape(lambda: build_drafter(dcfg, nnx.Rngs(0)))  # float32 master weights, abstract
     n_d = count_params(nnx.state(abstract, nnx.Param))
     n_t = count_target_params(tcfg)
+    if num_processes > 1 and not devices:
+        raise DSparkInputError(f"planning {num_processes} processes needs --devices (the global device count)")
     n_dev = int(devices or jax.device_count())
     if n_dev < 1:
         raise DSparkInputError(f"--devices must be >= 1, got {n_dev}")
     mesh = cfg.mesh if mesh is None else mesh
     sizes = _mesh_sizes(mesh, n_dev)
+    layout = process_layout(n_dev, num_processes, sizes, cfg.batch_size)
     n_batch = sizes["data"] * sizes["fsdp"]
     warnings = []
     if cfg.batch_size % (n_batch * cfg.grad_accum_steps):
@@ -306,6 +318,7 @@ def dry_run(
         "dtype": cfg.dtype,
         "devices": n_dev,
         "mesh": ",".join(f"{a}:{n}" for a, n in sizes.items()),
+        "process_layout": layout,
         "global_batch": cfg.batch_size,
         "grad_accum_steps": cfg.grad_accum_steps,
         "per_device_micro_batch": max(1, cfg.batch_size // (n_batch * cfg.grad_accum_steps)),

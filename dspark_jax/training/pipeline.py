@@ -28,6 +28,13 @@ from dspark_jax.evaluation import prompts as prompts_mod
 from dspark_jax.training.trainer import TrainConfig
 
 
+def _is_lead() -> bool:
+    """True on process 0, which writes the run's JSON files (:mod:`dspark_jax.training.distributed`)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
 def _prompt_split(cfg: TrainConfig, workdir: Path) -> tuple[list[str], list[str], list[str]]:
     """``(training prompts, held-out prompts, contamination guard texts)`` of ``cfg``'s prompt source.
 
@@ -48,7 +55,8 @@ def _prompt_split(cfg: TrainConfig, workdir: Path) -> tuple[list[str], list[str]
     if cfg.prompts_file:
         texts += prompts_mod.read_prompt_file(cfg.prompts_file)
     train_texts, eval_texts = prompts_mod.split_prompts(texts, min(cfg.num_eval_prompts, len(texts) // 5), cfg.seed)
-    (workdir / "eval_prompts.json").write_text(json.dumps(eval_texts, indent=1))
+    if _is_lead():
+        (workdir / "eval_prompts.json").write_text(json.dumps(eval_texts, indent=1))
     guard = prompts_mod.evaluation_texts(eval_texts)
     if cfg.prompts_file and len(texts) > n_builtin:  # user prompts: keep evaluation prompts out
         drop = prompts_mod.drop_contaminated(train_texts, guard)
@@ -296,6 +304,35 @@ def _print_result(summary: dict[str, Any]) -> None:
     )
 
 
+def _check_multi_process(cfg: TrainConfig) -> bool:
+    """True on the process that writes the run's files (process 0; the only one of a single-process run).
+
+    Several processes train only: stage 1 must have run before (``data_dir`` or ``corpus``), and
+    calibration and evaluation are left to a single-host ``python -m dspark_jax.eval`` on the export
+    (the decoding loops read tokens back to one host).
+
+    Raises:
+      DSparkInputError: a multi-process run that would have to generate its data.
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return True
+    if not (cfg.data_dir or cfg.corpus):
+        raise DSparkInputError(
+            f"a run of {jax.process_count()} processes trains on prepared shards: generate them first on one host "
+            "(same recipe with steps=0 --skip-eval writes <workdir>/data) and pass data_dir=<that folder>, "
+            "on a filesystem every host sees"
+        )
+    if jax.process_index() == 0:
+        print(
+            f"{jax.process_count()} processes, {jax.device_count()} devices: calibration and evaluation skipped "
+            "(run python -m dspark_jax.eval on the export from one host)",
+            file=sys.stderr,
+        )
+    return jax.process_index() == 0
+
+
 def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, target_and_tokenizer=None) -> dict:
     """Runs all stages for ``cfg``; returns the summary written to ``<workdir>/summary.json``.
 
@@ -315,14 +352,18 @@ def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, targ
     from dspark_jax.api import load_target
     from dspark_jax.drafters.checkpoint import export_drafter
     from dspark_jax.training import data as data_mod
+    from dspark_jax.training.distributed import maybe_initialize_distributed
     from dspark_jax.training.loop import scalar_terms, train_loop
-    from dspark_jax.training.trainer import count_params, drafter_config, maybe_initialize_distributed
+    from dspark_jax.training.trainer import count_params, drafter_config
 
-    maybe_initialize_distributed()
+    maybe_initialize_distributed()  # no-op when the CLI has already joined the run
+    lead = _check_multi_process(cfg)
+    evaluate, calibrate = (evaluate, calibrate) if jax.process_count() == 1 else (False, False)
     t_start = time.perf_counter()
     workdir = Path(cfg.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    if lead:
+        (workdir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     mesh = _run_mesh(cfg)  # the target's weights go straight from the host to their shards
     target, tok = target_and_tokenizer or load_target(cfg.target, dtype=jnp.dtype(cfg.dtype), mesh=mesh)
     # -- stage 1: self-distillation data -----------------------------------------------
@@ -354,6 +395,7 @@ def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, targ
     summary["export_dir"] = str(export)
     summary.update(_calibrate_and_evaluate(cfg, target, tok, drafter, eval_texts, export, evaluate, calibrate))
     summary["total_seconds"] = round(time.perf_counter() - t_start, 1)
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-    _print_result(summary)
+    if lead:
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        _print_result(summary)
     return summary

@@ -22,7 +22,7 @@ the optimizer state like its parameters, and ``fsdp`` shards parameters' ``embed
 dimension; the jitted step has explicit in/out shardings, XLA inserts the collectives.
 The loss is one weighted mean over the *global* batch (sums over every device's rows divided
 by the global weight), so an N-device step equals a one-device step on the same global batch.
-Multi-host: :func:`maybe_initialize_distributed`; each process feeds only the rows of the global
+Multi-host: :mod:`dspark_jax.training.distributed`; each process feeds only the rows of the global
 batch that live on its own devices (``jax.make_array_from_process_local_data``).
 
 Gradient accumulation (``grad_accum_steps``): the global batch is split into
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -284,20 +283,6 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 def data_mesh() -> Mesh:
     """1-D mesh ``("data",)`` over every device of every host."""
     return Mesh(np.array(jax.devices()), ("data",))
-
-
-def maybe_initialize_distributed() -> None:
-    """Calls ``jax.distributed.initialize()`` when launched as one of several processes.
-
-    Triggered by the standard coordinator variables (``JAX_COORDINATOR_ADDRESS``,
-    or TPU VM pod metadata via ``DSPARK_DISTRIBUTED=1``). Idempotent.
-    """
-    if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("DSPARK_DISTRIBUTED") == "1":
-        try:
-            jax.distributed.initialize()
-        except RuntimeError as e:  # already initialised (e.g. run() called twice in one process)
-            if "already" not in str(e).lower():
-                raise
 
 
 def _is_float(x) -> bool:
