@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_request_args(p)
     _add_runtime_args(p)
     disk_cache.add_cache_arguments(p)
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the arguments, read only the target's config and the drafter's metadata (no weights, no "
+        "devices), print the resolved plan as JSON and exit",
+    )
     return p
 
 
@@ -454,12 +460,55 @@ def run(args: argparse.Namespace) -> None:
     )
 
 
+def print_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """``--dry-run``: the server ``args`` would start, resolved without weights or devices, printed as JSON.
+
+    Returns:
+      The plan: target (name, layers, vocabulary), drafter (variant, block size) or None, policy,
+      engine shape, ``model`` mesh size (1: one device), bind address.
+    Raises:
+      DSparkInputError: a policy that needs a drafter, an unreadable drafter export, bad buckets or mesh.
+    """
+    import json
+
+    from dspark_jax.drafters.checkpoint import read_export_meta
+    from dspark_jax.errors import DSparkInputError
+    from dspark_jax.models.presets import target_config
+    from dspark_jax.models.sharding import parse_mesh
+
+    if args.policy and args.policy.strip().lower() != "plain" and not args.drafter:
+        raise DSparkInputError(f"policy {args.policy!r} needs a drafter (--drafter EXPORT_DIR); use --policy plain")
+    tcfg = target_config(args.target)
+    dcfg = read_export_meta(args.drafter)["config"] if args.drafter else None
+    try:
+        mesh = parse_mesh(args.mesh) if args.mesh else {}
+    except ValueError as e:
+        raise DSparkInputError(str(e)) from None
+    if mesh.get("data", 1) * mesh.get("fsdp", 1) > 1:
+        raise DSparkInputError(f"serving shards over 'model' only; got mesh {args.mesh}")
+    plan = {
+        "target": {"spec": args.target, "name": tcfg.name, "layers": tcfg.num_layers, "vocab": tcfg.vocab_size},
+        "drafter": None if dcfg is None else {"path": args.drafter, "variant": dcfg["variant"], "gamma": dcfg["gamma"]},
+        "policy": args.policy or ("dspark" if args.drafter else "plain"),
+        "verification": args.verification,
+        "num_slots": args.num_slots,
+        "cache_len": args.cache_len,
+        "buckets": _parse_buckets(args.buckets),
+        "prefill_chunk_tokens": args.prefill_chunk_tokens,
+        "dtype": args.dtype,
+        "mesh_model": mesh.get("model", 1) if args.mesh else 1,
+        "url": f"http://{args.host}:{args.port}",
+    }
+    print(json.dumps(plan, indent=2))
+    return plan
+
+
 def main(argv: list[str] | None = None) -> int:
     from dspark_jax.errors import run_cli
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    status, _ = run_cli(run, args)
+    status, _ = run_cli(print_plan if args.dry_run else run, args)
     return status
 
 
