@@ -271,9 +271,8 @@ def dry_run(
       mesh: mesh spec to plan for (default: ``cfg.mesh``; empty = every device on ``data``).
       device_memory_gib: per-device memory; the report's ``fits`` and ``summary`` say
         whether the estimate fits it.
-      num_processes: processes the ``devices`` are spread over (hosts of a TPU pod slice, GPU
-        nodes); the report's ``process_layout`` is
-        :func:`~dspark_jax.training.distributed.process_layout`. Several need ``devices``.
+      num_processes: processes the ``devices`` are spread over (TPU pod hosts, GPU nodes; needs
+        ``devices``): ``process_layout`` is :func:`~dspark_jax.training.distributed.process_layout`.
     Raises:
       DSparkInputError: unknown target, missing files, a bad mesh, a drafter config that
         does not fit the target (e.g. taps beyond its depth), or devices that do not split
@@ -298,7 +297,6 @@ def dry_run(
         raise DSparkInputError(f"--devices must be >= 1, got {n_dev}")
     mesh = cfg.mesh if mesh is None else mesh
     sizes = _mesh_sizes(mesh, n_dev)
-    layout = process_layout(n_dev, num_processes, sizes, cfg.batch_size)
     n_batch = sizes["data"] * sizes["fsdp"]
     warnings = []
     if cfg.batch_size % (n_batch * cfg.grad_accum_steps):
@@ -318,7 +316,7 @@ def dry_run(
         "dtype": cfg.dtype,
         "devices": n_dev,
         "mesh": ",".join(f"{a}:{n}" for a, n in sizes.items()),
-        "process_layout": layout,
+        "process_layout": process_layout(n_dev, num_processes, sizes, cfg.batch_size),
         "global_batch": cfg.batch_size,
         "grad_accum_steps": cfg.grad_accum_steps,
         "per_device_micro_batch": max(1, cfg.batch_size // (n_batch * cfg.grad_accum_steps)),
