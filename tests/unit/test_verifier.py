@@ -148,7 +148,7 @@ def test_rejection_rule_is_exact_by_enumeration(config, length):
 
 
 def test_resampling_from_full_target_would_be_biased():
-    """Seed appendix A1: resampling from p (not the residual) gives P(A) = 0.64, not 0.7."""
+    """Paper Appendix A1: resampling from p (not the residual) gives P(A) = 0.64, not 0.7."""
     p, q = np.array([0.7, 0.3]), np.array([0.5, 0.5])
     accept = np.minimum(1, p / q)
     reject_mass = (q * (1 - accept)).sum()
