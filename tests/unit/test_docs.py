@@ -4,9 +4,9 @@
   interop contracts, the seed articles): the project's own pages are ``docs/design.md`` and
   ``docs/interop.md``;
 * every ``docs/<page>.md#<anchor>`` the code cites exists (page and heading);
-* ``README.md`` has at most 200 lines, its relative links (and those of the ``docs/`` pages outside
-  ``docs/journal/``) point at files and headings that exist, and its layout names every top-level
-  folder and every subpackage of ``dspark_jax``.
+* ``README.md`` has at most 200 lines, its relative links (and those of every page under ``docs/``) point
+  at files and headings that exist, it links every ``docs/*.md`` page, and its layout names every
+  top-level folder and every subpackage of ``dspark_jax``.
 
 Every violation of a rule is listed in one failure message.
 """
@@ -129,7 +129,7 @@ def test_readme_is_short_and_its_links_exist():
     readme = ROOT / "README.md"
     lines = readme.read_text(encoding="utf-8").splitlines()
     assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines (at most {MAX_README_LINES})"
-    pages = [readme] + sorted(p for p in (ROOT / "docs").glob("*.md"))
+    pages = [readme] + sorted(p for p in (ROOT / "docs").rglob("*.md"))
     problems = [p for page in pages for p in _md_link_problems(page)]
     assert not problems, "broken links:\n  " + "\n  ".join(problems)
     linked = {m.group(1).partition("#")[0] for m in MD_LINK.finditer(readme.read_text(encoding="utf-8"))}
