@@ -1,6 +1,6 @@
 """DSpark vs DFlash vs Eagle3 on identical data and budget: tau, acceptance curves, speedup.
 
-The paper's headline comparison (seed 000, Part 5): DSpark's macro-average accepted
+The paper's headline comparison (paper Section 6; docs/design.md#reference-figures): DSpark's macro-average accepted
 length is +16-18% over DFlash and +27-31% over Eagle3 when all are trained on the same
 data, and a 2-layer DSpark beats the 5-layer DFlash. This script reproduces it on one
 target in one process:

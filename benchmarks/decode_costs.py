@@ -1,6 +1,6 @@
 """Cost table of batch-1 decoding on this machine, with plain-decoding references.
 
-In one process (DESIGN.md "Performance anchors"; the cost table behind
+In one process (docs/design.md#performance-anchors; the cost table behind
 ``num_speculative_tokens="auto"``, :mod:`dspark_jax.decoding.cost_table`):
 
 * ``t_step_ms``: a plain decode step (batch 1, no drafter);

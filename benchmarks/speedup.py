@@ -1,6 +1,6 @@
 """Wall-clock speedup of speculative decoding at batch 1, with its bound and an outside baseline.
 
-DESIGN.md "Metrics": speedup = tokens per second against plain autoregressive decoding
+docs/design.md#metrics: speedup = tokens per second against plain autoregressive decoding
 with the same target, prompts and sampling, measured in one run. For every drafter:
 
 * measured: prompts decoded one at a time (batch 1), plain and speculative interleaved

@@ -3,7 +3,7 @@
     python benchmarks/verification_modes.py --target stories260k \\
         --drafter ~/dspark-runs/s260k-i14/export --prompts ~/dspark-runs/s260k-i14/eval_prompts.json
 
-DESIGN.md "Verification (lossless)" / "Metrics": for each temperature and mode, one warmed-up
+docs/design.md#verification / docs/design.md#metrics: for each temperature and mode, one warmed-up
 :class:`~dspark_jax.serving.engine.Engine` (policy ``fixed:gamma`` by default, so that both modes
 verify the same number of drafts) decodes every prompt (seeds 0..n-1, ``--max-tokens``) in
 ``--slots`` concurrent slots; reported: tau (tokens per request-round, the engine's

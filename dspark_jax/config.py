@@ -2,8 +2,8 @@
 
 Three configs describe the whole system:
 
-* :class:`TargetConfig`  -- the frozen Llama-family target (DESIGN.md, "Target model").
-* :class:`DrafterConfig` -- the DSpark / DFlash drafter (DESIGN.md, "Drafter").
+* :class:`TargetConfig`  -- the frozen Llama-family target (docs/design.md#target-model).
+* :class:`DrafterConfig` -- the DSpark / DFlash drafter (docs/design.md#drafter).
 * ``TrainConfig`` lives in :mod:`dspark_jax.training.trainer`.
 
 All configs are frozen dataclasses so they can be hashed and used as static
@@ -214,7 +214,7 @@ LEGACY_MARKOV_HEADS = {"gated": "gated_v0", "rnn": "rnn_v0"}
 
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
-    """Architecture of a drafter (DESIGN.md "Drafter" and its baselines).
+    """Architecture of a drafter (docs/design.md#drafter and docs/design.md#baselines).
 
     The drafter shares the target's token embedding and LM head (frozen); its width is the
     target's hidden size unless ``width`` says otherwise. DFlash is the same model with
@@ -247,7 +247,7 @@ class DrafterConfig:
         frozen LM head, so a tiny target can get a wider drafter (and a big one a
         narrower drafter). Exports written before this field existed load as 0.
       draft_vocab_size: N > 0 drafts over a draft vocabulary of N target ids (Eagle3's
-        ``draft_vocab_size``, FR-Spec; DESIGN.md "Drafter" 5): the LM head is the frozen
+        ``draft_vocab_size``, FR-Spec; docs/design.md#draft-vocabulary): the LM head is the frozen
         target head restricted to those ids, the Markov head's W2 and the sampler work on N
         columns, and q is mapped back to target ids with exact zeros elsewhere (lossless).
         The ids themselves live in the export (:meth:`Drafter.set_draft_vocab`). 0 = full V.

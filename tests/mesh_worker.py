@@ -4,7 +4,7 @@
 
 (The pytest process has already initialised JAX with one device, hence the subprocess; one
 process runs every check so the programs compile once.) Prints one JSON object; the test
-asserts on it. DESIGN.md "Scale: a device mesh".
+asserts on it. docs/design.md#device-mesh.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Automatic verification length at batch 1: ``num_speculative_tokens="auto"``.
 
-DSpark's scheduler idea (DESIGN.md "Scheduler": maximise ``Theta = tau * SPS``) applied to
+DSpark's scheduler idea (docs/design.md#scheduler: maximise ``Theta = tau * SPS``) applied to
 single-request decoding, where on hardware like a 2-core CPU a verification pass of ``l + 1``
 tokens is not free (a 9-token pass costs about two plain steps) and a drafting round is not
 free either. Per round, from the drafter's calibrated confidences ``c_k`` and a measured
@@ -14,7 +14,7 @@ free either. Per round, from the drafter's calibrated confidences ``c_k`` and a 
   ``1 / T_step`` (this round's confidences predict the next round's); while not drafting,
   every ``probe_every``-th round drafts anyway to refresh the prediction.
 
-Non-anticipation (DESIGN.md "Verification"): whether draft position ``k`` is verified must
+Non-anticipation (docs/design.md#non-anticipation): whether draft position ``k`` is verified must
 not depend on the value of ``x_k``. ``c_j`` depends on ``x_{j-1}`` (through the Markov
 embedding), so the extension from ``w_i`` to ``w_{i+1}`` is decided from ``a_{w_i + 1}``
 and ``c_{w_i + 1}`` only (the gain of the chunk is estimated as a geometric series with

@@ -1,6 +1,6 @@
 """Measured per-round costs of single-request decoding: the cost table.
 
-DESIGN.md "Scheduler" profiles SPS(B) of the verify pass; at batch 1 the same idea needs the
+docs/design.md#scheduler profiles SPS(B) of the verify pass; at batch 1 the same idea needs the
 seconds of each piece of a speculative round, measured on the machine that decodes:
 
 * ``t_step``: a plain autoregressive step (one token, no drafter);

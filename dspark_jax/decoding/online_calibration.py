@@ -1,6 +1,6 @@
 """Online calibration of the drafter's confidences while serving.
 
-DESIGN.md "Scheduler" (online calibration; seed 004): the scheduler trusts the predicted
+docs/design.md#online-calibration: the scheduler trusts the predicted
 acceptance ``c_k = sigmoid(z_k / T_k)`` of every block position ``k``. Traffic drifts away
 from the held-out data the offline temperatures were fit on, so the engine keeps, per
 position, the last ``window`` verification outcomes (raw confidence logit ``z``, and whether

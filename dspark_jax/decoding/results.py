@@ -1,6 +1,6 @@
 """Results of the decode loops: per-row statistics, per-round logs and per-request generations.
 
-DESIGN.md "Metrics": every count covers emitted tokens only (a stop inside a block discards
+docs/design.md#metrics: every count covers emitted tokens only (a stop inside a block discards
 the drafts after it). The loops of :mod:`dspark_jax.decoding.speculative` accumulate
 :class:`DecodeStats` (and, with ``record_rounds``, a :class:`RoundLog`) on device, one round
 (:func:`~dspark_jax.decoding.round.round_statistics`) at a time; :func:`generations` turns
@@ -22,7 +22,7 @@ __all__ = ["BatchResult", "DecodeStats", "Generation", "RoundLog", "generations"
 
 
 class DecodeStats(NamedTuple):
-    """Per-row speculative metrics (DESIGN.md "Metrics"), counting emitted tokens only.
+    """Per-row speculative metrics (docs/design.md#metrics), counting emitted tokens only.
 
     Attributes:
       num_passes: ``[B]`` target verification passes (prefill excluded).

@@ -1,6 +1,6 @@
 """One round of speculative decoding, piece by piece, as pure jit-friendly functions.
 
-DESIGN.md "Pipeline" / "Verification" / "Metrics"; paper Section 7. A round of a row whose
+docs/design.md#pipeline / docs/design.md#verification / docs/design.md#metrics; paper Section 7. A round of a row whose
 anchor (the last confirmed token, not yet seen by the target) sits at position ``P``:
 
 1. PRNG keys (:func:`token_keys`, :func:`split_round_keys`, :func:`draft_step_keys`,
@@ -258,8 +258,8 @@ def verify_pass(
 ) -> VerifiedRound:
     """Verification pass of ``width + 1`` tokens (anchor + ``width`` drafts) for every row.
 
-    Rejection sampling (:func:`~dspark_jax.decoding.verifier.verify`, DESIGN.md "Verification
-    (lossless)"); the drafter's context of the verified tokens is written for running rows.
+    Rejection sampling (:func:`~dspark_jax.decoding.verifier.verify`, docs/design.md#rejection-sampling);
+    the drafter's context of the verified tokens is written for running rows.
     Rejected positions stay in the caches as stale entries that attention masks by position
     and later writes overwrite.
 
@@ -351,7 +351,7 @@ def finish_codes(finish, stopped, full, xp: Any = jnp):
 
 
 class RoundStats(NamedTuple):
-    """Per-row statistics of one round (DESIGN.md "Metrics"), counting emitted tokens only.
+    """Per-row statistics of one round (docs/design.md#metrics), counting emitted tokens only.
 
     Attributes:
       num_draft_tokens: ``[B]`` draft tokens counted as verified: all ``num_verify``, but

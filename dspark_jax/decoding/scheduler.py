@@ -1,6 +1,6 @@
 """Verification-length policies: how many drafted tokens of each request the target verifies.
 
-DESIGN.md "Scheduler" (paper Section 7, seed 000 parts 7-8). Every function here is a pure
+docs/design.md#scheduler (paper Sections 7-8). Every function here is a pure
 numpy function of *confidences* (and of the SPS table); none of them ever sees a draft token
 value, which is what makes them non-anticipating: whether draft position ``k`` is verified
 cannot depend on the token drawn there (the engine keeps draft tokens on the device and hands
@@ -141,7 +141,7 @@ def threshold_lengths(surv: np.ndarray, cap, threshold: float) -> np.ndarray:
 
 
 def greedy_lengths(surv: np.ndarray, cap, sps_of_total: np.ndarray) -> np.ndarray:
-    """The clean greedy scheduler (DESIGN.md "Scheduler").
+    """The clean greedy scheduler (docs/design.md#scheduler).
 
     Pools all candidates ``(r, k, a_{r,k})``, sorts them by ``a`` descending and admits
     them in order; stops at the first admission that lowers Theta (so it returns the first

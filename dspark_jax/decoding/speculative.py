@@ -7,7 +7,7 @@ buffer, KV caches of ``S`` positions, blocks of ``block_size + 1`` verified toke
 everything variable (prompt lengths, verification lengths, finished rows) is a
 mask.
 
-Speculative step (DESIGN.md "Pipeline" / "Verification"), built from the pieces of
+Speculative step (docs/design.md#pipeline / docs/design.md#verification), built from the pieces of
 :mod:`dspark_jax.decoding.round`: with ``P`` the position of the anchor (the last
 confirmed token, not yet seen by the target), draft ``block_size`` tokens (one backbone
 pass + ``lax.scan`` Markov sampler), verify ``[anchor, x_1..x_n]`` at positions

@@ -1,6 +1,6 @@
 """SPS(B): steps per second of the serving engine's compiled step, per bucket.
 
-DESIGN.md "Scheduler": the throughput objective ``Theta = tau * SPS(B)`` needs the speed of
+docs/design.md#scheduler: the throughput objective ``Theta = tau * SPS(B)`` needs the speed of
 one engine step as a function of its size. The engine compiles a small set of buckets
 ``(rows R, packed tokens K)``; a step also either drafts the next block or not. At start-up
 each bucket is timed (a few iterations after compilation, median wall time) and the table

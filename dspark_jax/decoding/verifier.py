@@ -1,6 +1,6 @@
 """Lossless verification of draft blocks: rejection sampling and coupled draws.
 
-DESIGN.md, "Verification (lossless)" names two serving modes; both live here, side by side,
+docs/design.md#verification names two serving modes; both live here, side by side,
 and are covered by the same distribution tests (``tests/unit/test_verifier.py``):
 
 * :func:`verify` -- rejection sampling (the paper's mode, highest acceptance), below;
@@ -24,10 +24,10 @@ For one row with verification length ``L`` (``0 <= L <= G``), walk ``k = 0 .. L-
 * at the first rejection ``k``, emit a correction ``~ norm(max(0, p_k - q_k))`` and stop;
 * if all ``L`` verified drafts pass, emit a bonus token ``~ p_L``.
 
-Each emitted token is then distributed exactly as plain sampling from the target (seed
-appendix A1), *provided* that whether position ``k`` is verified (``k < L``) does not depend
-on the value of ``x_k`` or anything computed from it (non-anticipation, DESIGN.md
-"Scheduler" / seed part 8). ``lengths`` is the scheduler's choice; this module trusts it.
+Each emitted token is then distributed exactly as plain sampling from the target (paper
+Appendix A1), *provided* that whether position ``k`` is verified (``k < L``) does not depend
+on the value of ``x_k`` or anything computed from it (non-anticipation,
+docs/design.md#non-anticipation). ``lengths`` is the scheduler's choice; this module trusts it.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def verify(
 ) -> VerifyOutput:
     """Rejection-sampling verification of a batch of draft blocks (lossless).
 
-    Implements DESIGN.md "Verification (lossless)" (Leviathan et al. 2023, Alg. 1; Chen et
+    Implements docs/design.md#verification (Leviathan et al. 2023, Alg. 1; Chen et
     al. 2023, Alg. 2): accept ``x_k`` iff ``u_k * q_k(x_k) < p_k(x_k)`` with
     ``u_k ~ U[0, 1)`` (i.e. with probability ``min(1, p_k(x_k) / q_k(x_k))``); at the first
     rejection sample from ``norm(max(0, p_k - q_k))`` (falling back to ``p_k`` if that is
@@ -196,7 +196,7 @@ def verify(
 def coupled_accept(draft_tokens: jax.Array, target_tokens: jax.Array, lengths: jax.Array) -> VerifyOutput:
     """Coupled-draw verification given the target's own samples (the serving engine's path).
 
-    DESIGN.md "Verification (lossless)", coupled draws. ``target_tokens[b, j]`` is the
+    docs/design.md#verification, coupled draws. ``target_tokens[b, j]`` is the
     target's sample for block position ``j`` (the token after position ``P + j``) drawn with
     the key the drafter used for ``draft_tokens[b, j]``. Draft ``j`` is accepted iff it
     equals ``target_tokens[b, j]`` and every earlier verified draft was accepted; the
@@ -242,8 +242,8 @@ def coupled_accept(draft_tokens: jax.Array, target_tokens: jax.Array, lengths: j
 def verify_coupled(
     keys: jax.Array, draft_tokens: jax.Array, target_probs: jax.Array, lengths: jax.Array
 ) -> VerifyOutput:
-    """Coupled-draw verification of a batch of draft blocks (lossless; DESIGN.md
-    "Verification (lossless)", second serving mode).
+    """Coupled-draw verification of a batch of draft blocks (lossless;
+    docs/design.md#coupled-draws, second serving mode).
 
     The target's token at block position ``j`` of row ``b`` is
     ``sampling.sample(keys[b, j], target_probs[b, j])`` (Gumbel-max); the draft
@@ -283,7 +283,7 @@ def verify_coupled_packed(
 ) -> tuple[jax.Array, jax.Array]:
     """Coupled-draw verification of packed rows (the serving engine's default mode).
 
-    DESIGN.md "Verification (lossless)", coupled draws, as :func:`verify_coupled` but on the
+    docs/design.md#verification, coupled draws, as :func:`verify_coupled` but on the
     engine's packed layout: the target's own sample at every packed token (Gumbel-max with
     plain decoding's key for that token), scattered to an ``[R, width]`` grid, then
     :func:`coupled_accept`.

@@ -1,6 +1,6 @@
 """The drafter interface: what decoding, training, serving and export need of a drafter.
 
-Two kinds implement it (DESIGN.md "Drafter" and its baselines):
+Two kinds implement it (docs/design.md#drafter and docs/design.md#baselines):
 
 * :class:`~dspark_jax.drafters.dspark.DSparkDrafter` (``variant`` ``dspark`` / ``dflash``): one
   parallel backbone pass predicts a whole block, sequential Markov and confidence heads sample
@@ -240,7 +240,7 @@ def prepare_drafter(target: Target, drafter: Drafter) -> None:
 
 def place_like_target(target: Target, drafter: Drafter) -> bool:
     """Puts every array of ``drafter`` (parameters and decode-time state) on the target's devices,
-    so that one jitted program takes both (DESIGN.md "Scale: a device mesh").
+    so that one jitted program takes both (docs/design.md#device-mesh).
 
     A target whose weights carry a ``NamedSharding`` (``Target(mesh=...)``,
     ``load_target(spec, mesh=...)``): the drafter goes on the same mesh, laid out by the sharding

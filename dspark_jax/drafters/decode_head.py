@@ -1,6 +1,6 @@
 """The decode-time restricted LM head of a drafter with a draft vocabulary.
 
-DESIGN.md "Drafter" 5 (draft vocabulary): a drafter that drafts over N target ids computes its
+docs/design.md#draft-vocabulary (draft vocabulary): a drafter that drafts over N target ids computes its
 base logits with only those N rows of the target's frozen LM head. Gathering the rows inside
 every jitted drafting round costs N x H reads and writes before the matmul (on a CPU more than
 the matmul itself), yet they change only with the target's weights. So decoding computes them

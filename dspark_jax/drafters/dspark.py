@@ -1,6 +1,6 @@
 """The DSpark drafter: KV-injected parallel backbone + Markov head + confidence head.
 
-Implements DESIGN.md "Drafter" (paper Sections 4-6 and Appendix A3/A4):
+Implements docs/design.md#drafter (paper Sections 4-6 and Appendix A3/A4):
 
 1. context features: tapped target hidden states, concatenated, projected to
    width d and RMS-normalised (``context_features``);
@@ -126,7 +126,7 @@ class DSparkDrafter(nnx.Module):
     # -- draft vocabulary ---------------------------------------------------------
 
     def set_draft_vocab(self, ids) -> None:
-        """Installs the draft vocabulary (DESIGN.md "Drafter" 5).
+        """Installs the draft vocabulary (docs/design.md#draft-vocabulary).
 
         Args:
           ids: ``draft_vocab_size`` distinct target token ids (any order; stored ascending,
@@ -572,7 +572,7 @@ class DSparkDrafter(nnx.Module):
         """Backbone over many anchor blocks of each sequence in one pass.
 
         Block-sparse attention: block j sees context positions < anchor_j and its
-        own slots (DESIGN.md "Training").
+        own slots (docs/design.md#training).
 
         Args:
           features: ``[B, L, n_taps * H]`` tapped target states of the sequence.

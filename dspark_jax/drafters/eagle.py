@@ -1,4 +1,4 @@
-"""Eagle3-style autoregressive baseline drafter (DESIGN.md "Drafter", baselines).
+"""Eagle3-style autoregressive baseline drafter (docs/design.md#baselines).
 
 The paper compares DSpark with Eagle3 trained on the same data. This module is that
 baseline in the same code base. It implements the :class:`~dspark_jax.drafters.base.Drafter`
@@ -8,7 +8,7 @@ through the same paths (``variant="eagle3"``). It is not a
 :class:`~dspark_jax.drafters.base.BlockDrafter`: it has no block pass, no Markov or confidence
 head and no draft vocabulary.
 
-Architecture (Li et al., EAGLE-3; the seed article's "autoregressive drafter"):
+Architecture (Li et al., EAGLE-3; docs/design.md#baselines):
 
 * fused target features ``g_t = [f_low ; f_mid ; f_high](t) W_fc`` from three tapped
   target layers (:func:`eagle_taps`), projected from ``3H`` to ``d``;

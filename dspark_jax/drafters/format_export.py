@@ -196,7 +196,7 @@ def format_config(drafter: Any, target: Target, fmt: str, dtype: Any, verifier: 
     }
     if kind == "dspark":
         out.update(enable_confidence_head=enabled, confidence_head_with_markov=with_markov, **markov)
-    else:  # all layers full attention: causal only where vLLM's dflash reading says so (INTEROP.md 1.1)
+    else:  # all layers full attention: causal only where vLLM's dflash reading says so (docs/interop.md#format-details)
         out["sliding_window_non_causal"] = True
     return out
 

@@ -1,6 +1,6 @@
 """DSpark / DFlash drafters in the field's checkpoint formats, read into this project's drafter.
 
-Three layouts (facts: ``shared/INTEROP.md``; each a ``config.json`` + ``*.safetensors`` directory
+Three layouts (facts: ``docs/interop.md#format-details``; each a ``config.json`` + ``*.safetensors`` directory
 of Qwen3 decoder layers with q/k-norm, ``fc``, ``hidden_norm``, ``norm``):
 
 * ``deepspec``: DeepSeek's ``Qwen3DSparkModel`` (``dspark_qwen3_*_block7``): a flat copy of the

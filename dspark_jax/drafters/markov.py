@@ -1,6 +1,6 @@
 """DSpark's sequential (Markov) heads and the sampler that drafts a block with them.
 
-Implements DESIGN.md "Drafter" steps 3-4 (paper Section 6, Appendix A4). A head turns the
+Implements docs/design.md#markov-head (paper Section 6, Appendix A4). A head turns the
 Markov embedding ``x = W1[x_{k-1}]`` of the previous token (and, depending on its type, the
 backbone hidden state ``h_k`` and a state carried along the block) into the embedding
 ``e_k``; its logit correction is ``B_k = e_k W2`` and the draft distribution

@@ -1,6 +1,6 @@
 """Drafter evaluation on prompt sets: tau, acceptance, position-wise acceptance.
 
-Metric definitions follow DESIGN.md "Metrics everyone reports the same way":
+Metric definitions follow docs/design.md#metrics:
 tau = tokens emitted per target verification pass (accepted drafts + the
 bonus/correction token), aggregated as total emitted / total passes over all
 requests; acceptance rate = accepted drafts / verified drafts; conditional

@@ -8,7 +8,7 @@ Examples::
         --prompts mt_bench --num-prompts 20 --max-new-tokens 128 --temperature 1 --out /tmp/ev
 
 Speculative decoding over the prompts; writes ``OUT/eval.json`` with the metrics of
-DESIGN.md "Metrics" (tau incl. the bonus/correction token, acceptance rate,
+docs/design.md#metrics (tau incl. the bonus/correction token, acceptance rate,
 accept rate @k = fraction of rounds with >= k accepted drafts, position-wise
 conditional acceptance) and, for a drafter with a confidence head, the reliability of
 the cumulative survival observed during decoding against the predicted one (raw head,

@@ -1,6 +1,6 @@
 """Prompt sets and the contamination guard shared by evaluation and training.
 
-DESIGN.md "Pipeline" / "Metrics": evaluation and self-distillation draw prompts from
+docs/design.md#pipeline / docs/design.md#metrics: evaluation and self-distillation draw prompts from
 the same shared data (``$DSPARK_DATA``), so the split between them lives here, below
 both (training imports it, evaluation never imports training).
 

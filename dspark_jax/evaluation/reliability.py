@@ -1,6 +1,6 @@
 """Reliability of the confidence head's survival predictions: ECE, Brier, AUROC, tables.
 
-DESIGN.md "Metrics" (paper Appendix A5). The scheduler multiplies per-position
+docs/design.md#metrics (paper Appendix A5). The scheduler multiplies per-position
 confidences into cumulative survival probabilities ``a_k = c_1 ... c_k``; these functions
 measure how well they match the observed survival, both for the held-out fit of
 :mod:`dspark_jax.training.calibration` and for the rounds of a decoding run

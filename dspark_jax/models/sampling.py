@@ -1,6 +1,6 @@
 """Logit processing and sampling shared by plain decoding, the drafter and the verifier.
 
-DESIGN.md, "Verification (lossless)": temperature / top-k / top-p are applied to the
+docs/design.md#verification: temperature / top-k / top-p are applied to the
 target's logits to give p, and q is *exactly* the distribution a draft token was drawn
 from. Losslessness therefore needs one function that turns logits into a sampling
 distribution, used identically everywhere: :func:`process_logits`. Plain autoregressive
@@ -224,7 +224,7 @@ def _filter_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -
 def process_logits(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     """Turns logits into the sampling distribution (the one function used everywhere).
 
-    DESIGN.md "Verification (lossless)": p (target) and q (drafter) are both produced by
+    docs/design.md#verification: p (target) and q (drafter) are both produced by
     this function, so the verifier compares exactly the distributions that were sampled.
 
     Order (as vLLM / HF): temperature, then top-k, then top-p (the nucleus is computed on
@@ -386,7 +386,7 @@ def _subset_gumbel(key: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array
 
 def sample_subset(keys: jax.Array, probs: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
     """:func:`sample` of a distribution that is zero outside a subset of the vocabulary, at the
-    subset's cost (a draft vocabulary, DESIGN.md "Drafter" 5).
+    subset's cost (a draft vocabulary, docs/design.md#draft-vocabulary).
 
     ``ids[sample_subset(keys, probs, ids, V)]`` equals ``sample(keys, full)`` token for token, where
     ``full [B, V]`` holds ``probs`` at ``ids`` and zeros elsewhere: the same per-token Gumbel noise

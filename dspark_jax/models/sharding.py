@@ -1,4 +1,4 @@
-"""Device mesh and logical-axis sharding rules (DESIGN.md "Scale: a device mesh").
+"""Device mesh and logical-axis sharding rules (docs/design.md#device-mesh).
 
 MaxText style: every parameter, cache and batch dimension has a *logical* name
 (``vocab``, ``heads``, ``kv_heads``, ``mlp``, ``embed``, ``batch`` ...), and a table of

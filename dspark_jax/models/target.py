@@ -1,10 +1,10 @@
 """The target model: a Llama-family decoder in Flax NNX with a static KV cache.
 
-Implements DESIGN.md "Target model": RMSNorm, RoPE, GQA, SwiGLU and optional
+Implements docs/design.md#target-model: RMSNorm, RoPE, GQA, SwiGLU and optional
 Qwen3 q/k-norm, with per-layer weights stacked on a leading axis and the layer
 loop run by ``lax.scan`` (one compiled layer body whatever the depth). The
 forward pass can return the hidden states of chosen layers ("taps"), which the
-drafter consumes as context features (DESIGN.md "Drafter", step 1).
+drafter consumes as context features (docs/design.md#context-features).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def random_params(cfg: TargetConfig, seed: int = 0, scale: float = 0.05) -> dict
 
 
 class Target(nnx.Module):
-    """Llama-family decoder with hidden-state taps (DESIGN.md "Target model").
+    """Llama-family decoder with hidden-state taps (docs/design.md#target-model).
 
     Args:
       cfg: architecture.
@@ -80,8 +80,8 @@ class Target(nnx.Module):
       fingerprint: identifier of the exact weights (see
         :func:`dspark_jax.models.weights.params_fingerprint`), recorded in drafters.
       mesh: optional :class:`jax.sharding.Mesh`: each weight goes from the host straight to
-        its shards (:func:`dspark_jax.models.sharding.tree_shardings`, DESIGN.md "Scale: a device
-        mesh"), so a target larger than one device's memory never lands on one device.
+        its shards (:func:`dspark_jax.models.sharding.tree_shardings`, docs/design.md#device-mesh),
+        so a target larger than one device's memory never lands on one device.
         ``None``: the default device (as before).
 
     Raises:
@@ -216,7 +216,7 @@ class Target(nnx.Module):
         sits at absolute position ``positions[i]``; ``cols[i]`` is its index inside its
         row's block (0 for the anchor). The projections and the MLP run over the ``K``
         packed tokens only, so their cost follows the token budget ``K``, not the number
-        of rows times the block size (DESIGN.md "Verification": one compiled pass per
+        of rows times the block size (docs/design.md#static-shapes: one compiled pass per
         token-budget bucket). For attention the queries are scattered into a padded
         ``[num_rows, width]`` grid so that every row reads its own cache row once: each
         layer first writes the block's keys/values at ``(rows[i], positions[i])``, then a

@@ -7,7 +7,7 @@ once per shape, through the engine's :class:`~dspark_jax.serving.programs.Progra
 ``("insert", P)`` and ``("move",)``. Cache keys also hold the engine's signature (model
 graphs, parameter shapes, slots, cache length, verification mode, bias-table size, logprob
 width, mesh), so a cache shared by several engines never hands one another's program.
-DESIGN.md "Pipeline" (serve) and "Scale: a device mesh".
+docs/design.md#serving and docs/design.md#device-mesh.
 """
 
 from __future__ import annotations
@@ -115,8 +115,8 @@ class EngineDevice:
       mode: ``"coupled"`` or ``"rejection"`` verification.
       nb: bias-table entries per row; n_top: logprob alternatives.
       mesh: None (the default device), a :class:`jax.sharding.Mesh` or a spec such as
-        ``"model:8"`` (:func:`serving_mesh`): tensor-parallel serving (DESIGN.md "Scale: a device
-        mesh"). The target's and the drafter's weights are sharded over ``model`` by
+        ``"model:8"`` (:func:`serving_mesh`): tensor-parallel serving (docs/design.md#device-mesh).
+        The target's and the drafter's weights are sharded over ``model`` by
         :func:`dspark_jax.models.sharding.tree_shardings` (heads, MLP, vocabulary), both KV
         caches over their KV heads (replicated where ``model`` does not divide them), the small
         per-row state replicated; every program is compiled with these output shardings, so

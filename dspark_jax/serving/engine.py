@@ -2,8 +2,8 @@
 
 The shape of a JAX serving engine (JetStream style): :meth:`Engine.prefill` a request,
 :meth:`Engine.insert` it into a free decode slot, :meth:`Engine.generate` one step for all
-active slots, :meth:`Engine.free` a slot. DESIGN.md "Pipeline" (serve), "Verification" and
-"Scheduler"; paper Section 7.
+active slots, :meth:`Engine.free` a slot. docs/design.md#serving, docs/design.md#verification
+and docs/design.md#scheduler; paper Section 7.
 
 Usage::
 
@@ -130,11 +130,11 @@ class Engine:
       verification: ``"coupled"`` (default: a draft is accepted iff it equals the target's own
         sample under shared noise, so every response equals plain decoding with its seed) or
         ``"rejection"`` (the paper's rejection sampling, higher acceptance at T > 0, same output
-        law; keeps each block's q on the device). DESIGN.md "Verification (lossless)".
+        law; keeps each block's q on the device). docs/design.md#verification.
       max_logit_bias: capacity of ``SamplingParams.logit_bias`` per request (static: the
         per-row bias table has ``max_logit_bias + max_stop_ids`` entries).
       max_stop_ids: capacity for EOS + ``stop_token_ids`` of a request with ``min_tokens``.
-      mesh: tensor-parallel serving (DESIGN.md "Scale: a device mesh"): a
+      mesh: tensor-parallel serving (docs/design.md#device-mesh): a
         :class:`jax.sharding.Mesh` or a spec such as ``"model:8"``; weights, KV caches and
         programs are sharded over ``model`` (:class:`~dspark_jax.serving.device.EngineDevice`),
         outputs equal the one-device engine's up to float rounding. ``None``: one device.
@@ -573,7 +573,7 @@ class Engine:
         self._metrics.reset()
 
     def metrics(self) -> dict:
-        """Cumulative counters (DESIGN.md "Metrics"): those of
+        """Cumulative counters (docs/design.md#metrics): those of
         :meth:`~dspark_jax.serving.metrics.EngineMetrics.counters` (steps, rounds, drafts, draft /
         accepted / emitted / packed tokens, tau as ``mean_accepted_length``, per-position
         acceptance, bucket histograms, suspension and catch-up counts, ...), plus ``policy``,

@@ -18,7 +18,7 @@ in slots (or being prefilled into one) and those waiting for one. A submission t
 raises :class:`QueueFullError` (HTTP 429); one that could never fit (more choices than that
 total) :class:`~dspark_jax.errors.DSparkInputError` (HTTP 400). ``max_queue=0`` means no waiting
 queue: requests are admitted while slots are free. Stopping fails whatever is still queued or
-running with 503. DESIGN.md "Pipeline" (serve).
+running with 503. docs/design.md#serving.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The serving engine's cumulative counters (DESIGN.md "Metrics") and their snapshot.
+"""The serving engine's cumulative counters (docs/design.md#metrics) and their snapshot.
 
 Counted on the host by :meth:`Engine.generate` / :meth:`Engine.insert`; tau (the mean accepted
 length) is :class:`dspark_jax.decoding.speculative.Generation`'s: tokens the verification

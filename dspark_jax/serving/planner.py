@@ -2,7 +2,7 @@
 step runs in, whether to draft the next block, and when the drafter is suspended, resumed and
 caught up.
 
-Policies (:func:`parse_policy`; DESIGN.md "Scheduler", paper Section 7): ``plain`` (no
+Policies (:func:`parse_policy`; docs/design.md#scheduler, paper Section 7): ``plain`` (no
 drafts), ``fixed:G``, ``threshold:C``, ``greedy`` (the clean greedy Theta scheduler) and
 ``dspark`` (the deployed scheduler), all from :mod:`dspark_jax.decoding.scheduler`. The plan
 is a function of host state only (confidences, lengths, the SPS table), never of draft token

@@ -1,4 +1,4 @@
-"""Batched, chunked prefill (issue 14; DESIGN.md "Pipeline" (serve)).
+"""Batched, chunked prefill (issue 14; docs/design.md#serving).
 
 One-shot prefill (:meth:`dspark_jax.serving.engine.Engine.prefill`) runs one request per call
 over its whole prompt, so a long prompt stalls every decoding stream for its whole prefill.

@@ -1,4 +1,4 @@
-"""Device programs of batched, chunked prefill (issue 14; DESIGN.md "Pipeline" (serve)).
+"""Device programs of batched, chunked prefill (issue 14; docs/design.md#serving).
 
 One compiled ``prefill_chunk`` pass runs a fixed budget of ``T`` packed prompt tokens of up to
 ``P`` requests through the target over a staging area of ``P`` lanes (each a target KV row, and

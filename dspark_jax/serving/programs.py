@@ -2,8 +2,8 @@
 row move, each a pure function over pytrees, compiled once per shape by the engine
 (:class:`dspark_jax.serving.device.EngineDevice`) into its bounded :class:`ProgramCache`.
 
-One step, one jitted function, no host round-trip inside (paper Section 7; DESIGN.md
-"Pipeline" (serve) and "Verification"): pack the anchors and the chosen number of drafts of
+One step, one jitted function, no host round-trip inside (paper Section 7;
+docs/design.md#serving and docs/design.md#verification): pack the anchors and the chosen number of drafts of
 every row -> one target pass -> sample the target's token at every packed position -> accept
 (Gumbel-coupled: :func:`dspark_jax.decoding.verifier.verify_coupled_packed`; rejection
 sampling: :func:`dspark_jax.decoding.verifier.verify_rejection_packed`) -> write target/drafter
@@ -36,7 +36,7 @@ acceptance test itself is :func:`dspark_jax.decoding.verifier.coupled_accept`.
 
 Rejection-sampling verification (``verification="rejection"``)
 ---------------------------------------------------------------
-The paper's mode (DESIGN.md "Verification (lossless)"): drafts are drawn with independent
+The paper's mode (docs/design.md#verification): drafts are drawn with independent
 keys (``fold_in(fold_in(request_key, t), 2)``), each drafted block keeps its q
 (``[num_slots, gamma, V]`` on the device), and a speculative step scatters the target's p of
 the packed tokens to a ``[R, gamma + 1, V]`` grid and calls :func:`dspark_jax.decoding.verifier.verify`

@@ -3,8 +3,8 @@ prefilled requests, and the validation of a request against an engine's limits.
 
 :class:`SamplingParams`, :class:`Request`, :class:`StepOutput` and :class:`Prefix` are the
 engine's public data types (re-exported by :mod:`dspark_jax.serving.engine`). The per-request
-logit-bias table (``logit_bias`` entries and ``min_tokens``' masking of stop ids, DESIGN.md
-"Pipeline" (serve), issue 14) is built here on the host; the device applies it
+logit-bias table (``logit_bias`` entries and ``min_tokens``' masking of stop ids,
+docs/design.md#serving, issue 14) is built here on the host; the device applies it
 (:func:`dspark_jax.serving.programs.apply_bias`).
 
 Per-request logit processing

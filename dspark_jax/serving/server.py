@@ -4,7 +4,7 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream: true`` server-sent events in OpenAI's chunk format, ending with
 ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` and Prometheus ``GET /metrics``.
 
-Architecture (DESIGN.md, "serve"): one background thread, :class:`EngineLoop`
+Architecture (docs/design.md#serving): one background thread, :class:`EngineLoop`
 (:mod:`dspark_jax.serving.loop`), owns the :class:`~dspark_jax.serving.engine.Engine` and is the
 only thread that touches JAX. The asyncio side (this module) validates and tokenizes requests
 (:mod:`dspark_jax.serving.protocol`), enqueues them, and per choice detokenizes incrementally

@@ -1,5 +1,5 @@
-"""Prometheus metrics of the HTTP server (vLLM-like names, ``dspark:`` prefix; DESIGN.md
-"Metrics").
+"""Prometheus metrics of the HTTP server (vLLM-like names, ``dspark:`` prefix;
+docs/design.md#metrics).
 
 Request-level series (successes by finish reason, rejections by status, aborts, prompt and
 generated tokens, TTFT / TPOT / end-to-end / queue-time histograms, step time) are updated by

@@ -3,7 +3,7 @@ request's arrays, their initial values and their layout on a ``model`` mesh.
 
 Everything here lives on the device between steps and is donated to every program
 (:mod:`dspark_jax.serving.programs`). Rows are physical decode rows (``B = num_slots``), ``S``
-the cache length; DESIGN.md "Pipeline" (serve) and "Scale: a device mesh".
+the cache length; docs/design.md#serving and docs/design.md#device-mesh.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Calibration of the confidence head: sequential temperature scaling (paper Appendix A5).
 
-DESIGN.md "Drafter" step 4, "Training" (last bullet) and "Metrics". The scheduler
+docs/design.md#confidence-head, docs/design.md#calibration and docs/design.md#metrics. The scheduler
 multiplies confidences into survival probabilities ``a_k = c_1 ... c_k``, so they must
 mean what they say. After training, each block position k gets one temperature
 ``T_k`` (``c_k = sigmoid(z_k / T_k)``, ``z_k`` the raw confidence logit), fit left to

@@ -1,6 +1,6 @@
 """Training data by self-distillation: prompts -> target continuations -> token-id shards.
 
-DESIGN.md "Pipeline"/"Training": the target generates continuations for prompts
+docs/design.md#pipeline / docs/design.md#training: the target generates continuations for prompts
 and only token ids are stored; the frozen target runs inside the train step for
 features and p_target, unless a run opts into :mod:`dspark_jax.training.feature_cache`
 (``feature_cache=DIR``), whose per-sequence arrays join the data dict and are
@@ -170,7 +170,7 @@ def batches(
 
 def draft_vocabulary(data: dict[str, np.ndarray], size: int, vocab_size: int) -> np.ndarray:
     """The ``size`` most frequent target-generated token ids of the training data (FR-Spec /
-    Eagle3 ``draft_vocab_size``; DESIGN.md "Drafter" 5).
+    Eagle3 ``draft_vocab_size``; docs/design.md#draft-vocabulary).
 
     Only generated positions count (``prompt_lengths <= i < lengths``): they are what the
     drafter has to predict. Ties (and ids never generated, when fewer than ``size`` distinct

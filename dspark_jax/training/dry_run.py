@@ -4,7 +4,7 @@ Reads only the target's *config* (llama2.c header, GGUF metadata, Hugging Face `
 or a built-in config such as ``qwen3-8b``) and builds the drafter abstractly (``nnx.eval_shape``):
 no weights are read or allocated. :func:`dry_run` plans training (:func:`estimate_memory`),
 :func:`serve_dry_run` serving (:func:`estimate_serving_memory`), each per device of a
-``(data, fsdp, model)`` mesh (DESIGN.md "Scale: a device mesh").
+``(data, fsdp, model)`` mesh (docs/design.md#device-mesh).
 """
 
 from __future__ import annotations

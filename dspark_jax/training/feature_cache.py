@@ -1,6 +1,6 @@
 """Target-feature cache: the frozen target's tapped hidden states, computed once, memory-mapped.
 
-DESIGN.md "Training" runs the frozen target inside every train step for the
+docs/design.md#training runs the frozen target inside every train step for the
 drafter's context features (step 1 of the drafter, paper Section 3 / DFlash's
 tapped layers) and for ``p_target``. The target is frozen and the
 self-distillation shards are fixed, so over several epochs that forward pass

@@ -1,4 +1,4 @@
-"""The drafter's training loss (DESIGN.md "Training"; paper Section 5 and Appendix A4).
+"""The drafter's training loss (docs/design.md#loss; paper Section 5 and Appendix A4).
 
 For ``A`` anchor blocks per sequence (:func:`sample_anchors`), all run in one drafter pass
 (``train_blocks`` of the :class:`~dspark_jax.drafters.base.Drafter` protocol) with the
@@ -275,7 +275,7 @@ def drafter_loss(
     key: jax.Array,
     cfg: LossConfig,
 ) -> LossTerms:
-    """DSpark training loss on a batch (DESIGN.md "Training"; paper Appendix A4).
+    """DSpark training loss on a batch (docs/design.md#loss; paper Appendix A4).
 
     Args:
       tokens: ``[B, L]`` int32 target-generated sequences (0-padded).

@@ -1,6 +1,6 @@
 """Drafter training: self-distilled data, frozen target in the step, data parallel.
 
-DESIGN.md "Training". One step:
+docs/design.md#training. One step:
 
 1. frozen target forward over ``[B, L]`` sequences -> tapped features and
    ``p_target`` at every position;
@@ -16,7 +16,7 @@ DESIGN.md "Training". One step:
 Data parallel: the step is ``jax.jit`` over a 1-D device mesh ``("data",)`` with
 the batch sharded along it and parameters replicated -- the ``shard_map``/``jit``
 equivalent of ``pmap``. With ``mesh=data:D,model:M`` (:mod:`dspark_jax.models.sharding`,
-DESIGN.md "Scale: a device mesh") the frozen target and the drafter are also sharded
+docs/design.md#device-mesh) the frozen target and the drafter are also sharded
 over ``model`` (heads, MLP, vocabulary; replicated where ``M`` does not divide them),
 the optimizer state like its parameters, and ``fsdp`` shards parameters' ``embed``
 dimension; the jitted step has explicit in/out shardings, XLA inserts the collectives.
@@ -114,7 +114,7 @@ class TrainConfig:
       lr_schedule: ``cosine`` (warmup + cosine to 5%) or ``wsd`` (warmup, constant, linear decay to 0
         over the last ``decay_frac`` of the steps; :mod:`dspark_jax.training.schedules`);
         warmup_steps [steps]: warmup length (0 = ``warmup_frac * steps``).
-      ce_weight, l1_weight, conf_weight, pos_decay: loss (DESIGN.md "Training").
+      ce_weight, l1_weight, conf_weight, pos_decay: loss (docs/design.md#loss).
       time_budget_s [s]: stop training early after this much wall time (0 = off;
         counted per invocation: rerunning the command continues towards ``steps``).
       grad_accum_steps: micro-batches per optimisation step (the global batch

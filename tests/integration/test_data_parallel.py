@@ -1,4 +1,4 @@
-"""Data parallel equivalence (DESIGN.md "Training"): an 8-way data-parallel step equals a
+"""Data parallel equivalence (docs/design.md#training): an 8-way data-parallel step equals a
 one-device step on the same global batch.
 
 The pytest process has already initialised JAX with one CPU device, so the check runs in

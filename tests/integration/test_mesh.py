@@ -1,4 +1,4 @@
-"""Training and serving on a (data, model) device mesh (DESIGN.md "Scale: a device mesh").
+"""Training and serving on a (data, model) device mesh (docs/design.md#device-mesh).
 
 With 8 forced CPU devices (subprocess ``tests/mesh_worker.py``, one process for every check
 so programs compile once), on a tiny target whose heads, KV heads, MLP and vocabulary the

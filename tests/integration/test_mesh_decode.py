@@ -1,4 +1,4 @@
-"""Speculative decoding with a target on a device mesh (DESIGN.md "Scale: a device mesh").
+"""Speculative decoding with a target on a device mesh (docs/design.md#device-mesh).
 
 With 8 forced CPU devices (subprocess ``tests/mesh_decode_worker.py``, one process for every
 case), stories260K and a drafter restored from an export (its arrays committed to one device):

@@ -1,4 +1,4 @@
-"""Preemption safety of ``python -m dspark_jax.train`` (DESIGN.md "Training": Orbax
+"""Preemption safety of ``python -m dspark_jax.train`` (docs/design.md#training: Orbax
 checkpoints, resume after a kill).
 
 One workdir is SIGKILLed twice -- once during self-distillation data generation, once

@@ -1,6 +1,6 @@
 """Parity of the JAX target with the reference implementation (transformers, PyTorch, fp32).
 
-DESIGN.md "Target model": logits must match transformers on the same weights. Tiny random
+docs/design.md#target-model: logits must match transformers on the same weights. Tiny random
 Llama and Qwen3 checkpoints are written offline with ``save_pretrained`` (safetensors),
 loaded through the project loader (:func:`dspark_jax.models.hf_io.load_hf_dir`) and compared
 on:

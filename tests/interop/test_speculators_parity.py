@@ -142,7 +142,7 @@ def _params(drafter):
 
 
 def _deepspec_from_speculators(sdir, dst, tdir):
-    """A DeepSpec-format directory made from a speculators save with INTEROP.md 2.2's remap (flat
+    """A DeepSpec-format directory made from a speculators save with docs/interop.md#format-details's remap (flat
     config, ``target_layer_ids = aux - 1``, embedding / LM-head copies added): not our exporter."""
     c = json.loads((sdir / "config.json").read_text())
     flat = dict(c["transformer_layer_config"])

@@ -2,7 +2,7 @@
 :mod:`dspark_jax.evaluation.reliability`): metrics, sequential temperature
 scaling, consistency with the training loss, storage in the export, decode-time use.
 
-DESIGN.md "Training" (last bullet) and "Metrics"; paper Appendix A5.
+docs/design.md#calibration and docs/design.md#metrics; paper Appendix A5.
 """
 
 from __future__ import annotations

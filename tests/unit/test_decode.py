@@ -1,6 +1,6 @@
 """Exactness tests of the decode loops (:mod:`dspark_jax.decoding.speculative`).
 
-DESIGN.md "Verification (lossless)" and "Metrics", through the REAL jitted loops:
+docs/design.md#verification and docs/design.md#metrics, through the REAL jitted loops:
 
 * stories260K (a real trained model): greedy autoregressive decoding reproduces the
   published golden ids; speculative decoding equals it token for token on 50 TinyStories
@@ -165,7 +165,7 @@ def assert_same_outputs(ar, sp, rows=None):
 
 
 def check_stats(res, gamma_used: int, speculative=True):
-    """DESIGN.md "Metrics" invariants of every generation of a result."""
+    """docs/design.md#metrics invariants of every generation of a result."""
     for i, g in enumerate(res.generations):
         n = len(g.token_ids)
         assert n >= 1, f"row {i}"

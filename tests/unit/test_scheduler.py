@@ -1,6 +1,6 @@
 """Unit tests of the verification-length policies, online calibration and the SPS table.
 
-DESIGN.md "Scheduler": the clean greedy scheduler against brute force over every admissible
+docs/design.md#scheduler: the clean greedy scheduler against brute force over every admissible
 allocation (per-row prefix lengths), the exact global search, the threshold and fixed
 policies, the deployed variant's budget depending only on stale confidences, and
 non-anticipation (the policies are functions of confidences only). All numpy, no model.

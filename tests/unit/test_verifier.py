@@ -1,6 +1,6 @@
 """Exactness tests for dspark_jax.decoding.verifier (lossless rejection-sampling verification).
 
-DESIGN.md "Verification (lossless)": the output must be distributed exactly as plain
+docs/design.md#verification: the output must be distributed exactly as plain
 sampling from the target. Three layers of evidence:
 
 1. the math, by enumeration: an independent numpy implementation of the rejection rule
@@ -148,7 +148,7 @@ def test_rejection_rule_is_exact_by_enumeration(config, length):
 
 
 def test_resampling_from_full_target_would_be_biased():
-    """Seed appendix A1: resampling from p (not the residual) gives P(A) = 0.64, not 0.7."""
+    """Paper Appendix A1: resampling from p (not the residual) gives P(A) = 0.64, not 0.7."""
     p, q = np.array([0.7, 0.3]), np.array([0.5, 0.5])
     accept = np.minimum(1, p / q)
     reject_mass = (q * (1 - accept)).sum()
@@ -242,7 +242,7 @@ LENGTH_POLICIES = {
 )
 @pytest.mark.parametrize("config", SAMPLING_CONFIGS)
 def test_monte_carlo_law_of_first_two_tokens(config, policy, mode):
-    """Both serving verification modes (DESIGN.md "Verification (lossless)") under the same
+    """Both serving verification modes (docs/design.md#verification) under the same
     law test: first token ~ p1, first two ~ p1(y1) p2(y2 | y1)."""
     p1, p2, p3, q1, q2 = make_tables(11, *config)
     length_probs = jnp.asarray(LENGTH_POLICIES[policy], jnp.float32)
@@ -318,7 +318,7 @@ def test_accept_and_residual_randomness_are_independent():
 
 
 # ======================================================================================
-# 3. Non-anticipation (DESIGN.md "Verification (lossless)", seed part 8)
+# 3. Non-anticipation (docs/design.md#non-anticipation)
 # ======================================================================================
 def simulate_scheduled_round(key, target, draft, length_rule, n=N_MC):
     """One-token-block rounds (G = 1) where a scheduler picks the verification length.
