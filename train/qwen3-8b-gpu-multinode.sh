@@ -5,7 +5,7 @@
 #
 #   # by hand, on node i of N (node 0's address and a free port as COORDINATOR):
 #   COORDINATOR=node0:12345 NUM_NODES=2 NODE_RANK=0 bash train/qwen3-8b-gpu-multinode.sh target=/models/Qwen3-8B \
-#       data_dir=/shared/qwen3-8b/data workdir=/shared/qwen3-8b
+#       data_dir=/nfs/qwen3-8b/data workdir=/nfs/qwen3-8b
 #   # SLURM: one task per node; rank, count and coordinator come from SLURM_PROCID, SLURM_NTASKS, SLURM_JOB_NODELIST
 #   srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 bash train/qwen3-8b-gpu-multinode.sh data_dir=... workdir=...
 #   bash train/qwen3-8b-gpu-multinode.sh --num-nodes 2 --gpus-per-node 8 --dry-run

@@ -6,7 +6,7 @@
 # at REPO_DIR with its environment, the Qwen3-8B weights, and a workdir/data_dir on a filesystem all workers see.
 #
 #   TPU_NAME=my-v5p-32 ZONE=us-east5-a bash train/qwen3-8b-tpu-pod.sh target=/mnt/models/Qwen3-8B \
-#       data_dir=/mnt/shared/qwen3-8b/data workdir=/mnt/shared/qwen3-8b
+#       data_dir=/mnt/nfs/qwen3-8b/data workdir=/mnt/nfs/qwen3-8b
 #   bash train/qwen3-8b-tpu-pod.sh --tpu-name my-v5p-32 --zone us-east5-a --workers 4 --dry-run
 #
 # Settings (flag or environment): --tpu-name/TPU_NAME, --zone/ZONE, --project/PROJECT (optional), --workers/WORKERS
