@@ -29,7 +29,7 @@ from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.target import Target
 from dspark_jax.models.weights import params_fingerprint
 from dspark_jax.serving.engine import Engine, Request, SamplingParams, parse_policy
-from dspark_jax.serving.programs import ProgramCache
+from dspark_jax.serving.engine.step_programs import ProgramCache
 
 GAMMA = 3
 CACHE = 64
@@ -426,7 +426,7 @@ def test_request_validation_keeps_the_engine_rules():
     """The engine validates with decoding.validation's checks but keeps its own rules:
     integral floats pass as max_tokens / seed, non-integral ones are refused; stop ids
     outside the vocabulary are allowed (they never match)."""
-    from dspark_jax.serving.requests import RequestLimits, validate_request
+    from dspark_jax.serving.engine.requests import RequestLimits, validate_request
 
     limits = RequestLimits(
         vocab_size=64,
@@ -466,7 +466,7 @@ def test_request_validation_keeps_the_engine_rules():
             with pytest.raises(DSparkInputError, match=field):
                 validate_request(req, limits)
     # min_tokens near INT32_MAX: its stop masking's last position is capped to int32, not overflowed
-    from dspark_jax.serving.requests import bias_table
+    from dspark_jax.serving.engine.requests import bias_table
 
     sp = SamplingParams(max_tokens=2**31 - 1, min_tokens=2**31 - 1)
     validate_request(Request([1, 2], sp), limits)

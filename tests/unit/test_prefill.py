@@ -1,4 +1,4 @@
-"""Batched, chunked prefill (:mod:`dspark_jax.serving.prefill`, issue 14) on stories260K.
+"""Batched, chunked prefill (:mod:`dspark_jax.serving.engine.prefill`, issue 14) on stories260K.
 
 * Packing (host only): prompts FIFO into the token budget, each segment on a block boundary,
   long prompts split across passes (a boundary inside a prompt, one exactly at its end),
@@ -25,8 +25,8 @@ import test_engine
 
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.serving.engine import Engine, Request, SamplingParams
-from dspark_jax.serving.loop import EngineLoop, TrackedRequest
-from dspark_jax.serving.prefill import ChunkedPrefill, PrefillEntry, PrefillQueue, chunk_ladder
+from dspark_jax.serving.engine.prefill import ChunkedPrefill, PrefillEntry, PrefillQueue, chunk_ladder
+from dspark_jax.serving.http.engine_loop import EngineLoop, TrackedRequest
 
 # the target and the bigram drafter of the engine tests
 target, drafter, tokenizer = test_engine.target, test_engine.drafter, test_engine.tokenizer
@@ -335,7 +335,7 @@ def test_bad_chunk_settings(engine):
 
 
 def test_serve_flag():
-    from dspark_jax.serving.cli import build_parser
+    from dspark_jax.serving.http.cli import build_parser
 
     assert build_parser().parse_args(["--target", "x"]).prefill_chunk_tokens == 256  # the server's default
     assert build_parser().parse_args(["--target", "x", "--prefill-chunk-tokens", "0"]).prefill_chunk_tokens == 0

@@ -1,8 +1,8 @@
 """The serving engine's device side: the models' states (sharded over a ``model`` mesh), the
 decode state, and the compiled programs that advance it.
 
-:class:`EngineDevice` lowers and compiles each program of :mod:`dspark_jax.serving.programs`
-once per shape, through the engine's :class:`~dspark_jax.serving.programs.ProgramCache`:
+:class:`EngineDevice` lowers and compiles each program of :mod:`dspark_jax.serving.engine.step_programs`
+once per shape, through the engine's :class:`~dspark_jax.serving.engine.step_programs.ProgramCache`:
 ``("step", R, K)``, ``("bare_step", R)``, ``("catchup", R)``, ``("prefill", P)``,
 ``("insert", P)`` and ``("move",)``. Cache keys also hold the engine's signature (model
 graphs, parameter shapes, slots, cache length, verification mode, bias-table size, logprob
@@ -21,11 +21,13 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.decoding import disk_cache
-from dspark_jax.decoding.sps import SPSTable, profile_buckets
 from dspark_jax.drafters.base import BlockDrafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import sharding as shd
-from dspark_jax.serving.programs import (
+from dspark_jax.serving.engine.requests import SamplingParams, no_bias
+from dspark_jax.serving.engine.sps import SPSTable, profile_buckets
+from dspark_jax.serving.engine.state import DecodeState, PrefixArrays, init_state, serving_mesh, state_shardings
+from dspark_jax.serving.engine.step_programs import (
     ProgramCache,
     catchup_program,
     insert_program,
@@ -33,8 +35,6 @@ from dspark_jax.serving.programs import (
     prefill_program,
     step_program,
 )
-from dspark_jax.serving.requests import SamplingParams, no_bias
-from dspark_jax.serving.state import DecodeState, PrefixArrays, init_state, serving_mesh, state_shardings
 
 __all__ = ["EngineDevice", "out_shardings_for", "prefill_bucket_list", "row_bucket_list", "token_ladder"]
 
@@ -288,7 +288,7 @@ class EngineDevice:
 
     def run_step(self, rows, tokens, ell, active, draft_next, use_bias=False, want_lp=False):
         """Runs the step of bucket ``(rows, tokens)``; returns its outputs (see
-        :func:`~dspark_jax.serving.programs.step_program`)."""
+        :func:`~dspark_jax.serving.engine.step_programs.step_program`)."""
         flags = (np.bool_(draft_next), np.bool_(use_bias), np.bool_(want_lp))
         self.state, out = self.step_exe(rows, tokens)(self.t_state, self.d_state, self.state, ell, active, *flags)
         return out

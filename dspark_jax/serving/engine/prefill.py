@@ -5,13 +5,13 @@ over its whole prompt, so a long prompt stalls every decoding stream for its who
 :class:`ChunkedPrefill` instead keeps a FIFO of waiting requests (:class:`PrefillQueue`) and,
 per :meth:`ChunkedPrefill.step`, runs ONE compiled pass of at most ``chunk_tokens`` packed
 prompt tokens from up to ``lanes`` requests
-(:func:`dspark_jax.serving.prefill_programs.prefill_chunk_program`), splitting a long prompt
-across passes. The server's engine thread (:class:`dspark_jax.serving.loop.EngineLoop`)
+(:func:`dspark_jax.serving.engine.prefill_programs.prefill_chunk_program`), splitting a long prompt
+across passes. The server's engine thread (:class:`dspark_jax.serving.http.engine_loop.EngineLoop`)
 alternates one pass with one decode step, so a stream never waits more than one chunk.
 A request whose prompt ends in a pass comes back as an ordinary
-:class:`~dspark_jax.serving.requests.Prefix` (same fields as one-shot prefill's, its caches cut
+:class:`~dspark_jax.serving.engine.requests.Prefix` (same fields as one-shot prefill's, its caches cut
 to its prefill bucket), which :meth:`Engine.insert` consumes unchanged; its tokens equal one-shot
-prefill's (see :mod:`dspark_jax.serving.prefill_programs`).
+prefill's (see :mod:`dspark_jax.serving.engine.prefill_programs`).
 
 Static shapes: a pass compiles once per ``(T, span)``: ``T`` from a small ladder of token
 budgets (:func:`chunk_ladder`: ``chunk_tokens`` and a quarter of it), ``span`` (the attention
@@ -41,13 +41,13 @@ import numpy as np
 
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import sharding as shd
-from dspark_jax.serving.prefill_programs import (
+from dspark_jax.serving.engine.prefill_programs import (
     extract_program,
     init_stage,
     prefill_chunk_program,
     stage_shardings,
 )
-from dspark_jax.serving.requests import (
+from dspark_jax.serving.engine.requests import (
     Prefix,
     Request,
     RequestLimits,
@@ -185,9 +185,9 @@ class ChunkedPrefill:
     """Batched, chunked prefill of one engine (see the module doc).
 
     Args:
-      device: the engine's :class:`~dspark_jax.serving.device.EngineDevice` (models, program
+      device: the engine's :class:`~dspark_jax.serving.engine.device.EngineDevice` (models, program
         cache, mesh); the staging area lives beside its decode state.
-      planner: the engine's :class:`~dspark_jax.serving.planner.Planner` (whether prefill
+      planner: the engine's :class:`~dspark_jax.serving.engine.planner.Planner` (whether prefill
         drafts the first block, and whether the drafter context is kept, as one-shot prefill).
       limits: the engine's :class:`RequestLimits` (validation, bias tables).
       prefill_buckets: the engine's prefill buckets (prefix lengths and attention spans).

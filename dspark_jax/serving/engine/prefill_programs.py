@@ -3,14 +3,14 @@
 One compiled ``prefill_chunk`` pass runs a fixed budget of ``T`` packed prompt tokens of up to
 ``P`` requests through the target over a staging area of ``P`` lanes (each a target KV row, and
 the drafter's context KV row when there is a drafter, of ``S`` positions, ``S`` the largest
-prefill bucket): the host (:class:`dspark_jax.serving.prefill.PrefillQueue`) packs waiting
+prefill bucket): the host (:class:`dspark_jax.serving.engine.prefill.PrefillQueue`) packs waiting
 prompts FIFO into the budget and splits a long prompt across passes, so that a long prompt
 never stalls the decode steps for more than one chunk. For every lane whose prompt ends in the
-pass the program computes what :func:`dspark_jax.serving.programs.prefill_program` computes at
+pass the program computes what :func:`dspark_jax.serving.engine.step_programs.prefill_program` computes at
 the last prompt position (the first token, sampled with the request's key and bias, its raw
 logprobs, finiteness, and the drafter's first block with its confidences); ``prefill_extract``
-then cuts the lane into ordinary :class:`~dspark_jax.serving.state.PrefixArrays` of the
-request's prefill bucket, which :func:`~dspark_jax.serving.programs.insert_program` consumes
+then cuts the lane into ordinary :class:`~dspark_jax.serving.engine.state.PrefixArrays` of the
+request's prefill bucket, which :func:`~dspark_jax.serving.engine.step_programs.insert_program` consumes
 unchanged.
 
 Lane-aligned blocks
@@ -27,7 +27,7 @@ compiles once per ``(T, span)`` and the extraction once per prefill bucket.
 
 Exactness: a token's keys/values and hidden states are those of one-shot prefill (same
 positions, same causal context), so a request prefilled in chunks gets the same first token and
-the same caches as :func:`~dspark_jax.serving.programs.prefill_program`, up to float rounding
+the same caches as :func:`~dspark_jax.serving.engine.step_programs.prefill_program`, up to float rounding
 between matmul shapes (which can only flip exact near-ties).
 """
 
@@ -44,8 +44,8 @@ from dspark_jax.models import sharding as shd
 from dspark_jax.models.layers import KVCache, attention
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample
 from dspark_jax.models.target import packed_attn_out_and_mlp, packed_qkv
-from dspark_jax.serving.programs import apply_bias, draft, logprobs, write_context
-from dspark_jax.serving.state import PrefixArrays
+from dspark_jax.serving.engine.state import PrefixArrays
+from dspark_jax.serving.engine.step_programs import apply_bias, draft, logprobs, write_context
 
 __all__ = [
     "ChunkOutputs",
@@ -93,7 +93,7 @@ def init_stage(target, drafter, lanes: int, length: int) -> StageState:
 
 def stage_shardings(mesh, target_cfg, drafter_cfg) -> StageState:
     """Shardings of a :class:`StageState` on ``mesh``: caches over their KV heads, as the
-    decode state's (:func:`dspark_jax.serving.state.state_shardings`)."""
+    decode state's (:func:`dspark_jax.serving.engine.state.state_shardings`)."""
 
     def cache(cfg):
         return shd.cache_sharding(mesh, cfg.num_kv_heads, (1, 1, 1, cfg.num_kv_heads, cfg.head_dim))
@@ -253,7 +253,7 @@ def prefill_chunk_program(
         ``[P]`` float32; do_draft: ``[P]`` bool draft the lane's first block; do_context:
         bool, write the drafter context of the packed tokens; bias_*: ``[P, NB]`` tables.
       span / block: static attention span and block size; gamma / mode / n_top: as
-        :func:`~dspark_jax.serving.programs.prefill_program`.
+        :func:`~dspark_jax.serving.engine.step_programs.prefill_program`.
     Returns:
       ``(new stage, ChunkOutputs)``.
     """

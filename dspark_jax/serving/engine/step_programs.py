@@ -1,6 +1,6 @@
 """The serving engine's device programs: one step, the drafter catch-up, prefill, insert and
 row move, each a pure function over pytrees, compiled once per shape by the engine
-(:class:`dspark_jax.serving.device.EngineDevice`) into its bounded :class:`ProgramCache`.
+(:class:`dspark_jax.serving.engine.device.EngineDevice`) into its bounded :class:`ProgramCache`.
 
 One step, one jitted function, no host round-trip inside (paper Section 7; DESIGN.md
 "Pipeline" (serve) and "Verification"): pack the anchors and the chosen number of drafts of
@@ -62,7 +62,7 @@ from dspark_jax.decoding.round import draft_tokens, rejection_round_keys, token_
 from dspark_jax.decoding.verifier import verify_coupled_packed, verify_rejection_packed
 from dspark_jax.models.layers import KVCache
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample
-from dspark_jax.serving.state import CACHE_FIELDS, DecodeState, PrefixArrays
+from dspark_jax.serving.engine.state import CACHE_FIELDS, DecodeState, PrefixArrays
 
 __all__ = [
     "ProgramCache",

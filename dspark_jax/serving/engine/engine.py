@@ -26,27 +26,27 @@ Static shapes
 -------------
 ``num_slots`` decode rows and ``cache_len`` cache positions are fixed; both models' KV caches
 and all per-row state live on the device between steps and are donated to every program
-(:mod:`dspark_jax.serving.device`). Active requests are kept in rows ``0..n-1``
-(:mod:`dspark_jax.serving.slots`), so a step only touches the first ``R`` rows, ``R`` the
+(:mod:`dspark_jax.serving.engine.device`). Active requests are kept in rows ``0..n-1``
+(:mod:`dspark_jax.serving.engine.slots`), so a step only touches the first ``R`` rows, ``R`` the
 smallest row bucket holding them. A step is compiled per bucket ``(R, K)``: ``K == R`` is a
 plain step (every row verifies only its anchor), ``K > R`` a speculative step over ``K``
 packed tokens (:meth:`dspark_jax.models.target.Target.forward_packed`). Everything variable is
 a mask or a runtime scalar, so after :meth:`Engine.warmup` no step recompiles, whatever the
 prompt lengths (prefill pads to buckets), budgets or set of active requests. One step is one
-jitted function (:func:`dspark_jax.serving.programs.step_program`); the host then reads back,
+jitted function (:func:`dspark_jax.serving.engine.step_programs.step_program`); the host then reads back,
 once, the emitted tokens and the next block's raw confidence logits, and runs the scheduler
-(:mod:`dspark_jax.serving.planner`), which never sees draft token values.
+(:mod:`dspark_jax.serving.engine.planner`), which never sees draft token values.
 
-Drafter suspension (:mod:`dspark_jax.serving.planner`): a step also writes the drafter's
+Drafter suspension (:mod:`dspark_jax.serving.engine.planner`): a step also writes the drafter's
 context keys/values of every verified token, so that drafting can resume at any step; after
 ``suspend_after`` consecutive non-drafting steps, plain steps drop that upkeep (the
 drafter-less program) and a catch-up pass rebuilds the skipped context when drafting resumes.
 
-Verification (:mod:`dspark_jax.serving.programs`): Gumbel-coupled by default, so every response
+Verification (:mod:`dspark_jax.serving.engine.step_programs`): Gumbel-coupled by default, so every response
 equals, token for token, plain autoregressive sampling with the request's seed whatever the
 policy, batch-mates or slot; or the paper's rejection sampling (same output law, higher
 acceptance at T > 0). Per-request ``logit_bias`` / ``min_tokens`` / ``logprobs``
-(:mod:`dspark_jax.serving.requests`) are runtime flags of the same programs: no recompilation.
+(:mod:`dspark_jax.serving.engine.requests`) are runtime flags of the same programs: no recompilation.
 
 Finish handling lives in the engine: EOS ids (the target's plus ``eos_token_ids``) and each
 request's ``stop_token_ids`` end it with ``"stop"`` (the stop token is included, tokens drafted
@@ -65,18 +65,16 @@ from typing import cast
 import jax
 import numpy as np
 
-from dspark_jax.decoding.online_calibration import OnlineCalibrator
-from dspark_jax.decoding.sps import SPSTable
 from dspark_jax.drafters.base import prepare_drafter
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.target import Target
-from dspark_jax.serving.device import EngineDevice, prefill_bucket_list, row_bucket_list, token_ladder
-from dspark_jax.serving.metrics import EngineMetrics
-from dspark_jax.serving.planner import Planner, catchup_batches, parse_policy
-from dspark_jax.serving.prefill import chunked_prefill
-from dspark_jax.serving.programs import ProgramCache
-from dspark_jax.serving.requests import (
+from dspark_jax.serving.engine.counters import EngineMetrics
+from dspark_jax.serving.engine.device import EngineDevice, prefill_bucket_list, row_bucket_list, token_ladder
+from dspark_jax.serving.engine.online_calibration import OnlineCalibrator
+from dspark_jax.serving.engine.planner import Planner, catchup_batches, parse_policy
+from dspark_jax.serving.engine.prefill import chunked_prefill
+from dspark_jax.serving.engine.requests import (
     Prefix,
     Request,
     RequestLimits,
@@ -88,8 +86,10 @@ from dspark_jax.serving.requests import (
     stop_ids,
     validate_request,
 )
-from dspark_jax.serving.slots import Round, SlotRecord, SlotTable, close_rounds
-from dspark_jax.serving.state import PrefixArrays
+from dspark_jax.serving.engine.slots import Round, SlotRecord, SlotTable, close_rounds
+from dspark_jax.serving.engine.sps import SPSTable
+from dspark_jax.serving.engine.state import PrefixArrays
+from dspark_jax.serving.engine.step_programs import ProgramCache
 
 __all__ = ["Engine", "Prefix", "Request", "SamplingParams", "StepOutput", "parse_policy"]
 
@@ -105,7 +105,7 @@ class Engine:
       num_slots: decode slots (concurrent requests).
       cache_len: KV cache positions per slot (prompt + generated tokens must fit).
       policy: ``"plain"``, ``"fixed:G"``, ``"threshold:C"``, ``"greedy"`` or ``"dspark"``
-        (see :mod:`dspark_jax.decoding.scheduler`).
+        (see :mod:`dspark_jax.serving.engine.scheduler`).
       buckets: packed-token budgets of speculative steps (default 4, 8, 16, 32, 64, 128);
         for ``R`` rows the compiled budgets are ``R`` (plain step) and
         ``min(k, R * (gamma + 1))`` for every ``k > R`` here (``fixed:G`` uses exactly
@@ -136,13 +136,13 @@ class Engine:
       max_stop_ids: capacity for EOS + ``stop_token_ids`` of a request with ``min_tokens``.
       mesh: tensor-parallel serving (DESIGN.md "Scale: a device mesh"): a
         :class:`jax.sharding.Mesh` or a spec such as ``"model:8"``; weights, KV caches and
-        programs are sharded over ``model`` (:class:`~dspark_jax.serving.device.EngineDevice`),
+        programs are sharded over ``model`` (:class:`~dspark_jax.serving.engine.device.EngineDevice`),
         outputs equal the one-device engine's up to float rounding. ``None``: one device.
-      program_cache: the :class:`~dspark_jax.serving.programs.ProgramCache` holding the
+      program_cache: the :class:`~dspark_jax.serving.engine.step_programs.ProgramCache` holding the
         compiled programs (default: a new one owned by this engine); engines over the same
         models may share one (their programs are keyed by everything that shapes them).
       prefill_chunk_tokens: > 0: :attr:`prefiller` is a
-        :class:`~dspark_jax.serving.prefill.ChunkedPrefill` of this many tokens per pass
+        :class:`~dspark_jax.serving.engine.prefill.ChunkedPrefill` of this many tokens per pass
         (batched, chunked prefill; the server's default); 0: None (one-shot :meth:`prefill` only).
 
     Raises:
@@ -512,7 +512,7 @@ class Engine:
 
     def _emit(self, slot: int, rec: SlotRecord, r: int, rnd: Round, host, draft_next: bool) -> StepOutput:
         """Row ``r``'s output of a step (``host``: the step's outputs read back; ``rnd``: its
-        round, :func:`~dspark_jax.serving.slots.close_rounds`): its kept tokens, counters and
+        round, :func:`~dspark_jax.serving.engine.slots.close_rounds`): its kept tokens, counters and
         logprobs; the record gets the next block's confidences."""
         _, _, _, conf, lpc, lpv, lpi = host
         toks = rec.pending + rnd.tokens
@@ -574,7 +574,7 @@ class Engine:
 
     def metrics(self) -> dict:
         """Cumulative counters (DESIGN.md "Metrics"): those of
-        :meth:`~dspark_jax.serving.metrics.EngineMetrics.counters` (steps, rounds, drafts, draft /
+        :meth:`~dspark_jax.serving.engine.counters.EngineMetrics.counters` (steps, rounds, drafts, draft /
         accepted / emitted / packed tokens, tau as ``mean_accepted_length``, per-position
         acceptance, bucket histograms, suspension and catch-up counts, ...), plus ``policy``,
         ``verification``, ``num_active``, ``scheduler_decision`` (expected tokens/s drafting vs
