@@ -115,7 +115,7 @@ def engine(target, drafter):
     )
     # small blocks, so that several requests share a 12-token pass
     eng.prefiller = ChunkedPrefill(
-        eng._device, eng.planner, eng.limits, eng.prefill_buckets, CHUNK, lanes=LANES, block=BLOCK
+        eng.device, eng.planner, eng.limits, eng.prefill_buckets, CHUNK, lanes=LANES, block=BLOCK
     )
     eng.warmup()
     return eng
@@ -290,7 +290,7 @@ def test_rejection_mode_first_block(target, drafter, story):
         suspend_after=None,
         verification="rejection",
     )
-    pre = ChunkedPrefill(eng._device, eng.planner, eng.limits, eng.prefill_buckets, CHUNK, lanes=LANES, block=BLOCK)
+    pre = ChunkedPrefill(eng.device, eng.planner, eng.limits, eng.prefill_buckets, CHUNK, lanes=LANES, block=BLOCK)
     reqs = _requests(story, [13, 5], "q")
     for c, r in zip(pre.prefill(reqs), reqs):
         o = eng.prefill(r)
@@ -324,9 +324,9 @@ def test_no_recompile_after_warmup(engine, story):
 
 def test_bad_chunk_settings(engine):
     with pytest.raises(DSparkInputError):
-        ChunkedPrefill(engine._device, engine.planner, engine.limits, engine.prefill_buckets, 10, block=4)
+        ChunkedPrefill(engine.device, engine.planner, engine.limits, engine.prefill_buckets, 10, block=4)
     with pytest.raises(DSparkInputError):
-        ChunkedPrefill(engine._device, engine.planner, engine.limits, engine.prefill_buckets, 8, lanes=0, block=4)
+        ChunkedPrefill(engine.device, engine.planner, engine.limits, engine.prefill_buckets, 8, lanes=0, block=4)
     with pytest.raises(DSparkInputError):
         engine.prefiller.submit(Request([], SamplingParams()))
     assert len(engine.prefiller) == 0

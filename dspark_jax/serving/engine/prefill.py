@@ -386,4 +386,4 @@ def chunked_prefill(engine, chunk_tokens: int) -> ChunkedPrefill | None:
         raise DSparkInputError(f"prefill_chunk_tokens must be >= 0 (0: one-shot prefill), got {chunk_tokens}")
     if chunk_tokens == 0:
         return None
-    return ChunkedPrefill(engine._device, engine.planner, engine.limits, engine.prefill_buckets, chunk_tokens)
+    return ChunkedPrefill(engine.device, engine.planner, engine.limits, engine.prefill_buckets, chunk_tokens)
