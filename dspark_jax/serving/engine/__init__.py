@@ -3,7 +3,7 @@ host-side schedulers that only serving uses (DESIGN.md "Pipeline" (serve), "Sche
 
 * :mod:`.engine` -- :class:`Engine` (``prefill`` / ``insert`` / ``generate`` / ``free``);
 * :mod:`.device` -- :class:`~.device.EngineDevice`, the device state and compiled programs
-  (``Engine.device``); :mod:`.step_programs` and :mod:`.prefill_programs` the jitted bodies;
+  (``Engine.device``); :mod:`.step_programs` and :mod:`.chunk_programs` the jitted bodies;
   :mod:`.state` the donated per-row state;
 * :mod:`.requests` -- the public request types; :mod:`.slots` the host's slot table;
   :mod:`.prefill` batched, chunked prefill; :mod:`.counters` the cumulative counters;

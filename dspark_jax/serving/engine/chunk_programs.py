@@ -33,6 +33,7 @@ between matmul shapes (which can only flip exact near-ties).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -48,7 +49,11 @@ from dspark_jax.serving.engine.state import PrefixArrays
 from dspark_jax.serving.engine.step_programs import apply_bias, draft, logprobs, write_context
 
 __all__ = [
+    "ChunkInputs",
     "ChunkOutputs",
+    "ChunkSpec",
+    "LaneSampling",
+    "PackedChunk",
     "StageState",
     "chunk_forward",
     "extract_program",
@@ -215,48 +220,76 @@ def _chunk_drafter(target, drafter, feats, lane, pos, stage, token, prompt_len, 
     return dk, dv, (d, conf, q)
 
 
-def prefill_chunk_program(
-    t_state,
-    d_state,
-    stage: StageState,
-    tok,
-    pos,
-    blk_lane,
-    last,
-    prompt_len,
-    seed,
-    temperature,
-    top_k,
-    top_p,
-    do_draft,
-    do_context,
-    bias_ids,
-    bias_val,
-    bias_until,
-    *,
-    t_graph,
-    d_graph,
-    span: int,
-    block: int,
-    gamma: int,
-    mode: str = "coupled",
-    n_top: int = 20,
-):
+@dataclasses.dataclass(frozen=True)
+class ChunkSpec:
+    """The static shape of a chunked-prefill pass (one compiled program per value).
+
+    Attributes:
+      span / block: attention span and lane-aligned block size; gamma / mode / n_top: as
+        :class:`~dspark_jax.serving.engine.step_programs.StepSpec`.
+    """
+
+    span: int
+    block: int
+    gamma: int
+    mode: str = "coupled"
+    n_top: int = 20
+
+
+class PackedChunk(NamedTuple):
+    """The packed prompt tokens of a pass.
+
+    Attributes:
+      tok / pos: ``[T]`` int32 packed prompt tokens and positions (``-1``: padding);
+      blk_lane: ``[T / block]`` int32 lane of each block; last: ``[P]`` int32 index in ``tok``
+      of each lane's last prompt token (any for lanes not finishing).
+    """
+
+    tok: Any
+    pos: Any
+    blk_lane: Any
+    last: Any
+
+
+class LaneSampling(NamedTuple):
+    """Per-lane sampling of the first token: prompt_len / seed / top_k ``[P]`` int32,
+    temperature / top_p ``[P]`` float32, do_draft ``[P]`` bool (draft the lane's first block)."""
+
+    prompt_len: Any
+    seed: Any
+    temperature: Any
+    top_k: Any
+    top_p: Any
+    do_draft: Any
+
+
+class ChunkInputs(NamedTuple):
+    """The runtime inputs of a pass (a pytree; its leaves are the program's parameters).
+
+    Attributes:
+      packed: :class:`PackedChunk`; lanes: :class:`LaneSampling`; do_context: ``[]`` bool,
+      write the drafter context of the packed tokens; bias: the ``(ids, val, until)``
+      ``[P, NB]`` bias tables.
+    """
+
+    packed: PackedChunk
+    lanes: LaneSampling
+    do_context: Any
+    bias: tuple
+
+
+def prefill_chunk_program(t_state, d_state, stage: StageState, inp: ChunkInputs, *, t_graph, d_graph, spec: ChunkSpec):
     """One chunked-prefill pass (see the module doc).
 
     Args:
       stage: :class:`StageState` (donated).
-      tok / pos: ``[T]`` int32 packed prompt tokens and positions (``-1``: padding);
-        blk_lane: ``[T / block]`` int32 lane of each block.
-      last: ``[P]`` int32 index in ``tok`` of each lane's last prompt token (any for lanes
-        not finishing); prompt_len / seed / top_k: ``[P]`` int32; temperature / top_p:
-        ``[P]`` float32; do_draft: ``[P]`` bool draft the lane's first block; do_context:
-        bool, write the drafter context of the packed tokens; bias_*: ``[P, NB]`` tables.
-      span / block: static attention span and block size; gamma / mode / n_top: as
-        :func:`~dspark_jax.serving.engine.step_programs.prefill_program`.
+      inp: :class:`ChunkInputs`; spec: :class:`ChunkSpec` (static).
     Returns:
       ``(new stage, ChunkOutputs)``.
     """
+    (tok, pos, blk_lane, last), lanes_in, do_context, bias = inp
+    prompt_len, seed, temperature, top_k, top_p, do_draft = lanes_in
+    span, block, gamma, mode, n_top = spec.span, spec.block, spec.gamma, spec.mode, spec.n_top
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
     taps = drafter.cfg.taps if drafter is not None else ()
@@ -266,7 +299,6 @@ def prefill_chunk_program(
     raw = target.unembed(hidden[last])  # [P, V]: only the finishing positions reach the LM head
     keys = jax.vmap(jax.random.PRNGKey)(seed)
     samp = SamplingArrays(temperature, top_k, top_p)
-    bias = (bias_ids, bias_val, bias_until)
     token, finite, lp = _first_tokens(raw, keys, prompt_len, samp, bias, n_top)
     lanes, gp = last.shape[0], max(gamma, 1)
     init = (
