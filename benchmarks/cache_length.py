@@ -150,8 +150,8 @@ def engine_section(pk, a) -> list[dict[str, Any]]:
             ell, active = np.zeros(a.rows, np.int32), np.ones(a.rows, bool)
 
             def step(eng=eng, ell=ell, active=active):
-                jax.block_until_ready(eng._run_step(a.rows, a.rows, ell, active, False))
-                eng._state = eng._state._replace(pos=eng._state.pos * 0 + 40)  # the same live length
+                jax.block_until_ready(eng.device.run_step(a.rows, a.rows, ell, active, False))
+                eng.device.state = eng.device.state._replace(pos=eng.device.state.pos * 0 + 40)  # the same live length
 
             cases[f"{name}:{c}"] = step
     med = _alternate(cases, a.reps)

@@ -18,8 +18,8 @@ of appearance: :func:`normalise`) and hashed (SHA-256). Writes ``{"count": uniqu
 the modules only in A and only in B (exit status 1 when they differ).
 
 The package is imported from ``sys.path`` as found (no path is prepended), so the same script
-measures any checkout: ``Engine`` via ``dspark_jax.engine`` (the engine itself on old commits,
-a deprecated re-export on new ones), ``Target`` and ``Drafter`` from whichever module holds them.
+measures any checkout: ``Engine``, ``Target`` and ``Drafter`` from whichever module holds them
+(``dspark_jax.serving.engine``, else ``dspark_jax.engine``, the engine itself on old commits).
 """
 
 from __future__ import annotations
@@ -170,9 +170,12 @@ def _drive(engine, requests) -> None:
 
 def workload() -> None:
     """The fixed workload: every program a coupled and a rejection engine compile."""
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # dspark_jax.engine: the engine on old commits, a deprecated shim later
         warnings.simplefilter("ignore", DeprecationWarning)
-        from dspark_jax.engine import Engine, Request, SamplingParams
+        found = [
+            _find(n, "dspark_jax.serving.engine", "dspark_jax.engine") for n in ("Engine", "Request", "SamplingParams")
+        ]
+    Engine, Request, SamplingParams = found
 
     target, drafter = _models()
     prompts = [[1, 5, 9, 13, 17], [1, 7, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]

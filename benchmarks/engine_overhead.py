@@ -77,18 +77,15 @@ def measure(plain, spec, rows: list[int], prompt_len: int, reps: int) -> list[di
     def step(e, r, draft=False):
         act = act_all.copy()
         act[:r] = True
-        return lambda: jax.block_until_ready(e._run_step(r, r, ell, act, draft))
+        return lambda: jax.block_until_ready(e.device.run_step(r, r, ell, act, draft))
 
     def bare_step(e, r):
         act = act_all.copy()
         act[:r] = True
-        exe = e._bare_step_exe(r)
+        e.device.bare_step_exe(r)  # compiled outside the timing
 
         def run():
-            e._state, out = exe(
-                e._t_state, None, e._state, ell, act, np.bool_(False), np.bool_(False), np.bool_(False)
-            )  # draft_next, use_bias, want_lp
-            jax.block_until_ready(out)
+            jax.block_until_ready(e.device.run_bare_step(r, ell, act, False, False))  # use_bias, want_lp
 
         return run
 
@@ -97,11 +94,11 @@ def measure(plain, spec, rows: list[int], prompt_len: int, reps: int) -> list[di
         tok = np.full(r * w, 1, np.int32)
         row = np.repeat(np.arange(r, dtype=np.int32), w)
         col = np.tile(np.arange(w, dtype=np.int32), r)
-        exe = e._catchup_exe(r)
+        e.device.catchup_exe(r)
 
         def run():
-            e._state = exe(e._t_state, e._d_state, e._state, tok, row, col, col)
-            jax.block_until_ready(e._state.dk)
+            e.device.run_catchup(r, tok, row, col, col)
+            jax.block_until_ready(e.device.state.dk)
 
         return run
 
@@ -110,7 +107,7 @@ def measure(plain, spec, rows: list[int], prompt_len: int, reps: int) -> list[di
 
     def prefill(e, suspended=False):
         def run():
-            e._idle_steps = e.suspend_after if suspended else 0  # what the last steps decided
+            e.planner.idle_steps = e.suspend_after if suspended else 0  # what the last steps decided
             jax.block_until_ready(e.prefill(req).arrays)
 
         return run

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_level(eng, tok, policy: str, prompts: list[str], conc: int, max_tokens: int) -> dict:
     """Decodes every prompt under ``policy`` with ``conc`` in flight; tokens/s and counters."""
-    from dspark_jax.serving.requests import Request, SamplingParams
+    from dspark_jax.serving.engine.requests import Request, SamplingParams
 
     eng.set_policy(policy)
     eng.reset_metrics()

@@ -97,7 +97,7 @@ def main(argv=None):
     active = np.ones(b, bool)
     cases = []
     for name, eng in engines.items():
-        new = "use_bias" in inspect.signature(eng._run_step).parameters
+        new = "use_bias" in inspect.signature(eng.device.run_step).parameters
         cases += [(f"{name}:plain", eng, 0, {}), (f"{name}:spec", eng, a.gamma, {})]
         if new:
             on = dict(use_bias=True, want_lp=True)
@@ -107,11 +107,11 @@ def main(argv=None):
         for label, eng, ell, kw in cases if i % 2 == 0 else cases[::-1]:
             tokens = a.rows * (ell + 1)
             t0 = time.perf_counter()
-            out = eng._run_step(a.rows, tokens, np.full(b, ell, np.int32), active, False, **kw)
+            out = eng.device.run_step(a.rows, tokens, np.full(b, ell, np.int32), active, False, **kw)
             jax.block_until_ready(out)
             if i >= 2:
                 times[label].append(time.perf_counter() - t0)
-            eng._state = eng._state._replace(pos=eng._state.pos * 0 + 40)  # stay inside the cache
+            eng.device.state = eng.device.state._replace(pos=eng.device.state.pos * 0 + 40)  # stay inside the cache
     print(
         json.dumps(
             {

@@ -169,7 +169,7 @@ def _buckets(spec: str, cache_len: int) -> tuple[int, ...]:
 
 
 def _engine(args, target, drafter, num_slots: int, cache_len: int):
-    from dspark_jax.serving.cli import _parse_buckets, build_engine
+    from dspark_jax.serving.http.cli import _parse_buckets, build_engine
 
     policy = "dspark" if drafter is not None else "plain"
     t0 = time.perf_counter()

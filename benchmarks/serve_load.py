@@ -356,7 +356,7 @@ def engine_for(args, target, drafter, policy: str, num_slots: int, engine=None):
     policy adds and keeps the SPS table when it covers them, so a sweep pays for compilation
     once. (The online calibration state carries over, as on a long-running server.)
     """
-    from dspark_jax.serving.cli import _parse_buckets, build_engine
+    from dspark_jax.serving.http.cli import _parse_buckets, build_engine
 
     t0 = time.perf_counter()
     if engine is None:
@@ -380,7 +380,7 @@ def engine_for(args, target, drafter, policy: str, num_slots: int, engine=None):
 
 def serve(engine, tok, args, policy: str, max_queue: int):
     """``(ServerThread, EngineLoop)``: ``engine`` behind the HTTP server on a free loopback port."""
-    from dspark_jax.serving.cli import ServerThread, build_server
+    from dspark_jax.serving.http.cli import ServerThread, build_server
 
     app, loop = build_server(engine, tok, model_name=args.target, max_queue=max_queue, policy=policy)
     return ServerThread(app), loop

@@ -1,8 +1,8 @@
-"""``python -m dspark_jax.serve``: thin entry point; the command lives in :mod:`dspark_jax.serving.cli`."""
+"""``python -m dspark_jax.serve``: thin entry point; the command lives in :mod:`dspark_jax.serving.http.cli`."""
 
 import sys
 
-from dspark_jax.serving.cli import build_parser, main
+from dspark_jax.serving.http.cli import build_parser, main
 
 __all__ = ["build_parser", "main"]
 

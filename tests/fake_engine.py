@@ -20,7 +20,7 @@ import threading
 from types import SimpleNamespace
 
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.serving.requests import SamplingParams, StepOutput
+from dspark_jax.serving.engine.requests import SamplingParams, StepOutput
 
 BLOCKS = (3, 1, 2)
 GAMMA = 3

@@ -32,7 +32,7 @@ from dspark_jax.drafters.checkpoint import export_drafter, load_drafter
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import sharding as shd
-from dspark_jax.serving.state import serving_mesh
+from dspark_jax.serving.engine.state import serving_mesh
 
 N_DEV = 8
 PROMPTS = [[1, 403, 407, 261, 378], [1, 261, 376, 298]]

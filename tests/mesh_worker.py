@@ -233,14 +233,14 @@ def engine_checks(out, target, drafter, params):
             "accepted": acc,
             "warmup_seconds": round(time.perf_counter() - t0, 1),
             "recompiles_after_warmup": eng.metrics()["compiles"] - compiles,
-            "cache_spec": str(eng._state.tk.sharding.spec),
-            "drafter_cache_spec": str(eng._state.dk.sharding.spec),
-            "target_param_fraction_dev0": per_device_fraction(eng._t_state),
-            "drafter_param_fraction_dev0": per_device_fraction(eng._d_state),
+            "cache_spec": str(eng.device.state.tk.sharding.spec),
+            "drafter_cache_spec": str(eng.device.state.dk.sharding.spec),
+            "target_param_fraction_dev0": per_device_fraction(eng.device.t_state),
+            "drafter_param_fraction_dev0": per_device_fraction(eng.device.d_state),
         }
         if not r["same_tokens"]:
             r["tokens"] = toks
-        exe = eng._step_exe(2, 6)
+        exe = eng.device.step_exe(2, 6)
         r["step_collectives"] = collectives(exe.as_text())
         res[spec] = r
     try:

@@ -1,7 +1,7 @@
 """What a process keeps on disk for the next one: measured cost tables and compiled programs.
 
 ``auto`` verification (the batch-1 cost table, :mod:`dspark_jax.decoding.cost_table`) and the
-serving engine's throughput-aware policies (the SPS table, :mod:`dspark_jax.decoding.sps`) decide
+serving engine's throughput-aware policies (the SPS table, :mod:`dspark_jax.serving.engine.sps`) decide
 from measured seconds. Measured afresh in every process, the same prompt got different chosen
 lengths (so a different tau) from run to run, and every start paid the measurement. Both tables
 are stored here, keyed by everything the cost depends on (backend, device kind, the model

@@ -1,4 +1,4 @@
-"""The HTTP server (``dspark_jax.serving.server``) over the real engine, through real HTTP.
+"""The HTTP server (``dspark_jax.serving.http.server``) over the real engine, through real HTTP.
 
 One engine for the module (compilation dominates the run time): stories260K target, a
 randomly initialised drafter (block of 2), the deployed ``dspark`` scheduler, 2 slots, a
@@ -51,7 +51,7 @@ def models(stories260k_dir):
 
 @pytest.fixture(scope="module")
 def engine(models):
-    from dspark_jax.serving.cli import build_engine
+    from dspark_jax.serving.http.cli import build_engine
 
     target, _, drafter = models
     # Few compiled shapes (compilation is most of this module's time; each costs ~7 s on 2
@@ -71,7 +71,7 @@ def engine(models):
 
 @pytest.fixture(scope="class")
 def server(models, engine):
-    from dspark_jax.serving.cli import ServerThread, build_server
+    from dspark_jax.serving.http.cli import ServerThread, build_server
 
     target, tok, _ = models
     app, loop = build_server(
@@ -323,7 +323,7 @@ class TestHTTP:
 
 
 def test_serve_cli_rejects_speculative_policy_without_drafter(capsys):
-    from dspark_jax.serving.cli import main
+    from dspark_jax.serving.http.cli import main
 
     assert main(["--target", "stories260k", "--policy", "dspark"]) == 2
     assert "needs a drafter" in capsys.readouterr().err

@@ -551,9 +551,9 @@ def test_one_tau_in_decode_engine_and_server(pure_bigram, drafters, ar_pure):
     ``spec_decode`` for the same requests served by the engine verifying G drafts per step."""
     from types import SimpleNamespace
 
-    from dspark_jax.serving.detokenize import OutputState
     from dspark_jax.serving.engine import Engine, Request, SamplingParams
-    from dspark_jax.serving.loop import TrackedRequest, event_from_output
+    from dspark_jax.serving.http.detokenize import OutputState
+    from dspark_jax.serving.http.engine_loop import TrackedRequest, event_from_output
 
     stop = _stop_token(ar_pure)
     d = drafters["perfect"]

@@ -29,7 +29,7 @@ from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.target import Target
 from dspark_jax.models.weights import params_fingerprint
 from dspark_jax.serving.engine import Engine, Request, SamplingParams, parse_policy
-from dspark_jax.serving.programs import ProgramCache
+from dspark_jax.serving.engine.step_programs import ProgramCache
 
 GAMMA = 3
 CACHE = 64
@@ -328,11 +328,14 @@ def test_suspended_drafter_catches_up(engine, requests, reference):
     assert m["catchup_tokens"] == 7 + len(requests[2].prompt_ids) + 2 and m_ref["catchup_tokens"] == 0
     assert toks[id(engine)] == toks[id(ref_eng)]
     for slot in (0, 1):
-        rec, rec_ref = engine._slots[slot], ref_eng._slots[slot]
+        rec, rec_ref = engine.slots[slot], ref_eng.slots[slot]
         assert rec.length == rec_ref.length and rec.stale_from is None
         np.testing.assert_allclose(rec.z, rec_ref.z, rtol=1e-4, atol=1e-5)
         n = rec.length - 1
-        for a, b in ((engine._state.dk, ref_eng._state.dk), (engine._state.dv, ref_eng._state.dv)):
+        for a, b in (
+            (engine.device.state.dk, ref_eng.device.state.dk),
+            (engine.device.state.dv, ref_eng.device.state.dv),
+        ):
             np.testing.assert_allclose(
                 np.asarray(a[:, rec.row, :n]), np.asarray(b[:, rec_ref.row, :n]), rtol=1e-4, atol=1e-5
             )
@@ -354,7 +357,7 @@ def test_plan_follows_host_state_and_ignores_draft_values(engine, tokenizer):
     for slot, text in enumerate(("One day", "The little dog")):
         engine.insert(engine.prefill(Request(tokenizer.encode(text), sp, f"p{slot}")), slot)
     engine.generate()  # both rows now hold a drafted block's confidences
-    recs = [engine._slots[s] for s in (0, 1)]
+    recs = [engine.slots[s] for s in (0, 1)]
     assert [rec.row for rec in recs] == [0, 1] and all(rec.z is not None for rec in recs)
     sure, unsure = np.full(GAMMA, 50.0), np.full(GAMMA, -50.0)
 
@@ -372,8 +375,10 @@ def test_plan_follows_host_state_and_ignores_draft_values(engine, tokenizer):
     assert plan_with(sure, sure) == ([1, GAMMA], 2, 8, True)
     recs[0].end = end
     before = plan_with(sure, unsure)
-    st = engine._state
-    engine._state = st._replace(draft=jnp.asarray(np.random.default_rng(0).integers(0, 512, st.draft.shape), jnp.int32))
+    st = engine.device.state
+    engine.device.state = st._replace(
+        draft=jnp.asarray(np.random.default_rng(0).integers(0, 512, st.draft.shape), jnp.int32)
+    )
     assert plan_with(sure, unsure) == before
     engine.free(0)
     engine.free(1)
@@ -426,7 +431,7 @@ def test_request_validation_keeps_the_engine_rules():
     """The engine validates with decoding.validation's checks but keeps its own rules:
     integral floats pass as max_tokens / seed, non-integral ones are refused; stop ids
     outside the vocabulary are allowed (they never match)."""
-    from dspark_jax.serving.requests import RequestLimits, validate_request
+    from dspark_jax.serving.engine.requests import RequestLimits, validate_request
 
     limits = RequestLimits(
         vocab_size=64,
@@ -466,7 +471,7 @@ def test_request_validation_keeps_the_engine_rules():
             with pytest.raises(DSparkInputError, match=field):
                 validate_request(req, limits)
     # min_tokens near INT32_MAX: its stop masking's last position is capped to int32, not overflowed
-    from dspark_jax.serving.requests import bias_table
+    from dspark_jax.serving.engine.requests import bias_table
 
     sp = SamplingParams(max_tokens=2**31 - 1, min_tokens=2**31 - 1)
     validate_request(Request([1, 2], sp), limits)
@@ -657,7 +662,7 @@ def test_rejection_engine_without_drafter(target, requests, reference, plain_pro
         program_cache=plain_programs,
     )
     toks, reasons = drive_one(eng, requests[:1])
-    assert toks["r0"] == reference["r0"][0] and eng._state.qprob is None
+    assert toks["r0"] == reference["r0"][0] and eng.device.state.qprob is None
     assert compiled == 0 or (len(plain_programs) == compiled and eng.metrics()["compiles"] == 0)
 
 
@@ -738,8 +743,8 @@ def test_rejection_mode_replays_verify(rejection_engine, tokenizer, full_logits)
         sp = SamplingParams(temperature=1.0, top_k=50, max_tokens=40, seed=seed)
         eng.insert(eng.prefill(Request(prompt, sp, "x")), 0)
         while eng.active_slots():
-            rec = eng._slots[0]
-            st = eng._state
+            rec = eng.slots[0]
+            st = eng.device.state
             drafts, q = np.asarray(st.draft[0]), np.asarray(st.qprob[0])
             pos, anchor = int(st.pos[0]), int(st.anchor[0])
             ctx, n_pending = list(rec.tokens), len(rec.pending)  # the prefill token rides the first step
@@ -774,11 +779,11 @@ def test_sps_table_is_stored_and_reused_by_a_new_engine(engine, target, drafter,
     assert list((tmp_path / "costs").glob("sps_table-*.json"))
     kw = dict(num_slots=2, cache_len=CACHE, buckets=(8,), prefill_buckets=(32,), suspend_after=2)
     twin = Engine(target, drafter, policy="dspark", program_cache=engine.program_cache, **kw)
-    twin._ensure_table()  # what warmup() does after compiling
+    twin.ensure_sps_table()  # what warmup() does after compiling
     assert twin.table_source == "stored" and twin.sps_table is not None
-    assert twin.sps_table.entries == table.entries and twin.sps_table.matches(twin._device.meta())
+    assert twin.sps_table.entries == table.entries and twin.sps_table.matches(twin.device.meta())
     monkeypatch.setenv("DSPARK_REFRESH_COSTS", "1")
-    assert twin._device.stored_table() is None  # a refresh measures again
+    assert twin.device.stored_table() is None  # a refresh measures again
 
 
 def test_dspark_policy_reports_its_decision(engine, requests, caplog):

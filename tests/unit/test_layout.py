@@ -2,7 +2,8 @@
 
 * no import cycle between modules of ``dspark_jax``, imports inside functions included;
 * the layering: errors/config < models < drafters < decoding < evaluation < training, and
-  decoding < serving; the top-level API, the thin CLIs and the deprecated shims sit on top;
+  decoding < serving; inside serving, engine < http; the top-level API, the thin CLIs and the
+  deprecated shims sit on top;
 * no module over 600 lines, no function or method over 80 lines.
 
 Every violation of a rule is listed in one failure message, so one run shows all of them.
@@ -39,6 +40,7 @@ ALLOWED = {
     SERVING: LOW | {SERVING, TOP},
 }
 DEPRECATED = {"dspark_jax.decode", "dspark_jax.engine"}
+SERVING_ENGINE, SERVING_HTTP = "dspark_jax.serving.engine", "dspark_jax.serving.http"
 
 
 def module_name(path: Path) -> str:
@@ -182,6 +184,19 @@ def test_layering():
             elif mine != TOP and layer(dep) not in ALLOWED[mine]:
                 problems.append(f"{where(mod, line)}: {mod} ({mine}) imports {dep} ({layer(dep)})")
     assert not problems, "layering violations (README 'Layout'):\n  " + "\n  ".join(problems)
+
+
+def test_the_serving_engine_does_not_import_http():
+    """``serving.engine`` runs without the HTTP server; ``serving.http`` sits on top of it."""
+    problems = [
+        f"{where(mod, line)}: {mod} imports {dep}"
+        for mod, deps in sorted(GRAPH.items())
+        if mod.startswith(SERVING_ENGINE)
+        for dep, line in sorted(deps.items())
+        if dep.startswith(SERVING_HTTP)
+    ]
+    assert {m for m in MODULES if m.startswith(SERVING_HTTP)}, "the walk sees no serving.http module"
+    assert not problems, "serving.engine imports serving.http:\n  " + "\n  ".join(problems)
 
 
 def test_no_module_over_600_lines():

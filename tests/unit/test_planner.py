@@ -1,14 +1,14 @@
-"""The serving scheduler's suspension, probing and resumption (``dspark_jax.serving.planner``),
+"""The serving scheduler's suspension, probing and resumption (``dspark_jax.serving.engine.planner``),
 driven without JAX: a scripted drafter whose acceptance changes over time, an SPS table in
 which drafting pays only when drafts are accepted, and the engine's host loop in miniature."""
 
 import numpy as np
 import pytest
 
-from dspark_jax.decoding.online_calibration import OnlineCalibrator
-from dspark_jax.decoding.sps import SPSTable
-from dspark_jax.serving.planner import MAX_PROBE_INTERVAL, Planner
-from dspark_jax.serving.slots import SlotRecord
+from dspark_jax.serving.engine.online_calibration import OnlineCalibrator
+from dspark_jax.serving.engine.planner import MAX_PROBE_INTERVAL, Planner
+from dspark_jax.serving.engine.slots import SlotRecord
+from dspark_jax.serving.engine.sps import SPSTable
 
 GAMMA = 4
 LADDER = (2, 4, 8, 16)

@@ -1,4 +1,4 @@
-"""Batched, chunked prefill (:mod:`dspark_jax.serving.prefill`, issue 14) on stories260K.
+"""Batched, chunked prefill (:mod:`dspark_jax.serving.engine.prefill`, issue 14) on stories260K.
 
 * Packing (host only): prompts FIFO into the token budget, each segment on a block boundary,
   long prompts split across passes (a boundary inside a prompt, one exactly at its end),
@@ -25,8 +25,8 @@ import test_engine
 
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.serving.engine import Engine, Request, SamplingParams
-from dspark_jax.serving.loop import EngineLoop, TrackedRequest
-from dspark_jax.serving.prefill import ChunkedPrefill, PrefillEntry, PrefillQueue, chunk_ladder
+from dspark_jax.serving.engine.prefill import ChunkedPrefill, PrefillEntry, PrefillQueue, chunk_ladder
+from dspark_jax.serving.http.engine_loop import EngineLoop, TrackedRequest
 
 # the target and the bigram drafter of the engine tests
 target, drafter, tokenizer = test_engine.target, test_engine.drafter, test_engine.tokenizer
@@ -115,7 +115,7 @@ def engine(target, drafter):
     )
     # small blocks, so that several requests share a 12-token pass
     eng.prefiller = ChunkedPrefill(
-        eng._device, eng.planner, eng.limits, eng.prefill_buckets, CHUNK, lanes=LANES, block=BLOCK
+        eng.device, eng.planner, eng.limits, eng.prefill_buckets, CHUNK, lanes=LANES, block=BLOCK
     )
     eng.warmup()
     return eng
@@ -290,7 +290,7 @@ def test_rejection_mode_first_block(target, drafter, story):
         suspend_after=None,
         verification="rejection",
     )
-    pre = ChunkedPrefill(eng._device, eng.planner, eng.limits, eng.prefill_buckets, CHUNK, lanes=LANES, block=BLOCK)
+    pre = ChunkedPrefill(eng.device, eng.planner, eng.limits, eng.prefill_buckets, CHUNK, lanes=LANES, block=BLOCK)
     reqs = _requests(story, [13, 5], "q")
     for c, r in zip(pre.prefill(reqs), reqs):
         o = eng.prefill(r)
@@ -324,9 +324,9 @@ def test_no_recompile_after_warmup(engine, story):
 
 def test_bad_chunk_settings(engine):
     with pytest.raises(DSparkInputError):
-        ChunkedPrefill(engine._device, engine.planner, engine.limits, engine.prefill_buckets, 10, block=4)
+        ChunkedPrefill(engine.device, engine.planner, engine.limits, engine.prefill_buckets, 10, block=4)
     with pytest.raises(DSparkInputError):
-        ChunkedPrefill(engine._device, engine.planner, engine.limits, engine.prefill_buckets, 8, lanes=0, block=4)
+        ChunkedPrefill(engine.device, engine.planner, engine.limits, engine.prefill_buckets, 8, lanes=0, block=4)
     with pytest.raises(DSparkInputError):
         engine.prefiller.submit(Request([], SamplingParams()))
     assert len(engine.prefiller) == 0
@@ -335,7 +335,7 @@ def test_bad_chunk_settings(engine):
 
 
 def test_serve_flag():
-    from dspark_jax.serving.cli import build_parser
+    from dspark_jax.serving.http.cli import build_parser
 
     assert build_parser().parse_args(["--target", "x"]).prefill_chunk_tokens == 256  # the server's default
     assert build_parser().parse_args(["--target", "x", "--prefill-chunk-tokens", "0"]).prefill_chunk_tokens == 0

@@ -14,10 +14,10 @@ import json
 import numpy as np
 import pytest
 
-from dspark_jax.decoding import scheduler as sch
-from dspark_jax.decoding.online_calibration import OnlineCalibrator
-from dspark_jax.decoding.sps import SPSTable, profile_buckets
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.serving.engine import scheduler as sch
+from dspark_jax.serving.engine.online_calibration import OnlineCalibrator
+from dspark_jax.serving.engine.sps import SPSTable, profile_buckets
 
 
 def theta_of(lengths, surv, sps_of_total):

@@ -35,8 +35,8 @@ def tok(stories260k_dir):
 
 
 def _serve(tok, engine=None, **cfg):
-    from dspark_jax.serving.cli import ServerThread
-    from dspark_jax.serving.server import EngineLoop, ServerConfig, create_app
+    from dspark_jax.serving.http.cli import ServerThread
+    from dspark_jax.serving.http.server import EngineLoop, ServerConfig, create_app
 
     engine = engine or FakeEngine(vocab_size=tok.vocab_size, num_slots=NUM_SLOTS, cache_len=CACHE_LEN)
     loop = EngineLoop(engine, tok, max_queue=cfg.pop("max_queue", 64), model_name="fake-model")
@@ -97,7 +97,7 @@ def _declared(model) -> set[str]:
 def test_property_any_undeclared_field_is_refused(name, value):
     from pydantic import ValidationError
 
-    from dspark_jax.serving.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
+    from dspark_jax.serving.http.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
 
     base = {
         CompletionRequest: {"prompt": "hi"},

@@ -5,13 +5,13 @@ over its whole prompt, so a long prompt stalls every decoding stream for its who
 :class:`ChunkedPrefill` instead keeps a FIFO of waiting requests (:class:`PrefillQueue`) and,
 per :meth:`ChunkedPrefill.step`, runs ONE compiled pass of at most ``chunk_tokens`` packed
 prompt tokens from up to ``lanes`` requests
-(:func:`dspark_jax.serving.prefill_programs.prefill_chunk_program`), splitting a long prompt
-across passes. The server's engine thread (:class:`dspark_jax.serving.loop.EngineLoop`)
+(:func:`dspark_jax.serving.engine.chunk_programs.prefill_chunk_program`), splitting a long prompt
+across passes. The server's engine thread (:class:`dspark_jax.serving.http.engine_loop.EngineLoop`)
 alternates one pass with one decode step, so a stream never waits more than one chunk.
 A request whose prompt ends in a pass comes back as an ordinary
-:class:`~dspark_jax.serving.requests.Prefix` (same fields as one-shot prefill's, its caches cut
+:class:`~dspark_jax.serving.engine.requests.Prefix` (same fields as one-shot prefill's, its caches cut
 to its prefill bucket), which :meth:`Engine.insert` consumes unchanged; its tokens equal one-shot
-prefill's (see :mod:`dspark_jax.serving.prefill_programs`).
+prefill's (see :mod:`dspark_jax.serving.engine.chunk_programs`).
 
 Static shapes: a pass compiles once per ``(T, span)``: ``T`` from a small ladder of token
 budgets (:func:`chunk_ladder`: ``chunk_tokens`` and a quarter of it), ``span`` (the attention
@@ -41,13 +41,17 @@ import numpy as np
 
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import sharding as shd
-from dspark_jax.serving.prefill_programs import (
+from dspark_jax.serving.engine.chunk_programs import (
+    ChunkInputs,
+    ChunkSpec,
+    LaneSampling,
+    PackedChunk,
     extract_program,
     init_stage,
     prefill_chunk_program,
     stage_shardings,
 )
-from dspark_jax.serving.requests import (
+from dspark_jax.serving.engine.requests import (
     Prefix,
     Request,
     RequestLimits,
@@ -185,9 +189,9 @@ class ChunkedPrefill:
     """Batched, chunked prefill of one engine (see the module doc).
 
     Args:
-      device: the engine's :class:`~dspark_jax.serving.device.EngineDevice` (models, program
+      device: the engine's :class:`~dspark_jax.serving.engine.device.EngineDevice` (models, program
         cache, mesh); the staging area lives beside its decode state.
-      planner: the engine's :class:`~dspark_jax.serving.planner.Planner` (whether prefill
+      planner: the engine's :class:`~dspark_jax.serving.engine.planner.Planner` (whether prefill
         drafts the first block, and whether the drafter context is kept, as one-shot prefill).
       limits: the engine's :class:`RequestLimits` (validation, bias tables).
       prefill_buckets: the engine's prefill buckets (prefix lengths and attention spans).
@@ -267,10 +271,10 @@ class ChunkedPrefill:
         context = d.drafter is None or drafting or not self.planner.suspended()
         for e in plan.members:
             e.context = e.context and context
-        lane_args, drafted = self._lane_args(plan.finishing, drafting)
-        exe = self._chunk_exe(plan.tokens, plan.span)
-        args = (plan.tok, plan.pos, plan.blk_lane, plan.last) + lane_args[:6]
-        self.stage, out = exe(d.t_state, d.d_state, self.stage, *args, np.bool_(context), *lane_args[6:])
+        lanes, bias = self._lane_args(plan.finishing, drafting)
+        drafted = lanes.do_draft
+        inp = ChunkInputs(PackedChunk(plan.tok, plan.pos, plan.blk_lane, plan.last), lanes, np.bool_(context), bias)
+        self.stage, out = self._chunk_exe(plan.tokens, plan.span)(d.t_state, d.d_state, self.stage, inp)
         self.passes += 1
         if not plan.finishing:
             return []
@@ -309,9 +313,9 @@ class ChunkedPrefill:
 
     # ------------------------------------------------------------------ device programs
 
-    def _lane_args(self, finishing: list[PrefillEntry], drafting: bool) -> tuple[tuple, np.ndarray]:
-        """Per-lane ``(prompt_len, seed, temperature, top_k, top_p, do_draft, bias ids, val,
-        until)`` of the finishing entries (defaults elsewhere), and ``do_draft``."""
+    def _lane_args(self, finishing: list[PrefillEntry], drafting: bool) -> tuple[LaneSampling, tuple]:
+        """The :class:`LaneSampling` of the finishing entries (defaults elsewhere; ``do_draft``
+        says which lanes draft their first block) and their ``(ids, val, until)`` bias tables."""
         p, nb = self.lanes, self.limits.table_size
         plen, seed, top_k = np.ones(p, np.int32), np.zeros(p, np.int32), np.zeros(p, np.int32)
         temp, top_p, drafted = np.ones(p, np.float32), np.ones(p, np.float32), np.zeros(p, bool)
@@ -322,26 +326,22 @@ class ChunkedPrefill:
             temp[lane], top_p[lane] = sp.temperature, sp.top_p
             drafted[lane] = drafting and e.context  # drafting needs the whole prompt's context
             b_ids[lane], b_val[lane], b_until[lane] = e.bias
-        return (plen, seed, temp, top_k, top_p, drafted, b_ids, b_val, b_until), drafted
+        return LaneSampling(plen, seed, temp, top_k, top_p, drafted), (b_ids, b_val, b_until)
+
+    def _idle_inputs(self, tokens: int) -> ChunkInputs:
+        """An all-padding pass of ``tokens`` tokens (changes nothing): the example arguments."""
+        z = np.zeros(tokens, np.int32)
+        packed = PackedChunk(z, z - 1, np.zeros(tokens // self.block, np.int32), np.zeros(self.lanes, np.int32))
+        lanes, bias = self._lane_args([], False)
+        return ChunkInputs(packed, lanes, np.bool_(False), bias)
 
     def _chunk_exe(self, tokens: int, span: int):
         d = self.device
 
         def make():
-            fn = partial(
-                prefill_chunk_program,
-                t_graph=d.t_graph,
-                d_graph=d.d_graph,
-                span=span,
-                block=self.block,
-                gamma=d.gamma,
-                mode=d.mode,
-                n_top=d.n_top,
-            )
-            z = np.zeros(tokens, np.int32)
-            lanes, _ = self._lane_args([], False)
-            args = (z, z - 1, np.zeros(tokens // self.block, np.int32), np.zeros(self.lanes, np.int32))
-            return fn, (d.t_state, d.d_state, self.stage) + args + lanes[:6] + (np.bool_(False),) + lanes[6:]
+            spec = ChunkSpec(span, self.block, d.gamma, d.mode, d.n_top)
+            fn = partial(prefill_chunk_program, t_graph=d.t_graph, d_graph=d.d_graph, spec=spec)
+            return fn, (d.t_state, d.d_state, self.stage, self._idle_inputs(tokens))
 
         key = ("prefill_chunk", tokens, span, self.lanes, self.block)
         return d._get(key, make, donate=(2,), out_shardings=self._shardings)
@@ -363,12 +363,7 @@ class ChunkedPrefill:
                 self._chunk_exe(t, s)
         if self._example is None:
             d, t, s = self.device, self.ladder[0], self.prefill_buckets[0]
-            z = np.zeros(t, np.int32)
-            lanes, _ = self._lane_args([], False)
-            args = (z, z - 1, np.zeros(t // self.block, np.int32), np.zeros(self.lanes, np.int32)) + lanes[:6]
-            self.stage, self._example = self._chunk_exe(t, s)(
-                d.t_state, d.d_state, self.stage, *args, np.bool_(False), *lanes[6:]
-            )
+            self.stage, self._example = self._chunk_exe(t, s)(d.t_state, d.d_state, self.stage, self._idle_inputs(t))
         for p in self.prefill_buckets:
             self._extract_exe(p, self._example)
 
@@ -386,4 +381,4 @@ def chunked_prefill(engine, chunk_tokens: int) -> ChunkedPrefill | None:
         raise DSparkInputError(f"prefill_chunk_tokens must be >= 0 (0: one-shot prefill), got {chunk_tokens}")
     if chunk_tokens == 0:
         return None
-    return ChunkedPrefill(engine._device, engine.planner, engine.limits, engine.prefill_buckets, chunk_tokens)
+    return ChunkedPrefill(engine.device, engine.planner, engine.limits, engine.prefill_buckets, chunk_tokens)

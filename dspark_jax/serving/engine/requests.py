@@ -3,9 +3,9 @@ prefilled requests, and the validation of a request against an engine's limits.
 
 :class:`SamplingParams`, :class:`Request`, :class:`StepOutput` and :class:`Prefix` are the
 engine's public data types (re-exported by :mod:`dspark_jax.serving.engine`). The per-request
-logit-bias table (``logit_bias`` entries and ``min_tokens``' masking of stop ids,
-docs/design.md#serving, issue 14) is built here on the host; the device applies it
-(:func:`dspark_jax.serving.programs.apply_bias`).
+logit-bias table (``logit_bias`` entries and ``min_tokens``' masking of stop ids, docs/design.md#serving,
+issue 14) is built here on the host; the device applies it
+(:func:`dspark_jax.serving.engine.step_programs.apply_bias`).
 
 Per-request logit processing
 ----------------------------
@@ -257,7 +257,7 @@ def no_bias(nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def bias_table(p: SamplingParams, prompt_len: int, limits: RequestLimits):
     """The request's ``(ids, val, until)`` ``[NB]`` bias table (see
-    :func:`dspark_jax.serving.programs.apply_bias`): logit_bias entries (always on:
+    :func:`dspark_jax.serving.engine.step_programs.apply_bias`): logit_bias entries (always on:
     ``until = INT32_MAX``), then, with ``min_tokens``, every EOS / stop id at ``-inf`` for the
     positions predicting generated tokens ``0 .. min_tokens - 1``."""
     ids, val, until = no_bias(limits.table_size)

@@ -4,7 +4,7 @@ caught up.
 
 Policies (:func:`parse_policy`; docs/design.md#scheduler, paper Section 7): ``plain`` (no
 drafts), ``fixed:G``, ``threshold:C``, ``greedy`` (the clean greedy Theta scheduler) and
-``dspark`` (the deployed scheduler), all from :mod:`dspark_jax.decoding.scheduler`. The plan
+``dspark`` (the deployed scheduler), all from :mod:`dspark_jax.serving.engine.scheduler`. The plan
 is a function of host state only (confidences, lengths, the SPS table), never of draft token
 values, which stay on the device: every policy is non-anticipating by construction.
 
@@ -45,11 +45,11 @@ from typing import cast
 
 import numpy as np
 
-from dspark_jax.decoding import scheduler as sch
-from dspark_jax.decoding.online_calibration import OnlineCalibrator
-from dspark_jax.decoding.sps import SPSTable
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.serving.slots import SlotRecord
+from dspark_jax.serving.engine import scheduler as sch
+from dspark_jax.serving.engine.online_calibration import OnlineCalibrator
+from dspark_jax.serving.engine.slots import SlotRecord
+from dspark_jax.serving.engine.sps import SPSTable
 
 __all__ = ["MAX_PROBE_INTERVAL", "PROBE_BUDGET", "Planner", "catchup_batches", "parse_policy"]
 

@@ -6,7 +6,7 @@ physical rows ``0 .. n - 1``: freeing a slot moves the last active row into the 
 step only touches the first ``R`` rows (the smallest row bucket holding them). A request that
 finished at prefill (first token a stop, no room, non-finite logits) holds a slot but no row
 until :meth:`Engine.generate` reports it. Host bookkeeping only; the device rows are moved by
-:func:`dspark_jax.serving.programs.move_program`.
+:func:`dspark_jax.serving.engine.step_programs.move_program`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dspark_jax.decoding.round import (
     finish_codes,
     round_statistics,
 )
-from dspark_jax.serving.requests import Prefix, Request
+from dspark_jax.serving.engine.requests import Prefix, Request
 
 __all__ = ["Round", "SlotRecord", "SlotTable", "close_rounds"]
 

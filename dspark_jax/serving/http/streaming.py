@@ -17,8 +17,8 @@ import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from dspark_jax.serving.detokenize import OutputState, Update, spec_total, usage
-from dspark_jax.serving.loop import EngineLoop, RequestEvent
+from dspark_jax.serving.http.detokenize import OutputState, Update, spec_total, usage
+from dspark_jax.serving.http.engine_loop import EngineLoop, RequestEvent
 
 __all__ = ["LogprobFormatter", "StreamContext", "finite_lp", "response_body", "sse_stream", "zip_lps"]
 

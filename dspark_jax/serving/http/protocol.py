@@ -1,6 +1,6 @@
 """The OpenAI-compatible request protocol of the HTTP server: request models, the server's
 static configuration, and the translation of a validated request into prompt token ids and the
-engine's :class:`~dspark_jax.serving.requests.SamplingParams`.
+engine's :class:`~dspark_jax.serving.engine.requests.SamplingParams`.
 
 Every field the server does not honour is refused with 400 naming it (the request models
 forbid undeclared fields); declared fields with values the engine cannot honour

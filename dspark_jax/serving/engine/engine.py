@@ -26,27 +26,27 @@ Static shapes
 -------------
 ``num_slots`` decode rows and ``cache_len`` cache positions are fixed; both models' KV caches
 and all per-row state live on the device between steps and are donated to every program
-(:mod:`dspark_jax.serving.device`). Active requests are kept in rows ``0..n-1``
-(:mod:`dspark_jax.serving.slots`), so a step only touches the first ``R`` rows, ``R`` the
+(:mod:`dspark_jax.serving.engine.device`). Active requests are kept in rows ``0..n-1``
+(:mod:`dspark_jax.serving.engine.slots`), so a step only touches the first ``R`` rows, ``R`` the
 smallest row bucket holding them. A step is compiled per bucket ``(R, K)``: ``K == R`` is a
 plain step (every row verifies only its anchor), ``K > R`` a speculative step over ``K``
 packed tokens (:meth:`dspark_jax.models.target.Target.forward_packed`). Everything variable is
 a mask or a runtime scalar, so after :meth:`Engine.warmup` no step recompiles, whatever the
 prompt lengths (prefill pads to buckets), budgets or set of active requests. One step is one
-jitted function (:func:`dspark_jax.serving.programs.step_program`); the host then reads back,
+jitted function (:func:`dspark_jax.serving.engine.step_programs.step_program`); the host then reads back,
 once, the emitted tokens and the next block's raw confidence logits, and runs the scheduler
-(:mod:`dspark_jax.serving.planner`), which never sees draft token values.
+(:mod:`dspark_jax.serving.engine.planner`), which never sees draft token values.
 
-Drafter suspension (:mod:`dspark_jax.serving.planner`): a step also writes the drafter's
+Drafter suspension (:mod:`dspark_jax.serving.engine.planner`): a step also writes the drafter's
 context keys/values of every verified token, so that drafting can resume at any step; after
 ``suspend_after`` consecutive non-drafting steps, plain steps drop that upkeep (the
 drafter-less program) and a catch-up pass rebuilds the skipped context when drafting resumes.
 
-Verification (:mod:`dspark_jax.serving.programs`): Gumbel-coupled by default, so every response
+Verification (:mod:`dspark_jax.serving.engine.step_programs`): Gumbel-coupled by default, so every response
 equals, token for token, plain autoregressive sampling with the request's seed whatever the
 policy, batch-mates or slot; or the paper's rejection sampling (same output law, higher
 acceptance at T > 0). Per-request ``logit_bias`` / ``min_tokens`` / ``logprobs``
-(:mod:`dspark_jax.serving.requests`) are runtime flags of the same programs: no recompilation.
+(:mod:`dspark_jax.serving.engine.requests`) are runtime flags of the same programs: no recompilation.
 
 Finish handling lives in the engine: EOS ids (the target's plus ``eos_token_ids``) and each
 request's ``stop_token_ids`` end it with ``"stop"`` (the stop token is included, tokens drafted
@@ -65,18 +65,16 @@ from typing import cast
 import jax
 import numpy as np
 
-from dspark_jax.decoding.online_calibration import OnlineCalibrator
-from dspark_jax.decoding.sps import SPSTable
 from dspark_jax.drafters.base import prepare_drafter
 from dspark_jax.drafters.dspark import Drafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.target import Target
-from dspark_jax.serving.device import EngineDevice, prefill_bucket_list, row_bucket_list, token_ladder
-from dspark_jax.serving.metrics import EngineMetrics
-from dspark_jax.serving.planner import Planner, catchup_batches, parse_policy
-from dspark_jax.serving.prefill import chunked_prefill
-from dspark_jax.serving.programs import ProgramCache
-from dspark_jax.serving.requests import (
+from dspark_jax.serving.engine.counters import EngineMetrics
+from dspark_jax.serving.engine.device import EngineDevice, prefill_bucket_list, row_bucket_list, token_ladder
+from dspark_jax.serving.engine.online_calibration import OnlineCalibrator
+from dspark_jax.serving.engine.planner import Planner, catchup_batches, parse_policy
+from dspark_jax.serving.engine.prefill import chunked_prefill
+from dspark_jax.serving.engine.requests import (
     Prefix,
     Request,
     RequestLimits,
@@ -88,8 +86,10 @@ from dspark_jax.serving.requests import (
     stop_ids,
     validate_request,
 )
-from dspark_jax.serving.slots import Round, SlotRecord, SlotTable, close_rounds
-from dspark_jax.serving.state import PrefixArrays
+from dspark_jax.serving.engine.slots import Round, SlotRecord, SlotTable, close_rounds
+from dspark_jax.serving.engine.sps import SPSTable
+from dspark_jax.serving.engine.state import PrefixArrays
+from dspark_jax.serving.engine.step_programs import ProgramCache
 
 __all__ = ["Engine", "Prefix", "Request", "SamplingParams", "StepOutput", "parse_policy"]
 
@@ -105,7 +105,7 @@ class Engine:
       num_slots: decode slots (concurrent requests).
       cache_len: KV cache positions per slot (prompt + generated tokens must fit).
       policy: ``"plain"``, ``"fixed:G"``, ``"threshold:C"``, ``"greedy"`` or ``"dspark"``
-        (see :mod:`dspark_jax.decoding.scheduler`).
+        (see :mod:`dspark_jax.serving.engine.scheduler`).
       buckets: packed-token budgets of speculative steps (default 4, 8, 16, 32, 64, 128);
         for ``R`` rows the compiled budgets are ``R`` (plain step) and
         ``min(k, R * (gamma + 1))`` for every ``k > R`` here (``fixed:G`` uses exactly
@@ -136,13 +136,13 @@ class Engine:
       max_stop_ids: capacity for EOS + ``stop_token_ids`` of a request with ``min_tokens``.
       mesh: tensor-parallel serving (docs/design.md#device-mesh): a
         :class:`jax.sharding.Mesh` or a spec such as ``"model:8"``; weights, KV caches and
-        programs are sharded over ``model`` (:class:`~dspark_jax.serving.device.EngineDevice`),
+        programs are sharded over ``model`` (:class:`~dspark_jax.serving.engine.device.EngineDevice`),
         outputs equal the one-device engine's up to float rounding. ``None``: one device.
-      program_cache: the :class:`~dspark_jax.serving.programs.ProgramCache` holding the
+      program_cache: the :class:`~dspark_jax.serving.engine.step_programs.ProgramCache` holding the
         compiled programs (default: a new one owned by this engine); engines over the same
         models may share one (their programs are keyed by everything that shapes them).
       prefill_chunk_tokens: > 0: :attr:`prefiller` is a
-        :class:`~dspark_jax.serving.prefill.ChunkedPrefill` of this many tokens per pass
+        :class:`~dspark_jax.serving.engine.prefill.ChunkedPrefill` of this many tokens per pass
         (batched, chunked prefill; the server's default); 0: None (one-shot :meth:`prefill` only).
 
     Raises:
@@ -150,6 +150,16 @@ class Engine:
         another target, a drafter kind the engine cannot serve (eagle3, which drafts from its
         own cache: evaluate it with :mod:`dspark_jax.decoding.speculative`), or a mesh with
         ``data``/``fsdp`` axes larger than 1 (the engine shards over ``model`` only).
+
+    Attributes:
+      device: the :class:`~dspark_jax.serving.engine.device.EngineDevice`: the donated
+        :class:`~dspark_jax.serving.engine.state.DecodeState` (``device.state``, read and
+        replaced between steps), the placed model states (``device.t_state`` / ``device.d_state``)
+        and the compiled programs (``device.step_exe(rows, tokens)``, ``device.run_step(...)``).
+      slots: the host's :class:`~dspark_jax.serving.engine.slots.SlotTable` (logical slot ->
+        :class:`~dspark_jax.serving.engine.slots.SlotRecord`, rows ``0..n-1`` packed).
+      planner: the :class:`~dspark_jax.serving.engine.planner.Planner` (policy, SPS table,
+        ``idle_steps`` of the drafter suspension).
     """
 
     def __init__(
@@ -201,7 +211,7 @@ class Engine:
             eos_ids=self.eos_ids,
         )
         self.program_cache = program_cache if program_cache is not None else ProgramCache()
-        self._device = EngineDevice(
+        self.device = EngineDevice(
             target,
             drafter,
             num_slots=self.num_slots,
@@ -212,10 +222,10 @@ class Engine:
             mesh=mesh,
             cache=self.program_cache,
         )
-        self.mesh = self._device.mesh
+        self.mesh = self.device.mesh
         init = drafter.calibration if (drafter is not None and seed_calibration) else None
         self.calibrator = OnlineCalibrator(max(self.gamma, 1), init, window=calibration_window, lr=calibration_lr)
-        self._slots = SlotTable(self.num_slots)
+        self.slots = SlotTable(self.num_slots)
         self._warm = False
         self.table_source: str | None = None  # where the SPS table came from (given, stored, profiled)
         self._given_table = (
@@ -249,11 +259,6 @@ class Engine:
         self.num_slots, self.cache_len = int(num_slots), int(cache_len)
         self.gamma = drafter.cfg.gamma if drafter is not None else 0
 
-    # The device state and the models' states (benchmarks and tests read and replace ``_state``).
-    _state = property(lambda self: self._device.state, lambda self, st: setattr(self._device, "state", st))
-    _t_state = property(lambda self: self._device.t_state, doc="The target's (placed) NNX state.")
-    _d_state = property(lambda self: self._device.d_state, doc="The drafter's (placed) NNX state, or None.")
-
     # ------------------------------------------------------------------ configuration
 
     @property
@@ -280,15 +285,6 @@ class Engine:
     def sps_table(self, table: SPSTable | None) -> None:
         self.planner.set_table(table)
 
-    @property
-    def _idle_steps(self) -> int:
-        """Consecutive steps without drafting (benchmarks set it to force a suspension)."""
-        return self.planner.idle_steps
-
-    @_idle_steps.setter
-    def _idle_steps(self, value: int) -> None:
-        self.planner.idle_steps = int(value)
-
     def set_policy(self, policy: str) -> None:
         """Switches the verification-length policy (compiles/profiles missing buckets lazily).
 
@@ -310,49 +306,39 @@ class Engine:
 
     @property
     def num_active(self) -> int:
-        return len(self._slots)
+        return len(self.slots)
 
     def free_slots(self) -> list[int]:
         """Free logical slots, ascending."""
-        return self._slots.free_slots()
+        return self.slots.free_slots()
 
     def active_slots(self) -> list[int]:
         """Occupied logical slots, ascending (including ones finished but not yet reported)."""
-        return self._slots.active_slots()
+        return self.slots.active_slots()
 
     # ------------------------------------------------------------------ compiled programs
-
-    def _step_exe(self, rows: int, tokens: int):
-        return self._device.step_exe(rows, tokens)
-
-    def _bare_step_exe(self, rows: int):
-        return self._device.bare_step_exe(rows)
-
-    def _catchup_exe(self, rows: int):
-        return self._device.catchup_exe(rows)
-
-    def _run_step(self, rows, tokens, ell, active, draft_next, use_bias=False, want_lp=False):
-        return self._device.run_step(rows, tokens, ell, active, draft_next, use_bias, want_lp)
 
     def warmup(self) -> None:
         """Compiles every bucket (steps, prefill, insert, row moves) and makes sure an SPS
         table covers the current policy's buckets (profiling when needed). After it, no step
         recompiles."""
         bare = self.row_buckets if (self.drafter is not None and self.suspend_after is not None) else []
-        self._device.compile_all(self.buckets(), bare, self.prefill_buckets, self._examples)
+        self.device.compile_all(self.buckets(), bare, self.prefill_buckets, self._examples)
         if self.prefiller is not None:
             self.prefiller.warmup()
-        self._ensure_table()
+        self.ensure_sps_table()
         self._warm = True
 
-    def _ensure_table(self) -> None:
-        """The SPS table of the throughput-aware policies: the one in use or given, else the one
-        stored on disk for this engine's shapes, else profiled now; :attr:`table_source` says which."""
+    def ensure_sps_table(self) -> None:
+        """Installs the SPS table of the throughput-aware policies (``greedy``, ``dspark``; a
+        no-op for the others): the one in use or given, else the one stored on disk for this
+        engine's shapes, else profiled now (:meth:`profile_sps`); :attr:`table_source` says which.
+        :meth:`warmup` calls it after compiling."""
         if self.policy_name in ("greedy", "dspark"):
-            need, meta = self.buckets(), self._device.meta()
+            need, meta = self.buckets(), self.device.meta()
             if self.planner.adopt_table(meta, need, self._given_table):
                 self.table_source = self.table_source or "given"
-            elif self.planner.adopt_table(meta, need, self._device.stored_table()):
+            elif self.planner.adopt_table(meta, need, self.device.stored_table()):
                 self.table_source = "stored"
             else:
                 self.profile_sps()
@@ -364,9 +350,9 @@ class Engine:
         Safe at any time: profiling steps run with every row inactive, so no request's state
         changes. Returns (and installs) the :class:`SPSTable`.
         """
-        table = self._device.profile(self.buckets(), self.profile_iters if iters is None else iters)
+        table = self.device.profile(self.buckets(), self.profile_iters if iters is None else iters)
         self.sps_table, self.table_source = table, "profiled"
-        self._device.store_table(table)
+        self.device.store_table(table)
         return table
 
     # ------------------------------------------------------------------ requests
@@ -388,7 +374,7 @@ class Engine:
         drafted = bool(self.gamma) and self.planner.drafting
         context = drafted or not self.planner.suspended()  # always True without a drafter
         bias = bias_table(sp, n, self.limits)
-        pre, finite, lp = self._device.run_prefill(buf, n, sp, drafted, context, bias)
+        pre, finite, lp = self.device.run_prefill(buf, n, sp, drafted, context, bias)
         tok, finite, conf = jax.device_get((pre.token, finite, pre.conf))
         first_lp = None
         if sp.logprobs is not None:
@@ -410,12 +396,12 @@ class Engine:
     def _check_insert(self, prefix: Prefix, slot: int) -> None:
         if not (isinstance(slot, (int, np.integer)) and 0 <= slot < self.num_slots):
             raise DSparkInputError(f"slot must be in [0, {self.num_slots}), got {slot}")
-        if slot in self._slots:
+        if slot in self.slots:
             raise DSparkInputError(f"slot {slot} is busy: free it first")
         if (
             not isinstance(prefix, Prefix)
             or prefix.bucket_len not in self.prefill_buckets
-            or (prefix.arrays is not None and (prefix.arrays.qprob is None) != (self._state.qprob is None))
+            or (prefix.arrays is not None and (prefix.arrays.qprob is None) != (self.device.state.qprob is None))
         ):
             raise DSparkInputError("insert needs a Prefix made by this engine's prefill")
 
@@ -431,22 +417,22 @@ class Engine:
         end = min(prefix.prompt_len + int(sp.max_tokens), self.target.cfg.max_position, self.cache_len)
         rec = SlotRecord.from_prefix(prefix, stops, end, bool(logit_bias(sp, self.limits)))
         self._metrics.emitted_tokens += len(rec.pending)
-        self._slots.add(int(slot), rec)
+        self.slots.add(int(slot), rec)
         if rec.done is not None:
             return
         bias = prefix.bias if prefix.bias is not None else bias_table(sp, prefix.prompt_len, self.limits)
-        self._device.run_insert(prefix.bucket_len, prefix.arrays, self._slots.next_row(), prefix.prompt_len, sp, bias)
-        self._slots.place(int(slot))
+        self.device.run_insert(prefix.bucket_len, prefix.arrays, self.slots.next_row(), prefix.prompt_len, sp, bias)
+        self.slots.place(int(slot))
         rec.stale_from = None if prefix.has_context else 0
         rec.push_z(prefix.conf_logit)
 
     def free(self, slot: int) -> None:
         """Releases ``slot`` (finished, cancelled, disconnected, or a stop string was hit).
         A free slot is a no-op."""
-        move = self._slots.remove(int(slot))
+        move = self.slots.remove(int(slot))
         if move is not None:
             src, dst = move
-            self._device.run_move(src, dst)
+            self.device.run_move(src, dst)
 
     # ------------------------------------------------------------------ scheduling
 
@@ -458,7 +444,7 @@ class Engine:
           Depends on confidences and lengths only, never on draft token values (which stay
           on the device).
         """
-        return self.planner.plan(self._slots.row_records())
+        return self.planner.plan(self.slots.row_records())
 
     def _catch_up(self) -> None:
         """Writes the drafter context of every position a suspended step skipped.
@@ -469,12 +455,12 @@ class Engine:
         drafting resumes exactly as if upkeep had never stopped. Costs about one packed
         target pass per ``gamma + 1`` skipped tokens of the longest gap.
         """
-        records = self._slots.row_records()
+        records = self.slots.row_records()
         if self.drafter is None or all(rec.stale_from is None for rec in records):
             return
         rows = self.planner.rows_for(len(records))
         for tok, row, col, pos in catchup_batches(records, rows, self.gamma + 1):
-            self._device.run_catchup(rows, tok, row, col, pos)
+            self.device.run_catchup(rows, tok, row, col, pos)
             self._metrics.add_catchup(int(np.sum(pos >= 0)))
 
     # ------------------------------------------------------------------ decoding
@@ -482,7 +468,7 @@ class Engine:
     def _report_unplaced(self) -> list[StepOutput]:
         """Outputs of the requests that finished at prefill (they never got a row)."""
         outs = []
-        for slot, rec in self._slots.pop_unplaced():
+        for slot, rec in self.slots.pop_unplaced():
             lps = rec.pending_lp if rec.n_lp is not None else None
             outs.append(StepOutput(slot, rec.request.request_id, rec.pending, True, rec.done, 0, 0, lps))
         return outs
@@ -505,14 +491,14 @@ class Engine:
             for rec in recs:
                 if rec.stale_from is None:
                     rec.stale_from = rec.length - 1
-            out = self._device.run_bare_step(rows, ell_b, active, use_bias, want_lp)
+            out = self.device.run_bare_step(rows, ell_b, active, use_bias, want_lp)
             return out, want_lp, True
         self._catch_up()
-        return self._run_step(rows, tokens, ell_b, active, draft_next, use_bias, want_lp), want_lp, False
+        return self.device.run_step(rows, tokens, ell_b, active, draft_next, use_bias, want_lp), want_lp, False
 
     def _emit(self, slot: int, rec: SlotRecord, r: int, rnd: Round, host, draft_next: bool) -> StepOutput:
         """Row ``r``'s output of a step (``host``: the step's outputs read back; ``rnd``: its
-        round, :func:`~dspark_jax.serving.slots.close_rounds`): its kept tokens, counters and
+        round, :func:`~dspark_jax.serving.engine.slots.close_rounds`): its kept tokens, counters and
         logprobs; the record gets the next block's confidences."""
         _, _, _, conf, lpc, lpv, lpi = host
         toks = rec.pending + rnd.tokens
@@ -535,13 +521,13 @@ class Engine:
         if not self._warm:
             self.warmup()
         outs = self._report_unplaced()
-        n = self._slots.num_rows
+        n = self.slots.num_rows
         if n == 0:
             return outs
         t0 = time.perf_counter()
         ell, rows, tokens, draft_next = self.plan()
         self.planner.drafting = bool(draft_next)
-        recs = self._slots.row_records()
+        recs = self.slots.row_records()
         out, want_lp, suspended = self._run_planned(ell, rows, tokens, draft_next, recs)
         self.planner.record_step(rows, tokens, draft_next)
         # The logprob arrays are only read back when some row asked for them.
@@ -557,7 +543,7 @@ class Engine:
         rounds, stats, kept = close_rounds(recs, ypad, acc, finite, ell, self.gamma)
         self._metrics.add_rounds(ell, stats, kept)
         finished = []
-        for r, slot in enumerate(self._slots.row_slots()):
+        for r, slot in enumerate(self.slots.row_slots()):
             o = self._emit(slot, recs[r], r, rounds[r], host, draft_next)
             outs.append(o)
             if o.finished:
@@ -574,7 +560,7 @@ class Engine:
 
     def metrics(self) -> dict:
         """Cumulative counters (docs/design.md#metrics): those of
-        :meth:`~dspark_jax.serving.metrics.EngineMetrics.counters` (steps, rounds, drafts, draft /
+        :meth:`~dspark_jax.serving.engine.counters.EngineMetrics.counters` (steps, rounds, drafts, draft /
         accepted / emitted / packed tokens, tau as ``mean_accepted_length``, per-position
         acceptance, bucket histograms, suspension and catch-up counts, ...), plus ``policy``,
         ``verification``, ``num_active``, ``scheduler_decision`` (expected tokens/s drafting vs
@@ -593,5 +579,5 @@ class Engine:
             "drafting_suspended": self.planner.suspended(),
             **self._metrics.counters(),
             "calibration": self.calibrator.stats(),
-            "compiles": self._device.compiles,
+            "compiles": self.device.compiles,
         }

@@ -2,7 +2,7 @@
 request's arrays, their initial values and their layout on a ``model`` mesh.
 
 Everything here lives on the device between steps and is donated to every program
-(:mod:`dspark_jax.serving.programs`). Rows are physical decode rows (``B = num_slots``), ``S``
+(:mod:`dspark_jax.serving.engine.step_programs`). Rows are physical decode rows (``B = num_slots``), ``S``
 the cache length; docs/design.md#serving and docs/design.md#device-mesh.
 """
 

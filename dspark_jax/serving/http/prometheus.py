@@ -276,7 +276,7 @@ class _EngineCollector:
                 yield self._counter(metric, doc, m[key])
 
     def _scheduler(self, m: dict):
-        """Why the dspark policy drafts or not (:meth:`dspark_jax.serving.planner.Planner.want_drafts`)."""
+        """Why the dspark policy drafts or not (:meth:`dspark_jax.serving.engine.planner.Planner.want_drafts`)."""
         dec = m.get("scheduler_decision")
         if dec:
             g = GaugeMetricFamily(

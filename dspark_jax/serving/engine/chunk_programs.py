@@ -3,14 +3,14 @@
 One compiled ``prefill_chunk`` pass runs a fixed budget of ``T`` packed prompt tokens of up to
 ``P`` requests through the target over a staging area of ``P`` lanes (each a target KV row, and
 the drafter's context KV row when there is a drafter, of ``S`` positions, ``S`` the largest
-prefill bucket): the host (:class:`dspark_jax.serving.prefill.PrefillQueue`) packs waiting
+prefill bucket): the host (:class:`dspark_jax.serving.engine.prefill.PrefillQueue`) packs waiting
 prompts FIFO into the budget and splits a long prompt across passes, so that a long prompt
 never stalls the decode steps for more than one chunk. For every lane whose prompt ends in the
-pass the program computes what :func:`dspark_jax.serving.programs.prefill_program` computes at
+pass the program computes what :func:`dspark_jax.serving.engine.step_programs.prefill_program` computes at
 the last prompt position (the first token, sampled with the request's key and bias, its raw
 logprobs, finiteness, and the drafter's first block with its confidences); ``prefill_extract``
-then cuts the lane into ordinary :class:`~dspark_jax.serving.state.PrefixArrays` of the
-request's prefill bucket, which :func:`~dspark_jax.serving.programs.insert_program` consumes
+then cuts the lane into ordinary :class:`~dspark_jax.serving.engine.state.PrefixArrays` of the
+request's prefill bucket, which :func:`~dspark_jax.serving.engine.step_programs.insert_program` consumes
 unchanged.
 
 Lane-aligned blocks
@@ -27,12 +27,13 @@ compiles once per ``(T, span)`` and the extraction once per prefill bucket.
 
 Exactness: a token's keys/values and hidden states are those of one-shot prefill (same
 positions, same causal context), so a request prefilled in chunks gets the same first token and
-the same caches as :func:`~dspark_jax.serving.programs.prefill_program`, up to float rounding
+the same caches as :func:`~dspark_jax.serving.engine.step_programs.prefill_program`, up to float rounding
 between matmul shapes (which can only flip exact near-ties).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -44,11 +45,15 @@ from dspark_jax.models import sharding as shd
 from dspark_jax.models.layers import KVCache, attention
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample
 from dspark_jax.models.target import packed_attn_out_and_mlp, packed_qkv
-from dspark_jax.serving.programs import apply_bias, draft, logprobs, write_context
-from dspark_jax.serving.state import PrefixArrays
+from dspark_jax.serving.engine.state import PrefixArrays
+from dspark_jax.serving.engine.step_programs import apply_bias, draft, logprobs, write_context
 
 __all__ = [
+    "ChunkInputs",
     "ChunkOutputs",
+    "ChunkSpec",
+    "LaneSampling",
+    "PackedChunk",
     "StageState",
     "chunk_forward",
     "extract_program",
@@ -93,7 +98,7 @@ def init_stage(target, drafter, lanes: int, length: int) -> StageState:
 
 def stage_shardings(mesh, target_cfg, drafter_cfg) -> StageState:
     """Shardings of a :class:`StageState` on ``mesh``: caches over their KV heads, as the
-    decode state's (:func:`dspark_jax.serving.state.state_shardings`)."""
+    decode state's (:func:`dspark_jax.serving.engine.state.state_shardings`)."""
 
     def cache(cfg):
         return shd.cache_sharding(mesh, cfg.num_kv_heads, (1, 1, 1, cfg.num_kv_heads, cfg.head_dim))
@@ -215,48 +220,76 @@ def _chunk_drafter(target, drafter, feats, lane, pos, stage, token, prompt_len, 
     return dk, dv, (d, conf, q)
 
 
-def prefill_chunk_program(
-    t_state,
-    d_state,
-    stage: StageState,
-    tok,
-    pos,
-    blk_lane,
-    last,
-    prompt_len,
-    seed,
-    temperature,
-    top_k,
-    top_p,
-    do_draft,
-    do_context,
-    bias_ids,
-    bias_val,
-    bias_until,
-    *,
-    t_graph,
-    d_graph,
-    span: int,
-    block: int,
-    gamma: int,
-    mode: str = "coupled",
-    n_top: int = 20,
-):
+@dataclasses.dataclass(frozen=True)
+class ChunkSpec:
+    """The static shape of a chunked-prefill pass (one compiled program per value).
+
+    Attributes:
+      span / block: attention span and lane-aligned block size; gamma / mode / n_top: as
+        :class:`~dspark_jax.serving.engine.step_programs.StepSpec`.
+    """
+
+    span: int
+    block: int
+    gamma: int
+    mode: str = "coupled"
+    n_top: int = 20
+
+
+class PackedChunk(NamedTuple):
+    """The packed prompt tokens of a pass.
+
+    Attributes:
+      tok / pos: ``[T]`` int32 packed prompt tokens and positions (``-1``: padding);
+      blk_lane: ``[T / block]`` int32 lane of each block; last: ``[P]`` int32 index in ``tok``
+      of each lane's last prompt token (any for lanes not finishing).
+    """
+
+    tok: Any
+    pos: Any
+    blk_lane: Any
+    last: Any
+
+
+class LaneSampling(NamedTuple):
+    """Per-lane sampling of the first token: prompt_len / seed / top_k ``[P]`` int32,
+    temperature / top_p ``[P]`` float32, do_draft ``[P]`` bool (draft the lane's first block)."""
+
+    prompt_len: Any
+    seed: Any
+    temperature: Any
+    top_k: Any
+    top_p: Any
+    do_draft: Any
+
+
+class ChunkInputs(NamedTuple):
+    """The runtime inputs of a pass (a pytree; its leaves are the program's parameters).
+
+    Attributes:
+      packed: :class:`PackedChunk`; lanes: :class:`LaneSampling`; do_context: ``[]`` bool,
+      write the drafter context of the packed tokens; bias: the ``(ids, val, until)``
+      ``[P, NB]`` bias tables.
+    """
+
+    packed: PackedChunk
+    lanes: LaneSampling
+    do_context: Any
+    bias: tuple
+
+
+def prefill_chunk_program(t_state, d_state, stage: StageState, inp: ChunkInputs, *, t_graph, d_graph, spec: ChunkSpec):
     """One chunked-prefill pass (see the module doc).
 
     Args:
       stage: :class:`StageState` (donated).
-      tok / pos: ``[T]`` int32 packed prompt tokens and positions (``-1``: padding);
-        blk_lane: ``[T / block]`` int32 lane of each block.
-      last: ``[P]`` int32 index in ``tok`` of each lane's last prompt token (any for lanes
-        not finishing); prompt_len / seed / top_k: ``[P]`` int32; temperature / top_p:
-        ``[P]`` float32; do_draft: ``[P]`` bool draft the lane's first block; do_context:
-        bool, write the drafter context of the packed tokens; bias_*: ``[P, NB]`` tables.
-      span / block: static attention span and block size; gamma / mode / n_top: as
-        :func:`~dspark_jax.serving.programs.prefill_program`.
+      inp: :class:`ChunkInputs`; spec: :class:`ChunkSpec` (static).
     Returns:
       ``(new stage, ChunkOutputs)``.
     """
+    (tok, pos, blk_lane, last), lanes_in, do_context, bias = inp
+    prompt_len, seed, temperature, top_k, top_p, do_draft = lanes_in
+    span, block, gamma, mode, n_top = spec.span, spec.block, spec.gamma, spec.mode, spec.n_top
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
     taps = drafter.cfg.taps if drafter is not None else ()
@@ -266,7 +299,6 @@ def prefill_chunk_program(
     raw = target.unembed(hidden[last])  # [P, V]: only the finishing positions reach the LM head
     keys = jax.vmap(jax.random.PRNGKey)(seed)
     samp = SamplingArrays(temperature, top_k, top_p)
-    bias = (bias_ids, bias_val, bias_until)
     token, finite, lp = _first_tokens(raw, keys, prompt_len, samp, bias, n_top)
     lanes, gp = last.shape[0], max(gamma, 1)
     init = (

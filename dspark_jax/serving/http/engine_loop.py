@@ -4,14 +4,14 @@
 Each iteration it (1) frees the slots of aborted requests (client disconnects, stop strings),
 (2) admits waiting requests into free slots: with one-shot prefill, ``prefill`` + ``insert`` of
 each; with the engine's batched, chunked prefill (``engine.prefiller``, a
-:class:`~dspark_jax.serving.prefill.ChunkedPrefill`), it queues them there (as many as slots
+:class:`~dspark_jax.serving.engine.prefill.ChunkedPrefill`), it queues them there (as many as slots
 are left for them) and runs at most ONE prefill pass, inserting the requests whose prompt
 ended in it, so that a long prompt delays the streams by one chunk per step, not its whole
 prefill; (3) runs one
 speculative step for all active slots (``generate``) and hands each request its new token ids
 (and logprobs, speculative counts) as a :class:`RequestEvent`, with
 ``loop.call_soon_threadsafe``, to the request's ``asyncio.Queue``. It never detokenizes
-(:mod:`dspark_jax.serving.detokenize` does, on the asyncio side).
+(:mod:`dspark_jax.serving.http.detokenize` does, on the asyncio side).
 
 Admission: the loop holds at most ``num_slots + max_queue`` requests (choices) at a time, those
 in slots (or being prefilled into one) and those waiting for one. A submission that does not fit
@@ -34,7 +34,7 @@ import traceback
 from typing import Any, Literal
 
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.serving.server_metrics import ServerMetrics
+from dspark_jax.serving.http.prometheus import ServerMetrics
 
 __all__ = [
     "EngineLoop",
@@ -45,7 +45,7 @@ __all__ = [
     "event_from_output",
 ]
 
-log = logging.getLogger("dspark_jax.serving.server")
+log = logging.getLogger("dspark_jax.serving.http.server")
 
 
 class QueueFullError(RuntimeError):

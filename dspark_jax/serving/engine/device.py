@@ -1,8 +1,8 @@
 """The serving engine's device side: the models' states (sharded over a ``model`` mesh), the
 decode state, and the compiled programs that advance it.
 
-:class:`EngineDevice` lowers and compiles each program of :mod:`dspark_jax.serving.programs`
-once per shape, through the engine's :class:`~dspark_jax.serving.programs.ProgramCache`:
+:class:`EngineDevice` lowers and compiles each program of :mod:`dspark_jax.serving.engine.step_programs`
+once per shape, through the engine's :class:`~dspark_jax.serving.engine.step_programs.ProgramCache`:
 ``("step", R, K)``, ``("bare_step", R)``, ``("catchup", R)``, ``("prefill", P)``,
 ``("insert", P)`` and ``("move",)``. Cache keys also hold the engine's signature (model
 graphs, parameter shapes, slots, cache length, verification mode, bias-table size, logprob
@@ -21,20 +21,24 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.decoding import disk_cache
-from dspark_jax.decoding.sps import SPSTable, profile_buckets
 from dspark_jax.drafters.base import BlockDrafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import sharding as shd
-from dspark_jax.serving.programs import (
+from dspark_jax.serving.engine.requests import SamplingParams, no_bias
+from dspark_jax.serving.engine.sps import SPSTable, profile_buckets
+from dspark_jax.serving.engine.state import DecodeState, PrefixArrays, init_state, serving_mesh, state_shardings
+from dspark_jax.serving.engine.step_programs import (
+    InsertInputs,
+    PrefillInputs,
     ProgramCache,
+    StepInputs,
+    StepSpec,
     catchup_program,
     insert_program,
     move_program,
     prefill_program,
     step_program,
 )
-from dspark_jax.serving.requests import SamplingParams, no_bias
-from dspark_jax.serving.state import DecodeState, PrefixArrays, init_state, serving_mesh, state_shardings
 
 __all__ = ["EngineDevice", "out_shardings_for", "prefill_bucket_list", "row_bucket_list", "token_ladder"]
 
@@ -104,6 +108,11 @@ def out_shardings_for(mesh, target_cfg, drafter_cfg, keep_q: bool) -> Callable[[
 
 def _flags(n: int) -> tuple:
     return tuple(np.bool_(False) for _ in range(n))
+
+
+def _insert_inputs(row: int, prompt_len: int, sp: SamplingParams, bias) -> InsertInputs:
+    scalars = (np.int32(row), np.int32(prompt_len), np.float32(sp.temperature), np.int32(sp.top_k))
+    return InsertInputs(*scalars, np.float32(sp.top_p), tuple(bias))
 
 
 class EngineDevice:
@@ -209,24 +218,19 @@ class EngineDevice:
         return exe
 
     def _step_fn(self, d_graph, rows: int, tokens: int):
-        return partial(
-            step_program,
-            t_graph=self.t_graph,
-            d_graph=d_graph,
-            rows=rows,
-            tokens=tokens,
-            gamma=self.gamma,
-            mode=self.mode,
-            n_top=self.n_top,
-        )
+        spec = StepSpec(rows, tokens, self.gamma, self.mode, self.n_top)
+        return partial(step_program, t_graph=self.t_graph, d_graph=d_graph, spec=spec)
+
+    def _step_example(self, d_state) -> tuple:
+        """Example arguments of a step: every row inactive, flags off."""
+        b = self.num_slots
+        return (self.t_state, d_state, self.state, StepInputs(np.zeros(b, np.int32), np.zeros(b, bool), *_flags(3)))
 
     def step_exe(self, rows: int, tokens: int):
         """The step of bucket ``(rows, tokens)`` (state donated)."""
 
         def make():
-            b = self.num_slots
-            args = (self.t_state, self.d_state, self.state, np.zeros(b, np.int32), np.zeros(b, bool)) + _flags(3)
-            return self._step_fn(self.d_graph, rows, tokens), args
+            return self._step_fn(self.d_graph, rows, tokens), self._step_example(self.d_state)
 
         return self._get(("step", rows, tokens), make, donate=(2,))
 
@@ -235,9 +239,7 @@ class EngineDevice:
         drafter caches ride along untouched)."""
 
         def make():
-            b = self.num_slots
-            args = (self.t_state, None, self.state, np.zeros(b, np.int32), np.zeros(b, bool)) + _flags(3)
-            return self._step_fn(None, rows, rows), args
+            return self._step_fn(None, rows, rows), self._step_example(None)
 
         return self._get(("bare_step", rows), make, donate=(2,))
 
@@ -264,10 +266,10 @@ class EngineDevice:
                 mode=self.mode,
                 n_top=self.n_top,
             )
-            # prompt_len, seed, temperature, top_k, top_p; do_draft, do_context
-            scalars = (np.int32(1), np.int32(0), np.float32(1), np.int32(0), np.float32(1), np.bool_(True))
-            args = (self.t_state, self.d_state, np.zeros((1, p_len), np.int32)) + scalars + (np.bool_(True),)
-            return fn, args + no_bias(self.nb)
+            inp = self._prefill_inputs(
+                np.zeros((1, p_len), np.int32), 1, SamplingParams(), True, True, no_bias(self.nb)
+            )
+            return fn, (self.t_state, self.d_state, inp)
 
         return self._get(("prefill", p_len), make)
 
@@ -275,8 +277,7 @@ class EngineDevice:
         """Insertion of a prefix of bucket ``p_len`` (state donated)."""
 
         def make():
-            scalars = (np.int32(0), np.int32(0), np.float32(1), np.int32(0), np.float32(1))
-            return insert_program, (self.state, pre) + scalars + no_bias(self.nb)
+            return insert_program, (self.state, pre, _insert_inputs(0, 0, SamplingParams(), no_bias(self.nb)))
 
         return self._get(("insert", p_len), make, donate=(0,))
 
@@ -288,15 +289,15 @@ class EngineDevice:
 
     def run_step(self, rows, tokens, ell, active, draft_next, use_bias=False, want_lp=False):
         """Runs the step of bucket ``(rows, tokens)``; returns its outputs (see
-        :func:`~dspark_jax.serving.programs.step_program`)."""
-        flags = (np.bool_(draft_next), np.bool_(use_bias), np.bool_(want_lp))
-        self.state, out = self.step_exe(rows, tokens)(self.t_state, self.d_state, self.state, ell, active, *flags)
+        :func:`~dspark_jax.serving.engine.step_programs.step_program`)."""
+        inp = StepInputs(ell, active, np.bool_(draft_next), np.bool_(use_bias), np.bool_(want_lp))
+        self.state, out = self.step_exe(rows, tokens)(self.t_state, self.d_state, self.state, inp)
         return out
 
     def run_bare_step(self, rows, ell, active, use_bias: bool, want_lp: bool):
         """Runs the plain step without drafter upkeep; returns its outputs."""
-        flags = (np.bool_(False), np.bool_(use_bias), np.bool_(want_lp))
-        self.state, out = self.bare_step_exe(rows)(self.t_state, None, self.state, ell, active, *flags)
+        inp = StepInputs(ell, active, np.bool_(False), np.bool_(use_bias), np.bool_(want_lp))
+        self.state, out = self.bare_step_exe(rows)(self.t_state, None, self.state, inp)
         return out
 
     def run_catchup(self, rows: int, tok, row, col, pos) -> None:
@@ -306,24 +307,17 @@ class EngineDevice:
     def run_prefill(self, tokens: np.ndarray, prompt_len: int, sp: SamplingParams, drafted: bool, context: bool, bias):
         """Prefills ``tokens [1, P]`` (``prompt_len`` real); returns ``(PrefixArrays, finite,
         logprobs)`` on the device."""
-        return self.prefill_exe(tokens.shape[1])(
-            self.t_state,
-            self.d_state,
-            tokens,
-            np.int32(prompt_len),
-            np.int32(sp.seed),
-            np.float32(sp.temperature),
-            np.int32(sp.top_k),
-            np.float32(sp.top_p),
-            np.bool_(drafted),
-            np.bool_(context),
-            *bias,
-        )
+        inp = self._prefill_inputs(tokens, prompt_len, sp, drafted, context, bias)
+        return self.prefill_exe(tokens.shape[1])(self.t_state, self.d_state, inp)
+
+    @staticmethod
+    def _prefill_inputs(tokens, prompt_len: int, sp: SamplingParams, drafted: bool, context: bool, bias):
+        scalars = (np.int32(prompt_len), np.int32(sp.seed), np.float32(sp.temperature), np.int32(sp.top_k))
+        return PrefillInputs(tokens, *scalars, np.float32(sp.top_p), np.bool_(drafted), np.bool_(context), tuple(bias))
 
     def run_insert(self, p_len: int, pre: PrefixArrays, row: int, prompt_len: int, sp: SamplingParams, bias) -> None:
         """Writes a prefix of bucket ``p_len`` into ``row``."""
-        scalars = (np.int32(row), np.int32(prompt_len), np.float32(sp.temperature), np.int32(sp.top_k))
-        self.state = self.insert_exe(p_len, pre)(self.state, pre, *scalars, np.float32(sp.top_p), *bias)
+        self.state = self.insert_exe(p_len, pre)(self.state, pre, _insert_inputs(row, prompt_len, sp, bias))
 
     def run_move(self, src: int, dst: int) -> None:
         """Copies row ``src`` into row ``dst``."""

@@ -3,7 +3,7 @@
 Counted on the host by :meth:`Engine.generate` / :meth:`Engine.insert`; tau (the mean accepted
 length) is :class:`dspark_jax.decoding.speculative.Generation`'s: tokens the verification
 rounds emitted per round, a stop inside an accepted block cutting it, the prefill token not a
-round's. The HTTP server exports them to Prometheus (:mod:`dspark_jax.serving.server_metrics`).
+round's. The HTTP server exports them to Prometheus (:mod:`dspark_jax.serving.http.prometheus`).
 """
 
 from __future__ import annotations

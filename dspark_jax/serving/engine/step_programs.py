@@ -1,6 +1,6 @@
 """The serving engine's device programs: one step, the drafter catch-up, prefill, insert and
 row move, each a pure function over pytrees, compiled once per shape by the engine
-(:class:`dspark_jax.serving.device.EngineDevice`) into its bounded :class:`ProgramCache`.
+(:class:`dspark_jax.serving.engine.device.EngineDevice`) into its bounded :class:`ProgramCache`.
 
 One step, one jitted function, no host round-trip inside (paper Section 7;
 docs/design.md#serving and docs/design.md#verification): pack the anchors and the chosen number of drafts of
@@ -12,8 +12,10 @@ skipped under ``lax.cond`` when the scheduler says drafting does not pay). Keys 
 :mod:`dspark_jax.decoding.round` (:func:`~dspark_jax.decoding.round.token_keys`), shared with
 the single-request loops.
 Everything variable (active rows, verification lengths, drafting, logit bias, logprobs) is a
-mask or a runtime scalar, so a program compiles once per ``(rows, tokens)`` bucket. The
-argument names of these functions name the parameters of the compiled HLO: keep them.
+mask or a runtime scalar, so a program compiles once per ``(rows, tokens)`` bucket. Runtime
+inputs travel as small pytrees (:class:`StepInputs`, :class:`PrefillInputs`) whose leaves, in
+field order, are the compiled program's parameters (their paths name the HLO parameters); the
+static shape of a step is a :class:`StepSpec`.
 
 Exactness (Gumbel-coupled verification, ``verification="coupled"``, the default)
 ----------------------------------------------------------------------------------
@@ -50,6 +52,7 @@ Online calibration observes the acceptance of the mode in use.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
@@ -62,10 +65,14 @@ from dspark_jax.decoding.round import draft_tokens, rejection_round_keys, token_
 from dspark_jax.decoding.verifier import verify_coupled_packed, verify_rejection_packed
 from dspark_jax.models.layers import KVCache
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample
-from dspark_jax.serving.state import CACHE_FIELDS, DecodeState, PrefixArrays
+from dspark_jax.serving.engine.state import CACHE_FIELDS, DecodeState, PrefixArrays
 
 __all__ = [
+    "InsertInputs",
+    "PrefillInputs",
     "ProgramCache",
+    "StepInputs",
+    "StepSpec",
     "apply_bias",
     "catchup_program",
     "insert_program",
@@ -247,39 +254,53 @@ def _upkeep_and_draft(target, drafter, st, pk, out, prow, new_anchor, new_pos, n
     return dk, dv, new_draft, new_conf, new_q
 
 
-def step_program(
-    t_state,
-    d_state,
-    st: DecodeState,
-    ell,
-    active,
-    draft_next,
-    use_bias,
-    want_lp,
-    *,
-    t_graph,
-    d_graph,
-    rows: int,
-    tokens: int,
-    gamma: int,
-    mode: str = "coupled",
-    n_top: int = 20,
-):
-    """One engine step over the first ``rows`` rows with ``tokens`` packed tokens.
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """The static shape of a step program (one compiled program per value).
+
+    Attributes:
+      rows / tokens: the bucket ``(R, K)``; ``K == R`` is a plain step.
+      gamma: block size; mode: ``"coupled"`` or ``"rejection"`` verification; n_top: logprob
+        alternatives.
+    """
+
+    rows: int
+    tokens: int
+    gamma: int
+    mode: str = "coupled"
+    n_top: int = 20
+
+
+class StepInputs(NamedTuple):
+    """The runtime inputs of one step (a pytree; its leaves are the step's parameters).
+
+    Attributes:
+      ell: ``[B]`` int32 drafts verified per row; active: ``[B]`` bool.
+      draft_next / use_bias / want_lp: ``[]`` bool flags (draft the next block; apply the bias
+        tables; compute logprobs).
+    """
+
+    ell: Any
+    active: Any
+    draft_next: Any
+    use_bias: Any
+    want_lp: Any
+
+
+def step_program(t_state, d_state, st: DecodeState, inp: StepInputs, *, t_graph, d_graph, spec: StepSpec):
+    """One engine step over the first ``spec.rows`` rows with ``spec.tokens`` packed tokens.
 
     Args:
       t_state / d_state: the target's / drafter's NNX state (``d_graph`` None: no drafter
         upkeep, the drafter-less engine's program).
       st: :class:`DecodeState` (donated).
-      ell: ``[B]`` int32 drafts verified per row; active: ``[B]`` bool.
-      draft_next / use_bias / want_lp: runtime flags (draft the next block; apply the bias
-        tables; compute logprobs).
-      rows / tokens: the bucket ``(R, K)``; ``K == R`` is a plain step.
-      gamma: block size; mode: ``"coupled"`` or ``"rejection"``; n_top: logprob alternatives.
+      inp: :class:`StepInputs`; spec: :class:`StepSpec` (static).
     Returns:
       ``(new state, (ypad [R, G'+1] int32, acc [R] int32, finite [R] bool, conf [R, G'] f32,
       (logprob [R, G'+1], top values, top ids [R, G'+1, n_top])))``.
     """
+    ell, active, draft_next, use_bias, want_lp = inp
+    rows, tokens, gamma, mode, n_top = spec.rows, spec.tokens, spec.gamma, spec.mode, spec.n_top
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
     r_, k_ = rows, tokens
@@ -371,35 +392,38 @@ def _prefill_drafter(target, drafter, out, tok, pos, prompt_len, key, samp, bias
     return dk, dv, d, conf, q
 
 
+class PrefillInputs(NamedTuple):
+    """The runtime inputs of one-shot prefill (a pytree; its leaves are the program's parameters).
+
+    Attributes:
+      tokens: ``[1, P]`` int32 the prompt padded to the bucket; prompt_len / seed / top_k:
+        ``[]`` int32; temperature / top_p: ``[]`` float32; do_draft / do_context: ``[]`` bool
+        (draft the first block; write the drafter context); bias: the ``(ids, val, until)``
+        ``[NB]`` bias table (:func:`~dspark_jax.serving.engine.requests.bias_table`).
+    """
+
+    tokens: Any
+    prompt_len: Any
+    seed: Any
+    temperature: Any
+    top_k: Any
+    top_p: Any
+    do_draft: Any
+    do_context: Any
+    bias: tuple
+
+
 def prefill_program(
-    t_state,
-    d_state,
-    tokens,
-    prompt_len,
-    seed,
-    temperature,
-    top_k,
-    top_p,
-    do_draft,
-    do_context,
-    bias_ids,
-    bias_val,
-    bias_until,
-    *,
-    t_graph,
-    d_graph,
-    gamma: int,
-    mode: str = "coupled",
-    n_top: int = 20,
+    t_state, d_state, inp: PrefillInputs, *, t_graph, d_graph, gamma: int, mode: str = "coupled", n_top: int = 20
 ):
     """Prefill of one request: caches, the first token (biased like every later one), its
     raw target logprobs (one row: always computed, cheap) and optionally the first block.
 
-    ``tokens [1, P]`` int32 (the prompt padded to the bucket), ``prompt_len`` / ``seed`` /
-    ``top_k`` int32, ``temperature`` / ``top_p`` float32, ``do_draft`` / ``do_context`` bool,
-    ``bias_* [NB]``. Returns ``(PrefixArrays, finite [] bool, (logprob [1], top values, top
-    ids [1, n_top]))``.
+    ``inp``: :class:`PrefillInputs`. Returns ``(PrefixArrays, finite [] bool, (logprob [1], top
+    values, top ids [1, n_top]))``.
     """
+    tokens, prompt_len, seed, temperature, top_k, top_p, do_draft, do_context, bias_tables = inp
+    bias_ids, bias_val, bias_until = bias_tables
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
     p_len = tokens.shape[1]
@@ -433,10 +457,27 @@ def prefill_program(
     )
 
 
-def insert_program(
-    st: DecodeState, pre: PrefixArrays, row, pos, temperature, top_k, top_p, bias_ids, bias_val, bias_until
-) -> DecodeState:
-    """Writes a prefilled request (``pre``) into row ``row`` (its anchor at position ``pos``)."""
+class InsertInputs(NamedTuple):
+    """Where and how a prefilled request is inserted (a pytree; its leaves are the insert
+    program's parameters after the state and the prefix).
+
+    Attributes:
+      row: ``[]`` int32 decode row; pos: ``[]`` int32 its anchor's position (the prompt length);
+      temperature / top_p: ``[]`` float32; top_k: ``[]`` int32; bias: the ``(ids, val, until)``
+      ``[NB]`` bias table.
+    """
+
+    row: Any
+    pos: Any
+    temperature: Any
+    top_k: Any
+    top_p: Any
+    bias: tuple
+
+
+def insert_program(st: DecodeState, pre: PrefixArrays, inp: InsertInputs) -> DecodeState:
+    """Writes a prefilled request (``pre``) into row ``inp.row`` (its anchor at ``inp.pos``)."""
+    row, pos, temperature, top_k, top_p, (bias_ids, bias_val, bias_until) = inp
     z = jnp.int32(0)
 
     def put(cache, part):

@@ -17,7 +17,7 @@ greedy Theta scheduler) and ``dspark`` (the deployed scheduler). Ctrl-C drains: 
 in flight finish (up to ``--graceful-timeout`` seconds), then the engine thread stops.
 ``--prefill-chunk-tokens N`` (default 256) sets the batched, chunked prefill: one compiled pass of
 at most N prompt tokens per engine iteration, interleaved with decode steps (0: one-shot prefill
-of one request at a time; :mod:`dspark_jax.serving.prefill`).
+of one request at a time; :mod:`dspark_jax.serving.engine.prefill`).
 ``--api-key`` (or ``DSPARK_API_KEY``) requires ``Authorization: Bearer KEY`` on every ``/v1``
 route (401 otherwise; ``/health`` and ``/metrics`` stay open unless
 ``--api-key-health-metrics``). ``--verification`` picks the engine's lossless verification
@@ -285,9 +285,9 @@ def build_server(
     """``(app, engine_loop)``: the FastAPI app around an engine (the loop starts with the app).
 
     ``default_max_tokens`` None: vLLM's defaults (16 for completions, the rest of the
-    context for chat). ``api_key``: see :class:`dspark_jax.serving.server.ServerConfig`.
+    context for chat). ``api_key``: see :class:`dspark_jax.serving.http.server.ServerConfig`.
     """
-    from dspark_jax.serving.server import EngineLoop, ServerConfig, create_app
+    from dspark_jax.serving.http.server import EngineLoop, ServerConfig, create_app
 
     loop = EngineLoop(engine, tokenizer, max_queue=max_queue, model_name=model_name)
     tcfg = engine.target.cfg
@@ -411,7 +411,7 @@ def run(args: argparse.Namespace) -> None:
     dtype = jnp.dtype(args.dtype)
     mesh = None
     if args.mesh:  # weights go straight from the host to their shards (an 8B target never lands on one chip)
-        from dspark_jax.serving.state import serving_mesh
+        from dspark_jax.serving.engine.state import serving_mesh
 
         mesh = serving_mesh(args.mesh)
     target, tok, drafter = load_target_and_drafter(args.target, args.drafter, dtype=dtype, mesh=mesh)

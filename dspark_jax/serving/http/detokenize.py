@@ -1,7 +1,7 @@
 """One choice's output on the asyncio side of the HTTP server: UTF-8-safe incremental
 detokenization, stop strings, logprobs and the choice's speculative counts.
 
-The engine thread hands token ids (:class:`~dspark_jax.serving.loop.RequestEvent`); an
+The engine thread hands token ids (:class:`~dspark_jax.serving.http.engine_loop.RequestEvent`); an
 :class:`OutputState` turns them into text with the tokenizer's incremental detokenizer
 (``Tokenizer.detokenizer``: O(1) per token, never half a character), holds back text that
 could still become a stop string, and cuts the output at the first token whose text completes
@@ -18,7 +18,7 @@ import dataclasses
 import time
 from typing import Any
 
-from dspark_jax.serving.loop import RequestEvent, TrackedRequest
+from dspark_jax.serving.http.engine_loop import RequestEvent, TrackedRequest
 
 __all__ = ["OutputState", "Update", "spec_dict", "spec_total", "usage"]
 

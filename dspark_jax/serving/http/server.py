@@ -5,11 +5,11 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` and Prometheus ``GET /metrics``.
 
 Architecture (docs/design.md#serving): one background thread, :class:`EngineLoop`
-(:mod:`dspark_jax.serving.loop`), owns the :class:`~dspark_jax.serving.engine.Engine` and is the
+(:mod:`dspark_jax.serving.http.engine_loop`), owns the :class:`~dspark_jax.serving.engine.Engine` and is the
 only thread that touches JAX. The asyncio side (this module) validates and tokenizes requests
-(:mod:`dspark_jax.serving.protocol`), enqueues them, and per choice detokenizes incrementally
-and matches stop strings (:mod:`dspark_jax.serving.detokenize`), then formats responses and
-streams (:mod:`dspark_jax.serving.streaming`). Metrics: :mod:`dspark_jax.serving.server_metrics`.
+(:mod:`dspark_jax.serving.http.protocol`), enqueues them, and per choice detokenizes incrementally
+and matches stop strings (:mod:`dspark_jax.serving.http.detokenize`), then formats responses and
+streams (:mod:`dspark_jax.serving.http.streaming`). Metrics: :mod:`dspark_jax.serving.http.prometheus`.
 Shutdown (uvicorn's graceful drain, then the app's lifespan end) stops the thread after failing
 whatever is still queued with 503.
 
@@ -57,9 +57,17 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from dspark_jax import __version__
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.serving.detokenize import OutputState, Update
-from dspark_jax.serving.loop import EngineLoop, QueueFullError, RequestEvent, ServerClosedError, TrackedRequest
-from dspark_jax.serving.protocol import (
+from dspark_jax.serving.engine.requests import Request, SamplingParams
+from dspark_jax.serving.http.detokenize import OutputState, Update
+from dspark_jax.serving.http.engine_loop import (
+    EngineLoop,
+    QueueFullError,
+    RequestEvent,
+    ServerClosedError,
+    TrackedRequest,
+)
+from dspark_jax.serving.http.prometheus import ServerMetrics
+from dspark_jax.serving.http.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -69,9 +77,7 @@ from dspark_jax.serving.protocol import (
     completion_prompt,
     sampling_params,
 )
-from dspark_jax.serving.requests import Request, SamplingParams
-from dspark_jax.serving.server_metrics import ServerMetrics
-from dspark_jax.serving.streaming import LogprobFormatter, StreamContext, response_body, sse_stream
+from dspark_jax.serving.http.streaming import LogprobFormatter, StreamContext, response_body, sse_stream
 
 __all__ = ["EngineLoop", "ServerConfig", "create_app"]
 

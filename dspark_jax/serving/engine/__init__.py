@@ -1,0 +1,19 @@
+"""The serving engine: device-resident continuous batching with speculative decoding, and the
+host-side schedulers that only serving uses (DESIGN.md "Pipeline" (serve), "Scheduler").
+
+* :mod:`.engine` -- :class:`Engine` (``prefill`` / ``insert`` / ``generate`` / ``free``);
+* :mod:`.device` -- :class:`~.device.EngineDevice`, the device state and compiled programs
+  (``Engine.device``); :mod:`.step_programs` and :mod:`.chunk_programs` the jitted bodies;
+  :mod:`.state` the donated per-row state;
+* :mod:`.requests` -- the public request types; :mod:`.slots` the host's slot table;
+  :mod:`.prefill` batched, chunked prefill; :mod:`.counters` the cumulative counters;
+* :mod:`.planner` -- per-step verification lengths from :mod:`.scheduler` (paper Section 7),
+  the measured steps-per-second table (:mod:`.sps`) and online calibration
+  (:mod:`.online_calibration`).
+
+It imports nothing from :mod:`dspark_jax.serving.http` (the HTTP server sits on top of it).
+"""
+
+from dspark_jax.serving.engine.engine import Engine, Prefix, Request, SamplingParams, StepOutput, parse_policy
+
+__all__ = ["Engine", "Prefix", "Request", "SamplingParams", "StepOutput", "parse_policy"]

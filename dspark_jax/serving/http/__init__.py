@@ -1,0 +1,7 @@
+"""The OpenAI-compatible HTTP server over the serving engine (DESIGN.md "Pipeline" (serve)).
+
+:mod:`.server` the FastAPI app, :mod:`.protocol` the request/response bodies, :mod:`.streaming`
+SSE and response assembly, :mod:`.detokenize` incremental detokenization and stop strings,
+:mod:`.engine_loop` the engine thread, :mod:`.prometheus` the ``/metrics`` series and
+:mod:`.cli` the ``python -m dspark_jax.serve`` command.
+"""
