@@ -1,5 +1,5 @@
 """The serving engine: device-resident continuous batching with speculative decoding, and the
-host-side schedulers that only serving uses (DESIGN.md "Pipeline" (serve), "Scheduler").
+host-side schedulers that only serving uses (docs/design.md#serving, docs/design.md#scheduler).
 
 * :mod:`.engine` -- :class:`Engine` (``prefill`` / ``insert`` / ``generate`` / ``free``);
 * :mod:`.device` -- :class:`~.device.EngineDevice`, the device state and compiled programs

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server over the serving engine (DESIGN.md "Pipeline" (serve)).
+"""The OpenAI-compatible HTTP server over the serving engine (docs/design.md#serving).
 
 :mod:`.server` the FastAPI app, :mod:`.protocol` the request/response bodies, :mod:`.streaming`
 SSE and response assembly, :mod:`.detokenize` incremental detokenization and stop strings,
