@@ -1,9 +1,13 @@
 """Fingerprints of the serving engine's compiled programs, to check that a refactor left the
 traced computation unchanged.
 
-    PYTHONPATH=. python benchmarks/engine_hlo.py --out /tmp/new.json
+    python -m benchmarks.engine_hlo --out /tmp/new.json
     PYTHONPATH=/path/to/old/checkout python benchmarks/engine_hlo.py --out /tmp/old.json
-    python benchmarks/engine_hlo.py --compare /tmp/old.json /tmp/new.json
+    python -m benchmarks.engine_hlo --compare /tmp/old.json /tmp/new.json
+
+(The other checkout's run starts the script by its path: ``python -m`` would put the current
+folder, and so this checkout's package, ahead of ``PYTHONPATH``.)
+``tests/integration/test_engine_hlo.py`` runs both sides and the comparison against a base commit.
 
 Runs a fixed small workload through :class:`Engine` (a tiny random-weight target and drafter
 built from :class:`TargetConfig` / :class:`DrafterConfig` with fixed seeds; requests under the
@@ -17,9 +21,10 @@ of appearance: :func:`normalise`) and hashed (SHA-256). Writes ``{"count": uniqu
 "hashes": sorted unique hashes, "modules": {hash: [program names]}}``. ``--compare A B`` lists
 the modules only in A and only in B (exit status 1 when they differ).
 
-The package is imported from ``sys.path`` as found (no path is prepended), so the same script
-measures any checkout: ``Engine`` via ``dspark_jax.engine`` (the engine itself on old commits,
-a deprecated re-export on new ones), ``Target`` and ``Drafter`` from whichever module holds them.
+The package is imported from ``sys.path`` as found (no path is prepended) and the script imports
+nothing else of this repository, so the same script measures any checkout: ``Engine``,
+``Request`` and ``SamplingParams``, ``Target`` and ``Drafter`` from whichever module of that
+checkout holds them (:data:`ENGINE_MODULES` and :func:`_models`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,15 @@ import tempfile
 import warnings
 from pathlib import Path
 
+# Where the engine and its request types live, newest layout first: a serving.engine package
+# (or module), then the deprecated top-level shim of older commits.
+ENGINE_MODULES = (
+    "dspark_jax.serving.engine",
+    "dspark_jax.serving.engine.engine",
+    "dspark_jax.serving.engine.requests",
+    "dspark_jax.serving.requests",
+    "dspark_jax.engine",
+)
 _NAME = re.compile(r"^module_\d+\.(.+?)\.before_optimizations\.txt$")
 _SOURCE_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 _HLO_NAME = re.compile(r"(?<![\w.])[A-Za-z_][\w\-]*\.\d+(?![\w.])")
@@ -170,9 +184,11 @@ def _drive(engine, requests) -> None:
 
 def workload() -> None:
     """The fixed workload: every program a coupled and a rejection engine compile."""
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # dspark_jax.engine, where it is the one found, is deprecated
         warnings.simplefilter("ignore", DeprecationWarning)
-        from dspark_jax.engine import Engine, Request, SamplingParams
+        engine_cls, request_cls, params_cls = (
+            _find(n, *ENGINE_MODULES) for n in ("Engine", "Request", "SamplingParams")
+        )
 
     target, drafter = _models()
     prompts = [[1, 5, 9, 13, 17], [1, 7, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
@@ -181,13 +197,13 @@ def workload() -> None:
         dict(temperature=1.0, top_k=20, max_tokens=10, seed=3),
         dict(temperature=0.7, top_p=0.9, max_tokens=14, seed=5, logprobs=2, logit_bias=((7, -2.0),), min_tokens=2),
     ]
-    reqs = [Request(p, SamplingParams(**s), f"r{i}") for i, (p, s) in enumerate(zip(prompts, settings))]
+    reqs = [request_cls(p, params_cls(**s), f"r{i}") for i, (p, s) in enumerate(zip(prompts, settings))]
     common = dict(num_slots=2, cache_len=64, buckets=(8,), prefill_buckets=(16, 32), profile_iters=1)
-    eng = Engine(target, drafter, policy="fixed:3", suspend_after=2, **common)
+    eng = engine_cls(target, drafter, policy="fixed:3", suspend_after=2, **common)
     for policy in ("fixed:3", "dspark", "plain", "fixed:3"):  # plain suspends the drafter, fixed resumes it
         eng.set_policy(policy)
         _drive(eng, reqs)
-    rej = Engine(target, drafter, policy="fixed:3", suspend_after=None, verification="rejection", **common)
+    rej = engine_cls(target, drafter, policy="fixed:3", suspend_after=None, verification="rejection", **common)
     _drive(rej, reqs)
 
 
@@ -206,7 +222,7 @@ def compare(a_path: str, b_path: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.engine_hlo", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="engine_hlo.json", help="JSON of the module hashes (default engine_hlo.json)")
     p.add_argument("--dump-dir", default=None, help="XLA dump folder (default: a temporary one, removed)")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two JSON files instead of running")

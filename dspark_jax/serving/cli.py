@@ -184,7 +184,13 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def _parse_buckets(spec: str | None) -> tuple[int, ...] | None:
+def parse_buckets(spec: str | None) -> tuple[int, ...] | None:
+    """The engine's token-budget buckets from ``--buckets`` (comma-separated integers, the
+    serving CLI's and the serving benchmarks' spelling): sorted, deduplicated; None when empty.
+
+    Raises:
+      DSparkInputError: not integers, or a budget below 1.
+    """
     from dspark_jax.errors import DSparkInputError
 
     if not spec:
@@ -419,7 +425,7 @@ def run(args: argparse.Namespace) -> None:
         policy=policy,
         num_slots=args.num_slots,
         cache_len=args.cache_len,
-        buckets=_parse_buckets(args.buckets),
+        buckets=parse_buckets(args.buckets),
         sps_table=args.sps_table,
         warmup=False,
         suspend_after=None if args.suspend_after == -1 else args.suspend_after,
