@@ -13,12 +13,14 @@ Runs a fixed small workload through :class:`Engine` (a tiny random-weight target
 built from :class:`TargetConfig` / :class:`DrafterConfig` with fixed seeds; requests under the
 ``fixed`` and ``dspark`` policies, and ``plain`` until the drafter suspends, at temperature 0
 and > 0, in a coupled and a rejection-sampling engine) with XLA dumping every module it
-compiles (``XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text``, set before JAX is imported).
+compiles (``XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text``, set before JAX is imported, with
+the backend's optimisation turned down: :data:`FAST_COMPILE_FLAGS`).
 Every ``*.before_optimizations.txt`` module is normalised (the ``HloModule`` name line, the
 source tables and every ``metadata={...}`` attribute, i.e. Python source files, lines and op
 names, removed; value and computation names, which carry Python identifiers, renamed in order
 of appearance: :func:`normalise`) and hashed (SHA-256). Writes ``{"count": unique modules,
-"hashes": sorted unique hashes, "modules": {hash: [program names]}}``. ``--compare A B`` lists
+"hashes": sorted unique hashes, "modules": {hash: [program names]}, "package": the dspark_jax
+folder measured}``. ``--compare A B`` lists
 the modules only in A and only in B (exit status 1 when they differ).
 
 The package is imported from ``sys.path`` as found (no path is prepended) and the script imports
@@ -49,6 +51,9 @@ ENGINE_MODULES = (
     "dspark_jax.serving.requests",
     "dspark_jax.engine",
 )
+# The modules hashed are XLA's input, before any optimisation: the backend's optimisation is turned
+# down (it changes nothing hashed) so that the workload compiles in a fraction of the time.
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 _NAME = re.compile(r"^module_\d+\.(.+?)\.before_optimizations\.txt$")
 _SOURCE_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 _HLO_NAME = re.compile(r"(?<![\w.])[A-Za-z_][\w\-]*\.\d+(?![\w.])")
@@ -240,14 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         dump = Path(args.dump_dir or tmp)
         dump.mkdir(parents=True, exist_ok=True)
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
-        ).strip()
+        flags = f"{FAST_COMPILE_FLAGS} --xla_dump_to={dump} --xla_dump_hlo_as_text"
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
         import jax
+
+        import dspark_jax
 
         jax.config.update("jax_enable_compilation_cache", False)  # a cache hit would skip the dump
         workload()
         res = fingerprints(dump)
+        res["package"] = str(Path(dspark_jax.__file__).resolve().parent)  # which checkout was measured
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(f"{res['count']} modules -> {args.out}")
     return 0
