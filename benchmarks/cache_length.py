@@ -38,7 +38,7 @@ _MODULES = ("api", "config", "drafters.dspark", "decoding.speculative", "serving
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.cache_length", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cache_length", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m-instruct", help="target of the decode and engine sections")
     p.add_argument("--old", default=None, help="another checkout (its dspark_jax/) to compare with")
     p.add_argument("--sections", default="decode,engine,default", help="comma-separated sections to run")

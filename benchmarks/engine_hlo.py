@@ -227,7 +227,7 @@ def compare(a_path: str, b_path: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.engine_hlo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.engine_hlo", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--out", default="engine_hlo.json", help="JSON of the module hashes (default engine_hlo.json)")
     p.add_argument("--dump-dir", default=None, help="XLA dump folder (default: a temporary one, removed)")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two JSON files instead of running")

@@ -34,7 +34,9 @@ from benchmarks.harness import alternate, device_description, write_json
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.engine_overhead", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.engine_overhead", description=(__doc__ or "").split("\n\n")[0]
+    )
     p.add_argument("--target", default="smollm2-135m-instruct", help="preset or model path")
     p.add_argument("--drafter", default=None, help="drafter export directory")
     p.add_argument(

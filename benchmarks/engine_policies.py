@@ -29,7 +29,9 @@ STORIES = ["Once upon a time", "The little dog", "One day, a girl named Lily", "
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.engine_policies", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.engine_policies", description=(__doc__ or "").split("\n\n")[0]
+    )
     p.add_argument("--target", default="stories260k", help="preset or model path (default stories260k)")
     p.add_argument("--drafter", required=True, help="drafter export directory")
     p.add_argument("--policies", default="plain,fixed:4,dspark", help="comma-separated (default plain,fixed:4,dspark)")

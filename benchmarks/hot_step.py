@@ -26,7 +26,7 @@ _SUBMODULES = ("api", "config", "drafters.dspark", "serving.engine")  # what mai
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.hot_step", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.hot_step", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--old", default=None, help="another checkout (its dspark_jax/) to compare with")
     p.add_argument("--rows", type=int, default=16)

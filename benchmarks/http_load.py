@@ -149,7 +149,7 @@ async def run_level(
 def summarize(results: list[Result], wall: float, concurrency: int) -> dict[str, Any]:
     """One level's row: request counts, output and per-user tokens/s, TTFT, latency, pooled tau."""
     ok = [r for r in results if r.ok]
-    toks = [r.usage["completion_tokens"] for r in ok]
+    toks = [(r.usage or {})["completion_tokens"] for r in ok]
     per_user = [(n - 1) / (r.end - r.first) for r, n in zip(ok, toks) if n > 1 and r.first and r.end > r.first]
     ttft = sorted(r.first - r.start for r in ok if r.first)
     steps = sum((r.spec or {}).get("num_steps") or 0 for r in ok)

@@ -98,7 +98,9 @@ def measure(rows: int, vocab: int, reps: int, seed: int) -> list[dict[str, Any]]
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sampling_filter", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.sampling_filter", description=(__doc__ or "").split("\n\n")[0]
+    )
     p.add_argument("--rows", type=int, default=8, help="rows of the logits batch (default 8)")
     p.add_argument("--vocab", type=int, default=49152, help="vocabulary size (default 49152)")
     p.add_argument("--reps", type=int, default=7, help="timed repeats per filter and case (default 7)")

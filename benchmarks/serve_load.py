@@ -79,7 +79,7 @@ QUICK = dict(
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.serve_load",
-        description=__doc__.split("\n\n")[0],
+        description=(__doc__ or "").split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -533,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         return status
     if args.stress:
         status, rep = run_cli(stress, args)
-        return status or (0 if rep["passed"] else 1)
+        return status or (0 if rep and rep["passed"] else 1)
     status, res = run_cli(sweep, args)
     failed = [
         (p, r["concurrency"])

@@ -42,7 +42,9 @@ def run(eng, reqs):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.verification_modes", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.verification_modes", description=(__doc__ or "").split("\n\n")[0]
+    )
     p.add_argument("--target", default="stories260k")
     p.add_argument("--drafter", required=True)
     p.add_argument("--prompts", required=True, help="JSON list of prompt strings")

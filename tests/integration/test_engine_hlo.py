@@ -71,7 +71,10 @@ def _archive_package(commit: str, dest: Path) -> None:
     p = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "dspark_jax"], capture_output=True, timeout=60)
     assert p.returncode == 0, p.stderr.decode()[-2000:]
     with tarfile.open(fileobj=io.BytesIO(p.stdout)) as tar:
-        tar.extractall(dest, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+        if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4: refuse paths outside dest
+            tar.extractall(dest, filter="data")
+        else:
+            tar.extractall(dest)
 
 
 def _start(package_root: Path, out: Path, cwd: Path) -> subprocess.Popen:

@@ -99,6 +99,7 @@ def test_no_private_name_is_imported():
         f"{MODULES[m].relative_to(ROOT)}:{n.lineno}: {src}.{name}"
         for m, t in TREES.items()
         for n in ast.walk(t)
+        if isinstance(n, (ast.Import, ast.ImportFrom))
         for src, names in _imported(m, n)
         for name in names
         if src.split(".")[0] in ("dspark_jax", "benchmarks") and name.startswith("_")
@@ -201,7 +202,7 @@ def test_load_checkout_imports_the_other_package_inside_its_own_tree(tmp_path):
     before = {k: v for k, v in sys.modules.items() if k == "dspark_jax" or k.startswith("dspark_jax.")}
     mods = harness.load_checkout(tmp_path / "old", ["serving.engine"])
     assert mods["serving.engine"].VALUE == 41 and mods["serving.engine"].ORIGIN == "old"
-    assert Path(mods["serving.engine"].__file__).is_relative_to(tmp_path)
+    assert Path(mods["serving.engine"].__file__ or "").is_relative_to(tmp_path)
     assert sys.modules["dspark_jax"] is dspark_jax
     assert {k: v for k, v in sys.modules.items() if k == "dspark_jax" or k.startswith("dspark_jax.")} == before
     with pytest.raises(FileNotFoundError):
