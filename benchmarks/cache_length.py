@@ -1,8 +1,8 @@
 """Decode cost against the allocated KV-cache length at a fixed live length (issue 24).
 
 Three sections, each alternated in one process (medians of ``--reps`` repeats), optionally
-against another checkout of the package (``--old DIR``, loaded beside this one as
-``benchmarks/hot_step.py`` does, each checkout building its own target):
+against another checkout of the package (``--old DIR``, loaded beside this one by
+:func:`benchmarks.harness.load_checkout`, each checkout building its own target):
 
 * ``decode``: batch-1 plain decoding (``generate_autoregressive``, greedy, no stop ids) of one
   prompt of ``--prompt-len`` tokens, ``--new-tokens`` new tokens, with the KV cache allocated at
@@ -19,7 +19,7 @@ against another checkout of the package (``--old DIR``, loaded beside this one a
 ::
 
     git archive <old-commit> | tar -x -C /tmp/old
-    python benchmarks/cache_length.py --old /tmp/old --out runs/cache_length
+    python -m benchmarks.cache_length --old /tmp/old --out runs/cache_length
 
 Prints one table per section and writes ``OUT/cache_length.json``.
 """
@@ -28,23 +28,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import hot_step  # benchmarks/ is on sys.path
+from benchmarks.harness import alternate, load_checkout, markdown_table, write_json
 
 _MODULES = ("api", "config", "drafters.dspark", "decoding.speculative", "serving.engine")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python benchmarks/cache_length.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cache_length", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m-instruct", help="target of the decode and engine sections")
     p.add_argument("--old", default=None, help="another checkout (its dspark_jax/) to compare with")
     p.add_argument("--sections", default="decode,engine,default", help="comma-separated sections to run")
@@ -64,27 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _packages(old: str | None) -> dict[str, dict[str, Any]]:
     pk = {"new": {m: importlib.import_module(f"dspark_jax.{m}") for m in _MODULES}}
     if old:
-        saved = hot_step._SUBMODULES
-        hot_step._SUBMODULES = _MODULES
-        try:
-            pk["old"] = hot_step.load_package(old)
-        finally:
-            hot_step._SUBMODULES = saved
+        pk["old"] = load_checkout(old, _MODULES)
     return pk
-
-
-def _alternate(cases: dict[str, Any], reps: int) -> dict[str, float]:
-    """Median seconds of each ``cases[label]()`` (which returns its own seconds, or None to be
-    timed here), run once to warm, then ``reps`` times in alternating order."""
-    times: dict[str, list[float]] = {k: [] for k in cases}
-    labels = list(cases)
-    for i in range(reps + 1):
-        for label in labels if i % 2 == 0 else labels[::-1]:
-            t0 = time.perf_counter()
-            secs = cases[label]()
-            if i > 0:
-                times[label].append(secs if secs is not None else time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _prompt(target, n: int) -> list[int]:
@@ -103,7 +78,7 @@ def decode_section(pk, a) -> list[dict[str, Any]]:
         for c in lens:
             kw = dict(max_new_tokens=a.new_tokens, stop_ids=[], cache_len=c)
             cases[(name, c)] = lambda gen=gen, t=target, p=prompt, kw=kw: gen(t, [p], **kw).seconds / a.new_tokens
-    med = _alternate({f"{n}:{c}": f for (n, c), f in cases.items()}, a.reps)
+    med = alternate({f"{n}:{c}": f for (n, c), f in cases.items()}, a.reps)
     rows = []
     for name in pk:
         base = med[f"{name}:{lens[0]}"]
@@ -125,7 +100,7 @@ def live_section(pk, a) -> list[dict[str, Any]]:
             cases[f"{name}:{n}"] = lambda gen=gen, t=target, p=_prompt(target, n), kw=kw: (
                 gen(t, [p], **kw).seconds / a.new_tokens
             )
-    med = _alternate(cases, a.reps)
+    med = alternate(cases, a.reps)
     return [
         {"checkout": name, "cache_len": a.live_cache_len, "prompt_len": n, "ms_per_token": med[f"{name}:{n}"] * 1e3}
         for name in pk
@@ -154,7 +129,7 @@ def engine_section(pk, a) -> list[dict[str, Any]]:
                 eng.device.state = eng.device.state._replace(pos=eng.device.state.pos * 0 + 40)  # the same live length
 
             cases[f"{name}:{c}"] = step
-    med = _alternate(cases, a.reps)
+    med = alternate(cases, a.reps)
     rows = []
     for name in pk:
         for c in lens:
@@ -191,7 +166,7 @@ def default_section(pk, a) -> list[dict[str, Any]]:
             cases[f"{spec}:auto:{name}"] = lambda f=sp.generate_speculative, t=target, d=drafter, p=prompt, k=auto: (
                 f(t, d, [p], **k).seconds / a.new_tokens
             )
-    med = _alternate(cases, a.reps)
+    med = alternate(cases, a.reps)
     rows = []
     for spec in a.default_targets.split(","):
         for mode in ("plain", "auto"):
@@ -200,13 +175,6 @@ def default_section(pk, a) -> list[dict[str, Any]]:
                 r["speed_new_over_old"] = med[f"{spec}:{mode}:old"] / med[f"{spec}:{mode}:new"]
             rows.append(r)
     return rows
-
-
-def _table(rows: list[dict[str, Any]]) -> str:
-    keys = list(rows[0])
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
-    lines = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
-    return "\n".join(lines + ["| " + " | ".join(fmt(r[k]) for k in keys) + " |" for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     sections = {"decode": decode_section, "live": live_section, "engine": engine_section, "default": default_section}
     for name in a.sections.split(","):
         result[name] = sections[name](pk, a)
-        print(f"## {name}\n\n{_table(result[name])}\n", flush=True)
-        (out / "cache_length.json").write_text(json.dumps(result, indent=2))
+        print(f"## {name}\n\n{markdown_table(result[name])}\n", flush=True)
+        write_json(out / "cache_length.json", result)
     print(f"wrote {out / 'cache_length.json'}", file=sys.stderr)
     return 0
 

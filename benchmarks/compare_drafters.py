@@ -19,33 +19,29 @@ target in one process:
    dataset, macro-average, ratios, conditional acceptance per position;
 4. batch-1 wall-clock speedup against plain decoding of the same target, prompts and
    sampling, with the bound ``tau * T_target_step / (T_draft + T_verify)`` and
-   ``transformers`` ``generate`` on the same weights (see ``benchmarks/speedup.py``).
+   ``transformers`` ``generate`` on the same weights (see :mod:`benchmarks.speedup`).
 
 Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/conditional_acceptance.png``.
 
 Usage::
 
-    python benchmarks/compare_drafters.py --target stories260k --steps 300 --out runs/compare_stories260k
-    python benchmarks/compare_drafters.py --target smollm2-135m-instruct --steps 400 --num-prompts 10 \\
+    python -m benchmarks.compare_drafters --target stories260k --steps 300 --out runs/compare_stories260k
+    python -m benchmarks.compare_drafters --target smollm2-135m-instruct --steps 400 --num-prompts 10 \\
         --data-dir runs/smollm2-135m-instruct/data --out runs/compare_smollm2
-    python benchmarks/compare_drafters.py --quick --out /tmp/cmp      # CI-sized smoke run
+    python -m benchmarks.compare_drafters --quick --out /tmp/cmp      # CI-sized smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from drafter_study import (
-    CHAT_SETS,
+from benchmarks import speedup
+from benchmarks.drafter_study import (
     DRAFTERS,
     data_summary,
     eval_prompts,
@@ -55,8 +51,8 @@ from drafter_study import (
     tkey,
     train_drafter,
 )
+from benchmarks.harness import cell, command_line, ratio, write_json
 
-__all__ = ["CHAT_SETS", "DRAFTERS", "eval_prompts"]  # re-exported: they lived here
 DEFAULT_DRAFTERS = ["dspark-2L", "dflash-2L", "dflash-5L", "eagle3", "dspark-2L-gated", "dspark-2L-rnn"]
 QUICK_DRAFTERS = ["dspark-2L", "dflash-2L", "eagle3"]
 # (numerator, denominator, paper figure) of the reported tau ratios
@@ -83,7 +79,7 @@ QUICK = dict(
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/compare_drafters.py",
+        prog="python -m benchmarks.compare_drafters",
         description="Train DSpark / DFlash / Eagle3 drafters on identical data and budget, "
         "compare tau, conditional acceptance and batch-1 speedup.",
     )
@@ -120,14 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return None if not a or not b else a / b
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import speedup
-
     from dspark_jax.models.presets import resolve_target
     from dspark_jax.models.target import Target
     from dspark_jax.models.weights import params_fingerprint
@@ -225,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "target": args.target,
         "target_name": cfg_t.name,
-        "command": "python benchmarks/compare_drafters.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "command": command_line("compare_drafters", argv),
         "budget": {
             "steps": base.steps,
             "batch_size": base.batch_size,
@@ -253,14 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     result["plots"] = {"conditional_acceptance": str(plot_acceptance(result, out / "conditional_acceptance.png"))}
     result["total_seconds"] = round(time.perf_counter() - t_all, 1)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
+    write_json(out / "results.json", result)
     (out / "results.md").write_text(markdown(result))
     print(markdown(result))
     return 0
-
-
-def _f(x, spec=".3f") -> str:
-    return "n/a" if x is None else format(x, spec)
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -292,8 +278,8 @@ def markdown(r: dict[str, Any]) -> str:
             row = r["tau"][n][tk]
             lines.append(
                 f"| {n} | {d['num_layers']} | {d['params']:,} | "
-                + " | ".join(_f(row["datasets"][s]["tau"]) for s in sets)
-                + f" | {_f(row['macro_tau'])} |"
+                + " | ".join(cell(row["datasets"][s]["tau"], missing="n/a") for s in sets)
+                + f" | {cell(row['macro_tau'], missing='n/a')} |"
             )
         lines.append("")
     lines += [
@@ -305,7 +291,9 @@ def markdown(r: dict[str, Any]) -> str:
     for a, bb, paper in RATIOS:
         key = f"{a}/{bb}"
         if all(key in r["ratios"][t] for t in temps):
-            lines.append(f"| {key} | " + " | ".join(_f(r["ratios"][t][key]) for t in temps) + f" | {paper} |")
+            lines.append(
+                f"| {key} | " + " | ".join(cell(r["ratios"][t][key], missing="n/a") for t in temps) + f" | {paper} |"
+            )
     lines.append("")
     sp = r["speed"]
     for tk, run in sp["runs"].items():

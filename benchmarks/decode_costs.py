@@ -17,28 +17,26 @@ In one process (docs/design.md#performance-anchors; the cost table behind
 
 All medians of alternated repeats. CLI::
 
-    python benchmarks/decode_costs.py --target smollm2-135m-instruct --random-drafter \\
+    python -m benchmarks.decode_costs --target smollm2-135m-instruct --random-drafter \\
         --draft-vocab-size 8192 --json decode_costs.json
-    python benchmarks/decode_costs.py --target stories260k --drafter runs/stories260k/export
+    python -m benchmarks.decode_costs --target stories260k --drafter runs/stories260k/export
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speedup import hf_generate, hf_llama_from_params
+from benchmarks.harness import write_json
+from benchmarks.speedup import hf_generate, hf_llama_from_params
 
 
 def read_bandwidth_gb_s(gib: float = 1.0, repeats: int = 5) -> float:
@@ -83,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.models.target import Target
     from dspark_jax.models.weights import params_fingerprint
 
-    ap = argparse.ArgumentParser(description="Batch-1 cost table (plain step, verify per length, draft, context).")
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.decode_costs",
+        description="Batch-1 cost table (plain step, verify per length, draft, context).",
+    )
     ap.add_argument("--target", required=True, help="preset name or model path")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--drafter", help="export directory")
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['t_verify_full_block_ms']:>15.2f}"
             )
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        write_json(args.json, res)
     return 0
 
 

@@ -3,7 +3,7 @@ on one chip (an H200 GPU or a TPU chip), no downloads, nothing from outside the 
 
 With an accelerator, from the repository root::
 
-    python benchmarks/device_check.py --out /tmp/dc
+    python -m benchmarks.device_check --out /tmp/dc
 
 prints one table per section and writes ``/tmp/dc/device_check.json`` after every section (a run
 cut short still leaves the sections done). Paste the JSON (and the printed tables) into the issue's
@@ -65,8 +65,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks.harness import command_line, json_default, ratio  # noqa: E402
 from dspark_jax.config import DrafterConfig, TargetConfig  # noqa: E402
 from dspark_jax.drafters.build import build_drafter  # noqa: E402
 from dspark_jax.models.target import Target  # noqa: E402
@@ -266,17 +265,11 @@ class Context:
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
             tmp = self.out / "device_check.json.tmp"
-            tmp.write_text(json.dumps(self.report, indent=2, default=_json_default))
+            tmp.write_text(json.dumps(self.report, indent=2, default=json_default))
             tmp.replace(self.out / "device_check.json")
 
 
 T0 = time.perf_counter()
-
-
-def _json_default(x: Any) -> Any:
-    if isinstance(x, (np.integer, np.floating)):
-        return x.item()
-    raise TypeError(f"not JSON: {type(x)}")
 
 
 def table(title: str, headers: list[str], rows: list[list[Any]]) -> None:
@@ -289,10 +282,6 @@ def table(title: str, headers: list[str], rows: list[list[Any]]) -> None:
         print("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)))
         if i == 0:
             print("  " + "  ".join("-" * w for w in widths))
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else a / b
 
 
 # ----------------------------------------------------------------------------- step and roofline
@@ -336,7 +325,7 @@ def measure_steps(ctx: Context, caches: tuple[int, ...]) -> list[dict[str, Any]]
         ctx.partial({"rows": rows})
     base = {r["live_len"]: r["step_ms"] for r in rows if r["cache_len"] == caches[0]}
     for r in rows:
-        r["over_smallest_cache"] = _ratio(r["step_ms"], base.get(r["live_len"]))
+        r["over_smallest_cache"] = ratio(r["step_ms"], base.get(r["live_len"]))
     return rows
 
 
@@ -394,7 +383,7 @@ def section_roofline(ctx: Context) -> dict[str, Any]:
                 "bytes_live": live_b,
                 "bytes_dense": dense_b,
                 "roofline_ms": roof,
-                "fraction_of_roofline": _ratio(roof, s),
+                "fraction_of_roofline": ratio(roof, s),
                 "gb_s_live": live_b / s / 1e6,
                 "gb_s_dense": dense_b / s / 1e6,
             }
@@ -675,7 +664,8 @@ RUNNERS = {
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        description="Accelerator check: decode, engine, training and exactness on random models."
+        prog="python -m benchmarks.device_check",
+        description="Accelerator check: decode, engine, training and exactness on random models.",
     )
     ap.add_argument("--tiny", action="store_true", help="CPU-sized shapes (the test suite's run)")
     ap.add_argument("--out", default=None, help="folder for device_check.json (written after every section)")
@@ -735,9 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     T0 = time.perf_counter()
     args = parse_args(argv)
     ctx = build(args)
-    ctx.report["meta"]["command"] = "python benchmarks/device_check.py " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
+    ctx.report["meta"]["command"] = command_line("device_check", argv)
     print(
         f"device_check: {ctx.report['meta']['device_kind']} ({ctx.report['meta']['platform']}), {ctx.cfg.name}, "
         f"{ctx.report['meta']['target_params'] / 1e9:.3g}B params, dtype {ctx.dtype}"

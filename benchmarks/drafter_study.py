@@ -1,4 +1,4 @@
-"""Pieces shared by the drafter studies (``compare_drafters.py``, ``learning_curve.py``).
+"""Pieces shared by the drafter studies (:mod:`benchmarks.compare_drafters`, :mod:`benchmarks.learning_curve`).
 
 Identical data for every drafter (the shard folder and its summary), ONE target-feature
 cache over the union of the drafters' tap layers, training through

@@ -1,25 +1,32 @@
 """Fingerprints of the serving engine's compiled programs, to check that a refactor left the
 traced computation unchanged.
 
-    PYTHONPATH=. python benchmarks/engine_hlo.py --out /tmp/new.json
+    python -m benchmarks.engine_hlo --out /tmp/new.json
     PYTHONPATH=/path/to/old/checkout python benchmarks/engine_hlo.py --out /tmp/old.json
-    python benchmarks/engine_hlo.py --compare /tmp/old.json /tmp/new.json
+    python -m benchmarks.engine_hlo --compare /tmp/old.json /tmp/new.json
+
+(The other checkout's run starts the script by its path: ``python -m`` would put the current
+folder, and so this checkout's package, ahead of ``PYTHONPATH``.)
+``tests/integration/test_engine_hlo.py`` runs both sides and the comparison against a base commit.
 
 Runs a fixed small workload through :class:`Engine` (a tiny random-weight target and drafter
 built from :class:`TargetConfig` / :class:`DrafterConfig` with fixed seeds; requests under the
 ``fixed`` and ``dspark`` policies, and ``plain`` until the drafter suspends, at temperature 0
 and > 0, in a coupled and a rejection-sampling engine) with XLA dumping every module it
-compiles (``XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text``, set before JAX is imported).
+compiles (``XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text``, set before JAX is imported, with
+the backend's optimisation turned down: :data:`FAST_COMPILE_FLAGS`).
 Every ``*.before_optimizations.txt`` module is normalised (the ``HloModule`` name line, the
 source tables and every ``metadata={...}`` attribute, i.e. Python source files, lines and op
 names, removed; value and computation names, which carry Python identifiers, renamed in order
 of appearance: :func:`normalise`) and hashed (SHA-256). Writes ``{"count": unique modules,
-"hashes": sorted unique hashes, "modules": {hash: [program names]}}``. ``--compare A B`` lists
+"hashes": sorted unique hashes, "modules": {hash: [program names]}, "package": the dspark_jax
+folder measured}``. ``--compare A B`` lists
 the modules only in A and only in B (exit status 1 when they differ).
 
-The package is imported from ``sys.path`` as found (no path is prepended), so the same script
-measures any checkout: ``Engine``, ``Target`` and ``Drafter`` from whichever module holds them
-(``dspark_jax.serving.engine``, else ``dspark_jax.engine``, the engine itself on old commits).
+The package is imported from ``sys.path`` as found (no path is prepended) and the script imports
+nothing else of this repository, so the same script measures any checkout: ``Engine``,
+``Request`` and ``SamplingParams``, ``Target`` and ``Drafter`` from whichever module of that
+checkout holds them (:data:`ENGINE_MODULES` and :func:`_models`).
 """
 
 from __future__ import annotations
@@ -35,6 +42,18 @@ import tempfile
 import warnings
 from pathlib import Path
 
+# Where the engine and its request types live, newest layout first: a serving.engine package
+# (or module), then the deprecated top-level shim of older commits.
+ENGINE_MODULES = (
+    "dspark_jax.serving.engine",
+    "dspark_jax.serving.engine.engine",
+    "dspark_jax.serving.engine.requests",
+    "dspark_jax.serving.requests",
+    "dspark_jax.engine",
+)
+# The modules hashed are XLA's input, before any optimisation: the backend's optimisation is turned
+# down (it changes nothing hashed) so that the workload compiles in a fraction of the time.
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 _NAME = re.compile(r"^module_\d+\.(.+?)\.before_optimizations\.txt$")
 _SOURCE_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 _HLO_NAME = re.compile(r"(?<![\w.])[A-Za-z_][\w\-]*\.\d+(?![\w.])")
@@ -170,12 +189,11 @@ def _drive(engine, requests) -> None:
 
 def workload() -> None:
     """The fixed workload: every program a coupled and a rejection engine compile."""
-    with warnings.catch_warnings():  # dspark_jax.engine: the engine on old commits, a deprecated shim later
+    with warnings.catch_warnings():  # dspark_jax.engine, where it is the one found, is deprecated
         warnings.simplefilter("ignore", DeprecationWarning)
-        found = [
-            _find(n, "dspark_jax.serving.engine", "dspark_jax.engine") for n in ("Engine", "Request", "SamplingParams")
-        ]
-    Engine, Request, SamplingParams = found
+        engine_cls, request_cls, params_cls = (
+            _find(n, *ENGINE_MODULES) for n in ("Engine", "Request", "SamplingParams")
+        )
 
     target, drafter = _models()
     prompts = [[1, 5, 9, 13, 17], [1, 7, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
@@ -184,13 +202,13 @@ def workload() -> None:
         dict(temperature=1.0, top_k=20, max_tokens=10, seed=3),
         dict(temperature=0.7, top_p=0.9, max_tokens=14, seed=5, logprobs=2, logit_bias=((7, -2.0),), min_tokens=2),
     ]
-    reqs = [Request(p, SamplingParams(**s), f"r{i}") for i, (p, s) in enumerate(zip(prompts, settings))]
+    reqs = [request_cls(p, params_cls(**s), f"r{i}") for i, (p, s) in enumerate(zip(prompts, settings))]
     common = dict(num_slots=2, cache_len=64, buckets=(8,), prefill_buckets=(16, 32), profile_iters=1)
-    eng = Engine(target, drafter, policy="fixed:3", suspend_after=2, **common)
+    eng = engine_cls(target, drafter, policy="fixed:3", suspend_after=2, **common)
     for policy in ("fixed:3", "dspark", "plain", "fixed:3"):  # plain suspends the drafter, fixed resumes it
         eng.set_policy(policy)
         _drive(eng, reqs)
-    rej = Engine(target, drafter, policy="fixed:3", suspend_after=None, verification="rejection", **common)
+    rej = engine_cls(target, drafter, policy="fixed:3", suspend_after=None, verification="rejection", **common)
     _drive(rej, reqs)
 
 
@@ -209,7 +227,7 @@ def compare(a_path: str, b_path: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.engine_hlo", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--out", default="engine_hlo.json", help="JSON of the module hashes (default engine_hlo.json)")
     p.add_argument("--dump-dir", default=None, help="XLA dump folder (default: a temporary one, removed)")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two JSON files instead of running")
@@ -227,14 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         dump = Path(args.dump_dir or tmp)
         dump.mkdir(parents=True, exist_ok=True)
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
-        ).strip()
+        flags = f"{FAST_COMPILE_FLAGS} --xla_dump_to={dump} --xla_dump_hlo_as_text"
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
         import jax
+
+        import dspark_jax
 
         jax.config.update("jax_enable_compilation_cache", False)  # a cache hit would skip the dump
         workload()
         res = fingerprints(dump)
+        res["package"] = str(Path(dspark_jax.__file__).resolve().parent)  # which checkout was measured
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(f"{res['count']} modules -> {args.out}")
     return 0

@@ -16,7 +16,7 @@ verifies only its anchor, no drafting) of a drafter-less engine, alternated ``--
 * the step that also drafts the next block (one drafter pass plus ``gamma`` LM-head rows and
   the Markov sampler): what speculation must win back.
 
-    python benchmarks/engine_overhead.py --target smollm2-135m-instruct \\
+    python -m benchmarks.engine_overhead --target smollm2-135m-instruct \\
         --drafter runs/smollm2-135m-instruct/export --rows 1,16,64 --out runs/engine_overhead
 
 Prints a table (median milliseconds and the ratio drafter engine / plain engine) and writes
@@ -26,18 +26,17 @@ Prints a table (median milliseconds and the ratio drafter engine / plain engine)
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import alternate, device_description, write_json
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python benchmarks/engine_overhead.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.engine_overhead", description=(__doc__ or "").split("\n\n")[0]
+    )
     p.add_argument("--target", default="smollm2-135m-instruct", help="preset or model path")
     p.add_argument("--drafter", default=None, help="drafter export directory")
     p.add_argument(
@@ -54,12 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=12, help="timed repeats per engine and measurement (default 12)")
     p.add_argument("--out", default="runs/engine_overhead", help="output directory")
     return p
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def measure(plain, spec, rows: list[int], prompt_len: int, reps: int) -> list[dict[str, Any]]:
@@ -123,12 +116,8 @@ def measure(plain, spec, rows: list[int], prompt_len: int, reps: int) -> list[di
     cases += [(f"step + drafting a block, {r} rows", step(plain, r), step(spec, r, True)) for r in rows]
     out = []
     for name, fp, fs in cases:
-        fp(), fs()  # warm (compiled already; caches, allocator)
-        tp, ts = [], []
-        for _ in range(reps):
-            tp.append(_timed(fp))
-            ts.append(_timed(fs))
-        mp, ms = statistics.median(tp), statistics.median(ts)
+        med = alternate({"plain": fp, "spec": fs}, reps)  # a warm-up round first (compiled already)
+        mp, ms = med["plain"], med["spec"]
         out.append({"case": name, "plain_ms": mp * 1e3, "drafter_engine_ms": ms * 1e3, "ratio": ms / mp})
     return out
 
@@ -170,23 +159,16 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {r['case']} | {r['plain_ms']:.1f} | {r['drafter_engine_ms']:.1f} | {r['ratio']:.3f} |" for r in res]
     print("\n".join(lines))
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    import jax
-
-    (out / "engine_overhead.json").write_text(
-        json.dumps(
-            {
-                "target": args.target,
-                "drafter": args.drafter or f"random(gamma={args.random_drafter})",
-                "num_slots": args.num_slots,
-                "cache_len": args.cache_len,
-                "reps": args.reps,
-                "device": str(jax.devices()[0]),
-                "results": res,
-            },
-            indent=2,
-        )
-    )
+    record = {
+        "target": args.target,
+        "drafter": args.drafter or f"random(gamma={args.random_drafter})",
+        "num_slots": args.num_slots,
+        "cache_len": args.cache_len,
+        "reps": args.reps,
+        "device": device_description(),
+        "results": res,
+    }
+    write_json(out / "engine_overhead.json", record)
     print(f"wrote {out / 'engine_overhead.json'}", file=sys.stderr)
     return 0
 

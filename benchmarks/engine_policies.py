@@ -9,7 +9,7 @@ measured side by side on a shared machine. Concurrency ``c``: ``c`` requests dec
 share of steps that drafted, suspended steps, probes and tau. The ``dspark`` policy's
 criterion (issue 26): tokens/s >= 0.95x the better of ``plain`` and ``fixed:G``.
 
-    python benchmarks/engine_policies.py --target stories260k --drafter runs/stories260k/export \\
+    python -m benchmarks.engine_policies --target stories260k --drafter runs/stories260k/export \\
         --concurrency 1,4 --repeats 3 --out runs/engine_policies
 
 Prints a table and writes ``OUT/engine_policies.json``.
@@ -18,19 +18,20 @@ Prints a table and writes ``OUT/engine_policies.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import write_json
 
 STORIES = ["Once upon a time", "The little dog", "One day, a girl named Lily", "Tom and his mom went", "The sun was"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python benchmarks/engine_policies.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.engine_policies", description=(__doc__ or "").split("\n\n")[0]
+    )
     p.add_argument("--target", default="stories260k", help="preset or model path (default stories260k)")
     p.add_argument("--drafter", required=True, help="drafter export directory")
     p.add_argument("--policies", default="plain,fixed:4,dspark", help="comma-separated (default plain,fixed:4,dspark)")
@@ -117,10 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{x['suspended_steps']:9d} {x['probes']:6d} {x['tau'] or 1.0:5.2f}"
             )
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "engine_policies.json").write_text(
-        json.dumps({"args": vars(args), "warmup_s": warm_s, "levels": table, "runs": runs}, indent=1, default=str)
-    )
+    write_json(out / "engine_policies.json", {"args": vars(args), "warmup_s": warm_s, "levels": table, "runs": runs})
     print(f"wrote {out / 'engine_policies.json'}", file=sys.stderr)
     return 0
 

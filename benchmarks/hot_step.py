@@ -1,9 +1,9 @@
 """A/B timing of the engine's hot step programs: this checkout against another checkout of
-the package (e.g. the commit before a change), interleaved in one process so that machine
-load hits both alike.
+the package (e.g. the commit before a change, loaded by :func:`benchmarks.harness.load_checkout`),
+interleaved in one process so that machine load hits both alike.
 
     git archive <old-commit> | tar -x -C /tmp/old
-    PYTHONPATH=. python benchmarks/hot_step.py --old /tmp/old --target smollm2-135m-instruct --rows 16 --gamma 4
+    python -m benchmarks.hot_step --old /tmp/old --target smollm2-135m-instruct --rows 16 --gamma 4
 
 Times, with a random drafter (``--gamma``) and ``fixed:gamma``, the plain step (every row
 verifies its anchor only) and the speculative step (every row verifies ``gamma`` drafts),
@@ -18,47 +18,15 @@ import importlib
 import inspect
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
-from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks.harness import load_checkout
 
 _SUBMODULES = ("api", "config", "drafters.dspark", "serving.engine")  # what main() builds an engine from
 
 
-def load_package(root: str) -> dict[str, Any]:
-    """Imports the ``dspark_jax`` package of checkout ``root`` beside this checkout's.
-
-    The package's absolute imports (``from dspark_jax.x import y``) must resolve inside the
-    same checkout, so this checkout's ``dspark_jax*`` modules are set aside while the other's
-    load, then restored; the other's modules keep their own globals. (Loading it under
-    another name instead would run only its top module on this checkout's code.) Imports
-    made lazily inside functions still resolve to this checkout: the hot step makes none.
-
-    Returns:
-      ``{submodule: module}`` for :data:`_SUBMODULES` of ``root``'s package.
-    """
-    mine = {k: v for k, v in sys.modules.items() if k == "dspark_jax" or k.startswith("dspark_jax.")}
-    for k in mine:
-        del sys.modules[k]
-    sys.path.insert(0, str(Path(root).resolve()))
-    try:
-        mods = {m: importlib.import_module(f"dspark_jax.{m}") for m in _SUBMODULES}
-        if not Path(mods["api"].__file__ or "").resolve().is_relative_to(Path(root).resolve()):
-            raise RuntimeError(f"{root} has no dspark_jax package")
-        return mods
-    finally:
-        sys.path.pop(0)
-        for k in [k for k in sys.modules if k == "dspark_jax" or k.startswith("dspark_jax.")]:
-            del sys.modules[k]
-        sys.modules.update(mine)
-
-
 def main(argv=None):
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(prog="python -m benchmarks.hot_step", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--old", default=None, help="another checkout (its dspark_jax/) to compare with")
     p.add_argument("--rows", type=int, default=16)
@@ -73,7 +41,7 @@ def main(argv=None):
 
     packages = {"new": {m: importlib.import_module(f"dspark_jax.{m}") for m in _SUBMODULES}}
     if a.old:
-        packages["old"] = load_package(a.old)
+        packages["old"] = load_checkout(a.old, _SUBMODULES)
     engines = {}
     for name, mods in packages.items():
         # Each checkout builds its own target and drafter, so model code is compared too.

@@ -47,9 +47,9 @@ data generation, trunks and branches from their checkpoints. Also written:
 
 Usage::
 
-    python benchmarks/learning_curve.py --target stories260k --budgets 100,200,400,800,1600,3200,6400 \\
+    python -m benchmarks.learning_curve --target stories260k --budgets 100,200,400,800,1600,3200,6400 \\
         --out runs/learning_curve_stories260k
-    python benchmarks/learning_curve.py --quick --out /tmp/lc      # CI-sized smoke run
+    python -m benchmarks.learning_curve --quick --out /tmp/lc      # CI-sized smoke run
 """
 
 from __future__ import annotations
@@ -58,16 +58,13 @@ import argparse
 import dataclasses
 import json
 import os
-import shlex
 import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from drafter_study import (
+from benchmarks.drafter_study import (
     DRAFTERS,
     data_summary,
     eval_prompts,
@@ -78,7 +75,8 @@ from drafter_study import (
     tkey,
     train_drafter,
 )
-from learning_curve_report import markdown, plot_curves
+from benchmarks.harness import command_line
+from benchmarks.learning_curve_report import markdown, plot_curves
 
 DEFAULT_DRAFTERS = ["dspark-2L", "dflash-2L", "dflash-5L", "eagle3"]
 QUICK_DRAFTERS = ["dspark-2L", "dflash-2L"]
@@ -101,7 +99,7 @@ STATE = "learning_curve.json"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/learning_curve.py",
+        prog="python -m benchmarks.learning_curve",
         description="Held-out tau of DSpark / DFlash / Eagle3 drafters against a doubling training budget, "
         "on identical data (warmup-stable-decay trunk + one decay branch per budget; resumable).",
     )
@@ -430,9 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         eval_prompts_dropped=dropped,
         noise_sigmas=args.noise_sigmas,
     )
-    state["commands"].append(
-        "python benchmarks/learning_curve.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    )
+    state["commands"].append(command_line("learning_curve", argv))
     save_state(path, state)
     for n in names:
         run_drafter(n, cfgs[n], budgets, target, tok, prompts, ev, state, path, args)

@@ -1,13 +1,15 @@
-"""Tables and plots of ``benchmarks/learning_curve.py``'s ``learning_curve.json``."""
+"""Tables and plots of :mod:`benchmarks.learning_curve`'s ``learning_curve.json``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import cell
+
 
 def _f(x, spec=".3f") -> str:
-    return "n/a" if x is None else format(x, spec)
+    return cell(x, spec, missing="n/a")
 
 
 def _temps(state: dict[str, Any]) -> list[str]:

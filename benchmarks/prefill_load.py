@@ -1,7 +1,7 @@
 """Batched, chunked prefill against one-shot prefill under load (issue 14): the scenario of
-``benchmarks/serve_load.py --long-prompt-scenario``.
+``python -m benchmarks.serve_load --long-prompt-scenario``.
 
-    python benchmarks/serve_load.py --long-prompt-scenario --target smollm2-135m-instruct \\
+    python -m benchmarks.serve_load --long-prompt-scenario --target smollm2-135m-instruct \\
         --no-chat --prompts alpaca --out runs/prefill_load
 
 Two parts, each run with the engine's chunked prefill (``--prefill-chunk-tokens N``) and with
@@ -34,6 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchmarks.harness import device_description, write_json
+from benchmarks.http_load import http_client, load_models, load_prompts, run_level, serve
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -120,12 +123,10 @@ async def _stream(client, body: dict, times: list[float]) -> None:
 
 async def long_prompt_run(url: str, prompts: list[str], long_ids: list[int], args) -> dict[str, Any]:
     """The streams, then the long prompt; the streams are hung up once it has its first token."""
-    from serve_load import _client
-
     n = args.long_streams
     times: list[list[float]] = [[] for _ in range(n)]
     long_times: list[float] = []
-    async with _client(url, n + 1) as client:
+    async with http_client(url, n + 1) as client:
         body = dict(max_tokens=args.long_cache_len // 2, min_tokens=args.long_cache_len // 2, temperature=0.0)
         tasks = [
             asyncio.ensure_future(_stream(client, dict(body, prompt=prompts[i % len(prompts)], seed=i), times[i]))
@@ -169,7 +170,7 @@ def _buckets(spec: str, cache_len: int) -> tuple[int, ...]:
 
 
 def _engine(args, target, drafter, num_slots: int, cache_len: int):
-    from dspark_jax.serving.http.cli import _parse_buckets, build_engine
+    from dspark_jax.serving.http.cli import build_engine, parse_buckets
 
     policy = "dspark" if drafter is not None else "plain"
     t0 = time.perf_counter()
@@ -179,7 +180,7 @@ def _engine(args, target, drafter, num_slots: int, cache_len: int):
         policy=policy,
         num_slots=num_slots,
         cache_len=cache_len,
-        buckets=_parse_buckets(args.buckets),
+        buckets=parse_buckets(args.buckets),
         prefill_buckets=_buckets(args.prefill_buckets, cache_len),
         prefill_chunk_tokens=args.prefill_chunk_tokens,
     )
@@ -204,8 +205,6 @@ def _long_ids(tok, n: int) -> list[int]:
 
 
 def long_prompt_part(args, models, prompts) -> dict[str, Any]:
-    from serve_load import serve
-
     target, tok, drafter = models
     eng, policy = _engine(args, target, drafter, args.long_streams * 2, args.long_cache_len)
     chunked = eng.prefiller
@@ -229,8 +228,6 @@ def long_prompt_part(args, models, prompts) -> dict[str, Any]:
 
 
 def load_part(args, models, prompts) -> dict[str, Any]:
-    from serve_load import run_level, serve
-
     target, tok, drafter = models
     levels = [int(c) for c in args.concurrency.split(",")]
     eng, policy = _engine(args, target, drafter, args.num_slots or max(levels), args.cache_len)
@@ -270,8 +267,6 @@ def load_part(args, models, prompts) -> dict[str, Any]:
 
 def run(args, models=None) -> dict[str, Any]:
     """Both parts; writes ``OUT/prefill_load.json``."""
-    from serve_load import _device, load_models, load_prompts
-
     models = models or load_models(args)
     tok = models[1]
     if args.chat is None:
@@ -279,7 +274,7 @@ def run(args, models=None) -> dict[str, Any]:
     prompts = load_prompts(args, tok)
     result: dict[str, Any] = {
         "target": args.target,
-        "device": _device(),
+        "device": device_description(),
         "prefill_chunk_tokens": args.prefill_chunk_tokens,
         "long_prompt_tokens": args.long_prompt_tokens,
         "long_streams": args.long_streams,
@@ -288,9 +283,7 @@ def run(args, models=None) -> dict[str, Any]:
     }
     result["long_prompt"] = long_prompt_part(args, models, prompts)
     result["load"] = load_part(args, models, prompts)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "prefill_load.json").write_text(json.dumps(result, indent=2))
+    write_json(Path(args.out) / "prefill_load.json", result)
     print(table(result))
     return result
 

@@ -1,12 +1,12 @@
 """Side-by-side timing of the top-k / top-p masking: the sort-based filter it replaced against the
-sort-free threshold search (``dspark_jax.models.sampling._filter_top_k_top_p``).
+sort-free threshold search (``dspark_jax.models.sampling.filter_top_k_top_p``).
 
 Both are jitted on the same float32 logits ``[rows, V]`` (default ``[8, 49152]``, SmolLM2's
 vocabulary) and timed alternately in one process (old then new, then new then old, ...), ``--reps``
 times per case; the table gives the medians. Cases: top-k alone, top-p alone, both, per-row mixed
 parameters (some rows off), and logits with long runs of ties (the tie searches run).
 
-    python benchmarks/sampling_filter.py --rows 8 --vocab 49152 --reps 7 --out runs/sampling_filter
+    python -m benchmarks.sampling_filter --rows 8 --vocab 49152 --reps 7 --out runs/sampling_filter
 
 Prints a table (median milliseconds, new / old) and writes ``OUT/sampling_filter.json``, which also
 counts the distributions whose masks differ (only near-boundary nuclei may: see
@@ -16,14 +16,11 @@ counts the distributions whose masks differ (only near-boundary nuclei may: see
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import sys
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import alternate, write_json
 
 
 def sort_filter(scaled, top_k, top_p):
@@ -80,21 +77,20 @@ def measure(rows: int, vocab: int, reps: int, seed: int) -> list[dict[str, Any]]
     import jax
     import numpy as np
 
-    from dspark_jax.models.sampling import _filter_top_k_top_p
+    from dspark_jax.models.sampling import filter_top_k_top_p
 
-    fns = {"old": jax.jit(sort_filter), "new": jax.jit(_filter_top_k_top_p)}
+    fns = {"old": jax.jit(sort_filter), "new": jax.jit(filter_top_k_top_p)}
     out = []
     for name, (x, k, p) in cases(rows, vocab, seed).items():
         args = tuple(jax.device_put(a) for a in (x, k, p))
         results = {tag: np.asarray(jax.block_until_ready(f(*args))) for tag, f in fns.items()}  # compile
-        times: dict[str, list[float]] = {"old": [], "new": []}
-        for r in range(reps):
-            for tag in ("old", "new") if r % 2 == 0 else ("new", "old"):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fns[tag](*args))
-                times[tag].append(time.perf_counter() - t0)
+
+        def timed(f, args=args) -> None:
+            jax.block_until_ready(f(*args))
+
+        med = alternate({tag: partial(timed, f) for tag, f in fns.items()}, reps, warmup=0)  # compiled above
         differ = int(np.any(np.isfinite(results["old"]) != np.isfinite(results["new"]), axis=-1).sum())
-        old_s, new_s = statistics.median(times["old"]), statistics.median(times["new"])
+        old_s, new_s = med["old"], med["new"]
         out.append(
             {"case": name, "old_ms": 1e3 * old_s, "new_ms": 1e3 * new_s, "ratio": new_s / old_s, "rows_differ": differ}
         )
@@ -102,7 +98,9 @@ def measure(rows: int, vocab: int, reps: int, seed: int) -> list[dict[str, Any]]
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python benchmarks/sampling_filter.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.sampling_filter", description=(__doc__ or "").split("\n\n")[0]
+    )
     p.add_argument("--rows", type=int, default=8, help="rows of the logits batch (default 8)")
     p.add_argument("--vocab", type=int, default=49152, help="vocabulary size (default 49152)")
     p.add_argument("--reps", type=int, default=7, help="timed repeats per filter and case (default 7)")
@@ -122,7 +120,6 @@ def main(argv=None) -> int:
             f"{row['case']:<26}{row['old_ms']:>11.2f}{row['new_ms']:>13.2f}{row['ratio']:>9.3f}{row['rows_differ']:>13}"
         )
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     record = {
         "rows": args.rows,
         "vocab": args.vocab,
@@ -130,7 +127,7 @@ def main(argv=None) -> int:
         "backend": jax.default_backend(),
         "cases": table,
     }
-    (out / "sampling_filter.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_json(out / "sampling_filter.json", record)
     print(f"wrote {out / 'sampling_filter.json'}")
     return 0
 

@@ -20,7 +20,7 @@ sets) and the checks of the batch-1 goals (``auto`` >= 1.3x plain macro-averaged
 on every set; every drafter row within 10% of its bound), and writes everything, with the
 command line and the cost tables, to ``--json``::
 
-    python benchmarks/speed_table.py --target smollm2-135m-instruct --drafter EXPORT \\
+    python -m benchmarks.speed_table --target smollm2-135m-instruct --drafter EXPORT \\
         --prompts mt_bench,gsm8k,humaneval,alpaca --num-prompts 4 --max-new-tokens 128 \\
         --temperatures 0,1 --num-speculative-tokens 2,4,8,auto --repeats 3 --json speed_table.json
 """
@@ -28,17 +28,16 @@ command line and the cost tables, to ``--json``::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import speedup  # beside this script (on sys.path when run as one)
+from benchmarks import speedup
+from benchmarks.harness import cell, command_line, write_json
 
 GOAL_AUTO_MACRO = 1.3  # auto's macro-average speedup over plain at T=0, batch 1
 GOAL_AUTO_MIN = 0.95  # auto's speedup on every set
@@ -46,7 +45,9 @@ GOAL_BOUND_TOL = 0.10  # measured speedup within 10% of the bound
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description="Batch-1 speed table over prompt sets and temperatures.")
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.speed_table", description="Batch-1 speed table over prompt sets and temperatures."
+    )
     ap.add_argument("--target", required=True, help="preset (stories260k, smollm2-135m-instruct) or model path")
     ap.add_argument("--drafter", required=True, help="drafter export directory")
     ap.add_argument(
@@ -165,10 +166,6 @@ def checks(per_set: dict[str, list], macro: list[dict[str, Any]]) -> dict[str, A
     return out
 
 
-def _cell(x, fmt: str = "{:.2f}") -> str:
-    return "-" if x is None else fmt.format(x)
-
-
 def markdown(key: str, res: dict[str, Any]) -> str:
     """One temperature's table, auto's width mixes and the goal checks."""
     b = res["budget"]
@@ -185,7 +182,8 @@ def markdown(key: str, res: dict[str, Any]) -> str:
         for r in rows:
             lines.append(
                 f"| {s} | {r['decoder']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | "
-                f"{_cell(r.get('decode_speedup'))} | {_cell(r.get('bound'))} | {_cell(r.get('ratio'))} | "
+                + " | ".join(cell(r.get(k), ".2f") for k in ("decode_speedup", "bound", "ratio"))
+                + " | "
                 f"{r.get('same_as_plain', '-')} |"
             )
     mixes = [
@@ -202,7 +200,8 @@ def markdown(key: str, res: dict[str, Any]) -> str:
     c = table["checks"]
     lines += [
         "",
-        f"- decode speedup / bound over drafter rows: {_cell(c['bound_ratio_min'])} .. {_cell(c['bound_ratio_max'])}"
+        f"- decode speedup / bound over drafter rows: {cell(c['bound_ratio_min'], '.2f')} .. "
+        f"{cell(c['bound_ratio_max'], '.2f')}"
         f" (goal: within {GOAL_BOUND_TOL:.0%})",
     ]
     if "auto_macro_speedup" in c:
@@ -267,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     res = {
-        "command": "python benchmarks/speed_table.py " + shlex.join(argv),
+        "command": command_line("speed_table", argv),
         "target": args.target,
         "target_name": cfg.name,
         "drafter": str(Path(args.drafter).resolve()),
@@ -296,8 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in tables:
         print(markdown(key, res) + "\n")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        write_json(args.json, res)
     return 0
 
 

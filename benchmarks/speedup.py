@@ -21,10 +21,10 @@ with the same target, prompts and sampling, measured in one run. For every draft
   (:func:`hf_llama_from_params` converts the project's canonical parameters, whatever
   file they came from: llama2.c, GGUF or safetensors), same prompts and sampling.
 
-CLI (one exported drafter, one prompt set; ``benchmarks/speed_table.py`` runs several sets and
+CLI (one exported drafter, one prompt set; ``benchmarks.speed_table`` runs several sets and
 temperatures and prints the table)::
 
-    python benchmarks/speedup.py --target stories260k --drafter runs/stories260k/export --num-prompts 8
+    python -m benchmarks.speedup --target stories260k --drafter runs/stories260k/export --num-prompts 8
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks.harness import median_seconds
 from dspark_jax.decoding.cost_table import cached_cost_table
 from dspark_jax.decoding.round import draft_tokens
 from dspark_jax.decoding.round import prefill as pre_fill
@@ -155,16 +156,6 @@ def hf_generate(
 # ---------------------------------------------------------------------------------- step timings
 
 
-def _median_time(fn, *args, reps: int = 15) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def step_timings(
     target,
     drafter,
@@ -205,7 +196,7 @@ def step_timings(
         return sample(key, process_logits(o.logits[:, 0], samp)), o.cache
 
     if plain_step or drafter is None:
-        res["t_target_step"] = _median_time(
+        res["t_target_step"] = median_seconds(
             plain, t_state, tcache, toks[:, p : p + 1], jnp.array([[p]], jnp.int32), reps=reps
         )
     if drafter is None:
@@ -222,7 +213,7 @@ def step_timings(
         return draft_tokens(nnx.merge(t_graph, ts), nnx.merge(d_graph, ds), anchor, apos, cache, key, samp)
 
     d_out = draft(t_state, d_state, dcache)
-    res["t_draft"] = _median_time(draft, t_state, d_state, dcache, reps=reps)
+    res["t_draft"] = median_seconds(draft, t_state, d_state, dcache, reps=reps)
     vpos = apos[:, None] + jnp.arange(g + 1, dtype=jnp.int32)
 
     @jax.jit
@@ -233,7 +224,9 @@ def step_timings(
         r = verify(key, d_tokens, d_probs, process_logits(o.logits, samp), jnp.full((1,), g, jnp.int32))
         return r.tokens, o.cache, d.extend_cache(dc, o.features, vpos, target=t, tokens=vtok)
 
-    res["t_verify"] = _median_time(verify_pass, t_state, d_state, tcache, dcache, d_out.tokens, d_out.probs, reps=reps)
+    res["t_verify"] = median_seconds(
+        verify_pass, t_state, d_state, tcache, dcache, d_out.tokens, d_out.probs, reps=reps
+    )
     return res
 
 
@@ -376,7 +369,7 @@ def prefill_seconds(target, drafter, prompts: Sequence[Sequence[int]], max_new_t
             arr = np.zeros((1, tp), np.int32)
             arr[0, : len(p)] = p
             plen = jnp.asarray([len(p)], jnp.int32)
-            _PREFILL_S[k] = _median_time(
+            _PREFILL_S[k] = median_seconds(
                 partial(run, cache_len=cl), t_state, d_state, jnp.asarray(arr), plen, reps=reps
             )
         out.append(_PREFILL_S[k])
@@ -547,7 +540,10 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.models.target import Target
     from dspark_jax.models.weights import params_fingerprint
 
-    ap = argparse.ArgumentParser(description="Batch-1 speedup of one drafter over plain decoding (+ transformers).")
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.speedup",
+        description="Batch-1 speedup of one drafter over plain decoding (+ transformers).",
+    )
     ap.add_argument("--target", required=True)
     ap.add_argument("--drafter", required=True, help="export directory")
     ap.add_argument("--prompts", default="tinystories")

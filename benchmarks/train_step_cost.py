@@ -11,14 +11,13 @@ from a target-feature cache (built on first use). Data: the preset run's shards
 
 CLI::
 
-    python benchmarks/train_step_cost.py --target stories260k --steps 12 \\
+    python -m benchmarks.train_step_cost --target stories260k --steps 12 \\
         --config "" --config "drafter_width=128" --json train_step_cost.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 from flax import nnx
+
+from benchmarks.harness import write_json
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.training.recipes import TRAIN_PRESETS
     from dspark_jax.training.trainer import TrainConfig, Trainer, count_params, drafter_config
 
-    ap = argparse.ArgumentParser(description="Median seconds per training step of drafter configurations.")
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.train_step_cost",
+        description="Median seconds per training step of drafter configurations.",
+    )
     ap.add_argument("--target", required=True)
     ap.add_argument(
         "--config",
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"{r['config']:<48} {r['drafter_params']:>10,} {med:>8.3f} {med / ref:>6.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"target": args.target, "steps": args.steps, "runs": out}, indent=2))
+        write_json(args.json, {"target": args.target, "steps": args.steps, "runs": out})
     return 0
 
 

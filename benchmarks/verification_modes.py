@@ -1,6 +1,6 @@
 """tau of the engine's two verification modes (coupled draws vs rejection sampling).
 
-    python benchmarks/verification_modes.py --target stories260k \\
+    python -m benchmarks.verification_modes --target stories260k \\
         --drafter ~/dspark-runs/s260k-i14/export --prompts ~/dspark-runs/s260k-i14/eval_prompts.json
 
 docs/design.md#verification / docs/design.md#metrics: for each temperature and mode, one warmed-up
@@ -19,8 +19,6 @@ import os
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def run(eng, reqs):
@@ -44,7 +42,9 @@ def run(eng, reqs):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.verification_modes", description=(__doc__ or "").split("\n\n")[0]
+    )
     p.add_argument("--target", default="stories260k")
     p.add_argument("--drafter", required=True)
     p.add_argument("--prompts", required=True, help="JSON list of prompt strings")

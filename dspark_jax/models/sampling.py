@@ -175,7 +175,7 @@ def _top_p_mask(keys: jax.Array, ids: jax.Array, probs: jax.Array, top_p: jax.Ar
     return jnp.where(n_tie > 0, keep, keys > cut_key)
 
 
-def _filter_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def filter_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Masks (to ``-inf``) the tokens outside the top-k, then outside the top-p nucleus.
 
     Args:
@@ -236,7 +236,7 @@ def process_logits(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     ``|max logit| / 3.4e38``, such as ``2e-38``): that one-hot is its exact T -> 0 limit (ties
     aside, which go to the lowest id), where ``logits / T`` would give NaN.
 
-    The top-k / top-p threshold searches (no sort, :func:`_filter_top_k_top_p`) run under
+    The top-k / top-p threshold searches (no sort, :func:`filter_top_k_top_p`) run under
     ``lax.cond`` only when some sampled (non-greedy) row actually uses them; otherwise this is
     an elementwise scale plus a softmax. (Do not ``vmap`` this function over the batch: a vmapped ``lax.cond``
     executes both branches. It already handles the batch and any middle axes.)
@@ -267,7 +267,7 @@ def process_logits(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     uses_filter = (~greedy) & (((top_k > 0) & (top_k < v)) | (top_p < 1.0))
     filtered = lax.cond(
         jnp.any(uses_filter),
-        lambda x: _filter_top_k_top_p(x, top_k, top_p),
+        lambda x: filter_top_k_top_p(x, top_k, top_p),
         lambda x: x,
         scaled,
     )

@@ -1,6 +1,6 @@
 """The drafter comparison benchmark runs end to end and writes its outputs (CI-sized budget).
 
-``benchmarks/compare_drafters.py --quick`` on stories260K: data generated once, three
+``python -m benchmarks.compare_drafters --quick`` on stories260K: data generated once, three
 drafters (DSpark, DFlash, Eagle3) trained on it for a few dozen steps, tau at T = 0 and 1,
 batch-1 speed against plain decoding and transformers. Only the run and the shape of its
 outputs are checked (the numbers of so small a budget mean nothing; docs/results.md has
@@ -25,7 +25,7 @@ def test_quick_comparison_writes_outputs(stories260k_dir, tmp_path):
     out = tmp_path / "cmp"
     env = dict(os.environ, DSPARK_MODELS=str(stories260k_dir.parent))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "compare_drafters.py"), "--quick", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.compare_drafters", "--quick", "--out", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -1,4 +1,4 @@
-"""``benchmarks/device_check.py``: its ``--tiny`` run end to end in a subprocess (as on the command
+"""``python -m benchmarks.device_check``: its ``--tiny`` run end to end in a subprocess (as on the command
 line, where it turns XLA's backend optimisation down before JAX loads: compiling is most of the
 run), every section present with finite numbers (None only where a peak is unknown on this
 device); and, in process, the peak tables and the analytic FLOPs."""
@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "device_check.py"
 
 
 def _numbers(x, path="$"):
@@ -34,7 +33,7 @@ def _numbers(x, path="$"):
 def test_tiny_run_writes_every_section(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.device_check", "--tiny", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=900,
@@ -77,8 +76,7 @@ def test_tiny_run_writes_every_section(tmp_path):
 
 
 def _script(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import device_check  # pyright: ignore[reportMissingImports]  (benchmarks/ is not a package)
+    from benchmarks import device_check
 
     return device_check
 

@@ -1,4 +1,4 @@
-"""The learning-curve study (``benchmarks/learning_curve.py``): its helpers, and a CI-sized run end to end.
+"""The learning-curve study (``python -m benchmarks.learning_curve``): its helpers, and a CI-sized run end to end.
 
 ``--quick`` on stories260K: tiny data generated once (a greedy and a sampled pass), two drafters, a
 warmup-stable-decay trunk per drafter with one decay branch per budget (4 and 8 steps), tau at T = 0
@@ -19,10 +19,8 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-ds = importlib.import_module("drafter_study")
-lc = importlib.import_module("learning_curve")
+ds = importlib.import_module("benchmarks.drafter_study")
+lc = importlib.import_module("benchmarks.learning_curve")
 
 
 def test_budgets_must_increase():
@@ -86,7 +84,7 @@ def any_significant(point) -> bool:
 def test_quick_learning_curve_writes_outputs_and_resumes(stories260k_dir, tmp_path):
     out = tmp_path / "lc"
     env = dict(os.environ, DSPARK_MODELS=str(stories260k_dir.parent))
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "learning_curve.py"), "--quick", "--out", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.learning_curve", "--quick", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((out / "learning_curve.json").read_text())

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 from pathlib import Path
 
 import httpx
@@ -330,14 +329,10 @@ def test_serve_cli_rejects_speculative_policy_without_drafter(capsys):
 
 
 def _benchmark(name: str):
-    """Imports ``benchmarks/<name>.py`` (the folder is not a package)."""
+    """Imports ``benchmarks.<name>``."""
     import importlib
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.pop(0)
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""``benchmarks/speed_table.py`` end to end on stories260K with a tiny random drafter (CI-sized:
+"""``python -m benchmarks.speed_table`` end to end on stories260K with a tiny random drafter (CI-sized:
 two prompt sets of one prompt, 8 new tokens, both temperatures, ``auto`` only: compiling its loop
 and cost table is most of the run; fixed lengths go through the same bound, and their width mix
 is checked in tests/unit/test_decode.py). Only the run, the JSON's shape and what must hold
@@ -49,14 +49,13 @@ def test_speed_table_on_stories260k(stories260k_dir, tiny_export, tmp_path, caps
     argv += ["--num-prompts", "1", "--max-new-tokens", "8", "--temperatures", "0,1"]
     argv += ["--num-speculative-tokens", "auto", "--repeats", "2", "--cost-repeats", "1", "--no-hf"]
     # in process (the script's imports and the target's loading are a third of a subprocess run)
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     monkeypatch.setenv("DSPARK_MODELS", str(stories260k_dir.parent))
-    import speed_table  # pyright: ignore[reportMissingImports]  (benchmarks/ is not a package)
+    from benchmarks import speed_table
 
     assert speed_table.main([*map(str, argv), "--json", str(out)]) == 0
     stdout = capsys.readouterr().out
     r = json.loads(out.read_text())
-    assert r["command"].startswith("python benchmarks/speed_table.py --target stories260k")
+    assert r["command"].startswith("python -m benchmarks.speed_table --target stories260k")
     assert list(r["tables"]) == ["T0", "T1"] and list(r["runs"]) == ["T0", "T1"]
     sets = ["tinystories", str(prompts)]
     assert list(r["prompt_sets"]) == sets and all(v["num_prompts"] == 1 for v in r["prompt_sets"].values())

@@ -217,7 +217,7 @@ def test_fast_path_equals_slow_path():
     fast = process_logits(logits, off)
     # force the slow branch with the same (inactive) filter parameters
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None, None]
-    slow_scaled = jax.jit(sampling._filter_top_k_top_p)(
+    slow_scaled = jax.jit(sampling.filter_top_k_top_p)(
         scaled,
         jnp.zeros((b, 1, 1), jnp.int32),
         jnp.ones((b, 1, 1), jnp.float32),

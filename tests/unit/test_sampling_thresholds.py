@@ -48,7 +48,7 @@ def sort_filter_reference(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array)
 
 
 _REF = jax.jit(sort_filter_reference)
-_NEW = jax.jit(sampling._filter_top_k_top_p)
+_NEW = jax.jit(sampling.filter_top_k_top_p)
 
 
 def _random_case(rng: np.random.Generator, b: int, v: int, style: str):
@@ -193,5 +193,5 @@ def test_no_sort_and_each_search_behind_a_cond():
     assert "cond" in names and "scan" in names and not names & {"sort", "cumsum", "top_k"}
     assert ("scan", False) not in prims
     k, p = jnp.ones((2, 1), jnp.int32), jnp.ones((2, 1))
-    inner = _primitives(jax.make_jaxpr(sampling._filter_top_k_top_p)(jnp.zeros((2, 8)), k, p).jaxpr)
+    inner = _primitives(jax.make_jaxpr(sampling.filter_top_k_top_p)(jnp.zeros((2, 8)), k, p).jaxpr)
     assert ("scan", True) in inner and ("scan", False) not in inner

@@ -190,7 +190,13 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def _parse_buckets(spec: str | None) -> tuple[int, ...] | None:
+def parse_buckets(spec: str | None) -> tuple[int, ...] | None:
+    """The engine's token-budget buckets from ``--buckets`` (comma-separated integers, the
+    serving CLI's and the serving benchmarks' spelling): sorted, deduplicated; None when empty.
+
+    Raises:
+      DSparkInputError: not integers, or a budget below 1.
+    """
     from dspark_jax.errors import DSparkInputError
 
     if not spec:
@@ -425,7 +431,7 @@ def run(args: argparse.Namespace) -> None:
         policy=policy,
         num_slots=args.num_slots,
         cache_len=args.cache_len,
-        buckets=_parse_buckets(args.buckets),
+        buckets=parse_buckets(args.buckets),
         sps_table=args.sps_table,
         warmup=False,
         suspend_after=None if args.suspend_after == -1 else args.suspend_after,
@@ -493,7 +499,7 @@ def print_plan(args: argparse.Namespace) -> dict[str, Any]:
         "verification": args.verification,
         "num_slots": args.num_slots,
         "cache_len": args.cache_len,
-        "buckets": _parse_buckets(args.buckets),
+        "buckets": parse_buckets(args.buckets),
         "prefill_chunk_tokens": args.prefill_chunk_tokens,
         "dtype": args.dtype,
         "mesh_model": mesh.get("model", 1) if args.mesh else 1,

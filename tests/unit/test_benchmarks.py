@@ -1,0 +1,209 @@
+"""The benchmark suite's layout (``benchmarks/``, a package run as ``python -m benchmarks.<name>``):
+no file edits ``sys.path``, the modules import each other without a cycle, nothing imports a
+private name of the package or of another benchmark, every script runs as a module with its
+usage line saying so; and the shared helpers of :mod:`benchmarks.harness`.
+
+The layout checks read the source with :mod:`ast` (imports inside functions count); one fresh
+interpreter then imports every module and asks every script for ``--help``.
+"""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import harness
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+FILES = sorted(BENCH.rglob("*.py"))
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module(p): p for p in FILES}
+TREES = {m: ast.parse(p.read_text(), str(p)) for m, p in MODULES.items()}
+SCRIPTS = sorted(
+    m for m, t in TREES.items() if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in t.body)
+)
+
+
+def _imported(mod: str, node: ast.AST) -> list[tuple[str, list[str]]]:
+    """``(module, names)`` an import statement names (relative imports resolved)."""
+    if isinstance(node, ast.Import):
+        return [(a.name, []) for a in node.names]
+    if isinstance(node, ast.ImportFrom):
+        base = mod.split(".") if MODULES[mod].name == "__init__.py" else mod.split(".")[:-1]
+        src = node.module or ""
+        if node.level:
+            src = ".".join(base[: len(base) - node.level + 1] + ([src] if src else []))
+        return [(src, [a.name for a in node.names])]
+    return []
+
+
+def graph() -> dict[str, set[str]]:
+    """Benchmark module -> the benchmark modules it imports, anywhere in its source."""
+    out: dict[str, set[str]] = {m: set() for m in MODULES}
+    for mod, tree in TREES.items():
+        for node in ast.walk(tree):
+            for src, names in _imported(mod, node):
+                targets = [f"{src}.{n}" for n in names if f"{src}.{n}" in MODULES] or [src]
+                out[mod] |= {t for t in targets if t in MODULES and t != mod}
+    return out
+
+
+def test_the_suite_is_a_package_and_the_walk_sees_it():
+    assert (BENCH / "__init__.py").is_file()
+    assert {"benchmarks.harness", "benchmarks.serve_load", "benchmarks.prefill_load"} <= set(MODULES)
+    g = graph()
+    assert "benchmarks.http_load" in g["benchmarks.prefill_load"] and "benchmarks.harness" in g["benchmarks.speedup"]
+
+
+def test_no_file_edits_sys_path():
+    """Not even a read: ``sys.path`` is not named in ``benchmarks/`` (nor ``site.addsitedir``)."""
+    problems = [
+        f"{MODULES[m].relative_to(ROOT)}:{n.lineno}"
+        for m, t in TREES.items()
+        for n in ast.walk(t)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Name)
+        and (n.value.id, n.attr) in {("sys", "path"), ("site", "addsitedir")}
+    ]
+    assert not problems, "sys.path named in:\n  " + "\n  ".join(problems)
+
+
+def test_no_import_cycle():
+    try:
+        graphlib.TopologicalSorter(graph()).prepare()
+    except graphlib.CycleError as e:
+        pytest.fail(f"import cycle between benchmark modules: {' -> '.join(e.args[1])}")
+
+
+def test_the_cycle_check_sees_a_cycle():
+    with pytest.raises(graphlib.CycleError):
+        graphlib.TopologicalSorter({"a": {"b"}, "b": {"a"}}).prepare()
+
+
+def test_no_private_name_is_imported():
+    """``from dspark_jax.x import _y`` / ``from benchmarks.x import _y``: use or make public API."""
+    problems = [
+        f"{MODULES[m].relative_to(ROOT)}:{n.lineno}: {src}.{name}"
+        for m, t in TREES.items()
+        for n in ast.walk(t)
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+        for src, names in _imported(m, n)
+        for name in names
+        if src.split(".")[0] in ("dspark_jax", "benchmarks") and name.startswith("_")
+    ]
+    problems += [
+        f"{MODULES[m].relative_to(ROOT)}:{n.lineno}: {a.name}"
+        for m, t in TREES.items()
+        for n in ast.walk(t)
+        if isinstance(n, ast.Import)
+        for a in n.names
+        if any(part.startswith("_") for part in a.name.split(".")[1:]) and a.name.split(".")[0] == "dspark_jax"
+    ]
+    assert not problems, "private names imported:\n  " + "\n  ".join(problems)
+
+
+def test_every_script_has_a_main_guard():
+    def guarded(tree: ast.Module) -> bool:
+        return any(isinstance(n, ast.If) and "__main__" in ast.unparse(n.test) for n in tree.body)
+
+    assert len(SCRIPTS) >= 15
+    assert not [m for m in SCRIPTS if not guarded(TREES[m])]
+
+
+_HELP = """
+import contextlib, io, json, runpy, sys
+out = {}
+for name in NAMES:
+    sys.argv = [name, "--help"]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
+    out[name] = buf.getvalue()
+print("HELP" + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_every_module_imports_and_every_script_runs_as_a_module():
+    """In one fresh interpreter from the repository root (as ``python -m`` runs them): every module
+    imports, and every script's ``--help`` names its ``python -m benchmarks.<name>`` command."""
+    code = f"import importlib\nfor m in {sorted(MODULES)!r}:\n    importlib.import_module(m)\n"
+    code += f"NAMES = {SCRIPTS!r}\n" + _HELP
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    helps = json.loads(p.stdout.rpartition("HELP")[2])
+    bad = {m: h[:200] for m, h in helps.items() if not h.startswith(f"usage: python -m {m}")}
+    assert not bad, bad
+
+
+# ----------------------------------------------------------------------------- harness
+
+
+def test_alternate_reverses_the_order_every_round_and_skips_the_warmup():
+    calls: list[str] = []
+    secs = {"a": iter([9.0, 1.0, 2.0, 3.0]), "b": iter([9.0, 5.0, 7.0, 6.0])}
+
+    def case(k):
+        def run():
+            calls.append(k)
+            return next(secs[k])
+
+        return run
+
+    med = harness.alternate({"a": case("a"), "b": case("b")}, reps=3, warmup=1)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert med == {"a": 2.0, "b": 6.0}  # the warm-up's 9.0 not counted
+
+
+def test_cells_tables_ratios_and_the_recorded_command():
+    assert harness.cell(None) == "-" and harness.cell(1.23456, ".2f") == "1.23" and harness.cell("x") == "x"
+    assert harness.ratio(3.0, 2.0) == 1.5 and harness.ratio(None, 2.0) is None and harness.ratio(1.0, 0.0) is None
+    assert harness.markdown_table([{"n": 1, "ms": 0.5, "name": "a", "x": None}]) == (
+        "| n | ms | name | x |\n| --- | --- | --- | --- |\n| 1 | 0.500 | a | - |"
+    )
+    assert (
+        harness.command_line("speed_table", ["--prompts", "a b"]) == "python -m benchmarks.speed_table --prompts 'a b'"
+    )
+
+
+def test_write_json_converts_numpy_and_creates_the_folder(tmp_path):
+    import numpy as np
+
+    path = harness.write_json(tmp_path / "sub" / "r.json", {"a": np.float32(0.5), "b": np.arange(2), "p": tmp_path})
+    assert json.loads(path.read_text()) == {"a": 0.5, "b": [0, 1], "p": str(tmp_path)}
+    with pytest.raises(TypeError):
+        harness.write_json(tmp_path / "bad.json", {"s": {1, 2}})
+
+
+def test_load_checkout_imports_the_other_package_inside_its_own_tree(tmp_path):
+    """A fake checkout whose submodule imports its own package absolutely: it resolves there, and
+    this process's ``dspark_jax`` modules are back afterwards."""
+    pkg = tmp_path / "old" / "dspark_jax"
+    (pkg / "serving").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("ORIGIN = 'old'\n")
+    (pkg / "config.py").write_text("VALUE = 41\n")
+    (pkg / "serving" / "__init__.py").write_text("")
+    (pkg / "serving" / "engine.py").write_text("from dspark_jax.config import VALUE\nfrom dspark_jax import ORIGIN\n")
+    import dspark_jax
+
+    before = {k: v for k, v in sys.modules.items() if k == "dspark_jax" or k.startswith("dspark_jax.")}
+    mods = harness.load_checkout(tmp_path / "old", ["serving.engine"])
+    assert mods["serving.engine"].VALUE == 41 and mods["serving.engine"].ORIGIN == "old"
+    assert Path(mods["serving.engine"].__file__ or "").is_relative_to(tmp_path)
+    assert sys.modules["dspark_jax"] is dspark_jax
+    assert {k: v for k, v in sys.modules.items() if k == "dspark_jax" or k.startswith("dspark_jax.")} == before
+    with pytest.raises(FileNotFoundError):
+        harness.load_checkout(tmp_path, ["config"])
