@@ -18,8 +18,9 @@ of appearance: :func:`normalise`) and hashed (SHA-256). Writes ``{"count": uniqu
 the modules only in A and only in B (exit status 1 when they differ).
 
 The package is imported from ``sys.path`` as found (no path is prepended), so the same script
-measures any checkout: ``Engine`` via ``dspark_jax.engine`` (the engine itself on old commits,
-a deprecated re-export on new ones), ``Target`` and ``Drafter`` from whichever module holds them.
+measures any checkout: ``Engine``, ``Target`` and the DSpark drafter class from whichever module
+holds them (``dspark_jax.serving.engine.engine``, ``dspark_jax.serving.engine`` or, on old commits,
+``dspark_jax.engine``; ``DSparkDrafter``, or ``Drafter`` on old commits).
 """
 
 from __future__ import annotations
@@ -116,8 +117,9 @@ def fingerprints(dump_dir: Path) -> dict:
     }
 
 
-def _find(name: str, *modules: str):
-    """Attribute ``name`` of the first of ``modules`` that imports and defines it."""
+def _find(name: str, *modules: str, required: bool = True):
+    """Attribute ``name`` of the first of ``modules`` that imports and defines it (None when none
+    does and not ``required``)."""
     for mod in modules:
         try:
             obj = getattr(importlib.import_module(mod), name, None)
@@ -125,6 +127,8 @@ def _find(name: str, *modules: str):
             continue
         if obj is not None:
             return obj
+    if not required:
+        return None
     raise ImportError(f"none of {modules} defines {name}")
 
 
@@ -138,7 +142,9 @@ def _models():
     # of a module that no longer exists would not resolve).
     target_cls = _find("Target", "dspark_jax.models.target", "dspark_jax.target")
     random_params = _find("random_params", "dspark_jax.models.target", "dspark_jax.target")
-    drafter_cls = _find("Drafter", "dspark_jax.drafters.dspark", "dspark_jax.drafter")
+    drafter_cls = _find("DSparkDrafter", "dspark_jax.drafters.dspark", required=False) or _find(
+        "Drafter", "dspark_jax.drafters.dspark", "dspark_jax.drafter"
+    )
 
     cfg = TargetConfig(
         vocab_size=128,
@@ -170,9 +176,10 @@ def _drive(engine, requests) -> None:
 
 def workload() -> None:
     """The fixed workload: every program a coupled and a rejection engine compile."""
+    engine_modules = ("dspark_jax.serving.engine.engine", "dspark_jax.serving.engine", "dspark_jax.engine")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from dspark_jax.engine import Engine, Request, SamplingParams
+        warnings.simplefilter("ignore", DeprecationWarning)  # dspark_jax.engine warned before it went
+        Engine, Request, SamplingParams = (_find(n, *engine_modules) for n in ("Engine", "Request", "SamplingParams"))
 
     target, drafter = _models()
     prompts = [[1, 5, 9, 13, 17], [1, 7, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]

@@ -340,7 +340,6 @@ def resolve_num_speculative_tokens(num_speculative_tokens, gamma, block_size: in
             raise DSparkInputError(f"num_speculative_tokens must be an integer or 'auto', got {n!r}") from None
     if isinstance(n, bool) or not 1 <= int(n) <= block_size:
         raise DSparkInputError(
-            f"num_speculative_tokens (alias gamma) must be in [1, {block_size}] for this "
-            f"drafter (its block size) or 'auto', got {n}"
+            f"num_speculative_tokens must be in [1, {block_size}] for this drafter (its block size) or 'auto', got {n}"
         )
     return int(n)
