@@ -117,9 +117,8 @@ def fingerprints(dump_dir: Path) -> dict:
     }
 
 
-def _find(name: str, *modules: str, required: bool = True):
-    """Attribute ``name`` of the first of ``modules`` that imports and defines it (None when none
-    does and not ``required``)."""
+def _find(name: str, *modules: str):
+    """Attribute ``name`` of the first of ``modules`` that imports and defines it."""
     for mod in modules:
         try:
             obj = getattr(importlib.import_module(mod), name, None)
@@ -127,8 +126,6 @@ def _find(name: str, *modules: str, required: bool = True):
             continue
         if obj is not None:
             return obj
-    if not required:
-        return None
     raise ImportError(f"none of {modules} defines {name}")
 
 
@@ -142,9 +139,10 @@ def _models():
     # of a module that no longer exists would not resolve).
     target_cls = _find("Target", "dspark_jax.models.target", "dspark_jax.target")
     random_params = _find("random_params", "dspark_jax.models.target", "dspark_jax.target")
-    drafter_cls = _find("DSparkDrafter", "dspark_jax.drafters.dspark", required=False) or _find(
-        "Drafter", "dspark_jax.drafters.dspark", "dspark_jax.drafter"
-    )
+    try:
+        drafter_cls = _find("DSparkDrafter", "dspark_jax.drafters.dspark")
+    except ImportError:  # older commits: the class was called Drafter
+        drafter_cls = _find("Drafter", "dspark_jax.drafters.dspark", "dspark_jax.drafter")
 
     cfg = TargetConfig(
         vocab_size=128,

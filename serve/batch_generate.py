@@ -25,7 +25,7 @@ import sys
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--target", required=True, help="preset or model path")
     p.add_argument("--drafter", default=None, help="drafter export directory (omit for plain decoding)")
     p.add_argument("--input", required=True, help="JSONL file of requests")

@@ -65,14 +65,14 @@ class DecodeRequest:
         (one line naming the setting; :mod:`dspark_jax.decoding.validation`).
     """
 
-    prompt_ids: tuple[int, ...]
+    prompt_ids: Sequence[int]
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
     num_speculative_tokens: int | str | None = None
-    stop_ids: tuple[int, ...] | None = None
+    stop_ids: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         # Tuples keep the frozen request hashable and free of aliasing with the caller's lists.

@@ -2,7 +2,8 @@
 command and ``serve/batch_generate.py`` resolve the same defaults and, for the same request, give
 the same tokens, tau and acceptance.
 
-stories260k with a tiny random DSpark drafter (block size 4); one greedy request with every default
+stories260k with a tiny random DFlash drafter (block size 4: no confidence head, so the eval command
+records no rounds and runs the very program the others compiled); one greedy request with every default
 (``num_speculative_tokens`` ``"auto"``: the entry points run in this process and so share its
 measured cost table, hence choose the same lengths) and one sampled request at a fixed
 verification length, which also goes through ``python -m dspark_jax.generate`` in a subprocess.
@@ -31,23 +32,26 @@ KEYS = ("token_ids", "tau", "acceptance_rate", "num_target_passes", "finish_reas
 @pytest.fixture(scope="module")
 def setup(stories260k_dir, tmp_path_factory):
     """``(target, tokenizer, drafter, export dir)``: a random drafter exported and loaded back."""
-    import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
 
     from dspark_jax.api import load_target
     from dspark_jax.config import DrafterConfig
     from dspark_jax.decoding.request import load_drafter_for
+    from dspark_jax.drafters.build import build_drafter
     from dspark_jax.drafters.checkpoint import export_drafter
-    from dspark_jax.drafters.dspark import DSparkDrafter
 
     os.environ.setdefault("DSPARK_MODELS", str(MODELS_DIR))
     target, tok = load_target("stories260k")
     cfg = DrafterConfig.for_target(
-        target.cfg, gamma=4, num_layers=1, markov_rank=12, intermediate_size=24, target_fingerprint=target.fingerprint
+        target.cfg,
+        variant="dflash",
+        gamma=4,
+        num_layers=1,
+        markov_rank=0,
+        intermediate_size=24,
+        target_fingerprint=target.fingerprint,
     )
-    d = DSparkDrafter(cfg, nnx.Rngs(0))
-    d.conf_w[...] = jnp.asarray(np.random.default_rng(0).standard_normal(d.conf_w[...].shape).astype(np.float32))
+    d = build_drafter(cfg, nnx.Rngs(0))
     export = tmp_path_factory.mktemp("front_door") / "export"
     export_drafter(d, export)
     drafter, _ = load_drafter_for(target, tok, str(export))
