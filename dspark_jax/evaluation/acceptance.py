@@ -11,6 +11,7 @@ fraction of rounds (target passes) with at least k accepted drafts.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,18 +78,8 @@ def evaluate_tau(
       (``num_speculative_tokens``: the resolved length or ``"auto"``).
     """
     n_spec = drafter.cfg.gamma if num_speculative_tokens is None else num_speculative_tokens
-    requests = [
-        DecodeRequest(
-            p,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed + i,
-            num_speculative_tokens=n_spec,
-        )
-        for i, p in enumerate(prompts)
-    ]
+    base = DecodeRequest((0,), max_new_tokens, temperature, top_k, top_p, seed, n_spec)
+    requests = [dataclasses.replace(base, prompt_ids=p, seed=seed + i) for i, p in enumerate(prompts)]
     results = []
     reached = np.zeros(drafter.cfg.gamma)
     accepted = np.zeros(drafter.cfg.gamma)
