@@ -25,7 +25,7 @@ the modules only in A and only in B (exit status 1 when they differ).
 
 The package is imported from ``sys.path`` as found (no path is prepended) and the script imports
 nothing else of this repository, so the same script measures any checkout: ``Engine``,
-``Request`` and ``SamplingParams``, ``Target`` and ``Drafter`` from whichever module of that
+``Request`` and ``SamplingParams``, ``Target`` and the DSpark drafter class from whichever module of that
 checkout holds them (:data:`ENGINE_MODULES` and :func:`_models`).
 """
 
@@ -157,7 +157,10 @@ def _models():
     # of a module that no longer exists would not resolve).
     target_cls = _find("Target", "dspark_jax.models.target", "dspark_jax.target")
     random_params = _find("random_params", "dspark_jax.models.target", "dspark_jax.target")
-    drafter_cls = _find("Drafter", "dspark_jax.drafters.dspark", "dspark_jax.drafter")
+    try:
+        drafter_cls = _find("DSparkDrafter", "dspark_jax.drafters.dspark")
+    except ImportError:  # older commits: the class was called Drafter
+        drafter_cls = _find("Drafter", "dspark_jax.drafters.dspark", "dspark_jax.drafter")
 
     cfg = TargetConfig(
         vocab_size=128,

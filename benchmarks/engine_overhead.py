@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dspark_jax.api import load_target_and_drafter
     from dspark_jax.config import DrafterConfig
-    from dspark_jax.drafters.dspark import Drafter
+    from dspark_jax.drafters.dspark import DSparkDrafter
     from dspark_jax.errors import DSparkInputError
     from dspark_jax.serving.engine import Engine
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     if drafter is None:
         if not args.random_drafter:
             raise DSparkInputError("give --drafter EXPORT_DIR or --random-drafter GAMMA")
-        drafter = Drafter(
+        drafter = DSparkDrafter(
             DrafterConfig.for_target(target.cfg, gamma=args.random_drafter, num_layers=1, markov_rank=8), nnx.Rngs(0)
         )
     rows = sorted({int(r) for r in args.rows.split(",")})

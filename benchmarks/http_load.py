@@ -194,9 +194,9 @@ def load_models(args):
         from flax import nnx
 
         from dspark_jax.config import DrafterConfig
-        from dspark_jax.drafters.dspark import Drafter
+        from dspark_jax.drafters.dspark import DSparkDrafter
 
-        drafter = Drafter(
+        drafter = DSparkDrafter(
             DrafterConfig.for_target(target.cfg, gamma=args.random_drafter, num_layers=1, markov_rank=8),
             nnx.Rngs(args.seed),
             dtype=dtype,

@@ -17,17 +17,16 @@ from typing import Any
 import jax.numpy as jnp
 
 from dspark_jax.decoding import disk_cache
-from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
-from dspark_jax.decoding.validation import check_sampling, resolve_num_speculative_tokens
-from dspark_jax.drafters.base import BlockDrafter, prepare_drafter
+from dspark_jax.decoding.request import DecodeRequest, decode, load_drafter_for, summary
+from dspark_jax.decoding.validation import check_sampling
+from dspark_jax.drafters.base import Drafter
 from dspark_jax.drafters.checkpoint import load_drafter
-from dspark_jax.drafters.dspark import Drafter
-from dspark_jax.drafters.formats import warn_if_misaligned
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.presets import preset_info, resolve_target
 from dspark_jax.models.target import Target
-from dspark_jax.models.tokenizer import decode_complete
 from dspark_jax.models.weights import params_fingerprint
+
+_DEFAULTS = DecodeRequest.field_defaults()
 
 __all__ = ["encode_prompt", "generate_text", "load_drafter", "load_target", "load_target_and_drafter"]
 
@@ -71,12 +70,7 @@ def load_target_and_drafter(target_spec: str, drafter_dir: str | None, dtype: An
         (:func:`~dspark_jax.drafters.formats.warn_if_misaligned`).
     """
     target, tokenizer = load_target(target_spec, dtype=dtype, mesh=mesh)
-    drafter = None
-    if drafter_dir:
-        drafter, meta = load_drafter(drafter_dir, dtype=dtype, target=target)
-        prepare_drafter(target, drafter)
-        if str(meta.get("format", "")).startswith("external/"):  # another project's layout: check it
-            warn_if_misaligned(target, tokenizer, drafter, str(drafter_dir))
+    drafter = load_drafter_for(target, tokenizer, drafter_dir, dtype)[0] if drafter_dir else None
     return target, tokenizer, drafter
 
 
@@ -104,16 +98,19 @@ def generate_text(
     prompt: str | Sequence[int],
     *,
     drafter: Drafter | None = None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    num_speculative_tokens: int | str | None = None,
-    gamma: int | None = None,
+    max_new_tokens: int = _DEFAULTS["max_new_tokens"],
+    temperature: float = _DEFAULTS["temperature"],
+    top_k: int = _DEFAULTS["top_k"],
+    top_p: float = _DEFAULTS["top_p"],
+    seed: int = _DEFAULTS["seed"],
+    num_speculative_tokens: int | str | None = _DEFAULTS["num_speculative_tokens"],
     chat: bool = False,
 ) -> dict[str, Any]:
     """Generates one completion, speculatively when a drafter is given.
+
+    One :class:`~dspark_jax.decoding.request.DecodeRequest` through the decoding front door
+    (:func:`~dspark_jax.decoding.request.decode`), as the generate and eval commands and the batch
+    script run it: the same defaults, tokens, tau and acceptance.
 
     Args:
       prompt: text (tokenized, with the chat template when ``chat``) or token ids.
@@ -125,7 +122,7 @@ def generate_text(
       num_speculative_tokens: draft tokens verified per round (1..the drafter's block size) or
         ``"auto"``, the default for block drafters (:mod:`dspark_jax.decoding.auto_verify`; the first call
         measures this machine's cost table). At T > 0 the sampled tokens then depend on the
-        lengths it chose (the output law does not). ``gamma``: deprecated alias (DeprecationWarning).
+        lengths it chose (the output law does not).
     Returns:
       dict with ``text`` (UTF-8-safe: never ends in half a character), ``token_ids``,
       ``finish_reason``, ``tau`` (tokens per target verification pass, the prefill token
@@ -138,28 +135,14 @@ def generate_text(
     """
     check_sampling(temperature, top_k, top_p)
     ids = list(prompt) if not isinstance(prompt, str) else encode_prompt(tokenizer, prompt, chat)
-    kw: dict[str, Any] = dict(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
+    req = DecodeRequest(
+        ids,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        num_speculative_tokens=num_speculative_tokens,
     )
-    if drafter is not None:
-        prepare_drafter(target, drafter)
-        n_spec = resolve_num_speculative_tokens(
-            num_speculative_tokens,
-            gamma,
-            drafter.cfg.gamma,
-            default="auto" if isinstance(drafter, BlockDrafter) else None,  # "auto" reads block confidences
-        )
-        res = generate_speculative(target, drafter, [ids], num_speculative_tokens=n_spec, **kw)
-    else:
-        res = generate_autoregressive(target, [ids], **kw)
-    g = res.generations[0]
-    return {
-        "text": decode_complete(tokenizer, g.token_ids),
-        "token_ids": g.token_ids,
-        "finish_reason": g.finish_reason,
-        "tau": g.tau if g.num_target_passes else None,
-        "acceptance_rate": g.acceptance_rate,
-        "num_target_passes": g.num_target_passes,
-        "tokens_per_s": res.tokens_per_s,
-        "position_acceptance": g.position_acceptance,
-    }
+    res = decode(target, drafter, [req])
+    return {**summary(tokenizer, res.generations[0]), "tokens_per_s": res.tokens_per_s}

@@ -250,7 +250,7 @@ class DrafterConfig:
         ``draft_vocab_size``, FR-Spec; docs/design.md#draft-vocabulary): the LM head is the frozen
         target head restricted to those ids, the Markov head's W2 and the sampler work on N
         columns, and q is mapped back to target ids with exact zeros elsewhere (lossless).
-        The ids themselves live in the export (:meth:`Drafter.set_draft_vocab`). 0 = full V.
+        The ids themselves live in the export (``DSparkDrafter.set_draft_vocab``). 0 = full V.
       vocab_size / hidden_size / target_num_layers / target_name /
         target_fingerprint: the target this drafter was built for; checked
         before decoding (a drafter for another vocab or model is refused).

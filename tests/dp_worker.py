@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from tiny import TINY_TARGET, tiny_target, tiny_train_config
 
-from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.training.losses import drafter_loss, finalize_loss, loss_sums, sample_anchors
 from dspark_jax.training.trainer import Trainer, drafter_config
 
@@ -44,7 +44,7 @@ def batches(step):
 
 
 def train(cfg, target, mesh, steps=STEPS):
-    tr = Trainer(cfg, target, Drafter(drafter_config(cfg, target), nnx.Rngs(cfg.seed)), mesh=mesh)
+    tr = Trainer(cfg, target, DSparkDrafter(drafter_config(cfg, target), nnx.Rngs(cfg.seed)), mesh=mesh)
     losses = []
     for s in range(steps):
         terms, _ = tr.step(batches(s), s)
@@ -123,7 +123,7 @@ def main():
 
     # Loss normalisation is global: the 8-way step's first loss equals the single-device
     # weighted mean over the whole global batch, not the mean of per-device means.
-    d0 = Drafter(drafter_config(cfg, target), nnx.Rngs(cfg.seed))
+    d0 = DSparkDrafter(drafter_config(cfg, target), nnx.Rngs(cfg.seed))
     args = [jnp.asarray(b[k]) for k in ("tokens", "lengths", "prompt_lengths")]
     global_loss = float(jax.jit(lambda t, l, pl, k: drafter_loss(d0, target, t, l, pl, k, cfg).loss)(*args, key))
     anchors = sample_anchors(key, args[1], args[2], cfg.anchors_per_seq)

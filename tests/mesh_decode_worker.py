@@ -29,7 +29,7 @@ from dspark_jax.config import DrafterConfig
 from dspark_jax.decoding.speculative import generate_speculative
 from dspark_jax.drafters.base import place_like_target, prepare_drafter
 from dspark_jax.drafters.checkpoint import export_drafter, load_drafter
-from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import sharding as shd
 from dspark_jax.serving.engine.state import serving_mesh
@@ -40,14 +40,14 @@ SETTINGS = {"greedy": dict(temperature=0.0, seed=0), "t1": dict(temperature=1.0,
 KW = dict(max_new_tokens=24, num_speculative_tokens=4)
 
 
-def bigram_drafter(target) -> Drafter:
+def bigram_drafter(target) -> DSparkDrafter:
     """A drafter whose Markov head holds the target's next-token logits after each token, so
     drafts get accepted (the tokens then depend on acceptance, not only on the target)."""
     v = target.cfg.vocab_size
     dcfg = DrafterConfig.for_target(
         target.cfg, gamma=4, num_layers=1, markov_rank=v, target_fingerprint=target.fingerprint
     )
-    d = Drafter(dcfg, nnx.Rngs(0))
+    d = DSparkDrafter(dcfg, nnx.Rngs(0))
     x = np.stack([np.full(v, 1), np.arange(v)], axis=1).astype(np.int32)
     pos = np.broadcast_to(np.arange(2, dtype=np.int32), x.shape)
     d.markov_w1[...] = jnp.eye(v, dtype=jnp.float32)

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.config import DrafterConfig, TargetConfig
-from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.models import sharding as shd
 from dspark_jax.models.target import Target, random_params
 from dspark_jax.serving.engine import Engine, Request, SamplingParams
@@ -81,7 +81,7 @@ def collectives(hlo: str) -> list[str]:
 
 def train_checks(out, target):
     def trainer(mesh):
-        return Trainer(CFG, target, Drafter(drafter_config(CFG, target), nnx.Rngs(CFG.seed)), mesh=mesh)
+        return Trainer(CFG, target, DSparkDrafter(drafter_config(CFG, target), nnx.Rngs(CFG.seed)), mesh=mesh)
 
     def run(tr):
         """STEPS steps through the trainer's jitted step, compiled once here (the same program
@@ -270,7 +270,7 @@ def main():
     # Serving: a drafter whose Markov head holds the target's bigram logits, so drafts get accepted.
     v = TCFG.vocab_size
     dcfg = DrafterConfig.for_target(TCFG, gamma=2, num_layers=1, markov_rank=v, target_fingerprint="tinymeshfp")
-    d = Drafter(dcfg, nnx.Rngs(0))
+    d = DSparkDrafter(dcfg, nnx.Rngs(0))
     x = np.stack([np.full(v, 1), np.arange(v)], axis=1).astype(np.int32)
     pos = np.broadcast_to(np.arange(2, dtype=np.int32), x.shape)
     d.markov_w1[...] = jnp.eye(v, dtype=jnp.float32)

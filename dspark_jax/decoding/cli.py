@@ -26,6 +26,22 @@ import sys
 from dspark_jax.decoding import disk_cache
 
 
+def _defaults() -> dict:
+    """The request defaults of the decoding front door (a module without JAX: ``--help`` stays instant)."""
+    from dspark_jax.decoding.request import DecodeRequest
+
+    return DecodeRequest.field_defaults()
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser, d: dict) -> None:
+    """``--temperature``, ``--top-k``, ``--top-p`` with the front door's defaults ``d``
+    (:meth:`~dspark_jax.decoding.request.DecodeRequest.field_defaults`); shared with the eval CLI."""
+    t, k, tp = d["temperature"], d["top_k"], d["top_p"]
+    p.add_argument("--temperature", type=float, default=t, help=f"sampling temperature; 0 = greedy (default {t:g})")
+    p.add_argument("--top-k", type=int, default=k, help=f"keep the k most likely tokens; 0 = off (default {k})")
+    p.add_argument("--top-p", type=float, default=tp, help=f"nucleus sampling mass; 1 = off (default {tp:g})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dspark_jax.generate",
@@ -59,25 +75,23 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="use the prompt text as is (e.g. an already formatted ChatML string)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=128, help="maximum generated tokens (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off (default 1)")
+    d = _defaults()
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=d["max_new_tokens"],
+        help=f"maximum generated tokens (default {d['max_new_tokens']})",
+    )
+    add_sampling_arguments(p, d)
     p.add_argument(
         "--num-speculative-tokens",
-        default=None,
+        default=d["num_speculative_tokens"],
         metavar="N|auto",
         help="draft tokens verified per round: 1..the drafter's block size, or 'auto' (default: "
         "per round the length that maximises expected tokens/s from the drafter's confidences "
         "and costs measured on this machine at start-up; 0 when drafting does not pay)",
     )
-    p.add_argument(
-        "--gamma",
-        type=int,
-        default=None,
-        help="deprecated alias of --num-speculative-tokens (removed in the next release)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="PRNG seed of the request (default 0)")
+    p.add_argument("--seed", type=int, default=d["seed"], help=f"PRNG seed of the request (default {d['seed']})")
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="weight/compute dtype (default float32)"
     )
@@ -93,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    """Flag checks that need no model (one ``error:`` line each); resolves ``--gamma``."""
+    """Flag checks that need no model (one ``error:`` line each)."""
     from dspark_jax.decoding.validation import check_max_new_tokens, check_sampling, check_seeds
     from dspark_jax.drafters.checkpoint import read_export_meta
     from dspark_jax.errors import DSparkInputError
@@ -106,50 +120,35 @@ def _check_args(args: argparse.Namespace) -> None:
         raise DSparkInputError(f"--{str(e).replace('_', '-', 1)}") from None
     if args.drafter:
         read_export_meta(args.drafter)  # fail fast, before loading the target
-    if args.gamma is not None:
-        if args.num_speculative_tokens is not None:
-            raise DSparkInputError("give --num-speculative-tokens or its deprecated alias --gamma, not both")
-        print("note: --gamma is deprecated, use --num-speculative-tokens", file=sys.stderr)
-        args.num_speculative_tokens = str(args.gamma)
     if args.num_speculative_tokens is not None and not args.drafter:
         raise DSparkInputError("--num-speculative-tokens needs --drafter")
 
 
-def _speculative(args: argparse.Namespace, target, tok, ids: list[int], kw: dict, out: dict):
-    """Loads the drafter and decodes speculatively (after a warm-up run with ``--compare-ar``)."""
-    import jax.numpy as jnp
+def _request(args: argparse.Namespace, ids: list[int]):
+    """The command's :class:`~dspark_jax.decoding.request.DecodeRequest`."""
+    from dspark_jax.decoding.request import DecodeRequest
 
-    from dspark_jax.decoding.speculative import generate_speculative
-    from dspark_jax.decoding.validation import resolve_num_speculative_tokens
-    from dspark_jax.drafters.base import BlockDrafter, prepare_drafter
-    from dspark_jax.drafters.checkpoint import load_drafter
-
-    drafter, meta = load_drafter(args.drafter, dtype=jnp.dtype(args.dtype), target=target)
-    prepare_drafter(target, drafter)
-    if str(meta.get("format", "")).startswith("external/"):
-        from dspark_jax.drafters.formats import warn_if_misaligned
-
-        warn_if_misaligned(target, tok, drafter, args.drafter)
-    block_size = drafter.cfg.gamma
-    default = "auto" if isinstance(drafter, BlockDrafter) else None  # "auto" reads block confidences
-    n_spec = resolve_num_speculative_tokens(args.num_speculative_tokens, None, block_size, default=default)
-    if args.compare_ar:  # warm-up run: the timed runs below then compare steady-state speed
-        generate_speculative(target, drafter, [ids], num_speculative_tokens=n_spec, **kw)
-    res = generate_speculative(target, drafter, [ids], num_speculative_tokens=n_spec, **kw)
-    out.update(mode="speculative", variant=drafter.cfg.variant, num_speculative_tokens=n_spec, block_size=block_size)
-    return res
+    return DecodeRequest(
+        ids,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        num_speculative_tokens=args.num_speculative_tokens,
+    )
 
 
-def _compare_ar(args: argparse.Namespace, target, tok, ids: list[int], kw: dict, res, out: dict) -> None:
+def _compare_ar(target, tok, req, res, out: dict, speculative: bool) -> None:
     """``--compare-ar``: the autoregressive run's tokens, speed and the speedup."""
-    from dspark_jax.decoding.speculative import generate_autoregressive
+    from dspark_jax.decoding.request import decode
     from dspark_jax.models.tokenizer import decode_complete
 
-    if not args.drafter:
+    if not speculative:
         out.update(ar_token_ids=out["token_ids"], ar_tokens_per_s=res.tokens_per_s, speedup=1.0, matches_ar=True)
         return
-    generate_autoregressive(target, [ids], **kw)  # warm-up, as for the speculative run
-    ar = generate_autoregressive(target, [ids], **kw)
+    decode(target, None, [req])  # warm-up, as for the speculative run
+    ar = decode(target, None, [req])
     ag = ar.generations[0]
     out.update(
         ar_token_ids=ag.token_ids,
@@ -162,7 +161,8 @@ def _compare_ar(args: argparse.Namespace, target, tok, ids: list[int], kw: dict,
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Runs the command; returns the JSON object ``--json`` prints.
+    """Runs the command through the decoding front door (:mod:`dspark_jax.decoding.request`);
+    returns the JSON object ``--json`` prints.
 
     Raises:
       DSparkInputError: bad flags or prompt, missing model files, a drafter for another target.
@@ -170,44 +170,37 @@ def run(args: argparse.Namespace) -> dict:
     import jax.numpy as jnp
 
     from dspark_jax.api import encode_prompt, load_target
-    from dspark_jax.decoding.speculative import generate_autoregressive
+    from dspark_jax.decoding.request import decode, load_drafter_for, resolve_num_speculative_tokens, summary
     from dspark_jax.models.presets import preset_info
-    from dspark_jax.models.tokenizer import decode_complete
 
     _check_args(args)
     disk_cache.apply_cache_arguments(args)
-    target, tok = load_target(args.target, dtype=jnp.dtype(args.dtype))
+    dtype = jnp.dtype(args.dtype)
+    target, tok = load_target(args.target, dtype=dtype)
     chat = args.chat if args.chat is not None else bool(preset_info(args.target).get("chat"))
-    ids = encode_prompt(tok, args.prompt, chat)
-    kw = dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
-    out: dict = {"target": target.cfg.name, "prompt_tokens": len(ids)}
+    req = _request(args, encode_prompt(tok, args.prompt, chat))
+    out: dict = {"target": target.cfg.name, "prompt_tokens": len(req.prompt_ids), "mode": "autoregressive"}
+    drafter = None
     if args.drafter:
-        res = _speculative(args, target, tok, ids, kw, out)
-    else:
-        res = generate_autoregressive(target, [ids], **kw)
-        out.update(mode="autoregressive")
+        drafter = load_drafter_for(target, tok, args.drafter, dtype)[0]
+        n_spec = resolve_num_speculative_tokens(drafter, req.num_speculative_tokens)
+        out.update(
+            mode="speculative", variant=drafter.cfg.variant, num_speculative_tokens=n_spec, block_size=drafter.cfg.gamma
+        )
+        if args.compare_ar:  # warm-up run: the timed runs below then compare steady-state speed
+            decode(target, drafter, [req])
+    res = decode(target, drafter, [req])
     g = res.generations[0]
+    out.update(summary(tok, g))
     out.update(
-        text=decode_complete(tok, g.token_ids),
-        token_ids=g.token_ids,
-        finish_reason=g.finish_reason,
         num_generated_tokens=len(g.token_ids),
-        num_target_passes=g.num_target_passes,
-        tau=g.tau if g.num_target_passes else None,
-        acceptance_rate=g.acceptance_rate,
-        position_acceptance=g.position_acceptance if args.drafter else None,
+        position_acceptance=g.position_acceptance if drafter is not None else None,
         tokens_per_s=res.tokens_per_s,
         seconds=res.seconds,
         compile_seconds=res.compile_seconds,
     )
     if args.compare_ar:
-        _compare_ar(args, target, tok, ids, kw, res, out)
+        _compare_ar(target, tok, req, res, out, drafter is not None)
     return out
 
 

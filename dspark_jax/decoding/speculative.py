@@ -85,10 +85,35 @@ class _Loop(NamedTuple):
     auto: Any = None  # auto_verify.AutoState with num_speculative_tokens="auto", else None
 
 
-def _start(target, drafter, prompt, prompt_len, limit, sampling, base_keys, stop_ids, cache_len, taps, block_size):
+class _Inputs(NamedTuple):
+    """A call's device inputs, one pytree argument of the compiled loops (:class:`_Batch` on device)."""
+
+    prompt: jax.Array  # [B, Tp] int32 right-padded prompts
+    prompt_len: jax.Array  # [B] int32
+    limit: jax.Array  # [B] int32 prompt + max new tokens, capped by the context
+    sampling: SamplingArrays  # per-request temperature / top-k / top-p
+    keys: jax.Array  # [B, 2] request keys
+    stop: jax.Array  # [S] int32 stop ids (-2: none)
+
+
+class _RoundIn(NamedTuple):
+    """A round's per-row inputs: ``running [B]`` bool, the ``anchor [B]`` and its position
+    ``p [B]``, the round's ``draft_keys`` / ``verify_keys [B, 2]`` and the ``room [B]`` of drafts
+    that still fit before the length limit."""
+
+    running: jax.Array
+    anchor: jax.Array
+    p: jax.Array
+    draft_keys: jax.Array
+    verify_keys: jax.Array
+    room: jax.Array
+
+
+def _start(target, drafter, x: _Inputs, cache_len: int, taps, block_size: int) -> _Loop:
     """Prefill (:func:`~dspark_jax.decoding.round.prefill`) -> the loop's initial state."""
+    prompt, prompt_len, limit, stop_ids = x.prompt, x.prompt_len, x.limit, x.stop
     b, tp = prompt.shape
-    pre = prefill(target, drafter, prompt, prompt_len, base_keys, sampling, cache_len, taps)
+    pre = prefill(target, drafter, prompt, prompt_len, x.keys, x.sampling, cache_len, taps)
     pos = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (b, tp))
     seq = jnp.full((b, cache_len), -1, jnp.int32)
     seq = seq.at[:, :tp].set(jnp.where(pos < prompt_len[:, None], prompt, -1))
@@ -104,14 +129,14 @@ def _start(target, drafter, prompt, prompt_len, limit, sampling, base_keys, stop
     return _Loop(seq, length, finish, pre.tcache, pre.dcache, stats, jnp.zeros((), jnp.int32))
 
 
-def _emit(state: _Loop, tokens, n_new, limit, stop_ids, cache_len):
+def _emit(state: _Loop, tokens, n_new, x: _Inputs, cache_len: int):
     """Appends up to ``n_new`` of ``tokens [B, W]`` honouring stop ids and limits.
 
     Returns the new (seq, length, finish, n_kept).
     """
     running = state.finish == FINISH_RUNNING
-    end = jnp.minimum(limit, cache_len)
-    n_keep, stopped, full = emit_counts(tokens, n_new, running, state.length, end, stop_ids)
+    end = jnp.minimum(x.limit, cache_len)
+    n_keep, stopped, full = emit_counts(tokens, n_new, running, state.length, end, x.stop)
     seq = append_tokens(state.seq, state.length, tokens, n_keep)
     return seq, state.length + n_keep, finish_codes(state.finish, stopped, full), n_keep
 
@@ -121,20 +146,18 @@ def _running(s: _Loop, max_steps: int):
 
 
 @partial(jax.jit, static_argnames=("t_graph", "cache_len", "max_steps"))
-def _ar_decode(
-    t_state, prompt, prompt_len, limit, sampling, base_keys, stop_ids, *, t_graph, cache_len: int, max_steps: int
-):
+def _ar_decode(t_state, x: _Inputs, *, t_graph, cache_len: int, max_steps: int):
     target = nnx.merge(t_graph, t_state)
-    init = _start(target, None, prompt, prompt_len, limit, sampling, base_keys, stop_ids, cache_len, (), 1)
+    init = _start(target, None, x, cache_len, (), 1)
 
     def body(s: _Loop):
         p = s.length - 1
         anchor = jnp.take_along_axis(s.seq, p[:, None], 1)
         out = target(anchor, p[:, None], s.tcache)
         finite = logits_are_finite(out.logits[:, 0])
-        tok = next_token(out.logits[:, 0], base_keys, p, sampling)
+        tok = next_token(out.logits[:, 0], x.keys, p, x.sampling)
         running = s.finish == FINISH_RUNNING
-        seq, length, finish, n_keep = _emit(s, tok[:, None], jnp.ones_like(p), limit, stop_ids, cache_len)
+        seq, length, finish, n_keep = _emit(s, tok[:, None], jnp.ones_like(p), x, cache_len)
         finish = jnp.where(running & ~finite, FINISH_ERROR, finish)
         st = s.stats
         stats = st._replace(num_passes=st.num_passes + running, num_emitted=st.num_emitted + n_keep)
@@ -155,16 +178,15 @@ class _Round(NamedTuple):
     drafted: jax.Array
 
 
-def _fixed_round(
-    target, drafter, s: _Loop, running, anchor, p, draft_keys, verify_keys, room, max_verify, sampling, width: int
-):
+def _fixed_round(target, drafter, s: _Loop, x: _Inputs, r: _RoundIn, max_verify, width: int) -> _Round:
     """A round verifying ``min(num_speculative_tokens, room)`` drafts of every running row in a
     pass of static ``width + 1`` tokens (``width`` = num_speculative_tokens: a shorter fixed
     length costs a shorter pass, not a block-wide one with fewer accepts)."""
     block_size = drafter.cfg.gamma
-    d = draft_tokens(target, drafter, anchor, p, s.dcache, draft_keys, sampling)
+    running, anchor, p = r.running, r.anchor, r.p
+    d = draft_tokens(target, drafter, anchor, p, s.dcache, r.draft_keys, x.sampling)
     # Verification length: fixed by limits only, never by draft values (non-anticipation).
-    ell = jnp.where(running, jnp.clip(jnp.minimum(max_verify, room), 0, width), 0)
+    ell = jnp.where(running, jnp.clip(jnp.minimum(max_verify, r.room), 0, width), 0)
     res = verify_pass(
         target,
         drafter,
@@ -177,18 +199,18 @@ def _fixed_round(
         p,
         d.tokens,
         d.probs,
-        verify_keys,
+        r.verify_keys,
         ell,
-        sampling,
+        x.sampling,
         taps=drafter.cfg.taps,
     )
     return _Round(res, ell, d.confidence_logit, jnp.int32(width), jnp.ones((), bool))
 
 
-def _close_round(s: _Loop, r: _Round, running, limit, stop_ids, cache_len, new_auto) -> _Loop:
+def _close_round(s: _Loop, r: _Round, running, x: _Inputs, cache_len: int, new_auto) -> _Loop:
     """Emission, finish codes, statistics and the optional round log of one round."""
     v = r.verified
-    seq, length, finish, n_keep = _emit(s, v.tokens, v.num_emitted, limit, stop_ids, cache_len)
+    seq, length, finish, n_keep = _emit(s, v.tokens, v.num_emitted, x, cache_len)
     finish = jnp.where(running & ~v.finite, FINISH_ERROR, finish)
     block_size = s.stats.position_reached.shape[1]
     rs = round_statistics(r.num_verify, v.num_accepted, v.num_emitted, n_keep, block_size)
@@ -219,12 +241,7 @@ def _close_round(s: _Loop, r: _Round, running, limit, stop_ids, cache_len, new_a
 def _spec_decode(
     t_state,
     d_state,
-    prompt,
-    prompt_len,
-    limit,
-    sampling,
-    base_keys,
-    stop_ids,
+    x: _Inputs,
     max_verify,
     costs=None,
     *,
@@ -240,20 +257,8 @@ def _spec_decode(
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state)
     block_size = drafter.cfg.gamma
-    init = _start(
-        target,
-        drafter,
-        prompt,
-        prompt_len,
-        limit,
-        sampling,
-        base_keys,
-        stop_ids,
-        cache_len,
-        drafter.cfg.taps,
-        block_size,
-    )
-    b = prompt.shape[0]
+    init = _start(target, drafter, x, cache_len, drafter.cfg.taps, block_size)
+    b = x.prompt.shape[0]
     if record_rounds:
         zeros = jnp.zeros((b, max_steps), jnp.int32)
         init = init._replace(rounds=RoundLog(jnp.zeros((b, max_steps, block_size), jnp.float32), zeros, zeros))
@@ -264,14 +269,14 @@ def _spec_decode(
         running = s.finish == FINISH_RUNNING
         p = s.length - 1
         anchor = jnp.take_along_axis(s.seq, p[:, None], 1)[:, 0]
-        draft_keys, verify_keys = split_round_keys(token_keys(base_keys, p))
-        room = jnp.minimum(limit, cache_len) - s.length - 1
+        draft_keys, verify_keys = split_round_keys(token_keys(x.keys, p))
+        room = jnp.minimum(x.limit, cache_len) - s.length - 1
         if widths is None:
             width = block_size if fixed_width is None else fixed_width
-            r = _fixed_round(
-                target, drafter, s, running, anchor, p, draft_keys, verify_keys, room, max_verify, sampling, width
+            r_in = _RoundIn(running, anchor, p, draft_keys, verify_keys, room)
+            return _close_round(
+                s, _fixed_round(target, drafter, s, x, r_in, max_verify, width), running, x, cache_len, None
             )
-            return _close_round(s, r, running, limit, stop_ids, cache_len, None)
         assert costs is not None  # given with widths (generate_speculative)
         res, ell, zlog, new_auto = auto_verify.auto_round(
             target,
@@ -285,13 +290,13 @@ def _spec_decode(
             draft_keys,
             verify_keys,
             room,
-            sampling,
+            x.sampling,
             widths,
             costs,
             probe_every,
         )
         r = _Round(res, ell, zlog, jnp.asarray(widths, jnp.int32)[new_auto.width], s.auto.draft_on)
-        return _close_round(s, r, running, limit, stop_ids, cache_len, new_auto)
+        return _close_round(s, r, running, x, cache_len, new_auto)
 
     return jax.lax.while_loop(partial(_running, max_steps=max_steps), body, init)
 
@@ -351,6 +356,10 @@ def _batch(target: Target, prompts, max_new_tokens, block_size: int, cache_len, 
     sampling = sampling_arrays(b, *sampling_kw)
     keys = _keys(check_seeds(seed, b), b)
     return _Batch(prompt, lens, limit, cache_len, stop, sampling, keys, int(np.max(limit - lens)))
+
+
+def _device_inputs(bt: _Batch) -> _Inputs:
+    return _Inputs(jnp.asarray(bt.prompt), jnp.asarray(bt.lens), jnp.asarray(bt.limit), bt.sampling, bt.keys, bt.stop)
 
 
 def default_cache_len(target: Target, prompts: Sequence[Sequence[int]], max_new_tokens, block_size: int = 0) -> int:
@@ -429,8 +438,7 @@ def generate_autoregressive(
     check_sampling(temperature, top_k, top_p)
     bt = _batch(target, prompts, max_new_tokens, 0, cache_len, (temperature, top_k, top_p), seed, stop_ids)
     t_graph, t_state = nnx.split(target)
-    lens, limit = jnp.asarray(bt.lens), jnp.asarray(bt.limit)
-    args = (t_state, jnp.asarray(bt.prompt), lens, limit, bt.sampling, bt.keys, bt.stop)
+    args = (t_state, _device_inputs(bt))
     statics = dict(t_graph=t_graph, cache_len=bt.cache_len, max_steps=bt.max_steps)
     key = ("ar", bt.prompt.shape, bt.stop.shape, *statics.values())
     state, secs, csecs = _run(_ar_decode, args, statics, key)
@@ -507,8 +515,7 @@ def generate_speculative(
     widths, costs = _auto_costs(target, drafter, cost_table, bt) if n_spec == "auto" else (None, None)
     (t_graph, t_state), (d_graph, d_state) = nnx.split(target), nnx.split(drafter)
     fixed = None if n_spec == "auto" else int(n_spec)  # a fixed length compiles its own shorter pass
-    arrays = (jnp.asarray(bt.prompt), jnp.asarray(bt.lens), jnp.asarray(bt.limit), bt.sampling, bt.keys, bt.stop)
-    args = (t_state, d_state, *arrays, jnp.int32(block_size if fixed is None else fixed), costs)
+    args = (t_state, d_state, _device_inputs(bt), jnp.int32(block_size if fixed is None else fixed), costs)
     statics = dict(
         t_graph=t_graph,
         d_graph=d_graph,

@@ -319,7 +319,9 @@ def resolve_num_speculative_tokens(num_speculative_tokens, gamma, block_size: in
     Raises:
       DSparkInputError: both given, or a value outside ``[1, block_size]`` / not ``"auto"``.
     """
+    name = "num_speculative_tokens"
     if gamma is not None:
+        name = "gamma (alias of num_speculative_tokens)"
         warnings.warn(
             "gamma= is deprecated: use num_speculative_tokens= (gamma is the drafter's block size)",
             DeprecationWarning,
@@ -340,7 +342,6 @@ def resolve_num_speculative_tokens(num_speculative_tokens, gamma, block_size: in
             raise DSparkInputError(f"num_speculative_tokens must be an integer or 'auto', got {n!r}") from None
     if isinstance(n, bool) or not 1 <= int(n) <= block_size:
         raise DSparkInputError(
-            f"num_speculative_tokens (alias gamma) must be in [1, {block_size}] for this "
-            f"drafter (its block size) or 'auto', got {n}"
+            f"{name} must be in [1, {block_size}] for this drafter (its block size) or 'auto', got {n}"
         )
     return int(n)

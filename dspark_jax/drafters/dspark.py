@@ -594,7 +594,3 @@ class DSparkDrafter(nnx.Module):
         ctx_mask = jnp.broadcast_to(ctx_mask, (b, anchors.shape[1], s, l))
         h = self.predicted_slots(self.backbone(x, pos, ck, cv, ctx_mask, remat=remat))
         return BlockOutput(h, self.base_logits(target, h))
-
-
-# The class's name until the drafter modules were split; exports' loaders and user code import it.
-Drafter = DSparkDrafter

@@ -11,12 +11,14 @@ fraction of rounds (target passes) with at least k accepted drafts.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from dspark_jax.decoding.speculative import BatchResult, generate_speculative
+from dspark_jax.decoding.request import DecodeRequest, decode
+from dspark_jax.decoding.results import BatchResult
 from dspark_jax.drafters.base import Drafter
 from dspark_jax.models.target import Target
 
@@ -47,44 +49,42 @@ def evaluate_tau(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    gamma: int | None = None,
+    num_speculative_tokens: int | str | None = None,
     batch_size: int = 16,
     seed: int = 0,
     record_rounds: bool = False,
 ) -> dict[str, Any]:
-    """Speculative decoding over ``prompts``; returns pooled metrics.
+    """Speculative decoding over ``prompts`` through the decoding front door
+    (:func:`~dspark_jax.decoding.request.decode`, prompt ``i`` with seed ``seed + i``); returns
+    pooled metrics.
 
     Args:
+      num_speculative_tokens: verification length, ``1..block_size`` or ``"auto"``; None: the full
+        block (these metrics' convention: the acceptance of every block position; the eval command
+        passes the front door's default, ``"auto"``, unless told otherwise).
       record_rounds: also return the per-round records of every request under
         ``"rounds"`` (a list of :attr:`~dspark_jax.decoding.speculative.Generation.rounds` dicts of
         numpy arrays, not JSON-serialisable: pop it before writing JSON).
 
     Returns:
       dict with ``tau``, ``acceptance_rate``, ``position_acceptance`` (list over
-      k = 1..gamma; ``position_reached`` / ``position_accepted``: its counts),
-      ``accept_rate_at_k`` (list over k = 1..gamma: fraction of
+      k = 1..block_size; ``position_reached`` / ``position_accepted``: its counts),
+      ``accept_rate_at_k`` (list over k = 1..the verification length, the block size with
+      ``"auto"``: fraction of
       rounds with >= k accepted drafts), ``num_requests``, ``num_target_passes``,
       ``tokens_per_s`` (compilation excluded), per request in prompt order ``request_tau`` and
       ``request_target_passes`` (so ``tau`` = their passes-weighted mean; for standard errors
-      across prompts) and the settings used.
+      across prompts), ``request_acceptance_rate`` and ``request_token_ids``, and the settings used
+      (``num_speculative_tokens``: the resolved length or ``"auto"``).
     """
+    n_spec = drafter.cfg.gamma if num_speculative_tokens is None else num_speculative_tokens
+    base = DecodeRequest((0,), max_new_tokens, temperature, top_k, top_p, seed, n_spec)
+    requests = [dataclasses.replace(base, prompt_ids=p, seed=seed + i) for i, p in enumerate(prompts)]
     results = []
     reached = np.zeros(drafter.cfg.gamma)
     accepted = np.zeros(drafter.cfg.gamma)
-    for s in range(0, len(prompts), batch_size):
-        chunk = list(prompts[s : s + batch_size])
-        res = generate_speculative(
-            target,
-            drafter,
-            chunk,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            num_speculative_tokens=gamma,
-            seed=[seed + s + i for i in range(len(chunk))],
-            record_rounds=record_rounds,
-        )
+    for s in range(0, len(requests), batch_size):
+        res = decode(target, drafter, requests[s : s + batch_size], record_rounds=record_rounds)
         results.append(res)
         for g in res.generations:
             reached += g.position_reached
@@ -93,11 +93,13 @@ def evaluate_tau(
     gens = [g for r in results for g in r.generations]
     out["request_tau"] = [float(g.tau) for g in gens]
     out["request_target_passes"] = [int(g.num_target_passes) for g in gens]
+    out["request_acceptance_rate"] = [g.acceptance_rate for g in gens]
+    out["request_token_ids"] = [list(g.token_ids) for g in gens]
     out["position_acceptance"] = [float(a / r) if r else None for a, r in zip(accepted, reached)]
     # Raw counts, so acceptance can be pooled exactly over several prompt sets.
     out["position_reached"] = [int(r) for r in reached]
     out["position_accepted"] = [int(a) for a in accepted]
-    g_used = gamma or drafter.cfg.gamma
+    g_used = drafter.cfg.gamma if n_spec == "auto" else int(n_spec)
     passes = out["num_target_passes"]
     out["accept_rate_at_k"] = [float(a / passes) if passes else None for a in accepted[:g_used]]
     if record_rounds:
@@ -107,6 +109,7 @@ def evaluate_tau(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
-        gamma=gamma or drafter.cfg.gamma,
+        num_speculative_tokens="auto" if n_spec == "auto" else int(n_spec),
+        block_size=drafter.cfg.gamma,
     )
     return out

@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dspark_jax.decoding import disk_cache
+from dspark_jax.decoding.cli import add_sampling_arguments
+from dspark_jax.decoding.request import DecodeRequest
 
 if TYPE_CHECKING:  # annotations only: the heavy imports stay lazy so that --help is instant
     from dspark_jax.drafters.base import Drafter
@@ -76,15 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=50,
         help="use the first N prompts of the set (default 50; fewer if the set is smaller)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=128, help="maximum generated tokens per prompt (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off (default 1)")
+    d = DecodeRequest.field_defaults()
     p.add_argument(
-        "--gamma",
+        "--max-new-tokens",
         type=int,
-        default=None,
-        help="draft tokens verified per round, 1..block size (default: the drafter's block size)",
+        default=d["max_new_tokens"],
+        help=f"maximum generated tokens per prompt (default {d['max_new_tokens']})",
+    )
+    add_sampling_arguments(p, d)
+    p.add_argument(
+        "--num-speculative-tokens",
+        default=d["num_speculative_tokens"],
+        metavar="N|auto",
+        help="draft tokens verified per round: 1..the drafter's block size, or 'auto' (default, as "
+        "`python -m dspark_jax.generate` and the Python API: 'auto' for dspark/dflash drafters, the "
+        "block size for others)",
     )
     chat = p.add_mutually_exclusive_group()
     chat.add_argument(
@@ -96,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="use the prompt texts as they are")
     p.add_argument("--batch-size", type=int, default=16, help="prompts decoded together (default 16)")
-    p.add_argument("--seed", type=int, default=0, help="PRNG seed; prompt i uses seed + i (default 0)")
+    p.add_argument(
+        "--seed", type=int, default=d["seed"], help=f"PRNG seed; prompt i uses seed + i (default {d['seed']})"
+    )
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="weight/compute dtype (default float32)"
     )
@@ -161,7 +171,8 @@ _METRIC_DEFINITIONS = {
     "total emitted / total passes",
     "acceptance_rate": "accepted drafts / verified drafts",
     "accept_rate_at_k": "fraction of rounds (target passes, incl. passes that verify nothing at the "
-    "max_new_tokens limit) with >= k accepted drafts, k = 1..gamma; "
+    "max_new_tokens limit) with >= k accepted drafts, k = 1..num_speculative_tokens (the block size "
+    "with 'auto'); "
     "tau <= 1 + sum_k accept_rate_at_k (equal without stop tokens)",
     "position_acceptance": "among rounds whose positions 1..k-1 were accepted and k verified, the "
     "fraction where k was accepted",
@@ -175,14 +186,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     Raises:
       DSparkInputError: bad flags, an unreadable export / prompt set / target, a drafter that
-        does not fit the target, ``--gamma`` above its block size, or no prompt that fits the
-        target's context.
+        does not fit the target, ``--num-speculative-tokens`` outside its block, or no prompt that
+        fits the target's context.
     """
     import jax.numpy as jnp
 
     from dspark_jax.api import load_target
-    from dspark_jax.drafters.base import prepare_drafter
-    from dspark_jax.drafters.checkpoint import load_drafter, read_export_meta
+    from dspark_jax.decoding.request import load_drafter_for, resolve_num_speculative_tokens
+    from dspark_jax.drafters.checkpoint import read_export_meta
     from dspark_jax.errors import DSparkInputError
     from dspark_jax.evaluation.acceptance import evaluate_tau
     from dspark_jax.evaluation.reliability import jsonable
@@ -196,15 +207,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise DSparkInputError(f"prompt set {args.prompts!r} is empty")
     dtype = jnp.dtype(args.dtype)
     target, tok = load_target(args.target, dtype=dtype)
-    drafter, meta = load_drafter(args.drafter, dtype=dtype, target=target)
-    prepare_drafter(target, drafter)
-    if str(meta.get("format", "")).startswith("external/"):
-        from dspark_jax.drafters.formats import warn_if_misaligned
-
-        warn_if_misaligned(target, tok, drafter, args.drafter)
-    g_max = drafter.cfg.gamma
-    if args.gamma is not None and not 1 <= args.gamma <= g_max:
-        raise DSparkInputError(f"--gamma must be in [1, {g_max}] for this drafter, got {args.gamma}")
+    drafter, meta = load_drafter_for(target, tok, args.drafter, dtype)
+    n_spec = resolve_num_speculative_tokens(drafter, args.num_speculative_tokens)
     kept, num_skipped, chat = _encode(args, target, tok, texts)
     has_conf = drafter.cfg.has_confidence
     ev = evaluate_tau(
@@ -215,7 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
-        gamma=args.gamma,
+        num_speculative_tokens=n_spec,
         batch_size=args.batch_size,
         seed=args.seed,
         record_rounds=has_conf,
@@ -225,7 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "target": target.cfg.name,
         "drafter": str(Path(args.drafter).resolve()),
         "variant": drafter.cfg.variant,
-        "block_size": g_max,
+        "block_size": drafter.cfg.gamma,
         "prompts": {
             "set": args.prompts,
             "source": source,
@@ -322,7 +326,8 @@ def write_plots(ev: dict[str, Any], out_dir: Path) -> dict[str, str]:
 def _plot_position_acceptance(plt: Any, ev: dict[str, Any]) -> Any:
     """Figure: conditional acceptance c_k (bars) and accept rate @k (line) per block position."""
     pa = ev.get("position_acceptance") or []
-    g_used = ev.get("gamma") or len(pa)
+    n_spec = ev.get("num_speculative_tokens")
+    g_used = n_spec if isinstance(n_spec, int) else len(pa)
     pa = pa[:g_used]
     ks = list(range(1, len(pa) + 1))
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)

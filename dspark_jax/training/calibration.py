@@ -51,7 +51,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.drafters.checkpoint import read_export_meta
-from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.evaluation.reliability import (
     N_BINS,
@@ -113,7 +113,7 @@ def _acceptance(draft_logits: jax.Array, target_logits: jax.Array, temperature: 
 
 
 def _terms_from_features(
-    drafter: Drafter, target: Target, feats, t_logits, tokens, lengths, anchors, temperature: float
+    drafter: DSparkDrafter, target: Target, feats, t_logits, tokens, lengths, anchors, temperature: float
 ) -> BlockTerms:
     """The block part of :func:`block_terms` given the target pass (features, logits)."""
     g = drafter.cfg.gamma
@@ -132,7 +132,7 @@ def _terms_from_features(
 
 
 def block_terms(
-    drafter: Drafter,
+    drafter: DSparkDrafter,
     target: Target,
     tokens: jax.Array,
     lengths: jax.Array,
@@ -175,7 +175,7 @@ def _blocks_pass(t_state, d_state, feats, t_logits, tokens, lengths, anchors, *,
 
 def collect(
     target: Target,
-    drafter: Drafter,
+    drafter: DSparkDrafter,
     data: dict[str, np.ndarray],
     *,
     batch_size: int = 8,
@@ -297,7 +297,7 @@ def _compact(rep: dict[str, Any]) -> dict[str, Any]:
 
 def fit_and_store_calibration(
     target: Target,
-    drafter: Drafter,
+    drafter: DSparkDrafter,
     heldout_data: dict[str, np.ndarray],
     export_dir: str | Path | None,
     *,
@@ -320,7 +320,7 @@ def fit_and_store_calibration(
 
     Args:
       target / drafter: the frozen target and the trained drafter (its
-        :attr:`~dspark_jax.drafters.dspark.Drafter.calibration` is set to the fit).
+        :attr:`~dspark_jax.drafters.dspark.DSparkDrafter.calibration` is set to the fit).
       heldout_data: sequences never seen in training (``tokens``, ``lengths``,
         ``prompt_lengths``; see :func:`~dspark_jax.training.data.heldout_sequences`).
       export_dir: export whose ``drafter.json`` gets ``calibration`` (the
@@ -436,7 +436,7 @@ def _store_in_export(meta: dict[str, Any], export_dir: str | Path, report: dict[
 def calibrate_training_run(
     cfg,
     target: Target,
-    drafter: Drafter,
+    drafter: DSparkDrafter,
     heldout_prompt_ids: Sequence[Sequence[int]],
     export_dir: str | Path,
     workdir: str | Path,

@@ -281,7 +281,7 @@ def _calibrate_and_evaluate(
             eval_ids,
             max_new_tokens=cfg.eval_max_new_tokens,
             temperature=cfg.eval_temperature,
-            gamma=drafter.cfg.gamma,
+            num_speculative_tokens=drafter.cfg.gamma,
         )
         (workdir / "eval.json").write_text(json.dumps(out["eval"], indent=2))
     return out
@@ -376,7 +376,7 @@ def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, targ
     train_data, cache_seconds = _with_feature_cache(cfg, workdir, target, dict(data), dcfg.taps)
     trainer = _build_trainer(cfg, target, dcfg, train_data, mesh)
     step, terms, train_seconds = train_loop(cfg, trainer, train_data, workdir)
-    drafter: Any = trainer.drafter()  # Drafter or EagleDrafter (export_drafter's annotation names only the first)
+    drafter: Any = trainer.drafter()  # DSparkDrafter or EagleDrafter (export_drafter's annotation names only the first)
     summary: dict[str, Any] = {
         "target": target.cfg.name,
         "target_fingerprint": target.fingerprint,

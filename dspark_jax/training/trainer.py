@@ -5,7 +5,7 @@ docs/design.md#training. One step:
 1. frozen target forward over ``[B, L]`` sequences -> tapped features and
    ``p_target`` at every position;
 2. ``A`` random anchor blocks per sequence, all in one drafter pass
-   (block-sparse mask, :meth:`Drafter.train_blocks`);
+   (block-sparse mask, :meth:`~dspark_jax.drafters.base.Drafter.train_blocks`);
 3. teacher-forced Markov correction (``x_{k-1}`` = the true previous token);
 4. loss = ``w_k * (ce_weight * CE + l1_weight * TV + conf_weight * BCE(c_k, sg(1 - TV_k)))``
    (:mod:`dspark_jax.training.losses`) with position weights ``w_k = exp(-(k-1)/pos_decay)``, normalised by the

@@ -86,7 +86,7 @@ def test_drafter_for_another_target_is_refused(stories260k_dir, tmp_path):
 
     from dspark_jax.config import DrafterConfig, TargetConfig
     from dspark_jax.drafters.checkpoint import export_drafter
-    from dspark_jax.drafters.dspark import Drafter
+    from dspark_jax.drafters.dspark import DSparkDrafter
 
     other = TargetConfig(
         vocab_size=1000,
@@ -99,7 +99,7 @@ def test_drafter_for_another_target_is_refused(stories260k_dir, tmp_path):
         max_position=512,
         name="other",
     )
-    export_drafter(Drafter(DrafterConfig.for_target(other, gamma=4), nnx.Rngs(0)), tmp_path / "vocab")
+    export_drafter(DSparkDrafter(DrafterConfig.for_target(other, gamma=4), nnx.Rngs(0)), tmp_path / "vocab")
     p = cli("generate", "--target", "stories260k", "--drafter", str(tmp_path / "vocab"), "--prompt", "Once")
     assert_one_line_error(p, "vocabulary")
 
@@ -114,7 +114,7 @@ def test_drafter_for_another_target_is_refused(stories260k_dir, tmp_path):
         max_position=512,
         name="lookalike",
     )
-    d = Drafter(DrafterConfig.for_target(same_shape, gamma=4, target_fingerprint="0123456789abcdef"), nnx.Rngs(0))
+    d = DSparkDrafter(DrafterConfig.for_target(same_shape, gamma=4, target_fingerprint="0123456789abcdef"), nnx.Rngs(0))
     export_drafter(d, tmp_path / "weights")
     p = cli("generate", "--target", "stories260k", "--drafter", str(tmp_path / "weights"), "--prompt", "Once")
     assert_one_line_error(p, "trained for target")
@@ -198,7 +198,7 @@ def test_main_job_end_to_end(stories260k_export, tmp_path):
     ):
         assert key in out, key
     assert out["token_ids"] == out["ar_token_ids"]
-    # tau: tokens per verification pass, the prefill token excluded (decode.Generation.tau)
+    # tau: tokens per verification pass, the prefill token excluded (decoding.results.Generation.tau)
     assert out["tau"] == pytest.approx((len(out["token_ids"]) - 1) / out["num_target_passes"])
     # sampled request through the same command
     p = cli(
@@ -217,7 +217,7 @@ def test_main_job_end_to_end(stories260k_export, tmp_path):
         "50",
         "--top-p",
         "0.9",
-        "--gamma",
+        "--num-speculative-tokens",
         "4",
         "--seed",
         "3",

@@ -130,14 +130,14 @@ def test_eval_cli_random_drafter_on_stories260k(stories260k_dir, tmp_path, capsy
     from dspark_jax.api import load_target
     from dspark_jax.config import DrafterConfig
     from dspark_jax.drafters.checkpoint import export_drafter
-    from dspark_jax.drafters.dspark import Drafter
+    from dspark_jax.drafters.dspark import DSparkDrafter
 
     os.environ.setdefault("DSPARK_MODELS", str(MODELS_DIR))
     target, _ = load_target("stories260k")
     cfg = DrafterConfig.for_target(
         target.cfg, gamma=4, num_layers=1, markov_rank=16, intermediate_size=32, target_fingerprint=target.fingerprint
     )
-    d = Drafter(cfg, nnx.Rngs(0))
+    d = DSparkDrafter(cfg, nnx.Rngs(0))
     d.conf_w[...] = jnp.asarray(np.random.default_rng(0).standard_normal(d.conf_w[...].shape).astype(np.float32))
     d.set_calibration([2.0, 1.0, 0.5, 1.5])
     export_drafter(d, tmp_path / "export")
@@ -165,7 +165,8 @@ def test_eval_cli_random_drafter_on_stories260k(stories260k_dir, tmp_path, capsy
     assert json.loads(stdout.strip().splitlines()[-1])["out"] == str(out.resolve())
     ev = _check_outputs(out, 4, calibrated=True)
     assert ev["calibration"]["temperatures"] == [2.0, 1.0, 0.5, 1.5]
-    assert ev["prompts"]["num_prompts"] == 3 and ev["gamma"] == 4
+    assert ev["prompts"]["num_prompts"] == 3 and ev["block_size"] == 4
+    assert ev["num_speculative_tokens"] == "auto"  # the API's default, as `generate`
     rc, _, err = _main(
         [
             "--target",
@@ -174,14 +175,14 @@ def test_eval_cli_random_drafter_on_stories260k(stories260k_dir, tmp_path, capsy
             tmp_path / "export",
             "--prompts",
             "tinystories",
-            "--gamma",
+            "--num-speculative-tokens",
             9,
             "--out",
             tmp_path / "e2",
         ],
         capsys,
     )
-    assert rc == 2 and "--gamma must be in [1, 4]" in err
+    assert rc == 2 and "num_speculative_tokens must be in [1, 4]" in err
 
 
 @pytest.mark.slow

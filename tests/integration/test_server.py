@@ -41,10 +41,10 @@ def models(stories260k_dir):
 
     from dspark_jax.api import load_target
     from dspark_jax.config import DrafterConfig
-    from dspark_jax.drafters.dspark import Drafter
+    from dspark_jax.drafters.dspark import DSparkDrafter
 
     target, tok = load_target("stories260k")
-    drafter = Drafter(DrafterConfig.for_target(target.cfg, gamma=GAMMA, num_layers=1, markov_rank=8), nnx.Rngs(0))
+    drafter = DSparkDrafter(DrafterConfig.for_target(target.cfg, gamma=GAMMA, num_layers=1, markov_rank=8), nnx.Rngs(0))
     return target, tok, drafter
 
 

@@ -25,14 +25,14 @@ def tiny_export(stories260k_dir, tmp_path):
     from dspark_jax.api import load_target
     from dspark_jax.config import DrafterConfig
     from dspark_jax.drafters.checkpoint import export_drafter
-    from dspark_jax.drafters.dspark import Drafter
+    from dspark_jax.drafters.dspark import DSparkDrafter
 
     os.environ.setdefault("DSPARK_MODELS", str(stories260k_dir.parent))
     target, _ = load_target("stories260k")
     cfg = DrafterConfig.for_target(
         target.cfg, gamma=2, num_layers=1, markov_rank=16, intermediate_size=32, target_fingerprint=target.fingerprint
     )
-    d = Drafter(cfg, nnx.Rngs(0))
+    d = DSparkDrafter(cfg, nnx.Rngs(0))
     # confident enough on some positions that auto drafts and mixes widths
     rng = np.random.default_rng(0)
     w = d.conf_w[...]  # pyright: ignore[reportOptionalSubscript]

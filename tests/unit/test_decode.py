@@ -31,7 +31,7 @@ from flax import nnx
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
 from dspark_jax.drafters.base import check_compatible
-from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.sampling import process_logits, sampling_arrays
 from dspark_jax.models.target import Target, random_params
@@ -82,7 +82,7 @@ GOLDEN = [
 
 
 # ======================================================================================
-# Drafters (swappable: every helper takes any Drafter built for the target)
+# Drafters (swappable: every helper takes any DSparkDrafter built for the target)
 # ======================================================================================
 def random_drafter(
     target: Target,
@@ -96,7 +96,7 @@ def random_drafter(
     scale=0.5,
     draft_vocab=None,
     width=0,
-) -> Drafter:
+) -> DSparkDrafter:
     """A randomly initialised drafter whose zero-initialised parts (residual output
     projections, Markov W2, confidence weights) are randomised too, so that the
     backbone, the Markov correction and the confidence head all act. ``draft_vocab``:
@@ -113,7 +113,7 @@ def random_drafter(
         draft_vocab_size=len(draft_vocab) if draft_vocab is not None else 0,
         width=width,
     )
-    d = Drafter(cfg, nnx.Rngs(seed))
+    d = DSparkDrafter(cfg, nnx.Rngs(seed))
     if draft_vocab is not None:
         d.set_draft_vocab(draft_vocab)
     rng = np.random.default_rng(seed + 1000)
@@ -141,7 +141,7 @@ def bigram_table(target: Target, bos: int | None = None) -> np.ndarray:
     return np.asarray(target(jnp.asarray(x), jnp.asarray(pos)).logits[:, -1])
 
 
-def bigram_drafter(target: Target, *, alpha=1.0, base_scale=0.1, bos=None, **kw) -> Drafter:
+def bigram_drafter(target: Target, *, alpha=1.0, base_scale=0.1, bos=None, **kw) -> DSparkDrafter:
     """A drafter whose Markov head holds the target's bigram logits (``W1 = I``,
     ``W2 = alpha * bigram``): a good, but not perfect, proposal. ``base_scale`` scales the
     backbone's base logits (0: none, the proposal is the bigram alone)."""
@@ -723,14 +723,14 @@ def test_incompatible_drafter(peaked):
         "layers": dataclasses.replace(TINY, num_layers=4),
     }
     for what, cfg in others.items():
-        d = Drafter(DrafterConfig.for_target(cfg, gamma=2, num_layers=1, markov_rank=4), nnx.Rngs(0))
+        d = DSparkDrafter(DrafterConfig.for_target(cfg, gamma=2, num_layers=1, markov_rank=4), nnx.Rngs(0))
         for t in (peaked, fp_target):
             with pytest.raises(DSparkInputError, match=what):
                 check_compatible(t, d)
             with pytest.raises(DSparkInputError, match=what):
                 generate_speculative(t, d, [[1, 2, 3]], max_new_tokens=4)
     # same architecture, other weights (recorded fingerprint differs)
-    d = Drafter(
+    d = DSparkDrafter(
         DrafterConfig.for_target(TINY, gamma=2, num_layers=1, markov_rank=4, target_fingerprint="0123456789abcdef"),
         nnx.Rngs(0),
     )

@@ -1,7 +1,7 @@
 """Monte Carlo exactness through the REAL drafter (backbone + Markov head + sampler) and verifier.
 
 One speculative round from a fixed context, 200k samples per sampling setting:
-drafts come from ``Drafter.draft_block`` + ``markov.sample_block`` (Markov bias randomised so
+drafts come from ``DSparkDrafter.draft_block`` + ``markov.sample_block`` (Markov bias randomised so
 the second draft's proposal depends on the first), the target's distributions p for every
 possible draft prefix come from the real ``Target`` through ``process_logits``, and
 ``verify`` decides. Emitted prefixes shorter than two tokens are completed by exact target
@@ -24,7 +24,7 @@ from tiny import LAW_TARGET, law_target
 
 from dspark_jax.config import DrafterConfig
 from dspark_jax.decoding.verifier import verify
-from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.drafters.markov import sample_block
 from dspark_jax.models.sampling import process_logits, sampling_arrays
 
@@ -45,7 +45,7 @@ SETTINGS = [
 def models():
     target = law_target()
     dcfg = DrafterConfig.for_target(target.cfg, gamma=G, num_layers=1, markov_rank=4, taps=(0, 1))
-    drafter = Drafter(dcfg, nnx.Rngs(1))
+    drafter = DSparkDrafter(dcfg, nnx.Rngs(1))
     rng = np.random.default_rng(0)
     # Flatten the backbone's logits so proposals overlap the target (accepts and rejects both
     # happen), and give the Markov head a strong random bias so q_2 depends on x_1.
@@ -87,7 +87,7 @@ def models_draft_vocab(models):
     target, _ = models
     tcfg = target.cfg
     dcfg = DrafterConfig.for_target(tcfg, gamma=G, num_layers=1, markov_rank=4, taps=(0, 1), draft_vocab_size=4)
-    drafter = Drafter(dcfg, nnx.Rngs(2))
+    drafter = DSparkDrafter(dcfg, nnx.Rngs(2))
     drafter.set_draft_vocab(DRAFT_IDS)
     rng = np.random.default_rng(1)
     drafter.final_norm[...] = jnp.full(drafter.final_norm.shape, 0.05, jnp.float32)

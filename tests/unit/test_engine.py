@@ -24,7 +24,7 @@ from flax import nnx
 
 from dspark_jax.config import DrafterConfig
 from dspark_jax.decoding.speculative import generate_autoregressive
-from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.target import Target
 from dspark_jax.models.weights import params_fingerprint
@@ -76,7 +76,7 @@ def drafter(target):
         markov_rank=v,
         target_fingerprint=target.fingerprint,
     )
-    d = Drafter(cfg, nnx.Rngs(0))
+    d = DSparkDrafter(cfg, nnx.Rngs(0))
     x = np.stack([np.full(v, 1), np.arange(v)], axis=1).astype(np.int32)
     pos = np.broadcast_to(np.arange(2, dtype=np.int32), x.shape)
     bigram = np.asarray(target(jnp.asarray(x), jnp.asarray(pos)).logits[:, -1])

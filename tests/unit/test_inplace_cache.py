@@ -140,7 +140,7 @@ def models():
 def _arrays(b: int = 1):
     prompt = jnp.zeros((b, PROMPT), jnp.int32)
     lens = jnp.full((b,), 10, jnp.int32)
-    return (
+    return sp._Inputs(
         prompt,
         lens,
         lens + 20,
@@ -154,9 +154,9 @@ def _compiled(models, kind: str):
     target, drafter = models
     (tg, ts), (dg, ds) = nnx.split(target), nnx.split(drafter)
     if kind == "plain":
-        return sp._ar_decode.lower(ts, *_arrays(), t_graph=tg, cache_len=CACHE, max_steps=20).compile()
+        return sp._ar_decode.lower(ts, _arrays(), t_graph=tg, cache_len=CACHE, max_steps=20).compile()
     statics = dict(t_graph=tg, d_graph=dg, cache_len=CACHE, max_steps=20)
-    args = (ts, ds, *_arrays(), jnp.int32(4), None)
+    args = (ts, ds, _arrays(), jnp.int32(4), None)
     return sp._spec_decode.lower(*args, **statics, fixed_width=4).compile()
 
 

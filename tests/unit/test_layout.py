@@ -2,8 +2,7 @@
 
 * no import cycle between modules of ``dspark_jax``, imports inside functions included;
 * the layering: errors/config < models < drafters < decoding < evaluation < training, and
-  decoding < serving; inside serving, engine < http; the top-level API, the thin CLIs and the
-  deprecated shims sit on top;
+  decoding < serving; inside serving, engine < http; the top-level API and the thin CLIs sit on top;
 * no module over 600 lines, no function or method over 80 lines.
 
 Every violation of a rule is listed in one failure message, so one run shows all of them.
@@ -13,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,7 +27,7 @@ BASE, MODELS, DRAFTERS, DECODING = "base", "models", "drafters", "decoding"
 TRAINING, EVALUATION, SERVING, TOP = "training", "evaluation", "serving", "top"
 LOW = {BASE, MODELS, DRAFTERS, DECODING}
 # The layers each layer may import (its own included). TOP (dspark_jax/__init__, api, the thin
-# CLIs, the deprecated shims) may import anything.
+# CLIs) may import anything.
 ALLOWED = {
     BASE: {BASE},
     MODELS: {BASE, MODELS},
@@ -39,7 +37,8 @@ ALLOWED = {
     TRAINING: LOW | {EVALUATION, TRAINING, TOP},
     SERVING: LOW | {SERVING, TOP},
 }
-DEPRECATED = {"dspark_jax.decode", "dspark_jax.engine"}
+# Module paths removed (issue 25): nothing may import them, and they must not come back.
+REMOVED = {"dspark_jax.decode", "dspark_jax.engine"}
 SERVING_ENGINE, SERVING_HTTP = "dspark_jax.serving.engine", "dspark_jax.serving.http"
 
 
@@ -65,7 +64,7 @@ def layer(mod: str) -> str:
         return TOP  # a subpackage's command line sits on top, like the thin python -m entry points
     if parts[1] in (MODELS, DRAFTERS, DECODING, TRAINING, EVALUATION, SERVING):
         return parts[1]
-    return TOP  # api, train/eval/serve/generate, decode/engine shims
+    return TOP  # api, the train/eval/serve/generate entry points
 
 
 def _resolve(mod: str, node: ast.ImportFrom) -> str:
@@ -179,8 +178,8 @@ def test_layering():
     for mod, deps in sorted(GRAPH.items()):
         mine = layer(mod)
         for dep, line in sorted(deps.items()):
-            if dep in DEPRECATED:
-                problems.append(f"{where(mod, line)}: {mod} imports the deprecated shim {dep}")
+            if dep in REMOVED:
+                problems.append(f"{where(mod, line)}: {mod} imports the removed module {dep}")
             elif mine != TOP and layer(dep) not in ALLOWED[mine]:
                 problems.append(f"{where(mod, line)}: {mod} ({mine}) imports {dep} ({layer(dep)})")
     assert not problems, "layering violations (README 'Layout'):\n  " + "\n  ".join(problems)
@@ -219,28 +218,15 @@ def test_no_function_over_80_lines():
     assert not problems, f"functions over {MAX_FUNCTION_LINES} lines:\n  " + "\n  ".join(sorted(problems))
 
 
-@pytest.mark.parametrize(
-    ("old", "new", "name"),
-    [
-        ("dspark_jax.decode", "dspark_jax.decoding.speculative", "generate_speculative"),
-        ("dspark_jax.engine", "dspark_jax.serving.engine", "Engine"),
-    ],
-)
-def test_deprecated_module_paths_still_import_and_warn(old, new, name):
-    """In a fresh interpreter, so the warning is not swallowed by an earlier import."""
-    code = (
-        "import importlib, warnings\n"
-        "with warnings.catch_warnings(record=True) as w:\n"
-        "    warnings.simplefilter('always')\n"
-        f"    old = importlib.import_module({old!r})\n"
-        f"new = importlib.import_module({new!r})\n"
-        f"assert old.{name} is new.{name}\n"
-        "msgs = [str(x.message) for x in w if issubclass(x.category, DeprecationWarning)]\n"
-        f"assert any({old!r} in m for m in msgs), [str(x.message) for x in w]\n"
-        "print('ok')\n"
-    )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]
+def test_removed_module_paths_are_gone():
+    """``dspark_jax.decode`` and ``dspark_jax.engine`` (deprecated shims) were removed, and the
+    package's public names are the curated ones of its ``__init__``."""
+    assert not REMOVED & set(MODULES), sorted(REMOVED & set(MODULES))
+    import dspark_jax
+
+    assert set(dspark_jax.__all__) == {"__version__", *dspark_jax._PUBLIC}
+    for name in dspark_jax.__all__:
+        assert hasattr(dspark_jax, name), name
 
 
 def test_version_is_the_installed_distributions():

@@ -12,7 +12,7 @@ from flax import nnx
 
 from dspark_jax.config import DrafterConfig, TargetConfig, apply_overrides
 from dspark_jax.drafters.checkpoint import export_drafter, load_drafter
-from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.models.target import Target, random_params
 from dspark_jax.training.data import batches
 from dspark_jax.training.losses import drafter_loss
@@ -59,7 +59,7 @@ def _params(trainer):
 
 def test_loss_terms_are_sane_and_confidence_label_is_one_minus_tv():
     target = _target()
-    d = Drafter(drafter_config(CFG, target), nnx.Rngs(0))
+    d = DSparkDrafter(drafter_config(CFG, target), nnx.Rngs(0))
     b = _data()
     terms = drafter_loss(
         d,
@@ -78,7 +78,7 @@ def test_loss_terms_are_sane_and_confidence_label_is_one_minus_tv():
 
 def test_training_reduces_loss():
     target = _target()
-    tr = Trainer(CFG, target, Drafter(drafter_config(CFG, target), nnx.Rngs(0)))
+    tr = Trainer(CFG, target, DSparkDrafter(drafter_config(CFG, target), nnx.Rngs(0)))
     data = _data()
     it = batches(data, CFG.batch_size, seed=0)
     first = None
@@ -94,7 +94,7 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
     data = _data()
 
     def fresh():
-        return Trainer(CFG, target, Drafter(drafter_config(CFG, target), nnx.Rngs(CFG.seed)))
+        return Trainer(CFG, target, DSparkDrafter(drafter_config(CFG, target), nnx.Rngs(CFG.seed)))
 
     full = fresh()
     it = batches(data, CFG.batch_size, CFG.seed)
@@ -127,7 +127,7 @@ def test_wsd_branch_from_the_constant_trunk_equals_one_wsd_run(tmp_path):
     full_cfg = dataclasses.replace(CFG, lr_schedule="wsd", warmup_steps=2, decay_frac=0.5)  # decay from step 3
 
     def run(cfg, start, stop, mgr=None):
-        tr = Trainer(cfg, target, Drafter(drafter_config(cfg, target), nnx.Rngs(cfg.seed)))
+        tr = Trainer(cfg, target, DSparkDrafter(drafter_config(cfg, target), nnx.Rngs(cfg.seed)))
         if mgr is not None:
             assert tr.restore_latest(mgr) == start
         it = batches(data, cfg.batch_size, cfg.seed, start_step=start)
@@ -149,7 +149,7 @@ def test_wsd_branch_from_the_constant_trunk_equals_one_wsd_run(tmp_path):
 def test_export_round_trip(tmp_path):
     _target()
     cfg = DrafterConfig.for_target(TCFG, gamma=4, num_layers=1, markov_rank=8, target_fingerprint="tinyfp")
-    d = Drafter(cfg, nnx.Rngs(3))
+    d = DSparkDrafter(cfg, nnx.Rngs(3))
     path = export_drafter(d, tmp_path / "export", calibration=[1.0] * 4, extra={"note": "x"})
     d2, meta = load_drafter(path)
     assert d2.cfg == cfg and meta["calibration"] == [1.0] * 4 and meta["extra"]["note"] == "x"
@@ -173,7 +173,7 @@ def test_draft_vocabulary_tv_and_export(tmp_path):
     cfg = dataclasses.replace(CFG, draft_vocab_size=16, drafter_width=48)
     dcfg = drafter_config(cfg, target)
     assert dcfg.draft_vocab_size == 16 and dcfg.model_width == 48 and dcfg.head_dim == 12
-    d = Drafter(dcfg, nnx.Rngs(0))
+    d = DSparkDrafter(dcfg, nnx.Rngs(0))
     data = _data()
     ids = draft_vocabulary(data, 16, TCFG.vocab_size)
     d.set_draft_vocab(ids)
@@ -198,15 +198,15 @@ def test_draft_vocabulary_tv_and_export(tmp_path):
     with pytest.raises(DSparkInputError, match="draft vocabulary"):
         load_drafter(path)
     with pytest.raises(ValueError, match="no draft vocabulary installed"):
-        Drafter(dcfg, nnx.Rngs(0)).draft_vocab_ids()
+        DSparkDrafter(dcfg, nnx.Rngs(0)).draft_vocab_ids()
 
 
 def test_corrupt_export_is_refused(tmp_path):
     from dspark_jax.errors import DSparkInputError
 
-    d = Drafter(DrafterConfig.for_target(TCFG, gamma=4, num_layers=1, markov_rank=8), nnx.Rngs(3))
+    d = DSparkDrafter(DrafterConfig.for_target(TCFG, gamma=4, num_layers=1, markov_rank=8), nnx.Rngs(3))
     path = export_drafter(d, tmp_path / "export")
-    other = Drafter(DrafterConfig.for_target(TCFG, gamma=4, num_layers=2, markov_rank=8), nnx.Rngs(3))
+    other = DSparkDrafter(DrafterConfig.for_target(TCFG, gamma=4, num_layers=2, markov_rank=8), nnx.Rngs(3))
     export_drafter(other, tmp_path / "other")
     # config says 1 layer, params hold 2: a mismatched checkpoint
     (tmp_path / "other" / "drafter.json").write_text((path / "drafter.json").read_text())
@@ -234,7 +234,7 @@ STEP_CFG = dataclasses.replace(CFG, batch_size=8)
 def _two_steps(cfg, target=None):
     """(trainer, losses) after two steps on fixed batches of 8 sequences."""
     target = target or _target()
-    tr = Trainer(cfg, target, Drafter(drafter_config(cfg, target), nnx.Rngs(cfg.seed)))
+    tr = Trainer(cfg, target, DSparkDrafter(drafter_config(cfg, target), nnx.Rngs(cfg.seed)))
     it = batches(_data(), cfg.batch_size, cfg.seed)
     losses = [float(tr.step(next(it), s)[0].loss) for s in range(2)]
     return tr, losses
@@ -301,7 +301,7 @@ def test_damaged_or_partial_latest_checkpoint_does_not_break_restart(tmp_path):
     data = _data()
 
     def fresh(cfg=CFG):
-        return Trainer(cfg, target, Drafter(drafter_config(cfg, target), nnx.Rngs(cfg.seed)))
+        return Trainer(cfg, target, DSparkDrafter(drafter_config(cfg, target), nnx.Rngs(cfg.seed)))
 
     tr = fresh()
     mgr = tr.checkpoint_manager(tmp_path / "ckpt")

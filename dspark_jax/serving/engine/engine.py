@@ -66,7 +66,7 @@ import jax
 import numpy as np
 
 from dspark_jax.drafters.base import prepare_drafter
-from dspark_jax.drafters.dspark import Drafter
+from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.target import Target
 from dspark_jax.serving.engine.counters import EngineMetrics
@@ -114,7 +114,7 @@ class Engine:
         this device, model, drafter and shape and covers every bucket, else re-profiled.
       eos_token_ids: extra ids that end every request (the target's EOS ids always do).
       seed_calibration: start online calibration from the drafter's offline temperatures
-        (:attr:`Drafter.calibration`) instead of ones.
+        (:attr:`DSparkDrafter.calibration`) instead of ones.
       profile_iters: timed iterations per bucket when profiling SPS.
       calibration_window: observations per position kept by online calibration.
       calibration_lr: its learning rate (0 freezes the temperatures).
@@ -165,7 +165,7 @@ class Engine:
     def __init__(
         self,
         target: Target,
-        drafter: Drafter | None = None,
+        drafter: DSparkDrafter | None = None,
         *,
         num_slots: int = 8,
         cache_len: int = 1024,
