@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import alternate, load_checkout, markdown_table, write_json
+from benchmarks.harness import alternate, drafter_for, load_checkout, markdown_table, write_json
 
 _MODULES = ("api", "config", "drafters.dspark", "decoding.speculative", "serving.engine")
 
@@ -142,7 +142,6 @@ def engine_section(pk, a) -> list[dict[str, Any]]:
 
 def default_section(pk, a) -> list[dict[str, Any]]:
     """Plain and ``auto`` batch-1 decoding at the default cache length, per target and checkout."""
-    from flax import nnx
 
     from dspark_jax.decoding.cost_table import cached_cost_table
 
@@ -150,13 +149,12 @@ def default_section(pk, a) -> list[dict[str, Any]]:
     for spec in a.default_targets.split(","):
         for name, mods in pk.items():
             target, _ = mods["api"].load_target(spec)
-            dcfg = mods["config"].DrafterConfig.for_target(target.cfg, gamma=4, num_layers=1, markov_rank=8)
-            drafter = mods["drafters.dspark"].Drafter(dcfg, nnx.Rngs(0))
+            drafter = drafter_for(mods, target.cfg, 4, num_layers=1, markov_rank=8)
             sp = mods["decoding.speculative"]
             prompt = _prompt(target, a.prompt_len)
             kw = dict(max_new_tokens=a.new_tokens, stop_ids=[])
             if spec not in table:  # measured once (by the first checkout), shared
-                cache_len = sp.default_cache_len(target, [prompt], a.new_tokens, dcfg.gamma)
+                cache_len = sp.default_cache_len(target, [prompt], a.new_tokens, drafter.cfg.block_size)
                 table[spec] = cached_cost_table(target, drafter, cache_len)
             plain = dict(kw, cache_len=None)
             auto = dict(kw, num_speculative_tokens="auto", cost_table=table[spec])

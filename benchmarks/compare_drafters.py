@@ -72,7 +72,7 @@ QUICK = dict(
     anchors_per_seq=8,
     log_every=10,
     ckpt_every=1000,
-    gamma=4,
+    block_size=4,
     drafter_width=0,
 )  # a smoke run: the target's width keeps it short
 
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="stories260k", choices=["stories260k", "smollm2-135m-instruct"])
     p.add_argument("--steps", type=int, default=None, help="training steps per drafter (default: the preset's)")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the preset's)")
-    p.add_argument("--gamma", type=int, default=None, help="block size of every drafter (default: the preset's)")
+    p.add_argument("--block-size", type=int, default=None, help="block size of every drafter (default: the preset's)")
     p.add_argument(
         "--drafters",
         default=None,
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         over.update(QUICK, steps=12)
         num_prompts, max_new, speed_n = min(num_prompts, 3), min(max_new, 24), min(speed_n, 2)
-    for k, v in (("steps", args.steps), ("batch_size", args.batch_size), ("gamma", args.gamma)):
+    for k, v in (("steps", args.steps), ("batch_size", args.batch_size), ("block_size", args.block_size)):
         if v is not None:
             over[k] = v
     if args.data_dir:
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch_size": base.batch_size,
             "anchors_per_seq": base.anchors_per_seq,
             "learning_rate": base.learning_rate,
-            "gamma": base.gamma,
+            "block_size": base.block_size,
             "seq_len": base.seq_len,
             "markov_rank": base.markov_rank,
             "seed": base.seed,
@@ -260,7 +260,7 @@ def markdown(r: dict[str, Any]) -> str:
         "",
         f"Identical data ({r['data']['sequences']} self-distilled sequences, {r['data']['generated_tokens']} "
         f"target tokens) and budget for every drafter: {b['steps']} steps x batch {b['batch_size']}, "
-        f"{b['anchors_per_seq']} anchor blocks per sequence, lr {b['learning_rate']}, gamma {b['gamma']}. "
+        f"{b['anchors_per_seq']} anchor blocks per sequence, lr {b['learning_rate']}, block_size {b['block_size']}. "
         f"Prompts per dataset: {r['eval']['datasets']}, {r['eval']['max_new_tokens']} new tokens.",
         "",
         f"Command: `{r['command']}`",

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     chat = bool(preset_info(args.target).get("chat"))
     texts, _ = load_prompt_texts(args.prompts or ("mt_bench" if chat else "tinystories"), meta)
     prompts = [encode_prompt(tok, t, chat) for t in texts[: args.num_prompts]]
-    g = drafter.cfg.gamma
+    g = drafter.cfg.block_size
     need = max(map(len, prompts)) + args.max_new_tokens + g + 2
     cache_len = args.cache_len or min(-(-need // 64) * 64, cfg.max_position)
 

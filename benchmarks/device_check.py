@@ -32,7 +32,7 @@ Sections (run in this order; the JSON keys):
   of the final sequence (the contract: argmax of the verifying pass; bfloat16 plain and
   speculative decoding may differ token for token where their shapes differ, reported too);
 * ``engine``: :class:`~dspark_jax.serving.engine.Engine` steps at 1..64 rows, plain and
-  speculative (``fixed:gamma``): steps/s and tokens/s;
+  speculative (``fixed:block_size``): steps/s and tokens/s;
 * ``train``: the training step (:class:`~dspark_jax.training.trainer.Trainer`): seconds and MFU
   from analytic FLOPs (:func:`train_flops`; XLA's cost analysis counts a scan body once) against
   :data:`PEAK_TFLOPS` (bfloat16 dense);
@@ -151,7 +151,7 @@ class Plan:
     caches: tuple[int, ...]  # step: KV-cache lengths
     lives: tuple[int, ...]  # step: live lengths shared by every cache (plus 3/4 of each cache)
     reps: int  # step: timed steps per point
-    gamma: int  # the drafter's block size (engine fixed:gamma, speculative decoding)
+    block_size: int  # the drafter's block size (engine fixed:block_size, speculative decoding)
     drafter_layers: int
     ar_new: int  # roofline: generate_autoregressive's new tokens
     rows: tuple[int, ...]  # engine: active rows measured
@@ -171,7 +171,7 @@ def plan(tiny: bool) -> Plan:
             caches=(128, 256),
             lives=(16, 64),
             reps=3,
-            gamma=4,
+            block_size=4,
             drafter_layers=1,
             ar_new=16,
             rows=(1, 4),
@@ -188,7 +188,7 @@ def plan(tiny: bool) -> Plan:
         caches=(1024, 4096, 16384),
         lives=(128, 512),
         reps=10,
-        gamma=8,
+        block_size=8,
         drafter_layers=2,
         ar_new=64,
         rows=(1, 8, 64),
@@ -414,7 +414,9 @@ def _full_pass_argmax(target: Target, seqs: np.ndarray) -> tuple[np.ndarray, flo
     return np.asarray(exe(state, toks)), csec
 
 
-def exactness_case(name: str, target: Target, drafter: Any, shape: tuple[int, int, int], gamma: int, compile_s) -> dict:
+def exactness_case(
+    name: str, target: Target, drafter: Any, shape: tuple[int, int, int], block_size: int, compile_s
+) -> dict:
     """Greedy speculative and plain decoding of random prompts; the committed tokens against the
     argmax of a one-pass recomputation of the final sequences."""
     from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
@@ -423,7 +425,7 @@ def exactness_case(name: str, target: Target, drafter: Any, shape: tuple[int, in
     rng = np.random.default_rng(2)
     prompts = [[int(t) for t in rng.integers(3, target.cfg.vocab_size, plen)] for _ in range(b)]
     spec = generate_speculative(
-        target, drafter, prompts, max_new_tokens=new, temperature=0.0, num_speculative_tokens=gamma
+        target, drafter, prompts, max_new_tokens=new, temperature=0.0, num_speculative_tokens=block_size
     )
     plain = generate_autoregressive(target, prompts, max_new_tokens=new, temperature=0.0)
     gens = [g.token_ids for g in spec.generations]
@@ -451,7 +453,7 @@ def exactness_case(name: str, target: Target, drafter: Any, shape: tuple[int, in
     }
 
 
-def _stories260k(dtype: Any, gamma: int):
+def _stories260k(dtype: Any, block_size: int):
     """stories260K (``$DSPARK_MODELS``) in ``dtype`` with a random drafter, or None when absent."""
     from dspark_jax.errors import DSparkInputError
     from dspark_jax.models.presets import resolve_target
@@ -461,7 +463,7 @@ def _stories260k(dtype: Any, gamma: int):
     except (DSparkInputError, OSError):
         return None
     target = Target(cfg, params, dtype=dtype)
-    return target, random_drafter(DrafterConfig.for_target(cfg, gamma=gamma, num_layers=1), dtype)
+    return target, random_drafter(DrafterConfig.for_target(cfg, block_size=block_size, num_layers=1), dtype)
 
 
 def section_exactness(ctx: Context) -> dict[str, Any]:
@@ -471,16 +473,16 @@ def section_exactness(ctx: Context) -> dict[str, Any]:
     else:  # bfloat16 copies of the same weights
         target = Target(ctx.cfg, ctx.params, dtype=bf16)
         drafter = random_drafter(ctx.drafter.cfg, bf16)
-    cases = [exactness_case(ctx.cfg.name, target, drafter, p.exact_shape, p.gamma, ctx.compile_s)]
+    cases = [exactness_case(ctx.cfg.name, target, drafter, p.exact_shape, p.block_size, ctx.compile_s)]
     ctx.partial({"cases": cases})
     stories, note = None, "not with --tiny"
     if p.stories and time.perf_counter() - T0 > ctx.args.budget_s:
         note = "skipped: the budget was spent"
     elif p.stories:
-        stories = _stories260k(bf16, p.gamma)
+        stories = _stories260k(bf16, p.block_size)
         note = "run" if stories is not None else "absent from $DSPARK_MODELS"
     if stories is not None:
-        cases.append(exactness_case("stories260k", *stories, (p.exact_shape[0], 16, 64), p.gamma, ctx.compile_s))
+        cases.append(exactness_case("stories260k", *stories, (p.exact_shape[0], 16, 64), p.block_size, ctx.compile_s))
     keys = ["model", "tokens", "argmax_agreement", "plain_vs_speculative_agreement", "first_divergence_min"]
     table(
         "exactness: bfloat16 greedy speculative decoding",
@@ -526,7 +528,7 @@ def _engine_point(eng: Any, rows: int, p: Plan, vocab: int) -> dict[str, Any]:
 def section_engine(ctx: Context) -> dict[str, Any]:
     from dspark_jax.serving.engine import Engine
 
-    p, g = ctx.plan, ctx.plan.gamma
+    p, g = ctx.plan, ctx.plan.block_size
     eng = Engine(
         ctx.target,
         ctx.drafter,
@@ -552,7 +554,7 @@ def section_engine(ctx: Context) -> dict[str, Any]:
     table(f"engine: cache {p.engine_cache}, prompt {p.engine_prompt}", keys, [[r[k] for k in keys] for r in out])
     return {
         "cache_len": p.engine_cache,
-        "gamma": g,
+        "block_size": g,
         "row_buckets": list(p.row_buckets),
         "programs_compiled": eng.metrics()["compiles"],
         "rows": out,
@@ -570,7 +572,7 @@ def train_flops(t: TargetConfig, d: DrafterConfig, batch: int, seq: int, anchors
     * frozen target forward over ``batch x seq`` tokens (taps and logits at every position);
     * drafter forward: context projection and per-layer context keys/values over every position,
       the backbone over ``batch x anchors x num_slots`` slots, the frozen LM head and the Markov
-      head's ``W2`` over the ``gamma`` predicted slots;
+      head's ``W2`` over the ``block_size`` predicted slots;
     * drafter backward: 2x the forward of its trained matmuls (input and weight gradients), 1x for
       the context projection (its input, the target's features, needs no gradient) and for the
       frozen LM head (input gradient only).
@@ -579,11 +581,11 @@ def train_flops(t: TargetConfig, d: DrafterConfig, batch: int, seq: int, anchors
     qd, kd = t.num_heads * t.head_dim, t.num_kv_heads * t.head_dim
     t_layer = 2 * (t.hidden_size * (2 * qd + 2 * kd) + 3 * t.hidden_size * t.intermediate_size) + 4 * qd * seq
     target = n_tok * (t.num_layers * t_layer + 2 * t.hidden_size * t.vocab_size)
-    w, slots, pred = d.model_width, batch * anchors * d.num_slots, batch * anchors * d.gamma
+    w, slots, pred = d.model_width, batch * anchors * d.num_block_positions, batch * anchors * d.block_size
     dq, dk = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
     ctx_fc = n_tok * 2 * len(d.taps) * d.hidden_size * w
     ctx_kv = n_tok * d.num_layers * 2 * w * 2 * dk
-    d_layer = 2 * (w * (2 * dq + 2 * dk) + 3 * w * d.intermediate_size) + 4 * dq * (seq + d.num_slots)
+    d_layer = 2 * (w * (2 * dq + 2 * dk) + 3 * w * d.intermediate_size) + 4 * dq * (seq + d.num_block_positions)
     adapters = 2 * d.hidden_size * w * (slots + pred) if w != d.hidden_size else 0
     backbone = slots * d.num_layers * d_layer + adapters
     head = pred * 2 * d.hidden_size * d.draft_size
@@ -608,7 +610,7 @@ def section_train(ctx: Context) -> dict[str, Any]:
         batch_size=b,
         seq_len=seq,
         anchors_per_seq=anchors,
-        gamma=dcfg.gamma,
+        block_size=dcfg.block_size,
         num_layers=dcfg.num_layers,
         dtype=str(jnp.dtype(ctx.dtype)),
     )
@@ -634,7 +636,7 @@ def section_train(ctx: Context) -> dict[str, Any]:
         "batch": b,
         "seq_len": seq,
         "anchors_per_seq": anchors,
-        "gamma": dcfg.gamma,
+        "block_size": dcfg.block_size,
         "dtype": cfg.dtype,
         "step_s": med,
         "loss": loss,
@@ -694,7 +696,7 @@ def build(args: argparse.Namespace) -> Context:
     t0 = time.perf_counter()
     params = device_params(cfg, dtype)
     target = Target(cfg, params, dtype=dtype)
-    dcfg = DrafterConfig.for_target(cfg, gamma=p.gamma, num_layers=p.drafter_layers)
+    dcfg = DrafterConfig.for_target(cfg, block_size=p.block_size, num_layers=p.drafter_layers)
     drafter = random_drafter(dcfg, dtype)
     jax.block_until_ready(nnx.state(drafter))
     n_params = lambda m: int(sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param))))

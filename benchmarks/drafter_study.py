@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-# name -> TrainConfig overrides. Everything else (data, steps, batch, anchors, lr, gamma,
+# name -> TrainConfig overrides. Everything else (data, steps, batch, anchors, lr, block_size,
 # seed) is shared by all drafters of a study.
 DRAFTERS: dict[str, dict[str, Any]] = {
     "dspark-2L": dict(variant="dspark", num_layers=2, markov_head="vanilla"),
@@ -129,7 +129,7 @@ def train_drafter(cfg, target, tok, overrides: Mapping[str, Any]) -> tuple[Any, 
         "variant": d.cfg.variant,
         "num_layers": d.cfg.num_layers,
         "markov_head": d.cfg.markov_head if d.cfg.markov else None,
-        "gamma": d.cfg.gamma,
+        "block_size": d.cfg.block_size,
         "taps": list(d.cfg.taps),
         "params": summary["drafter_params"],
         "steps": summary["steps"],
@@ -199,8 +199,8 @@ def evaluate_drafter(
     from dspark_jax.evaluation.acceptance import evaluate_tau
 
     per = {}
-    reached = np.zeros(drafter.cfg.gamma)
-    accepted = np.zeros(drafter.cfg.gamma)
+    reached = np.zeros(drafter.cfg.block_size)
+    accepted = np.zeros(drafter.cfg.block_size)
     for ds, ids in prompts.items():
         ev = evaluate_tau(
             target, drafter, ids, max_new_tokens=max_new, temperature=temperature, batch_size=batch_size, seed=seed

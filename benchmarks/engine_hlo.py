@@ -32,6 +32,7 @@ checkout holds them (:data:`ENGINE_MODULES` and :func:`_models`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import importlib
 import json
@@ -174,8 +175,10 @@ def _models():
         name="hlo-tiny",
     )
     target = target_cls(cfg, random_params(cfg, seed=0), fingerprint="hlo-tiny")
+    # The block size's field name on this checkout (older commits: gamma).
+    block_key = "block_size" if "block_size" in {f.name for f in dataclasses.fields(DrafterConfig)} else "gamma"
     dcfg = DrafterConfig.for_target(
-        cfg, gamma=3, num_layers=1, intermediate_size=64, markov_rank=16, target_fingerprint="hlo-tiny"
+        cfg, **{block_key: 3}, num_layers=1, intermediate_size=64, markov_rank=16, target_fingerprint="hlo-tiny"
     )
     return target, drafter_cls(dcfg, nnx.Rngs(0))
 

@@ -12,8 +12,8 @@ verifies only its anchor, no drafting) of a drafter-less engine, alternated ``--
 * the suspended step (should cost what the plain engine's step costs);
 * a prefill (prefill drafts nothing while the engine does not draft), with the drafter context
   and with the drafter suspended (no context: it is caught up if drafting resumes);
-* one catch-up pass (``gamma + 1`` skipped tokens per row), the price of resuming;
-* the step that also drafts the next block (one drafter pass plus ``gamma`` LM-head rows and
+* one catch-up pass (``block_size + 1`` skipped tokens per row), the price of resuming;
+* the step that also drafts the next block (one drafter pass plus ``block_size`` LM-head rows and
   the Markov sampler): what speculation must win back.
 
     python -m benchmarks.engine_overhead --target smollm2-135m-instruct \\
@@ -83,7 +83,7 @@ def measure(plain, spec, rows: list[int], prompt_len: int, reps: int) -> list[di
         return run
 
     def catch_up(e, r):
-        w = e.gamma + 1
+        w = e.block_size + 1
         tok = np.full(r * w, 1, np.int32)
         row = np.repeat(np.arange(r, dtype=np.int32), w)
         col = np.tile(np.arange(w, dtype=np.int32), r)
@@ -110,7 +110,7 @@ def measure(plain, spec, rows: list[int], prompt_len: int, reps: int) -> list[di
     cases.append((f"prefill, {prompt_len} tokens", prefill(plain), prefill(spec)))
     cases.append((f"prefill, drafter suspended, {prompt_len} tokens", prefill(plain), prefill(spec, True)))
     cases += [
-        (f"catch-up pass ({spec.gamma + 1} tokens/row), {r} rows", step(plain, r), catch_up(spec, r)) for r in rows
+        (f"catch-up pass ({spec.block_size + 1} tokens/row), {r} rows", step(plain, r), catch_up(spec, r)) for r in rows
     ]
     # For scale: the same step when it also drafts the next block (what speculation must win back).
     cases += [(f"step + drafting a block, {r} rows", step(plain, r), step(spec, r, True)) for r in rows]
@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.random_drafter:
             raise DSparkInputError("give --drafter EXPORT_DIR or --random-drafter GAMMA")
         drafter = DSparkDrafter(
-            DrafterConfig.for_target(target.cfg, gamma=args.random_drafter, num_layers=1, markov_rank=8), nnx.Rngs(0)
+            DrafterConfig.for_target(target.cfg, block_size=args.random_drafter, num_layers=1, markov_rank=8),
+            nnx.Rngs(0),
         )
     rows = sorted({int(r) for r in args.rows.split(",")})
     if rows[0] < 1 or rows[-1] > args.num_slots:
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     record = {
         "target": args.target,
-        "drafter": args.drafter or f"random(gamma={args.random_drafter})",
+        "drafter": args.drafter or f"random(block_size={args.random_drafter})",
         "num_slots": args.num_slots,
         "cache_len": args.cache_len,
         "reps": args.reps,

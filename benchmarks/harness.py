@@ -178,3 +178,21 @@ def load_checkout(root: str | Path, submodules: Sequence[str]) -> dict[str, Modu
         for k in [k for k in sys.modules if _in_package(k)]:
             del sys.modules[k]
         sys.modules.update(mine)
+
+
+def drafter_for(mods: Mapping[str, ModuleType], target_cfg: Any, block_size: int, **fields: Any) -> Any:
+    """A random-weight DSpark drafter for ``target_cfg`` built by a checkout's modules
+    (:func:`load_checkout`; keys ``"config"`` and ``"drafters.dspark"``), seed 0, whatever that
+    checkout calls the block size (``block_size``; older commits: ``gamma``) and the class
+    (``DSparkDrafter``; older commits: ``Drafter``)."""
+    import dataclasses
+
+    from flax import nnx
+
+    config_cls = mods["config"].DrafterConfig
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    key = "block_size" if "block_size" in names else "gamma"
+    cfg = config_cls.for_target(target_cfg, **{key: block_size}, **fields)
+    module = mods["drafters.dspark"]
+    cls = getattr(module, "DSparkDrafter", None) or module.Drafter
+    return cls(cfg, nnx.Rngs(0))

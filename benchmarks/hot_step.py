@@ -3,10 +3,10 @@ the package (e.g. the commit before a change, loaded by :func:`benchmarks.harnes
 interleaved in one process so that machine load hits both alike.
 
     git archive <old-commit> | tar -x -C /tmp/old
-    python -m benchmarks.hot_step --old /tmp/old --target smollm2-135m-instruct --rows 16 --gamma 4
+    python -m benchmarks.hot_step --old /tmp/old --target smollm2-135m-instruct --rows 16 --block-size 4
 
-Times, with a random drafter (``--gamma``) and ``fixed:gamma``, the plain step (every row
-verifies its anchor only) and the speculative step (every row verifies ``gamma`` drafts),
+Times, with a random drafter (``--block-size``) and ``fixed:block_size``, the plain step (every row
+verifies its anchor only) and the speculative step (every row verifies ``block_size`` drafts),
 with no request using logit_bias / logprobs / min_tokens; in this checkout also with both
 flags on (``+bias+lp``). Prints one JSON object of median milliseconds.
 """
@@ -20,7 +20,7 @@ import json
 import statistics
 import time
 
-from benchmarks.harness import load_checkout
+from benchmarks.harness import drafter_for, load_checkout
 
 _SUBMODULES = ("api", "config", "drafters.dspark", "serving.engine")  # what main() builds an engine from
 
@@ -30,14 +30,13 @@ def main(argv=None):
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--old", default=None, help="another checkout (its dspark_jax/) to compare with")
     p.add_argument("--rows", type=int, default=16)
-    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=4)
     p.add_argument("--cache-len", type=int, default=256)
     p.add_argument("--reps", type=int, default=30)
     a = p.parse_args(argv)
 
     import jax
     import numpy as np
-    from flax import nnx
 
     packages = {"new": {m: importlib.import_module(f"dspark_jax.{m}") for m in _SUBMODULES}}
     if a.old:
@@ -46,14 +45,13 @@ def main(argv=None):
     for name, mods in packages.items():
         # Each checkout builds its own target and drafter, so model code is compared too.
         target, _ = mods["api"].load_target(a.target)
-        cfg = mods["config"].DrafterConfig.for_target(target.cfg, gamma=a.gamma, num_layers=1, markov_rank=64)
-        drafter = mods["drafters.dspark"].Drafter(cfg, nnx.Rngs(0))
+        drafter = drafter_for(mods, target.cfg, a.block_size, num_layers=1, markov_rank=64)
         eng = mods["serving.engine"].Engine(
             target,
             drafter,
             num_slots=a.rows,
             cache_len=a.cache_len,
-            policy=f"fixed:{a.gamma}",
+            policy=f"fixed:{a.block_size}",
             row_buckets=[a.rows],
             prefill_buckets=[32],
             suspend_after=None,
@@ -66,10 +64,10 @@ def main(argv=None):
     cases = []
     for name, eng in engines.items():
         new = "use_bias" in inspect.signature(eng.device.run_step).parameters
-        cases += [(f"{name}:plain", eng, 0, {}), (f"{name}:spec", eng, a.gamma, {})]
+        cases += [(f"{name}:plain", eng, 0, {}), (f"{name}:spec", eng, a.block_size, {})]
         if new:
             on = dict(use_bias=True, want_lp=True)
-            cases += [(f"{name}:plain+bias+lp", eng, 0, on), (f"{name}:spec+bias+lp", eng, a.gamma, on)]
+            cases += [(f"{name}:plain+bias+lp", eng, 0, on), (f"{name}:spec+bias+lp", eng, a.block_size, on)]
     times = {c[0]: [] for c in cases}
     for i in range(a.reps + 2):
         for label, eng, ell, kw in cases if i % 2 == 0 else cases[::-1]:
@@ -85,7 +83,7 @@ def main(argv=None):
             {
                 "target": a.target,
                 "rows": a.rows,
-                "gamma": a.gamma,
+                "block_size": a.block_size,
                 "reps": a.reps,
                 "median_ms": {k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()},
             }

@@ -197,7 +197,7 @@ def load_models(args):
         from dspark_jax.drafters.dspark import DSparkDrafter
 
         drafter = DSparkDrafter(
-            DrafterConfig.for_target(target.cfg, gamma=args.random_drafter, num_layers=1, markov_rank=8),
+            DrafterConfig.for_target(target.cfg, block_size=args.random_drafter, num_layers=1, markov_rank=8),
             nnx.Rngs(args.seed),
             dtype=dtype,
         )

@@ -91,7 +91,7 @@ QUICK = dict(
     batch_size=4,
     anchors_per_seq=4,
     log_every=10,
-    gamma=4,
+    block_size=4,
     drafter_width=0,
 )
 STATE = "learning_curve.json"
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperatures", default="0,1", help="evaluation temperatures (default 0,1)")
     p.add_argument("--eval-batch-size", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the preset's)")
-    p.add_argument("--gamma", type=int, default=None, help="block size of every drafter (default: the preset's)")
+    p.add_argument("--block-size", type=int, default=None, help="block size of every drafter (default: the preset's)")
     p.add_argument("--decay-frac", type=float, default=0.2, help="fraction of each budget spent decaying (0.2)")
     p.add_argument(
         "--warmup-steps", type=int, default=None, help="warmup of every run (default: the preset's, <= s_Bmin / 2)"
@@ -148,7 +148,7 @@ def study_config(args, budgets: list[int]):
     over: dict[str, Any] = dict(seed=args.seed, num_prompts=100_000)  # every training prompt
     if args.quick:
         over.update(QUICK)
-    for k, v in (("batch_size", args.batch_size), ("gamma", args.gamma)):
+    for k, v in (("batch_size", args.batch_size), ("block_size", args.block_size)):
         if v is not None:
             over[k] = v
     s_min = wsd_decay_start(budgets[0], args.decay_frac)
@@ -456,7 +456,7 @@ def study_settings(base, ev: dict, data_info: dict, prompts: dict, args) -> dict
     keys = ("batch_size", "anchors_per_seq", "learning_rate", "warmup_steps", "decay_frac", "lr_schedule")
     return {
         **{k: getattr(base, k) for k in keys},
-        **{k: getattr(base, k) for k in ("gamma", "seq_len", "markov_rank", "drafter_width", "seed")},
+        **{k: getattr(base, k) for k in ("block_size", "seq_len", "markov_rank", "drafter_width", "seed")},
         "data_sequences": data_info["sequences"],
         "data_generated_tokens": data_info["generated_tokens"],
         "eval_prompts": {k: len(v) for k, v in prompts.items()},

@@ -27,7 +27,7 @@ def markdown(state: dict[str, Any]) -> str:
         "",
         f"Identical data for every drafter ({data.get('sequences')} self-distilled sequences, "
         f"{data.get('generated_tokens')} target tokens); batch {st['batch_size']}, {st['anchors_per_seq']} anchor "
-        f"blocks per sequence, gamma {st['gamma']}, lr {st['learning_rate']} warmup-stable-decay "
+        f"blocks per sequence, block_size {st['block_size']}, lr {st['learning_rate']} warmup-stable-decay "
         f"(warmup {st['warmup_steps']} steps, linear decay over the last {st['decay_frac']:g} of each budget, "
         f"branched from one constant-rate trunk). Held-out prompts {st['eval_prompts']}, "
         f"{st['eval_max_new_tokens']} new tokens. Training seconds: training stage only (data generation, "

@@ -5,7 +5,7 @@
     python -m benchmarks.serve_load --quick --out /tmp/serve_load          # CI smoke run (stories260K)
     python -m benchmarks.serve_load --stress --target stories260k --random-drafter 4 --out /tmp/stress
 
-Sweep mode (default): every policy (``plain``, ``fixed:G`` for each ``--gammas``,
+Sweep mode (default): every policy (``plain``, ``fixed:G`` for each ``--block-sizes``,
 ``greedy``, ``dspark``) gets its own warmed-up engine on the same loaded target/drafter
 (``plain`` without a drafter), served with uvicorn in this process; real prompts
 (``--prompts``: MT-Bench first turns through the chat template by default, from
@@ -23,7 +23,7 @@ Per level:
 * ``tau`` / ``acceptance_rate``: the server's per-request speculative metrics, pooled.
 
 Each policy's output and per-user tok/s is also reported as a ratio to ``plain`` and to the
-best fixed gamma at the same concurrency. Writes ``OUT/serve_load.json`` and
+best fixed block_size at the same concurrency. Writes ``OUT/serve_load.json`` and
 ``OUT/serve_load.png`` (output tok/s and per-user tok/s against concurrency).
 
 Long-prompt scenario (``--long-prompt-scenario``, :mod:`prefill_load`): batched, chunked prefill
@@ -97,9 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--policies",
         default=None,
-        help="comma-separated policies (default: plain, fixed:G for each --gammas, greedy, dspark)",
+        help="comma-separated policies (default: plain, fixed:G for each --block-sizes, greedy, dspark)",
     )
-    p.add_argument("--gammas", default="1,2,4,8", help="fixed gammas of the default policy list (default 1,2,4,8)")
+    p.add_argument("--block-sizes", default="1,2,4,8", help="fixed gammas of the default policy list (default 1,2,4,8)")
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="concurrency levels (default 1,2,...,64)")
     p.add_argument(
         "--num-requests",
@@ -282,7 +282,7 @@ def sweep(args, models: tuple | None = None, engine=None, plain_engine=None) -> 
     add_ratios(runs)
     result = {
         "target": args.target,
-        "drafter": args.drafter or (f"random(gamma={drafter.cfg.gamma})" if drafter is not None else None),
+        "drafter": args.drafter or (f"random(block_size={drafter.cfg.block_size})" if drafter is not None else None),
         "chat": args.chat,
         "prompts": args.prompts or ("mt_bench" if args.chat else "tinystories"),
         "max_tokens": args.max_tokens,

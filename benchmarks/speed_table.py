@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     target = Target(cfg, params, fingerprint=params_fingerprint(params))
     drafter, meta = load_drafter(args.drafter)
     chat = bool(preset_info(args.target).get("chat"))
-    room = cfg.max_position - args.max_new_tokens - drafter.cfg.gamma - 2
+    room = cfg.max_position - args.max_new_tokens - drafter.cfg.block_size - 2
     sets, set_info = load_sets(
         [s.strip() for s in args.prompts.split(",") if s.strip()], tok, chat, meta, args.num_prompts, room
     )
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "target": args.target,
         "target_name": cfg.name,
         "drafter": str(Path(args.drafter).resolve()),
-        "block_size": drafter.cfg.gamma,
+        "block_size": drafter.cfg.block_size,
         "chat_template": chat,
         "budget": {
             "num_prompts": args.num_prompts,

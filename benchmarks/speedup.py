@@ -12,7 +12,7 @@ with the same target, prompts and sampling, measured in one run. For every draft
   decode loop's own cost tables over the rounds it actually ran (:func:`cost_table_bound`:
   for ``auto`` the mix of widths it chose and the rounds where it skipped drafting), or
   (``micro``, :func:`measure_speed`'s default) by jitted micro-benchmarks of one plain
-  decode step, one drafting round and one verification pass (target over gamma + 1 tokens,
+  decode step, one drafting round and one verification pass (target over block_size + 1 tokens,
   rejection sampling, drafter cache update); the gap to the measured figure is the decode
   loop's overhead. The bound models the decode phase; with ``cost_table`` the decode phase is
   also measured alone (the loop's prefill timed per prompt, :func:`prefill_seconds`, and
@@ -175,7 +175,7 @@ def step_timings(
     Returns:
       ``{"t_target_step", "t_draft", "t_verify"}`` [s] (each only when measured).
     """
-    g = drafter.cfg.gamma if drafter is not None else 0
+    g = drafter.cfg.block_size if drafter is not None else 0
     need = len(prompt) + max_new_tokens + g + 2
     cache_len = min(-(-need // 64) * 64, target.cfg.max_position)
     p = min(len(prompt) + max_new_tokens // 2, cache_len - g - 2)
@@ -310,7 +310,7 @@ def cost_table_bound(target, drafter, per_prompt: Sequence[dict[str, Any]], gree
     """
     tables = {c: cached_cost_table(target, drafter, c) for c in sorted({r["cache_len"] for r in per_prompt})}
     step = draft = verify = 0.0
-    hist = np.zeros(drafter.cfg.gamma + 1, np.int64)
+    hist = np.zeros(drafter.cfg.block_size + 1, np.int64)
     drafted = emitted = 0
     for r in per_prompt:
         t = tables[r["cache_len"]]
@@ -351,7 +351,7 @@ def prefill_seconds(target, drafter, prompts: Sequence[Sequence[int]], max_new_t
     t_graph, t_state = nnx.split(target)
     d_graph, d_state = nnx.split(drafter) if drafter is not None else (None, None)
     taps = drafter.cfg.taps if drafter is not None else ()
-    g = drafter.cfg.gamma if drafter is not None else 0
+    g = drafter.cfg.block_size if drafter is not None else 0
     dcfg = (drafter.cfg, jnp.dtype(drafter.dtype).name) if drafter is not None else None
     samp, key = sampling_arrays(1, 0.0), jax.random.PRNGKey(0)[None]
 
@@ -412,7 +412,7 @@ def _drafter_row(target, d, spec, recs, ar, pre, bound_from, micro_args) -> dict
     """One drafter entry's result: rates, tau, same_as_ar and the bound (module docstring)."""
     first = recs[0]
     r = _rates(recs, ar, pre)
-    r["num_speculative_tokens"] = spec if spec is not None else d.cfg.gamma
+    r["num_speculative_tokens"] = spec if spec is not None else d.cfg.block_size
     r["same_as_ar"] = first["same_as_ar"]
     r["passes"] = sum(p["passes"] for p in first["prompts"])
     r["emitted"] = sum(p["emitted"] for p in first["prompts"])
@@ -477,7 +477,7 @@ def measure_speed(
     priced = {n: _cost_priced(d, n_spec[n], bound_from) for n, d in drafters.items()}
     if cost_repeats:
         for d in {id(d): d for n, d in drafters.items() if priced[n]}.values():
-            for c in sorted({default_cache_len(target, [p], max_new_tokens, d.cfg.gamma) for p in prompts}):
+            for c in sorted({default_cache_len(target, [p], max_new_tokens, d.cfg.block_size) for p in prompts}):
                 cached_cost_table(target, d, c, repeats=cost_repeats)
     # warm-up (compilation of every prompt shape happens outside the timed runs anyway)
     generate_autoregressive(target, [prompts[0]], seed=seed, **kw)

@@ -4,7 +4,7 @@
         --drafter ~/dspark-runs/s260k-i14/export --prompts ~/dspark-runs/s260k-i14/eval_prompts.json
 
 docs/design.md#verification / docs/design.md#metrics: for each temperature and mode, one warmed-up
-:class:`~dspark_jax.serving.engine.Engine` (policy ``fixed:gamma`` by default, so that both modes
+:class:`~dspark_jax.serving.engine.Engine` (policy ``fixed:block_size`` by default, so that both modes
 verify the same number of drafts) decodes every prompt (seeds 0..n-1, ``--max-tokens``) in
 ``--slots`` concurrent slots; reported: tau (tokens per request-round, the engine's
 ``mean_accepted_length``), acceptance rate and per-position conditional acceptance. Greedy
@@ -52,7 +52,7 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--cache-len", type=int, default=256)
-    p.add_argument("--policy", default=None, help="default fixed:gamma")
+    p.add_argument("--policy", default=None, help="default fixed:block_size")
     p.add_argument("--temperatures", default="0,0.7,1.0")
     a = p.parse_args(argv)
 
@@ -62,11 +62,11 @@ def main(argv=None):
     target, tok, drafter = load_target_and_drafter(a.target, os.path.expanduser(a.drafter))
     prompts = json.loads(Path(os.path.expanduser(a.prompts)).read_text())[: a.num_prompts]
     ids = [encode_prompt(tok, t, spec=a.target) for t in prompts]  # chat presets get their chat template
-    policy = a.policy or f"fixed:{drafter.cfg.gamma}"
+    policy = a.policy or f"fixed:{drafter.cfg.block_size}"
     res = {
         "target": a.target,
         "drafter": a.drafter,
-        "gamma": drafter.cfg.gamma,
+        "block_size": drafter.cfg.block_size,
         "policy": policy,
         "num_prompts": len(ids),
         "max_tokens": a.max_tokens,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import typing
 from collections.abc import Sequence
 from typing import Any
@@ -174,10 +175,26 @@ def apply_overrides(cfg: Any, overrides: Sequence[str] | dict[str, Any]) -> Any:
     return cfg
 
 
+# Keys renamed since the first release: still read from recipes, config files, overrides and
+# old exports, with a note, so that nothing a user wrote stops working.
+RENAMED_KEYS = {"gamma": "block_size"}
+
+
+def renamed_key(key: str, where: str) -> str:
+    """``key``'s current name (:data:`RENAMED_KEYS`), logging a one-line note when it was renamed."""
+    new = RENAMED_KEYS.get(key)
+    if new is None:
+        return key
+    logging.getLogger("dspark_jax.config").warning("note: %s %r is now called %r", where, key, new)
+    return new
+
+
 def _set_path(cfg: Any, path: list[str], value: Any, full: str) -> Any:
     hints = typing.get_type_hints(type(cfg))
     fields = {f.name for f in dataclasses.fields(cfg)}
     head = path[0]
+    if head not in fields:
+        head = renamed_key(head, "config key")
     if head not in fields:
         raise ValueError(f"unknown config key {full!r}; valid keys here: {', '.join(sorted(fields))}")
     if len(path) > 1:
@@ -219,15 +236,16 @@ class DrafterConfig:
     The drafter shares the target's token embedding and LM head (frozen); its width is the
     target's hidden size unless ``width`` says otherwise. DFlash is the same model with
     ``variant="dflash"``: no Markov head, no confidence head, and a block of
-    anchor + gamma mask slots whose mask slots predict their own position.
+    anchor + block_size mask slots whose mask slots predict their own position.
     ``variant="eagle3"`` is the autoregressive baseline of :mod:`dspark_jax.drafters.eagle`
     (one decoder layer over fused low/mid/high target features, one token per step;
     ``num_layers`` must be 1, no Markov or confidence head).
 
     Attributes:
-      variant: ``"dspark"`` (anchor + gamma-1 masks, prediction at every slot,
+      variant: ``"dspark"`` (anchor + block_size-1 masks, prediction at every slot,
         Markov + confidence heads), ``"dflash"`` or ``"eagle3"``.
-      gamma: block size, the number of draft tokens per drafting round.
+      block_size: the block size (the paper's gamma; DeepSpec, speculators and tpu-inference
+        call it block_size), the number of draft tokens per drafting round.
       num_layers: backbone transformer layers N.
       num_heads / num_kv_heads / head_dim / intermediate_size: backbone shape.
       taps: target layers whose hidden states form the context features.
@@ -278,7 +296,7 @@ class DrafterConfig:
     target_num_layers: int
     taps: tuple[int, ...]
     variant: str = "dspark"
-    gamma: int = 8
+    block_size: int = 8
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
@@ -306,8 +324,8 @@ class DrafterConfig:
             )
         if self.variant == "eagle3" and self.num_layers != 1:
             raise ValueError(f"the eagle3 drafter has exactly one decoder layer, got num_layers={self.num_layers}")
-        if self.gamma < 1:
-            raise ValueError(f"gamma must be >= 1, got {self.gamma}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size must be in [0, {self.vocab_size}] (0 = the full vocabulary), "
@@ -357,11 +375,11 @@ class DrafterConfig:
         return self.variant == "dspark"
 
     @property
-    def num_slots(self) -> int:
-        """Block length fed to the backbone: anchor + gamma-1 masks (DSpark) or + gamma (DFlash).
-
-        For eagle3, the gamma sequential draft steps."""
-        return self.gamma + 1 if self.variant == "dflash" else self.gamma
+    def num_block_positions(self) -> int:
+        """Positions the drafter's backbone runs per block [tokens]: the anchor and ``block_size - 1``
+        masks (DSpark) or ``block_size`` masks (DFlash); for eagle3, its ``block_size`` sequential
+        draft steps. (Distinct from the serving engine's ``num_slots``, its decode rows.)"""
+        return self.block_size + 1 if self.variant == "dflash" else self.block_size
 
     @property
     def markov_w1_size(self) -> int:
@@ -387,6 +405,7 @@ class DrafterConfig:
         """
         if arch not in DRAFTER_ARCHS:
             raise DSparkInputError(f"drafter_arch must be one of {', '.join(DRAFTER_ARCHS)}, got {arch!r}")
+        overrides = {renamed_key(k, "DrafterConfig.for_target argument"): v for k, v in overrides.items()}
         base: dict[str, Any] = dict(
             vocab_size=target.vocab_size,
             hidden_size=target.hidden_size,
@@ -414,6 +433,7 @@ class DrafterConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DrafterConfig:
         names = {f.name for f in dataclasses.fields(cls)}
+        d = {k if k in names else RENAMED_KEYS.get(k, k): v for k, v in d.items()}  # older exports
         unknown = set(d) - names
         if unknown:
             raise ValueError(f"unknown drafter config keys: {sorted(unknown)}")

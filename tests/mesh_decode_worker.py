@@ -45,7 +45,7 @@ def bigram_drafter(target) -> DSparkDrafter:
     drafts get accepted (the tokens then depend on acceptance, not only on the target)."""
     v = target.cfg.vocab_size
     dcfg = DrafterConfig.for_target(
-        target.cfg, gamma=4, num_layers=1, markov_rank=v, target_fingerprint=target.fingerprint
+        target.cfg, block_size=4, num_layers=1, markov_rank=v, target_fingerprint=target.fingerprint
     )
     d = DSparkDrafter(dcfg, nnx.Rngs(0))
     x = np.stack([np.full(v, 1), np.arange(v)], axis=1).astype(np.int32)

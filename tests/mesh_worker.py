@@ -45,7 +45,14 @@ TCFG = TargetConfig(
     eos_ids=(),
 )
 CFG = TrainConfig(
-    steps=6, batch_size=16, anchors_per_seq=8, gamma=4, num_layers=1, markov_rank=16, learning_rate=1e-2, seq_len=48
+    steps=6,
+    batch_size=16,
+    anchors_per_seq=8,
+    block_size=4,
+    num_layers=1,
+    markov_rank=16,
+    learning_rate=1e-2,
+    seq_len=48,
 )
 MESHES = {"1x8": "data:1,model:8", "2x4": "data:2,model:4", "8x1": "data:8,model:1"}
 STEPS = 2
@@ -269,7 +276,7 @@ def main():
 
     # Serving: a drafter whose Markov head holds the target's bigram logits, so drafts get accepted.
     v = TCFG.vocab_size
-    dcfg = DrafterConfig.for_target(TCFG, gamma=2, num_layers=1, markov_rank=v, target_fingerprint="tinymeshfp")
+    dcfg = DrafterConfig.for_target(TCFG, block_size=2, num_layers=1, markov_rank=v, target_fingerprint="tinymeshfp")
     d = DSparkDrafter(dcfg, nnx.Rngs(0))
     x = np.stack([np.full(v, 1), np.arange(v)], axis=1).astype(np.int32)
     pos = np.broadcast_to(np.arange(2, dtype=np.int32), x.shape)

@@ -4,7 +4,7 @@ random weights and their seeds, so that tests which mean "the tiny target" build
 * :data:`TINY_TARGET`, :func:`tiny_target`: a 4-layer Llama-style target (V = 64, H = 32, GQA
   4/2 heads) with random weights (seed 1, scale 0.2) and the fingerprint ``"tinyfp"``.
 * :data:`TINY_TRAIN`, :func:`tiny_train_config`: the drafter shape of the tiny training runs
-  (block size gamma = 4, one layer, Markov rank 8); :func:`tiny_drafter` builds a drafter of any
+  (block size block_size = 4, one layer, Markov rank 8); :func:`tiny_drafter` builds a drafter of any
   kind (``"dspark"``, ``"dflash"``, ``"eagle3"``) for a target from it, the way a run does.
 * :func:`tiny_data`: self-distillation-shaped rows (``tokens``, ``lengths``, ``prompt_lengths``).
 * :data:`LAW_TARGET`, :func:`law_target`: a V = 6 target small enough to enumerate every draft
@@ -41,7 +41,7 @@ TINY_FINGERPRINT = "tinyfp"
 TARGET_SEED = 1
 TARGET_SCALE = 0.2
 DRAFTER_SEED = 0
-TINY_TRAIN = TrainConfig(gamma=4, num_layers=1, markov_rank=8)
+TINY_TRAIN = TrainConfig(block_size=4, num_layers=1, markov_rank=8)
 
 LAW_TARGET = TargetConfig(
     vocab_size=6,

@@ -172,7 +172,7 @@ def auto_round(
     """
     t_verify, t_draft = costs
     b = anchor.shape[0]
-    block_size = drafter.cfg.gamma
+    block_size = drafter.cfg.block_size
     v = drafter.cfg.vocab_size
 
     def drafted(_):

@@ -185,7 +185,10 @@ def run(args: argparse.Namespace) -> dict:
         drafter = load_drafter_for(target, tok, args.drafter, dtype)[0]
         n_spec = resolve_num_speculative_tokens(drafter, req.num_speculative_tokens)
         out.update(
-            mode="speculative", variant=drafter.cfg.variant, num_speculative_tokens=n_spec, block_size=drafter.cfg.gamma
+            mode="speculative",
+            variant=drafter.cfg.variant,
+            num_speculative_tokens=n_spec,
+            block_size=drafter.cfg.block_size,
         )
         if args.compare_ar:  # warm-up run: the timed runs below then compare steady-state speed
             decode(target, drafter, [req])

@@ -118,7 +118,7 @@ def _programs(target, drafter, widths: Sequence[int], cache_len: int):
     t_graph, _ = nnx.split(target)
     d_graph, _ = nnx.split(drafter)
     taps = drafter.cfg.taps
-    g = drafter.cfg.gamma
+    g = drafter.cfg.block_size
 
     def verify_prog(w):
         def run(t_state, d_state, tcache, dcache, anchor, pos, drafts, dprobs, key, samp):
@@ -180,7 +180,7 @@ def measure_costs(
       DSparkInputError: a drafter for another target (prepared first, as decoding does).
     """
     prepare_drafter(target, drafter)
-    g = drafter.cfg.gamma
+    g = drafter.cfg.block_size
     widths = tuple(default_widths(g) if widths is None else sorted(set(int(w) for w in widths)))
     if widths[0] != 0 or widths[-1] > g:
         raise ValueError(f"widths must start at 0 and stay <= the block size {g}, got {list(widths)}")

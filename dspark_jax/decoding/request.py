@@ -94,7 +94,7 @@ def default_num_speculative_tokens(drafter: Drafter) -> int | str:
     (dspark / dflash: it reads their block confidences), else the drafter's block size."""
     from dspark_jax.drafters.base import BlockDrafter
 
-    return "auto" if isinstance(drafter, BlockDrafter) else drafter.cfg.gamma
+    return "auto" if isinstance(drafter, BlockDrafter) else drafter.cfg.block_size
 
 
 def resolve_num_speculative_tokens(drafter: Drafter, num_speculative_tokens: int | str | None) -> int | str:
@@ -104,7 +104,7 @@ def resolve_num_speculative_tokens(drafter: Drafter, num_speculative_tokens: int
       DSparkInputError: an int outside ``[1, block_size]``, or neither an int nor ``"auto"``.
     """
     default = default_num_speculative_tokens(drafter)
-    return validation.resolve_num_speculative_tokens(num_speculative_tokens, None, drafter.cfg.gamma, default=default)
+    return validation.resolve_num_speculative_tokens(num_speculative_tokens, drafter.cfg.block_size, default=default)
 
 
 def load_drafter_for(target: Target, tokenizer: Any, drafter_dir: str, dtype: Any = None) -> tuple[Drafter, dict]:

@@ -208,7 +208,7 @@ def draft_tokens(
     if not isinstance(drafter, BlockDrafter):
         raise TypeError(f"step_keys / adjust_logits need a block drafter (dspark/dflash), not {drafter.cfg.variant}")
     block = drafter.draft_block(target, anchors, anchor_pos, cache)
-    draft_pos = anchor_pos[:, None] + jnp.arange(drafter.cfg.gamma, dtype=jnp.int32)
+    draft_pos = anchor_pos[:, None] + jnp.arange(drafter.cfg.block_size, dtype=jnp.int32)
     if adjust_logits is not None:
         block = block._replace(logits=adjust_logits(block.logits, draft_pos))
     per_pos = None if step_keys is None else draft_step_keys(keys, draft_pos, step_keys)

@@ -182,7 +182,7 @@ def _fixed_round(target, drafter, s: _Loop, x: _Inputs, r: _RoundIn, max_verify,
     """A round verifying ``min(num_speculative_tokens, room)`` drafts of every running row in a
     pass of static ``width + 1`` tokens (``width`` = num_speculative_tokens: a shorter fixed
     length costs a shorter pass, not a block-wide one with fewer accepts)."""
-    block_size = drafter.cfg.gamma
+    block_size = drafter.cfg.block_size
     running, anchor, p = r.running, r.anchor, r.p
     d = draft_tokens(target, drafter, anchor, p, s.dcache, r.draft_keys, x.sampling)
     # Verification length: fixed by limits only, never by draft values (non-anticipation).
@@ -256,7 +256,7 @@ def _spec_decode(
 ):
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state)
-    block_size = drafter.cfg.gamma
+    block_size = drafter.cfg.block_size
     init = _start(target, drafter, x, cache_len, drafter.cfg.taps, block_size)
     b = x.prompt.shape[0]
     if record_rounds:
@@ -451,7 +451,7 @@ def _auto_costs(target: Target, drafter: Drafter, cost_table, bt: _Batch):
         raise DSparkInputError(
             f"num_speculative_tokens='auto' needs a block drafter (dspark/dflash), not {drafter.cfg.variant}"
         )
-    widths = auto_verify.default_widths(drafter.cfg.gamma)
+    widths = auto_verify.default_widths(drafter.cfg.block_size)
     table = cost_table if cost_table is not None else cached_cost_table(target, drafter, bt.cache_len)
     greedy = bool(np.all(np.asarray(bt.sampling.temperature) <= 0))
     t_draft = table.t_draft_greedy if greedy else table.t_draft_sampled
@@ -470,7 +470,6 @@ def generate_speculative(
     seed: int | Sequence[int] = 0,
     stop_ids: Sequence[int] | None = None,
     num_speculative_tokens: int | str | None = None,
-    gamma: int | None = None,
     cache_len: int | None = None,
     record_rounds: bool = False,
     cost_table=None,
@@ -487,12 +486,11 @@ def generate_speculative(
         (see :func:`~dspark_jax.drafters.base.check_compatible`); its decode-time state is
         installed for ``target`` (:func:`~dspark_jax.drafters.base.prepare_drafter`).
       num_speculative_tokens: draft tokens verified per round, ``1..block_size`` (the
-        drafter's block size ``drafter.cfg.gamma``; drafting always produces the full block), or ``"auto"``
+        drafter's block size ``drafter.cfg.block_size``; drafting always produces the full block), or ``"auto"``
         (:mod:`dspark_jax.decoding.auto_verify`: per round the width among a few compiled ones that
         maximises expected tokens/s from the calibrated confidences and the measured cost
         table, 0 when drafting does not pay). Default: the block size. ``"auto"`` chooses one
         width for the whole batch and is meant for one request at a time.
-      gamma: deprecated alias of ``num_speculative_tokens`` (DeprecationWarning).
       record_rounds: also record every round's raw confidence logits and
         accepted/verified counts (:attr:`Generation.rounds`), e.g. for
         calibration reliability; costs ``[B, max_new_tokens, block_size]`` floats.
@@ -508,8 +506,8 @@ def generate_speculative(
       FloatingPointError: the target produced NaN/inf logits.
     """
     prepare_drafter(target, drafter)
-    block_size = drafter.cfg.gamma
-    n_spec = resolve_num_speculative_tokens(num_speculative_tokens, gamma, block_size, default=block_size)
+    block_size = drafter.cfg.block_size
+    n_spec = resolve_num_speculative_tokens(num_speculative_tokens, block_size, default=block_size)
     check_sampling(temperature, top_k, top_p)
     bt = _batch(target, prompts, max_new_tokens, block_size, cache_len, (temperature, top_k, top_p), seed, stop_ids)
     widths, costs = _auto_costs(target, drafter, cost_table, bt) if n_spec == "auto" else (None, None)

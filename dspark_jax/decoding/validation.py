@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -306,30 +305,19 @@ def check_min_tokens(min_tokens, max_tokens: int) -> int:
     return int(min_tokens)
 
 
-def resolve_num_speculative_tokens(num_speculative_tokens, gamma, block_size: int, default: Any = "auto"):
-    """``num_speculative_tokens`` (int or ``"auto"``), with the deprecated ``gamma`` alias.
+def resolve_num_speculative_tokens(num_speculative_tokens, block_size: int, default: Any = "auto"):
+    """``num_speculative_tokens`` (int, numeric string or ``"auto"``) checked against the block.
 
     Args:
       num_speculative_tokens: draft tokens verified per round, an int, a numeric string or
         ``"auto"``; None: ``default`` (None there: ``block_size``).
-      gamma: deprecated alias (a DeprecationWarning is issued when given).
       block_size: the drafter's block size (drafts per round).
     Returns:
       ``"auto"`` or an int in ``[1, block_size]``.
     Raises:
-      DSparkInputError: both given, or a value outside ``[1, block_size]`` / not ``"auto"``.
+      DSparkInputError: a value outside ``[1, block_size]`` / not ``"auto"``.
     """
     name = "num_speculative_tokens"
-    if gamma is not None:
-        name = "gamma (alias of num_speculative_tokens)"
-        warnings.warn(
-            "gamma= is deprecated: use num_speculative_tokens= (gamma is the drafter's block size)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        if num_speculative_tokens is not None:
-            raise DSparkInputError("give num_speculative_tokens or its deprecated alias gamma, not both")
-        num_speculative_tokens = gamma
     n = default if num_speculative_tokens is None else num_speculative_tokens
     if n is None:
         return block_size

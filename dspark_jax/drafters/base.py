@@ -35,8 +35,8 @@ class BlockOutput(NamedTuple):
     """Hidden states and base logits of drafting blocks.
 
     Attributes:
-      hidden: ``[..., gamma, d]`` final-normed hidden state per predicted position.
-      logits: ``[..., gamma, N]`` float32 base logits ``U_k`` (no Markov bias) over the draft
+      hidden: ``[..., block_size, d]`` final-normed hidden state per predicted position.
+      logits: ``[..., block_size, N]`` float32 base logits ``U_k`` (no Markov bias) over the draft
         vocabulary: N = V, or ``cfg.draft_vocab_size`` (map with
         :meth:`BlockDrafter.to_target_probs`).
     """
@@ -49,14 +49,14 @@ class Draft(NamedTuple):
     """One drafted block per row.
 
     Attributes:
-      tokens: ``[B, gamma]`` int32 draft tokens x_1..x_gamma (target ids).
-      probs: ``[B, gamma, V]`` float32, the exact distribution q_k each draft token
+      tokens: ``[B, block_size]`` int32 draft tokens x_1..x_gamma (target ids).
+      probs: ``[B, block_size, V]`` float32, the exact distribution q_k each draft token
         was sampled from (handed to the verifier unchanged), in target ids: exact zeros
         off a draft vocabulary.
-      confidence: ``[B, gamma]`` float32 c_k in (0, 1], the predicted probability
+      confidence: ``[B, block_size]`` float32 c_k in (0, 1], the predicted probability
         that position k is accepted given that verification reached it
         (calibrated: ``sigmoid(z_k / T_k)``; 1 for a drafter without a confidence head).
-      confidence_logit: ``[B, gamma]`` float32 raw confidence logits z_k (before
+      confidence_logit: ``[B, block_size]`` float32 raw confidence logits z_k (before
         calibration; ``+inf`` for a drafter without a confidence head).
     """
 
@@ -72,7 +72,7 @@ class Drafter(Protocol):
     and LM head come from the :class:`~dspark_jax.models.target.Target` passed to each call).
 
     Attributes:
-      cfg: its :class:`~dspark_jax.config.DrafterConfig` (``variant``, block size ``gamma``,
+      cfg: its :class:`~dspark_jax.config.DrafterConfig` (``variant``, block size ``block_size``,
         tapped target layers, the target it was built for).
       dtype: parameter and compute dtype.
       calibration / calibration_greedy: per-position confidence temperatures (sampled rows /
@@ -129,14 +129,14 @@ class Drafter(Protocol):
     ) -> Draft:
         """One drafting round per row: ``anchors [B]`` (last confirmed tokens) at ``anchor_pos [B]``
         (context = cache positions before it), per-row ``keys [B, 2]`` (or per-position
-        ``step_keys [B, gamma, 2]``) -> :class:`Draft` of ``gamma`` tokens."""
+        ``step_keys [B, block_size, 2]``) -> :class:`Draft` of ``block_size`` tokens."""
         ...
 
     def train_blocks(
         self, target: Target, features: jax.Array, tokens: jax.Array, anchors: jax.Array, *, remat: bool = False
     ) -> BlockOutput:
         """Training blocks of ``anchors [B, A]`` of sequences ``tokens [B, L]`` with their tapped
-        features ``[B, L, n_taps * H]`` -> :class:`BlockOutput` ``[B, A, gamma, ...]``;
+        features ``[B, L, n_taps * H]`` -> :class:`BlockOutput` ``[B, A, block_size, ...]``;
         ``remat``: recompute activations in the backward pass instead of storing them."""
         ...
 
@@ -178,7 +178,7 @@ class BlockDrafter(Drafter, Protocol):
     pieces callers that change the block's logits or read its confidences use."""
 
     def draft_block(self, target: Target, anchors: jax.Array, anchor_pos: jax.Array, cache: Any) -> BlockOutput:
-        """Backbone pass of one block per row: :class:`BlockOutput` ``[B, gamma, ...]``."""
+        """Backbone pass of one block per row: :class:`BlockOutput` ``[B, block_size, ...]``."""
         ...
 
     def markov_init(self, batch_shape: tuple[int, ...]) -> jax.Array | None:
@@ -200,7 +200,7 @@ class BlockDrafter(Drafter, Protocol):
         ...
 
     def confidence_temperatures(self, greedy: bool = False) -> jax.Array:
-        """``[gamma]`` float32 confidence temperatures in use."""
+        """``[block_size]`` float32 confidence temperatures in use."""
         ...
 
     def draft_vocab_ids(self) -> jax.Array | None:

@@ -296,7 +296,7 @@ class DSparkDrafter(nnx.Module):
         return rms_norm(h, self.final_norm[...], cfg.rms_eps)
 
     def block_inputs(self, target: Target, anchors: jax.Array) -> jax.Array:
-        """``[...]`` anchor ids -> ``[..., num_slots, d]``: anchor embedding then mask embeddings.
+        """``[...]`` anchor ids -> ``[..., num_block_positions, d]``: anchor embedding then mask embeddings.
 
         The mask slots' input is the target's embedding row ``cfg.mask_token_id`` (or the
         learned ``mask_embed`` when it is -1). Target rows (width H) are projected to d when
@@ -312,12 +312,12 @@ class DSparkDrafter(nnx.Module):
                 m = m @ self.embed_in[...]
         if self.embed_in is not None:
             a = a @ self.embed_in[...]
-        m = jnp.broadcast_to(m, anchors.shape + (self.cfg.num_slots - 1, a.shape[-1]))
+        m = jnp.broadcast_to(m, anchors.shape + (self.cfg.num_block_positions - 1, a.shape[-1]))
         return jnp.concatenate([a, m], axis=-2)
 
     def predicted_slots(self, h: jax.Array) -> jax.Array:
-        """Selects the gamma slots that predict draft tokens 1..gamma (axis -2)."""
-        g = self.cfg.gamma
+        """Selects the block_size slots that predict draft tokens 1..block_size (axis -2)."""
+        g = self.cfg.block_size
         return h[..., :g, :] if self.cfg.variant == "dspark" else h[..., 1 : g + 1, :]
 
     def base_logits(self, target: Target, h: jax.Array) -> jax.Array:
@@ -410,11 +410,12 @@ class DSparkDrafter(nnx.Module):
         """Markov bias and embeddings of whole blocks given their true previous tokens (training).
 
         Args:
-          hidden: ``[..., gamma, d]`` backbone hidden states.
-          prev: ``[..., gamma]`` int32 true previous tokens (``prev[..., 0]`` = anchor).
+          hidden: ``[..., block_size, d]`` backbone hidden states.
+          prev: ``[..., block_size]`` int32 true previous tokens (``prev[..., 0]`` = anchor).
         Returns:
-          ``(bias [..., gamma, N] float32, e [..., gamma, r])`` (``e`` as in :meth:`markov_step`), or ``(0.0, None)``
-          without a Markov head. Equals running :meth:`markov_step` left to right.
+          ``(bias [..., block_size, N] float32, e [..., block_size, r])`` (``e`` as in
+          :meth:`markov_step`), or ``(0.0, None)`` without a Markov head. Equals running
+          :meth:`markov_step` left to right.
         """
         head = self.markov_head
         if head is None:
@@ -437,7 +438,7 @@ class DSparkDrafter(nnx.Module):
         """Sets (or clears, with ``None``) the per-position confidence temperatures.
 
         Args:
-          temperatures: ``gamma`` positive finite floats ``T_1..T_gamma``; confidences
+          temperatures: ``block_size`` positive finite floats ``T_1..T_gamma``; confidences
             become ``sigmoid(z_k / T_k)``. Only confidence values change, never the
             draft tokens or their distributions.
           greedy: set the temperatures of rows decoding at T = 0 (fit on greedy acceptance,
@@ -456,9 +457,9 @@ class DSparkDrafter(nnx.Module):
         temps = tuple(float(t) for t in temperatures)
         if not self.cfg.has_confidence:
             raise ValueError("this drafter has no confidence head to calibrate")
-        if len(temps) != self.cfg.gamma:
+        if len(temps) != self.cfg.block_size:
             raise ValueError(
-                f"calibration needs {self.cfg.gamma} temperatures (one per block position), got {len(temps)}"
+                f"calibration needs {self.cfg.block_size} temperatures (one per block position), got {len(temps)}"
             )
         if not all(t > 0 and t < float("inf") for t in temps):
             raise ValueError(f"calibration temperatures must be positive and finite, got {list(temps)}")
@@ -468,11 +469,11 @@ class DSparkDrafter(nnx.Module):
             self.calibration = temps
 
     def confidence_temperatures(self, greedy: bool = False) -> jax.Array:
-        """``[gamma]`` float32 temperatures in use (ones when uncalibrated); ``greedy``: those of
+        """``[block_size]`` float32 temperatures in use (ones when uncalibrated); ``greedy``: those of
         rows at T = 0 (the greedy fit when there is one)."""
         temps = self.calibration_greedy if greedy and self.calibration_greedy is not None else self.calibration
         if temps is None:
-            return jnp.ones((self.cfg.gamma,), jnp.float32)
+            return jnp.ones((self.cfg.block_size,), jnp.float32)
         return jnp.asarray(temps, jnp.float32)
 
     # -- decoding ------------------------------------------------------------------
@@ -486,9 +487,9 @@ class DSparkDrafter(nnx.Module):
           anchor_pos: ``[B]`` int32 its position P; context = cache positions < P.
           cache: context K/V ``[N, B, S, kvh, hd]`` filled by :meth:`extend_cache`.
         Returns:
-          :class:`BlockOutput` with ``[B, gamma, d]`` and ``[B, gamma, N]``.
+          :class:`BlockOutput` with ``[B, block_size, d]`` and ``[B, block_size, N]``.
         """
-        s = self.cfg.num_slots
+        s = self.cfg.num_block_positions
         x = self.block_inputs(target, anchors)[:, None]  # [B, 1, S, d]
         pos = (anchor_pos[:, None] + jnp.arange(s, dtype=jnp.int32))[:, None]  # [B, 1, S]
         h = self.predicted_slots(self.backbone(x, pos, cache.k, cache.v, None, ctx_end=anchor_pos[:, None])[:, 0])
@@ -559,7 +560,7 @@ class DSparkDrafter(nnx.Module):
         ``keys`` / ``step_keys``).
 
         Returns:
-          :class:`~dspark_jax.drafters.base.Draft` with ``tokens [B, gamma]`` and ``probs [B, gamma, V]``.
+          :class:`~dspark_jax.drafters.base.Draft` with ``tokens [B, block_size]`` and ``probs [B, block_size, V]``.
         """
         block = self.draft_block(target, anchors, anchor_pos, cache)
         return sample_block(self, block, anchors, keys, sampling, step_keys=step_keys)
@@ -580,10 +581,10 @@ class DSparkDrafter(nnx.Module):
           anchors: ``[B, A]`` int32 anchor positions (0 <= a < L).
           remat: rematerialise each backbone layer in the backward pass (:meth:`backbone`).
         Returns:
-          :class:`BlockOutput` with ``[B, A, gamma, d]`` and ``[B, A, gamma, N]``.
+          :class:`BlockOutput` with ``[B, A, block_size, d]`` and ``[B, A, block_size, N]``.
         """
         b, l = tokens.shape
-        s = self.cfg.num_slots
+        s = self.cfg.num_block_positions
         ctx = self.context_features(features)
         ctx_pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
         ck, cv = self.context_kv(ctx, ctx_pos)

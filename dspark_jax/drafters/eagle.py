@@ -20,9 +20,9 @@ Architecture (Li et al., EAGLE-3; docs/design.md#baselines):
   RoPE at absolute positions over the drafter's own KV cache;
 * output ``a_t`` -> final norm -> the target's frozen LM head predicts ``x_{t+1}``.
 
-Drafting is autoregressive: ``gamma`` sequential single-token steps, each sampling a
+Drafting is autoregressive: ``block_size`` sequential single-token steps, each sampling a
 draft token and feeding it (and ``a``) to the next, so the draft cost grows linearly
-with ``gamma`` (paper Section 3: ``T_draft ~ gamma``). ``q_k`` returned in
+with ``block_size`` (paper Section 3: ``T_draft ~ block_size``). ``q_k`` returned in
 :class:`~dspark_jax.drafters.base.Draft` is exactly the distribution ``x_k`` was drawn from,
 so verification stays lossless. No Markov or confidence head (confidence 1).
 
@@ -302,7 +302,7 @@ class EagleDrafter(nnx.Module):
         sampling: SamplingArrays,
         step_keys: jax.Array | None = None,
     ) -> Draft:
-        """Drafts ``gamma`` tokens autoregressively (one decoder-layer step per token).
+        """Drafts ``block_size`` tokens autoregressively (one decoder-layer step per token).
 
         Step ``k`` (position ``P + k - 1``) reads ``[emb(x_{k-1}) ; u]`` with ``u = g_{P-1}``
         at ``k = 1`` and the previous step's output after, attends to the cached context
@@ -317,13 +317,13 @@ class EagleDrafter(nnx.Module):
           keys: ``[B, 2]`` uint32 per-row keys; step k uses ``fold_in(key, k)``
             (as :func:`dspark_jax.drafters.markov.sample_block` for block drafters).
           sampling: per-row temperature / top-k / top-p.
-          step_keys: optional ``[B, gamma, 2]`` per-position keys replacing ``keys``.
+          step_keys: optional ``[B, block_size, 2]`` per-position keys replacing ``keys``.
         Returns:
-          :class:`~dspark_jax.drafters.base.Draft` (``tokens [B, gamma]``, ``probs [B, gamma, V]``,
+          :class:`~dspark_jax.drafters.base.Draft` (``tokens [B, block_size]``, ``probs [B, block_size, V]``,
           confidence 1, confidence logit ``+inf``).
         """
         c = self.cfg
-        g = c.gamma
+        g = c.block_size
         b = anchors.shape[0]
         if step_keys is None:
             step_keys = jax.vmap(lambda k: jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, k), out_axes=1)(
@@ -362,7 +362,7 @@ class EagleDrafter(nnx.Module):
     def train_blocks(
         self, target: Target, features: jax.Array, tokens: jax.Array, anchors: jax.Array, *, remat: bool = False
     ) -> BlockOutput:
-        """Training-time-test unroll over ``gamma`` steps; blocks gathered at ``anchors``.
+        """Training-time-test unroll over ``block_size`` steps; blocks gathered at ``anchors``.
 
         Args:
           features: ``[B, L, n_taps * H]`` tapped target states of the sequence.
@@ -372,8 +372,8 @@ class EagleDrafter(nnx.Module):
           remat: accepted as every drafter's; not used: the one layer's activations are small
             next to the vocabulary-sized loss head, which the trainer rematerialises itself.
         Returns:
-          :class:`BlockOutput` with ``hidden [B, A, gamma, d]`` (final-normed) and
-          ``logits [B, A, gamma, V]`` float32.
+          :class:`BlockOutput` with ``hidden [B, A, block_size, d]`` (final-normed) and
+          ``logits [B, A, block_size, V]`` float32.
         """
         c = self.cfg
         b, L = tokens.shape
@@ -384,7 +384,7 @@ class EagleDrafter(nnx.Module):
         q, k, v = self._qkv(u, emb, pos)
         a = self._finish(u, attention(q, k, v, jnp.broadcast_to(qi[None, :] <= qi[:, None], (b, L, L))))
         outs, ks, vs = [a], [k], [v]
-        for step in range(2, c.gamma + 1):
+        for step in range(2, c.block_size + 1):
             u = _shift(a, 1)  # the drafter's own a_{t-1}
             q, kn, vn = self._qkv(u, emb, pos)
             ks.append(kn)
@@ -397,8 +397,8 @@ class EagleDrafter(nnx.Module):
             m2 = jnp.stack([qi >= step - j for j in range(2, step + 1)], axis=-1)[None]
             a = self._finish(u, _attend(q, k, v, m1, k2, v2, m2))
             outs.append(a)
-        hs = jnp.stack(outs, axis=2)  # [B, L, gamma, d]
-        src = jnp.minimum(anchors[..., None] + jnp.arange(c.gamma, dtype=jnp.int32), L - 1)  # [B, A, gamma]
-        h = hs[jnp.arange(b)[:, None, None], src, jnp.arange(c.gamma)]
+        hs = jnp.stack(outs, axis=2)  # [B, L, block_size, d]
+        src = jnp.minimum(anchors[..., None] + jnp.arange(c.block_size, dtype=jnp.int32), L - 1)  # [B, A, block_size]
+        h = hs[jnp.arange(b)[:, None, None], src, jnp.arange(c.block_size)]
         h = self._normed(h)
         return BlockOutput(h, self.base_logits(target, h))

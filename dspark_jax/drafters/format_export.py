@@ -160,7 +160,7 @@ def format_config(drafter: Any, target: Target, fmt: str, dtype: Any, verifier: 
     if cfg.markov:
         markov["markov_head_type"] = cfg.markov_head
     anchor_first = cfg.variant == "dspark"
-    block = cfg.gamma if anchor_first else cfg.gamma + 1
+    block = cfg.block_size if anchor_first else cfg.block_size + 1
     if fmt == "deepspec":
         out = _layer_config(cfg, target, dtype)
         out.update(
@@ -188,7 +188,7 @@ def format_config(drafter: Any, target: Target, fmt: str, dtype: Any, verifier: 
         "sample_from_anchor": anchor_first,
         "speculators_config": {
             "algorithm": kind,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.gamma}],
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": _verifier_architectures(target)},
         },

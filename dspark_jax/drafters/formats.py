@@ -7,7 +7,7 @@ of Qwen3 decoder layers with q/k-norm, ``fc``, ``hidden_norm``, ``norm``):
   target's Qwen3 config plus ``block_size``, ``target_layer_ids`` (decoder-layer outputs, -1 = the
   embedding output), ``mask_token_id``, ``markov_rank``, ``markov_head_type``, the confidence-head
   flags; frozen copies of ``embed_tokens`` / ``lm_head``; Markov ``W1 [V, r]``, ``W2 [V, r]``;
-  anchor-first (block = anchor + gamma-1 masks, slot k predicts position p + k + 1). DeepSpec's
+  anchor-first (block = anchor + block_size-1 masks, slot k predicts position p + k + 1). DeepSpec's
   DFlash is the same class with ``markov_rank=0`` and no confidence head.
 * ``speculators``: vllm-project/speculators' ``dspark`` / ``dflash``: the draft layers' config under
   ``transformer_layer_config``, ``aux_hidden_state_layer_ids`` (Hugging Face ``hidden_states``
@@ -347,7 +347,7 @@ def read_external(path: str | Path) -> ExternalDrafter:
         target_num_layers=f.target_layers,
         taps=f.taps,
         variant="dspark" if f.anchor_first else "dflash",
-        gamma=f.block_size if f.anchor_first else f.block_size - 1,
+        block_size=f.block_size if f.anchor_first else f.block_size - 1,
         markov_rank=f.markov_rank,
         rope_theta=f.layer["rope_theta"],
         rms_eps=f.layer["rms_eps"],

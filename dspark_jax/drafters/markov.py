@@ -80,8 +80,8 @@ class MarkovHead(nnx.Module):
         return state, x
 
     def teacher_forced(self, state: jax.Array | None, x: jax.Array, hidden: jax.Array) -> jax.Array:
-        """``e`` of whole blocks: ``x [..., gamma, r]``, ``hidden [..., gamma, d]`` -> ``[..., gamma, r]``,
-        equal to :meth:`step` left to right from ``state`` (:meth:`init_state`)."""
+        """``e`` of whole blocks: ``x [..., block_size, r]``, ``hidden [..., block_size, d]`` ->
+        ``[..., block_size, r]``, equal to :meth:`step` left to right from ``state`` (:meth:`init_state`)."""
         return self.step(state, x, hidden)[1]
 
     def bias(self, e: jax.Array) -> jax.Array:
@@ -210,7 +210,7 @@ def build_markov_head(cfg: DrafterConfig, rngs: nnx.Rngs, dtype=jnp.float32) -> 
 def _confidence_temperatures(
     drafter: BlockDrafter, sampling: SamplingArrays, conf_temperature: jax.Array | None, g: int, b: int
 ) -> jax.Array:
-    """``[gamma, B]`` float32 temperatures of each position and row (:func:`sample_block`)."""
+    """``[block_size, B]`` float32 temperatures of each position and row (:func:`sample_block`)."""
     if conf_temperature is not None:
         return jnp.broadcast_to(jnp.asarray(conf_temperature, jnp.float32)[:, None], (g, b))
     # Per row: the greedy fit for rows at T = 0.
@@ -263,19 +263,19 @@ def sample_block(
 
     Args:
       drafter: a block drafter; supplies the Markov and confidence heads.
-      block: backbone output, ``hidden [B, gamma, d]`` and ``logits [B, gamma, N]`` (N = V or
+      block: backbone output, ``hidden [B, block_size, d]`` and ``logits [B, block_size, N]`` (N = V or
         the draft vocabulary's size; tokens and ``probs`` come back in target ids).
       anchors: ``[B]`` int32 x_0.
       keys: ``[B, 2]`` uint32 per-row PRNG keys for this round; step k uses
         ``fold_in(key, k)`` so a row's draft depends only on its own key.
       sampling: per-row temperature / top-k / top-p, the same processing the
         verifier applies to the target's logits.
-      conf_temperature: optional ``[gamma]`` per-position confidence temperatures
+      conf_temperature: optional ``[block_size]`` per-position confidence temperatures
         ``T_k`` (``c_k = sigmoid(z_k / T_k)``); default: the drafter's own
         calibration (``drafter.calibration``; ``drafter.calibration_greedy`` for
         rows at temperature 0 when it has one), ones when it has none. Only the
         confidences change, never the tokens or ``probs``.
-      step_keys: optional ``[B, gamma, 2]`` uint32 keys, one per draft position,
+      step_keys: optional ``[B, block_size, 2]`` uint32 keys, one per draft position,
         used instead of ``fold_in(keys, k)`` (``keys`` is then ignored). The serving
         engine passes the keys the target samples the same positions with, which
         couples draft and target draws (same Gumbel noise).
@@ -287,13 +287,13 @@ def sample_block(
       the same tokens as a draw over the zero-padded V-vector with the same key) and ``probs``
       is scattered to V once, after the scan.
     """
-    hidden = jnp.swapaxes(block.hidden, 0, 1)  # [gamma, B, d]
-    logits = jnp.swapaxes(block.logits, 0, 1)  # [gamma, B, V]
+    hidden = jnp.swapaxes(block.hidden, 0, 1)  # [block_size, B, d]
+    logits = jnp.swapaxes(block.logits, 0, 1)  # [block_size, B, V]
     steps = jnp.arange(hidden.shape[0], dtype=jnp.uint32)
     temps = _confidence_temperatures(drafter, sampling, conf_temperature, hidden.shape[0], hidden.shape[1])
     if step_keys is None:
         step_keys = jax.vmap(lambda k: jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, k), out_axes=1)(steps)
-    step_keys = jnp.swapaxes(step_keys, 0, 1)  # [gamma, B, 2]
+    step_keys = jnp.swapaxes(step_keys, 0, 1)  # [block_size, B, 2]
 
     ids = drafter.draft_vocab_ids()  # None: the full vocabulary
     all_greedy = jnp.all(jnp.asarray(sampling.temperature) <= 0.0)
@@ -313,6 +313,6 @@ def sample_block(
     init = (anchors.astype(jnp.int32), drafter.markov_init(anchors.shape))
     _, (tokens, probs, conf, zs) = jax.lax.scan(step, init, (hidden, logits, step_keys, temps))
     if ids is not None:
-        probs = drafter.to_target_probs(probs)  # [gamma, B, V], exact zeros off the draft vocabulary
+        probs = drafter.to_target_probs(probs)  # [block_size, B, V], exact zeros off the draft vocabulary
     sw = lambda a: jnp.swapaxes(a, 0, 1)
     return Draft(sw(tokens), sw(probs), sw(conf), sw(zs))

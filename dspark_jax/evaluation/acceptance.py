@@ -77,12 +77,12 @@ def evaluate_tau(
       across prompts), ``request_acceptance_rate`` and ``request_token_ids``, and the settings used
       (``num_speculative_tokens``: the resolved length or ``"auto"``).
     """
-    n_spec = drafter.cfg.gamma if num_speculative_tokens is None else num_speculative_tokens
+    n_spec = drafter.cfg.block_size if num_speculative_tokens is None else num_speculative_tokens
     base = DecodeRequest((0,), max_new_tokens, temperature, top_k, top_p, seed, n_spec)
     requests = [dataclasses.replace(base, prompt_ids=p, seed=seed + i) for i, p in enumerate(prompts)]
     results = []
-    reached = np.zeros(drafter.cfg.gamma)
-    accepted = np.zeros(drafter.cfg.gamma)
+    reached = np.zeros(drafter.cfg.block_size)
+    accepted = np.zeros(drafter.cfg.block_size)
     for s in range(0, len(requests), batch_size):
         res = decode(target, drafter, requests[s : s + batch_size], record_rounds=record_rounds)
         results.append(res)
@@ -99,7 +99,7 @@ def evaluate_tau(
     # Raw counts, so acceptance can be pooled exactly over several prompt sets.
     out["position_reached"] = [int(r) for r in reached]
     out["position_accepted"] = [int(a) for a in accepted]
-    g_used = drafter.cfg.gamma if n_spec == "auto" else int(n_spec)
+    g_used = drafter.cfg.block_size if n_spec == "auto" else int(n_spec)
     passes = out["num_target_passes"]
     out["accept_rate_at_k"] = [float(a / passes) if passes else None for a in accepted[:g_used]]
     if record_rounds:
@@ -110,6 +110,6 @@ def evaluate_tau(
         top_k=top_k,
         top_p=top_p,
         num_speculative_tokens="auto" if n_spec == "auto" else int(n_spec),
-        block_size=drafter.cfg.gamma,
+        block_size=drafter.cfg.block_size,
     )
     return out

@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "target": target.cfg.name,
         "drafter": str(Path(args.drafter).resolve()),
         "variant": drafter.cfg.variant,
-        "block_size": drafter.cfg.gamma,
+        "block_size": drafter.cfg.block_size,
         "prompts": {
             "set": args.prompts,
             "source": source,
@@ -285,7 +285,7 @@ def _decode_calibration(
         drafter.calibration_greedy if (args.temperature <= 0 and drafter.calibration_greedy) else drafter.calibration
     )  # the temperatures decoding used for these rows
     temps = list(cal) if cal is not None else None
-    rel = decode_reliability(rounds or [], drafter.cfg.gamma, temps)
+    rel = decode_reliability(rounds or [], drafter.cfg.block_size, temps)
     return {
         "temperatures": temps,
         "decode": rel,

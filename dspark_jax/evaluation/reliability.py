@@ -6,7 +6,7 @@ measure how well they match the observed survival, both for the held-out fit of
 :mod:`dspark_jax.training.calibration` and for the rounds of a decoding run
 (:func:`decode_reliability`, used by ``python -m dspark_jax.eval``). Pure numpy.
 
-Survival, ``[N, gamma]`` arrays over blocks (or decoding rounds) and positions:
+Survival, ``[N, block_size]`` arrays over blocks (or decoding rounds) and positions:
 
 * predicted: ``prod_{i<=k} sigmoid(z_i / T_i)`` (:func:`predicted_survival`);
 * expected: ``prod_{i<=k} (1 - TV_i)``, the exact probability that the prefix 1..k is
@@ -55,18 +55,18 @@ def sigmoid(x: np.ndarray | float) -> np.ndarray:
 
 
 def expected_survival(accept: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """``[N, gamma]`` ``prod_{i<=k} (1 - TV_i)`` (0 where invalid)."""
+    """``[N, block_size]`` ``prod_{i<=k} (1 - TV_i)`` (0 where invalid)."""
     return np.where(valid, np.cumprod(np.where(valid, accept, 1.0), axis=1), 0.0)
 
 
 def sampled_survival(accept: np.ndarray, valid: np.ndarray, seed: int = 0) -> np.ndarray:
-    """``[N, gamma]`` binary survival ``prod_{i<=k} 1[u_i < 1 - TV_i]``, ``u ~ U(0, 1)``, as float."""
+    """``[N, block_size]`` binary survival ``prod_{i<=k} 1[u_i < 1 - TV_i]``, ``u ~ U(0, 1)``, as float."""
     u = np.random.default_rng(seed).random(accept.shape)
     return (np.cumprod(u < accept, axis=1) & valid).astype(np.float64)
 
 
 def predicted_survival(z: np.ndarray, temperatures: Sequence[float] | np.ndarray | None = None) -> np.ndarray:
-    """``[N, gamma]`` predicted cumulative survival ``prod_{i<=k} sigmoid(z_i / T_i)``."""
+    """``[N, block_size]`` predicted cumulative survival ``prod_{i<=k} sigmoid(z_i / T_i)``."""
     z = np.asarray(z, np.float64)
     t = np.ones(z.shape[-1]) if temperatures is None else np.asarray(temperatures, np.float64)
     return np.cumprod(sigmoid(z / t), axis=-1)
@@ -162,12 +162,12 @@ def metrics(
     """Calibration metrics of cumulative survival predictions, pooled and per position.
 
     Args:
-      pred: ``[N, gamma]`` predicted survival; valid: ``[N, gamma]`` bool.
-      obs: ``[N, gamma]`` observed survival for ECE / Brier (soft or 0/1).
-      labels: ``[N, gamma]`` 0/1 outcomes for AUROC (and ``*_sampled`` ECE/Brier);
+      pred: ``[N, block_size]`` predicted survival; valid: ``[N, block_size]`` bool.
+      obs: ``[N, block_size]`` observed survival for ECE / Brier (soft or 0/1).
+      labels: ``[N, block_size]`` 0/1 outcomes for AUROC (and ``*_sampled`` ECE/Brier);
         ``None``: AUROC against ``obs`` (which should then be binary).
     Returns:
-      ``{"pooled": row, "per_position": [row] * gamma}``, each row with ``n``,
+      ``{"pooled": row, "per_position": [row] * block_size}``, each row with ``n``,
       ``mean_predicted``, ``mean_observed``, ``ece``, ``brier``, ``auroc`` (plus
       ``ece_sampled``, ``brier_sampled``, ``mean_observed_sampled`` with ``labels``).
     """
@@ -202,8 +202,8 @@ def jsonable(obj: Any) -> Any:
 # ======================================================================================
 # Decode-time reliability
 # ======================================================================================
-def rounds_survival(rounds: Sequence[dict[str, np.ndarray]], gamma: int) -> tuple[np.ndarray, ...]:
-    """Per-round records of decoding -> ``(z [R, gamma], outcomes [R, gamma], valid [R, gamma])``.
+def rounds_survival(rounds: Sequence[dict[str, np.ndarray]], block_size: int) -> tuple[np.ndarray, ...]:
+    """Per-round records of decoding -> ``(z [R, block_size], outcomes [R, block_size], valid [R, block_size])``.
 
     ``outcomes[r, k-1] = 1[k <= accepted_r]`` (the prefix 1..k survived verification),
     ``valid[r, k-1] = k <= verified_r`` (position k was verified or lies after an
@@ -211,17 +211,17 @@ def rounds_survival(rounds: Sequence[dict[str, np.ndarray]], gamma: int) -> tupl
     """
     rs = [r for r in rounds if r is not None and len(r["accepted"])]
     if not rs:
-        e = np.zeros((0, gamma))
+        e = np.zeros((0, block_size))
         return e, e, e.astype(bool)
     z = np.concatenate([r["conf_logit"] for r in rs]).astype(np.float64)
     acc = np.concatenate([r["accepted"] for r in rs])
     ver = np.concatenate([r["verified"] for r in rs])
-    k = np.arange(1, gamma + 1)
+    k = np.arange(1, block_size + 1)
     return z, (k[None, :] <= acc[:, None]).astype(np.float64), k[None, :] <= ver[:, None]
 
 
 def decode_reliability(
-    rounds: Sequence[dict[str, np.ndarray]], gamma: int, temperatures: Sequence[float] | None, n_bins: int = N_BINS
+    rounds: Sequence[dict[str, np.ndarray]], block_size: int, temperatures: Sequence[float] | None, n_bins: int = N_BINS
 ) -> dict[str, Any]:
     """Calibration of the cumulative survival observed during decoding.
 
@@ -232,7 +232,7 @@ def decode_reliability(
       ``{"num_rounds", "before": metrics+reliability (raw head), "after": ... (with
       ``temperatures``; absent when None)}``.
     """
-    z, y, valid = rounds_survival(rounds, gamma)
+    z, y, valid = rounds_survival(rounds, block_size)
     out: dict[str, Any] = {
         "num_rounds": int(z.shape[0]),
         "observed": "binary survival of verification (positions 1..k accepted), "

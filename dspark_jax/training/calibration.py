@@ -84,7 +84,7 @@ __all__ = [
 # Teacher-forced calibration data
 # ======================================================================================
 class BlockTerms(NamedTuple):
-    """Per-block, per-position teacher-forced terms (all ``[B, A, gamma]``).
+    """Per-block, per-position teacher-forced terms (all ``[B, A, block_size]``).
 
     Attributes:
       z: float32 raw confidence logits ``w . [h_k ; W1[x_{k-1}]] + b``.
@@ -116,7 +116,7 @@ def _terms_from_features(
     drafter: DSparkDrafter, target: Target, feats, t_logits, tokens, lengths, anchors, temperature: float
 ) -> BlockTerms:
     """The block part of :func:`block_terms` given the target pass (features, logits)."""
-    g = drafter.cfg.gamma
+    g = drafter.cfg.block_size
     block = drafter.train_blocks(target, feats, tokens, anchors)
     k = jnp.arange(g, dtype=jnp.int32)
     src = anchors[..., None] + k  # position whose next token is predicted
@@ -151,7 +151,7 @@ def block_terms(
       temperature: sampling temperature of the acceptance probability (1: the
         training label; 0: greedy acceptance).
     Returns:
-      :class:`BlockTerms` of shape ``[B, A, gamma]``.
+      :class:`BlockTerms` of shape ``[B, A, block_size]``.
     """
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     out = target(tokens, pos, taps=drafter.cfg.taps)
@@ -206,7 +206,7 @@ def collect(
     lengths = np.asarray(data["lengths"], np.int32)
     plens = np.asarray(data["prompt_lengths"], np.int32)
     n, length = tokens.shape
-    g, v = drafter.cfg.gamma, drafter.cfg.vocab_size
+    g, v = drafter.cfg.block_size, drafter.cfg.vocab_size
     cand = np.arange(0, max(length - 1, 1), max(1, int(anchor_stride)), dtype=np.int32)
     per_anchor = batch_size * g * (4 * v * 4 + drafter.cfg.num_heads * (length + g) * 8)
     chunk = int(max(1, min(len(cand), memory_budget_mb * 2**20 // max(per_anchor, 1))))
@@ -395,7 +395,7 @@ def _fit_report(
     n_bins: int,
 ) -> dict[str, Any]:
     """The report of :func:`fit_and_store_calibration` (without ``seconds``): before/after
-    metrics of ``temps [gamma]`` on the test part, pooled before/after on the fit part."""
+    metrics of ``temps [block_size]`` on the test part, pooled before/after on the fit part."""
     before, after = (
         survival_report(test, None, seed=seed, n_bins=n_bins),
         survival_report(test, temps, seed=seed, n_bins=n_bins),

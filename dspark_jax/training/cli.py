@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra training prompts (JSONL with prompt/text/question/turns); same as prompts_file=FILE",
     )
     p.add_argument("--skip-eval", action="store_true", help="do not evaluate tau after training")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. steps=500 gamma=8")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. steps=500 block_size=8")
     add_distributed_arguments(p)
     return p
 

@@ -54,7 +54,7 @@ def _train_activations(
     (:func:`estimate_memory`): ``target_forward_peak``, ``drafter_context``, ``drafter_backbone``,
     ``loss_head`` and ``drafter_step_peak``; ``m`` is the model-axis size, ``cb`` the compute
     dtype's bytes."""
-    L, V, A, S, g, N = cfg.seq_len, t.vocab_size, cfg.anchors_per_seq, d.num_slots, d.gamma, d.num_layers
+    L, V, A, S, g, N = cfg.seq_len, t.vocab_size, cfg.anchors_per_seq, d.num_block_positions, d.block_size, d.num_layers
     vt, ht, it = _div(V, m), _div(t.num_heads, m), _div(t.intermediate_size, m)
     hd_, kd_, id_ = _div(d.num_heads, m), _div(d.num_kv_heads, m), _div(d.intermediate_size, m)
     target_fwd = micro * (
@@ -167,7 +167,7 @@ def estimate_serving_memory(
     target's KV cache ``[L, slots, max_len, kvh, hd]`` and the drafter's context cache
     ``[N, slots, max_len, kvh_d, hd_d]`` (keys and values) over KV heads where ``model``
     divides them; and the activations of the largest step: ``max_tokens`` packed tokens'
-    float32 logits and one layer's attention scores of ``slots x (gamma + 1)`` queries over
+    float32 logits and one layer's attention scores of ``slots x (block_size + 1)`` queries over
     ``max_len`` positions (heads split over ``model``), plus the drafter's block logits.
 
     Args:
@@ -203,7 +203,7 @@ def estimate_serving_memory(
             * cb
             / _div(dcfg.num_kv_heads, m)
         )
-        width = dcfg.gamma + 1
+        width = dcfg.block_size + 1
     k_tok = min(max_tokens, num_slots * width)
     vd = _div(t.vocab_size, m)
     act = (
@@ -212,7 +212,7 @@ def estimate_serving_memory(
         + k_tok * (t.hidden_size * 4 + 3 * t.intermediate_size / _div(t.intermediate_size, m)) * cb
     )
     if dcfg is not None:
-        act += num_slots * dcfg.gamma * t.vocab_size * 4 * 2 / vd
+        act += num_slots * dcfg.block_size * t.vocab_size * 4 * 2 / vd
     parts["step_activations"] = act
     out = {k: gib(v) for k, v in parts.items()}
     total = sum(parts.values())
@@ -371,7 +371,7 @@ def serve_dry_run(
         "mesh": ",".join(f"{a}:{n}" for a, n in sizes.items()),
         "num_slots": num_slots,
         "cache_len": cache_len,
-        "drafter": f"{dcfg.variant}-g{dcfg.gamma}-n{dcfg.num_layers}",
+        "drafter": f"{dcfg.variant}-g{dcfg.block_size}-n{dcfg.num_layers}",
         "per_device_memory_estimate_gib": mem["total"],
         "memory_breakdown_gib": mem,
     }

@@ -13,7 +13,7 @@ What is stored: the union of the tap layers of every drafter that will train on
 the cache plus the target's last layer (``num_layers - 1``). The last layer's
 output is the final hidden state before the final norm, so ``target.unembed``
 of it gives exactly the target's logits; the trainer computes ``p_target`` only
-at the ``B * A * gamma`` gathered positions from it instead of storing
+at the ``B * A * block_size`` gathered positions from it instead of storing
 ``[N, L, V]`` logits.
 
 Storage dtype (``store_dtype``): ``float32`` (default; a float32 target's cached

@@ -56,7 +56,7 @@ class LossTerms(NamedTuple):
     bce: jax.Array
     conf_err: jax.Array
     tau_est: jax.Array
-    acc_by_pos: jax.Array  # [gamma] mean 1 - TV per position
+    acc_by_pos: jax.Array  # [block_size] mean 1 - TV per position
 
 
 def sample_anchors(key: jax.Array, lengths: jax.Array, prompt_lengths: jax.Array, num: int) -> jax.Array:
@@ -70,9 +70,9 @@ def sample_anchors(key: jax.Array, lengths: jax.Array, prompt_lengths: jax.Array
     return (lo[:, None] + jnp.floor(u * (hi - lo + 1)[:, None])).astype(jnp.int32)
 
 
-def position_weights(anchors: jax.Array, lengths: jax.Array, gamma: int, pos_decay: float) -> jax.Array:
-    """``[B, A, gamma]`` float32 loss weights ``exp(-(k-1)/pos_decay)``, 0 past a sequence's end."""
-    k = jnp.arange(gamma, dtype=jnp.int32)
+def position_weights(anchors: jax.Array, lengths: jax.Array, block_size: int, pos_decay: float) -> jax.Array:
+    """``[B, A, block_size]`` float32 loss weights ``exp(-(k-1)/pos_decay)``, 0 past a sequence's end."""
+    k = jnp.arange(block_size, dtype=jnp.int32)
     valid = (anchors[..., None] + k + 1) < lengths[:, None, None]
     return jnp.exp(-k.astype(jnp.float32) / pos_decay) * valid
 
@@ -106,7 +106,7 @@ def _target_features(
 def _ce_tv(
     drafter: BlockDrafter | None, logq: jax.Array, p_t: jax.Array, labels: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """``(CE, TV)`` per position ``[B, A, gamma]`` from the draft log-probabilities ``logq [.., N]``
+    """``(CE, TV)`` per position ``[B, A, block_size]`` from the draft log-probabilities ``logq [.., N]``
     (draft space) and the target's probabilities ``p_t [.., V]``; ``drafter``: the block drafter
     (its draft vocabulary), None for one drafting over the full vocabulary (eagle3)."""
     ids = None if drafter is None else drafter.draft_vocab_ids()
@@ -151,13 +151,13 @@ def _loss_head(
     labels: jax.Array,
     remat: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The vocabulary-sized part of the loss: ``(CE, TV, BCE, conf_err)`` per position ``[B, A, gamma]``.
+    """The vocabulary-sized part of the loss: ``(CE, TV, BCE, conf_err)`` per position ``[B, A, block_size]``.
 
     Args:
-      hidden: ``[B, A, gamma, d]`` drafter hidden states; base_logits: their ``[.., N]`` float32
+      hidden: ``[B, A, block_size, d]`` drafter hidden states; base_logits: their ``[.., N]`` float32
         base logits, or None with ``remat`` (recomputed from ``hidden`` instead of stored).
-      t_sel: ``[B, A, gamma, V]`` target logits at the predicted positions.
-      prev / labels: ``[B, A, gamma]`` int32 true previous and next tokens (teacher forcing).
+      t_sel: ``[B, A, block_size, V]`` target logits at the predicted positions.
+      prev / labels: ``[B, A, block_size]`` int32 true previous and next tokens (teacher forcing).
     """
     if remat:  # recompute the [.., V] base logits from the hidden states instead of storing them
         base_logits = drafter.base_logits(target, hidden)
@@ -175,7 +175,7 @@ def _loss_head(
 def _weighted_sums(
     cfg: LossConfig, w: jax.Array, valid: jax.Array, ce: jax.Array, tv: jax.Array, bce: jax.Array, conf_err: jax.Array
 ) -> dict[str, jax.Array]:
-    """The additive statistics of :func:`loss_sums` from the per-position terms ``[B, A, gamma]``."""
+    """The additive statistics of :func:`loss_sums` from the per-position terms ``[B, A, block_size]``."""
     ws = lambda x: jnp.sum(w * x)
     vf = valid.astype(jnp.float32)
     full = jnp.all(valid, axis=-1, keepdims=True)  # analytic tau on complete blocks only
@@ -218,13 +218,13 @@ def loss_sums(
       cached: optional ``(tap_features [B, L, n_taps * H], last_hidden [B, L, H])`` of the
         target from a feature cache (:mod:`dspark_jax.training.feature_cache`; any float dtype, cast
         to the target's): the target forward is skipped and ``p_target`` is computed only at
-        the ``B * A * gamma`` gathered positions (``target.unembed`` of the last hidden state).
+        the ``B * A * block_size`` gathered positions (``target.unembed`` of the last hidden state).
     Returns:
-      dict of float32 scalars (``acc_num``/``acc_den``: ``[gamma]``).
+      dict of float32 scalars (``acc_num``/``acc_den``: ``[block_size]``).
     Raises:
       ValueError: ``cached`` features do not have the drafter's ``len(taps) * H`` columns.
     """
-    g = drafter.cfg.gamma
+    g = drafter.cfg.block_size
     feats, t_logits, c_hidden = _target_features(target, tokens, drafter.cfg.taps, cached)
     block = drafter.train_blocks(target, feats, tokens, anchors, remat=remat)
     k = jnp.arange(g, dtype=jnp.int32)
@@ -282,7 +282,7 @@ def drafter_loss(
       lengths / prompt_lengths: ``[B]`` int32 valid and prompt lengths [tokens].
       key: PRNG key for the anchor positions.
     Returns:
-      :class:`LossTerms` (scalars float32, ``acc_by_pos [gamma]``).
+      :class:`LossTerms` (scalars float32, ``acc_by_pos [block_size]``).
     """
     anchors = sample_anchors(key, lengths, prompt_lengths, cfg.anchors_per_seq)
     return finalize_loss(loss_sums(drafter, target, tokens, lengths, anchors, cfg))

@@ -281,7 +281,7 @@ def _calibrate_and_evaluate(
             eval_ids,
             max_new_tokens=cfg.eval_max_new_tokens,
             temperature=cfg.eval_temperature,
-            num_speculative_tokens=drafter.cfg.gamma,
+            num_speculative_tokens=drafter.cfg.block_size,
         )
         (workdir / "eval.json").write_text(json.dumps(out["eval"], indent=2))
     return out

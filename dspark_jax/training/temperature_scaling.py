@@ -23,9 +23,9 @@ class CalibrationData(NamedTuple):
     """Teacher-forced blocks of held-out sequences (numpy; one row per anchor block).
 
     Attributes:
-      z: ``[N, gamma]`` float32 raw confidence logits.
-      accept: ``[N, gamma]`` float32 exact acceptance probability ``1 - TV_k``.
-      valid: ``[N, gamma]`` bool; prefix-closed (position k valid => 1..k-1 valid).
+      z: ``[N, block_size]`` float32 raw confidence logits.
+      accept: ``[N, block_size]`` float32 exact acceptance probability ``1 - TV_k``.
+      valid: ``[N, block_size]`` bool; prefix-closed (position k valid => 1..k-1 valid).
       seq: ``[N]`` int index of the source sequence (for splits by sequence).
       anchor: ``[N]`` int position of the block's anchor in its sequence.
     """
@@ -87,20 +87,20 @@ def fit_temperatures(
 ) -> np.ndarray:
     """Sequential temperature scaling: one ``T_k`` per position, fit left to right.
 
-    For k = 1..gamma, with ``T_1..T_{k-1}`` fixed, ``T_k`` minimises the loss of the
+    For k = 1..block_size, with ``T_1..T_{k-1}`` fixed, ``T_k`` minimises the loss of the
     predicted cumulative survival ``a_k = a_{k-1} * sigmoid(z_k / T_k)`` against the
     observed survival over the blocks where position k exists: a 1-D search on
     ``log T`` in ``bounds`` (grid, then golden section).
 
     Args:
-      z: ``[N, gamma]`` raw confidence logits.
-      observed: ``[N, gamma]`` observed survival (expected ``prod (1 - TV)`` or sampled 0/1).
-      valid: ``[N, gamma]`` bool.
+      z: ``[N, block_size]`` raw confidence logits.
+      observed: ``[N, block_size]`` observed survival (expected ``prod (1 - TV)`` or sampled 0/1).
+      valid: ``[N, block_size]`` bool.
       loss: ``"brier"`` (squared error) or ``"nll"`` (binary cross-entropy, soft labels allowed).
       weights: optional ``[N]`` non-negative block weights (e.g. :func:`decode_weights`);
         default: every block alike.
     Returns:
-      ``[gamma]`` float64 temperatures (positions without data repeat the previous one).
+      ``[block_size]`` float64 temperatures (positions without data repeat the previous one).
     """
     f = _loss_fn(loss)
     z = np.asarray(z, np.float64)

@@ -90,7 +90,7 @@ class TrainConfig:
       variant: ``dspark``, ``dflash`` or ``eagle3`` (the autoregressive baseline of
         :mod:`dspark_jax.drafters.eagle`: always one layer, ``num_layers`` is not used; default
         taps low/mid/high, :func:`~dspark_jax.drafters.eagle.eagle_taps`).
-      gamma: block size [tokens]; num_layers: drafter backbone layers;
+      block_size: block size [tokens]; num_layers: drafter backbone layers;
       markov_rank: Markov head rank r; markov_head: ``vanilla`` / ``gated`` / ``rnn``
         (:class:`~dspark_jax.config.DrafterConfig`); taps: tapped target layers (empty = default);
       drafter_intermediate_size: FFN width (0 = the target's, scaled by drafter_width / H).
@@ -157,7 +157,7 @@ class TrainConfig:
     workdir: str = "runs/stories260k"
     export_dir: str = ""
     variant: str = "dspark"
-    gamma: int = 8
+    block_size: int = 8
     num_layers: int = 2
     markov_rank: int = 64
     taps: tuple[int, ...] = ()
@@ -236,7 +236,7 @@ def drafter_config(cfg: TrainConfig, target: TargetIdentity) -> DrafterConfig:
     eagle = cfg.variant == "eagle3"
     over: dict[str, Any] = dict(
         variant=cfg.variant,
-        gamma=cfg.gamma,
+        block_size=cfg.block_size,
         num_layers=1 if eagle else cfg.num_layers,
         markov_rank=cfg.markov_rank if cfg.variant == "dspark" else 0,
         markov_head=cfg.markov_head,
@@ -366,7 +366,7 @@ def _train_step(
     t_graph: nnx.GraphDef,
     tx: optax.GradientTransformation,
     mesh: Mesh,
-    gamma: int,
+    block_size: int,
 ) -> Callable:
     """The (unjitted) optimisation step ``(params, opt_state, t_state, tokens, lengths, plens, step_idx,
     cached, lr_scale) -> (params, opt_state, LossTerms, grad norm)`` (module docstring: steps 1-5;
@@ -386,7 +386,7 @@ def _train_step(
         # devices or micro-batches.
         anchors = sample_anchors(key, lengths, plens, cfg.anchors_per_seq)
         # Global normaliser: the position weight of every valid target in the global batch.
-        denom = jnp.maximum(jnp.sum(position_weights(anchors, lengths, gamma, cfg.pos_decay)), 1e-6)
+        denom = jnp.maximum(jnp.sum(position_weights(anchors, lengths, block_size, cfg.pos_decay)), 1e-6)
 
         def micro_loss(p, toks, lens, anc, cache=None):
             d = nnx.merge(c_graph, to_compute(p))
@@ -439,7 +439,7 @@ class Trainer:
         self.t_graph, self.t_state = nnx.split(target)
         self._place_state(params, drafter.cfg, target.cfg)
         repl = NamedSharding(self.mesh, P())
-        step = _train_step(cfg, c_graph, self.t_graph, self.tx, self.mesh, drafter.cfg.gamma)
+        step = _train_step(cfg, c_graph, self.t_graph, self.tx, self.mesh, drafter.cfg.block_size)
         self._step = jax.jit(
             step, donate_argnums=(0, 1), out_shardings=(self.param_shardings, self.opt_shardings, repl, repl)
         )

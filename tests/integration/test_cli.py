@@ -99,7 +99,7 @@ def test_drafter_for_another_target_is_refused(stories260k_dir, tmp_path):
         max_position=512,
         name="other",
     )
-    export_drafter(DSparkDrafter(DrafterConfig.for_target(other, gamma=4), nnx.Rngs(0)), tmp_path / "vocab")
+    export_drafter(DSparkDrafter(DrafterConfig.for_target(other, block_size=4), nnx.Rngs(0)), tmp_path / "vocab")
     p = cli("generate", "--target", "stories260k", "--drafter", str(tmp_path / "vocab"), "--prompt", "Once")
     assert_one_line_error(p, "vocabulary")
 
@@ -114,7 +114,9 @@ def test_drafter_for_another_target_is_refused(stories260k_dir, tmp_path):
         max_position=512,
         name="lookalike",
     )
-    d = DSparkDrafter(DrafterConfig.for_target(same_shape, gamma=4, target_fingerprint="0123456789abcdef"), nnx.Rngs(0))
+    d = DSparkDrafter(
+        DrafterConfig.for_target(same_shape, block_size=4, target_fingerprint="0123456789abcdef"), nnx.Rngs(0)
+    )
     export_drafter(d, tmp_path / "weights")
     p = cli("generate", "--target", "stories260k", "--drafter", str(tmp_path / "weights"), "--prompt", "Once")
     assert_one_line_error(p, "trained for target")
@@ -311,7 +313,7 @@ def test_serve_cli_refuses_eagle3_drafter_in_one_line(stories260k, tmp_path, cap
         cfg,
         variant="eagle3",
         num_layers=1,
-        gamma=2,
+        block_size=2,
         markov_rank=0,
         taps=eagle_taps(cfg),
         target_fingerprint=params_fingerprint(params),

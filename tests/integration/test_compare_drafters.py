@@ -39,7 +39,7 @@ def test_quick_comparison_writes_outputs(stories260k_dir, tmp_path):
     assert r["data"]["sequences"] > 0 and not r["data"]["reused"]
     # every drafter trained on the same shard folder with the same budget
     cfgs = [json.loads((out / n / "config.json").read_text()) for n in names]
-    assert len({(c["data_dir"], c["steps"], c["batch_size"], c["anchors_per_seq"], c["gamma"]) for c in cfgs}) == 1
+    assert len({(c["data_dir"], c["steps"], c["batch_size"], c["anchors_per_seq"], c["block_size"]) for c in cfgs}) == 1
     assert [r["drafters"][n]["variant"] for n in names] == ["dspark", "dflash", "eagle3"]
     # one shared feature cache holding every drafter's taps (Eagle3's low/mid/high included) + the last layer
     fc = r["feature_cache"]
@@ -49,8 +49,8 @@ def test_quick_comparison_writes_outputs(stories260k_dir, tmp_path):
         for t in ("T0", "T1"):
             row = r["tau"][n][t]
             assert set(row["datasets"]) == {"tinystories"}
-            assert 1.0 <= row["macro_tau"] <= r["budget"]["gamma"] + 1
-            assert len(row["position_acceptance_pooled"]) == r["budget"]["gamma"]
+            assert 1.0 <= row["macro_tau"] <= r["budget"]["block_size"] + 1
+            assert len(row["position_acceptance_pooled"]) == r["budget"]["block_size"]
     for t in ("T0", "T1"):
         assert set(r["ratios"][t]) == {"dspark-2L/dflash-2L", "dspark-2L/eagle3"}
         assert r["ratios"][t]["dspark-2L/eagle3"] == pytest.approx(

@@ -103,7 +103,7 @@ def test_train_flops_counts_the_target_forward_like_two_flops_per_parameter_per_
 
     dc = _script(monkeypatch)
     t = dc.qwen3_8b_config()
-    d = DrafterConfig.for_target(t, gamma=8, num_layers=2)
+    d = DrafterConfig.for_target(t, block_size=8, num_layers=2)
     b, seq, a = 4, 1024, 16
     f = dc.train_flops(t, d, b, seq, a)
     from dspark_jax.models.weights import count_target_params

@@ -80,7 +80,7 @@ def test_qwen3_recipe_dry_run_needs_no_files(recipe, tmp_path):
         151936,
     )
     assert t["tie_embeddings"] is want["tie"] and t["qk_norm"] and t["rope_theta"] == 1e6 and t["rms_eps"] == 1e-6
-    assert d["taps"] == [1, 9, 17, 25, 33] and d["gamma"] == 7 and d["num_layers"] == 5 and d["markov_rank"] == 256
+    assert d["taps"] == [1, 9, 17, 25, 33] and d["block_size"] == 7 and d["num_layers"] == 5 and d["markov_rank"] == 256
     assert d["variant"] == "dspark" and d["hidden_size"] == want["hidden"]
     assert 0.5e9 < r["drafter_params"] < 1.5e9
     assert r["dtype"] == "bfloat16" and r["remat"] and r["devices"] == 4 and not r["warnings"]

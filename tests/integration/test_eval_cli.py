@@ -103,21 +103,21 @@ def test_prompt_sets_load():
     assert held == split_prompts(tinystories_openings(), 7, 3)[1] and "held-out" in source
 
 
-def _check_outputs(out_dir, gamma, calibrated):
+def _check_outputs(out_dir, block_size, calibrated):
     ev = json.loads((out_dir / "eval.json").read_text())
     for png in ("position_acceptance.png", "reliability.png"):
         data = (out_dir / png).read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 2000, png
     assert ev["tau"] >= 1.0 and 0.0 <= ev["acceptance_rate"] <= 1.0
     ar = ev["accept_rate_at_k"]
-    assert len(ar) == gamma and all(a >= b for a, b in zip(ar, ar[1:]))
+    assert len(ar) == block_size and all(a >= b for a, b in zip(ar, ar[1:]))
     assert ar[0] <= ev["position_acceptance"][0] + 1e-9  # a round may verify nothing (at the length limit)
     assert ev["tau"] <= 1 + sum(ar) + 1e-9  # equality without stop tokens
     cal = ev["calibration"]
     dec = cal["decode"]
     assert dec["num_rounds"] == ev["num_target_passes"]
     assert {"ece", "auroc", "brier", "n"} <= set(dec["before"]["pooled"])
-    assert len(dec["before"]["per_position"]) == gamma
+    assert len(dec["before"]["per_position"]) == block_size
     assert ("after" in dec) == calibrated and (cal["temperatures"] is not None) == calibrated
     return ev
 
@@ -135,7 +135,12 @@ def test_eval_cli_random_drafter_on_stories260k(stories260k_dir, tmp_path, capsy
     os.environ.setdefault("DSPARK_MODELS", str(MODELS_DIR))
     target, _ = load_target("stories260k")
     cfg = DrafterConfig.for_target(
-        target.cfg, gamma=4, num_layers=1, markov_rank=16, intermediate_size=32, target_fingerprint=target.fingerprint
+        target.cfg,
+        block_size=4,
+        num_layers=1,
+        markov_rank=16,
+        intermediate_size=32,
+        target_fingerprint=target.fingerprint,
     )
     d = DSparkDrafter(cfg, nnx.Rngs(0))
     d.conf_w[...] = jnp.asarray(np.random.default_rng(0).standard_normal(d.conf_w[...].shape).astype(np.float32))
@@ -191,8 +196,8 @@ def test_eval_cli_on_trained_export(stories260k_export, tmp_path, capsys):
     workdir, summary = stories260k_export
     cal = summary["calibration"]
     meta = json.loads((workdir / "export/drafter.json").read_text())
-    gamma = meta["config"]["gamma"]
-    assert meta["calibration"] == pytest.approx(cal["temperatures"]) and len(cal["temperatures"]) == gamma
+    block_size = meta["config"]["block_size"]
+    assert meta["calibration"] == pytest.approx(cal["temperatures"]) and len(cal["temperatures"]) == block_size
     full = json.loads((workdir / "calibration.json").read_text())
     assert full["after"]["pooled"]["ece"] == pytest.approx(cal["after"]["ece"])
     assert json.loads((workdir / "summary.json").read_text())["calibration"]["temperatures"] == cal["temperatures"]
@@ -215,6 +220,6 @@ def test_eval_cli_on_trained_export(stories260k_export, tmp_path, capsys):
         capsys,
     )
     assert rc == 0, err
-    ev = _check_outputs(out, gamma, calibrated=True)
+    ev = _check_outputs(out, block_size, calibrated=True)
     assert "held-out" in ev["prompts"]["source"]
     assert ev["calibration"]["heldout_fit"]["after"]["ece"] == pytest.approx(cal["after"]["ece"])

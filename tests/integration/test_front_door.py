@@ -45,7 +45,7 @@ def setup(stories260k_dir, tmp_path_factory):
     cfg = DrafterConfig.for_target(
         target.cfg,
         variant="dflash",
-        gamma=4,
+        block_size=4,
         num_layers=1,
         markov_rank=0,
         intermediate_size=24,

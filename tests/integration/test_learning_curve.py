@@ -102,8 +102,8 @@ def test_quick_learning_curve_writes_outputs_and_resumes(stories260k_dir, tmp_pa
         for p in pts:
             for t in ("T0", "T1"):
                 row = p["tau"][t]
-                assert 1.0 <= row["macro_tau"] <= st["gamma"] + 1
-                assert len(row["position_acceptance_pooled"]) == st["gamma"]
+                assert 1.0 <= row["macro_tau"] <= st["block_size"] + 1
+                assert len(row["position_acceptance_pooled"]) == st["block_size"]
                 d = row["datasets"]["tinystories"]
                 assert len(d["request_tau"]) == 2
                 assert d["tau"] == pytest.approx(np.average(d["request_tau"], weights=d["request_target_passes"]))

@@ -42,7 +42,7 @@ def test_plain_script_plans_the_target_alone():
 
 def test_speculative_script_plans_the_drafter_and_policy():
     plan = json.loads(_dry_run("speculative.sh", DRAFTER=str(TINY_EXPORT), POLICY="threshold:0.5"))
-    assert plan["drafter"]["path"] == str(TINY_EXPORT) and plan["drafter"]["gamma"] == 3
+    assert plan["drafter"]["path"] == str(TINY_EXPORT) and plan["drafter"]["block_size"] == 3
     assert plan["policy"] == "threshold:0.5" and plan["target"]["name"] == "stories260K"
 
 

@@ -44,7 +44,9 @@ def models(stories260k_dir):
     from dspark_jax.drafters.dspark import DSparkDrafter
 
     target, tok = load_target("stories260k")
-    drafter = DSparkDrafter(DrafterConfig.for_target(target.cfg, gamma=GAMMA, num_layers=1, markov_rank=8), nnx.Rngs(0))
+    drafter = DSparkDrafter(
+        DrafterConfig.for_target(target.cfg, block_size=GAMMA, num_layers=1, markov_rank=8), nnx.Rngs(0)
+    )
     return target, tok, drafter
 
 

@@ -30,7 +30,12 @@ def tiny_export(stories260k_dir, tmp_path):
     os.environ.setdefault("DSPARK_MODELS", str(stories260k_dir.parent))
     target, _ = load_target("stories260k")
     cfg = DrafterConfig.for_target(
-        target.cfg, gamma=2, num_layers=1, markov_rank=16, intermediate_size=32, target_fingerprint=target.fingerprint
+        target.cfg,
+        block_size=2,
+        num_layers=1,
+        markov_rank=16,
+        intermediate_size=32,
+        target_fingerprint=target.fingerprint,
     )
     d = DSparkDrafter(cfg, nnx.Rngs(0))
     # confident enough on some positions that auto drafts and mixes widths

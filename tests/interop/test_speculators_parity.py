@@ -67,7 +67,7 @@ def _ours(target, drafter, ids, anchors):
     out = target(tokens, jnp.arange(len(ids), dtype=jnp.int32)[None], taps=cfg.taps)
     a = jnp.asarray(anchors, jnp.int32)[None]
     block = drafter.train_blocks(target, out.features, tokens, a)
-    g = cfg.gamma
+    g = cfg.block_size
     prev = jnp.asarray([[ids[p + k] for k in range(g)] for p in anchors], jnp.int32)[None]
     bias, e = drafter.teacher_forced_heads(block.hidden, prev)
     logits = np.asarray(block.logits + bias)[0]
@@ -276,7 +276,7 @@ def test_hub_id_resolves_from_a_prefilled_cache(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
     drafter, meta = load_drafter("someone/tiny-dspark", target=target)
-    assert meta["extra"]["source_format"] == "speculators" and drafter.cfg.gamma == CASES["vanilla"][2]
+    assert meta["extra"]["source_format"] == "speculators" and drafter.cfg.block_size == CASES["vanilla"][2]
     with pytest.raises(DSparkInputError, match="could not be resolved"):
         load_drafter("someone/not-cached", target=target)
 
@@ -362,7 +362,7 @@ def test_export_cli_of_a_drafter_built_here(tiny, tmp_path, capsys):
 
     _, tdir, hf_model, target, ids = tiny
     cfg = DrafterConfig.for_target(
-        target.cfg, gamma=4, num_layers=1, markov_rank=8, markov_head="gated", taps=(0, 1),
+        target.cfg, block_size=4, num_layers=1, markov_rank=8, markov_head="gated", taps=(0, 1),
         draft_vocab_size=50, target_fingerprint=target.fingerprint,
     )  # fmt: skip
     assert cfg.qk_norm and cfg.mask_token_id == target.cfg.vocab_size - 1 and cfg.confidence_input == "raw"
@@ -385,7 +385,7 @@ def test_export_cli_of_a_drafter_built_here(tiny, tmp_path, capsys):
     # DeepSpec has no draft vocabulary; the first architecture is refused with its reasons.
     assert export_cli.main([*argv[:4], "deepspec", "--out", str(tmp_path / "ds")]) == 2
     assert "no draft vocabulary" in capsys.readouterr().err
-    legacy = build_drafter(DrafterConfig.for_target(target.cfg, gamma=4, num_layers=1, markov_rank=8,
+    legacy = build_drafter(DrafterConfig.for_target(target.cfg, block_size=4, num_layers=1, markov_rank=8,
                                                     taps=(0, 1), **LEGACY_ARCH), nnx.Rngs(0))  # fmt: skip
     export_drafter(legacy, tmp_path / "legacy")
     assert export_cli.main([str(tmp_path / "legacy"), *argv[1:4], "speculators", "--out", str(tmp_path / "x")]) == 2

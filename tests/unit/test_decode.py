@@ -8,7 +8,7 @@ docs/design.md#verification and docs/design.md#metrics, through the REAL jitted 
   and -- marked slow -- the quickly trained one of ``conftest.stories260k_export``).
 * tiny random targets (V = 16) where acceptance is high, so every path of the loop runs:
   stops inside accepted blocks, max_new_tokens reached inside a block, the context end,
-  gamma = 1 and gamma < block size, DFlash, batch-independence (at T = 0 and, with
+  block_size = 1 and block_size < block size, DFlash, batch-independence (at T = 0 and, with
   per-request seeds, bit for bit at T = 1), metric invariants, input errors, NaN weights.
 * the law of the first generated tokens at T > 0 (plain and top-k/top-p) from thousands
   of seeds, against the exact law enumerated from the target, for both loops.
@@ -87,7 +87,7 @@ GOLDEN = [
 def random_drafter(
     target: Target,
     *,
-    gamma=4,
+    block_size=4,
     seed=0,
     variant="dspark",
     markov_rank=None,
@@ -104,7 +104,7 @@ def random_drafter(
     t = target.cfg
     cfg = DrafterConfig.for_target(
         t,
-        gamma=gamma,
+        block_size=block_size,
         variant=variant,
         num_layers=num_layers,
         intermediate_size=intermediate_size,
@@ -192,7 +192,7 @@ def check_stats(res, gamma_used: int, speculative=True):
         assert np.all(acc <= reached), f"row {i}"
         assert np.all(reached[1:] <= acc[:-1]), f"row {i}: reached {reached} accepted {acc}"
         assert reached[0] <= g.num_target_passes
-        assert np.all(reached[gamma_used:] == 0), f"row {i}: positions past gamma={gamma_used} reached"
+        assert np.all(reached[gamma_used:] == 0), f"row {i}: positions past block_size={gamma_used} reached"
         # every emitted token is an accepted draft or the one correction/bonus of a pass
         assert n - 1 <= g.num_accepted + g.num_target_passes
         # the cost-table bound's mix (benchmarks/speedup.py): one compiled width per pass, and a
@@ -252,9 +252,9 @@ def s260k_ar(s260k, s260k_prompts):
 def s260k_drafter(request, s260k):
     target, _ = s260k
     if request.param == "random":
-        return random_drafter(target, gamma=4, markov_rank=target.cfg.vocab_size)
+        return random_drafter(target, block_size=4, markov_rank=target.cfg.vocab_size)
     if request.param == "bigram":  # same config as "random": shares its compilation
-        return bigram_drafter(target, gamma=4, alpha=3.0, base_scale=0.0, bos=1)
+        return bigram_drafter(target, block_size=4, alpha=3.0, base_scale=0.0, bos=1)
     from dspark_jax.drafters.checkpoint import load_drafter
 
     _, summary = request.getfixturevalue("stories260k_export")
@@ -266,7 +266,7 @@ def test_stories260k_speculative_equals_autoregressive(s260k, s260k_prompts, s26
     target, _ = s260k
     sp = generate_speculative(target, s260k_drafter, s260k_prompts, max_new_tokens=48, temperature=0)
     assert_same_outputs(s260k_ar, sp)
-    check_stats(sp, s260k_drafter.cfg.gamma)
+    check_stats(sp, s260k_drafter.cfg.block_size)
     check_stats(s260k_ar, 1, speculative=False)
     assert sum(g.num_draft_tokens for g in sp.generations) > 0
 
@@ -402,7 +402,7 @@ def test_tiny_speculative_equals_autoregressive(name, target_name, drafters, req
         assert rate > 0.2, rate  # the accept path is well covered
     if name == "perfect":
         assert rate == 1.0, rate
-        # a full block of gamma drafts + bonus per pass wherever the room allows it
+        # a full block of block_size drafts + bonus per pass wherever the room allows it
         g = sp.generations[8]
         assert g.num_target_passes == -(-(len(g.token_ids) - 1) // 5)
 
@@ -443,14 +443,14 @@ def test_auto_num_speculative_tokens_greedy(table, peaked, drafters, ar_peaked):
 
 
 @pytest.mark.exactness
-@pytest.mark.parametrize("gamma", [1, 2])
-def test_gamma_smaller_than_block(gamma, peaked, drafters, ar_peaked):
-    sp = spec_std(peaked, drafters["bigram"], temperature=0, num_speculative_tokens=gamma)
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_gamma_smaller_than_block(block_size, peaked, drafters, ar_peaked):
+    sp = spec_std(peaked, drafters["bigram"], temperature=0, num_speculative_tokens=block_size)
     assert_same_outputs(ar_peaked, sp)
-    check_stats(sp, gamma)
-    assert max(g.tau for g in sp.generations if g.num_target_passes) <= gamma + 1
+    check_stats(sp, block_size)
+    assert max(g.tau for g in sp.generations if g.num_target_passes) <= block_size + 1
     for g in sp.generations:  # a fixed length below the block runs a pass of that width (not block-wide)
-        assert g.verify_width_rounds == [0] * gamma + [g.num_target_passes] + [0] * (4 - gamma)
+        assert g.verify_width_rounds == [0] * block_size + [g.num_target_passes] + [0] * (4 - block_size)
         assert g.num_drafting_rounds == g.num_target_passes
     assert sum(g.num_accepted for g in sp.generations) > 0
 
@@ -487,7 +487,7 @@ def test_draft_vocabulary_and_width_greedy(peaked, ar_peaked):
 @pytest.mark.exactness
 def test_dflash_drafter(peaked, ar_peaked):
     d = random_drafter(peaked, variant="dflash", seed=7)
-    assert d.markov_w2 is None and d.cfg.num_slots == 5
+    assert d.markov_w2 is None and d.cfg.num_block_positions == 5
     sp = spec_std(peaked, d, temperature=0)
     assert_same_outputs(ar_peaked, sp)
     check_stats(sp, 4)
@@ -547,7 +547,7 @@ def test_perfect_drafter_acceptance_with_stop(pure_bigram, drafters, ar_pure):
 @pytest.mark.exactness
 def test_one_tau_in_decode_engine_and_server(pure_bigram, drafters, ar_pure):
     """One definition of tau and acceptance: with a perfect drafter and a stop token inside
-    accepted blocks, the Python API's numbers (decode, gamma G) equal the server's
+    accepted blocks, the Python API's numbers (decode, block_size G) equal the server's
     ``spec_decode`` for the same requests served by the engine verifying G drafts per step."""
     from types import SimpleNamespace
 
@@ -557,7 +557,7 @@ def test_one_tau_in_decode_engine_and_server(pure_bigram, drafters, ar_pure):
 
     stop = _stop_token(ar_pure)
     d = drafters["perfect"]
-    g_used = d.cfg.gamma
+    g_used = d.cfg.block_size
     # the same call as test_perfect_drafter_acceptance_with_stop (one compiled loop)
     res = spec_std(pure_bigram, d, temperature=0, stop_ids=[stop]).generations
     rows = [i for i, g in enumerate(res) if len(PROMPTS[i]) < 32 and MAX_NEW[i] > 8][:4]
@@ -706,9 +706,8 @@ def test_input_errors(peaked, drafters):
         with pytest.raises(DSparkInputError, match="token id 1180591620717411303424 outside the vocabulary"):
             fn([[1, 2**70]], max_new_tokens=4)
     for g in (0, 5, -1):
-        # gamma= is the deprecated alias: it warns, then is validated like num_speculative_tokens
-        with pytest.raises(DSparkInputError, match="gamma"), pytest.warns(DeprecationWarning, match="gamma"):
-            generate_speculative(peaked, d, [[1, 2]], max_new_tokens=4, gamma=g)
+        with pytest.raises(DSparkInputError, match=r"num_speculative_tokens must be in \[1, 4\]"):
+            generate_speculative(peaked, d, [[1, 2]], max_new_tokens=4, num_speculative_tokens=g)
 
 
 def test_incompatible_drafter(peaked):
@@ -723,7 +722,7 @@ def test_incompatible_drafter(peaked):
         "layers": dataclasses.replace(TINY, num_layers=4),
     }
     for what, cfg in others.items():
-        d = DSparkDrafter(DrafterConfig.for_target(cfg, gamma=2, num_layers=1, markov_rank=4), nnx.Rngs(0))
+        d = DSparkDrafter(DrafterConfig.for_target(cfg, block_size=2, num_layers=1, markov_rank=4), nnx.Rngs(0))
         for t in (peaked, fp_target):
             with pytest.raises(DSparkInputError, match=what):
                 check_compatible(t, d)
@@ -731,7 +730,9 @@ def test_incompatible_drafter(peaked):
                 generate_speculative(t, d, [[1, 2, 3]], max_new_tokens=4)
     # same architecture, other weights (recorded fingerprint differs)
     d = DSparkDrafter(
-        DrafterConfig.for_target(TINY, gamma=2, num_layers=1, markov_rank=4, target_fingerprint="0123456789abcdef"),
+        DrafterConfig.for_target(
+            TINY, block_size=2, num_layers=1, markov_rank=4, target_fingerprint="0123456789abcdef"
+        ),
         nnx.Rngs(0),
     )
     with pytest.raises(DSparkInputError, match="weights"):
@@ -829,7 +830,7 @@ def chi2_two_sample(c1, c2, keep) -> tuple[float, float]:
 @pytest.fixture(scope="module")
 def law_runs(peaked, drafters):
     """One batch per loop: N_LAW rows per sampling setting, seeds 0..2N-1, max_new 6
-    (the first round verifies the full gamma = 4)."""
+    (the first round verifies the full block_size = 4)."""
     b = N_LAW * len(SETTINGS)
     kw = dict(
         max_new_tokens=6,
@@ -853,7 +854,7 @@ def law_runs(peaked, drafters):
 @pytest.mark.parametrize("setting", range(len(SETTINGS)), ids=["T1", "T0.7-k6-p0.9"])
 def test_law_of_first_tokens(setting, peaked, law_runs):
     """The joint law of the first 3 generated tokens (prefill token, then the first
-    verification round with gamma = 4: accept / correction / bonus paths) equals the exact
+    verification round with block_size = 4: accept / correction / bonus paths) equals the exact
     law for AR and for speculative decoding with two drafters; later single positions
     agree between speculative and AR."""
     ar, sp = law_runs
@@ -929,13 +930,18 @@ def test_round_emission_and_statistics_agree_on_host_and_device():
         assert np.all(rs_h.num_draft_tokens <= num_verify) and np.all(rs_h.num_accepted <= kept)
 
 
-def test_gamma_alias_is_deprecated():
+def test_num_speculative_tokens_has_one_spelling():
+    """The verification length is ``num_speculative_tokens`` only (the old ``gamma=`` alias is gone:
+    ``gamma`` was also the block size)."""
     from dspark_jax.decoding.validation import resolve_num_speculative_tokens
 
-    with pytest.warns(DeprecationWarning, match="num_speculative_tokens"):
-        assert resolve_num_speculative_tokens(None, 2, 4) == 2
-    with pytest.warns(DeprecationWarning), pytest.raises(DSparkInputError, match="not both"):
-        resolve_num_speculative_tokens(3, 2, 4)
+    assert resolve_num_speculative_tokens(None, 4) == "auto"
+    assert resolve_num_speculative_tokens(None, 4, default=None) == 4
+    assert resolve_num_speculative_tokens(" 3", 4) == 3 and resolve_num_speculative_tokens("AUTO", 4) == "auto"
+    with pytest.raises(DSparkInputError, match="must be an integer or 'auto'"):
+        resolve_num_speculative_tokens("three", 4)
+    with pytest.raises(TypeError, match="block_size"):
+        generate_speculative(None, None, [[1]], gamma=2)  # type: ignore[call-arg]
 
 
 def test_compile_cache_is_bounded():

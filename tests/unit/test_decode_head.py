@@ -94,7 +94,7 @@ def test_block_sampler_equals_full_vocabulary_reference():
     """The draft-space sampler gives the tokens and q of the former sampler (q scattered to V
     at every position, the draw over V), hence the same law and the same coupled draws."""
     d = _drafter(tiny_target())
-    b, g = 3, d.cfg.gamma
+    b, g = 3, d.cfg.block_size
     graph, state = nnx.split(d)
     hidden = jax.random.normal(jax.random.PRNGKey(1), (b, g, d.cfg.model_width))
     block = BlockOutput(hidden, 3.0 * jax.random.normal(jax.random.PRNGKey(2), (b, g, N_DRAFT)))

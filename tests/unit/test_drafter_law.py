@@ -44,7 +44,7 @@ SETTINGS = [
 @pytest.fixture(scope="module")
 def models():
     target = law_target()
-    dcfg = DrafterConfig.for_target(target.cfg, gamma=G, num_layers=1, markov_rank=4, taps=(0, 1))
+    dcfg = DrafterConfig.for_target(target.cfg, block_size=G, num_layers=1, markov_rank=4, taps=(0, 1))
     drafter = DSparkDrafter(dcfg, nnx.Rngs(1))
     rng = np.random.default_rng(0)
     # Flatten the backbone's logits so proposals overlap the target (accepts and rejects both
@@ -86,7 +86,7 @@ def models_draft_vocab(models):
     """The same target with a drafter that drafts over 4 of the 6 ids (x = 1 and 4 never)."""
     target, _ = models
     tcfg = target.cfg
-    dcfg = DrafterConfig.for_target(tcfg, gamma=G, num_layers=1, markov_rank=4, taps=(0, 1), draft_vocab_size=4)
+    dcfg = DrafterConfig.for_target(tcfg, block_size=G, num_layers=1, markov_rank=4, taps=(0, 1), draft_vocab_size=4)
     drafter = DSparkDrafter(dcfg, nnx.Rngs(2))
     drafter.set_draft_vocab(DRAFT_IDS)
     rng = np.random.default_rng(1)

@@ -75,7 +75,7 @@ def test_format2_export_loads_and_drafts_what_it_drafted(tiny_target):
     assert isinstance(d, DSparkDrafter) and isinstance(d, BlockDrafter)
     assert meta["format"] == "dspark_jax.drafter/2" and meta["extra"]["made_by"].endswith("make_tiny_export.py")
     c = d.cfg
-    assert (c.variant, c.markov_head, c.gamma, c.num_layers, c.markov_rank, c.taps) == (
+    assert (c.variant, c.markov_head, c.block_size, c.num_layers, c.markov_rank, c.taps) == (
         "dspark",
         "gated",
         3,
@@ -117,7 +117,7 @@ def test_new_drafters_get_the_formats_architecture_and_legacy_stays_loadable(tin
     from dspark_jax.config import LEGACY_ARCH
     from dspark_jax.errors import DSparkInputError
 
-    new = DrafterConfig.for_target(TINY_TARGET, gamma=3, num_layers=1, markov_rank=4, draft_vocab_size=6)
+    new = DrafterConfig.for_target(TINY_TARGET, block_size=3, num_layers=1, markov_rank=4, draft_vocab_size=6)
     assert new.qk_norm and new.mask_token_id == TINY_TARGET.vocab_size - 1
     assert new.markov_w1_size == TINY_TARGET.vocab_size
     d = build_drafter(new, nnx.Rngs(0))
@@ -126,7 +126,7 @@ def test_new_drafters_get_the_formats_architecture_and_legacy_stays_loadable(tin
     x = d.block_inputs(tiny_target, jnp.asarray([5, 7]))
     mask_row = tiny_target.embed_tokens(jnp.asarray(TINY_TARGET.vocab_size - 1))
     np.testing.assert_array_equal(x[:, 1:], jnp.broadcast_to(mask_row, (2, 2, mask_row.shape[-1])))
-    old = DrafterConfig.for_target(TINY_TARGET, arch="legacy", gamma=3, num_layers=1, markov_rank=4)
+    old = DrafterConfig.for_target(TINY_TARGET, arch="legacy", block_size=3, num_layers=1, markov_rank=4)
     assert {k: getattr(old, k) for k in LEGACY_ARCH} == LEGACY_ARCH
     loaded, _ = load_drafter(TINY_EXPORT)
     assert {k: getattr(loaded.cfg, k) for k in LEGACY_ARCH} == LEGACY_ARCH
@@ -135,7 +135,7 @@ def test_new_drafters_get_the_formats_architecture_and_legacy_stays_loadable(tin
 
 
 def _config(variant: str) -> DrafterConfig:
-    over = dict(variant=variant, gamma=3, num_layers=1)
+    over = dict(variant=variant, block_size=3, num_layers=1)
     if variant == "eagle3":
         over.update(markov_rank=0, taps=eagle_taps(TINY_TARGET))
     else:

@@ -39,13 +39,13 @@ def s260k(stories260k):
     return Target(cfg, params, fingerprint=params_fingerprint(params)), tok
 
 
-def random_eagle(target: Target, gamma=GAMMA, seed=0, scale=0.5) -> EagleDrafter:
+def random_eagle(target: Target, block_size=GAMMA, seed=0, scale=0.5) -> EagleDrafter:
     """An eagle3 drafter whose zero-initialised residual branches are randomised."""
     cfg = DrafterConfig.for_target(
         target.cfg,
         variant="eagle3",
         num_layers=1,
-        gamma=gamma,
+        block_size=block_size,
         markov_rank=0,
         taps=eagle_taps(target.cfg),
         target_fingerprint=target.fingerprint,
@@ -74,8 +74,8 @@ def test_eagle_taps_and_config():
     assert eagle_taps(dataclasses.replace(deep, num_layers=5)) == (1, 2, 3)
     with pytest.raises(ValueError, match="one decoder layer"):
         DrafterConfig.for_target(deep, variant="eagle3", num_layers=2)
-    cfg = DrafterConfig.for_target(deep, variant="eagle3", num_layers=1, gamma=5)
-    assert not cfg.markov and not cfg.has_confidence and cfg.num_slots == 5
+    cfg = DrafterConfig.for_target(deep, variant="eagle3", num_layers=1, block_size=5)
+    assert not cfg.markov and not cfg.has_confidence and cfg.num_block_positions == 5
     assert isinstance(build_drafter(cfg, nnx.Rngs(0)), EagleDrafter)
 
 
@@ -134,7 +134,7 @@ def test_draft_probs_are_the_sampling_law():
         name="law",
     )
     target = Target(tcfg, random_params(tcfg, seed=7, scale=0.4))
-    d = random_eagle(target, gamma=3, scale=8.0)
+    d = random_eagle(target, block_size=3, scale=8.0)
     d.final_norm[...] = jnp.full(d.final_norm.shape, 0.3, jnp.float32)  # flat enough that every token occurs
     ctx = jnp.asarray([[1, 4, 2, 5]], jnp.int32)
     pos = jnp.arange(4, dtype=jnp.int32)[None]
@@ -178,7 +178,9 @@ def trained(s260k, tmp_path_factory):
         s = (p + g.token_ids)[:L]
         toks[i, : len(s)], lens[i] = s, len(s)
     data = {"tokens": toks, "lengths": lens, "prompt_lengths": np.array([min(len(p), L) for p in prompts], np.int32)}
-    cfg = TrainConfig(variant="eagle3", gamma=GAMMA, steps=60, batch_size=8, anchors_per_seq=16, learning_rate=3e-3)
+    cfg = TrainConfig(
+        variant="eagle3", block_size=GAMMA, steps=60, batch_size=8, anchors_per_seq=16, learning_rate=3e-3
+    )
     tr = Trainer(cfg, target, build_drafter(drafter_config(cfg, target), nnx.Rngs(0)))
     it = batches(data, cfg.batch_size, cfg.seed)
     losses = [float(tr.step(next(it), s)[0].loss) for s in range(cfg.steps)]

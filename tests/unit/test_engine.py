@@ -1,7 +1,7 @@
 """End-to-end tests of the serving engine (:mod:`dspark_jax.serving.engine`) on stories260K.
 
 * Exactness across batching (Gumbel-coupled verification): with requests joining and
-  leaving mid-flight through 2 slots, every policy (plain, fixed gamma, threshold, greedy,
+  leaving mid-flight through 2 slots, every policy (plain, fixed block_size, threshold, greedy,
   deployed DSpark) emits, token for token, what ``decode.generate_autoregressive`` emits for
   the same request and seed, at temperature 0 and 1 with top-k / top-p.
 * Stop ids, EOS and max_tokens inside the engine; input validation.
@@ -10,7 +10,7 @@
 * The scheduler's plan follows the host state it reads (confidences, room) and does not
   change when the draft token values on the device change (non-anticipation).
 
-One engine (2 slots, gamma 3, buckets (1,1) (1,4) (2,2) (2,8)) is shared by every test so
+One engine (2 slots, block_size 3, buckets (1,1) (1,4) (2,2) (2,8)) is shared by every test so
 that its handful of programs compile once.
 """
 
@@ -70,7 +70,7 @@ def drafter(target):
     v = target.cfg.vocab_size
     cfg = DrafterConfig.for_target(
         target.cfg,
-        gamma=GAMMA,
+        block_size=GAMMA,
         num_layers=1,
         intermediate_size=64,
         markov_rank=v,
@@ -635,7 +635,7 @@ def test_eagle3_drafter_is_refused_at_start(target):
         target.cfg,
         variant="eagle3",
         num_layers=1,
-        gamma=GAMMA,
+        block_size=GAMMA,
         markov_rank=0,
         taps=eagle_taps(target.cfg),
         target_fingerprint=target.fingerprint,

@@ -180,7 +180,7 @@ def test_train_run_with_feature_cache_matches_uncached(stories260k, tmp_path):
         steps=3,
         batch_size=4,
         anchors_per_seq=4,
-        gamma=4,
+        block_size=4,
         num_layers=1,
         markov_rank=8,
         log_every=100,

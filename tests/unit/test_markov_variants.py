@@ -52,7 +52,7 @@ def target():
 
 
 def make_drafter(target, head, seed=1) -> DSparkDrafter:
-    cfg = DrafterConfig.for_target(target.cfg, gamma=G, num_layers=1, markov_rank=4, taps=(0, 1), markov_head=head)
+    cfg = DrafterConfig.for_target(target.cfg, block_size=G, num_layers=1, markov_rank=4, taps=(0, 1), markov_head=head)
     d = DSparkDrafter(cfg, nnx.Rngs(seed))
     rng = np.random.default_rng(seed)
     d.final_norm[...] = jnp.full(d.final_norm.shape, 0.05, jnp.float32)  # flat base logits: the head dominates
@@ -110,7 +110,7 @@ def test_shapes(drawn):
     assert draft.tokens.shape == (N, G) and draft.tokens.dtype == jnp.int32
     assert draft.probs.shape == (N, G, V) and draft.confidence.shape == (N, G)
     assert np.all((np.asarray(draft.confidence) > 0) & (np.asarray(draft.confidence) < 1))
-    # extra axes (the trainer's [B, A, gamma]) are carried through
+    # extra axes (the trainer's [B, A, block_size]) are carried through
     b2, e2 = d.teacher_forced_heads(blk.hidden[:8].reshape(2, 4, G, -1), prev[:8].reshape(2, 4, G))
     np.testing.assert_allclose(b2.reshape(8, G, V), bias[:8], atol=1e-6)
 

@@ -10,7 +10,7 @@
   engine loop; in rejection mode the first block's q too.
 * No recompilation after warm-up (compile events counted as in ``tests/unit/test_engine.py``).
 
-One engine (3 slots, gamma 3, one prefill bucket of 32, a 12-token chunk of 4-token blocks
+One engine (3 slots, block_size 3, one prefill bucket of 32, a 12-token chunk of 4-token blocks
 over 3 lanes) is shared, so that its handful of programs compile once.
 """
 

@@ -228,7 +228,7 @@ def test_sps_table_round_trip_and_matching(tmp_path):
     def run(r, k, d):
         calls.append((r, k, d))
 
-    meta = {"device_kind": "cpu:cpu", "model": "m", "num_slots": 2, "gamma": 3}
+    meta = {"device_kind": "cpu:cpu", "model": "m", "num_slots": 2, "block_size": 3}
     table = profile_buckets(run, [(1, 1), (1, 4)], [False, True], meta, iters=2, warm=1)
     assert len(calls) == 2 * 2 * 3
     assert table.sps(1, 4, True) > 0 and table.sps(2, 2, False) == 0.0

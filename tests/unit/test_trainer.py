@@ -33,7 +33,7 @@ CFG = TrainConfig(
     steps=6,
     batch_size=4,
     anchors_per_seq=4,
-    gamma=4,
+    block_size=4,
     num_layers=1,
     markov_rank=8,
     learning_rate=1e-2,
@@ -72,8 +72,8 @@ def test_loss_terms_are_sane_and_confidence_label_is_one_minus_tv():
     )
     assert np.isfinite(float(terms.loss))
     assert 0.0 <= float(terms.tv) <= 1.0
-    assert 1.0 <= float(terms.tau_est) <= 1 + CFG.gamma
-    assert terms.acc_by_pos.shape == (CFG.gamma,)
+    assert 1.0 <= float(terms.tau_est) <= 1 + CFG.block_size
+    assert terms.acc_by_pos.shape == (CFG.block_size,)
 
 
 def test_training_reduces_loss():
@@ -148,7 +148,7 @@ def test_wsd_branch_from_the_constant_trunk_equals_one_wsd_run(tmp_path):
 
 def test_export_round_trip(tmp_path):
     _target()
-    cfg = DrafterConfig.for_target(TCFG, gamma=4, num_layers=1, markov_rank=8, target_fingerprint="tinyfp")
+    cfg = DrafterConfig.for_target(TCFG, block_size=4, num_layers=1, markov_rank=8, target_fingerprint="tinyfp")
     d = DSparkDrafter(cfg, nnx.Rngs(3))
     path = export_drafter(d, tmp_path / "export", calibration=[1.0] * 4, extra={"note": "x"})
     d2, meta = load_drafter(path)
@@ -204,9 +204,9 @@ def test_draft_vocabulary_tv_and_export(tmp_path):
 def test_corrupt_export_is_refused(tmp_path):
     from dspark_jax.errors import DSparkInputError
 
-    d = DSparkDrafter(DrafterConfig.for_target(TCFG, gamma=4, num_layers=1, markov_rank=8), nnx.Rngs(3))
+    d = DSparkDrafter(DrafterConfig.for_target(TCFG, block_size=4, num_layers=1, markov_rank=8), nnx.Rngs(3))
     path = export_drafter(d, tmp_path / "export")
-    other = DSparkDrafter(DrafterConfig.for_target(TCFG, gamma=4, num_layers=2, markov_rank=8), nnx.Rngs(3))
+    other = DSparkDrafter(DrafterConfig.for_target(TCFG, block_size=4, num_layers=2, markov_rank=8), nnx.Rngs(3))
     export_drafter(other, tmp_path / "other")
     # config says 1 layer, params hold 2: a mismatched checkpoint
     (tmp_path / "other" / "drafter.json").write_text((path / "drafter.json").read_text())

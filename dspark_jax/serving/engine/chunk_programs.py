@@ -225,13 +225,13 @@ class ChunkSpec:
     """The static shape of a chunked-prefill pass (one compiled program per value).
 
     Attributes:
-      span / block: attention span and lane-aligned block size; gamma / mode / n_top: as
+      span / block: attention span and lane-aligned block size; block_size / mode / n_top: as
         :class:`~dspark_jax.serving.engine.step_programs.StepSpec`.
     """
 
     span: int
     block: int
-    gamma: int
+    block_size: int
     mode: str = "coupled"
     n_top: int = 20
 
@@ -289,7 +289,7 @@ def prefill_chunk_program(t_state, d_state, stage: StageState, inp: ChunkInputs,
     """
     (tok, pos, blk_lane, last), lanes_in, do_context, bias = inp
     prompt_len, seed, temperature, top_k, top_p, do_draft = lanes_in
-    span, block, gamma, mode, n_top = spec.span, spec.block, spec.gamma, spec.mode, spec.n_top
+    span, block, block_size, mode, n_top = spec.span, spec.block, spec.block_size, spec.mode, spec.n_top
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
     taps = drafter.cfg.taps if drafter is not None else ()
@@ -300,11 +300,13 @@ def prefill_chunk_program(t_state, d_state, stage: StageState, inp: ChunkInputs,
     keys = jax.vmap(jax.random.PRNGKey)(seed)
     samp = SamplingArrays(temperature, top_k, top_p)
     token, finite, lp = _first_tokens(raw, keys, prompt_len, samp, bias, n_top)
-    lanes, gp = last.shape[0], max(gamma, 1)
+    lanes, gp = last.shape[0], max(block_size, 1)
     init = (
         jnp.zeros((lanes, gp), jnp.int32),
         jnp.zeros((lanes, gp), jnp.float32),
-        jnp.zeros((lanes, gamma, target.cfg.vocab_size), jnp.float32) if (mode == "rejection" and gamma) else None,
+        jnp.zeros((lanes, block_size, target.cfg.vocab_size), jnp.float32)
+        if (mode == "rejection" and block_size)
+        else None,
     )
     dk, dv, blk = stage.dk, stage.dv, init
     if drafter is not None:

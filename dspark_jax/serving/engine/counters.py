@@ -19,16 +19,16 @@ class EngineMetrics:
     """Cumulative engine counters.
 
     Args:
-      gamma: block size (per-position counters have ``max(gamma, 1)`` entries).
+      block_size: block size (per-position counters have ``max(block_size, 1)`` entries).
     """
 
-    def __init__(self, gamma: int):
-        self.gamma = gamma
+    def __init__(self, block_size: int):
+        self.block_size = block_size
         self.reset()
 
     def reset(self) -> None:
         """Zeroes every counter."""
-        g = max(self.gamma, 1)
+        g = max(self.block_size, 1)
         self.steps = self.rounds = self.drafts = self.draft_tokens = self.accepted_tokens = 0
         self.emitted_tokens = self.round_tokens = self.packed_tokens = self.draft_steps = 0
         self.suspended_steps = self.catchup_passes = self.catchup_tokens = 0

@@ -152,8 +152,8 @@ class EngineDevice:
     ):
         self.target, self.drafter = target, drafter
         self.num_slots, self.cache_len, self.mode, self.nb, self.n_top = num_slots, cache_len, mode, nb, n_top
-        self.gamma = drafter.cfg.gamma if drafter is not None else 0
-        self.keep_q = mode == "rejection" and self.gamma > 0  # the state keeps each block's q
+        self.block_size = drafter.cfg.block_size if drafter is not None else 0
+        self.keep_q = mode == "rejection" and self.block_size > 0  # the state keeps each block's q
         self.t_graph, self.t_state = nnx.split(target)
         self.d_graph, self.d_state = nnx.split(drafter) if drafter is not None else (None, None)
         self.mesh = serving_mesh(mesh)
@@ -218,7 +218,7 @@ class EngineDevice:
         return exe
 
     def _step_fn(self, d_graph, rows: int, tokens: int):
-        spec = StepSpec(rows, tokens, self.gamma, self.mode, self.n_top)
+        spec = StepSpec(rows, tokens, self.block_size, self.mode, self.n_top)
         return partial(step_program, t_graph=self.t_graph, d_graph=d_graph, spec=spec)
 
     def _step_example(self, d_state) -> tuple:
@@ -244,10 +244,10 @@ class EngineDevice:
         return self._get(("bare_step", rows), make, donate=(2,))
 
     def catchup_exe(self, rows: int):
-        """The drafter catch-up pass over ``rows`` rows, ``gamma + 1`` tokens each."""
+        """The drafter catch-up pass over ``rows`` rows, ``block_size + 1`` tokens each."""
 
         def make():
-            w = self.gamma + 1
+            w = self.block_size + 1
             fn = partial(catchup_program, t_graph=self.t_graph, d_graph=self.d_graph, rows=rows, width=w)
             z = np.zeros(rows * w, np.int32)
             return fn, (self.t_state, self.d_state, self.state, z, z, z, z)
@@ -262,7 +262,7 @@ class EngineDevice:
                 prefill_program,
                 t_graph=self.t_graph,
                 d_graph=self.d_graph,
-                gamma=self.gamma,
+                block_size=self.block_size,
                 mode=self.mode,
                 n_top=self.n_top,
             )
@@ -301,7 +301,7 @@ class EngineDevice:
         return out
 
     def run_catchup(self, rows: int, tok, row, col, pos) -> None:
-        """Runs one catch-up pass (``[rows * (gamma + 1)]`` packed tokens)."""
+        """Runs one catch-up pass (``[rows * (block_size + 1)]`` packed tokens)."""
         self.state = self.catchup_exe(rows)(self.t_state, self.d_state, self.state, tok, row, col, pos)
 
     def run_prefill(self, tokens: np.ndarray, prompt_len: int, sp: SamplingParams, drafted: bool, context: bool, bias):
@@ -347,10 +347,10 @@ class EngineDevice:
             "device_kind": f"{dev.platform}:{dev.device_kind}",
             "model": t.cfg.name,
             "fingerprint": getattr(t, "fingerprint", ""),
-            "drafter": None if d is None else f"{d.cfg.variant}-g{self.gamma}-n{d.cfg.num_layers}",
+            "drafter": None if d is None else f"{d.cfg.variant}-g{self.block_size}-n{d.cfg.num_layers}",
             "dtype": str(t.dtype.__name__ if hasattr(t.dtype, "__name__") else t.dtype),
             "num_slots": self.num_slots,
-            "gamma": self.gamma,
+            "block_size": self.block_size,
             "cache_len": self.cache_len,
             **({} if self.mesh is None else {"mesh": shd.describe(self.mesh)}),
         }
@@ -390,7 +390,7 @@ class EngineDevice:
 
     def drafts_flags(self) -> list[bool]:
         """Whether steps can draft: ``[False]`` without a drafter, else ``[False, True]``."""
-        return [False] if self.gamma == 0 else [False, True]
+        return [False] if self.block_size == 0 else [False, True]
 
     def profile(self, buckets, iters: int) -> SPSTable:
         """Times ``iters`` steps of every bucket with and without drafting, every row inactive

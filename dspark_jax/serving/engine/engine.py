@@ -108,7 +108,7 @@ class Engine:
         (see :mod:`dspark_jax.serving.engine.scheduler`).
       buckets: packed-token budgets of speculative steps (default 4, 8, 16, 32, 64, 128);
         for ``R`` rows the compiled budgets are ``R`` (plain step) and
-        ``min(k, R * (gamma + 1))`` for every ``k > R`` here (``fixed:G`` uses exactly
+        ``min(k, R * (block_size + 1))`` for every ``k > R`` here (``fixed:G`` uses exactly
         ``R * (G + 1)``).
       sps_table: an :class:`SPSTable` (or a path to one); reused when it was measured for
         this device, model, drafter and shape and covers every bucket, else re-profiled.
@@ -125,7 +125,7 @@ class Engine:
       suspend_after: after this many consecutive steps in which the policy chose not to
         draft, plain steps stop keeping the drafter context current (they become exactly a
         drafter-less engine's step); when drafting resumes, the skipped positions are caught
-        up first (:meth:`_catch_up`, one packed target pass per ``gamma + 1`` skipped tokens
+        up first (:meth:`_catch_up`, one packed target pass per ``block_size + 1`` skipped tokens
         per row). ``None`` never suspends.
       verification: ``"coupled"`` (default: a draft is accepted iff it equals the target's own
         sample under shared noise, so every response equals plain decoding with its seed) or
@@ -224,16 +224,16 @@ class Engine:
         )
         self.mesh = self.device.mesh
         init = drafter.calibration if (drafter is not None and seed_calibration) else None
-        self.calibrator = OnlineCalibrator(max(self.gamma, 1), init, window=calibration_window, lr=calibration_lr)
+        self.calibrator = OnlineCalibrator(max(self.block_size, 1), init, window=calibration_window, lr=calibration_lr)
         self.slots = SlotTable(self.num_slots)
         self._warm = False
         self.table_source: str | None = None  # where the SPS table came from (given, stored, profiled)
         self._given_table = (
             SPSTable.load(os.fspath(sps_table)) if isinstance(sps_table, (str, os.PathLike)) else sps_table
         )
-        self._metrics = EngineMetrics(self.gamma)
+        self._metrics = EngineMetrics(self.block_size)
         self.planner = Planner(
-            self.gamma, drafter is not None, self.ladder, self.row_buckets, self.calibrator, suspend_after, policy
+            self.block_size, drafter is not None, self.ladder, self.row_buckets, self.calibrator, suspend_after, policy
         )
         self.prefiller = chunked_prefill(self, prefill_chunk_tokens)
 
@@ -257,7 +257,7 @@ class Engine:
             prepare_drafter(target, drafter)
         self.target, self.drafter = target, drafter
         self.num_slots, self.cache_len = int(num_slots), int(cache_len)
-        self.gamma = drafter.cfg.gamma if drafter is not None else 0
+        self.block_size = drafter.cfg.block_size if drafter is not None else 0
 
     # ------------------------------------------------------------------ configuration
 
@@ -371,7 +371,7 @@ class Engine:
         buf = np.zeros((1, p_len), np.int32)
         buf[0, :n] = ids
         sp = request.params
-        drafted = bool(self.gamma) and self.planner.drafting
+        drafted = bool(self.block_size) and self.planner.drafting
         context = drafted or not self.planner.suspended()  # always True without a drafter
         bias = bias_table(sp, n, self.limits)
         pre, finite, lp = self.device.run_prefill(buf, n, sp, drafted, context, bias)
@@ -450,16 +450,16 @@ class Engine:
         """Writes the drafter context of every position a suspended step skipped.
 
         Each active row whose context stops at ``stale_from`` gets its confirmed tokens at
-        positions ``[stale_from, anchor)`` re-run through the target (packed, ``gamma + 1``
+        positions ``[stale_from, anchor)`` re-run through the target (packed, ``block_size + 1``
         tokens per row per pass, taps on) and their context keys/values written, so that
         drafting resumes exactly as if upkeep had never stopped. Costs about one packed
-        target pass per ``gamma + 1`` skipped tokens of the longest gap.
+        target pass per ``block_size + 1`` skipped tokens of the longest gap.
         """
         records = self.slots.row_records()
         if self.drafter is None or all(rec.stale_from is None for rec in records):
             return
         rows = self.planner.rows_for(len(records))
-        for tok, row, col, pos in catchup_batches(records, rows, self.gamma + 1):
+        for tok, row, col, pos in catchup_batches(records, rows, self.block_size + 1):
             self.device.run_catchup(rows, tok, row, col, pos)
             self._metrics.add_catchup(int(np.sum(pos >= 0)))
 
@@ -507,7 +507,7 @@ class Engine:
         if rec.n_lp is not None:
             lps = rec.pending_lp + [lp_entry(lpc[r, j], lpv[r, j], lpi[r, j], rec.n_lp) for j in range(len(rnd.tokens))]
             rec.pending_lp = []
-        rec.push_z(np.asarray(conf[r], np.float64) if (draft_next and self.gamma) else None)
+        rec.push_z(np.asarray(conf[r], np.float64) if (draft_next and self.block_size) else None)
         done = rnd.reason is not None
         return StepOutput(slot, rec.request.request_id, toks, done, rnd.reason, rnd.verified, rnd.accepted, lps)
 
@@ -535,12 +535,12 @@ class Engine:
         lp = jax.device_get(out[4]) if want_lp else (None, None, None)
         self._metrics.add_step(rows, tokens, n + int(ell.sum()), draft_next, suspended, time.perf_counter() - t0)
         verified_rows = ell > 0
-        if self.gamma and verified_rows.any():
+        if self.block_size and verified_rows.any():
             zs = np.stack([cast(np.ndarray, rec.z) for rec, v in zip(recs, verified_rows) if v])  # verified: drafted
             self.calibrator.observe(zs, ell[verified_rows], acc[:n][verified_rows])
             self.calibrator.update()
         host = (ypad, acc, finite, conf) + tuple(lp)
-        rounds, stats, kept = close_rounds(recs, ypad, acc, finite, ell, self.gamma)
+        rounds, stats, kept = close_rounds(recs, ypad, acc, finite, ell, self.block_size)
         self._metrics.add_rounds(ell, stats, kept)
         finished = []
         for r, slot in enumerate(self.slots.row_slots()):

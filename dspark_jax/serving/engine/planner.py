@@ -60,13 +60,13 @@ PROBE_BUDGET = 0.1  # a probe's extra seconds may be at most this share of the t
 _log = logging.getLogger("dspark_jax.serving.engine")
 
 
-def parse_policy(policy: str, gamma: int) -> tuple[str, float | int | None]:
+def parse_policy(policy: str, block_size: int) -> tuple[str, float | int | None]:
     """Parses a policy string.
 
     Args:
-      policy: ``"plain"``, ``"fixed:G"`` (``1 <= G <= gamma``), ``"threshold:C"``
+      policy: ``"plain"``, ``"fixed:G"`` (``1 <= G <= block_size``), ``"threshold:C"``
         (``0 <= C <= 1``), ``"greedy"`` or ``"dspark"``.
-      gamma: the drafter's block size (0 without a drafter: only ``"plain"``).
+      block_size: the drafter's block size (0 without a drafter: only ``"plain"``).
     Returns:
       ``(name, argument)``.
     Raises:
@@ -80,15 +80,15 @@ def parse_policy(policy: str, gamma: int) -> tuple[str, float | int | None]:
         return "plain", None
     if name not in ("fixed", "threshold", "greedy", "dspark") or (name in ("greedy", "dspark") and arg):
         raise DSparkInputError(f"unknown policy {policy!r}: use plain, fixed:G, threshold:C, greedy or dspark")
-    if gamma < 1:
+    if block_size < 1:
         raise DSparkInputError(f"policy {policy!r} needs a drafter; without one use 'plain'")
     if name == "fixed":
         try:
             g = int(arg)
         except ValueError:
             raise DSparkInputError(f"policy {policy!r}: fixed:G needs an integer G") from None
-        if not 1 <= g <= gamma:
-            raise DSparkInputError(f"policy {policy!r}: G must be in [1, {gamma}] for this drafter")
+        if not 1 <= g <= block_size:
+            raise DSparkInputError(f"policy {policy!r}: G must be in [1, {block_size}] for this drafter")
         return "fixed", g
     if name == "threshold":
         try:
@@ -134,7 +134,7 @@ class Planner:
     """Policy state and decisions of one engine.
 
     Args:
-      gamma: the drafter's block size (0: no drafter).
+      block_size: the drafter's block size (0: no drafter).
       has_drafter: whether the engine has a drafter (suspension needs one).
       ladder: packed-token budgets of speculative steps.
       row_buckets: compiled row counts (ascending, ending at ``num_slots``).
@@ -148,7 +148,7 @@ class Planner:
 
     def __init__(
         self,
-        gamma: int,
+        block_size: int,
         has_drafter: bool,
         ladder: Sequence[int],
         row_buckets: Sequence[int],
@@ -156,7 +156,7 @@ class Planner:
         suspend_after: int | None,
         policy: str,
     ):
-        self.gamma, self.has_drafter = gamma, has_drafter
+        self.block_size, self.has_drafter = block_size, has_drafter
         self.ladder, self.row_buckets = list(ladder), list(row_buckets)
         self.calibrator, self.suspend_after = calibrator, suspend_after
         self.sps_table: SPSTable | None = None
@@ -175,7 +175,7 @@ class Planner:
         Raises:
           DSparkInputError: bad policy string.
         """
-        self.name, self.arg = parse_policy(policy, self.gamma)
+        self.name, self.arg = parse_policy(policy, self.block_size)
         self.policy = policy
         self._sps_cache: dict = {}
         # Whether the last step drafted; prefill drafts the first block only then (the
@@ -190,7 +190,7 @@ class Planner:
     def adopt_table(self, meta: dict, buckets, given: SPSTable | None) -> bool:
         """Installs the current or the ``given`` SPS table if one was measured on ``meta`` and
         covers ``buckets`` (with and without drafting); False when a new one must be profiled."""
-        flags = [False] if self.gamma == 0 else [False, True]
+        flags = [False] if self.block_size == 0 else [False, True]
         for t in (self.sps_table, given):
             if t is not None and t.matches(meta) and t.covers(buckets, flags):
                 self.set_table(t)
@@ -199,7 +199,7 @@ class Planner:
 
     def budgets(self, rows: int) -> list[int]:
         """Compiled token budgets for ``rows`` rows under the current policy (``rows`` first)."""
-        g = self.gamma
+        g = self.block_size
         if self.name == "plain" or g == 0:
             return [rows]
         if self.name == "fixed":
@@ -295,11 +295,11 @@ class Planner:
 
     def _catchup_seconds(self, records: Sequence[SlotRecord], rows: int) -> float:
         """Resuming from suspension first costs the catch-up passes over the skipped tokens
-        (one packed pass of the widest bucket per gamma + 1 of the longest gap)."""
+        (one packed pass of the widest bucket per block_size + 1 of the longest gap)."""
         if not self.suspended():
             return 0.0
         gap = max((rec.length - 1 - rec.stale_from for rec in records if rec.stale_from is not None), default=0)
-        w = self.gamma + 1
+        w = self.block_size + 1
         return -(-gap // w) / max(self._table().sps(rows, rows * w, False), 1e-9)
 
     def want_drafts(self, records: Sequence[SlotRecord], rows: int, surv_fc: np.ndarray, cap_fc: np.ndarray) -> bool:
@@ -361,7 +361,7 @@ class Planner:
         """
         n = len(records)
         rows = self.rows_for(n)
-        g = self.gamma
+        g = self.block_size
         if self.name == "plain" or g == 0:
             return np.zeros(n, np.int32), rows, rows, False
         room = np.array([min(g, rec.end - rec.length - 1) for rec in records], np.int64).clip(0)

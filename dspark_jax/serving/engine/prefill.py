@@ -267,7 +267,7 @@ class ChunkedPrefill:
         if plan is None:
             return []
         d = self.device
-        drafting = bool(d.gamma) and self.planner.drafting
+        drafting = bool(d.block_size) and self.planner.drafting
         context = d.drafter is None or drafting or not self.planner.suspended()
         for e in plan.members:
             e.context = e.context and context
@@ -339,7 +339,7 @@ class ChunkedPrefill:
         d = self.device
 
         def make():
-            spec = ChunkSpec(span, self.block, d.gamma, d.mode, d.n_top)
+            spec = ChunkSpec(span, self.block, d.block_size, d.mode, d.n_top)
             fn = partial(prefill_chunk_program, t_graph=d.t_graph, d_graph=d.d_graph, spec=spec)
             return fn, (d.t_state, d.d_state, self.stage, self._idle_inputs(tokens))
 

@@ -135,7 +135,7 @@ class StepOutput:
 class Prefix:
     """A prefilled request ready for :meth:`Engine.insert` (device caches + first token).
 
-    ``conf_logit`` (``[gamma]`` raw confidence logits of the first drafted block) is None when
+    ``conf_logit`` (``[block_size]`` raw confidence logits of the first drafted block) is None when
     prefill did not draft: no drafter, or the engine was not drafting at the time.
     ``has_context`` is False when prefill skipped the drafter context because the drafter was
     suspended (the prompt is caught up if drafting resumes).

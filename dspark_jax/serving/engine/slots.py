@@ -55,7 +55,7 @@ class SlotRecord:
       stops: ids that end it (EOS + ``stop_token_ids``).
       pending: tokens not yet handed out (the prefill token until the first step).
       done: finish reason when it finished at prefill.
-      z: ``[gamma]`` raw confidence logits of the block verified next (None: no draft).
+      z: ``[block_size]`` raw confidence logits of the block verified next (None: no draft).
       hist: the last 3 blocks' ``z`` (the deployed scheduler reads 2-step-old confidences).
       last_z: the latest ``z`` the drafter produced for this request, however old (the
         forecast of a row that has not drafted lately); None before its first block.
@@ -114,7 +114,7 @@ class SlotRecord:
         return rec
 
     def push_z(self, z: np.ndarray | None) -> None:
-        """Records the confidence logits ``z [gamma]`` of the block verified next (None: the
+        """Records the confidence logits ``z [block_size]`` of the block verified next (None: the
         step did not draft): :attr:`z`, :attr:`hist` and :attr:`last_z`."""
         self.z = z
         self.hist.append(z)
@@ -128,7 +128,7 @@ class SlotRecord:
 
 
 def close_rounds(
-    records: list[SlotRecord], ypad: np.ndarray, acc: np.ndarray, finite: np.ndarray, ell: np.ndarray, gamma: int
+    records: list[SlotRecord], ypad: np.ndarray, acc: np.ndarray, finite: np.ndarray, ell: np.ndarray, block_size: int
 ) -> tuple[list[Round], RoundStats, np.ndarray]:
     """Applies one step's verification round to the ``n`` records of the occupied rows.
 
@@ -142,7 +142,7 @@ def close_rounds(
     Args:
       ypad: ``[R >= n, G' + 1]`` int32 the step's tokens on the row grid; acc: ``[R]``
         int32 accepted drafts; finite: ``[R]`` bool; ell: ``[n]`` int32 verified drafts.
-      gamma: block size (per-position statistics over ``max(gamma, 1)`` positions).
+      block_size: block size (per-position statistics over ``max(block_size, 1)`` positions).
     Returns:
       ``(rounds, stats, kept)``: a :class:`Round` per record, the rows'
       :func:`~dspark_jax.decoding.round.round_statistics` (numpy) and ``[n]`` kept tokens.
@@ -164,7 +164,7 @@ def close_rounds(
         xp=np,
     )
     codes = finish_codes(np.where(ok, FINISH_RUNNING, FINISH_ERROR), stopped, full, xp=np)
-    stats = round_statistics(ell, acc, acc + 1, kept, gamma, xp=np)
+    stats = round_statistics(ell, acc, acc + 1, kept, block_size, xp=np)
     rounds = []
     for r, rec in enumerate(records):
         new = [int(t) for t in tokens[r, : kept[r]]]

@@ -5,7 +5,7 @@ one engine step as a function of its size. The engine compiles a small set of bu
 ``(rows R, packed tokens K)``; a step also either drafts the next block or not. At start-up
 each bucket is timed (a few iterations after compilation, median wall time) and the table
 keeps steps/s per ``(R, K, draft)``. The table is saved as JSON together with what it was
-measured for (device kind, model name and weights fingerprint, drafter, slots, gamma, cache
+measured for (device kind, model name and weights fingerprint, drafter, slots, block_size, cache
 length) and reused by a later engine only when all of that matches.
 """
 
@@ -30,7 +30,7 @@ class SPSTable:
 
     Attributes:
       meta: what the table was measured for: ``device_kind``, ``model``, ``fingerprint``,
-        ``drafter``, ``num_slots``, ``gamma``, ``cache_len`` (a dict of JSON scalars).
+        ``drafter``, ``num_slots``, ``block_size``, ``cache_len`` (a dict of JSON scalars).
       entries: ``{(rows, tokens, draft): steps_per_second}``.
     """
 

@@ -36,7 +36,7 @@ class DecodeState(NamedTuple):
     temperature: jax.Array  # [B] f32
     top_k: jax.Array  # [B] int32
     top_p: jax.Array  # [B] f32
-    draft: jax.Array  # [B, G'] int32 next block's drafts (G' = max(gamma, 1))
+    draft: jax.Array  # [B, G'] int32 next block's drafts (G' = max(block_size, 1))
     conf: jax.Array  # [B, G'] f32 their raw confidence logits
     # Sparse additive logit bias (logit_bias and min_tokens' stop masking), applied to the
     # logits predicting the token after position ``pos`` iff ``pos < bias_until``:
@@ -62,7 +62,7 @@ class PrefixArrays(NamedTuple):
 
 def init_state(target, drafter, num_slots: int, cache_len: int, nb: int, keep_q: bool) -> DecodeState:
     """Empty state of ``num_slots`` rows: zero caches and drafts, temperature / top-p 1, an
-    empty bias table of ``nb`` entries per row, and a ``[B, gamma, V]`` q buffer iff ``keep_q``
+    empty bias table of ``nb`` entries per row, and a ``[B, block_size, V]`` q buffer iff ``keep_q``
     (rejection-sampling verification with a drafter)."""
     b, s = num_slots, cache_len
     tc = target.init_cache(b, s)
@@ -70,9 +70,9 @@ def init_state(target, drafter, num_slots: int, cache_len: int, nb: int, keep_q:
     if drafter is not None:
         dc = drafter.init_cache(b, s)
         dk, dv = dc.k, dc.v
-    gamma = drafter.cfg.gamma if drafter is not None else 0
-    gp = max(gamma, 1)
-    q = jnp.zeros((b, gamma, target.cfg.vocab_size), jnp.float32) if keep_q else None
+    block_size = drafter.cfg.block_size if drafter is not None else 0
+    gp = max(block_size, 1)
+    q = jnp.zeros((b, block_size, target.cfg.vocab_size), jnp.float32) if keep_q else None
     return DecodeState(
         tk=tc.k,
         tv=tc.v,

@@ -40,8 +40,8 @@ Rejection-sampling verification (``verification="rejection"``)
 ---------------------------------------------------------------
 The paper's mode (docs/design.md#verification): drafts are drawn with independent
 keys (``fold_in(fold_in(request_key, t), 2)``), each drafted block keeps its q
-(``[num_slots, gamma, V]`` on the device), and a speculative step scatters the target's p of
-the packed tokens to a ``[R, gamma + 1, V]`` grid and calls :func:`dspark_jax.decoding.verifier.verify`
+(``[num_slots, block_size, V]`` on the device), and a speculative step scatters the target's p of
+the packed tokens to a ``[R, block_size + 1, V]`` grid and calls :func:`dspark_jax.decoding.verifier.verify`
 with one key per row and anchor position ``P`` (``fold_in(fold_in(request_key, P), 1)``;
 anchors strictly increase, so no round reuses noise). Output law: exactly plain sampling
 (tested in ``tests/unit/test_verifier.py`` with the same law tests as coupled draws), but not
@@ -170,7 +170,7 @@ class _Packed(NamedTuple):
     pos: jax.Array  # [K] int32
 
 
-def _pack(st: DecodeState, ell, active, r_: int, k_: int, width: int, gamma: int) -> _Packed:
+def _pack(st: DecodeState, ell, active, r_: int, k_: int, width: int, block_size: int) -> _Packed:
     act = active[:r_]
     n = jnp.where(act, 1 + jnp.clip(ell[:r_], 0, width - 1), 0)
     ends = jnp.cumsum(n)
@@ -183,12 +183,12 @@ def _pack(st: DecodeState, ell, active, r_: int, k_: int, width: int, gamma: int
     drafts = st.draft[:r_]
     tok = anchor[row]
     if width > 1:
-        tok = jnp.where(col == 0, tok, drafts[row, jnp.clip(col - 1, 0, gamma - 1)])
+        tok = jnp.where(col == 0, tok, drafts[row, jnp.clip(col - 1, 0, block_size - 1)])
     pos = jnp.where(valid, p0[row] + col, -1)
     return _Packed(act, n, row, valid, col, anchor, p0, drafts, tok, pos)
 
 
-def _verify_packed(st: DecodeState, pk: _Packed, probs, prow, r_: int, width: int, gamma: int, gp: int, mode: str):
+def _verify_packed(st: DecodeState, pk: _Packed, probs, prow, r_: int, width: int, block_size: int, gp: int, mode: str):
     """``(ypad [R, G'+1], acc [R])``: the target's token at every packed position of each row
     (-1 where nothing was packed) and the number of accepted drafts."""
     if width > 1 and mode == "rejection":
@@ -196,7 +196,7 @@ def _verify_packed(st: DecodeState, pk: _Packed, probs, prow, r_: int, width: in
         # draft keys (fold_in(., 2)) and of every other round (anchor positions increase).
         res = verify_rejection_packed(
             lambda: rejection_round_keys(st.key[:r_], pk.p0),  # derived after the grid, as always
-            pk.drafts[:, :gamma],
+            pk.drafts[:, :block_size],
             st.qprob[:r_],
             probs,
             prow,
@@ -208,7 +208,7 @@ def _verify_packed(st: DecodeState, pk: _Packed, probs, prow, r_: int, width: in
     # key; drafts were drawn with the same keys.
     keys = token_keys(st.key[:r_][pk.row], jnp.maximum(pk.pos, 0))
     lengths = pk.n - 1 if width > 1 else None
-    return verify_coupled_packed(keys, probs, prow, pk.col, pk.drafts[:, :gamma], lengths, width=gp + 1)
+    return verify_coupled_packed(keys, probs, prow, pk.col, pk.drafts[:, :block_size], lengths, width=gp + 1)
 
 
 def _packed_logprobs(want_lp, raw_logits, ypad, pk: _Packed, prow, r_: int, gp: int, n_top: int):
@@ -260,13 +260,13 @@ class StepSpec:
 
     Attributes:
       rows / tokens: the bucket ``(R, K)``; ``K == R`` is a plain step.
-      gamma: block size; mode: ``"coupled"`` or ``"rejection"`` verification; n_top: logprob
+      block_size: block size; mode: ``"coupled"`` or ``"rejection"`` verification; n_top: logprob
         alternatives.
     """
 
     rows: int
     tokens: int
-    gamma: int
+    block_size: int
     mode: str = "coupled"
     n_top: int = 20
 
@@ -300,12 +300,12 @@ def step_program(t_state, d_state, st: DecodeState, inp: StepInputs, *, t_graph,
       (logprob [R, G'+1], top values, top ids [R, G'+1, n_top])))``.
     """
     ell, active, draft_next, use_bias, want_lp = inp
-    rows, tokens, gamma, mode, n_top = spec.rows, spec.tokens, spec.gamma, spec.mode, spec.n_top
+    rows, tokens, block_size, mode, n_top = spec.rows, spec.tokens, spec.block_size, spec.mode, spec.n_top
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
     r_, k_ = rows, tokens
-    width = 1 if k_ == r_ else gamma + 1
-    pk = _pack(st, ell, active, r_, k_, width, gamma)
+    width = 1 if k_ == r_ else block_size + 1
+    pk = _pack(st, ell, active, r_, k_, width, block_size)
     taps = drafter.cfg.taps if drafter is not None else ()
     out = target.forward_packed(
         pk.tok, pk.row, pk.col, pk.pos, KVCache(st.tk, st.tv), num_rows=r_, width=width, taps=taps
@@ -316,11 +316,11 @@ def step_program(t_state, d_state, st: DecodeState, inp: StepInputs, *, t_graph,
     samp_k = SamplingArrays(*(a[pk.row] for a in samp_r))
     probs = process_logits(maybe_bias(use_bias, out.logits, pk.row, pk.pos, bias), samp_k)
     prow = jnp.where(pk.valid, pk.row, r_)
-    gp = max(gamma, 1)
+    gp = max(block_size, 1)
     bad = (~logits_are_finite(out.logits)).astype(jnp.int32)
     finite = jnp.zeros((r_,), jnp.int32).at[prow].max(bad, mode="drop") == 0
 
-    ypad, acc = _verify_packed(st, pk, probs, prow, r_, width, gamma, gp, mode)
+    ypad, acc = _verify_packed(st, pk, probs, prow, r_, width, block_size, gp, mode)
     acc = jnp.where(pk.act, acc, 0)
     new_anchor = jnp.where(pk.act, jnp.take_along_axis(ypad, acc[:, None], 1)[:, 0], pk.anchor)
     new_pos = jnp.where(pk.act, pk.p0 + acc + 1, pk.p0)
@@ -381,7 +381,7 @@ def _prefill_drafter(target, drafter, out, tok, pos, prompt_len, key, samp, bias
         None,
     )
     dk, dv = dc.k, dc.v
-    # Drafting the first block costs a drafter pass plus gamma LM-head rows; skipped (under
+    # Drafting the first block costs a drafter pass plus block_size LM-head rows; skipped (under
     # lax.cond, one executable) while the scheduler is not drafting.
     d, conf, q = jax.lax.cond(
         do_draft,
@@ -414,7 +414,7 @@ class PrefillInputs(NamedTuple):
 
 
 def prefill_program(
-    t_state, d_state, inp: PrefillInputs, *, t_graph, d_graph, gamma: int, mode: str = "coupled", n_top: int = 20
+    t_state, d_state, inp: PrefillInputs, *, t_graph, d_graph, block_size: int, mode: str = "coupled", n_top: int = 20
 ):
     """Prefill of one request: caches, the first token (biased like every later one), its
     raw target logprobs (one row: always computed, cheap) and optionally the first block.
@@ -442,10 +442,10 @@ def prefill_program(
     ).astype(jnp.int32)
     lp = logprobs(out.logits, tok, n_top)
     finite = logits_are_finite(out.logits)[0]
-    gp = max(gamma, 1)
+    gp = max(block_size, 1)
     dk = dv = None
     d, conf = jnp.zeros((1, gp), jnp.int32), jnp.zeros((1, gp), jnp.float32)
-    q = jnp.zeros((1, gamma, target.cfg.vocab_size), jnp.float32) if (mode == "rejection" and gamma) else None
+    q = jnp.zeros((1, block_size, target.cfg.vocab_size), jnp.float32) if (mode == "rejection" and block_size) else None
     if drafter is not None:
         dk, dv, d, conf, q = _prefill_drafter(
             target, drafter, out, tok, pos, prompt_len, key, samp, bias, do_draft, do_context, (d, conf, q), mode

@@ -494,7 +494,9 @@ def print_plan(args: argparse.Namespace) -> dict[str, Any]:
         raise DSparkInputError(f"serving shards over 'model' only; got mesh {args.mesh}")
     plan = {
         "target": {"spec": args.target, "name": tcfg.name, "layers": tcfg.num_layers, "vocab": tcfg.vocab_size},
-        "drafter": None if dcfg is None else {"path": args.drafter, "variant": dcfg["variant"], "gamma": dcfg["gamma"]},
+        "drafter": None
+        if dcfg is None
+        else {"path": args.drafter, "variant": dcfg["variant"], "block_size": dcfg["block_size"]},
         "policy": args.policy or ("dspark" if args.drafter else "plain"),
         "verification": args.verification,
         "num_slots": args.num_slots,
