@@ -140,3 +140,23 @@ def test_bad_config_sources_are_input_errors(tmp_path):
         load_config(_args("--config", str(tmp_path / "key.yaml")))
     with pytest.raises(DSparkInputError, match="unknown recipe"):
         load_recipe("no-such-recipe")
+
+
+def test_gamma_is_still_read_as_block_size(tmp_path, caplog):
+    """``gamma`` (the paper's name, this project's before issue 25) in a config file, an override
+    or an old export still means ``block_size``, with a note; nothing else is renamed."""
+    from dspark_jax.config import DrafterConfig, TargetConfig
+
+    f = tmp_path / "old.yaml"
+    f.write_text("preset: stories260k\ngamma: 5\n")
+    want = dataclasses.replace(TRAIN_PRESETS["stories260k"], block_size=5)
+    with caplog.at_level("WARNING", logger="dspark_jax.config"):
+        assert load_config(_args("--config", str(f))) == want
+        assert load_config(_args("gamma=5")) == want
+    assert "'gamma' is now called 'block_size'" in caplog.text
+    t = TargetConfig(64, 16, 32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, max_position=64)
+    new = DrafterConfig.for_target(t, block_size=3, num_layers=1)
+    old = {("gamma" if k == "block_size" else k): v for k, v in new.to_dict().items()}
+    assert DrafterConfig.from_dict(old) == new == DrafterConfig.for_target(t, gamma=3, num_layers=1)
+    with pytest.raises(DSparkInputError, match="unknown config key 'gama'"):
+        load_config(_args("gama=5"))
