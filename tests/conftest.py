@@ -11,14 +11,29 @@ treat their params as read-only.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
-# Tests measure their own costs and compile their own programs: no table or executable stored
-# by one run (or by the user's own runs) may change another's (tests of the store set their own).
+# Tests measure their own costs: no table stored by one run (or by the user's own runs) may change
+# another's (tests of the store set their own).
 os.environ["DSPARK_CACHE_DIR"] = "off"
+# Compiling dominates the suite's time and many files (and the CLIs' subprocesses) build the same
+# programs, so one run shares JAX's persistent compilation cache, in a folder made fresh for the run
+# (a cold start, never the user's cache). xdist workers and subprocesses inherit it from the first
+# process through the environment. The size cap turns on JAX's file lock (two workers, one entry).
+# DSPARK_TEST_COMPILE_CACHE=0 compiles everything afresh.
+if os.environ.get("DSPARK_TEST_COMPILE_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _jax_cache = tempfile.mkdtemp(prefix="dspark-tests-jax-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _jax_cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
+    atexit.register(shutil.rmtree, _jax_cache, ignore_errors=True)
 
 MODELS_DIR = Path(os.environ.get("DSPARK_MODELS") or Path(__file__).resolve().parents[2] / "shared/data/models")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
