@@ -298,8 +298,9 @@ class Engine:
         """Compiled token budgets for ``rows`` rows under the current policy (``rows`` first)."""
         return self.planner.budgets(rows)
 
-    def buckets(self) -> list[tuple[int, int]]:
-        """Every ``(rows, tokens)`` bucket of the current policy."""
+    def step_shapes(self) -> list[tuple[int, int]]:
+        """Every compiled ``(rows, tokens)`` step shape of the current policy (the row buckets times
+        their packed-token budgets; not the constructor's ``buckets=``, which are the budgets)."""
         return [(r, k) for r in self.row_buckets for k in self.budgets(r)]
 
     # ------------------------------------------------------------------ slots
@@ -323,7 +324,7 @@ class Engine:
         table covers the current policy's buckets (profiling when needed). After it, no step
         recompiles."""
         bare = self.row_buckets if (self.drafter is not None and self.suspend_after is not None) else []
-        self.device.compile_all(self.buckets(), bare, self.prefill_buckets, self._examples)
+        self.device.compile_all(self.step_shapes(), bare, self.prefill_buckets, self._examples)
         if self.prefiller is not None:
             self.prefiller.warmup()
         self.ensure_sps_table()
@@ -335,7 +336,7 @@ class Engine:
         engine's shapes, else profiled now (:meth:`profile_sps`); :attr:`table_source` says which.
         :meth:`warmup` calls it after compiling."""
         if self.policy_name in ("greedy", "dspark"):
-            need, meta = self.buckets(), self.device.meta()
+            need, meta = self.step_shapes(), self.device.meta()
             if self.planner.adopt_table(meta, need, self._given_table):
                 self.table_source = self.table_source or "given"
             elif self.planner.adopt_table(meta, need, self.device.stored_table()):
@@ -350,7 +351,7 @@ class Engine:
         Safe at any time: profiling steps run with every row inactive, so no request's state
         changes. Returns (and installs) the :class:`SPSTable`.
         """
-        table = self.device.profile(self.buckets(), self.profile_iters if iters is None else iters)
+        table = self.device.profile(self.step_shapes(), self.profile_iters if iters is None else iters)
         self.sps_table, self.table_source = table, "profiled"
         self.device.store_table(table)
         return table
