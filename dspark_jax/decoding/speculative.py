@@ -304,6 +304,7 @@ def _spec_decode(
 # Compiled loops by shape signature, shared by every call in the process; bounded so that
 # a long-lived process (a notebook sweeping prompt lengths) does not keep them all.
 _COMPILED = LRUCache(maxsize=32)
+STEP_BUCKET = 64  # [steps] granularity of the loops' static step bound
 
 
 def _round_up(x: int, m: int) -> int:
@@ -355,7 +356,11 @@ def _batch(target: Target, prompts, max_new_tokens, block_size: int, cache_len, 
     stop = jnp.asarray(list(stop_ids if stop_ids is not None else cfg.eos_ids) or [-2], jnp.int32)
     sampling = sampling_arrays(b, *sampling_kw)
     keys = _keys(check_seeds(seed, b), b)
-    return _Batch(prompt, lens, limit, cache_len, stop, sampling, keys, int(np.max(limit - lens)))
+    # The loops' step bound is static: bucketed like the default cache length, so a new
+    # max_new_tokens reuses the compiled loop (every step emits >= 1 token per running row, so a
+    # row always reaches its own limit first; the bound never cuts a generation short).
+    max_steps = _round_up(int(np.max(limit - lens)), STEP_BUCKET)
+    return _Batch(prompt, lens, limit, cache_len, stop, sampling, keys, max_steps)
 
 
 def _device_inputs(bt: _Batch) -> _Inputs:

@@ -940,7 +940,7 @@ def test_num_speculative_tokens_has_one_spelling():
     assert resolve_num_speculative_tokens(" 3", 4) == 3 and resolve_num_speculative_tokens("AUTO", 4) == "auto"
     with pytest.raises(DSparkInputError, match="must be an integer or 'auto'"):
         resolve_num_speculative_tokens("three", 4)
-    with pytest.raises(TypeError, match="block_size"):
+    with pytest.raises(TypeError, match="gamma"):
         generate_speculative(None, None, [[1]], gamma=2)  # type: ignore[call-arg]
 
 
@@ -954,3 +954,20 @@ def test_compile_cache_is_bounded():
     for k in ("a", "b", "a", "c", "b"):
         cache.get_or_build(k, lambda k=k: built.append(k) or k)
     assert built == ["a", "b", "c", "b"] and len(cache) == 2 and "c" in cache and "a" not in cache
+
+
+def test_a_new_max_new_tokens_reuses_the_compiled_loops(peaked, drafters, monkeypatch):
+    """The loops' static step bound is bucketed (issue 24): another ``max_new_tokens`` at the same
+    cache length compiles nothing new, and every request still stops at its own limit."""
+    from dspark_jax.decoding import speculative
+    from dspark_jax.decoding.compile_cache import LRUCache
+
+    monkeypatch.setattr(speculative, "_COMPILED", LRUCache(maxsize=8))
+    kw = dict(cache_len=64, temperature=0.0, stop_ids=[])
+    spec = {n: generate_speculative(peaked, drafters["bigram"], [[1, 2, 3]], max_new_tokens=n, **kw) for n in (9, 20)}
+    ar = {n: generate_autoregressive(peaked, [[1, 2, 3]], max_new_tokens=n, **kw) for n in (9, 20)}
+    assert len(speculative._COMPILED) == 2  # one speculative loop and one plain loop
+    for n in (9, 20):
+        ids = ar[n].generations[0].token_ids
+        assert len(ids) == n and spec[n].generations[0].token_ids == ids
+    assert ar[20].generations[0].token_ids[:9] == ar[9].generations[0].token_ids
