@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                 num_processes=spec.num_processes or 1,
             )
             print(json.dumps(report, indent=2))
-            print(_layout_line(report), file=sys.stderr)
+            if report["process_layout"]["processes"] > 1:  # one process: the summary says it all
+                print(_layout_line(report), file=sys.stderr)
             print(report["summary"], file=sys.stderr)
             return 0
         initialize_distributed(spec)  # before anything touches a device

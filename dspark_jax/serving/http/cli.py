@@ -477,6 +477,7 @@ def print_plan(args: argparse.Namespace) -> dict[str, Any]:
     """
     import json
 
+    from dspark_jax.config import DrafterConfig
     from dspark_jax.drafters.checkpoint import read_export_meta
     from dspark_jax.errors import DSparkInputError
     from dspark_jax.models.presets import target_config
@@ -485,7 +486,7 @@ def print_plan(args: argparse.Namespace) -> dict[str, Any]:
     if args.policy and args.policy.strip().lower() != "plain" and not args.drafter:
         raise DSparkInputError(f"policy {args.policy!r} needs a drafter (--drafter EXPORT_DIR); use --policy plain")
     tcfg = target_config(args.target)
-    dcfg = read_export_meta(args.drafter)["config"] if args.drafter else None
+    dcfg = DrafterConfig.from_dict(read_export_meta(args.drafter)["config"]) if args.drafter else None
     try:
         mesh = parse_mesh(args.mesh) if args.mesh else {}
     except ValueError as e:
@@ -496,7 +497,7 @@ def print_plan(args: argparse.Namespace) -> dict[str, Any]:
         "target": {"spec": args.target, "name": tcfg.name, "layers": tcfg.num_layers, "vocab": tcfg.vocab_size},
         "drafter": None
         if dcfg is None
-        else {"path": args.drafter, "variant": dcfg["variant"], "block_size": dcfg["block_size"]},
+        else {"path": args.drafter, "variant": dcfg.variant, "block_size": dcfg.block_size},
         "policy": args.policy or ("dspark" if args.drafter else "plain"),
         "verification": args.verification,
         "num_slots": args.num_slots,
