@@ -25,6 +25,9 @@ import sys
 
 
 def _parser() -> argparse.ArgumentParser:
+    from dspark_jax.decoding.cli import add_verification_argument
+    from dspark_jax.decoding.request import DecodeRequest
+
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--target", required=True, help="preset or model path")
     p.add_argument("--drafter", default=None, help="drafter export directory (omit for plain decoding)")
@@ -32,13 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="JSONL file to write")
     p.add_argument("--batch-size", type=int, default=16, help="requests decoded together (default 16)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
-    p.add_argument(
-        "--num-speculative-tokens",
-        default=None,
-        metavar="N|auto",
-        help="draft tokens verified per round: 1..the drafter's block size, or 'auto' (default, as the "
-        "Python API: 'auto' for dspark/dflash drafters)",
-    )
+    add_verification_argument(p, DecodeRequest.field_defaults())
     return p
 
 

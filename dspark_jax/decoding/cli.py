@@ -42,6 +42,19 @@ def add_sampling_arguments(p: argparse.ArgumentParser, d: dict) -> None:
     p.add_argument("--top-p", type=float, default=tp, help=f"nucleus sampling mass; 1 = off (default {tp:g})")
 
 
+def add_verification_argument(p: argparse.ArgumentParser, d: dict) -> None:
+    """``--num-speculative-tokens N|auto`` with the front door's default ``d`` (None: ``auto`` for
+    dspark/dflash drafters, the block size for others); shared by generate, eval and the batch script."""
+    p.add_argument(
+        "--num-speculative-tokens",
+        default=d["num_speculative_tokens"],
+        metavar="N|auto",
+        help="draft tokens verified per round: 1..the drafter's block size, or 'auto' (default for "
+        "dspark/dflash drafters: per round the length that maximises expected tokens/s from the "
+        "drafter's confidences and costs measured on this machine; 0 when drafting does not pay)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dspark_jax.generate",
@@ -83,14 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"maximum generated tokens (default {d['max_new_tokens']})",
     )
     add_sampling_arguments(p, d)
-    p.add_argument(
-        "--num-speculative-tokens",
-        default=d["num_speculative_tokens"],
-        metavar="N|auto",
-        help="draft tokens verified per round: 1..the drafter's block size, or 'auto' (default: "
-        "per round the length that maximises expected tokens/s from the drafter's confidences "
-        "and costs measured on this machine at start-up; 0 when drafting does not pay)",
-    )
+    add_verification_argument(p, d)
     p.add_argument("--seed", type=int, default=d["seed"], help=f"PRNG seed of the request (default {d['seed']})")
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="weight/compute dtype (default float32)"

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dspark_jax.decoding import disk_cache
-from dspark_jax.decoding.cli import add_sampling_arguments
+from dspark_jax.decoding.cli import add_sampling_arguments, add_verification_argument
 from dspark_jax.decoding.request import DecodeRequest
 
 if TYPE_CHECKING:  # annotations only: the heavy imports stay lazy so that --help is instant
@@ -86,14 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"maximum generated tokens per prompt (default {d['max_new_tokens']})",
     )
     add_sampling_arguments(p, d)
-    p.add_argument(
-        "--num-speculative-tokens",
-        default=d["num_speculative_tokens"],
-        metavar="N|auto",
-        help="draft tokens verified per round: 1..the drafter's block size, or 'auto' (default, as "
-        "`python -m dspark_jax.generate` and the Python API: 'auto' for dspark/dflash drafters, the "
-        "block size for others)",
-    )
+    add_verification_argument(p, d)
     chat = p.add_mutually_exclusive_group()
     chat.add_argument(
         "--chat",
