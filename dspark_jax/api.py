@@ -11,6 +11,7 @@ Example (notebook)::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ _DEFAULTS = DecodeRequest.field_defaults()
 __all__ = ["encode_prompt", "generate_text", "load_drafter", "load_target", "load_target_and_drafter"]
 
 
-def load_target(spec: str, dtype: Any = jnp.float32, mesh=None):
+def load_target(spec: str, dtype: Any = jnp.float32, mesh=None, attention_backend: str | None = None):
     """Loads a target by preset name or path.
 
     Args:
@@ -40,10 +41,13 @@ def load_target(spec: str, dtype: Any = jnp.float32, mesh=None):
       dtype: weight/compute dtype (float32 on CPU; bfloat16 on accelerators).
       mesh: optional device mesh: the weights go from the host straight to their shards
         (see :class:`~dspark_jax.models.target.Target`); None: the default device.
+      attention_backend: overrides the config's ``attention_backend`` (``auto``, ``xla``,
+        ``cudnn``, ``pallas_tpu``: docs/design.md#attention-backends); None keeps ``auto``.
     Returns:
       ``(target, tokenizer)``.
     Raises:
       DSparkInputError: unknown preset or missing/corrupt files.
+      ValueError: an unknown attention backend.
 
     Also turns on JAX's persistent compilation cache (``DSPARK_CACHE_DIR``, default
     ``~/.cache/dspark_jax``; ``off`` disables it: :mod:`~dspark_jax.decoding.disk_cache`), so a
@@ -51,13 +55,22 @@ def load_target(spec: str, dtype: Any = jnp.float32, mesh=None):
     """
     disk_cache.enable_compilation_cache()
     cfg, params, tokenizer = resolve_target(spec)
+    if attention_backend is not None:
+        cfg = dataclasses.replace(cfg, attention_backend=attention_backend)
     target = Target(cfg, params, dtype=dtype, fingerprint=params_fingerprint(params), mesh=mesh)
     return target, tokenizer
 
 
-def load_target_and_drafter(target_spec: str, drafter_dir: str | None, dtype: Any = jnp.float32, mesh=None):
+def load_target_and_drafter(
+    target_spec: str,
+    drafter_dir: str | None,
+    dtype: Any = jnp.float32,
+    mesh=None,
+    attention_backend: str | None = None,
+):
     """Loads a target and, when ``drafter_dir`` is given, its drafter, checked against it and
-    prepared for it (:func:`~dspark_jax.drafters.base.prepare_drafter`).
+    prepared for it (:func:`~dspark_jax.drafters.base.prepare_drafter`); ``attention_backend``
+    as :func:`load_target`.
 
     Returns:
       ``(target, tokenizer, drafter_or_None)``.
@@ -69,7 +82,7 @@ def load_target_and_drafter(target_spec: str, drafter_dir: str | None, dtype: An
         the target on almost no position of plain text
         (:func:`~dspark_jax.drafters.formats.warn_if_misaligned`).
     """
-    target, tokenizer = load_target(target_spec, dtype=dtype, mesh=mesh)
+    target, tokenizer = load_target(target_spec, dtype=dtype, mesh=mesh, attention_backend=attention_backend)
     drafter = load_drafter_for(target, tokenizer, drafter_dir, dtype)[0] if drafter_dir else None
     return target, tokenizer, drafter
 

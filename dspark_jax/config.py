@@ -24,6 +24,9 @@ from dspark_jax.errors import DSparkInputError
 # DeepSpec's mask token for Qwen3 drafters (and the size of the Qwen2/3 embedding table it lies in).
 QWEN_MASK_TOKEN_ID, QWEN_VOCAB_ROWS = 151669, 151936
 
+# The implementations of the target's cached attention (docs/design.md#attention-backends).
+ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "pallas_tpu")
+
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
@@ -53,6 +56,11 @@ class TargetConfig:
       bos_id: beginning-of-sequence id, or None.
       eos_ids: ids that end generation.
       name: human-readable identifier of the checkpoint (used to match drafters).
+      attention_backend: which implementation runs the cached attention, one of
+        :data:`ATTENTION_BACKENDS` (docs/design.md#attention-backends): ``auto`` (the platform's:
+        xla on CPU), ``xla``, ``cudnn`` or ``pallas_tpu``. Not part of the architecture: a
+        setting the loaders leave at ``auto`` and a user may override
+        (``dataclasses.replace``, ``load_target(attention_backend=...)``, ``--attention-backend``).
     """
 
     vocab_size: int
@@ -71,8 +79,11 @@ class TargetConfig:
     bos_id: int | None = 1
     eos_ids: tuple[int, ...] = (2,)
     name: str = "unnamed"
+    attention_backend: str = "auto"
 
     def __post_init__(self):
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not one of {ATTENTION_BACKENDS}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))

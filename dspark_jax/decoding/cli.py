@@ -55,6 +55,20 @@ def add_verification_argument(p: argparse.ArgumentParser, d: dict) -> None:
     )
 
 
+def add_attention_argument(p: argparse.ArgumentParser) -> None:
+    """``--attention-backend`` (the target's cached attention, docs/design.md#attention-backends);
+    shared by generate, eval and serve."""
+    from dspark_jax.config import ATTENTION_BACKENDS
+
+    p.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=ATTENTION_BACKENDS,
+        help="implementation of the target's cached attention (default auto: cudnn on a CUDA GPU for "
+        "bfloat16, pallas_tpu on a TPU, else xla; a backend the shapes or dtype do not fit runs as xla)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dspark_jax.generate",
@@ -101,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="weight/compute dtype (default float32)"
     )
+    add_attention_argument(p)
     p.add_argument(
         "--compare-ar",
         action="store_true",
@@ -182,7 +197,7 @@ def run(args: argparse.Namespace) -> dict:
     _check_args(args)
     disk_cache.apply_cache_arguments(args)
     dtype = jnp.dtype(args.dtype)
-    target, tok = load_target(args.target, dtype=dtype)
+    target, tok = load_target(args.target, dtype=dtype, attention_backend=args.attention_backend)
     chat = args.chat if args.chat is not None else bool(preset_info(args.target).get("chat"))
     req = _request(args, encode_prompt(tok, args.prompt, chat))
     out: dict = {"target": target.cfg.name, "prompt_tokens": len(req.prompt_ids), "mode": "autoregressive"}

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dspark_jax.decoding import disk_cache
-from dspark_jax.decoding.cli import add_sampling_arguments, add_verification_argument
+from dspark_jax.decoding.cli import add_attention_argument, add_sampling_arguments, add_verification_argument
 from dspark_jax.decoding.request import DecodeRequest
 
 if TYPE_CHECKING:  # annotations only: the heavy imports stay lazy so that --help is instant
@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="weight/compute dtype (default float32)"
     )
+    add_attention_argument(p)
     p.add_argument("--out", required=True, help="output directory for eval.json and the plots (created)")
     disk_cache.add_cache_arguments(p)
     return p
@@ -199,7 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not texts:
         raise DSparkInputError(f"prompt set {args.prompts!r} is empty")
     dtype = jnp.dtype(args.dtype)
-    target, tok = load_target(args.target, dtype=dtype)
+    target, tok = load_target(args.target, dtype=dtype, attention_backend=args.attention_backend)
     drafter, meta = load_drafter_for(target, tok, args.drafter, dtype)
     n_spec = resolve_num_speculative_tokens(drafter, args.num_speculative_tokens)
     kept, num_skipped, chat = _encode(args, target, tok, texts)

@@ -19,7 +19,8 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.config import TargetConfig
-from dspark_jax.models.layers import KVCache, apply_rope, attention, cached_attention, rms_norm, swiglu
+from dspark_jax.models.attention import attend
+from dspark_jax.models.layers import KVCache, apply_rope, attention, rms_norm, swiglu
 
 _LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
@@ -177,7 +178,8 @@ class Target(nnx.Module):
             new_cache = None
         else:
             # The cache rides in the scan carry and is written in place at the block's positions;
-            # attention reads only the live blocks of the layer (cached_attention).
+            # attention reads only the live blocks of the layer (attend: cached_attention on xla,
+            # else the configured backend, docs/design.md#attention-backends).
             b_idx = jnp.arange(cache.k.shape[1])[:, None]
             wpos = jnp.where(positions < 0, cache.length, positions)  # out of range: dropped writes
 
@@ -186,7 +188,7 @@ class Target(nnx.Module):
                 q, k, v = _qkv(cfg, p, h, positions)
                 ck = ck.at[li, b_idx, wpos].set(k.astype(ck.dtype), mode="drop")
                 cv = cv.at[li, b_idx, wpos].set(v.astype(cv.dtype), mode="drop")
-                h = _attn_out_and_mlp(cfg, p, h, cached_attention(q, ck, cv, li, positions))
+                h = _attn_out_and_mlp(cfg, p, h, attend(q, ck, cv, li, positions, backend=cfg.attention_backend))
                 return (h, ck, cv, li + 1), (h if taps else None)
 
             (x, nk, nv, _), hidden = jax.lax.scan(cached_layer, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
@@ -342,7 +344,8 @@ def _packed_layer(
 
     The full cache rides in the scan carry ``(h [1, K, H], k [L, B, S, kvh, hd], v, layer index)``
     and is updated in place (scatter at the layer index); attention reads only the first
-    ``num_rows`` rows of the layer, and of those only the live blocks (:func:`cached_attention`).
+    ``num_rows`` rows of the layer, and of those only the live blocks (:func:`attend` with
+    ``cfg.attention_backend``; on xla :func:`~dspark_jax.models.layers.cached_attention`).
     Mapping the cache as scan xs/ys instead would copy every row of every layer each step, which
     dominates a serving step when most slots are idle.
 
@@ -352,7 +355,7 @@ def _packed_layer(
     h, ck_all, cv_all, li = carry
     q, ck_all, cv_all = packed_qkv(cfg, p, h, g.rope_pos, g.qrow, g.wpos, ck_all, cv_all, li)
     qg = jnp.zeros((g.num_rows, g.width) + q.shape[1:], q.dtype).at[g.qrow, g.cols].set(q, mode="drop")
-    attn = cached_attention(qg, ck_all, cv_all, li, g.qpos)[g.grow, g.gcol]  # [K, nh*hd]
+    attn = attend(qg, ck_all, cv_all, li, g.qpos, backend=cfg.attention_backend)[g.grow, g.gcol]  # [K, nh*hd]
     h = packed_attn_out_and_mlp(cfg, p, h, attn)
     return (h, ck_all, cv_all, li + 1), (h[0] if keep_hidden else None)
 

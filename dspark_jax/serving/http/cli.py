@@ -166,10 +166,13 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
-    """dtype, device mesh, bind address, shutdown and logging."""
+    """dtype, attention backend, device mesh, bind address, shutdown and logging."""
+    from dspark_jax.decoding.cli import add_attention_argument
+
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="weight/compute dtype (default float32)"
     )
+    add_attention_argument(p)
     p.add_argument(
         "--mesh",
         default=None,
@@ -420,7 +423,9 @@ def run(args: argparse.Namespace) -> None:
         from dspark_jax.serving.engine.state import serving_mesh
 
         mesh = serving_mesh(args.mesh)
-    target, tok, drafter = load_target_and_drafter(args.target, args.drafter, dtype=dtype, mesh=mesh)
+    target, tok, drafter = load_target_and_drafter(
+        args.target, args.drafter, dtype=dtype, mesh=mesh, attention_backend=args.attention_backend
+    )
     policy = args.policy or ("dspark" if drafter is not None else "plain")
     t0 = time.monotonic()
     # Built without warm-up first: a drafter or setting the engine refuses (e.g. an eagle3

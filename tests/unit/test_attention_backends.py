@@ -1,0 +1,143 @@
+"""The attention backends (docs/design.md#attention-backends) against the xla path, on CPU.
+
+Issue 24: one attention entry point, :func:`~dspark_jax.models.attention.attend`, with backends
+chosen by platform. On CPU ``auto`` is exactly :func:`~dspark_jax.models.layers.cached_attention`
+(the same jaxpr, so the engine's programs do not change); the cuDNN path's arguments (mask and
+key/value lengths) run through ``jax.nn.dot_product_attention``'s XLA implementation; the Pallas
+TPU path's paged view and per-query metadata run through JAX's ``ref_ragged_paged_attention``
+(the kernel itself does not run in TPU interpret mode on CPU in jax 0.10.2); float32 and unfit
+shapes fall back to xla. Small random GQA shapes with ragged lengths, blind queries and a cache
+with more rows than queries.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.config import TargetConfig
+from dspark_jax.models import attention as A
+from dspark_jax.models.layers import cached_attention
+
+B, T, NH, NKV, HD, S, LAYERS = 3, 4, 4, 2, 16, 48, 2
+
+
+@pytest.fixture(scope="module")
+def case():
+    """``(q [B, T, NH, HD], k, v [LAYERS, B + 1, S, NKV, HD], q_pos [B, T], want)``: ragged rows, a
+    query that sees one slot, a row with a blind (``-1``) query, one at the last slot; ``want`` is
+    the xla path's output for layer 1."""
+    rng = np.random.default_rng(0)
+    k, v = (jnp.asarray(rng.standard_normal((LAYERS, B + 1, S, NKV, HD)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((B, T, NH, HD)), jnp.float32)
+    q_pos = jnp.asarray([[0, 1, 2, 3], [20, 21, -1, 23], [44, 45, 46, 47]], jnp.int32)
+    return q, k, v, q_pos, jax.jit(cached_attention)(q, k, v, 1, q_pos)
+
+
+def _close(got, want):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+def test_auto_is_xla_on_cpu_with_the_same_program(case):
+    q, k, v, q_pos, _ = case
+    assert A.current_platform() == "cpu"
+    for dtype in (jnp.float32, jnp.bfloat16):
+        assert A.select_backend("auto", q.astype(dtype), k) == ("xla", None)
+    want = jax.make_jaxpr(lambda *a: cached_attention(*a))(q, k, v, 1, q_pos)
+    got = jax.make_jaxpr(lambda *a: A.attend(*a, backend="auto"))(q, k, v, 1, q_pos)
+    assert str(got) == str(want)
+
+
+def test_auto_by_platform_and_the_dtype_rule(case):
+    q, k, *_ = case
+    bf16 = q.astype(jnp.bfloat16)
+    assert A.select_backend("auto", bf16, k, platform="gpu") == ("cudnn", None)
+    name, reason = A.select_backend("auto", q, k, platform="gpu")  # float32: cuDNN takes fp16/bf16 only
+    assert name == "xla" and reason is not None and "float32" in reason
+    assert A.select_backend("auto", q, k, platform="rocm") == ("xla", None)
+    # HD = 16 misses the TPU lane width: falls back, with the reason.
+    name, reason = A.select_backend("auto", q, k, platform="tpu")
+    assert name == "xla" and reason is not None and "multiple of 128" in reason
+    fit_q = jax.ShapeDtypeStruct((1, 1, 16, 128), jnp.bfloat16)
+    fit_k = jax.ShapeDtypeStruct((2, 1, 256, 8, 128), jnp.bfloat16)
+    assert A.select_backend("auto", fit_q, fit_k, platform="tpu") == ("pallas_tpu", None)
+    odd_heads = jax.ShapeDtypeStruct((2, 1, 256, 3, 128), jnp.float32)  # 6 combined f32 heads: not tiled
+    name, reason = A.select_backend("pallas_tpu", jax.ShapeDtypeStruct((1, 1, 6, 128), jnp.float32), odd_heads, "tpu")
+    assert name == "xla" and reason is not None and "heads" in reason
+    name, reason = A.select_backend("pallas_tpu", fit_q, jax.ShapeDtypeStruct((2, 1, 100, 8, 128), jnp.bfloat16), "tpu")
+    assert name == "xla" and reason is not None and "cache length" in reason
+    with pytest.raises(ValueError, match="not one of"):
+        A.select_backend("flash", q, k)
+    with pytest.raises(ValueError, match="attention_backend"):
+        TargetConfig(10, 8, 16, 1, 2, 1, 4, 32, attention_backend="flash")
+
+
+def test_cudnn_arguments_through_xla_match_the_xla_path(case):
+    q, k, v, q_pos, want = case
+    for impl in ("xla", None):
+        got = jax.jit(lambda *a, impl=impl: A.cudnn_attention(*a, implementation=impl))(q, k, v, 1, q_pos)
+        _close(got, want)
+    got = jax.jit(lambda *a: A.cudnn_attention(*a, implementation="xla"))(q, k, v, 0, jnp.full_like(q_pos, -1))
+    assert not np.any(np.asarray(got))  # blind queries: exactly 0, as cached_attention
+    a = A.cudnn_arguments(q, k, v, 1, q_pos)
+    assert a.mask.shape == (B, 1, T, S) and a.kv_lens.tolist() == [4, 24, 48]
+
+
+def _reference_kernel(q, kv_pages, *metadata, sm_scale):
+    """JAX's ``ref_ragged_paged_attention`` compiled once for the given (concrete) metadata: it
+    loops over the sequences in Python, so the metadata are closed over as constants."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+
+    meta: list[Any] = [np.asarray(m) for m in metadata]  # concrete: the reference slices by them
+    return jax.jit(lambda qq, pages: ref_ragged_paged_attention(qq, pages, *meta, sm_scale=sm_scale))(q, kv_pages)
+
+
+def test_pallas_paged_view_through_the_reference_matches_the_xla_path(case):
+    q, k, v, q_pos, want = case
+    # The last two queries of each row (6 kernel sequences: the reference's compile time grows with
+    # them): a blind query, the last slot; pages of 16 slots.
+    got = A.pallas_tpu_attention(q[:, 2:], k, v, 1, q_pos[:, 2:], kernel=_reference_kernel)
+    _close(got, want.reshape(B, T, -1)[:, 2:])
+    a = A.ragged_paged_arguments(q, k, v, 1, q_pos, 16)
+    assert A.page_size_for(S) == 16 and A.page_size_for(100) is None
+    assert a.kv_pages.shape == (B * S // 16, 16, 2 * NKV, HD)
+    assert a.page_indices.shape == (B * T, S // 16) and int(a.num_seqs[0]) == B * T
+    assert a.kv_lens.tolist() == [1, 2, 3, 4, 21, 22, 1, 24, 45, 46, 47, 48]
+    np.testing.assert_array_equal(np.asarray(a.kv_pages[5, 3, 2]), np.asarray(k[1, 1, 35, 1]))  # K of head 1
+    np.testing.assert_array_equal(np.asarray(a.kv_pages[5, 3, 3]), np.asarray(v[1, 1, 35, 1]))  # V of head 1
+    np.testing.assert_array_equal(np.asarray(a.page_indices[5]), [3, 4, 5])  # query (1, 1): row 1's pages
+    assert a.cu_q_lens.tolist() == list(range(B * T + 1))
+    with pytest.raises(ValueError, match="page size"):
+        A.ragged_paged_arguments(q, k, v, 1, q_pos, 32)
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "pallas_tpu"])
+def test_named_backend_off_platform_falls_back_to_xla(case, backend, caplog, monkeypatch):
+    q, k, v, q_pos, want = case
+    monkeypatch.setattr(A, "_noted", set())  # fallbacks are logged once per process
+    with caplog.at_level(logging.WARNING, logger=A.__name__):
+        got = jax.jit(lambda *a: A.attend(*a, backend=backend))(q, k, v, 1, q_pos)
+        jax.eval_shape(lambda *a: A.attend(*a, backend=backend), q, k, v, 0, q_pos)  # a second trace: no second line
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+    notes = [r.getMessage() for r in caplog.records if "runs as xla" in r.getMessage()]
+    assert len(notes) == 1 and "platform cpu" in notes[0]
+
+
+def test_the_override_reaches_the_target_config(stories260k_dir):
+    from dspark_jax.api import load_target
+    from dspark_jax.decoding.cli import build_parser as generate_parser
+    from dspark_jax.evaluation.cli import build_parser as eval_parser
+    from dspark_jax.serving.http.cli import build_parser as serve_parser
+
+    need = ["--target", "t", "--drafter", "d"]
+    assert generate_parser().parse_args([*need, "--prompt", "p"]).attention_backend is None
+    args = eval_parser().parse_args([*need, "--prompts", "x", "--out", "o", "--attention-backend", "cudnn"])
+    assert args.attention_backend == "cudnn"
+    assert serve_parser().parse_args([*need, "--attention-backend", "pallas_tpu"]).attention_backend == "pallas_tpu"
+    assert TargetConfig(10, 8, 16, 1, 2, 1, 4, 32).attention_backend == "auto"
+    assert load_target("stories260k", attention_backend="xla")[0].cfg.attention_backend == "xla"
