@@ -150,17 +150,27 @@ QUICK_TRAIN = dict(
 
 @pytest.fixture(scope="session")
 def stories260k_export(stories260k_dir, tmp_path_factory):
-    """``(workdir, summary)`` of a quick stories260k drafter training run (session-scoped)."""
+    """``(workdir, summary)`` of a quick stories260k drafter training run, trained once per test run:
+    xdist workers share it through their common temporary root (the first to ask trains, under a file
+    lock; the others read its ``summary.json``). Read-only for the tests."""
     import dataclasses
+    import json
+
+    from filelock import FileLock
 
     from dspark_jax.training.pipeline import run
     from dspark_jax.training.recipes import TRAIN_PRESETS
 
     os.environ.setdefault("DSPARK_MODELS", str(MODELS_DIR))
-    workdir = tmp_path_factory.mktemp("train_stories")
-    cfg = dataclasses.replace(TRAIN_PRESETS["stories260k"], workdir=str(workdir), **QUICK_TRAIN)
-    summary = run(cfg)
-    return workdir, summary
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the workers' shared folder
+    workdir = root / "train_stories"
+    done = workdir / "summary.json"  # the pipeline's last write
+    with FileLock(str(root / "train_stories.lock")):
+        if not done.is_file():
+            shutil.rmtree(workdir, ignore_errors=True)  # a run that died half-way starts over
+            run(dataclasses.replace(TRAIN_PRESETS["stories260k"], workdir=str(workdir), **QUICK_TRAIN))
+    return workdir, json.loads(done.read_text())
 
 
 # Approximate seconds per test file on 2 busy cores (``--durations``), longest first. CI runs two
