@@ -62,6 +62,7 @@ def measure(plain, spec, rows: list[int], prompt_len: int, reps: int) -> list[di
     import numpy as np
 
     from dspark_jax.serving.engine import Request, SamplingParams
+    from dspark_jax.serving.engine.state import PackedTokens
 
     b = plain.num_slots
 
@@ -94,7 +95,7 @@ def measure(plain, spec, rows: list[int], prompt_len: int, reps: int) -> list[di
         e.device.catchup_exe(r)
 
         def run():
-            e.device.run_catchup(r, tok, row, col, col)
+            e.device.run_catchup(r, PackedTokens(tok, row, col, col))
             jax.block_until_ready(e.device.state.dk)
 
         return run

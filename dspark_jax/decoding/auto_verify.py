@@ -36,7 +36,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.decoding.round import VerifiedRound, draft_tokens, verify_pass
+from dspark_jax.decoding.round import RoundInputs, VerifiedRound, draft_tokens, verify_pass
+from dspark_jax.drafters.base import Draft
 from dspark_jax.models.sampling import SamplingArrays
 
 __all__ = ["AutoState", "auto_round", "choose_width", "default_widths", "init_auto_state", "should_draft"]
@@ -144,15 +145,11 @@ def auto_round(
     state: AutoState,
     tcache,
     dcache,
-    running: jax.Array,
-    anchor: jax.Array,
-    anchor_pos: jax.Array,
-    draft_keys: jax.Array,
-    verify_keys: jax.Array,
-    room: jax.Array,
+    r: RoundInputs,
     sampling: SamplingArrays,
-    widths: Sequence[int],
     costs: tuple[jax.Array, jax.Array],
+    *,
+    widths: Sequence[int],
     probe_every: int,
 ) -> tuple[VerifiedRound, jax.Array, jax.Array, AutoState]:
     """One round with an automatic verification width (module docstring).
@@ -162,37 +159,34 @@ def auto_round(
     (``lax.switch``), and decides whether the next round drafts (:func:`should_draft`).
 
     Args:
-      state: :class:`AutoState`. running / anchor / anchor_pos: ``[B]``.
-      draft_keys / verify_keys: ``[B, 2]`` (:func:`dspark_jax.decoding.round.split_round_keys`).
-      room: ``[B]`` int32 drafts that still fit before the length limit.
-      widths: static ascending widths from 0. costs: ``(t_verify [len(widths)], t_draft [])`` seconds.
+      state: :class:`AutoState`. tcache / dcache: the target's KV cache and the drafter's context cache.
+      r: :class:`~dspark_jax.decoding.round.RoundInputs` of the round.
+      costs: ``(t_verify [len(widths)], t_draft [])`` float32 seconds.
+      widths: static ascending widths from 0.
       probe_every: while not drafting, draft anyway every this many rounds.
     Returns:
       ``(verified round, num_verify [B] int32, raw confidence logits [B, G], next AutoState)``.
     """
     t_verify, t_draft = costs
-    b = anchor.shape[0]
+    b = r.anchor.shape[0]
     block_size = drafter.cfg.block_size
     v = drafter.cfg.vocab_size
 
     def drafted(_):
-        d = draft_tokens(target, drafter, anchor, anchor_pos, dcache, draft_keys, sampling)
-        return d.tokens, d.probs, d.confidence, d.confidence_logit
+        return draft_tokens(target, drafter, r.anchor, r.anchor_pos, dcache, r.draft_keys, sampling)
 
     def skipped(_):
         z = jnp.zeros((b, block_size), jnp.float32)
-        return jnp.zeros((b, block_size), jnp.int32), jnp.zeros((b, block_size, v), jnp.float32), z, z
+        return Draft(jnp.zeros((b, block_size), jnp.int32), jnp.zeros((b, block_size, v), jnp.float32), z, z)
 
-    drafts, dprobs, conf, zlog = jax.lax.cond(state.draft_on, drafted, skipped, None)
+    d = jax.lax.cond(state.draft_on, drafted, skipped, None)
     # Width from confidences only, chunk by chunk (non-anticipating, module docstring).
-    wi = jnp.where(state.draft_on, choose_width(conf, running, widths, t_verify), 0)
-    ell = jnp.where(running, jnp.clip(jnp.minimum(jnp.asarray(widths, jnp.int32)[wi], room), 0, block_size), 0)
+    wi = jnp.where(state.draft_on, choose_width(d.confidence, r.running, widths, t_verify), 0)
+    ell = jnp.where(r.running, jnp.clip(jnp.minimum(jnp.asarray(widths, jnp.int32)[wi], r.room), 0, block_size), 0)
     taps = drafter.cfg.taps
-    branches = [partial(verify_pass, target, drafter, w, block_size, taps=taps) for w in widths]
-    res = jax.lax.switch(
-        wi, branches, tcache, dcache, running, anchor, anchor_pos, drafts, dprobs, verify_keys, ell, sampling
-    )
-    pays = should_draft(conf, running, widths, t_verify, t_draft)
+    branches = [partial(verify_pass, target, drafter, width=w, block_size=block_size, taps=taps) for w in widths]
+    res = jax.lax.switch(wi, branches, tcache, dcache, r, d, ell, sampling)
+    pays = should_draft(d.confidence, r.running, widths, t_verify, t_draft)
     idle = jnp.where(state.draft_on, 0, state.idle + 1)
     draft_next = jnp.where(state.draft_on, pays, idle >= probe_every)
-    return res, ell, zlog, AutoState(draft_next, idle, wi)
+    return res, ell, d.confidence_logit, AutoState(draft_next, idle, wi)

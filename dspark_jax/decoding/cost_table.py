@@ -34,8 +34,8 @@ from flax import nnx
 from dspark_jax.decoding import disk_cache
 from dspark_jax.decoding.auto_verify import default_widths
 from dspark_jax.decoding.compile_cache import LRUCache
-from dspark_jax.decoding.round import draft_tokens, verify_pass
-from dspark_jax.drafters.base import prepare_drafter
+from dspark_jax.decoding.round import RoundInputs, draft_tokens, verify_pass
+from dspark_jax.drafters.base import Draft, prepare_drafter
 from dspark_jax.models.sampling import process_logits, sample, sampling_arrays
 
 __all__ = ["CostTable", "cached_cost_table", "measure_costs"]
@@ -125,7 +125,9 @@ def _programs(target, drafter, widths: Sequence[int], cache_len: int):
             t = nnx.merge(t_graph, t_state)
             d = nnx.merge(d_graph, d_state)
             running, n = jnp.ones((1,), bool), jnp.full((1,), w, jnp.int32)
-            r = verify_pass(t, d, w, g, tcache, dcache, running, anchor, pos, drafts, dprobs, key, n, samp, taps=taps)
+            unread = jnp.zeros(drafts.shape, jnp.float32)  # verify_pass reads no confidence, draft key or room
+            r_in, draft = RoundInputs(running, anchor, pos, key, key, n), Draft(drafts, dprobs, unread, unread)
+            r = verify_pass(t, d, tcache, dcache, r_in, draft, n, samp, width=w, block_size=g, taps=taps)
             return r.tcache, r.dcache, r.tokens
 
         return jax.jit(run, donate_argnums=(2, 3))

@@ -42,6 +42,7 @@ __all__ = [
     "FINISH_RUNNING",
     "FINISH_STOP",
     "Prefilled",
+    "RoundInputs",
     "RoundStats",
     "VerifiedRound",
     "append_tokens",
@@ -218,6 +219,26 @@ def draft_tokens(
 # ------------------------------------------------------------------------------ verification
 
 
+class RoundInputs(NamedTuple):
+    """A round's per-row inputs (``B`` rows), fixed before anything is drafted.
+
+    Attributes:
+      running: ``[B]`` bool rows still decoding.
+      anchor: ``[B]`` int32 last confirmed tokens (not yet seen by the target).
+      anchor_pos: ``[B]`` int32 their positions ``P``.
+      draft_keys / verify_keys: ``[B, 2]`` uint32 the round's drafting and verification keys
+        (:func:`split_round_keys`).
+      room: ``[B]`` int32 drafts that still fit before the length limit.
+    """
+
+    running: jax.Array
+    anchor: jax.Array
+    anchor_pos: jax.Array
+    draft_keys: jax.Array
+    verify_keys: jax.Array
+    room: jax.Array
+
+
 class VerifiedRound(NamedTuple):
     """Output of :func:`verify_pass` (``B`` rows, block size ``G``).
 
@@ -241,19 +262,15 @@ class VerifiedRound(NamedTuple):
 def verify_pass(
     target: Target,
     drafter,
-    width: int,
-    block_size: int,
     tcache,
     dcache,
-    running,
-    anchor,
-    anchor_pos,
-    drafts,
-    draft_probs,
-    verify_keys,
-    num_verify,
+    r: RoundInputs,
+    draft: Draft,
+    num_verify: jax.Array,
     sampling: SamplingArrays,
     *,
+    width: int,
+    block_size: int,
     taps,
 ) -> VerifiedRound:
     """Verification pass of ``width + 1`` tokens (anchor + ``width`` drafts) for every row.
@@ -264,14 +281,19 @@ def verify_pass(
     and later writes overwrite.
 
     Args:
+      tcache / dcache: the target's KV cache and the drafter's context cache.
+      r: :class:`RoundInputs` (``running``, ``anchor``, ``anchor_pos`` and ``verify_keys`` are read).
+      draft: the round's :class:`~dspark_jax.drafters.base.Draft` (``tokens`` and their ``probs`` q
+        are read).
+      num_verify: ``[B]`` int32 verification lengths chosen without looking at the draft values
+        (non-anticipation); clipped to ``width``.
       width: static verified drafts of this compiled pass (``<= block_size``).
-      running: ``[B]`` bool. anchor / anchor_pos: ``[B]`` int32.
-      drafts: ``[B, G]`` int32; draft_probs: ``[B, G, V]`` their q.
-      verify_keys: ``[B, 2]``; num_verify: ``[B]`` int32 verification lengths chosen without
-        looking at the draft values (non-anticipation); clipped to ``width``.
+      taps: the drafter's tapped target layers.
     Returns:
       :class:`VerifiedRound`, tokens padded to ``block_size + 1`` so every width has one shape.
     """
+    running, anchor, anchor_pos = r.running, r.anchor, r.anchor_pos
+    drafts, draft_probs = draft.tokens, draft.probs
     offs = jnp.arange(width + 1, dtype=jnp.int32)
     vtok = jnp.concatenate([anchor[:, None], drafts[:, :width]], axis=1)
     vpos = anchor_pos[:, None] + offs
@@ -279,7 +301,7 @@ def verify_pass(
     # Only positions that verification can read must be finite (anchor .. num_verify).
     finite = logits_are_finite(jnp.where((offs[None, :] <= num_verify[:, None])[..., None], out.logits, 0.0))
     res = verify(
-        verify_keys,
+        r.verify_keys,
         drafts[:, :width],
         draft_probs[:, :width],
         process_logits(out.logits, sampling),

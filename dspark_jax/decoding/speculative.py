@@ -42,6 +42,7 @@ from dspark_jax.decoding.round import (
     FINISH_LENGTH,
     FINISH_RUNNING,
     FINISH_STOP,
+    RoundInputs,
     VerifiedRound,
     append_tokens,
     draft_tokens,
@@ -94,19 +95,6 @@ class _Inputs(NamedTuple):
     sampling: SamplingArrays  # per-request temperature / top-k / top-p
     keys: jax.Array  # [B, 2] request keys
     stop: jax.Array  # [S] int32 stop ids (-2: none)
-
-
-class _RoundIn(NamedTuple):
-    """A round's per-row inputs: ``running [B]`` bool, the ``anchor [B]`` and its position
-    ``p [B]``, the round's ``draft_keys`` / ``verify_keys [B, 2]`` and the ``room [B]`` of drafts
-    that still fit before the length limit."""
-
-    running: jax.Array
-    anchor: jax.Array
-    p: jax.Array
-    draft_keys: jax.Array
-    verify_keys: jax.Array
-    room: jax.Array
 
 
 def _start(target, drafter, x: _Inputs, cache_len: int, taps, block_size: int) -> _Loop:
@@ -178,30 +166,25 @@ class _Round(NamedTuple):
     drafted: jax.Array
 
 
-def _fixed_round(target, drafter, s: _Loop, x: _Inputs, r: _RoundIn, max_verify, width: int) -> _Round:
+def _fixed_round(target, drafter, s: _Loop, x: _Inputs, r: RoundInputs, max_verify, *, width: int) -> _Round:
     """A round verifying ``min(num_speculative_tokens, room)`` drafts of every running row in a
     pass of static ``width + 1`` tokens (``width`` = num_speculative_tokens: a shorter fixed
     length costs a shorter pass, not a block-wide one with fewer accepts)."""
     block_size = drafter.cfg.block_size
-    running, anchor, p = r.running, r.anchor, r.p
-    d = draft_tokens(target, drafter, anchor, p, s.dcache, r.draft_keys, x.sampling)
+    d = draft_tokens(target, drafter, r.anchor, r.anchor_pos, s.dcache, r.draft_keys, x.sampling)
     # Verification length: fixed by limits only, never by draft values (non-anticipation).
-    ell = jnp.where(running, jnp.clip(jnp.minimum(max_verify, r.room), 0, width), 0)
+    ell = jnp.where(r.running, jnp.clip(jnp.minimum(max_verify, r.room), 0, width), 0)
     res = verify_pass(
         target,
         drafter,
-        width,
-        block_size,
         s.tcache,
         s.dcache,
-        running,
-        anchor,
-        p,
-        d.tokens,
-        d.probs,
-        r.verify_keys,
+        r,
+        d,
         ell,
         x.sampling,
+        width=width,
+        block_size=block_size,
         taps=drafter.cfg.taps,
     )
     return _Round(res, ell, d.confidence_logit, jnp.int32(width), jnp.ones((), bool))
@@ -271,29 +254,15 @@ def _spec_decode(
         anchor = jnp.take_along_axis(s.seq, p[:, None], 1)[:, 0]
         draft_keys, verify_keys = split_round_keys(token_keys(x.keys, p))
         room = jnp.minimum(x.limit, cache_len) - s.length - 1
+        r_in = RoundInputs(running, anchor, p, draft_keys, verify_keys, room)
         if widths is None:
             width = block_size if fixed_width is None else fixed_width
-            r_in = _RoundIn(running, anchor, p, draft_keys, verify_keys, room)
             return _close_round(
-                s, _fixed_round(target, drafter, s, x, r_in, max_verify, width), running, x, cache_len, None
+                s, _fixed_round(target, drafter, s, x, r_in, max_verify, width=width), running, x, cache_len, None
             )
         assert costs is not None  # given with widths (generate_speculative)
         res, ell, zlog, new_auto = auto_verify.auto_round(
-            target,
-            drafter,
-            s.auto,
-            s.tcache,
-            s.dcache,
-            running,
-            anchor,
-            p,
-            draft_keys,
-            verify_keys,
-            room,
-            x.sampling,
-            widths,
-            costs,
-            probe_every,
+            target, drafter, s.auto, s.tcache, s.dcache, r_in, x.sampling, costs, widths=widths, probe_every=probe_every
         )
         r = _Round(res, ell, zlog, jnp.asarray(widths, jnp.int32)[new_auto.width], s.auto.draft_on)
         return _close_round(s, r, running, x, cache_len, new_auto)

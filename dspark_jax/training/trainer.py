@@ -368,9 +368,10 @@ def _train_step(
     mesh: Mesh,
     block_size: int,
 ) -> Callable:
-    """The (unjitted) optimisation step ``(params, opt_state, t_state, tokens, lengths, plens, step_idx,
+    """The (unjitted) optimisation step ``(params, opt_state, t_state, tokens, lengths, plens, step_idx, *,
     cached, lr_scale) -> (params, opt_state, LossTerms, grad norm)`` (module docstring: steps 1-5;
-    ``lr_scale``: the ``wsd`` factor of this step, None for ``cosine``)."""
+    ``cached``: a feature cache's rows or None; ``lr_scale``: the ``wsd`` factor of this step, None
+    for ``cosine``)."""
     compute = jnp.dtype(cfg.dtype)
     n_micro = cfg.grad_accum_steps
 
@@ -379,7 +380,7 @@ def _train_step(
             return p
         return jax.tree.map(lambda x: x.astype(compute) if _is_float(x) else x, p)
 
-    def step(params, opt_state, t_state, tokens, lengths, plens, step_idx, cached=None, lr_scale=None):
+    def step(params, opt_state, t_state, tokens, lengths, plens, step_idx, *, cached=None, lr_scale=None):
         target = nnx.merge(t_graph, t_state)
         key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), step_idx)  # depends only on (seed, step)
         # Anchors for the whole global batch, drawn once: identical whatever the number of
@@ -516,8 +517,8 @@ class Trainer:
             lengths,
             plens,
             np.int32(step_idx),
-            tuple(cached) if cached else None,
-            None if self._lr_factor is None else self._lr_factor(step_idx),
+            cached=tuple(cached) if cached else None,
+            lr_scale=None if self._lr_factor is None else self._lr_factor(step_idx),
         )
         return terms, gnorm
 

@@ -26,7 +26,14 @@ from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import sharding as shd
 from dspark_jax.serving.engine.requests import SamplingParams, no_bias
 from dspark_jax.serving.engine.sps import SPSTable, profile_buckets
-from dspark_jax.serving.engine.state import DecodeState, PrefixArrays, init_state, serving_mesh, state_shardings
+from dspark_jax.serving.engine.state import (
+    DecodeState,
+    PackedTokens,
+    PrefixArrays,
+    init_state,
+    serving_mesh,
+    state_shardings,
+)
 from dspark_jax.serving.engine.step_programs import (
     InsertInputs,
     PrefillInputs,
@@ -250,7 +257,7 @@ class EngineDevice:
             w = self.block_size + 1
             fn = partial(catchup_program, t_graph=self.t_graph, d_graph=self.d_graph, rows=rows, width=w)
             z = np.zeros(rows * w, np.int32)
-            return fn, (self.t_state, self.d_state, self.state, z, z, z, z)
+            return fn, (self.t_state, self.d_state, self.state, PackedTokens(z, z, z, z))
 
         return self._get(("catchup", rows), make, donate=(2,))
 
@@ -300,9 +307,9 @@ class EngineDevice:
         self.state, out = self.bare_step_exe(rows)(self.t_state, None, self.state, inp)
         return out
 
-    def run_catchup(self, rows: int, tok, row, col, pos) -> None:
-        """Runs one catch-up pass (``[rows * (block_size + 1)]`` packed tokens)."""
-        self.state = self.catchup_exe(rows)(self.t_state, self.d_state, self.state, tok, row, col, pos)
+    def run_catchup(self, rows: int, packed: PackedTokens) -> None:
+        """Runs one catch-up pass (:class:`PackedTokens` of ``rows * (block_size + 1)`` slots)."""
+        self.state = self.catchup_exe(rows)(self.t_state, self.d_state, self.state, packed)
 
     def run_prefill(self, tokens: np.ndarray, prompt_len: int, sp: SamplingParams, drafted: bool, context: bool, bias):
         """Prefills ``tokens [1, P]`` (``prompt_len`` real); returns ``(PrefixArrays, finite,

@@ -460,9 +460,9 @@ class Engine:
         if self.drafter is None or all(rec.stale_from is None for rec in records):
             return
         rows = self.planner.rows_for(len(records))
-        for tok, row, col, pos in catchup_batches(records, rows, self.block_size + 1):
-            self.device.run_catchup(rows, tok, row, col, pos)
-            self._metrics.add_catchup(int(np.sum(pos >= 0)))
+        for packed in catchup_batches(records, rows, self.block_size + 1):
+            self.device.run_catchup(rows, packed)
+            self._metrics.add_catchup(int(np.sum(packed.pos >= 0)))
 
     # ------------------------------------------------------------------ decoding
 

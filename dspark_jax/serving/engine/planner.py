@@ -50,6 +50,7 @@ from dspark_jax.serving.engine import scheduler as sch
 from dspark_jax.serving.engine.online_calibration import OnlineCalibrator
 from dspark_jax.serving.engine.slots import SlotRecord
 from dspark_jax.serving.engine.sps import SPSTable
+from dspark_jax.serving.engine.state import PackedTokens
 
 __all__ = ["MAX_PROBE_INTERVAL", "PROBE_BUDGET", "Planner", "catchup_batches", "parse_policy"]
 
@@ -101,13 +102,14 @@ def parse_policy(policy: str, block_size: int) -> tuple[str, float | int | None]
     return name, None
 
 
-def catchup_batches(records: Sequence[SlotRecord], rows: int, width: int) -> Iterator[tuple[np.ndarray, ...]]:
+def catchup_batches(records: Sequence[SlotRecord], rows: int, width: int) -> Iterator[PackedTokens]:
     """Packs the confirmed tokens whose drafter context is missing, for catch-up passes.
 
     Each record with ``stale_from`` set contributes positions ``[stale_from, length - 1)``
     (everything below its anchor), at most ``width`` per pass, as row ``r`` (its index).
-    Yields ``(tok, row, col, pos)`` ``[rows * width]`` int32 (``pos == -1``: padding) and
-    advances ``stale_from``; stops when nothing is left, then clears every ``stale_from``.
+    Yields :class:`~dspark_jax.serving.engine.state.PackedTokens` of ``rows * width`` numpy
+    int32 slots and advances ``stale_from``; stops when nothing is left, then clears every
+    ``stale_from``.
     """
     while True:
         tok, row, col, pos = (np.zeros(rows * width, np.int32) for _ in range(4))
@@ -125,7 +127,7 @@ def catchup_batches(records: Sequence[SlotRecord], rows: int, width: int) -> Ite
             rec.stale_from = b
         if i == 0:
             break
-        yield tok, row, col, pos
+        yield PackedTokens(tok, row, col, pos)
     for rec in records:
         rec.stale_from = None
 

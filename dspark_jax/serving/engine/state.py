@@ -17,7 +17,15 @@ from dspark_jax.decoding.validation import INT32_MIN
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import sharding as shd
 
-__all__ = ["CACHE_FIELDS", "DecodeState", "PrefixArrays", "init_state", "serving_mesh", "state_shardings"]
+__all__ = [
+    "CACHE_FIELDS",
+    "DecodeState",
+    "PackedTokens",
+    "PrefixArrays",
+    "init_state",
+    "serving_mesh",
+    "state_shardings",
+]
 
 # KV caches ([L, B, S, kvh, hd]: the row is axis 1); every other field has the row on axis 0.
 CACHE_FIELDS = ("tk", "tv", "dk", "dv")
@@ -58,6 +66,24 @@ class PrefixArrays(NamedTuple):
     draft: jax.Array  # [G'] int32 first block's drafts
     conf: jax.Array  # [G'] f32 their raw confidence logits
     qprob: Any  # [G, V] (rejection mode) or None
+
+
+class PackedTokens(NamedTuple):
+    """Tokens of up to ``R`` decode rows packed into ``K`` slots, the layout of
+    :meth:`~dspark_jax.models.target.Target.forward_packed` (a pytree: host numpy arrays or
+    device arrays; its leaves, in field order, are a program's parameters).
+
+    Attributes:
+      tok: ``[K]`` int32 token ids.
+      row: ``[K]`` int32 decode row of each token.
+      col: ``[K]`` int32 its column in that row's block (``0 .. width - 1``).
+      pos: ``[K]`` int32 its position; ``-1`` marks padding (nothing read or written).
+    """
+
+    tok: Any
+    row: Any
+    col: Any
+    pos: Any
 
 
 def init_state(target, drafter, num_slots: int, cache_len: int, nb: int, keep_q: bool) -> DecodeState:

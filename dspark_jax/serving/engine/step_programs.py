@@ -65,7 +65,7 @@ from dspark_jax.decoding.round import draft_tokens, rejection_round_keys, token_
 from dspark_jax.decoding.verifier import verify_coupled_packed, verify_rejection_packed
 from dspark_jax.models.layers import KVCache
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample
-from dspark_jax.serving.engine.state import CACHE_FIELDS, DecodeState, PrefixArrays
+from dspark_jax.serving.engine.state import CACHE_FIELDS, DecodeState, PackedTokens, PrefixArrays
 
 __all__ = [
     "InsertInputs",
@@ -188,9 +188,12 @@ def _pack(st: DecodeState, ell, active, r_: int, k_: int, width: int, block_size
     return _Packed(act, n, row, valid, col, anchor, p0, drafts, tok, pos)
 
 
-def _verify_packed(st: DecodeState, pk: _Packed, probs, prow, r_: int, width: int, block_size: int, gp: int, mode: str):
+def _verify_packed(st: DecodeState, pk: _Packed, probs, prow, *, width: int, spec: StepSpec):
     """``(ypad [R, G'+1], acc [R])``: the target's token at every packed position of each row
-    (-1 where nothing was packed) and the number of accepted drafts."""
+    (-1 where nothing was packed) and the number of accepted drafts (``width``: the packed
+    columns per row, 1 in a plain step)."""
+    r_, block_size, mode = spec.rows, spec.block_size, spec.mode
+    gp = max(block_size, 1)
     if width > 1 and mode == "rejection":
         # Rejection sampling: one round key per row and anchor position, independent of the
         # draft keys (fold_in(., 2)) and of every other round (anchor positions increase).
@@ -320,7 +323,7 @@ def step_program(t_state, d_state, st: DecodeState, inp: StepInputs, *, t_graph,
     bad = (~logits_are_finite(out.logits)).astype(jnp.int32)
     finite = jnp.zeros((r_,), jnp.int32).at[prow].max(bad, mode="drop") == 0
 
-    ypad, acc = _verify_packed(st, pk, probs, prow, r_, width, block_size, gp, mode)
+    ypad, acc = _verify_packed(st, pk, probs, prow, width=width, spec=spec)
     acc = jnp.where(pk.act, acc, 0)
     new_anchor = jnp.where(pk.act, jnp.take_along_axis(ypad, acc[:, None], 1)[:, 0], pk.anchor)
     new_pos = jnp.where(pk.act, pk.p0 + acc + 1, pk.p0)
@@ -350,14 +353,18 @@ def step_program(t_state, d_state, st: DecodeState, inp: StepInputs, *, t_graph,
 # ------------------------------------------------------------------------------ other programs
 
 
-def catchup_program(t_state, d_state, st: DecodeState, tok, row, col, pos, *, t_graph, d_graph, rows: int, width: int):
+def catchup_program(
+    t_state, d_state, st: DecodeState, packed: PackedTokens, *, t_graph, d_graph, rows: int, width: int
+) -> DecodeState:
     """Rebuilds the drafter context KV of skipped positions (see :meth:`Engine._catch_up`).
 
-    ``tok/row/col/pos`` ``[rows * width]`` pack up to ``width`` already-confirmed tokens per
-    row (``pos == -1``: padding). The target cache already holds every position below each
-    row's anchor, so one packed target pass with taps gives the same features those tokens
-    had; their (recomputed, identical) target keys/values are written back in place.
+    ``packed``: :class:`~dspark_jax.serving.engine.state.PackedTokens` of ``K = rows * width``
+    slots, up to ``width`` already-confirmed tokens per row. The target cache already holds
+    every position below each row's anchor, so one packed target pass with taps gives the same
+    features those tokens had; their (recomputed, identical) target keys/values are written
+    back in place.
     """
+    tok, row, col, pos = packed
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state)
     out = target.forward_packed(
