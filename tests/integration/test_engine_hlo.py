@@ -12,6 +12,12 @@ The base commit (:func:`base_commit`):
   engine's programs as they were. A commit that changes them on purpose says so with a line
   ``HLO-changed: <why>`` in its message, and the test then skips, naming it.
 
+Every module must match, the decode steps', catch-up's, insert's and the row move's included,
+except those of a program a declared change retired and of the program that replaced it
+(``engine_hlo.RETIRED``: a base from before issue 25 compiles one-shot prefill as its own
+``prefill_program``, the working tree as chunked prefill's ``one_shot_pass_program``), which are
+listed (:func:`test_retired_programs_are_admitted_only_as_replaced` pins the rule).
+
 Both sides run the working tree's script (by its path, so that ``PYTHONPATH`` alone chooses the
 package: ``python -m`` would put the current folder first) in two processes at once, each with
 XLA's backend optimisation turned down (the modules are hashed before optimisation). Skips
@@ -112,3 +118,24 @@ def test_engine_programs_are_those_of_the_base_commit(tmp_path, capsys):
         f"{report}\nIf the change is intended, say so in the commit message ('{TRAILER} <why>') "
         "or compare against another base with DSPARK_HLO_BASE=<revision>."
     )
+
+
+def _side(tmp_path, name: str, modules: dict[str, list[str]]) -> str:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"count": len(modules), "hashes": sorted(modules), "modules": modules}))
+    return str(path)
+
+
+def test_retired_programs_are_admitted_only_as_replaced(tmp_path, capsys):
+    """A base's one-shot prefill modules may be missing from a tree that compiles their
+    replacement (and the replacement's modules new); any other difference, or the replacement
+    changing between two bases that both have it, still fails; ``retired={}`` is strict."""
+    step, old, new = ["jit_step_program"], ["jit_prefill_program"], ["jit_one_shot_pass_program"]
+    base = _side(tmp_path, "base", {"s": step, "p16": old, "p32": old})
+    tree = _side(tmp_path, "tree", {"s": step, "o16": new, "o32": new})
+    assert engine_hlo.compare(base, tree) == 0
+    assert "(retired: see RETIRED)" in capsys.readouterr().out
+    assert engine_hlo.compare(base, tree, retired={}) == 1
+    assert engine_hlo.compare(base, _side(tmp_path, "step", {"s2": step, "o16": new})) == 1
+    assert engine_hlo.compare(tree, _side(tmp_path, "later", {"s": step, "o16x": new, "o32": new})) == 1
+    assert engine_hlo.compare(base, _side(tmp_path, "gone", {"s": step})) == 1  # no replacement compiled

@@ -1,4 +1,5 @@
-"""Device programs of batched, chunked prefill (issue 14; docs/design.md#serving).
+"""Device programs of prefill: batched, chunked prefill and its degenerate case, one-shot
+prefill (issue 14, issue 25; docs/design.md#serving).
 
 One compiled ``prefill_chunk`` pass runs a fixed budget of ``T`` packed prompt tokens of up to
 ``P`` requests through the target over a staging area of ``P`` lanes (each a target KV row, and
@@ -6,12 +7,16 @@ the drafter's context KV row when there is a drafter, of ``S`` positions, ``S`` 
 prefill bucket): the host (:class:`dspark_jax.serving.engine.prefill.PrefillQueue`) packs waiting
 prompts FIFO into the budget and splits a long prompt across passes, so that a long prompt
 never stalls the decode steps for more than one chunk. For every lane whose prompt ends in the
-pass the program computes what :func:`dspark_jax.serving.engine.step_programs.prefill_program` computes at
-the last prompt position (the first token, sampled with the request's key and bias, its raw
-logprobs, finiteness, and the drafter's first block with its confidences); ``prefill_extract``
-then cuts the lane into ordinary :class:`~dspark_jax.serving.engine.state.PrefixArrays` of the
-request's prefill bucket, which :func:`~dspark_jax.serving.engine.step_programs.insert_program` consumes
-unchanged.
+pass the program computes the first token at the last prompt position (sampled with the
+request's key and bias, like every later token), its raw logprobs, finiteness, and the
+drafter's first block with its confidences; ``prefill_extract`` then cuts the lane into
+ordinary :class:`~dspark_jax.serving.engine.state.PrefixArrays` of the request's prefill bucket,
+which :func:`~dspark_jax.serving.engine.step_programs.insert_program` consumes.
+
+One-shot prefill (:meth:`dspark_jax.serving.engine.Engine.prefill`) is the same pass in its
+degenerate shape (:func:`one_shot_pass_program`): one lane, one block of ``T`` tokens, ``T``
+the request's prefill bucket, over a fresh staging area of exactly ``T`` positions, which then
+is the request's prefix (no extraction program); it compiles once per prefill bucket.
 
 Lane-aligned blocks
 -------------------
@@ -25,10 +30,10 @@ finishing lanes' last hidden states go through the LM head. Everything variable 
 positions, which lanes finish, drafting, context upkeep) is a runtime array or flag, so a pass
 compiles once per ``(T, span)`` and the extraction once per prefill bucket.
 
-Exactness: a token's keys/values and hidden states are those of one-shot prefill (same
+Exactness: a token's keys/values and hidden states are those of a whole-prompt pass (same
 positions, same causal context), so a request prefilled in chunks gets the same first token and
-the same caches as :func:`~dspark_jax.serving.engine.step_programs.prefill_program`, up to float rounding
-between matmul shapes (which can only flip exact near-ties).
+the same caches as one prefilled in one shot, up to float rounding between matmul shapes (which
+can only flip exact near-ties).
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ __all__ = [
     "chunk_forward",
     "extract_program",
     "init_stage",
+    "one_shot_pass_program",
     "prefill_chunk_program",
     "stage_shardings",
 ]
@@ -189,7 +195,8 @@ def chunk_forward(target, tok, pos, blk_lane, cache: KVCache, *, span: int, bloc
 
 
 def _first_tokens(raw, keys, prompt_len, samp, bias, n_top: int):
-    """What one-shot prefill computes from the last prompt position's raw logits ``[P, V]``:
+    """The first token of every lane from its last prompt position's raw logits ``[P, V]``
+    (biased, sampled with key ``fold_in(request_key, prompt_len - 1)`` as plain decoding's):
     ``(token [P], finite [P], (logprob, top values, top ids))``."""
     rows = jnp.arange(raw.shape[0], dtype=jnp.int32)
     logits = apply_bias(raw, rows, prompt_len - 1, *bias)
@@ -333,8 +340,7 @@ def prefill_chunk_program(t_state, d_state, stage: StageState, inp: ChunkInputs,
 
 def extract_program(stage: StageState, out: ChunkOutputs, lane, *, p_len: int) -> PrefixArrays:
     """Lane ``lane`` of a pass as the :class:`PrefixArrays` of a prompt in bucket ``p_len``
-    (what one-shot prefill returns; positions past the prompt hold stale values, which decode
-    masks and overwrites, as one-shot prefill's padding)."""
+    (positions past the prompt hold stale values, which decode masks and overwrites)."""
 
     def cut(x):
         return None if x is None else jax.lax.dynamic_slice_in_dim(x, lane, 1, axis=1)[:, :, :p_len]
@@ -350,3 +356,26 @@ def extract_program(stage: StageState, out: ChunkOutputs, lane, *, p_len: int) -
         out.conf[lane],
         None if out.qprob is None else out.qprob[lane],
     )
+
+
+def one_shot_pass_program(t_state, d_state, inp: ChunkInputs, *, t_graph, d_graph, spec: ChunkSpec):
+    """One-shot prefill of one request: chunked prefill's degenerate pass (see the module doc).
+
+    One lane and one block: ``spec.span == spec.block == T``, the request's prefill bucket; the
+    staging area is created here (zeros, ``T`` positions), so the pass's lane is the prefix.
+
+    Args:
+      inp: :class:`ChunkInputs` of one lane: ``tok / pos [T]`` int32 (the prompt, then padding
+        with position ``-1``), ``blk_lane`` ``[1]`` zeros, ``last [1]`` the prompt length minus
+        one, :class:`LaneSampling` and bias tables of one lane.
+      spec: :class:`ChunkSpec` (static).
+    Returns:
+      ``(PrefixArrays of bucket T, finite [] bool, (logprob [1] f32, top values [1, n_top] f32,
+      top ids [1, n_top] int32))``.
+    """
+    target = nnx.merge(t_graph, t_state)
+    drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
+    stage = init_stage(target, drafter, 1, spec.span)
+    stage, out = prefill_chunk_program(t_state, d_state, stage, inp, t_graph=t_graph, d_graph=d_graph, spec=spec)
+    arrays = extract_program(stage, out, 0, p_len=spec.span)
+    return arrays, out.finite[0], (out.logprob, out.top_values, out.top_ids)

@@ -3,10 +3,13 @@ decode state, and the compiled programs that advance it.
 
 :class:`EngineDevice` lowers and compiles each program of :mod:`dspark_jax.serving.engine.step_programs`
 once per shape, through the engine's :class:`~dspark_jax.serving.engine.step_programs.ProgramCache`:
-``("step", R, K)``, ``("bare_step", R)``, ``("catchup", R)``, ``("prefill", P)``,
-``("insert", P)`` and ``("move",)``. Cache keys also hold the engine's signature (model
-graphs, parameter shapes, slots, cache length, verification mode, bias-table size, logprob
-width, mesh), so a cache shared by several engines never hands one another's program.
+``("step", R, K)``, ``("bare_step", R)``, ``("catchup", R)``, ``("insert", P)`` and ``("move",)``
+(prefill's passes, :class:`~dspark_jax.serving.engine.prefill.PrefillPasses`, compile theirs
+through :meth:`EngineDevice._get` too: ``("prefill", P)`` one-shot, ``("prefill_chunk", T, span,
+lanes, block)`` and ``("prefill_extract", P, lanes)`` chunked). Cache keys also hold the
+engine's signature (model graphs, parameter shapes, slots, cache length, verification mode,
+bias-table size, logprob width, mesh), so a cache shared by several engines never hands one
+another's program.
 docs/design.md#serving and docs/design.md#device-mesh.
 """
 
@@ -36,14 +39,12 @@ from dspark_jax.serving.engine.state import (
 )
 from dspark_jax.serving.engine.step_programs import (
     InsertInputs,
-    PrefillInputs,
     ProgramCache,
     StepInputs,
     StepSpec,
     catchup_program,
     insert_program,
     move_program,
-    prefill_program,
     step_program,
 )
 
@@ -106,7 +107,7 @@ def out_shardings_for(mesh, target_cfg, drafter_cfg, keep_q: bool) -> Callable[[
     def of(kind: str):
         if kind in ("step", "bare_step"):
             return state_shardings(DecodeState, mesh, target_cfg, drafter_cfg, keep_q), repl
-        if kind == "prefill":  # (prefix arrays, finite, logprobs)
+        if kind == "prefill":  # one-shot prefill: (prefix arrays, finite, logprobs)
             return state_shardings(PrefixArrays, mesh, target_cfg, drafter_cfg, keep_q), repl, repl
         return state_shardings(DecodeState, mesh, target_cfg, drafter_cfg, keep_q)  # catchup, insert, move
 
@@ -261,25 +262,6 @@ class EngineDevice:
 
         return self._get(("catchup", rows), make, donate=(2,))
 
-    def prefill_exe(self, p_len: int):
-        """Prefill of a prompt padded to ``p_len`` tokens."""
-
-        def make():
-            fn = partial(
-                prefill_program,
-                t_graph=self.t_graph,
-                d_graph=self.d_graph,
-                block_size=self.block_size,
-                mode=self.mode,
-                n_top=self.n_top,
-            )
-            inp = self._prefill_inputs(
-                np.zeros((1, p_len), np.int32), 1, SamplingParams(), True, True, no_bias(self.nb)
-            )
-            return fn, (self.t_state, self.d_state, inp)
-
-        return self._get(("prefill", p_len), make)
-
     def insert_exe(self, p_len: int, pre: PrefixArrays):
         """Insertion of a prefix of bucket ``p_len`` (state donated)."""
 
@@ -311,17 +293,6 @@ class EngineDevice:
         """Runs one catch-up pass (:class:`PackedTokens` of ``rows * (block_size + 1)`` slots)."""
         self.state = self.catchup_exe(rows)(self.t_state, self.d_state, self.state, packed)
 
-    def run_prefill(self, tokens: np.ndarray, prompt_len: int, sp: SamplingParams, drafted: bool, context: bool, bias):
-        """Prefills ``tokens [1, P]`` (``prompt_len`` real); returns ``(PrefixArrays, finite,
-        logprobs)`` on the device."""
-        inp = self._prefill_inputs(tokens, prompt_len, sp, drafted, context, bias)
-        return self.prefill_exe(tokens.shape[1])(self.t_state, self.d_state, inp)
-
-    @staticmethod
-    def _prefill_inputs(tokens, prompt_len: int, sp: SamplingParams, drafted: bool, context: bool, bias):
-        scalars = (np.int32(prompt_len), np.int32(sp.seed), np.float32(sp.temperature), np.int32(sp.top_k))
-        return PrefillInputs(tokens, *scalars, np.float32(sp.top_p), np.bool_(drafted), np.bool_(context), tuple(bias))
-
     def run_insert(self, p_len: int, pre: PrefixArrays, row: int, prompt_len: int, sp: SamplingParams, bias) -> None:
         """Writes a prefix of bucket ``p_len`` into ``row``."""
         self.state = self.insert_exe(p_len, pre)(self.state, pre, _insert_inputs(row, prompt_len, sp, bias))
@@ -330,20 +301,17 @@ class EngineDevice:
         """Copies row ``src`` into row ``dst``."""
         self.state = self.move_exe()(self.state, np.int32(src), np.int32(dst))
 
-    def compile_all(self, buckets, bare_rows, prefill_buckets, examples: dict[int, PrefixArrays]) -> None:
+    def compile_all(self, buckets, bare_rows, examples: dict[int, PrefixArrays]) -> None:
         """Compiles the steps of ``buckets``, the bare steps and catch-up passes of
-        ``bare_rows``, prefill and insert of every prefill bucket (``examples``: prefixes
-        already made for insert's example arguments, filled in) and the row move."""
+        ``bare_rows``, the insertion of a prefix of every prefill bucket in ``examples`` (bucket
+        -> a prefix of it, the example argument) and the row move."""
         for r, k in buckets:
             self.step_exe(r, k)
         for r in bare_rows:
             self.bare_step_exe(r)
             self.catchup_exe(r)
-        for p in prefill_buckets:
-            if p not in examples:
-                sp = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=0)
-                examples[p], _, _ = self.run_prefill(np.zeros((1, p), np.int32), 1, sp, False, False, no_bias(self.nb))
-            self.insert_exe(p, examples[p])
+        for p, pre in examples.items():
+            self.insert_exe(p, pre)
         self.move_exe()
 
     def meta(self) -> dict:

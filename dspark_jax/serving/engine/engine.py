@@ -73,7 +73,7 @@ from dspark_jax.serving.engine.counters import EngineMetrics
 from dspark_jax.serving.engine.device import EngineDevice, prefill_bucket_list, row_bucket_list, token_ladder
 from dspark_jax.serving.engine.online_calibration import OnlineCalibrator
 from dspark_jax.serving.engine.planner import Planner, catchup_batches, parse_policy
-from dspark_jax.serving.engine.prefill import chunked_prefill
+from dspark_jax.serving.engine.prefill import PrefillPasses, chunked_prefill
 from dspark_jax.serving.engine.requests import (
     Prefix,
     Request,
@@ -84,7 +84,6 @@ from dspark_jax.serving.engine.requests import (
     logit_bias,
     lp_entry,
     stop_ids,
-    validate_request,
 )
 from dspark_jax.serving.engine.slots import Round, SlotRecord, SlotTable, close_rounds
 from dspark_jax.serving.engine.sps import SPSTable
@@ -143,7 +142,8 @@ class Engine:
         models may share one (their programs are keyed by everything that shapes them).
       prefill_chunk_tokens: > 0: :attr:`prefiller` is a
         :class:`~dspark_jax.serving.engine.prefill.ChunkedPrefill` of this many tokens per pass
-        (batched, chunked prefill; the server's default); 0: None (one-shot :meth:`prefill` only).
+        (batched, chunked prefill; the server's default); 0: None (one-shot :meth:`prefill` only,
+        the same pass program in its one-request shape).
 
     Raises:
       DSparkInputError: bad sizes, unknown policy or verification mode, a drafter for
@@ -160,6 +160,8 @@ class Engine:
         :class:`~dspark_jax.serving.engine.slots.SlotRecord`, rows ``0..n-1`` packed).
       planner: the :class:`~dspark_jax.serving.engine.planner.Planner` (policy, SPS table,
         ``idle_steps`` of the drafter suspension).
+      prefill_passes: the :class:`~dspark_jax.serving.engine.prefill.PrefillPasses` behind
+        :meth:`prefill` (one-shot prefill: one request alone in one pass of its prefill bucket).
     """
 
     def __init__(
@@ -235,6 +237,7 @@ class Engine:
         self.planner = Planner(
             self.block_size, drafter is not None, self.ladder, self.row_buckets, self.calibrator, suspend_after, policy
         )
+        self.prefill_passes = PrefillPasses(self.device, self.planner, self.limits, self.prefill_buckets)
         self.prefiller = chunked_prefill(self, prefill_chunk_tokens)
 
     def _configure(self, target, drafter, num_slots, cache_len, verification, max_logit_bias, max_stop_ids) -> None:
@@ -324,7 +327,8 @@ class Engine:
         table covers the current policy's buckets (profiling when needed). After it, no step
         recompiles."""
         bare = self.row_buckets if (self.drafter is not None and self.suspend_after is not None) else []
-        self.device.compile_all(self.step_shapes(), bare, self.prefill_buckets, self._examples)
+        self.prefill_passes.warmup_one_shot(self._examples)
+        self.device.compile_all(self.step_shapes(), bare, self._examples)
         if self.prefiller is not None:
             self.prefiller.warmup()
         self.ensure_sps_table()
@@ -359,40 +363,16 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def prefill(self, request: Request) -> Prefix:
-        """Runs the target (and drafter) over the prompt and samples the first token.
+        """Runs the target (and drafter) over the prompt and samples the first token: chunked
+        prefill's degenerate pass, the request alone in one lane of its prefill bucket
+        (:meth:`~dspark_jax.serving.engine.prefill.PrefillPasses.one_shot`). The returned prefix
+        also holds the drafter context and the first drafted block while the engine drafts.
 
         Raises:
           DSparkInputError: empty prompt, unknown token id, prompt too long for
             ``cache_len`` / the model, or bad sampling settings.
         """
-        validate_request(request, self.limits)
-        ids = np.asarray(request.prompt_ids, np.int32)
-        n = len(ids)
-        p_len = next(b for b in self.prefill_buckets if b >= n)
-        buf = np.zeros((1, p_len), np.int32)
-        buf[0, :n] = ids
-        sp = request.params
-        drafted = bool(self.block_size) and self.planner.drafting
-        context = drafted or not self.planner.suspended()  # always True without a drafter
-        bias = bias_table(sp, n, self.limits)
-        pre, finite, lp = self.device.run_prefill(buf, n, sp, drafted, context, bias)
-        tok, finite, conf = jax.device_get((pre.token, finite, pre.conf))
-        first_lp = None
-        if sp.logprobs is not None:
-            c, tv, ti = jax.device_get(lp)
-            first_lp = lp_entry(c[0], tv[0], ti[0], sp.logprobs)
-        return Prefix(
-            request,
-            n,
-            p_len,
-            int(tok),
-            bool(finite),
-            np.asarray(conf, np.float64) if drafted else None,
-            pre,
-            has_context=context,
-            first_logprob=first_lp,
-            bias=bias,
-        )
+        return self.prefill_passes.one_shot(request)
 
     def _check_insert(self, prefix: Prefix, slot: int) -> None:
         if not (isinstance(slot, (int, np.integer)) and 0 <= slot < self.num_slots):

@@ -1,22 +1,32 @@
-"""Batched, chunked prefill (issue 14; docs/design.md#serving).
+"""Prefill: one path, batched and chunked (issue 14, issue 25; docs/design.md#serving).
 
-One-shot prefill (:meth:`dspark_jax.serving.engine.Engine.prefill`) runs one request per call
-over its whole prompt, so a long prompt stalls every decoding stream for its whole prefill.
-:class:`ChunkedPrefill` instead keeps a FIFO of waiting requests (:class:`PrefillQueue`) and,
-per :meth:`ChunkedPrefill.step`, runs ONE compiled pass of at most ``chunk_tokens`` packed
-prompt tokens from up to ``lanes`` requests
-(:func:`dspark_jax.serving.engine.chunk_programs.prefill_chunk_program`), splitting a long prompt
-across passes. The server's engine thread (:class:`dspark_jax.serving.http.engine_loop.EngineLoop`)
-alternates one pass with one decode step, so a stream never waits more than one chunk.
-A request whose prompt ends in a pass comes back as an ordinary
-:class:`~dspark_jax.serving.engine.requests.Prefix` (same fields as one-shot prefill's, its caches cut
-to its prefill bucket), which :meth:`Engine.insert` consumes unchanged; its tokens equal one-shot
-prefill's (see :mod:`dspark_jax.serving.engine.chunk_programs`).
+Every prefill is a pass of one program
+(:func:`dspark_jax.serving.engine.chunk_programs.prefill_chunk_program`): packed prompt tokens
+of up to ``lanes`` requests, in lane-aligned blocks, through the target (and the drafter's
+context), sampling the first token of each request whose prompt ends in the pass and drafting
+its first block while the engine drafts. That request comes back as a
+:class:`~dspark_jax.serving.engine.requests.Prefix` (its caches cut to its prefill bucket), which
+:meth:`Engine.insert` consumes.
 
-Static shapes: a pass compiles once per ``(T, span)``: ``T`` from a small ladder of token
-budgets (:func:`chunk_ladder`: ``chunk_tokens`` and a quarter of it), ``span`` (the attention
-span) from the engine's prefill buckets; the extraction of a finished lane once per prefill
-bucket. :meth:`ChunkedPrefill.warmup` compiles them all, so nothing compiles afterwards.
+* :class:`ChunkedPrefill` (the server's default): a FIFO of waiting requests
+  (:class:`PrefillQueue`); per :meth:`ChunkedPrefill.step`, ONE pass of at most ``chunk_tokens``
+  packed prompt tokens from up to ``lanes`` requests, splitting a long prompt across passes. The
+  server's engine thread (:class:`dspark_jax.serving.http.engine_loop.EngineLoop`) alternates one
+  pass with one decode step, so a stream never waits more than one chunk.
+* One-shot prefill (:meth:`dspark_jax.serving.engine.Engine.prefill`,
+  :meth:`PrefillPasses.one_shot`) is the degenerate case: the request alone, in one lane and one
+  pass of its prefill bucket, whose staging area is its prefix
+  (:func:`~dspark_jax.serving.engine.chunk_programs.one_shot_pass_program`). A long prompt then
+  stalls the decoding streams for its whole prefill.
+
+A request gets the same prefix (tokens, caches up to float rounding) whichever way, and in
+however many chunks, it is prefilled (see :mod:`dspark_jax.serving.engine.chunk_programs`).
+
+Static shapes: a chunked pass compiles once per ``(T, span)``: ``T`` from a small ladder of
+token budgets (:func:`chunk_ladder`: ``chunk_tokens`` and a quarter of it), ``span`` (the
+attention span) from the engine's prefill buckets; the extraction of a finished lane once per
+prefill bucket; the one-shot pass once per prefill bucket. :meth:`ChunkedPrefill.warmup` and
+:meth:`PrefillPasses.warmup_one_shot` compile them all, so nothing compiles afterwards.
 
 Usage::
 
@@ -48,6 +58,7 @@ from dspark_jax.serving.engine.chunk_programs import (
     PackedChunk,
     extract_program,
     init_stage,
+    one_shot_pass_program,
     prefill_chunk_program,
     stage_shardings,
 )
@@ -61,7 +72,15 @@ from dspark_jax.serving.engine.requests import (
     validate_request,
 )
 
-__all__ = ["ChunkPlan", "ChunkedPrefill", "PrefillEntry", "PrefillQueue", "chunk_ladder", "chunked_prefill"]
+__all__ = [
+    "ChunkPlan",
+    "ChunkedPrefill",
+    "PrefillEntry",
+    "PrefillPasses",
+    "PrefillQueue",
+    "chunk_ladder",
+    "chunked_prefill",
+]
 
 ALIGN = 16  # tokens per lane-aligned block (a request's segment starts at a multiple of it)
 
@@ -185,16 +204,142 @@ class PrefillQueue:
         return ChunkPlan(t, span, tok[:t], pos[:t], blk[: t // g], last, members, finishing)
 
 
-class ChunkedPrefill:
-    """Batched, chunked prefill of one engine (see the module doc).
+class PrefillPasses:
+    """The prefill passes of one engine: what every pass shares (whether it drafts and keeps the
+    drafter context, its lanes' sampling inputs, the :class:`Prefix` a finishing lane becomes)
+    and the degenerate pass, one-shot prefill (:meth:`one_shot`, behind
+    :meth:`dspark_jax.serving.engine.Engine.prefill`); :class:`ChunkedPrefill` adds the queue and
+    the staging lanes.
 
     Args:
       device: the engine's :class:`~dspark_jax.serving.engine.device.EngineDevice` (models, program
-        cache, mesh); the staging area lives beside its decode state.
+        cache, mesh).
       planner: the engine's :class:`~dspark_jax.serving.engine.planner.Planner` (whether prefill
-        drafts the first block, and whether the drafter context is kept, as one-shot prefill).
+        drafts the first block, and whether the drafter context is kept).
       limits: the engine's :class:`RequestLimits` (validation, bias tables).
       prefill_buckets: the engine's prefill buckets (prefix lengths and attention spans).
+    """
+
+    def __init__(self, device, planner, limits: RequestLimits, prefill_buckets):
+        self.device, self.planner, self.limits = device, planner, limits
+        self.prefill_buckets = sorted(prefill_buckets)
+
+    def bucket(self, n: int) -> int:
+        """The prefill bucket of an ``n``-token prompt (the smallest that holds it)."""
+        return next(b for b in self.prefill_buckets if b >= n)
+
+    def modes(self) -> tuple[bool, bool]:
+        """``(drafting, context)`` of a pass run now: whether its finishing requests draft their
+        first block (the engine drafts), and whether it writes the drafter context (always
+        without a drafter; not while the drafter is suspended; drafting implies it)."""
+        d = self.device
+        drafting = bool(d.block_size) and self.planner.drafting
+        return drafting, d.drafter is None or drafting or not self.planner.suspended()
+
+    def entry(self, request: Request, tag: Any) -> PrefillEntry:
+        """A validated :class:`PrefillEntry` of ``request``.
+
+        Raises:
+          DSparkInputError: empty prompt, unknown token id, prompt too long for the prefill
+            buckets / ``cache_len`` / the model, or bad sampling settings.
+        """
+        validate_request(request, self.limits)
+        ids = np.asarray(request.prompt_ids, np.int32)
+        return PrefillEntry(request, tag, ids, bias_table(request.params, len(ids), self.limits))
+
+    def lane_args(self, finishing: list[PrefillEntry], lanes: int, drafting: bool) -> tuple[LaneSampling, tuple]:
+        """The :class:`LaneSampling` ``[lanes]`` of the finishing entries (defaults elsewhere;
+        ``do_draft`` says which lanes draft their first block) and their ``(ids, val, until)``
+        ``[lanes, NB]`` bias tables."""
+        p, nb = lanes, self.limits.table_size
+        plen, seed, top_k = np.ones(p, np.int32), np.zeros(p, np.int32), np.zeros(p, np.int32)
+        temp, top_p, drafted = np.ones(p, np.float32), np.ones(p, np.float32), np.zeros(p, bool)
+        b_ids, b_val, b_until = (np.tile(x, (p, 1)) for x in no_bias(nb))
+        for e in finishing:
+            lane, sp = cast(int, e.lane), e.request.params
+            plen[lane], seed[lane], top_k[lane] = len(e.ids), sp.seed, sp.top_k
+            temp[lane], top_p[lane] = sp.temperature, sp.top_p
+            drafted[lane] = drafting and e.context  # drafting needs the whole prompt's context
+            b_ids[lane], b_val[lane], b_until[lane] = e.bias
+        return LaneSampling(plen, seed, temp, top_k, top_p, drafted), (b_ids, b_val, b_until)
+
+    def idle_inputs(self, tokens: int, lanes: int, block: int) -> ChunkInputs:
+        """An all-padding pass of ``tokens`` tokens over ``lanes`` lanes in blocks of ``block``
+        (changes nothing): the example arguments of the pass programs."""
+        z = np.zeros(tokens, np.int32)
+        packed = PackedChunk(z, z - 1, np.zeros(tokens // block, np.int32), np.zeros(lanes, np.int32))
+        lane_in, bias = self.lane_args([], lanes, False)
+        return ChunkInputs(packed, lane_in, np.bool_(False), bias)
+
+    @staticmethod
+    def prefix(e: PrefillEntry, lane: int, p_len: int, arrays, host: tuple, drafted) -> Prefix:
+        """The :class:`Prefix` of entry ``e``, finished in ``lane`` of a pass (``arrays``: its
+        :class:`~dspark_jax.serving.engine.state.PrefixArrays` of bucket ``p_len``; ``host``: the
+        pass's per-lane ``(token, finite, conf, logprob, top values, top ids)`` read back, the
+        logprob ones may be None when ``e`` asked for none; ``drafted [P]`` bool)."""
+        tok, finite, conf, c, tv, ti = host
+        sp = e.request.params
+        first_lp = lp_entry(c[lane], tv[lane], ti[lane], sp.logprobs) if sp.logprobs is not None else None
+        z = np.asarray(conf[lane], np.float64) if drafted[lane] else None
+        return Prefix(
+            e.request, len(e.ids), p_len, int(tok[lane]), bool(finite[lane]), z, arrays, e.context, first_lp, e.bias
+        )
+
+    # ------------------------------------------------------------------ one-shot prefill
+
+    def one_shot(self, request: Request) -> Prefix:
+        """Prefills ``request`` alone in one pass, chunked prefill's degenerate one (one lane, one
+        block of its prefill bucket:
+        :func:`~dspark_jax.serving.engine.chunk_programs.one_shot_pass_program`), drafting the
+        first block and writing the drafter context as :meth:`modes` says.
+
+        Raises:
+          DSparkInputError: as :meth:`entry`.
+        """
+        e = self.entry(request, request)
+        n, p_len = len(e.ids), self.bucket(len(e.ids))
+        drafting, context = self.modes()
+        e.lane, e.context = 0, context
+        lanes, bias = self.lane_args([e], 1, drafting)
+        tok, pos = np.zeros(p_len, np.int32), np.full(p_len, -1, np.int32)
+        tok[:n], pos[:n] = e.ids, np.arange(n)
+        packed = PackedChunk(tok, pos, np.zeros(1, np.int32), np.full(1, n - 1, np.int32))
+        d = self.device
+        inp = ChunkInputs(packed, lanes, np.bool_(context), bias)
+        arrays, finite, lp = self._one_shot_exe(p_len)(d.t_state, d.d_state, inp)
+        # The logprob arrays are only read back when the request asked for them.
+        want = lp if request.params.logprobs is not None else (None, None, None)
+        t, f, conf, lp_host = jax.device_get((arrays.token, finite, arrays.conf, want))
+        host = (np.reshape(t, 1), np.reshape(f, 1), np.asarray(conf)[None], *lp_host)
+        return self.prefix(e, 0, p_len, arrays, host, lanes.do_draft)
+
+    def _one_shot_exe(self, p_len: int):
+        d = self.device
+
+        def make():
+            spec = ChunkSpec(p_len, p_len, d.block_size, d.mode, d.n_top)
+            fn = partial(one_shot_pass_program, t_graph=d.t_graph, d_graph=d.d_graph, spec=spec)
+            return fn, (d.t_state, d.d_state, self.idle_inputs(p_len, 1, p_len))
+
+        return d._get(("prefill", p_len), make)
+
+    def warmup_one_shot(self, examples: dict) -> None:
+        """Compiles the one-shot pass of every prefill bucket; ``examples`` (bucket ->
+        :class:`~dspark_jax.serving.engine.state.PrefixArrays`, the insert programs' example
+        arguments) gets an all-padding pass's prefix for every bucket it lacks."""
+        d = self.device
+        for p in self.prefill_buckets:
+            exe = self._one_shot_exe(p)
+            if p not in examples:
+                examples[p] = exe(d.t_state, d.d_state, self.idle_inputs(p, 1, p))[0]
+
+
+class ChunkedPrefill(PrefillPasses):
+    """Batched, chunked prefill of one engine (see the module doc).
+
+    Args:
+      device / planner / limits / prefill_buckets: as :class:`PrefillPasses`; the staging area
+        lives beside the device's decode state.
       chunk_tokens: prompt tokens per pass at most.
       lanes: requests per pass at most (staging rows; default ``min(4, chunk_tokens //
         block)``).
@@ -221,9 +366,8 @@ class ChunkedPrefill:
         lanes = int(lanes) if lanes is not None else min(4, chunk_tokens // block)
         if lanes < 1:
             raise DSparkInputError(f"prefill lanes must be >= 1, got {lanes}")
-        self.device, self.planner, self.limits = device, planner, limits
+        super().__init__(device, planner, limits, prefill_buckets)
         self.chunk_tokens, self.lanes, self.block = chunk_tokens, lanes, block
-        self.prefill_buckets = sorted(prefill_buckets)
         self.queue = PrefillQueue(ladder, self.prefill_buckets, lanes, block)
         d = device
         self.stage = init_stage(d.target, d.drafter, lanes, self.prefill_buckets[-1])
@@ -252,10 +396,7 @@ class ChunkedPrefill:
         Raises:
           DSparkInputError: the request is invalid for the engine (as :meth:`Engine.prefill`).
         """
-        validate_request(request, self.limits)
-        ids = np.asarray(request.prompt_ids, np.int32)
-        bias = bias_table(request.params, len(ids), self.limits)
-        self.queue.add(PrefillEntry(request, request if tag is None else tag, ids, bias))
+        self.queue.add(self.entry(request, request if tag is None else tag))
 
     def cancel(self, tag: Any) -> bool:
         """Drops a waiting or half-prefilled request; False if it is not queued."""
@@ -267,31 +408,21 @@ class ChunkedPrefill:
         if plan is None:
             return []
         d = self.device
-        drafting = bool(d.block_size) and self.planner.drafting
-        context = d.drafter is None or drafting or not self.planner.suspended()
+        drafting, context = self.modes()
         for e in plan.members:
             e.context = e.context and context
-        lanes, bias = self._lane_args(plan.finishing, drafting)
-        drafted = lanes.do_draft
+        lanes, bias = self.lane_args(plan.finishing, self.lanes, drafting)
         inp = ChunkInputs(PackedChunk(plan.tok, plan.pos, plan.blk_lane, plan.last), lanes, np.bool_(context), bias)
         self.stage, out = self._chunk_exe(plan.tokens, plan.span)(d.t_state, d.d_state, self.stage, inp)
         self.passes += 1
         if not plan.finishing:
             return []
-        tok, finite, conf, c, tv, ti = jax.device_get(
-            (out.token, out.finite, out.conf, out.logprob, out.top_values, out.top_ids)
-        )
+        host = jax.device_get((out.token, out.finite, out.conf, out.logprob, out.top_values, out.top_ids))
         done = []
         for e in plan.finishing:
-            lane, sp, n = cast(int, e.lane), e.request.params, len(e.ids)
-            p_len = next(b for b in self.prefill_buckets if b >= n)
+            lane, p_len = cast(int, e.lane), self.bucket(len(e.ids))
             arrays = self._extract_exe(p_len, out)(self.stage, out, np.int32(lane))
-            first_lp = lp_entry(c[lane], tv[lane], ti[lane], sp.logprobs) if sp.logprobs is not None else None
-            z = np.asarray(conf[lane], np.float64) if drafted[lane] else None
-            prefix = Prefix(
-                e.request, n, p_len, int(tok[lane]), bool(finite[lane]), z, arrays, e.context, first_lp, e.bias
-            )
-            done.append((e.tag, prefix))
+            done.append((e.tag, self.prefix(e, lane, p_len, arrays, host, lanes.do_draft)))
         return done
 
     def prefill(self, requests) -> list[Prefix]:
@@ -313,35 +444,13 @@ class ChunkedPrefill:
 
     # ------------------------------------------------------------------ device programs
 
-    def _lane_args(self, finishing: list[PrefillEntry], drafting: bool) -> tuple[LaneSampling, tuple]:
-        """The :class:`LaneSampling` of the finishing entries (defaults elsewhere; ``do_draft``
-        says which lanes draft their first block) and their ``(ids, val, until)`` bias tables."""
-        p, nb = self.lanes, self.limits.table_size
-        plen, seed, top_k = np.ones(p, np.int32), np.zeros(p, np.int32), np.zeros(p, np.int32)
-        temp, top_p, drafted = np.ones(p, np.float32), np.ones(p, np.float32), np.zeros(p, bool)
-        b_ids, b_val, b_until = (np.tile(x, (p, 1)) for x in no_bias(nb))
-        for e in finishing:
-            lane, sp = cast(int, e.lane), e.request.params
-            plen[lane], seed[lane], top_k[lane] = len(e.ids), sp.seed, sp.top_k
-            temp[lane], top_p[lane] = sp.temperature, sp.top_p
-            drafted[lane] = drafting and e.context  # drafting needs the whole prompt's context
-            b_ids[lane], b_val[lane], b_until[lane] = e.bias
-        return LaneSampling(plen, seed, temp, top_k, top_p, drafted), (b_ids, b_val, b_until)
-
-    def _idle_inputs(self, tokens: int) -> ChunkInputs:
-        """An all-padding pass of ``tokens`` tokens (changes nothing): the example arguments."""
-        z = np.zeros(tokens, np.int32)
-        packed = PackedChunk(z, z - 1, np.zeros(tokens // self.block, np.int32), np.zeros(self.lanes, np.int32))
-        lanes, bias = self._lane_args([], False)
-        return ChunkInputs(packed, lanes, np.bool_(False), bias)
-
     def _chunk_exe(self, tokens: int, span: int):
         d = self.device
 
         def make():
             spec = ChunkSpec(span, self.block, d.block_size, d.mode, d.n_top)
             fn = partial(prefill_chunk_program, t_graph=d.t_graph, d_graph=d.d_graph, spec=spec)
-            return fn, (d.t_state, d.d_state, self.stage, self._idle_inputs(tokens))
+            return fn, (d.t_state, d.d_state, self.stage, self.idle_inputs(tokens, self.lanes, self.block))
 
         key = ("prefill_chunk", tokens, span, self.lanes, self.block)
         return d._get(key, make, donate=(2,), out_shardings=self._shardings)
@@ -363,7 +472,8 @@ class ChunkedPrefill:
                 self._chunk_exe(t, s)
         if self._example is None:
             d, t, s = self.device, self.ladder[0], self.prefill_buckets[0]
-            self.stage, self._example = self._chunk_exe(t, s)(d.t_state, d.d_state, self.stage, self._idle_inputs(t))
+            idle = self.idle_inputs(t, self.lanes, self.block)
+            self.stage, self._example = self._chunk_exe(t, s)(d.t_state, d.d_state, self.stage, idle)
         for p in self.prefill_buckets:
             self._extract_exe(p, self._example)
 

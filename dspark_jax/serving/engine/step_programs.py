@@ -1,6 +1,7 @@
-"""The serving engine's device programs: one step, the drafter catch-up, prefill, insert and
-row move, each a pure function over pytrees, compiled once per shape by the engine
-(:class:`dspark_jax.serving.engine.device.EngineDevice`) into its bounded :class:`ProgramCache`.
+"""The serving engine's device programs: one step, the drafter catch-up, insert and row move,
+each a pure function over pytrees, compiled once per shape by the engine
+(:class:`dspark_jax.serving.engine.device.EngineDevice`) into its bounded :class:`ProgramCache`
+(prefill's programs, one-shot and chunked, are :mod:`dspark_jax.serving.engine.chunk_programs`).
 
 One step, one jitted function, no host round-trip inside (paper Section 7;
 docs/design.md#serving and docs/design.md#verification): pack the anchors and the chosen number of drafts of
@@ -13,7 +14,7 @@ skipped under ``lax.cond`` when the scheduler says drafting does not pay). Keys 
 the single-request loops.
 Everything variable (active rows, verification lengths, drafting, logit bias, logprobs) is a
 mask or a runtime scalar, so a program compiles once per ``(rows, tokens)`` bucket. Runtime
-inputs travel as small pytrees (:class:`StepInputs`, :class:`PrefillInputs`) whose leaves, in
+inputs travel as small pytrees (:class:`StepInputs`, :class:`InsertInputs`) whose leaves, in
 field order, are the compiled program's parameters (their paths name the HLO parameters); the
 static shape of a step is a :class:`StepSpec`.
 
@@ -64,12 +65,11 @@ from dspark_jax.decoding.compile_cache import LRUCache
 from dspark_jax.decoding.round import draft_tokens, rejection_round_keys, token_keys
 from dspark_jax.decoding.verifier import verify_coupled_packed, verify_rejection_packed
 from dspark_jax.models.layers import KVCache
-from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample
+from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits
 from dspark_jax.serving.engine.state import CACHE_FIELDS, DecodeState, PackedTokens, PrefixArrays
 
 __all__ = [
     "InsertInputs",
-    "PrefillInputs",
     "ProgramCache",
     "StepInputs",
     "StepSpec",
@@ -77,7 +77,6 @@ __all__ = [
     "catchup_program",
     "insert_program",
     "move_program",
-    "prefill_program",
     "step_program",
 ]
 
@@ -372,96 +371,6 @@ def catchup_program(
     )
     dk, dv = write_context(drafter, out.features, row, pos, st.dk, st.dv)
     return st._replace(tk=out.cache.k, tv=out.cache.v, dk=dk, dv=dv)
-
-
-def _prefill_drafter(target, drafter, out, tok, pos, prompt_len, key, samp, bias, do_draft, do_context, init, mode):
-    """The drafter part of prefill: its context (skipped while suspended) and optionally the
-    first block. Returns ``(dk, dv, draft, conf, q)``."""
-    p_len = pos.shape[1]
-    empty = drafter.init_cache(1, p_len)
-    # The drafter context is skipped (lax.cond, one executable) while the drafter is
-    # suspended; drafting implies context.
-    dc = jax.lax.cond(
-        do_context | do_draft,
-        lambda _: drafter.extend_cache(empty, out.features, jnp.where(pos < prompt_len, pos, -1)),
-        lambda _: empty,
-        None,
-    )
-    dk, dv = dc.k, dc.v
-    # Drafting the first block costs a drafter pass plus block_size LM-head rows; skipped (under
-    # lax.cond, one executable) while the scheduler is not drafting.
-    d, conf, q = jax.lax.cond(
-        do_draft,
-        lambda _: draft(target, drafter, tok, prompt_len[None], key[None], samp, dk, dv, bias, jnp.bool_(True), mode),
-        lambda _: init,
-        None,
-    )
-    return dk, dv, d, conf, q
-
-
-class PrefillInputs(NamedTuple):
-    """The runtime inputs of one-shot prefill (a pytree; its leaves are the program's parameters).
-
-    Attributes:
-      tokens: ``[1, P]`` int32 the prompt padded to the bucket; prompt_len / seed / top_k:
-        ``[]`` int32; temperature / top_p: ``[]`` float32; do_draft / do_context: ``[]`` bool
-        (draft the first block; write the drafter context); bias: the ``(ids, val, until)``
-        ``[NB]`` bias table (:func:`~dspark_jax.serving.engine.requests.bias_table`).
-    """
-
-    tokens: Any
-    prompt_len: Any
-    seed: Any
-    temperature: Any
-    top_k: Any
-    top_p: Any
-    do_draft: Any
-    do_context: Any
-    bias: tuple
-
-
-def prefill_program(
-    t_state, d_state, inp: PrefillInputs, *, t_graph, d_graph, block_size: int, mode: str = "coupled", n_top: int = 20
-):
-    """Prefill of one request: caches, the first token (biased like every later one), its
-    raw target logprobs (one row: always computed, cheap) and optionally the first block.
-
-    ``inp``: :class:`PrefillInputs`. Returns ``(PrefixArrays, finite [] bool, (logprob [1], top
-    values, top ids [1, n_top]))``.
-    """
-    tokens, prompt_len, seed, temperature, top_k, top_p, do_draft, do_context, bias_tables = inp
-    bias_ids, bias_val, bias_until = bias_tables
-    target = nnx.merge(t_graph, t_state)
-    drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
-    p_len = tokens.shape[1]
-    pos = jnp.arange(p_len, dtype=jnp.int32)[None]
-    key = jax.random.PRNGKey(seed)
-    taps = drafter.cfg.taps if drafter is not None else ()
-    out = target(tokens, pos, target.init_cache(1, p_len), taps=taps, logit_index=prompt_len[None] - 1)
-    samp = SamplingArrays(temperature[None], top_k[None], top_p[None])
-    bias = (bias_ids[None], bias_val[None], bias_until[None])
-    zero = jnp.zeros((1,), jnp.int32)
-    logits = apply_bias(out.logits, zero, prompt_len[None] - 1, *bias)
-    # The first token's key is fold_in(key, prompt_len - 1), i.e. decoding.round.next_token's,
-    # derived here on the scalar key: next_token's vmapped derivation compiles differently.
-    tok = sample(
-        jax.random.fold_in(key, (prompt_len - 1).astype(jnp.uint32))[None], process_logits(logits, samp)
-    ).astype(jnp.int32)
-    lp = logprobs(out.logits, tok, n_top)
-    finite = logits_are_finite(out.logits)[0]
-    gp = max(block_size, 1)
-    dk = dv = None
-    d, conf = jnp.zeros((1, gp), jnp.int32), jnp.zeros((1, gp), jnp.float32)
-    q = jnp.zeros((1, block_size, target.cfg.vocab_size), jnp.float32) if (mode == "rejection" and block_size) else None
-    if drafter is not None:
-        dk, dv, d, conf, q = _prefill_drafter(
-            target, drafter, out, tok, pos, prompt_len, key, samp, bias, do_draft, do_context, (d, conf, q), mode
-        )
-    return (
-        PrefixArrays(out.cache.k, out.cache.v, dk, dv, key, tok[0], d[0], conf[0], None if q is None else q[0]),
-        finite,
-        lp,
-    )
 
 
 class InsertInputs(NamedTuple):
