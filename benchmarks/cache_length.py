@@ -140,10 +140,30 @@ def engine_section(pk, a) -> list[dict[str, Any]]:
     return rows
 
 
+def _checkout_table(speculative, table):
+    """The shared cost table in the form a checkout's ``generate_speculative`` reads: as it is,
+    or for a checkout from before the tables took attention spans, its own ``CostTable`` of the
+    batch-1 fields (the same seconds, at the table's one span)."""
+    import dataclasses
+
+    cls = speculative.cached_cost_table.__globals__.get("CostTable")
+    if cls is None or "t_verify" not in {f.name for f in dataclasses.fields(cls)}:
+        return table
+    return cls(
+        widths=table.widths,
+        t_verify=tuple(float(t) for t in table.verify_array(table.widths)),
+        t_draft_greedy=table.draft_seconds(True),
+        t_draft_sampled=table.draft_seconds(False),
+        t_step=table.step_seconds(),
+        t_context=table.context_seconds(),
+        cache_len=table.meta["cache_len"],
+    )
+
+
 def default_section(pk, a) -> list[dict[str, Any]]:
     """Plain and ``auto`` batch-1 decoding at the default cache length, per target and checkout."""
 
-    from dspark_jax.decoding.cost_table import cached_cost_table
+    from dspark_jax.decoding.decode_profile import cached_cost_table
 
     cases, table = {}, {}
     for spec in a.default_targets.split(","):
@@ -157,7 +177,7 @@ def default_section(pk, a) -> list[dict[str, Any]]:
                 cache_len = sp.default_cache_len(target, [prompt], a.new_tokens, drafter.cfg.block_size)
                 table[spec] = cached_cost_table(target, drafter, cache_len)
             plain = dict(kw, cache_len=None)
-            auto = dict(kw, num_speculative_tokens="auto", cost_table=table[spec])
+            auto = dict(kw, num_speculative_tokens="auto", cost_table=_checkout_table(sp, table[spec]))
             cases[f"{spec}:plain:{name}"] = lambda f=sp.generate_autoregressive, t=target, p=prompt, k=plain: (
                 f(t, [p], **k).seconds / a.new_tokens
             )
