@@ -14,7 +14,11 @@ against another checkout of the package (``--old DIR``, loaded beside this one b
   of each of ``--live-lens`` tokens, ms per token against the live length;
 * ``default``: batch-1 plain and ``num_speculative_tokens="auto"`` decoding at the default cache
   length (a random drafter, block size 4, one cost table shared by both checkouts so that they
-  take the same decisions) on each of ``--default-targets``: ms per token, new / old speed.
+  take the same decisions) on each of ``--default-targets``: ms per token, new / old speed;
+* ``profile`` (not run by default): the cost of profiling at start-up, per checkout: seconds of
+  the engine's ``profile_sps()`` (``--rows`` rows, dspark policy, random drafter, cache
+  ``--profile-cache-len``, default spans) and of the batch-1 ``measure_costs`` (compilation
+  included, as at a first start); then this checkout's SPS per span at ``--profile-spans``.
 
 ::
 
@@ -51,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=32, help="generated tokens (default 32)")
     p.add_argument("--rows", type=int, default=8, help="engine rows (default 8)")
     p.add_argument("--reps", type=int, default=5, help="alternated repeats per case (default 5)")
+    p.add_argument("--profile-cache-len", type=int, default=1024, help="profile section's cache length")
+    p.add_argument("--profile-spans", default="256,1024", help="profile section's spans of the SPS per span")
     p.add_argument("--out", default="runs/cache_length", help="output directory")
     return p
 
@@ -140,10 +146,30 @@ def engine_section(pk, a) -> list[dict[str, Any]]:
     return rows
 
 
+def _checkout_table(speculative, table):
+    """The shared cost table in the form a checkout's ``generate_speculative`` reads: as it is,
+    or for a checkout from before the tables took attention spans, its own ``CostTable`` of the
+    batch-1 fields (the same seconds, at the table's one span)."""
+    import dataclasses
+
+    cls = speculative.cached_cost_table.__globals__.get("CostTable")
+    if cls is None or "t_verify" not in {f.name for f in dataclasses.fields(cls)}:
+        return table
+    return cls(
+        widths=table.widths,
+        t_verify=tuple(float(t) for t in table.verify_array(table.widths)),
+        t_draft_greedy=table.draft_seconds(True),
+        t_draft_sampled=table.draft_seconds(False),
+        t_step=table.step_seconds(),
+        t_context=table.context_seconds(),
+        cache_len=table.meta["cache_len"],
+    )
+
+
 def default_section(pk, a) -> list[dict[str, Any]]:
     """Plain and ``auto`` batch-1 decoding at the default cache length, per target and checkout."""
 
-    from dspark_jax.decoding.cost_table import cached_cost_table
+    from dspark_jax.decoding.decode_profile import cached_cost_table
 
     cases, table = {}, {}
     for spec in a.default_targets.split(","):
@@ -157,7 +183,7 @@ def default_section(pk, a) -> list[dict[str, Any]]:
                 cache_len = sp.default_cache_len(target, [prompt], a.new_tokens, drafter.cfg.block_size)
                 table[spec] = cached_cost_table(target, drafter, cache_len)
             plain = dict(kw, cache_len=None)
-            auto = dict(kw, num_speculative_tokens="auto", cost_table=table[spec])
+            auto = dict(kw, num_speculative_tokens="auto", cost_table=_checkout_table(sp, table[spec]))
             cases[f"{spec}:plain:{name}"] = lambda f=sp.generate_autoregressive, t=target, p=prompt, k=plain: (
                 f(t, [p], **k).seconds / a.new_tokens
             )
@@ -175,6 +201,39 @@ def default_section(pk, a) -> list[dict[str, Any]]:
     return rows
 
 
+def profile_section(pk, a) -> list[dict[str, Any]]:
+    """Start-up profiling seconds per checkout (engine SPS table, batch-1 cost table), then this
+    checkout's engine SPS at each of ``--profile-spans``."""
+    c = a.profile_cache_len
+    cases, engines = {}, {}
+    for name, mods in pk.items():
+        target, _ = mods["api"].load_target(a.target)
+        drafter = drafter_for(mods, target.cfg, 4, num_layers=1, markov_rank=8)
+        eng = mods["serving.engine"].Engine(
+            target, drafter, num_slots=a.rows, cache_len=c, policy="dspark", row_buckets=[a.rows], prefill_buckets=[32]
+        )
+        eng.warmup()
+        engines[name] = eng
+        measure = mods["decoding.speculative"].cached_cost_table.__globals__["measure_costs"]
+        cases[f"engine:{name}"] = lambda eng=eng: eng.profile_sps() and None
+        cases[f"batch1:{name}"] = lambda f=measure, t=target, d=drafter: f(t, d, cache_len=c, repeats=5) and None
+    med = alternate(cases, a.reps)
+    rows: list[dict[str, Any]] = [
+        {"what": f"{kind} profiling [s]", **{n: med[f"{kind}:{n}"] for n in pk}} for kind in ("engine", "batch1")
+    ]
+    spans = [int(s) for s in a.profile_spans.split(",")]
+    table = engines["new"].profile_sps(spans=spans)
+    for s in table.spans():
+        r, k = a.rows, max(table.budgets(a.rows))
+        rows.append(
+            {
+                "what": f"SPS at span {s} (rows {r}: plain / {k} tokens drafting)",
+                "new": (f"{table.sps(r, r, False, s):.2f} / {table.sps(r, k, True, s):.2f}"),
+            }
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     import jax
@@ -183,7 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"args": vars(a), "device": str(jax.devices()[0])}
-    sections = {"decode": decode_section, "live": live_section, "engine": engine_section, "default": default_section}
+    sections = {
+        "decode": decode_section,
+        "live": live_section,
+        "engine": engine_section,
+        "default": default_section,
+        "profile": profile_section,
+    }
     for name in a.sections.split(","):
         result[name] = sections[name](pk, a)
         print(f"## {name}\n\n{markdown_table(result[name])}\n", flush=True)

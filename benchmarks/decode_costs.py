@@ -1,7 +1,9 @@
 """Cost table of batch-1 decoding on this machine, with plain-decoding references.
 
 In one process (docs/design.md#performance-anchors; the cost table behind
-``num_speculative_tokens="auto"``, :mod:`dspark_jax.decoding.cost_table`):
+``num_speculative_tokens="auto"``, :mod:`dspark_jax.decoding.decode_profile`), at the attention
+span the decode loop's table is measured at by default (``span``; ``--spans`` measures several,
+alternated, and adds ``by_span``):
 
 * ``t_step_ms``: a plain decode step (batch 1, no drafter);
 * ``t_verify_ms``: verified tokens (1 .. block_size + 1) -> ms, each length its own compiled
@@ -73,7 +75,7 @@ def random_drafter(target, preset: str, draft_vocab_size: int, seed: int = 0):
 
 def main(argv: list[str] | None = None) -> int:
     from dspark_jax.api import encode_prompt
-    from dspark_jax.decoding.cost_table import measure_costs
+    from dspark_jax.decoding.decode_profile import measure_costs
     from dspark_jax.decoding.speculative import generate_autoregressive
     from dspark_jax.drafters.checkpoint import load_drafter
     from dspark_jax.evaluation.cli import load_prompt_texts
@@ -101,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--cache-len", type=int, default=0, help="KV-cache length (default: as generate uses)")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument(
+        "--spans",
+        default=None,
+        help="comma-separated attention spans [tokens] to measure at (whole KV blocks; default: the "
+        "decode loop's one); the first is the headline, all go under 'by_span'",
+    )
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument(
         "--sweep-rounds",
@@ -125,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     need = max(map(len, prompts)) + args.max_new_tokens + g + 2
     cache_len = args.cache_len or min(-(-need // 64) * 64, cfg.max_position)
 
-    table = measure_costs(target, drafter, widths=range(g + 1), cache_len=cache_len, repeats=args.repeats)
+    spans = [int(v) for v in args.spans.split(",") if v.strip()] if args.spans else None
+    table = measure_costs(target, drafter, widths=range(g + 1), cache_len=cache_len, spans=spans, repeats=args.repeats)
+    first = table.span_for(("step",), spans[0] if spans else 0) or 0
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, cache_len=cache_len)
     generate_autoregressive(target, [prompts[0]], **kw)  # compile
     hf = None if args.no_hf else hf_llama_from_params(cfg, params)
@@ -152,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         "draft_vocab_size": drafter.cfg.draft_vocab_size or cfg.vocab_size,
         "drafter_params": d_params,
         "cache_len": cache_len,
-        **table.to_json(),
+        **table.decode_ms(first),
         "ar_tokens_per_s": ar_t / max(ar_s, 1e-9),
         "hf_tokens_per_s": (hf_t / max(hf_s, 1e-9)) if hf is not None else None,
         "read_bandwidth_gb_s": bw,
@@ -160,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         "bandwidth_bound_tokens_per_s": bw * 1e9 / weight_bytes,
     }
     res["t_verify_ms"] = {w + 1: v for w, v in res["t_verify_ms"].items()}  # keyed by verified tokens
+    if len(table.spans()) > 1:
+        res["by_span"] = {s: table.decode_ms(s) for s in table.spans()}
     res["draft_over_step"] = res["t_draft_ms"] / res["t_step_ms"]
     res["ar_over_bound"] = res["ar_tokens_per_s"] / res["bandwidth_bound_tokens_per_s"]
     if res["hf_tokens_per_s"]:
@@ -179,9 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         ("ar / bound", res["ar_over_bound"]),
         ("ar / hf", res.get("ar_over_hf")),
     ]
-    print(f"{cfg.name}  drafter={res['drafter']}  draft vocab={res['draft_vocab_size']}  cache={cache_len}")
+    head = f"{cfg.name}  drafter={res['drafter']}  draft vocab={res['draft_vocab_size']}  cache={cache_len}"
+    print(f"{head}  span={first}")
     for k, v in rows:
         print(f"  {k:<32} {'-' if v is None else f'{v:10.3f}'}")
+    for s, row in res.get("by_span", {}).items():
+        verify = ", ".join(f"{w + 1}: {v:.3f}" for w, v in row["t_verify_ms"].items())
+        print(f"  span {s:>6}: step {row['t_step_ms']:.3f} ms, draft {row['t_draft_ms']:.3f} ms, verify {verify}")
     if len(sizes) > 1 and not args.drafter:
         res["draft_vocab_sweep"] = sweep = {}
         tables = {n: [] for n in sizes}
@@ -189,15 +205,17 @@ def main(argv: list[str] | None = None) -> int:
             for n in sizes:
                 d = random_drafter(target, args.target, n)
                 tables[n].append(
-                    measure_costs(target, d, widths=(0, g), cache_len=cache_len, repeats=max(3, args.repeats // 3))
+                    measure_costs(
+                        target, d, widths=(0, g), cache_len=cache_len, spans=spans, repeats=max(3, args.repeats // 3)
+                    )
                 )
         print(f"\n  {'draft vocab':>12} {'t_draft_ms T=0':>15} {'T=1':>8} {'t_verify_ms[' + str(g + 1) + ']':>15}")
         for n in sizes:
             med = lambda f, n=n: statistics.median(f(t) for t in tables[n])
             row = {
-                "t_draft_ms": 1e3 * med(lambda t: t.t_draft_greedy),
-                "t_draft_sampled_ms": 1e3 * med(lambda t: t.t_draft_sampled),
-                "t_verify_full_block_ms": 1e3 * med(lambda t: t.t_verify[-1]),
+                "t_draft_ms": 1e3 * med(lambda t: t.draft_seconds(True, first)),
+                "t_draft_sampled_ms": 1e3 * med(lambda t: t.draft_seconds(False, first)),
+                "t_verify_full_block_ms": 1e3 * med(lambda t: float(t.verify_array([g], first)[0])),
             }
             sweep[n or cfg.vocab_size] = row
             print(

@@ -44,10 +44,15 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.harness import median_seconds
-from dspark_jax.decoding.cost_table import cached_cost_table
+from dspark_jax.decoding.decode_profile import cached_cost_table
 from dspark_jax.decoding.round import draft_tokens
 from dspark_jax.decoding.round import prefill as pre_fill
-from dspark_jax.decoding.speculative import default_cache_len, generate_autoregressive, generate_speculative
+from dspark_jax.decoding.speculative import (
+    auto_cost_span,
+    default_cache_len,
+    generate_autoregressive,
+    generate_speculative,
+)
 from dspark_jax.decoding.verifier import verify
 from dspark_jax.drafters.base import BlockDrafter
 from dspark_jax.models.sampling import process_logits, sample, sampling_arrays
@@ -269,6 +274,7 @@ def _one_run(target, drafters, n_spec, prompts, kw, seed, hf_model) -> dict[str,
             sp[n]["prompts"].append(
                 {
                     "cache_len": s.cache_len,
+                    "span": auto_cost_span([len(p)], [min(len(p) + kw["max_new_tokens"], s.cache_len)]),
                     "passes": g.num_target_passes,
                     "emitted": max(len(g.token_ids) - 1, 0),  # the prefill token is not a verify pass's
                     "drafted": g.num_drafting_rounds,
@@ -287,24 +293,27 @@ def cost_table_bound(target, drafter, per_prompt: Sequence[dict[str, Any]], gree
     """The bound ``tau * T_step / (T_draft + T_verify)`` priced by the cost tables the decode loop
     uses, over the rounds it actually ran.
 
-    Every prompt's passes are priced by :func:`~dspark_jax.decoding.cost_table.cached_cost_table`
-    at that prompt's KV-cache length (the very table ``num_speculative_tokens="auto"`` chose its
-    widths with): ``T_draft`` (greedy or sampled) for a round that drafted, ``T_verify(w)`` at
-    the compiled width ``w`` the pass verified (a fixed length ``n`` runs passes of width ``n``),
-    and ``T_step`` (a plain step) for every emitted token's plain alternative. So for ``auto``,
-    ``T_draft`` and ``T_verify`` are means per pass over the mix
-    of widths it chose and the rounds where it skipped drafting, and
+    Every prompt's passes are priced by
+    :func:`~dspark_jax.decoding.decode_profile.cached_cost_table` at that prompt's KV-cache
+    length, looked up at the span ``auto`` uses
+    (:func:`~dspark_jax.decoding.speculative.auto_cost_span`: the very costs
+    ``num_speculative_tokens="auto"`` chose its widths with): ``T_draft`` (greedy or sampled)
+    for a round that drafted, ``T_verify(w)`` at the compiled width ``w`` the pass verified (a
+    fixed length ``n`` runs passes of width ``n``), and ``T_step`` (a plain step) for every
+    emitted token's plain alternative. So for ``auto``, ``T_draft`` and ``T_verify`` are means
+    per pass over the mix of widths it chose and the rounds where it skipped drafting, and
     ``bound = sum(emitted * T_step) / sum(pass costs) = tau * T_step / (T_draft + T_verify)``.
 
     Args:
       target / drafter: the models (a block drafter: DSpark / DFlash).
-      per_prompt: records of ``_one_run`` (``cache_len``, ``passes``, ``emitted``, ``drafted``,
-        ``widths``: passes per compiled width 0..block size).
-      greedy: T=0 (prices drafting at ``t_draft_greedy``, else ``t_draft_sampled``).
+      per_prompt: records of ``_one_run`` (``cache_len``, ``span``, ``passes``, ``emitted``,
+        ``drafted``, ``widths``: passes per compiled width 0..block size).
+      greedy: T=0 (prices drafting at the greedy drafting round, else the sampled one).
     Returns:
       ``{"bound_from": "cost_table", "bound", "t_target_step_ms", "t_draft_ms", "t_verify_ms"
       (means per pass), "drafting_fraction", "width_mix" {w: fraction of passes},
-      "cache_lens" (of the prompts), "cost_tables" {cache_len: CostTable.to_json()}}``.
+      "cache_lens" (of the prompts), "cost_tables" {cache_len: CostTable.decode_ms()}}``
+      (milliseconds at the table's first span).
     Raises:
       ValueError: a pass at a width the table did not measure.
     """
@@ -313,12 +322,12 @@ def cost_table_bound(target, drafter, per_prompt: Sequence[dict[str, Any]], gree
     hist = np.zeros(drafter.cfg.block_size + 1, np.int64)
     drafted = emitted = 0
     for r in per_prompt:
-        t = tables[r["cache_len"]]
+        t, span = tables[r["cache_len"]], r.get("span", 0)
         h = np.asarray(r["widths"], np.int64)
         used = np.flatnonzero(h).tolist()
-        step += r["emitted"] * t.t_step
-        draft += r["drafted"] * (t.t_draft_greedy if greedy else t.t_draft_sampled)
-        verify += float(np.dot(h[used], t.verify_array(used))) if used else 0.0
+        step += r["emitted"] * t.step_seconds(span)
+        draft += r["drafted"] * t.draft_seconds(greedy, span)
+        verify += float(np.dot(h[used], t.verify_array(used, span))) if used else 0.0
         hist[: len(h)] += h
         drafted += r["drafted"]
         emitted += r["emitted"]
@@ -332,7 +341,7 @@ def cost_table_bound(target, drafter, per_prompt: Sequence[dict[str, Any]], gree
         "drafting_fraction": drafted / passes,
         "width_mix": {int(w): float(hist[w]) / passes for w in np.flatnonzero(hist)},
         "cache_lens": sorted(int(c) for c in tables),
-        "cost_tables": {int(c): t.to_json() for c, t in tables.items()},
+        "cost_tables": {int(c): t.decode_ms() for c, t in tables.items()},
     }
 
 

@@ -1,12 +1,13 @@
 """What a process keeps on disk for the next one: measured cost tables and compiled programs.
 
-``auto`` verification (the batch-1 cost table, :mod:`dspark_jax.decoding.cost_table`) and the
-serving engine's throughput-aware policies (the SPS table, :mod:`dspark_jax.serving.engine.sps`) decide
-from measured seconds. Measured afresh in every process, the same prompt got different chosen
-lengths (so a different tau) from run to run, and every start paid the measurement. Both tables
-are stored here, keyed by everything the cost depends on (backend, device kind, the model
-configs and dtypes, the cache length, the engine's shape, the jax and dspark_jax versions) and
-never by weight values (costs do not depend on them). JAX's persistent compilation cache lives
+``auto`` verification (the batch-1 costs) and the serving engine's throughput-aware policies
+(the SPS table) decide from measured seconds, both kept in one kind of table
+(:class:`~dspark_jax.decoding.cost_table.CostTable`). Measured afresh in every process, the same
+prompt got different chosen lengths (so a different tau) from run to run, and every start paid
+the measurement. The tables are stored here, keyed by everything the cost depends on (backend,
+device kind, the model configs and dtypes, the cache length, the engine's shape, the spans, the
+stored format, the jax and dspark_jax versions) and never by weight values (costs do not
+depend on them). JAX's persistent compilation cache lives
 beside them, so a second process skips most of the compiling too.
 
 Location: ``DSPARK_CACHE_DIR`` (default ``~/.cache/dspark_jax``; ``off`` disables both caches);

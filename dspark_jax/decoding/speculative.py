@@ -35,7 +35,7 @@ from flax import nnx
 
 from dspark_jax.decoding import auto_verify
 from dspark_jax.decoding.compile_cache import LRUCache
-from dspark_jax.decoding.cost_table import cached_cost_table
+from dspark_jax.decoding.decode_profile import cached_cost_table
 from dspark_jax.decoding.results import BatchResult, DecodeStats, Generation, RoundLog, generations
 from dspark_jax.decoding.round import (
     FINISH_ERROR,
@@ -71,7 +71,14 @@ from dspark_jax.models.target import Target
 
 # Generation / BatchResult live in decoding.results; they stay importable from here, the
 # documented home of the types these functions return.
-__all__ = ["BatchResult", "Generation", "default_cache_len", "generate_autoregressive", "generate_speculative"]
+__all__ = [
+    "BatchResult",
+    "Generation",
+    "auto_cost_span",
+    "default_cache_len",
+    "generate_autoregressive",
+    "generate_speculative",
+]
 
 
 class _Loop(NamedTuple):
@@ -341,7 +348,7 @@ def default_cache_len(target: Target, prompts: Sequence[Sequence[int]], max_new_
 
     ``block_size``: the drafter's (0: plain decoding). E.g. to measure the cost table that
     ``num_speculative_tokens="auto"`` will use ahead of time
-    (:func:`~dspark_jax.decoding.cost_table.cached_cost_table`).
+    (:func:`~dspark_jax.decoding.decode_profile.cached_cost_table`).
 
     Raises:
       DSparkInputError: as :func:`generate_autoregressive` for bad prompts / max_new_tokens.
@@ -428,8 +435,17 @@ def _auto_costs(target: Target, drafter: Drafter, cost_table, bt: _Batch):
     widths = auto_verify.default_widths(drafter.cfg.block_size)
     table = cost_table if cost_table is not None else cached_cost_table(target, drafter, bt.cache_len)
     greedy = bool(np.all(np.asarray(bt.sampling.temperature) <= 0))
-    t_draft = table.t_draft_greedy if greedy else table.t_draft_sampled
-    return widths, (jnp.asarray(table.verify_array(widths)), jnp.float32(t_draft))
+    span = auto_cost_span(bt.lens, bt.limit)
+    t_draft = table.draft_seconds(greedy, span)
+    return widths, (jnp.asarray(table.verify_array(widths, span)), jnp.float32(t_draft))
+
+
+def auto_cost_span(lens, limit) -> int:
+    """The attention span [tokens] ``auto`` looks its costs up at (one set of costs for the whole
+    loop): the live length halfway through the longest request, ``[B]`` prompt lengths ``lens``
+    to ``limit`` (prompt + new tokens)."""
+    lens, limit = np.asarray(lens, np.int64), np.asarray(limit, np.int64)
+    return int(np.max(lens + (limit - lens) // 2))
 
 
 def generate_speculative(

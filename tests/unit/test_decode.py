@@ -411,14 +411,14 @@ def cost_table(t_verify, t_draft=0.5):
     """A hand-made cost table for the tiny drafters' widths (0, 1, 2, 4) [seconds]."""
     from dspark_jax.decoding.cost_table import CostTable
 
-    return CostTable(
-        widths=(0, 1, 2, 4),
-        t_verify=tuple(t_verify),
+    return CostTable.from_decode_costs(
+        span=64,
+        t_step=t_verify[0],
+        t_verify=dict(zip((0, 1, 2, 4), t_verify)),
         t_draft_greedy=t_draft,
         t_draft_sampled=t_draft,
-        t_step=t_verify[0],
         t_context=0.0,
-        cache_len=64,
+        meta={"cache_len": 64},
     )
 
 

@@ -9,6 +9,7 @@ import pytest
 from tiny import tiny_drafter, tiny_target
 
 from dspark_jax.decoding import cost_table as ct
+from dspark_jax.decoding import decode_profile as dp
 from dspark_jax.decoding import disk_cache
 
 
@@ -44,15 +45,19 @@ def test_cost_table_is_measured_once_and_reused_by_a_later_process(store, monkey
     target = tiny_target()
     drafter = tiny_drafter(target)
     calls = []
-    real = ct.measure_costs
+    real = dp.measure_costs
 
     def counting(*a, **kw):
         calls.append(kw.get("cache_len"))
         return real(*a, **{**kw, "repeats": 1, "inner": 1, "widths": (0, 1)})  # few programs to compile
 
-    monkeypatch.setattr(ct, "measure_costs", counting)
-    monkeypatch.setattr(ct, "_COST_TABLES", ct.LRUCache(maxsize=8))
-    first = ct.cached_cost_table(target, drafter, 32)
+    monkeypatch.setattr(dp, "measure_costs", counting)
+    monkeypatch.setattr(dp, "_COST_TABLES", dp.LRUCache(maxsize=8))
+    first = dp.cached_cost_table(target, drafter, 32)
     assert calls == [32] and list((store / "costs").glob("cost_table-*.json"))
-    monkeypatch.setattr(ct, "_COST_TABLES", ct.LRUCache(maxsize=8))  # a new process
-    assert ct.cached_cost_table(target, drafter, 32) == first and calls == [32]
+    assert first.spans() == [32] and first.meta["cache_len"] == 32  # one span: the whole (one-block) cache
+    monkeypatch.setattr(dp, "_COST_TABLES", dp.LRUCache(maxsize=8))  # a new process
+    assert dp.cached_cost_table(target, drafter, 32) == first and calls == [32]
+    key = ct.table_key("cost_table", cache_len=32)
+    ct.store_table(key, first)
+    assert ct.stored_table(key) == first

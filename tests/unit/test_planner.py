@@ -5,22 +5,26 @@ which drafting pays only when drafts are accepted, and the engine's host loop in
 import numpy as np
 import pytest
 
+from dspark_jax.decoding.cost_table import CostTable
 from dspark_jax.serving.engine.online_calibration import OnlineCalibrator
 from dspark_jax.serving.engine.planner import MAX_PROBE_INTERVAL, Planner
 from dspark_jax.serving.engine.slots import SlotRecord
-from dspark_jax.serving.engine.sps import SPSTable
 
 GAMMA = 4
 LADDER = (2, 4, 8, 16)
 
 
-def _table(rows: int = 1) -> SPSTable:
+def _sps(rows: int = 1) -> dict:
     """Steps/s falling with packed tokens; a drafting step costs 25% more than a plain one."""
     entries = {}
     for k in range(rows, rows * (GAMMA + 1) + 1):
         for d in (False, True):
             entries[(rows, k, d)] = 100.0 / (1.0 + 0.1 * (k - rows)) / (1.25 if d else 1.0)
-    return SPSTable({}, entries)
+    return entries
+
+
+def _table(rows: int = 1) -> CostTable:
+    return CostTable.from_steps_per_s(_sps(rows), span=256)
 
 
 def _record() -> SlotRecord:
@@ -93,11 +97,29 @@ def test_probes_are_priced():
     for, the probe waits (its extra seconds are at most PROBE_BUDGET of that time)."""
     cal = OnlineCalibrator(GAMMA, min_obs=4)
     planner = Planner(GAMMA, True, LADDER, [1], cal, suspend_after=4, policy="dspark")
-    table = _table()
+    sps = _sps()
     for k in range(1, GAMMA + 2):
-        table.entries[(1, k, True)] = 1.0  # a drafting step costs 100 plain steps
-    planner.set_table(table)
+        sps[(1, k, True)] = 1.0  # a drafting step costs 100 plain steps
+    planner.set_table(CostTable.from_steps_per_s(sps, span=256))
     rec = _record()
     log = _drive(planner, rec, lambda s: (-4.0, False), 1100)
     probes = [e["step"] for e in log if e["drafted"]]
     assert len(probes) == 1 and probes[0] >= 990  # ~1000 plain steps (10 s) pay for one probe (1 s)
+
+
+def test_the_plan_reads_the_sps_of_the_live_span():
+    """The SPS table is a function of the attention span: the same confident drafts pay at a
+    short live length and do not at a long one, where (in this table) a drafting step costs
+    100 plain steps."""
+    slow = {k: (1.0 if k[2] else v) for k, v in _sps().items()}
+    table = CostTable({}, {**_table().seconds, **CostTable.from_steps_per_s(slow, span=1024).seconds})
+    drafts = []
+    for length in (5, 900):
+        planner = Planner(GAMMA, True, LADDER, [1], OnlineCalibrator(GAMMA), suspend_after=4, policy="dspark")
+        planner.set_table(table)
+        rec = _record()
+        rec.length = length
+        rec.push_z(np.full(GAMMA, 4.0))
+        assert planner.live_span([rec]) == length + GAMMA
+        drafts.append(planner.plan([rec])[3])
+    assert drafts == [True, False]

@@ -1,4 +1,4 @@
-"""Unit tests of the verification-length policies, online calibration and the SPS table.
+"""Unit tests of the verification-length policies, online calibration and the cost (SPS) table.
 
 docs/design.md#scheduler: the clean greedy scheduler against brute force over every admissible
 allocation (per-row prefix lengths), the exact global search, the threshold and fixed
@@ -14,10 +14,10 @@ import json
 import numpy as np
 import pytest
 
+from dspark_jax.decoding.cost_table import CostTable, live_span, measured_spans, time_programs
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.serving.engine import scheduler as sch
 from dspark_jax.serving.engine.online_calibration import OnlineCalibrator
-from dspark_jax.serving.engine.sps import SPSTable, profile_buckets
 
 
 def theta_of(lengths, surv, sps_of_total):
@@ -219,28 +219,70 @@ def test_online_calibration_counts_only_reached_positions():
         OnlineCalibrator(2, init=[1.0, -1.0])
 
 
-# ------------------------------------------------------------------------- SPS table
+# ------------------------------------------------------------------------- the cost (SPS) table
 
 
-def test_sps_table_round_trip_and_matching(tmp_path):
-    calls = []
+def test_time_programs_rotates_warms_and_repeats():
+    calls, befores = [], []
+    progs = {n: (lambda n=n: calls.append(n)) for n in "abc"}
+    secs = time_programs(progs, repeats=3, inner=2, warm=1, before=befores.append)
+    assert list(secs) == ["a", "b", "c"] and all(t >= 0 for t in secs.values())
+    # warm a, b, c; then rounds rotated by one: abc, bca, cab, each timing 2 calls
+    assert calls == list("abc") + [n for order in ("abc", "bca", "cab") for n in order for _ in range(2)]
+    assert befores == list("abc") + list("abcbcacab")
 
-    def run(r, k, d):
-        calls.append((r, k, d))
 
+def test_spans_are_whole_kv_blocks_and_lookups_take_the_nearest_at_or_above():
+    assert [live_span(p) for p in (-1, 0, 255, 256, 1000)] == [256, 256, 256, 512, 1024]
+    assert live_span(1000, cache_len=600) == 600
+    assert measured_spans(None, 1024, 256) == (256,)
+    assert measured_spans([1, 300, 256, 5000], 1024, 256) == (256, 512, 1024)
+    with pytest.raises(DSparkInputError):
+        measured_spans([0], 1024, 256)
+    t = CostTable({}, {(("engine_step", 1, 4, True), 256): 0.5, (("engine_step", 1, 4, True), 1024): 1.0})
+    assert t.spans() == [256, 1024]
+    assert [t.span_for(("engine_step", 1, 4, True), s) for s in (0, 300, 5000)] == [256, 1024, 1024]
+    assert t.sps(1, 4, True) == 2.0 and t.sps(1, 4, True, span=700) == 1.0 and t.sps(2, 2, False) == 0.0
+    assert t.covers_steps([(1, 4)], [True], [256, 1024]) and not t.covers_steps([(1, 4)], [True, False])
+
+
+def test_sps_table_round_trip_matching_and_the_previous_format(tmp_path):
     meta = {"device_kind": "cpu:cpu", "model": "m", "num_slots": 2, "block_size": 3}
-    table = profile_buckets(run, [(1, 1), (1, 4)], [False, True], meta, iters=2, warm=1)
-    assert len(calls) == 2 * 2 * 3
-    assert table.sps(1, 4, True) > 0 and table.sps(2, 2, False) == 0.0
+    sps = {(1, 1, False): 100.0, (1, 1, True): 80.0, (1, 4, False): 50.0, (1, 4, True): 40.0}
+    table = CostTable.from_steps_per_s(sps, span=256, meta=meta)
+    assert table.sps(1, 4, True) == pytest.approx(40.0) and table.budgets(1) == [1, 4]
     path = tmp_path / "sps.json"
     table.save(path)
-    back = SPSTable.load(path)
-    assert back.entries == table.entries and back.meta == meta
+    back = CostTable.load(path)
+    assert back == table and back.meta == meta
     assert back.matches(meta) and not back.matches({**meta, "num_slots": 4})
-    assert back.covers([(1, 1), (1, 4)], [False, True]) and not back.covers([(2, 2)], [False])
-    assert back.budgets(1) == [1, 4]
+    assert back.covers_steps([(1, 1), (1, 4)], [False, True], [256]) and not back.covers_steps([(2, 2)], [False])
     path.write_text(json.dumps({"meta": {}}))
     with pytest.raises(DSparkInputError):
-        SPSTable.load(path)
+        CostTable.load(path)
     with pytest.raises(DSparkInputError):
-        SPSTable.load(tmp_path / "missing.json")
+        CostTable.load(tmp_path / "missing.json")
+    old = {"meta": meta, "entries": [{"rows": 1, "tokens": 1, "draft": False, "sps": 100.0}]}
+    path.write_text(json.dumps(old))
+    with pytest.raises(DSparkInputError, match="previous format.*re-profile") as err:
+        CostTable.load(path)
+    assert "\n" not in str(err.value)
+
+
+def test_batch1_accessors_are_functions_of_the_span():
+    short = CostTable.from_decode_costs(
+        span=256, t_step=1.0, t_verify={0: 1.0, 2: 1.5}, t_draft_greedy=0.2, t_draft_sampled=0.3, t_context=0.1
+    )
+    long = CostTable.from_decode_costs(
+        span=1024, t_step=2.0, t_verify={0: 2.0, 2: 3.0}, t_draft_greedy=0.4, t_draft_sampled=0.6, t_context=0.2
+    )
+    table = CostTable({"cache_len": 2048}, {**short.seconds, **long.seconds})
+    assert table.widths == (0, 2)
+    assert list(table.verify_array([0, 2], span=100)) == [1.0, 1.5]
+    assert list(table.verify_array([0, 2], span=257)) == [2.0, 3.0]
+    assert table.draft_seconds(False, span=2000) == 0.6 and table.step_seconds() == 1.0
+    assert table.bound_tokens_per_s(3.0, 2, greedy=True, span=1024) == pytest.approx(3.0 / 3.4)
+    assert table.decode_ms(1024)["t_verify_ms"] == {0: 2000.0, 2: 3000.0} and table.decode_ms(1024)["span"] == 1024
+    with pytest.raises(ValueError):
+        table.verify_array([1])
+    assert CostTable.from_json(table.to_json()) == table

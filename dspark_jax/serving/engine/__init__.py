@@ -8,8 +8,9 @@ host-side schedulers that only serving uses (docs/design.md#serving, docs/design
 * :mod:`.requests` -- the public request types; :mod:`.slots` the host's slot table;
   :mod:`.prefill` batched, chunked prefill; :mod:`.counters` the cumulative counters;
 * :mod:`.planner` -- per-step verification lengths from :mod:`.scheduler` (paper Section 7),
-  the measured steps-per-second table (:mod:`.sps`) and online calibration
-  (:mod:`.online_calibration`).
+  the measured steps per second of every bucket (the SPS table: a
+  :class:`~dspark_jax.decoding.cost_table.CostTable` profiled by ``EngineDevice.profile``) and
+  online calibration (:mod:`.online_calibration`).
 
 It imports nothing from :mod:`dspark_jax.serving.http` (the HTTP server sits on top of it).
 """

@@ -15,6 +15,7 @@ docs/design.md#serving and docs/design.md#device-mesh.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -23,12 +24,20 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dspark_jax.decoding import disk_cache
+from dspark_jax.decoding.cost_table import (
+    CostTable,
+    live_span,
+    measured_spans,
+    store_table,
+    stored_table,
+    table_key,
+    time_programs,
+)
 from dspark_jax.drafters.base import BlockDrafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import sharding as shd
+from dspark_jax.models.layers import ATTN_BLOCK
 from dspark_jax.serving.engine.requests import SamplingParams, no_bias
-from dspark_jax.serving.engine.sps import SPSTable, profile_buckets
 from dspark_jax.serving.engine.state import (
     DecodeState,
     PackedTokens,
@@ -331,12 +340,12 @@ class EngineDevice:
         }
 
     def store_key(self) -> dict:
-        """The on-disk key of this engine's SPS table (:mod:`~dspark_jax.decoding.disk_cache`):
+        """The on-disk key of this engine's SPS table (:func:`~dspark_jax.decoding.cost_table.table_key`):
         :meth:`meta` without the weights' fingerprint (costs do not depend on weight values),
         plus the model configs, verification mode, bias-table size and logprob width."""
         meta = {k: v for k, v in self.meta().items() if k != "fingerprint"}
         d = self.drafter
-        return disk_cache.cost_key(
+        return table_key(
             "sps_table",
             **meta,
             target_cfg=self.target.cfg,
@@ -346,35 +355,83 @@ class EngineDevice:
             n_top=self.n_top,
         )
 
-    def stored_table(self) -> SPSTable | None:
+    def stored_table(self) -> CostTable | None:
         """The SPS table stored on disk for this engine's shapes (carrying this engine's
         :meth:`meta`), or None (none stored, the cache off, or a refresh requested)."""
-        stored = disk_cache.load_costs(self.store_key())
-        if stored is None:
-            return None
-        try:
-            table = SPSTable.from_json(stored)
-        except DSparkInputError:  # a stored table of an older layout: profile again
-            return None
-        table.meta = self.meta()
-        return table
+        table = stored_table(self.store_key())
+        return None if table is None else dataclasses.replace(table, meta=self.meta())
 
-    def store_table(self, table: SPSTable) -> None:
+    def store_table(self, table: CostTable) -> None:
         """Stores ``table`` for later processes (a no-op when the cache is off)."""
-        disk_cache.save_costs(self.store_key(), table.to_json())
+        store_table(self.store_key(), table)
 
     def drafts_flags(self) -> list[bool]:
         """Whether steps can draft: ``[False]`` without a drafter, else ``[False, True]``."""
         return [False] if self.block_size == 0 else [False, True]
 
-    def profile(self, buckets, iters: int) -> SPSTable:
-        """Times ``iters`` steps of every bucket with and without drafting, every row inactive
-        (no request's state changes): the :class:`SPSTable` (steps per second)."""
-        b = self.num_slots
-        ell, active = np.zeros(b, np.int32), np.zeros(b, bool)
+    @property
+    def base_span(self) -> int:
+        """The attention span [tokens] of a step whose rows are all inactive: one KV block (every
+        packed position is padding, so the pass reads only the first block)."""
+        return live_span(0, self.cache_len)
 
-        def run(r, k, d):
-            out = self.run_step(r, k, ell, active, d)
-            jax.block_until_ready(out)
+    def _set_pos(self, pos: np.ndarray) -> None:
+        """Replaces the rows' anchor positions (same sharding: the compiled steps accept it)."""
+        self.state = self.state._replace(pos=jax.device_put(np.asarray(pos, np.int32), self.state.pos.sharding))
 
-        return profile_buckets(run, buckets, self.drafts_flags(), self.meta(), iters=iters)
+    def spans_now(self, spans, busy: int) -> tuple[int, ...]:
+        """The spans of ``spans`` that can be profiled with ``busy`` slots in use: all on an idle
+        engine, else only :attr:`base_span` (longer spans run row 0 live)."""
+        spans = measured_spans(spans, self.cache_len, self.base_span)
+        return spans if not busy else (self.base_span,)
+
+    def profile(self, buckets, iters: int, spans=None, busy: int = 0) -> CostTable:
+        """Times one step of every bucket with and without drafting at each attention span
+        (:func:`~dspark_jax.decoding.cost_table.time_programs`: one warm call each, then ``iters``
+        rotated rounds): the SPS table (seconds per step; ``sps()`` its steps per second).
+
+        At :attr:`base_span` (the default) every row is inactive, so no request's state changes.
+        A longer span ``s`` [tokens] (whole KV blocks, at most the cache length) runs row 0 live
+        with its anchor in the last block below ``s`` (at the base span every row is back at its
+        own position), reset before every timing, so that the pass reads the blocks up to ``s``;
+        row 0 must then hold no request (the caller profiles such spans on an idle engine only:
+        ``busy`` 0), and its position is restored afterwards.
+
+        Raises:
+          DSparkInputError: a span beyond :attr:`base_span` while ``busy`` (slots in use) > 0.
+        """
+        base = self.base_span
+        if busy and max(measured_spans(spans, self.cache_len, base)) > base:
+            raise DSparkInputError(
+                f"profiling at spans beyond {base} tokens needs an idle engine ({busy} slots in use)"
+            )
+        anchors: dict[int, int | None] = {}  # span -> row 0's anchor position (None: every row inactive)
+        for s in measured_spans(spans, self.cache_len, base):
+            # the anchor at the start of the block of s - 1, its drafts still inside the cache
+            p0 = max(0, min((s - 1) // ATTN_BLOCK * ATTN_BLOCK, self.cache_len - self.block_size - 2))
+            span = live_span(p0, self.cache_len) if s > base else base  # the span it really reads
+            anchors.setdefault(span, p0 if span > base else None)
+        ell, idle = np.zeros(self.num_slots, np.int32), np.zeros(self.num_slots, bool)
+        live = idle.copy()
+        live[0] = True
+        pos = np.asarray(self.state.pos).copy()
+
+        def run(r, k, d, active):
+            jax.block_until_ready(self.run_step(r, k, ell, active, d))
+
+        calls = {
+            (("engine_step", int(r), int(k), bool(d)), s): partial(run, r, k, d, idle if p0 is None else live)
+            for s, p0 in sorted(anchors.items())
+            for r, k in buckets
+            for d in self.drafts_flags()
+        }
+
+        def before(key):  # every row at its own position, row 0 at the span's anchor
+            p0 = anchors[key[1]]
+            self._set_pos(pos if p0 is None else np.concatenate([[p0], pos[1:]]))
+
+        live_spans = any(p0 is not None for p0 in anchors.values())
+        seconds = time_programs(calls, repeats=iters, warm=1, before=before if live_spans else None)
+        if live_spans:
+            self._set_pos(pos)
+        return CostTable(self.meta(), seconds)

@@ -65,6 +65,7 @@ from typing import cast
 import jax
 import numpy as np
 
+from dspark_jax.decoding.cost_table import CostTable, measured_spans
 from dspark_jax.drafters.base import prepare_drafter
 from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.errors import DSparkInputError
@@ -86,7 +87,6 @@ from dspark_jax.serving.engine.requests import (
     stop_ids,
 )
 from dspark_jax.serving.engine.slots import Round, SlotRecord, SlotTable, close_rounds
-from dspark_jax.serving.engine.sps import SPSTable
 from dspark_jax.serving.engine.state import PrefixArrays
 from dspark_jax.serving.engine.step_programs import ProgramCache
 
@@ -109,12 +109,17 @@ class Engine:
         for ``R`` rows the compiled budgets are ``R`` (plain step) and
         ``min(k, R * (block_size + 1))`` for every ``k > R`` here (``fixed:G`` uses exactly
         ``R * (G + 1)``).
-      sps_table: an :class:`SPSTable` (or a path to one); reused when it was measured for
-        this device, model, drafter and shape and covers every bucket, else re-profiled.
+      sps_table: the SPS table, a :class:`~dspark_jax.decoding.cost_table.CostTable` (or a path to
+        one, :meth:`~dspark_jax.decoding.cost_table.CostTable.load`); reused when it was measured
+        for this device, model, drafter and shape and covers every bucket at every profiled span,
+        else re-profiled.
       eos_token_ids: extra ids that end every request (the target's EOS ids always do).
       seed_calibration: start online calibration from the drafter's offline temperatures
         (:attr:`DSparkDrafter.calibration`) instead of ones.
       profile_iters: timed iterations per bucket when profiling SPS.
+      profile_spans: attention spans [tokens] SPS is profiled at (whole KV blocks; default one
+        block, a step of inactive rows; longer ones on an idle engine only); the planner looks
+        up the nearest profiled span at or above the rows' live length.
       calibration_window: observations per position kept by online calibration.
       calibration_lr: its learning rate (0 freezes the temperatures).
       row_buckets: compiled row counts (default powers of two and ``num_slots``; must end
@@ -177,6 +182,7 @@ class Engine:
         eos_token_ids=(),
         seed_calibration: bool = True,
         profile_iters: int = 3,
+        profile_spans=None,
         calibration_window: int = 2048,
         calibration_lr: float = 0.05,
         row_buckets=None,
@@ -231,8 +237,9 @@ class Engine:
         self._warm = False
         self.table_source: str | None = None  # where the SPS table came from (given, stored, profiled)
         self._given_table = (
-            SPSTable.load(os.fspath(sps_table)) if isinstance(sps_table, (str, os.PathLike)) else sps_table
+            CostTable.load(os.fspath(sps_table)) if isinstance(sps_table, (str, os.PathLike)) else sps_table
         )
+        self.profile_spans = measured_spans(profile_spans, self.cache_len, self.device.base_span)
         self._metrics = EngineMetrics(self.block_size)
         self.planner = Planner(
             self.block_size, drafter is not None, self.ladder, self.row_buckets, self.calibrator, suspend_after, policy
@@ -280,12 +287,12 @@ class Engine:
         return self.planner.arg
 
     @property
-    def sps_table(self) -> SPSTable | None:
+    def sps_table(self) -> CostTable | None:
         """The SPS table the dspark/greedy policies schedule with (None before warm-up)."""
         return self.planner.sps_table
 
     @sps_table.setter
-    def sps_table(self, table: SPSTable | None) -> None:
+    def sps_table(self, table: CostTable | None) -> None:
         self.planner.set_table(table)
 
     def set_policy(self, policy: str) -> None:
@@ -338,24 +345,31 @@ class Engine:
         """Installs the SPS table of the throughput-aware policies (``greedy``, ``dspark``; a
         no-op for the others): the one in use or given, else the one stored on disk for this
         engine's shapes, else profiled now (:meth:`profile_sps`); :attr:`table_source` says which.
-        :meth:`warmup` calls it after compiling."""
+        Each must cover every bucket at every span profiled now. :meth:`warmup` calls it."""
         if self.policy_name in ("greedy", "dspark"):
             need, meta = self.step_shapes(), self.device.meta()
-            if self.planner.adopt_table(meta, need, self._given_table):
+            spans = self.device.spans_now(self.profile_spans, len(self.slots))
+            if self.planner.adopt_table(meta, need, self._given_table, spans):
                 self.table_source = self.table_source or "given"
-            elif self.planner.adopt_table(meta, need, self.device.stored_table()):
+            elif self.planner.adopt_table(meta, need, self.device.stored_table(), spans):
                 self.table_source = "stored"
             else:
-                self.profile_sps()
+                self.profile_sps(spans=spans)
 
-    def profile_sps(self, iters: int | None = None) -> SPSTable:
-        """Times one step of every bucket of the current policy, with and without drafting, and
-        stores the table for later processes (:mod:`~dspark_jax.decoding.disk_cache`).
+    def profile_sps(self, iters: int | None = None, spans=None) -> CostTable:
+        """Times one step of every bucket of the current policy, with and without drafting, at
+        each of ``spans`` (default :attr:`profile_spans`;
+        :meth:`~dspark_jax.serving.engine.device.EngineDevice.profile`), and stores the table for
+        later processes (:mod:`~dspark_jax.decoding.disk_cache`). Returns (and installs) the SPS
+        table, a :class:`~dspark_jax.decoding.cost_table.CostTable`. At the default span (one KV
+        block) every row is inactive, so no request's state changes: safe at any time.
 
-        Safe at any time: profiling steps run with every row inactive, so no request's state
-        changes. Returns (and installs) the :class:`SPSTable`.
+        Raises:
+          DSparkInputError: a span beyond one KV block while requests hold slots.
         """
-        table = self.device.profile(self.step_shapes(), self.profile_iters if iters is None else iters)
+        iters = self.profile_iters if iters is None else iters
+        spans = self.profile_spans if spans is None else spans
+        table = self.device.profile(self.step_shapes(), iters, spans, busy=len(self.slots))
         self.sps_table, self.table_source = table, "profiled"
         self.device.store_table(table)
         return table

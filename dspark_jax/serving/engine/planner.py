@@ -6,7 +6,9 @@ Policies (:func:`parse_policy`; docs/design.md#scheduler, paper Section 7): ``pl
 drafts), ``fixed:G``, ``threshold:C``, ``greedy`` (the clean greedy Theta scheduler) and
 ``dspark`` (the deployed scheduler), all from :mod:`dspark_jax.serving.engine.scheduler`. The plan
 is a function of host state only (confidences, lengths, the SPS table), never of draft token
-values, which stay on the device: every policy is non-anticipating by construction.
+values, which stay on the device: every policy is non-anticipating by construction. The SPS
+table (a :class:`~dspark_jax.decoding.cost_table.CostTable`) is a function of the attention
+span; every lookup is at the span the step reads (:meth:`Planner.live_span`).
 
 Drafter suspension
 ------------------
@@ -45,11 +47,11 @@ from typing import cast
 
 import numpy as np
 
+from dspark_jax.decoding.cost_table import CostTable
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.serving.engine import scheduler as sch
 from dspark_jax.serving.engine.online_calibration import OnlineCalibrator
 from dspark_jax.serving.engine.slots import SlotRecord
-from dspark_jax.serving.engine.sps import SPSTable
 from dspark_jax.serving.engine.state import PackedTokens
 
 __all__ = ["MAX_PROBE_INTERVAL", "PROBE_BUDGET", "Planner", "catchup_batches", "parse_policy"]
@@ -161,7 +163,7 @@ class Planner:
         self.block_size, self.has_drafter = block_size, has_drafter
         self.ladder, self.row_buckets = list(ladder), list(row_buckets)
         self.calibrator, self.suspend_after = calibrator, suspend_after
-        self.sps_table: SPSTable | None = None
+        self.sps_table: CostTable | None = None
         self.idle_steps = 0  # consecutive steps the policy chose not to draft (probes included)
         self._was_suspended = False
         self.decision: dict | None = None  # the dspark/greedy policy's last drafting decision
@@ -184,17 +186,18 @@ class Planner:
         # throughput-aware policies stop drafting when it does not pay).
         self.drafting = self.name != "plain"
 
-    def set_table(self, table: SPSTable | None) -> None:
+    def set_table(self, table: CostTable | None) -> None:
         """Installs an SPS table (and forgets what was derived from the previous one)."""
         self.sps_table = table
         self._sps_cache = {}
 
-    def adopt_table(self, meta: dict, buckets, given: SPSTable | None) -> bool:
+    def adopt_table(self, meta: dict, buckets, given: CostTable | None, spans=()) -> bool:
         """Installs the current or the ``given`` SPS table if one was measured on ``meta`` and
-        covers ``buckets`` (with and without drafting); False when a new one must be profiled."""
+        covers ``buckets`` (with and without drafting) at each of ``spans``; False when a new one
+        must be profiled."""
         flags = [False] if self.block_size == 0 else [False, True]
         for t in (self.sps_table, given):
-            if t is not None and t.matches(meta) and t.covers(buckets, flags):
+            if t is not None and t.matches(meta) and t.covers_steps(buckets, flags, spans):
                 self.set_table(t)
                 return True
         return False
@@ -213,24 +216,30 @@ class Planner:
         """The smallest row bucket holding ``n`` rows."""
         return next(r for r in self.row_buckets if r >= n)
 
-    def _table(self) -> SPSTable:
+    def _table(self) -> CostTable:
         if self.sps_table is None:
             raise RuntimeError("the dspark/greedy policies need an SPS table: call Engine.warmup() first")
         return self.sps_table
 
-    def sps_of_total(self, rows: int, n: int, draft: bool) -> np.ndarray:
-        """``[K_max + 1]`` SPS of the bucket a pass of ``t`` packed tokens runs in."""
-        key = (rows, n, draft)
+    def live_span(self, records: Sequence[SlotRecord]) -> int:
+        """The attention span [tokens] a step over ``records`` reads at most: the longest row's
+        confirmed tokens and a block of drafts (the SPS table's lookups take the nearest
+        profiled span at or above it)."""
+        return max((rec.length for rec in records), default=0) + self.block_size
+
+    def sps_of_total(self, rows: int, n: int, draft: bool, span: int = 0) -> np.ndarray:
+        """``[K_max + 1]`` SPS of the bucket a pass of ``t`` packed tokens runs in, at ``span``."""
+        table = self._table()
+        key = (rows, n, draft, table.span_for(("engine_step", rows, rows, draft), span))
         arr = self._sps_cache.get(key)
         if arr is None:
-            table = self._table()
             budgets = self.budgets(rows)
             arr = np.zeros(budgets[-1] + 1)
-            arr[n] = table.sps(rows, rows, draft)
+            arr[n] = table.sps(rows, rows, draft, span)
             spec = budgets[1:]
             for t in range(n + 1, len(arr)):
                 k = next((b for b in spec if b >= t), None)
-                arr[t] = 0.0 if k is None else table.sps(rows, k, draft)
+                arr[t] = 0.0 if k is None else table.sps(rows, k, draft, span)
             self._sps_cache[key] = arr
         return arr
 
@@ -262,16 +271,17 @@ class Planner:
         self._probe = 1 + self._probe if self._probe == 1 else 0
         self._log_drafting_change()
 
-    def _probe_due(self, rows: int) -> bool:
+    def _probe_due(self, rows: int, span: int) -> bool:
         """Whether a non-drafting step should draft as a probe: ``probe_interval`` steps since
-        the last one, and the drafting round's extra seconds (SPS table) within
+        the last one, and the drafting round's extra seconds (SPS table at ``span``) within
         :data:`PROBE_BUDGET` of the plain time spent since then."""
         if self._since_probe < self.probe_interval:
             return False
         table, budgets = self._table(), self.budgets(rows)
-        plain = 1.0 / max(table.sps(rows, rows, False), 1e-9)
+        secs = lambda k, d: 1.0 / max(table.sps(rows, k, d, span), 1e-9)  # seconds of a step
+        plain = secs(rows, False)
         verify = min((b for b in budgets if b >= 2 * rows), default=budgets[-1])  # >= 1 draft per row
-        extra = 1.0 / max(table.sps(rows, rows, True), 1e-9) + 1.0 / max(table.sps(rows, verify, False), 1e-9)
+        extra = secs(rows, True) + secs(verify, False)
         return extra - 2 * plain <= PROBE_BUDGET * self._since_probe * plain
 
     def _log_drafting_change(self) -> None:
@@ -302,19 +312,19 @@ class Planner:
             return 0.0
         gap = max((rec.length - 1 - rec.stale_from for rec in records if rec.stale_from is not None), default=0)
         w = self.block_size + 1
-        return -(-gap // w) / max(self._table().sps(rows, rows * w, False), 1e-9)
+        return -(-gap // w) / max(self._table().sps(rows, rows * w, False, self.live_span(records)), 1e-9)
 
     def want_drafts(self, records: Sequence[SlotRecord], rows: int, surv_fc: np.ndarray, cap_fc: np.ndarray) -> bool:
         """Draft the next block? Compares the best forecast Theta of a drafting step with the
         Theta of a plain step (forecast survival: latest known confidences or the prior); when
         resuming, drafting must also win back the catch-up within a horizon of
         ``suspend_after`` steps' worth of tokens. Records the decision (:attr:`decision`)."""
-        n = len(records)
-        sps_d = self.sps_of_total(rows, n, True)
+        n, span = len(records), self.live_span(records)
+        sps_d = self.sps_of_total(rows, n, True, span)
         k = sch.best_budget(surv_fc, cap_fc, sps_d, self.budgets(rows))
         _, _, probs = sch.candidate_order(surv_fc, cap_fc)
         theta_d = (n + float(np.sum(probs[: k - n]))) * sps_d[k]
-        theta_p = n * self._table().sps(rows, rows, False)
+        theta_p = n * self._table().sps(rows, rows, False, span)
         catchup_s = self._catchup_seconds(records, rows)
         horizon = n * max(self.suspend_after or 16, 1)  # tokens the decision is made for
         draft = theta_d > theta_p and catchup_s + horizon / theta_d < horizon / theta_p
@@ -338,12 +348,12 @@ class Planner:
             return prior if zz is None else sch.survival(self.calibrator.confidence(zz))
 
         fc = np.stack([surv_of(rec.last_z) for rec in records])
-        draft_next = self.want_drafts(records, rows, fc, room)
-        if not draft_next and self._probe == 0 and self._probe_due(rows):
+        draft_next, span = self.want_drafts(records, rows, fc, room), self.live_span(records)
+        if not draft_next and self._probe == 0 and self._probe_due(rows, span):
             draft_next, self._probe, self._since_probe = True, 1, 0
             self.probes += 1
             self.decision = dict(self.decision or {}, probe=True, probes=self.probes)
-        sps = self.sps_of_total(rows, len(records), draft_next)
+        sps = self.sps_of_total(rows, len(records), draft_next, span)
         if self.name == "greedy":
             ell = sch.greedy_lengths(surv, cap, sps)
         else:

@@ -101,8 +101,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sps-table",
         default=None,
-        help="JSON SPS table (verify steps/s per bucket): loaded if it exists and matches the device "
-        "and model, else profiled at start-up and written there",
+        help="JSON SPS table (seconds of a step per bucket and attention span): loaded if it exists and "
+        "matches the device and model, else profiled at start-up and written there (a file of the "
+        "previous format is refused: delete it to re-profile)",
+    )
+    p.add_argument(
+        "--profile-spans",
+        default=None,
+        help="comma-separated attention spans [tokens] to profile the SPS table at (whole KV blocks; "
+        "default one block: the profiling cost of one span per bucket); the scheduler uses the nearest "
+        "profiled span at or above the requests' live length",
     )
     p.add_argument(
         "--suspend-after",
@@ -193,12 +201,13 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def parse_buckets(spec: str | None) -> tuple[int, ...] | None:
+def parse_buckets(spec: str | None, flag: str = "--buckets") -> tuple[int, ...] | None:
     """The engine's token-budget buckets from ``--buckets`` (comma-separated integers, the
-    serving CLI's and the serving benchmarks' spelling): sorted, deduplicated; None when empty.
+    serving CLI's and the serving benchmarks' spelling; also ``--profile-spans``, named by
+    ``flag`` in errors): sorted, deduplicated; None when empty.
 
     Raises:
-      DSparkInputError: not integers, or a budget below 1.
+      DSparkInputError: not integers, or a value below 1.
     """
     from dspark_jax.errors import DSparkInputError
 
@@ -207,9 +216,9 @@ def parse_buckets(spec: str | None) -> tuple[int, ...] | None:
     try:
         out = tuple(sorted({int(x) for x in spec.split(",") if x.strip()}))
     except ValueError:
-        raise DSparkInputError(f"--buckets {spec!r}: expected comma-separated integers") from None
+        raise DSparkInputError(f"{flag} {spec!r}: expected comma-separated integers") from None
     if not out or out[0] < 1:
-        raise DSparkInputError(f"--buckets {spec!r}: budgets must be positive")
+        raise DSparkInputError(f"{flag} {spec!r}: values must be positive")
     return out
 
 
@@ -231,9 +240,9 @@ def build_engine(
     Args:
       policy: ``plain | fixed:G | threshold:C | greedy | dspark``; ``None`` = ``dspark``
         with a drafter, ``plain`` without.
-      sps_table: an ``SPSTable``, or a JSON path: loaded when it exists (the engine reuses it
-        only if it was measured for this device, model and shape), and after warm-up the
-        table in use (loaded or freshly profiled) is written there.
+      sps_table: the SPS table (a ``CostTable``), or a JSON path: loaded when it exists (the
+        engine reuses it only if it was measured for this device, model and shape), and after
+        warm-up the table in use (loaded or freshly profiled) is written there.
       eos_token_ids: default: the target's EOS ids.
     Raises:
       DSparkInputError: bad slot count / cache length, or a speculative policy without a drafter.
@@ -443,6 +452,7 @@ def run(args: argparse.Namespace) -> None:
         verification=args.verification,
         mesh=mesh,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
+        profile_spans=parse_buckets(args.profile_spans, "--profile-spans"),
     )
     say(
         f"compiling the engine (policy {policy}, verification {args.verification}, {args.num_slots} slots, "
