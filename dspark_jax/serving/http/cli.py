@@ -398,14 +398,13 @@ def _read_chat_template(path: str | None) -> str | None:
     return Path(path).read_text(encoding="utf-8")
 
 
-def run(args: argparse.Namespace) -> None:
-    import jax.numpy as jnp
-    import uvicorn
+def _check_server_arguments(args: argparse.Namespace) -> str | None:
+    """One-line refusals of bad server settings before anything loads; returns the API key
+    (``--api-key``, else ``DSPARK_API_KEY``, else None).
 
-    jax_cache = disk_cache.apply_cache_arguments(args)
-
-    from dspark_jax.api import load_target_and_drafter
-    from dspark_jax.drafters.checkpoint import read_export_meta
+    Raises:
+      DSparkInputError: a bad setting, named.
+    """
     from dspark_jax.errors import DSparkInputError
 
     if args.max_queue < 0:
@@ -419,6 +418,19 @@ def run(args: argparse.Namespace) -> None:
         raise DSparkInputError("--port must be in 1..65535")
     if args.policy and args.policy.strip().lower() != "plain" and not args.drafter:
         raise DSparkInputError(f"policy {args.policy!r} needs a drafter (--drafter EXPORT_DIR); use --policy plain")
+    return api_key
+
+
+def run(args: argparse.Namespace) -> None:
+    import jax.numpy as jnp
+    import uvicorn
+
+    jax_cache = disk_cache.apply_cache_arguments(args)
+
+    from dspark_jax.api import load_target_and_drafter
+    from dspark_jax.drafters.checkpoint import read_export_meta
+
+    api_key = _check_server_arguments(args)
     if args.drafter:
         read_export_meta(args.drafter)  # fail fast, before loading the target
     chat_template = _read_chat_template(args.chat_template)
