@@ -136,20 +136,32 @@ def _flop_split(arm: dict[str, Any], batch: dict[str, np.ndarray], lse: bool) ->
     }
 
 
-def _part_cases(arm: dict[str, Any], batch: dict[str, np.ndarray]) -> dict[str, Any]:
-    """Timed cases (``--profile``) of the parts of :func:`_parts`, run and compiled once here."""
+def _part_cases(arm: dict[str, Any], batch: dict[str, np.ndarray], data: dict[str, Any]) -> dict[str, Any]:
+    """Timed cases (``--profile``) of the parts of :func:`_parts` (run and compiled once here) and of
+    reading one batch of ``data`` (the memory-mapped cache) on the host."""
     import jax
     from flax import nnx
 
+    from dspark_jax.training.data import batches
+
     parts, tr, state = _parts(arm), arm["trainer"], nnx.state(arm["target"])
     hidden, lse = _gathered(arm, batch)
-    cases = {
-        "part: target side, all V ids": lambda: jax.block_until_ready(parts["side"](state, hidden, None)),
-        "part: target side, draft vocabulary + logsumexp": lambda: jax.block_until_ready(
-            parts["side"](state, hidden, lse)
-        ),
-        "part: optimizer update": lambda: jax.block_until_ready(parts["opt"](tr.params, tr.opt_state)),
+    calls = {
+        "part: target side, all V ids": lambda: parts["side"](state, hidden, None),
+        "part: target side, draft vocabulary + logsumexp": lambda: parts["side"](state, hidden, lse),
+        "part: optimizer update": lambda: parts["opt"](tr.params, tr.opt_state),
     }
+
+    def ready(f) -> None:  # None: alternate() times the whole call
+        jax.block_until_ready(f())
+
+    cases: dict[str, Any] = {k: functools.partial(ready, f) for k, f in calls.items()}
+    rows = batches(data, tr.cfg.batch_size, seed=2)
+
+    def read() -> None:
+        next(rows)
+
+    cases["part: a batch read from the cache (host)"] = read
     for fn in cases.values():
         fn()
     return cases
@@ -250,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     # Counted before any step: a step donates its parameters, which the FLOP trainer shares.
     flops = {a["name"]: _flop_split(a, sample, a["lse"]) for a in arms if a["flop_trainer"] is not None}
     cases: dict[str, Any] = {a["name"]: functools.partial(run, a) for a in arms}
-    parts = _part_cases(arms[-1], sample) if args.profile else {}
+    parts = _part_cases(arms[-1], sample, data) if args.profile else {}
     med = alternate({**cases, **parts}, reps=args.steps, warmup=2)
     rows = [_row(arm, arms, med, flops.get(arm["name"], {})) for arm in arms]
     keys = dict.fromkeys(k for r in rows for k in r)  # every column, the old checkout's without a FLOP split

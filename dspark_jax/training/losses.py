@@ -131,6 +131,8 @@ def target_draft_probs(
         or None. With it and a draft vocabulary only the N ids' logits are computed (exact
         ``exp(logit - lse)``, their sum capped at 1 against rounding); otherwise the logits over V
         and their softmax, the reference path.
+    Raises:
+      ValueError: a drafter with ``draft_vocab_size > 0`` but no draft vocabulary installed.
     """
     ids = None if drafter is None else drafter.draft_vocab_ids()
     if t_logits is None and ids is not None and lse is not None:
@@ -138,12 +140,12 @@ def target_draft_probs(
         h = rms_norm(hidden.astype(target.dtype), target.final_norm[...], target.cfg.rms_eps)
         rows = target.lm_head_rows(ids)  # [N, H]
         logits = jnp.einsum("...h,nh->...n", h, rows, preferred_element_type=jnp.float32)
-        # The cached logsumexp comes from another program's matrix product: where nearly all the mass
-        # lies on the draft vocabulary, rounding can put its sum a few 1e-6 over 1 (TV over 1, the
-        # confidence label below 0). Its mass is at most 1, as with the softmax: normalise by
-        # max(total, inside) mass.
-        lse = jnp.maximum(lse.astype(jnp.float32), jax.nn.logsumexp(logits, axis=-1))
-        return jax.lax.stop_gradient(jnp.exp(logits - lse[..., None]))
+        p = jnp.exp(logits - lse.astype(jnp.float32)[..., None])
+        # The cached logsumexp comes from another program's matrix product (and exp is rounded):
+        # where nearly all the mass lies on the draft vocabulary its sum can come out a few 1e-6
+        # over 1, TV over 1 and the confidence label below 0. The mass is at most 1, as with the
+        # softmax's own normalisation: divide by the sum where it exceeds 1.
+        return jax.lax.stop_gradient(p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1.0))
     if t_logits is None:
         assert hidden is not None
         t_logits = target.unembed(hidden.astype(target.dtype))

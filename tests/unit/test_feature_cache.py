@@ -160,9 +160,9 @@ def test_draft_vocab_loss_from_cached_lse_equals_full_vocab(built):
 
     assert (h, v) in head_shapes(full) and (h, v) not in head_shapes(new)  # the [H, V] head: reference only
     # Rounding between the cache's program and the step's never puts the draft vocabulary's mass over 1
-    # (a confidence label below 0): a logsumexp far too small gives the softmax over the draft vocabulary.
-    p = target_draft_probs(drafter, target, None, new[1], jnp.full_like(new[2], -1e4))
-    np.testing.assert_allclose(np.asarray(jnp.sum(p, -1)), 1.0, rtol=1e-5)
+    # (a confidence label below 0): with a logsumexp too small it is the softmax over the draft vocabulary.
+    mass = np.asarray(jnp.sum(target_draft_probs(drafter, target, None, new[1], new[2] - 20.0), -1))
+    assert mass.max() <= 1 + 1e-6 and np.mean(mass > 1 - 1e-6) > 0.5
 
 
 def test_bfloat16_cache_halves_storage_and_stays_close(built, tmp_path):
