@@ -14,7 +14,12 @@ the cache plus the target's last layer (``num_layers - 1``). The last layer's
 output is the final hidden state before the final norm, so ``target.unembed``
 of it gives exactly the target's logits; the trainer computes ``p_target`` only
 at the ``B * A * block_size`` gathered positions from it instead of storing
-``[N, L, V]`` logits.
+``[N, L, V]`` logits. Beside it, ``lse.npy`` holds per position the float32
+logsumexp of those logits over the full vocabulary (``[N, L]``, computed in
+chunks of positions while the cache is built, from the stored last hidden state
+as the trainer reads it back): with it the loss of a drafter with a draft
+vocabulary needs the logits of the draft vocabulary's ids only (exact target
+probabilities there, exact mass outside; :mod:`dspark_jax.training.losses`).
 
 Storage dtype (``store_dtype``): ``float32`` (default; a float32 target's cached
 training is then numerically the uncached one) or ``bfloat16`` (half the disk
@@ -22,7 +27,8 @@ and page-cache, stored as the ``uint16`` bit pattern, exact for a bfloat16
 target). A ``manifest.json`` records the target (fingerprint, name, compute
 dtype), the layers, the storage dtype, the data shape and a sha256 of the
 tokens; :func:`ensure_feature_cache` refuses a cache of another target, data or
-dtype and rebuilds one whose layers do not cover the request. A cache is built
+dtype and rebuilds one whose layers do not cover the request, or one of an older
+format (format 1 had no logsumexp) of the same target, data and dtype. A cache is built
 in a temporary sibling directory and renamed into place, so a killed build
 leaves no partial cache.
 """
@@ -33,6 +39,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,12 +54,17 @@ from flax import nnx
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.target import Target
 
-FORMAT_VERSION = 1
+# 2: + lse.npy (the target's full-vocabulary logsumexp per position).
+FORMAT_VERSION = 2
 STORE_DTYPES = ("float32", "bfloat16")
 MANIFEST = "manifest.json"
-# Batch keys the trainer recognises (see ``dspark_jax.training.trainer.loss_sums``).
+LSE_FILE = "lse.npy"
+# Batch keys the trainer recognises (see ``dspark_jax.training.losses.loss_sums``).
 FEATURES_KEY = "tap_features"
 LAST_HIDDEN_KEY = "last_hidden"
+LSE_KEY = "target_lse"
+# Largest float32 logits block [positions, V] the build materialises at once [bytes].
+_LSE_CHUNK_BYTES = 64 << 20
 
 
 def _layer_file(layer: int) -> str:
@@ -112,11 +124,13 @@ class FeatureCache:
       directory: the cache folder.
       manifest: the parsed ``manifest.json``.
       layers: ``{layer index: [N, L, H] memmap}`` (``float32``, or ``uint16`` bits of bfloat16).
+      lse: ``[N, L]`` float32 memmap, the target's logsumexp over all V ids per position.
     """
 
     directory: Path
     manifest: dict[str, Any]
     layers: Mapping[int, np.ndarray]
+    lse: np.ndarray
 
     @property
     def store_dtype(self) -> str:
@@ -126,12 +140,12 @@ class FeatureCache:
     def last_layer(self) -> int:
         return int(self.manifest["num_layers"]) - 1
 
-    def batch_arrays(self, taps: Sequence[int]) -> dict[str, TapFeatures]:
+    def batch_arrays(self, taps: Sequence[int]) -> dict[str, TapFeatures | np.ndarray]:
         """Per-sequence arrays to merge into the training data dict (same row order as ``tokens``).
 
         Returns:
-          ``{"tap_features": [N, L, len(taps) * H], "last_hidden": [N, L, H]}`` lazy views;
-          ``data.batches`` indexes them with the same sequence indices as the tokens.
+          ``{"tap_features": [N, L, len(taps) * H], "last_hidden": [N, L, H], "target_lse": [N, L]}``
+          lazy views; ``data.batches`` indexes them with the same sequence indices as the tokens.
         Raises:
           DSparkInputError: a tap layer is not in the cache.
         """
@@ -145,6 +159,7 @@ class FeatureCache:
         return {
             FEATURES_KEY: TapFeatures([self.layers[int(t)] for t in taps], sd),
             LAST_HIDDEN_KEY: TapFeatures([self.layers[self.last_layer]], sd),
+            LSE_KEY: self.lse,
         }
 
 
@@ -218,21 +233,27 @@ def open_feature_cache(
     if problems:
         raise DSparkInputError(f"feature cache {directory} does not match this run: " + "; ".join(problems))
     n, length, h = want["num_sequences"], want["seq_len"], want["hidden_size"]
-    layers = {}
-    for t in have["layers"]:
-        try:
-            m = np.load(directory / _layer_file(t), mmap_mode="r")
-        except (OSError, ValueError) as e:
-            raise DSparkInputError(
-                f"feature cache {directory}: cannot read layer {t} ({e}); delete the folder to rebuild it"
-            ) from None
-        if m.shape != (n, length, h):
-            raise DSparkInputError(
-                f"feature cache {directory}: layer {t} has shape {m.shape}, expected "
-                f"{(n, length, h)}; delete the folder to rebuild it"
-            )
-        layers[int(t)] = m
-    return FeatureCache(directory, have, layers)
+    layers = {int(t): _open_array(directory, _layer_file(t), (n, length, h)) for t in have["layers"]}
+    return FeatureCache(directory, have, layers, _open_array(directory, LSE_FILE, (n, length)))
+
+
+def _open_array(directory: Path, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Read-only memory map of the cache file ``name``, checked to have ``shape``.
+
+    Raises:
+      DSparkInputError: the file is missing, unreadable or of another shape.
+    """
+    try:
+        m = np.load(directory / name, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise DSparkInputError(
+            f"feature cache {directory}: cannot read {name} ({e}); delete the folder to rebuild it"
+        ) from None
+    if m.shape != shape:
+        raise DSparkInputError(
+            f"feature cache {directory}: {name} has shape {m.shape}, expected {shape}; delete the folder to rebuild it"
+        )
+    return m
 
 
 def _check_build_args(target: Target, layers: Sequence[int], store_dtype: str, batch_size: int) -> None:
@@ -247,9 +268,24 @@ def _check_build_args(target: Target, layers: Sequence[int], store_dtype: str, b
         raise DSparkInputError(f"tap layers {bad} out of range for the {c.num_layers}-layer target {c.name}")
 
 
+def full_vocab_lse(target: Target, hidden: jax.Array) -> jax.Array:
+    """``[..., H]`` last hidden states (before the final norm) -> ``[...]`` float32 logsumexp of
+    ``target.unembed`` over all V ids, in chunks of positions (``lax.map``) so that at most
+    ``_LSE_CHUNK_BYTES`` of logits exist at once whatever the number of positions."""
+    h, v = target.cfg.hidden_size, target.cfg.vocab_size
+    flat = hidden.reshape(-1, h)
+    m = flat.shape[0]
+    c = max(1, min(m, _LSE_CHUNK_BYTES // (4 * v)))
+    flat = jnp.pad(flat, ((0, -m % c), (0, 0)))
+    lse = jax.lax.map(lambda x: jax.nn.logsumexp(target.unembed(x), axis=-1), flat.reshape(-1, c, h))
+    return lse.reshape(-1)[:m].reshape(hidden.shape[:-1])
+
+
 def _features_program(target: Target, stored: tuple[int, ...], batch_size: int, length: int, store_dtype: str):
-    """Jitted ``(state, tokens [batch_size, L] int32) -> [len(stored), batch_size, L, H]`` outputs of the
-    ``stored`` layers in the storage dtype, and the target's state to call it with."""
+    """Jitted ``(state, tokens [batch_size, L] int32) -> ([len(stored), batch_size, L, H], [batch_size, L])``:
+    the outputs of the ``stored`` layers in the storage dtype and the float32 full-vocabulary
+    logsumexp from the last one as stored (what the trainer reads back), and the target's state to
+    call it with."""
     graph, state = nnx.split(target)
     h = target.cfg.hidden_size
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch_size, length))
@@ -257,10 +293,12 @@ def _features_program(target: Target, stored: tuple[int, ...], batch_size: int, 
 
     @jax.jit
     def forward(state, toks):
-        out = nnx.merge(graph, state)(toks, positions, taps=stored)
+        model = nnx.merge(graph, state)
+        out = model(toks, positions, taps=stored)
         assert out.features is not None  # stored always holds the last layer
         f = out.features.reshape(toks.shape[0], length, len(stored), h).astype(jdt)
-        return jnp.moveaxis(f, 2, 0)  # [n_layers, B, L, H]
+        # stored is sorted and ends with the last layer; the logits out.logits are never built.
+        return jnp.moveaxis(f, 2, 0), full_vocab_lse(model, f[:, :, -1].astype(model.dtype))
 
     return forward, state
 
@@ -275,8 +313,8 @@ def _write_layers(
     progress: bool,
 ) -> None:
     """Runs the target over ``tokens [N, L]`` in batches and writes each stored layer's ``[N, L, H]``
-    output into ``tmp/layer_XXX.npy`` (``uint16`` bits for bfloat16). The last batch is padded with
-    zero rows that are not stored."""
+    output into ``tmp/layer_XXX.npy`` (``uint16`` bits for bfloat16) and the logsumexp ``[N, L]`` into
+    ``tmp/lse.npy``. The last batch is padded with zero rows that are not stored."""
     n, length = tokens.shape
     np_store = np.uint16 if store_dtype == "bfloat16" else np.float32
     outs = {
@@ -285,6 +323,7 @@ def _write_layers(
         )
         for t in stored
     }
+    lse_out = np.lib.format.open_memmap(tmp / LSE_FILE, mode="w+", dtype=np.float32, shape=(n, length))
     forward, state = _features_program(target, stored, batch_size, length, store_dtype)
     bar = None
     if progress:
@@ -296,14 +335,16 @@ def _write_layers(
         k = rows.shape[0]
         if k < batch_size:
             rows = np.concatenate([rows, np.zeros((batch_size - k, length), np.int32)])
-        feats = np.asarray(forward(state, rows))[:, :k]
+        feats, lse = forward(state, rows)
+        feats = np.asarray(feats)[:, :k]
+        lse_out[start : start + k] = np.asarray(lse)[:k]
         for i, t in enumerate(stored):
             outs[t][start : start + k] = feats[i].view(np.uint16) if store_dtype == "bfloat16" else feats[i]
         if bar is not None:
             bar.update(k)
     if bar is not None:
         bar.close()
-    for m in outs.values():
+    for m in (*outs.values(), lse_out):
         m.flush()
 
 
@@ -370,8 +411,9 @@ def ensure_feature_cache(
     """Opens the cache at ``directory``, building it when missing or when it lacks some of ``taps``.
 
     A cache whose layers do not cover ``taps`` (e.g. another drafter joins a comparison)
-    is rebuilt with the union of its layers and ``taps``. A cache of another target,
-    other tokens or another storage dtype is never silently replaced.
+    is rebuilt with the union of its layers and ``taps``, and so is one of an older format
+    (:data:`FORMAT_VERSION`; a note on stderr). A cache of another target, other tokens, another
+    storage dtype or a newer format is never silently replaced.
 
     Raises:
       DSparkInputError: ``directory`` holds a cache of another target / data / dtype,
@@ -392,7 +434,8 @@ def ensure_feature_cache(
     except DSparkInputError:
         have = json.loads((directory / MANIFEST).read_text())
         want = expected_manifest(target, data["tokens"], taps, store_dtype)
-        problems = _mismatch(have, want)
+        old = isinstance(have.get("format"), int) and have["format"] < FORMAT_VERSION
+        problems = [p for p in _mismatch(have, want) if not (old and p.startswith("format:"))]
         if problems:
             raise DSparkInputError(
                 f"feature cache {directory} was built for another run ("
@@ -400,6 +443,12 @@ def ensure_feature_cache(
                 + "); delete it or set another feature_cache folder"
             ) from None
         union = sorted(set(have.get("layers", [])) | set(taps))
+        if old:  # derived data of this very target and data: safe to recompute
+            print(
+                f"feature cache {directory} has format {have['format']}, this code reads format {FORMAT_VERSION} "
+                "(+ the target's logsumexp per position): rebuilding it",
+                file=sys.stderr,
+            )
         return build_feature_cache(
             directory, target, data, union, store_dtype=store_dtype, batch_size=batch_size, progress=progress
         )

@@ -14,6 +14,13 @@ weighted by ``w_k = exp(-(k-1)/pos_decay)`` (:func:`position_weights`) and combi
 ``ce_weight * CE + l1_weight * TV + conf_weight * BCE``. :func:`loss_sums` returns weighted
 *sums* (never means) so that micro-batches and devices add up exactly to the global batch;
 :func:`finalize_loss` divides them by the global weight.
+
+The target side is ``p_target`` on the drafter's vocabulary only (:func:`target_draft_probs`): a
+drafter with a draft vocabulary of N ids needs the target's probabilities of those N ids (its mass
+outside them is ``1 - sum``). From a feature cache that also holds the target's full-vocabulary
+logsumexp per position (:mod:`dspark_jax.training.feature_cache`), those are
+``exp(logit_i - logsumexp)`` with the logits of the N ids alone: ``N x H`` multiply-adds per
+position instead of ``V x H`` (SmolLM2: 8,192 of 49,152 ids), with the same numbers.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from dspark_jax.drafters.base import BlockDrafter, Drafter
+from dspark_jax.models.layers import rms_norm
 from dspark_jax.models.target import Target
 
 # The drafters the loss trains: every kind (block drafters, dspark / dflash, with their
@@ -78,10 +86,10 @@ def position_weights(anchors: jax.Array, lengths: jax.Array, block_size: int, po
 
 
 def _target_features(
-    target: Target, tokens: jax.Array, taps: tuple[int, ...], cached: tuple[jax.Array, jax.Array] | None
-) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    target: Target, tokens: jax.Array, taps: tuple[int, ...], cached: tuple[jax.Array, ...] | None
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array | None]:
     """The frozen target's side of the loss: ``(features [B, L, n_taps * H], logits [B, L, V] or None,
-    cached last hidden [B, L, H] or None)``, all without gradient.
+    cached last hidden [B, L, H] or None, cached logsumexp [B, L] or None)``, all without gradient.
 
     Without ``cached`` the target runs over ``tokens``; with it the cached features are cast to the
     target's dtype and the logits are left to the gathered positions (see :func:`loss_sums`).
@@ -92,27 +100,70 @@ def _target_features(
     if cached is None:
         out = target(tokens, jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape), taps=taps)
         assert out.features is not None  # taps are never empty for a drafter
-        return jax.lax.stop_gradient(out.features), jax.lax.stop_gradient(out.logits), None
-    c_feats, c_hidden = cached
+        return jax.lax.stop_gradient(out.features), jax.lax.stop_gradient(out.logits), None, None
+    c_feats, c_hidden, *rest = cached
     want = len(taps) * target.cfg.hidden_size
     if c_feats.shape[:2] != tokens.shape or c_feats.shape[-1] != want:
         raise ValueError(
             f"cached features {c_feats.shape} do not fit tokens {tokens.shape} and "
             f"{len(taps)} taps x {target.cfg.hidden_size}"
         )
-    return jax.lax.stop_gradient(c_feats.astype(target.dtype)), None, c_hidden
+    c_lse = rest[0] if rest else None
+    return jax.lax.stop_gradient(c_feats.astype(target.dtype)), None, c_hidden, c_lse
+
+
+def target_draft_probs(
+    drafter: BlockDrafter | None,
+    target: Target,
+    t_logits: jax.Array | None,
+    hidden: jax.Array | None,
+    lse: jax.Array | None,
+) -> jax.Array:
+    """``p_target`` on the drafter's vocabulary ``[..., N]`` float32 at the gathered positions, without
+    gradient (docs/design.md#loss): N = V without a draft vocabulary, else the target's probabilities
+    of the draft vocabulary's ids (their sum is ``1 -`` the mass outside it).
+
+    Args:
+      drafter: the block drafter (its draft vocabulary), None for one over the full vocabulary (eagle3).
+      t_logits: ``[..., V]`` float32 target logits (the target ran in the step), or None with ``hidden``.
+      hidden: ``[..., H]`` cached last hidden states (before the final norm), or None with ``t_logits``.
+      lse: ``[...]`` float32 cached logsumexp of the target's logits over all V ids at those positions,
+        or None. With it and a draft vocabulary only the N ids' logits are computed (exact
+        ``exp(logit - lse)``, their sum capped at 1 against rounding); otherwise the logits over V
+        and their softmax, the reference path.
+    Raises:
+      ValueError: a drafter with ``draft_vocab_size > 0`` but no draft vocabulary installed.
+    """
+    ids = None if drafter is None else drafter.draft_vocab_ids()
+    if t_logits is None and ids is not None and lse is not None:
+        assert hidden is not None
+        h = rms_norm(hidden.astype(target.dtype), target.final_norm[...], target.cfg.rms_eps)
+        rows = target.lm_head_rows(ids)  # [N, H]
+        logits = jnp.einsum("...h,nh->...n", h, rows, preferred_element_type=jnp.float32)
+        p = jnp.exp(logits - lse.astype(jnp.float32)[..., None])
+        # The cached logsumexp comes from another program's matrix product (and exp is rounded):
+        # where nearly all the mass lies on the draft vocabulary its sum can come out a few 1e-6
+        # over 1, TV over 1 and the confidence label below 0. The mass is at most 1, as with the
+        # softmax's own normalisation: divide by the sum where it exceeds 1.
+        return jax.lax.stop_gradient(p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1.0))
+    if t_logits is None:
+        assert hidden is not None
+        t_logits = target.unembed(hidden.astype(target.dtype))
+    p_t = jax.nn.softmax(t_logits, axis=-1)
+    return jax.lax.stop_gradient(p_t if ids is None else jnp.take(p_t, ids, axis=-1))
 
 
 def _ce_tv(
-    drafter: BlockDrafter | None, logq: jax.Array, p_t: jax.Array, labels: jax.Array
+    drafter: BlockDrafter | None, logq: jax.Array, p_in: jax.Array, labels: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """``(CE, TV)`` per position ``[B, A, block_size]`` from the draft log-probabilities ``logq [.., N]``
-    (draft space) and the target's probabilities ``p_t [.., V]``; ``drafter``: the block drafter
-    (its draft vocabulary), None for one drafting over the full vocabulary (eagle3)."""
+    (draft space) and the target's probabilities on the same N ids ``p_in [.., N]``
+    (:func:`target_draft_probs`); ``drafter``: the block drafter (its draft vocabulary), None for one
+    drafting over the full vocabulary (eagle3)."""
     ids = None if drafter is None else drafter.draft_vocab_ids()
     if drafter is None or ids is None:
         ce = -jnp.take_along_axis(logq, labels[..., None], axis=-1)[..., 0]
-        tv = 0.5 * jnp.sum(jnp.abs(jnp.exp(logq) - p_t), axis=-1)
+        tv = 0.5 * jnp.sum(jnp.abs(jnp.exp(logq) - p_in), axis=-1)
         return ce, tv
     # q is zero off the draft vocabulary, so the target's mass there counts in full
     # towards TV; a label off the vocabulary cannot be predicted and has no CE term.
@@ -120,7 +171,6 @@ def _ce_tv(
     li = drafter.draft_index(labels)
     inside = li < n
     ce = jnp.where(inside, -jnp.take_along_axis(logq, jnp.minimum(li, n - 1)[..., None], axis=-1)[..., 0], 0.0)
-    p_in = jnp.take(p_t, ids, axis=-1)
     tv = 0.5 * (jnp.sum(jnp.abs(jnp.exp(logq) - p_in), axis=-1) + jnp.maximum(1.0 - jnp.sum(p_in, -1), 0.0))
     return ce, tv
 
@@ -146,7 +196,7 @@ def _loss_head(
     target: Target,
     hidden: jax.Array,
     base_logits: jax.Array | None,
-    t_sel: jax.Array,
+    p_in: jax.Array,
     prev: jax.Array,
     labels: jax.Array,
     remat: bool,
@@ -156,18 +206,18 @@ def _loss_head(
     Args:
       hidden: ``[B, A, block_size, d]`` drafter hidden states; base_logits: their ``[.., N]`` float32
         base logits, or None with ``remat`` (recomputed from ``hidden`` instead of stored).
-      t_sel: ``[B, A, block_size, V]`` target logits at the predicted positions.
+      p_in: ``[B, A, block_size, N]`` target probabilities on the drafter's vocabulary at the
+        predicted positions (:func:`target_draft_probs`).
       prev / labels: ``[B, A, block_size]`` int32 true previous and next tokens (teacher forcing).
     """
-    if remat:  # recompute the [.., V] base logits from the hidden states instead of storing them
+    if remat:  # recompute the [.., N] base logits from the hidden states instead of storing them
         base_logits = drafter.base_logits(target, hidden)
     assert base_logits is not None
-    p_t = jax.nn.softmax(t_sel, axis=-1)
     # Sequential / confidence heads and a draft vocabulary: block drafters only (not eagle3).
     block = drafter if isinstance(drafter, BlockDrafter) else None
     bias, e = (0.0, None) if block is None else block.teacher_forced_heads(hidden, prev)
     logq = jax.nn.log_softmax(base_logits + bias, axis=-1)  # [..., N] draft space
-    ce, tv = _ce_tv(block, logq, p_t, labels)
+    ce, tv = _ce_tv(block, logq, p_in, labels)
     bce, conf_err = _confidence_terms(block, hidden, e, tv)
     return ce, tv, bce, conf_err
 
@@ -202,7 +252,7 @@ def loss_sums(
     anchors: jax.Array,
     cfg: LossConfig,
     remat: bool = False,
-    cached: tuple[jax.Array, jax.Array] | None = None,
+    cached: tuple[jax.Array, ...] | None = None,
 ) -> dict[str, jax.Array]:
     """Additive loss statistics of a (micro-)batch: weighted sums, never means.
 
@@ -215,17 +265,20 @@ def loss_sums(
       tokens: ``[B, L]`` int32; lengths: ``[B]`` int32; anchors: ``[B, A]`` int32.
       remat: recompute the drafter's layers (``train_blocks(remat=True)``) and the
         vocabulary-sized loss head in the backward pass.
-      cached: optional ``(tap_features [B, L, n_taps * H], last_hidden [B, L, H])`` of the
-        target from a feature cache (:mod:`dspark_jax.training.feature_cache`; any float dtype, cast
-        to the target's): the target forward is skipped and ``p_target`` is computed only at
-        the ``B * A * block_size`` gathered positions (``target.unembed`` of the last hidden state).
+      cached: optional ``(tap_features [B, L, n_taps * H], last_hidden [B, L, H], target_lse [B, L])``
+        of the target from a feature cache (:mod:`dspark_jax.training.feature_cache`; features any
+        float dtype, cast to the target's; the float32 logsumexp of the target's logits over all V
+        ids may be left out): the target forward is skipped and ``p_target`` is computed only at
+        the ``B * A * block_size`` gathered positions from the last hidden state, on the draft
+        vocabulary's ids only when the logsumexp is there (:func:`target_draft_probs`), else
+        ``target.unembed`` over all V ids and a softmax (the same numbers, V / N times the work).
     Returns:
       dict of float32 scalars (``acc_num``/``acc_den``: ``[block_size]``).
     Raises:
       ValueError: ``cached`` features do not have the drafter's ``len(taps) * H`` columns.
     """
     g = drafter.cfg.block_size
-    feats, t_logits, c_hidden = _target_features(target, tokens, drafter.cfg.taps, cached)
+    feats, t_logits, c_hidden, c_lse = _target_features(target, tokens, drafter.cfg.taps, cached)
     block = drafter.train_blocks(target, feats, tokens, anchors, remat=remat)
     k = jnp.arange(g, dtype=jnp.int32)
     src = anchors[..., None] + k  # position whose next token is predicted
@@ -236,19 +289,22 @@ def loss_sums(
     prev = tokens[bidx, src_c]  # teacher forcing: x_{k-1} is the true token
     labels = tokens[bidx, tgt_c]
     w = position_weights(anchors, lengths, g, cfg.pos_decay)
-    if t_logits is None:  # only the gathered positions: [B, A, g, V] instead of [B, L, V]
-        assert c_hidden is not None
-        t_sel = jax.lax.stop_gradient(target.unembed(c_hidden.astype(target.dtype)[bidx, src_c]))
-    else:
-        t_sel = t_logits[bidx, src_c]
+    # Only the gathered positions: [B, A, g, N] instead of [B, L, V].
+    p_in = target_draft_probs(
+        drafter if isinstance(drafter, BlockDrafter) else None,
+        target,
+        None if t_logits is None else t_logits[bidx, src_c],
+        None if c_hidden is None else c_hidden[bidx, src_c],
+        None if c_lse is None else c_lse[bidx, src_c],
+    )
 
-    def head(hidden, base_logits, t_sel):
-        return _loss_head(drafter, target, hidden, base_logits, t_sel, prev, labels, remat)
+    def head(hidden, base_logits, p_in):
+        return _loss_head(drafter, target, hidden, base_logits, p_in, prev, labels, remat)
 
     if remat:
-        ce, tv, bce, conf_err = jax.checkpoint(head, prevent_cse=False)(block.hidden, None, t_sel)
+        ce, tv, bce, conf_err = jax.checkpoint(head, prevent_cse=False)(block.hidden, None, p_in)
     else:
-        ce, tv, bce, conf_err = head(block.hidden, block.logits, t_sel)
+        ce, tv, bce, conf_err = head(block.hidden, block.logits, p_in)
     return _weighted_sums(cfg, w, valid, ce, tv, bce, conf_err)
 
 

@@ -35,7 +35,8 @@ Feature cache (``feature_cache``, :mod:`dspark_jax.training.feature_cache`): whe
 carries the target's tapped features and last hidden state, computed once per
 sequence before training, step 1 skips the target forward and computes
 ``p_target`` only at the gathered positions from the cached last hidden state
-(same numbers as the uncached step for a float32 cache).
+(same numbers as the uncached step for a float32 cache); with a draft vocabulary, from
+the cached full-vocabulary logsumexp, only on its ids (:mod:`dspark_jax.training.losses`).
 
 Precision: parameters and optimizer state are float32 master copies; with
 ``dtype=bfloat16`` the forward pass runs on a bfloat16 cast of them (the frozen
@@ -290,8 +291,10 @@ def _is_float(x) -> bool:
 
 
 _BATCH_KEYS = ("tokens", "lengths", "prompt_lengths")
-# Optional per-sequence arrays of a feature cache (dspark_jax.training.feature_cache.FEATURES_KEY / LAST_HIDDEN_KEY).
+# Optional per-sequence arrays of a feature cache (dspark_jax.training.feature_cache.FEATURES_KEY /
+# LAST_HIDDEN_KEY, then LSE_KEY where the batch has it).
 _CACHED_KEYS = ("tap_features", "last_hidden")
+_LSE_KEY = "target_lse"
 
 
 def replicate(tree: Any, sharding: NamedSharding) -> Any:
@@ -463,10 +466,10 @@ class Trainer:
     def shard_batch(self, batch: dict[str, np.ndarray]) -> tuple[jax.Array, ...]:
         """``(tokens, lengths, prompt_lengths)`` as global arrays sharded over the ``data`` axis.
 
-        When ``batch`` carries a feature cache's rows (``tap_features``, ``last_hidden``;
+        When ``batch`` carries a feature cache's rows (``tap_features``, ``last_hidden``, ``target_lse``;
         :meth:`FeatureCache.batch_arrays <dspark_jax.training.feature_cache.FeatureCache.batch_arrays>`)
         they follow, sharded the same way: ``(tokens, lengths, prompt_lengths, tap_features,
-        last_hidden)``.
+        last_hidden, target_lse)`` (``target_lse`` only where the batch has it).
 
         ``batch`` is the global batch (every process computes the same one from
         (seed, step)). With several processes each one transfers only the rows
@@ -482,7 +485,9 @@ class Trainer:
             raise ValueError(
                 f"global batch {n} is not divisible by {n_data} devices x {self.cfg.grad_accum_steps} micro-batches"
             )
-        keys = _BATCH_KEYS + (_CACHED_KEYS if all(k in batch for k in _CACHED_KEYS) else ())
+        keys = _BATCH_KEYS
+        if all(k in batch for k in _CACHED_KEYS):
+            keys += _CACHED_KEYS + ((_LSE_KEY,) if _LSE_KEY in batch else ())
         if jax.process_count() == 1:
             return tuple(jax.device_put(np.asarray(batch[k]), self.batch_sharding) for k in keys)
         rows = self.local_rows(n)
@@ -506,21 +511,25 @@ class Trainer:
             raise ValueError("this process's devices do not hold a contiguous block of the batch")
         return slice(lo, hi)
 
+    def _step_args(self, batch: dict[str, np.ndarray], step_idx: int) -> tuple[tuple, dict[str, Any]]:
+        """The jitted step's ``(positional, keyword)`` arguments for ``batch`` at ``step_idx``."""
+        tokens, lengths, plens, *cached = self.shard_batch(batch)
+        lr_scale = None if self._lr_factor is None else self._lr_factor(step_idx)
+        state = (self.params, self.opt_state, self.t_state)
+        kwargs = {"cached": tuple(cached) if cached else None, "lr_scale": lr_scale}
+        return (*state, tokens, lengths, plens, np.int32(step_idx)), kwargs
+
     def step(self, batch: dict[str, np.ndarray], step_idx: int) -> tuple[LossTerms, jax.Array]:
         """One optimisation step on a global batch; the anchor key depends only on (seed, step)."""
-        tokens, lengths, plens, *cached = self.shard_batch(batch)
-        self.params, self.opt_state, terms, gnorm = self._step(
-            self.params,
-            self.opt_state,
-            self.t_state,
-            tokens,
-            lengths,
-            plens,
-            np.int32(step_idx),
-            cached=tuple(cached) if cached else None,
-            lr_scale=None if self._lr_factor is None else self._lr_factor(step_idx),
-        )
+        args, kwargs = self._step_args(batch, step_idx)
+        self.params, self.opt_state, terms, gnorm = self._step(*args, **kwargs)
         return terms, gnorm
+
+    def lower_step(self, batch: dict[str, np.ndarray]) -> Any:
+        """The jitted step lowered for ``batch`` (a ``jax.stages.Lowered``; ``.compile().cost_analysis()``
+        gives its FLOPs); runs nothing."""
+        args, kwargs = self._step_args(batch, 0)
+        return self._step.lower(*args, **kwargs)
 
     # -- checkpoints -----------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""Target-feature cache: cached training equals uncached, mismatched caches are refused or extended."""
+"""Target-feature cache: cached training equals uncached (also from the cached logsumexp on a draft
+vocabulary), mismatched caches are refused or extended, old formats rebuilt."""
 
 from __future__ import annotations
 
@@ -13,11 +14,18 @@ from flax import nnx
 from tiny import TINY_TARGET, tiny_data, tiny_target, tiny_train_config
 
 from dspark_jax.drafters.build import build_drafter
+from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.target import Target
 from dspark_jax.training.data import batches
-from dspark_jax.training.feature_cache import MANIFEST, build_feature_cache, ensure_feature_cache, open_feature_cache
-from dspark_jax.training.losses import loss_sums, sample_anchors
+from dspark_jax.training.feature_cache import (
+    LSE_FILE,
+    MANIFEST,
+    build_feature_cache,
+    ensure_feature_cache,
+    open_feature_cache,
+)
+from dspark_jax.training.losses import loss_sums, sample_anchors, target_draft_probs
 from dspark_jax.training.trainer import TrainConfig, Trainer, drafter_config
 
 TCFG = TINY_TARGET
@@ -102,7 +110,59 @@ def test_trainer_steps_with_cache_and_micro_batches_match_uncached(built):
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params[1]), jax.tree.leaves(params[0])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5)
-    assert len(tr.shard_batch(next(it))) == 5
+    assert len(tr.shard_batch(next(it))) == 6  # tokens, lengths, prompt lengths, features, hidden, logsumexp
+
+
+def test_draft_vocab_loss_from_cached_lse_equals_full_vocab(built):
+    """With a draft vocabulary the loss reads the target's logits of its ids and the cached logsumexp
+    only (never the [.., V] logits) and equals the full-vocabulary loss (the reference: the same cache
+    without the logsumexp, which equals no cache at all by the test above), gradients too, labels and
+    previous tokens outside the draft vocabulary included."""
+    target, data, fc = built
+    n, v, h = 16, TCFG.vocab_size, TCFG.hidden_size
+    cfg = dataclasses.replace(_cfg("dspark"), draft_vocab_size=n, drafter_intermediate_size=48)
+    dcfg = drafter_config(cfg, target)
+    drafter = DSparkDrafter(dcfg, nnx.Rngs(0))
+    drafter.set_draft_vocab(range(3, 3 + 4 * n, 4))  # every 4th id: most labels lie outside
+    assert drafter.markov_w2 is not None and drafter.conf_w is not None
+    rng = np.random.default_rng(1)  # non-trivial Markov and confidence heads
+    drafter.markov_w2[...] = jnp.asarray(rng.normal(size=drafter.markov_w2.shape), jnp.float32)
+    drafter.conf_w[...] = jnp.asarray(rng.normal(size=drafter.conf_w.shape) * 0.3, jnp.float32)
+    rows = np.array([7, 2, 9, 4])
+    batch = {k: v_[rows] for k, v_ in {**data, **fc.batch_arrays(dcfg.taps)}.items()}
+    out = target(jnp.asarray(batch["tokens"]), jnp.broadcast_to(jnp.arange(24), (4, 24)))
+    np.testing.assert_allclose(batch["target_lse"], jax.nn.logsumexp(out.logits, -1), rtol=1e-5, atol=1e-5)
+    inside = np.isin(batch["tokens"], np.asarray(drafter.draft_vocab_ids()))
+    assert 0 < inside.mean() < 0.5
+    full = (jnp.asarray(batch["tap_features"]), jnp.asarray(batch["last_hidden"]))
+    new = full + (jnp.asarray(batch["target_lse"]),)
+    l0, s0, g0 = _loss_and_grads(drafter, target, batch, cfg, full)
+    l1, s1, g1 = _loss_and_grads(drafter, target, batch, cfg, new)
+    assert np.isfinite(float(l0)) and float(l0) > 0 and 0 < float(s0["tv"]) < float(s0["w"])
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-5)
+    for k in ("tv", "ce", "bce", "conf_err", "tau_num"):
+        np.testing.assert_allclose(float(s1[k]), float(s0[k]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(s1["acc_num"]), np.asarray(s0["acc_num"]), rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(g0)) > 1e-4
+
+    def head_shapes(cached):  # operand shapes of the loss's matrix products
+        graph, params = nnx.split(drafter, nnx.Param)
+        anchors = jnp.zeros((4, cfg.anchors_per_seq), jnp.int32)
+        toks, lens = jnp.asarray(batch["tokens"]), jnp.asarray(batch["lengths"])
+        f = lambda p: loss_sums(nnx.merge(graph, p), target, toks, lens, anchors, cfg, cached=cached)["objective"]
+        jaxpr = jax.make_jaxpr(jax.grad(f))(params)
+        eqns = list(jaxpr.eqns)
+        while any(e.params.get("jaxpr") is not None for e in eqns):  # into the bodies of jit and scan
+            eqns = [i for e in eqns for i in (e.params["jaxpr"].jaxpr.eqns if "jaxpr" in e.params else [e])]
+        return {tuple(x.aval.shape) for e in eqns if e.primitive.name == "dot_general" for x in e.invars}
+
+    assert (h, v) in head_shapes(full) and (h, v) not in head_shapes(new)  # the [H, V] head: reference only
+    # Rounding between the cache's program and the step's never puts the draft vocabulary's mass over 1
+    # (a confidence label below 0): with a logsumexp too small it is the softmax over the draft vocabulary.
+    mass = np.asarray(jnp.sum(target_draft_probs(drafter, target, None, new[1], new[2] - 20.0), -1))
+    assert mass.max() <= 1 + 1e-6 and np.mean(mass > 1 - 1e-6) > 0.5
 
 
 def test_bfloat16_cache_halves_storage_and_stays_close(built, tmp_path):
@@ -114,6 +174,7 @@ def test_bfloat16_cache_halves_storage_and_stays_close(built, tmp_path):
     f16 = fc.batch_arrays((1, 2))["tap_features"][np.arange(3)]
     f32 = fc32.batch_arrays((1, 2))["tap_features"][np.arange(3)]
     np.testing.assert_allclose(f16.astype(np.float32), f32, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(fc.lse, fc32.lse, rtol=1e-2, atol=1e-2)  # from the rounded last hidden state
     with pytest.raises(DSparkInputError, match="store_dtype"):  # a float32 run does not take a bf16 cache
         ensure_feature_cache(tmp_path / "bf", target, data, (1,), store_dtype="float32")
 
@@ -129,6 +190,15 @@ def test_mismatched_cache_is_refused_or_extended(built, tmp_path):
     fc2 = ensure_feature_cache(d, target, data, (0, 1), progress=False)
     assert sorted(fc2.layers) == [0, 1, 3]
     np.testing.assert_allclose(fc2.layers[1], fc.layers[1], rtol=1e-5, atol=1e-5)  # other batch size
+    # A format-1 cache (no logsumexp) of this run: refused by open, rebuilt by ensure.
+    manifest = json.loads((d / MANIFEST).read_text())
+    (d / MANIFEST).write_text(json.dumps({**manifest, "format": 1}))
+    (d / LSE_FILE).unlink()
+    with pytest.raises(DSparkInputError, match="format: cache has 1, run needs 2"):
+        open_feature_cache(d, target, data, (0, 1))
+    fc3 = ensure_feature_cache(d, target, data, (0, 1), progress=False)
+    assert sorted(fc3.layers) == [0, 1, 3] and fc3.manifest["format"] == 2
+    np.testing.assert_allclose(fc3.lse, fc.lse, rtol=1e-5, atol=1e-5)
     with pytest.raises(DSparkInputError, match="tokens_sha256"):
         ensure_feature_cache(d, target, _data(seed=5), (1,), progress=False)
     with pytest.raises(DSparkInputError, match="target_fingerprint"):
