@@ -27,8 +27,8 @@ and page-cache, stored as the ``uint16`` bit pattern, exact for a bfloat16
 target). A ``manifest.json`` records the target (fingerprint, name, compute
 dtype), the layers, the storage dtype, the data shape and a sha256 of the
 tokens; :func:`ensure_feature_cache` refuses a cache of another target, data or
-dtype and rebuilds one whose layers do not cover the request, or one of an older
-format (format 1 had no logsumexp) of the same target, data and dtype. A cache is built
+dtype and rebuilds one whose layers do not cover the request; one of format 1 (no
+logsumexp) of the same target, data and dtype gets its logsumexp added in place. A cache is built
 in a temporary sibling directory and renamed into place, so a killed build
 leaves no partial cache.
 """
@@ -398,6 +398,30 @@ def build_feature_cache(
     return open_feature_cache(directory, target, data, stored, store_dtype)
 
 
+def _add_lse(directory: Path, target: Target, manifest: dict[str, Any], batch_size: int, progress: bool) -> None:
+    """Upgrades a format-1 cache in place to format 2: ``lse.npy`` from its stored last layer (read back
+    as the trainer reads it, :func:`full_vocab_lse`), written under a temporary name and renamed, then
+    the manifest (a run killed in between redoes it)."""
+    last = np.load(directory / _layer_file(int(manifest["num_layers"]) - 1), mmap_mode="r")
+    n, length, h = last.shape
+    bf16 = manifest["store_dtype"] == "bfloat16"
+    graph, state = nnx.split(target)
+    program = jax.jit(lambda st, x: full_vocab_lse(nnx.merge(graph, st), x.astype(target.dtype)))
+    tmp = directory / f".{LSE_FILE}.tmp-{os.getpid()}"
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(n, length))
+    for start in range(0, n, batch_size):
+        rows = np.asarray(last[start : start + batch_size])
+        k = rows.shape[0]
+        rows = np.concatenate([rows, np.zeros((batch_size - k, length, h), rows.dtype)]) if k < batch_size else rows
+        out[start : start + k] = np.asarray(program(state, rows.view(ml_dtypes.bfloat16) if bf16 else rows))[:k]
+    out.flush()
+    del out
+    os.replace(tmp, directory / LSE_FILE)
+    tmp_manifest = directory / f".{MANIFEST}.tmp-{os.getpid()}"
+    tmp_manifest.write_text(json.dumps({**manifest, "format": FORMAT_VERSION}, indent=1))
+    os.replace(tmp_manifest, directory / MANIFEST)
+
+
 def ensure_feature_cache(
     directory: str | Path,
     target: Target,
@@ -411,8 +435,9 @@ def ensure_feature_cache(
     """Opens the cache at ``directory``, building it when missing or when it lacks some of ``taps``.
 
     A cache whose layers do not cover ``taps`` (e.g. another drafter joins a comparison)
-    is rebuilt with the union of its layers and ``taps``, and so is one of an older format
-    (:data:`FORMAT_VERSION`; a note on stderr). A cache of another target, other tokens, another
+    is rebuilt with the union of its layers and ``taps``. One of format 1 (no logsumexp) that covers
+    them gets its ``lse.npy`` from its stored last layer, in place (no target forward); an older one
+    is rebuilt (a note on stderr either way). A cache of another target, other tokens, another
     storage dtype or a newer format is never silently replaced.
 
     Raises:
@@ -443,12 +468,13 @@ def ensure_feature_cache(
                 + "); delete it or set another feature_cache folder"
             ) from None
         union = sorted(set(have.get("layers", [])) | set(taps))
+        if old and union == sorted(have.get("layers", [])) and have["format"] == 1:
+            # Format 1 lacks only lse.npy, which the stored last layer gives without the target forward.
+            print(f"feature cache {directory}: format 1, adding the target's logsumexp (format 2)", file=sys.stderr)
+            _add_lse(directory, target, have, batch_size, progress)
+            return open_feature_cache(directory, target, data, taps, store_dtype)
         if old:  # derived data of this very target and data: safe to recompute
-            print(
-                f"feature cache {directory} has format {have['format']}, this code reads format {FORMAT_VERSION} "
-                "(+ the target's logsumexp per position): rebuilding it",
-                file=sys.stderr,
-            )
+            print(f"feature cache {directory}: format {have['format']}, rebuilding it as format 2", file=sys.stderr)
         return build_feature_cache(
             directory, target, data, union, store_dtype=store_dtype, batch_size=batch_size, progress=progress
         )

@@ -190,14 +190,17 @@ def test_mismatched_cache_is_refused_or_extended(built, tmp_path):
     fc2 = ensure_feature_cache(d, target, data, (0, 1), progress=False)
     assert sorted(fc2.layers) == [0, 1, 3]
     np.testing.assert_allclose(fc2.layers[1], fc.layers[1], rtol=1e-5, atol=1e-5)  # other batch size
-    # A format-1 cache (no logsumexp) of this run: refused by open, rebuilt by ensure.
+    # A format-1 cache (no logsumexp) of this run: refused by open; ensure adds the logsumexp from the
+    # stored last layer in place (the layer files stay).
     manifest = json.loads((d / MANIFEST).read_text())
     (d / MANIFEST).write_text(json.dumps({**manifest, "format": 1}))
     (d / LSE_FILE).unlink()
     with pytest.raises(DSparkInputError, match="format: cache has 1, run needs 2"):
         open_feature_cache(d, target, data, (0, 1))
-    fc3 = ensure_feature_cache(d, target, data, (0, 1), progress=False)
+    inode = (d / "layer_003.npy").stat().st_ino
+    fc3 = ensure_feature_cache(d, target, data, (0, 1), progress=False, batch_size=5)
     assert sorted(fc3.layers) == [0, 1, 3] and fc3.manifest["format"] == 2
+    assert (d / "layer_003.npy").stat().st_ino == inode
     np.testing.assert_allclose(fc3.lse, fc.lse, rtol=1e-5, atol=1e-5)
     with pytest.raises(DSparkInputError, match="tokens_sha256"):
         ensure_feature_cache(d, target, _data(seed=5), (1,), progress=False)
