@@ -19,9 +19,15 @@ from pathlib import Path
 
 import pytest
 
-# Tests measure their own costs: no table stored by one run (or by the user's own runs) may change
-# another's (tests of the store set their own).
-os.environ["DSPARK_CACHE_DIR"] = "off"
+# Measured cost tables go to a disk cache made fresh for the run (shared by xdist workers and the
+# CLIs' subprocesses through the environment): a table is keyed by shapes and configs, not weights,
+# so the many `auto` decodes of one configuration measure it once (about 28 s on stories260K) as a
+# user's later runs would, and no table stored by another run (or the user's own) is ever read.
+# Tests of the store set their own folder.
+if "DSPARK_TEST_CACHE_DIR" not in os.environ:
+    os.environ["DSPARK_TEST_CACHE_DIR"] = tempfile.mkdtemp(prefix="dspark-tests-costs-")
+    atexit.register(shutil.rmtree, os.environ["DSPARK_TEST_CACHE_DIR"], ignore_errors=True)
+os.environ["DSPARK_CACHE_DIR"] = os.environ["DSPARK_TEST_CACHE_DIR"]
 # Compiling dominates the suite's time and many files (and the CLIs' subprocesses) build the same
 # programs, so one run shares JAX's persistent compilation cache, in a folder made fresh for the run
 # (a cold start, never the user's cache). xdist workers and subprocesses inherit it from the first
@@ -34,6 +40,20 @@ if os.environ.get("DSPARK_TEST_COMPILE_CACHE", "1") != "0" and "JAX_COMPILATION_
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
     atexit.register(shutil.rmtree, _jax_cache, ignore_errors=True)
+
+# The suite compiles far more than it runs (tiny models, many programs), so XLA's CPU backend
+# optimisation is turned down for the whole run: this process, the xdist workers and every
+# subprocess, through the environment (read when JAX starts its backend, after this import). On
+# two cores it cuts the compile-bound CLI tests by about a third and slows the run-bound ones (the
+# law of the first tokens, training) by a fifth to a third. The traced programs, hence the
+# exactness assertions, are the same. DSPARK_TEST_FAST_COMPILE=0 compiles as users do.
+if os.environ.get("DSPARK_TEST_FAST_COMPILE", "1") != "0" and "xla_backend_optimization_level" not in os.environ.get(
+    "XLA_FLAGS", ""
+):
+    from benchmarks.engine_hlo import FAST_COMPILE_FLAGS
+
+    os.environ["DSPARK_TEST_USER_XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "")  # for the run-bound training run
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
 
 MODELS_DIR = Path(os.environ.get("DSPARK_MODELS") or Path(__file__).resolve().parents[2] / "shared/data/models")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -150,16 +170,15 @@ QUICK_TRAIN = dict(
 
 @pytest.fixture(scope="session")
 def stories260k_export(stories260k_dir, tmp_path_factory):
-    """``(workdir, summary)`` of a quick stories260k drafter training run, trained once per test run:
+    """``(workdir, summary)`` of a quick stories260k drafter training run (``python -m dspark_jax.train``),
+    trained once per test run:
     xdist workers share it through their common temporary root (the first to ask trains, under a file
     lock; the others read its ``summary.json``). Read-only for the tests."""
-    import dataclasses
     import json
+    import subprocess
+    import sys
 
     from filelock import FileLock
-
-    from dspark_jax.training.pipeline import run
-    from dspark_jax.training.recipes import TRAIN_PRESETS
 
     os.environ.setdefault("DSPARK_MODELS", str(MODELS_DIR))
     root = tmp_path_factory.getbasetemp()
@@ -169,31 +188,46 @@ def stories260k_export(stories260k_dir, tmp_path_factory):
     with FileLock(str(root / "train_stories.lock")):
         if not done.is_file():
             shutil.rmtree(workdir, ignore_errors=True)  # a run that died half-way starts over
-            run(dataclasses.replace(TRAIN_PRESETS["stories260k"], workdir=str(workdir), **QUICK_TRAIN))
+            # The main job's own command, in a process of its own: training is run-bound, so it
+            # compiles with XLA's optimisation as the user has it (not the suite's fast compile).
+            env = dict(os.environ)
+            if "DSPARK_TEST_USER_XLA_FLAGS" in env:
+                env["XLA_FLAGS"] = env["DSPARK_TEST_USER_XLA_FLAGS"]
+            overrides = [f"{k}={v}" for k, v in QUICK_TRAIN.items()]
+            cmd = [sys.executable, "-m", "dspark_jax.train", "--preset", "stories260k", f"workdir={workdir}", *overrides]
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+            assert p.returncode == 0 and done.is_file(), p.stderr[-4000:]
     return workdir, json.loads(done.read_text())
 
 
-# Approximate seconds per test file on 2 busy cores (``--durations``), longest first. CI runs two
-# xdist workers, one file at a time each (``--dist loadfile``), in collection order: starting the
-# longest files first keeps one worker from finishing a long file alone at the end.
+# Seconds per test file on 2 busy cores (``--durations=0``, session 13; the shared training run
+# counts to the first file that asks for it), longest first. CI runs two xdist workers, one file at
+# a time each (``--dist loadfile --no-loadscope-reorder``: xdist would otherwise order the files by
+# their number of tests), in this order: starting the longest files first keeps one worker from
+# finishing a long file alone at the end.
 LONG_FILES = (
-    "unit/test_decode.py",  # 120
-    "integration/test_cli.py",  # 95
-    "integration/test_notebook.py",  # 70
-    "integration/test_compare_drafters.py",  # 65
-    "unit/test_trainer.py",  # 65
-    "integration/test_mesh_decode.py",  # 60
-    "integration/test_mesh.py",  # 55
-    "integration/test_learning_curve.py",  # 50
-    "unit/test_engine.py",  # 50
-    "integration/test_preemption.py",  # 50
-    "unit/test_feature_cache.py",  # 48
-    "unit/test_eagle.py",  # 45
-    "integration/test_server.py",  # 41
-    "unit/test_drafters.py",  # 34
-    "integration/test_speed_table.py",  # 30
-    "unit/test_drafter_law.py",  # 32
-    "unit/test_verifier.py",  # 30
+    "unit/test_decode.py",  # 601
+    "integration/test_cli.py",  # 208
+    "integration/test_engine_hlo.py",  # 180
+    "integration/test_compare_drafters.py",  # 155
+    "unit/test_eagle.py",  # 120
+    "integration/test_eval_cli.py",  # 120
+    "unit/test_engine.py",  # 118
+    "unit/test_trainer.py",  # 109
+    "unit/test_feature_cache.py",  # 108
+    "integration/test_mesh.py",  # 107
+    "integration/test_front_door.py",  # 79
+    "integration/test_device_check.py",  # 78
+    "integration/test_server.py",  # 78
+    "integration/test_learning_curve.py",  # 71
+    "interop/test_speculators_parity.py",  # 71
+    "unit/test_verifier.py",  # 65
+    "integration/test_notebook.py",  # 65
+    "unit/test_drafters.py",  # 62
+    "integration/test_preemption.py",  # 58
+    "integration/test_mesh_decode.py",  # 52
+    "unit/test_drafter_law.py",  # 51
+    "integration/test_train_scripts.py",  # 49
 )
 
 

@@ -54,7 +54,8 @@ CFG = TrainConfig(
     learning_rate=1e-2,
     seq_len=48,
 )
-MESHES = {"1x8": "data:1,model:8", "2x4": "data:2,model:4", "8x1": "data:8,model:1"}
+# Data-parallel only (data:8) is tests/integration/test_data_parallel.py's (tests/dp_worker.py).
+MESHES = {"1x8": "data:1,model:8", "2x4": "data:2,model:4"}
 STEPS = 2
 
 

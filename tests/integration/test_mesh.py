@@ -4,7 +4,8 @@ With 8 forced CPU devices (subprocess ``tests/mesh_worker.py``, one process for 
 so programs compile once), on a tiny target whose heads, KV heads, MLP and vocabulary the
 mesh divides:
 
-* a training step on meshes 1x8, 2x4 and 8x1 (data x model) equals the one-device step (parameters allclose);
+* a training step on meshes 1x8 and 2x4 (data x model) equals the one-device step (parameters allclose;
+  data:8 alone is test_data_parallel.py's);
 * the compiled programs really are sharded: per-device parameter/optimizer bytes about
   1/model of the total, collectives in the HLO;
 * a checkpoint saved under the 2x4 mesh restores on 1 device and on a model:4 mesh with
@@ -37,7 +38,7 @@ def report() -> dict:
 
 def test_sharded_training_step_equals_one_device_step(report):
     assert report["devices"] == 8
-    for name in ("1x8", "2x4", "8x1"):
+    for name in ("1x8", "2x4"):
         r = report["train"][name]
         assert r["params_allclose"], (name, r.get("params_error"))
         assert r["max_abs_param_diff_vs_1dev"] < 1e-5, name
@@ -54,15 +55,14 @@ def test_training_programs_are_really_sharded(report):
             assert 1 / model <= r[k] < 1.15 / model, (name, k, r[k])
         assert r["wq_spec"] == r["opt_mu_wq_spec"] == "P(None, None, 'model')"
         assert "all-reduce" in r["collectives"], name
-    assert t["8x1"]["drafter_param_fraction_dev0"] == 1.0 and t["8x1"]["wq_spec"] == "P()"
     # fsdp: the hidden (embed) dimension over `fsdp` too, optimizer state alike: ~1/8 per device
     f = t["fsdp2x4_layout"]
     assert f["wq_spec"] == f["opt_mu_wq_spec"] == "P(None, 'fsdp', 'model')"
     assert f["opt_state_fraction_dev0"] < 1.3 / 8
     assert all(r["batch_spec"] == "P(('data', 'fsdp'),)" for r in t.values())
     # per-device argument bytes shrink with `model`
-    arg = {k: t[k]["memory_analysis_bytes"]["argument_size_in_bytes"] for k in ("1x8", "2x4", "8x1")}
-    assert arg["1x8"] < arg["2x4"] < arg["8x1"]
+    arg = {k: t[k]["memory_analysis_bytes"]["argument_size_in_bytes"] for k in ("1x8", "2x4")}
+    assert arg["1x8"] < arg["2x4"]
 
 
 def test_checkpoint_restores_under_another_mesh(report):
