@@ -15,14 +15,13 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import jax.numpy as jnp
-
 from dspark_jax.decoding import disk_cache
 from dspark_jax.decoding.request import DecodeRequest, decode, load_drafter_for, summary
 from dspark_jax.decoding.validation import check_sampling
 from dspark_jax.drafters.base import Drafter
 from dspark_jax.drafters.checkpoint import load_drafter
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.models.precision import resolve_dtype
 from dspark_jax.models.presets import preset_info, resolve_target
 from dspark_jax.models.target import Target
 from dspark_jax.models.weights import params_fingerprint
@@ -32,13 +31,14 @@ _DEFAULTS = DecodeRequest.field_defaults()
 __all__ = ["encode_prompt", "generate_text", "load_drafter", "load_target", "load_target_and_drafter"]
 
 
-def load_target(spec: str, dtype: Any = jnp.float32, mesh=None, attention_backend: str | None = None):
+def load_target(spec: str, dtype: Any = "auto", mesh=None, attention_backend: str | None = None):
     """Loads a target by preset name or path.
 
     Args:
       spec: ``stories260k``, ``smollm2-135m-instruct``, or a path to a ``.gguf``
         file, a llama2.c ``.bin`` or a Hugging Face directory.
-      dtype: weight/compute dtype (float32 on CPU; bfloat16 on accelerators).
+      dtype: weight/compute dtype: ``"auto"`` (bfloat16 on a GPU/TPU, float32 on a CPU:
+        :func:`~dspark_jax.models.precision.resolve_dtype`), a name or a dtype.
       mesh: optional device mesh: the weights go from the host straight to their shards
         (see :class:`~dspark_jax.models.target.Target`); None: the default device.
       attention_backend: overrides the config's ``attention_backend`` (``auto``, ``xla``,
@@ -46,7 +46,7 @@ def load_target(spec: str, dtype: Any = jnp.float32, mesh=None, attention_backen
     Returns:
       ``(target, tokenizer)``.
     Raises:
-      DSparkInputError: unknown preset or missing/corrupt files.
+      DSparkInputError: unknown preset or dtype, or missing/corrupt files.
       ValueError: an unknown attention backend.
 
     Also turns on JAX's persistent compilation cache (``DSPARK_CACHE_DIR``, default
@@ -57,14 +57,14 @@ def load_target(spec: str, dtype: Any = jnp.float32, mesh=None, attention_backen
     cfg, params, tokenizer = resolve_target(spec)
     if attention_backend is not None:
         cfg = dataclasses.replace(cfg, attention_backend=attention_backend)
-    target = Target(cfg, params, dtype=dtype, fingerprint=params_fingerprint(params), mesh=mesh)
+    target = Target(cfg, params, dtype=resolve_dtype(dtype), fingerprint=params_fingerprint(params), mesh=mesh)
     return target, tokenizer
 
 
 def load_target_and_drafter(
     target_spec: str,
     drafter_dir: str | None,
-    dtype: Any = jnp.float32,
+    dtype: Any = "auto",
     mesh=None,
     attention_backend: str | None = None,
 ):
@@ -83,7 +83,7 @@ def load_target_and_drafter(
         (:func:`~dspark_jax.drafters.formats.warn_if_misaligned`).
     """
     target, tokenizer = load_target(target_spec, dtype=dtype, mesh=mesh, attention_backend=attention_backend)
-    drafter = load_drafter_for(target, tokenizer, drafter_dir, dtype)[0] if drafter_dir else None
+    drafter = load_drafter_for(target, tokenizer, drafter_dir, target.dtype)[0] if drafter_dir else None
     return target, tokenizer, drafter
 
 

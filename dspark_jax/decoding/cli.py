@@ -55,6 +55,19 @@ def add_verification_argument(p: argparse.ArgumentParser, d: dict) -> None:
     )
 
 
+def add_dtype_argument(p: argparse.ArgumentParser) -> None:
+    """``--dtype`` (docs/design.md#numerics); shared by generate, eval and serve."""
+    from dspark_jax.models.precision import DTYPE_CHOICES
+
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="weight/compute dtype (default auto: bfloat16 on a GPU or TPU, float32 on a CPU; softmax, "
+        "norms and logits are float32 either way)",
+    )
+
+
 def add_attention_argument(p: argparse.ArgumentParser) -> None:
     """``--attention-backend`` (the target's cached attention, docs/design.md#attention-backends);
     shared by generate, eval and serve."""
@@ -112,9 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_arguments(p, d)
     add_verification_argument(p, d)
     p.add_argument("--seed", type=int, default=d["seed"], help=f"PRNG seed of the request (default {d['seed']})")
-    p.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16"], help="weight/compute dtype (default float32)"
-    )
+    add_dtype_argument(p)
     add_attention_argument(p)
     p.add_argument(
         "--compare-ar",
@@ -188,22 +199,19 @@ def run(args: argparse.Namespace) -> dict:
     Raises:
       DSparkInputError: bad flags or prompt, missing model files, a drafter for another target.
     """
-    import jax.numpy as jnp
-
     from dspark_jax.api import encode_prompt, load_target
     from dspark_jax.decoding.request import decode, load_drafter_for, resolve_num_speculative_tokens, summary
     from dspark_jax.models.presets import preset_info
 
     _check_args(args)
     disk_cache.apply_cache_arguments(args)
-    dtype = jnp.dtype(args.dtype)
-    target, tok = load_target(args.target, dtype=dtype, attention_backend=args.attention_backend)
+    target, tok = load_target(args.target, dtype=args.dtype, attention_backend=args.attention_backend)
     chat = args.chat if args.chat is not None else bool(preset_info(args.target).get("chat"))
     req = _request(args, encode_prompt(tok, args.prompt, chat))
     out: dict = {"target": target.cfg.name, "prompt_tokens": len(req.prompt_ids), "mode": "autoregressive"}
     drafter = None
     if args.drafter:
-        drafter = load_drafter_for(target, tok, args.drafter, dtype)[0]
+        drafter = load_drafter_for(target, tok, args.drafter, target.dtype)[0]
         n_spec = resolve_num_speculative_tokens(drafter, req.num_speculative_tokens)
         out.update(
             mode="speculative",

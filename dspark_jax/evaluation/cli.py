@@ -32,7 +32,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dspark_jax.decoding import disk_cache
-from dspark_jax.decoding.cli import add_attention_argument, add_sampling_arguments, add_verification_argument
+from dspark_jax.decoding.cli import (
+    add_attention_argument,
+    add_dtype_argument,
+    add_sampling_arguments,
+    add_verification_argument,
+)
 from dspark_jax.decoding.request import DecodeRequest
 
 if TYPE_CHECKING:  # annotations only: the heavy imports stay lazy so that --help is instant
@@ -100,9 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seed", type=int, default=d["seed"], help=f"PRNG seed; prompt i uses seed + i (default {d['seed']})"
     )
-    p.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16"], help="weight/compute dtype (default float32)"
-    )
+    add_dtype_argument(p)
     add_attention_argument(p)
     p.add_argument("--out", required=True, help="output directory for eval.json and the plots (created)")
     disk_cache.add_cache_arguments(p)
@@ -183,8 +186,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         does not fit the target, ``--num-speculative-tokens`` outside its block, or no prompt that
         fits the target's context.
     """
-    import jax.numpy as jnp
-
     from dspark_jax.api import load_target
     from dspark_jax.decoding.request import load_drafter_for, resolve_num_speculative_tokens
     from dspark_jax.drafters.checkpoint import read_export_meta
@@ -199,9 +200,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     texts = texts[: args.num_prompts]
     if not texts:
         raise DSparkInputError(f"prompt set {args.prompts!r} is empty")
-    dtype = jnp.dtype(args.dtype)
-    target, tok = load_target(args.target, dtype=dtype, attention_backend=args.attention_backend)
-    drafter, meta = load_drafter_for(target, tok, args.drafter, dtype)
+    target, tok = load_target(args.target, dtype=args.dtype, attention_backend=args.attention_backend)
+    drafter, meta = load_drafter_for(target, tok, args.drafter, target.dtype)
     n_spec = resolve_num_speculative_tokens(drafter, args.num_speculative_tokens)
     kept, num_skipped, chat = _encode(args, target, tok, texts)
     has_conf = drafter.cfg.has_confidence

@@ -124,6 +124,12 @@ def test_entry_points_resolve_the_same_defaults():
     ev = vars(eval_parser().parse_args([*need, "--prompts", "x", "--out", "o"]))
     for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "num_speculative_tokens"):
         assert gen[name] == ev[name] == d[name], name
+    # one dtype policy (docs/design.md#numerics): auto everywhere, the server's included
+    from dspark_jax.api import load_target
+    from dspark_jax.serving.http.cli import build_parser as serve_parser
+
+    assert gen["dtype"] == ev["dtype"] == serve_parser().get_default("dtype") == "auto"
+    assert inspect.signature(load_target).parameters["dtype"].default == "auto"
     with pytest.raises(SystemExit):  # one spelling of the verification length: --gamma is gone
         eval_parser().parse_args([*need, "--prompts", "x", "--out", "o", "--gamma", "2"])
 

@@ -175,11 +175,9 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
 
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     """dtype, attention backend, device mesh, bind address, shutdown and logging."""
-    from dspark_jax.decoding.cli import add_attention_argument
+    from dspark_jax.decoding.cli import add_attention_argument, add_dtype_argument
 
-    p.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16"], help="weight/compute dtype (default float32)"
-    )
+    add_dtype_argument(p)
     add_attention_argument(p)
     p.add_argument(
         "--mesh",
@@ -422,7 +420,6 @@ def _check_server_arguments(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> None:
-    import jax.numpy as jnp
     import uvicorn
 
     jax_cache = disk_cache.apply_cache_arguments(args)
@@ -438,14 +435,13 @@ def run(args: argparse.Namespace) -> None:
     def say(msg: str) -> None:  # before uvicorn's logging is configured
         print(f"[dspark_jax.serve] {msg}", file=sys.stderr, flush=True)
 
-    dtype = jnp.dtype(args.dtype)
     mesh = None
     if args.mesh:  # weights go straight from the host to their shards (an 8B target never lands on one chip)
         from dspark_jax.serving.engine.state import serving_mesh
 
         mesh = serving_mesh(args.mesh)
     target, tok, drafter = load_target_and_drafter(
-        args.target, args.drafter, dtype=dtype, mesh=mesh, attention_backend=args.attention_backend
+        args.target, args.drafter, dtype=args.dtype, mesh=mesh, attention_backend=args.attention_backend
     )
     policy = args.policy or ("dspark" if drafter is not None else "plain")
     t0 = time.monotonic()
