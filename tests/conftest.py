@@ -194,8 +194,8 @@ def stories260k_export(stories260k_dir, tmp_path_factory):
             if "DSPARK_TEST_USER_XLA_FLAGS" in env:
                 env["XLA_FLAGS"] = env["DSPARK_TEST_USER_XLA_FLAGS"]
             overrides = [f"{k}={v}" for k, v in QUICK_TRAIN.items()]
-            cmd = [sys.executable, "-m", "dspark_jax.train", "--preset", "stories260k", f"workdir={workdir}", *overrides]
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+            cmd = [sys.executable, "-m", "dspark_jax.train", "--preset", "stories260k", f"workdir={workdir}"]
+            p = subprocess.run([*cmd, *overrides], env=env, capture_output=True, text=True, timeout=1200)
             assert p.returncode == 0 and done.is_file(), p.stderr[-4000:]
     return workdir, json.loads(done.read_text())
 
