@@ -202,9 +202,9 @@ def stories260k_export(stories260k_dir, tmp_path_factory):
 
 # Seconds per test file on 2 busy cores (``--durations=0``, session 13; the shared training run
 # counts to the first file that asks for it), longest first. CI runs two xdist workers, one file at
-# a time each (``--dist loadfile --no-loadscope-reorder``: xdist would otherwise order the files by
-# their number of tests), in this order: starting the longest files first keeps one worker from
-# finishing a long file alone at the end.
+# a time each (``--dist loadfile``), which hand out the files with the most tests first; this order
+# breaks ties, and is the whole order with ``--no-loadscope-reorder`` (measured slower in session
+# 13: it starts the multi-process tests beside the run-bound law fixture).
 LONG_FILES = (
     "unit/test_decode.py",  # 601
     "integration/test_cli.py",  # 208
