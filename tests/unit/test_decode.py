@@ -754,6 +754,19 @@ def test_nan_weights(drafters):
         spec_std(bad, drafters["bigram"], temperature=1.0)
 
 
+def test_request_keys_are_prng_keys_of_the_seeds():
+    """The loops' vectorised request keys equal ``jax.random.PRNGKey(seed)`` seed by seed,
+    including negative seeds and seeds past 32 bits (whose low 32 bits PRNGKey keeps)."""
+    import jax
+
+    from dspark_jax.decoding.speculative import _keys
+
+    seeds = [0, 1, -1, -5, 2**31 - 1, 2**31, 2**32, 2**32 + 7, 2**63 - 1, -(2**63), 123456789012345, 7]
+    want = np.stack([np.asarray(jax.random.PRNGKey(s)) for s in seeds])
+    np.testing.assert_array_equal(np.asarray(_keys(np.asarray(seeds, np.int64), len(seeds))), want)
+    np.testing.assert_array_equal(np.asarray(_keys(np.int64(9), 3)), np.stack([np.asarray(jax.random.PRNGKey(9))] * 3))
+
+
 # ======================================================================================
 # The law at T > 0 through the real loops
 # ======================================================================================
@@ -782,11 +795,10 @@ def exact_law(target, prompt, temperature, top_k, top_p, n_tokens=3) -> np.ndarr
     return law / law.sum()
 
 
-def counts_of(res, rows, n_tokens=3) -> np.ndarray:
-    """``[V] * n_tokens`` counts of the first ``n_tokens`` generated tokens."""
+def counts_of(tokens: np.ndarray, rows, n_tokens=3) -> np.ndarray:
+    """``[V] * n_tokens`` counts of the first ``n_tokens`` generated tokens (``tokens``: ``[rows, T]``)."""
     counts = np.zeros((V,) * n_tokens)
-    for i in rows:
-        counts[tuple(res.generations[i].token_ids[:n_tokens])] += 1
+    np.add.at(counts, tuple(tokens[rows, :n_tokens].T), 1)
     return counts
 
 
@@ -827,10 +839,12 @@ def chi2_two_sample(c1, c2, keep) -> tuple[float, float]:
     return float(((a[m] - b[m]) ** 2 / (a[m] + b[m])).sum()), chi2_quantile(max(int(m.sum()) - 1, 1))
 
 
-@pytest.fixture(scope="module")
-def law_runs(peaked, drafters):
-    """One batch per loop: N_LAW rows per sampling setting, seeds 0..2N-1, max_new 6
-    (the first round verifies the full block_size = 4)."""
+def law_decodes() -> dict:
+    """The law's decodes, one batch per loop: N_LAW rows per sampling setting, seeds 0..2N-1,
+    max_new 6 (the first round verifies the full block_size = 4). ``{name: DecodeResult}`` for
+    ``ar``, ``spec-bigram``, ``spec-random`` and ``spec-bigram-auto`` (``tests/law_worker.py`` runs it)."""
+    peaked = Target(TINY, tiny_params("peaked"))
+    drafters = {"random": random_drafter(peaked, seed=3), "bigram": bigram_drafter(peaked, seed=4)}
     b = N_LAW * len(SETTINGS)
     kw = dict(
         max_new_tokens=6,
@@ -841,12 +855,43 @@ def law_runs(peaked, drafters):
         top_p=[s["top_p"] for s in SETTINGS for _ in range(N_LAW)],
     )
     prompts = [DIST_PROMPT] * b
-    ar = generate_autoregressive(peaked, prompts, **kw)
-    sp = {name: generate_speculative(peaked, drafters[name], prompts, **kw) for name in ("bigram", "random")}
-    sp["bigram-auto"] = generate_speculative(
+    out = {"ar": generate_autoregressive(peaked, prompts, **kw)}
+    out |= {
+        f"spec-{name}": generate_speculative(peaked, drafters[name], prompts, **kw) for name in ("bigram", "random")
+    }
+    out["spec-bigram-auto"] = generate_speculative(
         peaked, drafters["bigram"], prompts, num_speculative_tokens="auto", cost_table=COSTLY, **kw
     )
-    return ar, sp
+    return out
+
+
+@pytest.fixture(scope="module")
+def law_runs(tmp_path_factory) -> dict[str, dict[str, np.ndarray]]:
+    """:func:`law_decodes` in a process of its own at the user's XLA flags (it is run-bound):
+    ``{name: {"tokens": [rows, 6], "lengths", "accepted", "drafted": [rows]}}``."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import user_xla_env
+
+    out = tmp_path_factory.mktemp("law") / "law.npz"
+    worker = Path(__file__).resolve().parents[1] / "law_worker.py"
+    p = subprocess.run(
+        [sys.executable, str(worker), str(out)],
+        env=user_xla_env(),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=worker.parents[1],
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    runs: dict[str, dict[str, np.ndarray]] = {}
+    with np.load(out) as z:
+        for key in z.files:
+            name, field = key.split("/")
+            runs.setdefault(name, {})[field] = z[key]
+    return runs
 
 
 @pytest.mark.exactness
@@ -857,11 +902,13 @@ def test_law_of_first_tokens(setting, peaked, law_runs):
     verification round with block_size = 4: accept / correction / bonus paths) equals the exact
     law for AR and for speculative decoding with two drafters; later single positions
     agree between speculative and AR."""
-    ar, sp = law_runs
+    sp = {k.removeprefix("spec-"): v for k, v in law_runs.items() if k.startswith("spec-")}
     s = SETTINGS[setting]
     law = exact_law(peaked, DIST_PROMPT, **s)
     keep = _bins(law, N_LAW)
-    rows = range(setting * N_LAW, (setting + 1) * N_LAW)
+    rows = np.arange(setting * N_LAW, (setting + 1) * N_LAW)
+    for k, r in law_runs.items():
+        assert (r["lengths"][rows] == 6).all(), k
     # Power: sampling at a 10% wrong temperature makes the statistic noncentral chi2 with
     # noncentrality lam = N * sum (p' - p)^2 / p; mean - 4 sd must exceed the critical value.
     off = exact_law(peaked, DIST_PROMPT, **{**s, "temperature": s["temperature"] * 1.1})
@@ -870,8 +917,7 @@ def test_law_of_first_tokens(setting, peaked, law_runs):
     # (mass where the exact law has none would be detected with certainty: infinite)
     lam = N_LAW * np.where(lo > 0, (hi - lo) ** 2 / np.where(lo > 0, lo, 1.0), np.where(hi > 0, np.inf, 0.0)).sum()
     assert lam == np.inf or df + lam - 4 * np.sqrt(2 * (df + 2 * lam)) > crit, (lam, crit)
-    results = {"ar": ar, **{f"spec-{k}": v for k, v in sp.items()}}
-    counts = {k: counts_of(r, rows) for k, r in results.items()}
+    counts = {k: counts_of(r["tokens"], rows) for k, r in law_runs.items()}
     for k, c in counts.items():
         stat, crit = chi2_goodness(c, law, keep)
         assert stat < crit, f"{k}: chi2 {stat:.1f} >= {crit:.1f} against the exact law"
@@ -881,15 +927,13 @@ def test_law_of_first_tokens(setting, peaked, law_runs):
     # later positions (from the first round's accepted drafts / bonus, or the second
     # round): single-token marginals, speculative vs AR
     for pos in (3, 4, 5):
-        m_ar = np.bincount([ar.generations[i].token_ids[pos] for i in rows], minlength=V)
+        m_ar = np.bincount(law_runs["ar"]["tokens"][rows, pos], minlength=V)
         for k, r in sp.items():
-            m_sp = np.bincount([r.generations[i].token_ids[pos] for i in rows], minlength=V)
+            m_sp = np.bincount(r["tokens"][rows, pos], minlength=V)
             stat, crit = chi2_two_sample(m_sp, m_ar, (m_ar + m_sp) >= 10)
             assert stat < crit, (k, pos, stat, crit)
     for k, r in sp.items():
-        gens = [r.generations[i] for i in rows]
-        assert all(len(g.token_ids) == 6 for g in gens)
-        acc = sum(g.num_accepted for g in gens) / sum(g.num_draft_tokens for g in gens)
+        acc = r["accepted"][rows].sum() / r["drafted"][rows].sum()
         assert 0.0 < acc < 1.0, (k, acc)
 
 
