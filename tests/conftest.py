@@ -42,18 +42,21 @@ if os.environ.get("DSPARK_TEST_COMPILE_CACHE", "1") != "0" and "JAX_COMPILATION_
     atexit.register(shutil.rmtree, _jax_cache, ignore_errors=True)
 
 # The suite compiles far more than it runs (tiny models, many programs), so XLA's CPU backend
-# optimisation is turned down for the whole run: this process, the xdist workers and every
-# subprocess, through the environment (read when JAX starts its backend, after this import). On
-# two cores it cuts the compile-bound CLI tests by about a third and slows the run-bound ones (the
-# law of the first tokens, training) by a fifth to a third. The traced programs, hence the
-# exactness assertions, are the same. DSPARK_TEST_FAST_COMPILE=0 compiles as users do.
+# compiles fast for the whole run (optimisation turned down, the older elemental emitters:
+# benchmarks.engine_hlo.FAST_COMPILE_FLAGS): this process, the xdist workers and every subprocess,
+# through the environment (read when JAX starts its backend, after this import). On two cores,
+# session 14: tests/unit/test_engine.py 68 -> 42 s, test_decode.py less its two run-bound fixtures
+# 92 -> 55 s against the optimisation level alone (which had cut the compile-bound tests by a
+# third). The run-bound subprocesses (the law of the first tokens, the training run) get the
+# user's flags back (user_xla_env). The traced programs, hence the exactness assertions, are the
+# same. DSPARK_TEST_FAST_COMPILE=0 compiles as users do.
 if os.environ.get("DSPARK_TEST_FAST_COMPILE", "1") != "0" and "xla_backend_optimization_level" not in os.environ.get(
     "XLA_FLAGS", ""
 ):
-    from benchmarks.engine_hlo import FAST_COMPILE_FLAGS
+    from benchmarks.engine_hlo import fast_compile_flags
 
-    os.environ["DSPARK_TEST_USER_XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "")  # for the run-bound training run
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
+    os.environ["DSPARK_TEST_USER_XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "")  # for the run-bound subprocesses
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {fast_compile_flags()}".strip()
 
 
 def user_xla_env() -> dict[str, str]:

@@ -108,7 +108,10 @@ def _check_outputs(out_dir, block_size, calibrated):
     for png in ("position_acceptance.png", "reliability.png"):
         data = (out_dir / png).read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 2000, png
-    assert ev["tau"] >= 1.0 and 0.0 <= ev["acceptance_rate"] <= 1.0
+    # `auto` may verify no draft of a random drafter at all (its measured costs decide): then
+    # there is no acceptance rate (null) and every pass emitted exactly one token
+    rate = ev["acceptance_rate"]
+    assert ev["tau"] == 1.0 if rate is None else ev["tau"] >= 1.0 and 0.0 <= rate <= 1.0
     ar = ev["accept_rate_at_k"]
     assert len(ar) == block_size and all(a >= b for a, b in zip(ar, ar[1:]))
     # A round may verify nothing (at the length limit, or `auto` finding no draft worth its cost):
