@@ -229,6 +229,10 @@ def _build_trainer(cfg: TrainConfig, target, dcfg, data: dict[str, Any], mesh):
 
     # float32 master weights whatever cfg.dtype: the Trainer computes in cfg.dtype.
     drafter = build_drafter(dcfg, nnx.Rngs(cfg.seed))
+    if cfg.init_from_target_layers:  # a resumed run's checkpoint then overwrites it
+        from dspark_jax.training.warm_start import init_from_target_layers
+
+        init_from_target_layers(drafter, target, cfg.init_from_target_layers)
     if dcfg.draft_vocab_size:  # dspark / dflash only (DrafterConfig refuses one for eagle3)
         # From the data, so a resumed run rebuilds the same vocabulary.
         drafter.set_draft_vocab(data_mod.draft_vocabulary(data, dcfg.draft_vocab_size, target.cfg.vocab_size))
@@ -350,11 +354,13 @@ def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, targ
     from flax import nnx
 
     from dspark_jax.api import load_target
+    from dspark_jax.drafters.build import build_drafter
     from dspark_jax.drafters.checkpoint import export_drafter
     from dspark_jax.training import data as data_mod
     from dspark_jax.training.distributed import maybe_initialize_distributed
     from dspark_jax.training.loop import scalar_terms, train_loop
     from dspark_jax.training.trainer import count_params, drafter_config
+    from dspark_jax.training.warm_start import check_init_from_target_layers
 
     maybe_initialize_distributed()  # no-op when the CLI has already joined the run
     lead = _check_multi_process(cfg)
@@ -366,13 +372,17 @@ def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, targ
         (workdir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     mesh = _run_mesh(cfg)  # the target's weights go straight from the host to their shards
     target, tok = target_and_tokenizer or load_target(cfg.target, dtype=jnp.dtype(cfg.dtype), mesh=mesh)
+    dcfg = drafter_config(cfg, target)
+    if cfg.init_from_target_layers:  # a warm start that cannot be done is refused before any data
+        check_init_from_target_layers(
+            nnx.eval_shape(lambda: build_drafter(dcfg, nnx.Rngs(0))), target, cfg.init_from_target_layers
+        )
     # -- stage 1: self-distillation data -----------------------------------------------
     t0 = time.perf_counter()
     shards, eval_texts = prepare_data(cfg, target, tok)
     data = data_mod.load_shards(shards)
     gen_seconds = time.perf_counter() - t0
     # -- stage 2: training ----------------------------------------------------------------
-    dcfg = drafter_config(cfg, target)
     train_data, cache_seconds = _with_feature_cache(cfg, workdir, target, dict(data), dcfg.taps)
     trainer = _build_trainer(cfg, target, dcfg, train_data, mesh)
     step, terms, train_seconds = train_loop(cfg, trainer, train_data, workdir)

@@ -103,6 +103,8 @@ class TrainConfig:
         count with ``head_dim = d / num_heads``; dspark/dflash only (d != H has no external format).
       drafter_arch: ``interop`` (the checkpoint formats' architecture) or ``legacy`` (this
         project's first): :meth:`~dspark_jax.config.DrafterConfig.for_target`'s ``arch``.
+      init_from_target_layers: target layers the drafter's layers start from, one per layer
+        (``-2,-1``: the last two; :mod:`dspark_jax.training.warm_start`); empty = random.
       prompts: ``tinystories`` or ``chat``; prompts_file: extra JSONL prompts;
       num_prompts: training prompts used; num_eval_prompts: held-out prompts;
       num_calib_prompts: prompts whose target continuations calibrate the confidence head,
@@ -142,9 +144,8 @@ class TrainConfig:
       feature_cache: folder of a target-feature cache (:mod:`dspark_jax.training.feature_cache`;
         empty = off): the frozen target runs once per training sequence before training
         and every step reads its tapped features from disk instead of recomputing them
-        (saves the target forward of every step: 1.45x per DSpark step for the stories260k
-        preset on 2 CPU cores, more where the target dominates the step). Built when missing, extended when
-        it lacks this drafter's taps, refused when it belongs to another target or data.
+        (1.45x per DSpark step for the stories260k preset on 2 CPU cores). Built when missing, extended
+        when it lacks this drafter's taps, refused when it belongs to another target or data.
         ``auto``: ``<workdir>/feature_cache`` on a single-process run, off on several.
       feature_cache_dtype: ``float32`` (cached training equals uncached) or ``bfloat16``
         (half the disk and memory).
@@ -165,6 +166,7 @@ class TrainConfig:
     drafter_intermediate_size: int = 0
     drafter_width: int = 0
     drafter_arch: str = "interop"
+    init_from_target_layers: tuple[int, ...] = ()
     prompts: str = "tinystories"
     prompts_file: str = ""
     num_prompts: int = 2048
