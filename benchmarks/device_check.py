@@ -57,21 +57,20 @@ from typing import Any
 # --tiny: CPU-sized timings mean nothing and compiling is most of the run, so XLA compiles fast
 # (when JAX is not loaded yet, i.e. from the command line; flags already set, as by the test
 # suite, are kept).
-_flags = os.environ.get("XLA_FLAGS", "")
-if "--tiny" in sys.argv[1:] and "jax" not in sys.modules and "xla_backend_optimization_level" not in _flags:
-    from benchmarks.engine_hlo import fast_compile_flags
+if "--tiny" in sys.argv[1:] and "jax" not in sys.modules:
+    from benchmarks.engine_hlo import with_fast_compile
 
-    os.environ["XLA_FLAGS"] = f"{_flags} {fast_compile_flags()}".strip()
+    os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-from benchmarks.harness import command_line, json_default, ratio  # noqa: E402
-from dspark_jax.config import DrafterConfig, TargetConfig  # noqa: E402
-from dspark_jax.drafters.build import build_drafter  # noqa: E402
-from dspark_jax.models.target import Target  # noqa: E402
+from benchmarks.harness import command_line, json_default, ratio
+from dspark_jax.config import DrafterConfig, TargetConfig
+from dspark_jax.drafters.build import build_drafter
+from dspark_jax.models.target import Target
 
 SECTIONS = ("step", "roofline", "exactness", "engine", "train", "compile")
 # Peak HBM bandwidth [GB/s] and dense bfloat16 [TFLOP/s] by a substring of the lower-cased

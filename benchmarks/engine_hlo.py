@@ -85,6 +85,14 @@ def fast_compile_flags() -> str:
     return FAST_COMPILE_FLAGS if ok else BASE_FAST_COMPILE_FLAGS
 
 
+def with_fast_compile(flags: str) -> str:
+    """``flags`` (an ``XLA_FLAGS`` value) with :func:`fast_compile_flags` appended, or unchanged when
+    they already set the optimisation level (as the test suite's environment does: no second probe)."""
+    if "xla_backend_optimization_level" in flags:
+        return flags
+    return f"{flags} {fast_compile_flags()}".strip()
+
+
 def strip_metadata(text: str) -> str:
     """``text`` without the ``HloModule`` line (it holds the program's name), the source tables
     (``FileNames``, ``FunctionNames``, ``FileLocations``, ``StackFrames``: Python files, functions
@@ -293,10 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         dump = Path(args.dump_dir or tmp)
         dump.mkdir(parents=True, exist_ok=True)
-        given = os.environ.get("XLA_FLAGS", "")
-        fast = "" if "xla_backend_optimization_level" in given else fast_compile_flags()  # kept when set (the suite)
-        flags = f"{fast} --xla_dump_to={dump} --xla_dump_hlo_as_text".strip()
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+        fast = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
+        os.environ["XLA_FLAGS"] = f"{fast} --xla_dump_to={dump} --xla_dump_hlo_as_text".strip()
         import jax
 
         import dspark_jax

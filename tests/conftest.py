@@ -53,10 +53,10 @@ if os.environ.get("DSPARK_TEST_COMPILE_CACHE", "1") != "0" and "JAX_COMPILATION_
 if os.environ.get("DSPARK_TEST_FAST_COMPILE", "1") != "0" and "xla_backend_optimization_level" not in os.environ.get(
     "XLA_FLAGS", ""
 ):
-    from benchmarks.engine_hlo import fast_compile_flags
+    from benchmarks.engine_hlo import with_fast_compile
 
     os.environ["DSPARK_TEST_USER_XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "")  # for the run-bound subprocesses
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {fast_compile_flags()}".strip()
+    os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
 
 
 def user_xla_env() -> dict[str, str]:
