@@ -62,7 +62,7 @@ def random_drafter(target, preset: str, draft_vocab_size: int, seed: int = 0):
     from dspark_jax.drafters.build import build_drafter
     from dspark_jax.models.presets import canonical_preset
     from dspark_jax.training.recipes import TRAIN_PRESETS
-    from dspark_jax.training.trainer import TrainConfig, drafter_config
+    from dspark_jax.training.train_config import TrainConfig, drafter_config
 
     cfg = TRAIN_PRESETS.get(canonical_preset(preset) or "", TrainConfig())
     if draft_vocab_size >= 0:

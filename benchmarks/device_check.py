@@ -603,7 +603,8 @@ def train_flops(t: TargetConfig, d: DrafterConfig, batch: int, seq: int, anchors
 
 
 def section_train(ctx: Context) -> dict[str, Any]:
-    from dspark_jax.training.trainer import TrainConfig, Trainer
+    from dspark_jax.training.train_config import TrainConfig
+    from dspark_jax.training.trainer import Trainer
 
     p = ctx.plan
     b, seq, anchors = p.train_shape

@@ -100,7 +100,7 @@ def shared_feature_cache(directory: Path, target, data: dict, cfgs: Mapping[str,
     for the union of every config's taps (Eagle3's low/mid/high, DSpark/DFlash's defaults), built
     once (or reopened) so each training run reads it instead of building its own."""
     from dspark_jax.training.feature_cache import ensure_feature_cache
-    from dspark_jax.training.trainer import drafter_config
+    from dspark_jax.training.train_config import drafter_config
 
     t0 = time.perf_counter()
     union = sorted({t for c in cfgs.values() for t in drafter_config(c, target).taps})

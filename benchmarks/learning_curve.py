@@ -128,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-feature-cache", action="store_true", help="run the frozen target in every train step")
     p.add_argument("--quick", action="store_true", help="CI-sized smoke run (budgets 4,8; 2 drafters, 2 prompts)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="training-config overrides shared by every run, as for dspark_jax.train "
+        "(e.g. draft_vocab_size=8192 init_from_target_layers=-2,-1); part of the study's settings",
+    )
     return p
 
 
@@ -141,6 +149,7 @@ def parse_budgets(spec: str) -> list[int]:
 
 def study_config(args, budgets: list[int]):
     """``(base TrainConfig shared by every run, eval settings)`` from the preset and the flags."""
+    from dspark_jax.config import apply_overrides
     from dspark_jax.training.recipes import TRAIN_PRESETS
     from dspark_jax.training.schedules import wsd_decay_start
 
@@ -155,7 +164,7 @@ def study_config(args, budgets: list[int]):
     preset_warm = max(1, int(base.warmup_frac * base.steps))
     warm = args.warmup_steps if args.warmup_steps is not None else max(1, min(preset_warm, s_min // 2))
     over.update(lr_schedule="wsd", warmup_steps=warm, decay_frac=args.decay_frac, ckpt_every=250)
-    base = dataclasses.replace(base, **over)
+    base = apply_overrides(dataclasses.replace(base, **over), args.set)
     ev: dict[str, Any] = dict(
         num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, temperatures=floats(args.temperatures)
     )
@@ -393,7 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    base, ev = study_config(args, budgets)
+    try:
+        base, ev = study_config(args, budgets)
+    except ValueError as e:  # a bad --set
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     enable_compilation_cache(out)
     cfg_t, params, tok = resolve_target(args.target)
     target = Target(cfg_t, params, fingerprint=params_fingerprint(params))
@@ -464,6 +477,7 @@ def study_settings(base, ev: dict, data_info: dict, prompts: dict, args) -> dict
         "eval_temperatures": ev["temperatures"],
         "feature_cache": not args.no_feature_cache,
         "quick": args.quick,
+        **({"overrides": sorted(args.set)} if args.set else {}),  # absent when none: older studies still resume
     }
 
 

@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.models.presets import canonical_preset
     from dspark_jax.training.data import batches, draft_vocabulary, load_shards
     from dspark_jax.training.recipes import TRAIN_PRESETS
-    from dspark_jax.training.trainer import TrainConfig, Trainer, count_params, drafter_config
+    from dspark_jax.training.train_config import TrainConfig, drafter_config
+    from dspark_jax.training.trainer import Trainer, count_params
 
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.train_step_cost",

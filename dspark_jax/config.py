@@ -4,7 +4,7 @@ Three configs describe the whole system:
 
 * :class:`TargetConfig`  -- the frozen Llama-family target (docs/design.md#target-model).
 * :class:`DrafterConfig` -- the DSpark / DFlash drafter (docs/design.md#drafter).
-* ``TrainConfig`` lives in :mod:`dspark_jax.training.trainer`.
+* ``TrainConfig`` lives in :mod:`dspark_jax.training.train_config`.
 
 All configs are frozen dataclasses so they can be hashed and used as static
 arguments of ``jax.jit``.

@@ -25,7 +25,8 @@ from tiny import TINY_TARGET, tiny_target, tiny_train_config
 
 from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.training.losses import drafter_loss, finalize_loss, loss_sums, sample_anchors
-from dspark_jax.training.trainer import Trainer, drafter_config
+from dspark_jax.training.train_config import drafter_config
+from dspark_jax.training.trainer import Trainer
 
 N_DEV = 8
 STEPS = 2

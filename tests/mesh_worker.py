@@ -28,7 +28,8 @@ from dspark_jax.models import sharding as shd
 from dspark_jax.models.target import Target, random_params
 from dspark_jax.serving.engine import Engine, Request, SamplingParams
 from dspark_jax.training.dry_run import estimate_memory
-from dspark_jax.training.trainer import TrainConfig, Trainer, count_params, drafter_config
+from dspark_jax.training.train_config import TrainConfig, drafter_config
+from dspark_jax.training.trainer import Trainer, count_params
 
 N_DEV = 8
 # Every sharded dimension divisible by 8: heads, KV heads, MLP, vocabulary.

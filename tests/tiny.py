@@ -24,7 +24,7 @@ from flax import nnx
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafters.build import build_drafter
 from dspark_jax.models.target import Target, random_params
-from dspark_jax.training.trainer import TrainConfig, drafter_config
+from dspark_jax.training.train_config import TrainConfig, drafter_config
 
 TINY_TARGET = TargetConfig(
     vocab_size=64,

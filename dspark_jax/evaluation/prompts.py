@@ -238,7 +238,9 @@ _EVAL_SETS = (
 _MIN_GUARD_CHARS = 24  # shorter eval strings would match ordinary phrases
 
 
-def _normalise(text: str) -> str:
+def fold_text(text: str) -> str:
+    """``text`` lower-cased with punctuation and whitespace runs folded to single spaces (the
+    contamination guard's and deduplication's notion of "the same prompt")."""
     return " ".join(re.sub(r"[^\w]+", " ", text.lower()).split())
 
 
@@ -276,10 +278,10 @@ def drop_contaminated(texts: Sequence[str], eval_texts: Sequence[str]) -> list[b
     Returns:
       ``[len(texts)]`` booleans, True = drop.
     """
-    long_ev = sorted({e for e in map(_normalise, eval_texts) if len(e) >= _MIN_GUARD_CHARS}, key=len)
-    short_ev = {e for e in map(_normalise, eval_texts) if 0 < len(e) < _MIN_GUARD_CHARS}
+    long_ev = sorted({e for e in map(fold_text, eval_texts) if len(e) >= _MIN_GUARD_CHARS}, key=len)
+    short_ev = {e for e in map(fold_text, eval_texts) if 0 < len(e) < _MIN_GUARD_CHARS}
     out = []
     for t in texts:
-        n = _normalise(t)
+        n = fold_text(t)
         out.append(n in short_ev or any(e in n for e in long_ev))
     return out

@@ -448,7 +448,7 @@ def calibrate_training_run(
     The target generates continuations of held-out prompts (``heldout_prompt_ids``, never
     used for training data; ``source`` describes them in the report), sampled at T = 1 for
     the temperature-1 fit and greedy for the greedy fit, with the length settings of ``cfg``
-    (a :class:`~dspark_jax.training.trainer.TrainConfig`); the temperatures are fit and stored
+    (a :class:`~dspark_jax.training.train_config.TrainConfig`); the temperatures are fit and stored
     in the export; the full report goes to ``<workdir>/calibration.json``.
 
     Returns:

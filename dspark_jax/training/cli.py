@@ -20,7 +20,7 @@ The stages (data, training, export, calibration, evaluation; each resumable) are
 :mod:`dspark_jax.training.pipeline`, the ``--dry-run`` planner in :mod:`dspark_jax.training.dry_run`,
 the recipes (``--preset`` / ``--config NAME``) in :mod:`dspark_jax.training.recipes`, multi-process
 runs (TPU pod slices, several GPU nodes) in :mod:`dspark_jax.training.distributed`.
-Every field of :class:`~dspark_jax.training.trainer.TrainConfig` is a ``key=value`` override.
+Every field of :class:`~dspark_jax.training.train_config.TrainConfig` is a ``key=value`` override.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from dspark_jax.training.distributed import add_distributed_arguments, initializ
 from dspark_jax.training.dry_run import dry_run, serve_dry_run
 from dspark_jax.training.pipeline import run
 from dspark_jax.training.recipes import DEFAULT_RECIPE, TRAIN_PRESETS, load_config_file
-from dspark_jax.training.trainer import TrainConfig
+from dspark_jax.training.train_config import TrainConfig
 
 # One-line notes shown after a key's default in --help (full docs: TrainConfig's docstring).
 _FIELD_NOTES = {

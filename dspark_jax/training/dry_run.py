@@ -17,7 +17,7 @@ import numpy as np
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.training.distributed import process_layout
-from dspark_jax.training.trainer import TrainConfig
+from dspark_jax.training.train_config import TrainConfig
 
 
 def _mesh_sizes(mesh, devices: int) -> dict[str, int]:
@@ -244,7 +244,7 @@ def _recipe_configs(cfg: TrainConfig):
       DSparkInputError: the drafter config does not fit the target.
     """
     from dspark_jax.models.presets import target_config
-    from dspark_jax.training.trainer import drafter_config
+    from dspark_jax.training.train_config import drafter_config
 
     tcfg = target_config(cfg.target)
     try:

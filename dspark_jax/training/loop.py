@@ -24,7 +24,8 @@ import jax
 
 from dspark_jax.training import data as data_mod
 from dspark_jax.training.losses import LossTerms
-from dspark_jax.training.trainer import TrainConfig, Trainer
+from dspark_jax.training.train_config import TrainConfig
+from dspark_jax.training.trainer import Trainer
 
 
 def tensorboard_writer(logdir: Path):

@@ -41,7 +41,7 @@ TrainableDrafter = Drafter
 
 
 class LossConfig(Protocol):
-    """The loss settings read from a run config (:class:`~dspark_jax.training.trainer.TrainConfig`)."""
+    """The loss settings read from a run config (:class:`~dspark_jax.training.train_config.TrainConfig`)."""
 
     @property
     def anchors_per_seq(self) -> int: ...

@@ -25,7 +25,7 @@ from typing import Any
 
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.evaluation import prompts as prompts_mod
-from dspark_jax.training.trainer import TrainConfig
+from dspark_jax.training.train_config import TrainConfig
 
 
 def _is_lead() -> bool:
@@ -134,6 +134,8 @@ def prepare_data(cfg: TrainConfig, target, tok) -> tuple[list[Path], list[str]]:
     workdir = Path(cfg.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     train_texts, eval_texts, guard = _prompt_split(cfg, workdir)
+    if cfg.magpie_prompts and not cfg.data_dir:
+        train_texts = _with_magpie(cfg, target, tok, train_texts, guard, workdir)
     corpus_shards = _corpus_shards(cfg, tok, cfg.prompts == "chat", guard, workdir)
     if cfg.data_dir:
         # Shared data (read only): e.g. every drafter of a comparison trains on the same shards.
@@ -142,6 +144,23 @@ def prepare_data(cfg: TrainConfig, target, tok) -> tuple[list[Path], list[str]]:
             raise DSparkInputError(f"data_dir {cfg.data_dir} holds no shard_*.npz files")
         return shards + corpus_shards, eval_texts
     return _generate_data(cfg, target, tok, train_texts, workdir) + corpus_shards, eval_texts
+
+
+def _with_magpie(cfg: TrainConfig, target, tok, train_texts: list[str], guard: list[str], workdir: Path) -> list[str]:
+    """``train_texts`` with ``cfg.magpie_prompts`` requests written by the target mixed evenly into the
+    first ``num_prompts`` (:mod:`dspark_jax.training.magpie`; generated once into
+    ``<workdir>/magpie_prompts.jsonl``, reused by a resumed run).
+
+    Raises:
+      DSparkInputError: ``prompts`` is not ``chat``, or the target has no chat template.
+    """
+    from dspark_jax.training import magpie
+
+    if cfg.prompts != "chat":
+        raise DSparkInputError(f"magpie_prompts needs prompts=chat (a chat target), got prompts={cfg.prompts!r}")
+    extra = magpie.read_or_generate(workdir / "magpie_prompts.jsonl", target, tok, cfg.magpie_prompts, cfg.seed, guard)
+    print(f"magpie: {len(extra)} target-written prompts mixed into the first {cfg.num_prompts}", file=sys.stderr)
+    return magpie.mix_prompts(train_texts, extra, cfg.num_prompts)
 
 
 def _corpus_shards(cfg: TrainConfig, tok, chat: bool, guard: list[str], workdir: Path) -> list[Path]:
@@ -359,7 +378,8 @@ def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, targ
     from dspark_jax.training import data as data_mod
     from dspark_jax.training.distributed import maybe_initialize_distributed
     from dspark_jax.training.loop import scalar_terms, train_loop
-    from dspark_jax.training.trainer import count_params, drafter_config
+    from dspark_jax.training.train_config import drafter_config
+    from dspark_jax.training.trainer import count_params
     from dspark_jax.training.warm_start import check_init_from_target_layers
 
     maybe_initialize_distributed()  # no-op when the CLI has already joined the run

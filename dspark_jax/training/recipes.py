@@ -18,7 +18,7 @@ from typing import Any
 
 from dspark_jax.config import apply_overrides
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.training.trainer import TrainConfig
+from dspark_jax.training.train_config import TrainConfig
 
 # The recipe a run starts from when neither --preset nor a config file's ``preset:`` names one.
 DEFAULT_RECIPE = "stories260k"

@@ -32,7 +32,7 @@ LR_SCHEDULES = ("cosine", "wsd")
 
 
 class ScheduleConfig(Protocol):
-    """The fields of :class:`~dspark_jax.training.trainer.TrainConfig` a schedule reads."""
+    """The fields of :class:`~dspark_jax.training.train_config.TrainConfig` a schedule reads."""
 
     @property
     def lr_schedule(self) -> str: ...

@@ -53,7 +53,7 @@ def test_help_documents_every_flag(module):
     if module == "train":
         import dataclasses
 
-        from dspark_jax.training.trainer import TrainConfig
+        from dspark_jax.training.train_config import TrainConfig
 
         for f in dataclasses.fields(TrainConfig):
             assert f"{f.name}=" in p.stdout, f"config key {f.name} missing from --help"

@@ -30,6 +30,29 @@ def test_budgets_must_increase():
             lc.parse_budgets(bad)
 
 
+def test_set_overrides_every_run_and_enters_the_settings(tmp_path):
+    args = lc.build_parser().parse_args(
+        [
+            "--out",
+            "x",
+            "--target",
+            "smollm2-135m-instruct",
+            "--set",
+            "draft_vocab_size=8192",
+            "init_from_target_layers=-2,-1",
+        ]
+    )
+    base, ev = lc.study_config(args, [400, 800])
+    assert base.draft_vocab_size == 8192 and base.init_from_target_layers == (-2, -1)
+    assert base.lr_schedule == "wsd"  # the study's own settings still apply
+    data = {"sequences": 1, "generated_tokens": 1}
+    settings = lc.study_settings(base, ev, data, {"gsm8k": [[1]]}, args)
+    assert settings["overrides"] == ["draft_vocab_size=8192", "init_from_target_layers=-2,-1"]
+    plain = lc.build_parser().parse_args(["--out", "x"])
+    assert "overrides" not in lc.study_settings(*lc.study_config(plain, [400]), data, {"t": [[1]]}, plain)
+    assert lc.main(["--out", str(tmp_path), "--set", "no_such_key=1"]) == 2
+
+
 def test_tau_standard_errors():
     taus, passes = [2.0, 3.0, 1.5, 2.5], [10, 5, 8, 6]
     emitted = np.array(taus) * passes

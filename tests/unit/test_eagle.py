@@ -166,7 +166,8 @@ def trained(s260k, tmp_path_factory):
     """An eagle3 drafter trained for 60 steps on stories260K's own continuations."""
     from dspark_jax.evaluation.prompts import tinystories_openings
     from dspark_jax.training.data import batches
-    from dspark_jax.training.trainer import TrainConfig, Trainer, drafter_config
+    from dspark_jax.training.train_config import TrainConfig, drafter_config
+    from dspark_jax.training.trainer import Trainer
 
     target, tok = s260k
     prompts = [tok.encode(t) for t in tinystories_openings()[50:82]]

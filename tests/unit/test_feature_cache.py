@@ -26,7 +26,8 @@ from dspark_jax.training.feature_cache import (
     open_feature_cache,
 )
 from dspark_jax.training.losses import loss_sums, sample_anchors, target_draft_probs
-from dspark_jax.training.trainer import TrainConfig, Trainer, drafter_config
+from dspark_jax.training.train_config import TrainConfig, drafter_config
+from dspark_jax.training.trainer import Trainer
 
 TCFG = TINY_TARGET
 CFG = tiny_train_config(steps=4, batch_size=4, anchors_per_seq=4, learning_rate=1e-2, ckpt_every=100)

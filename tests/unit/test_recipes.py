@@ -14,7 +14,7 @@ import yaml
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.training.cli import build_parser, load_config
 from dspark_jax.training.recipes import TRAIN_PRESETS, load_config_file, load_recipe, recipe_names
-from dspark_jax.training.trainer import TrainConfig
+from dspark_jax.training.train_config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

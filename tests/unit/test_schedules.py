@@ -12,7 +12,8 @@ import pytest
 
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.training.schedules import host_lr_factor, learning_rate_schedule, wsd_decay_start
-from dspark_jax.training.trainer import TrainConfig, make_optimizer
+from dspark_jax.training.train_config import TrainConfig
+from dspark_jax.training.trainer import make_optimizer
 
 
 def _trajectory(tx: optax.GradientTransformation, n: int, scale=None) -> list[np.ndarray]:

@@ -16,7 +16,8 @@ from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.models.target import Target, random_params
 from dspark_jax.training.data import batches
 from dspark_jax.training.losses import drafter_loss
-from dspark_jax.training.trainer import TrainConfig, Trainer, drafter_config
+from dspark_jax.training.train_config import TrainConfig, drafter_config
+from dspark_jax.training.trainer import Trainer
 
 TCFG = TargetConfig(
     vocab_size=64,
