@@ -69,14 +69,15 @@ def select_prompts(
     candidates = []
     for text, done in zip(texts, finished):
         text = text.strip()
+        folded = prompts_mod.fold_text(text)
         if not done:
             stats["incomplete"] += 1
         elif len(text) < MIN_PROMPT_CHARS:
             stats["too_short"] += 1
-        elif prompts_mod.fold_text(text) in seen:
+        elif folded in seen:
             stats["duplicate"] += 1
         else:
-            seen.add(prompts_mod.fold_text(text))
+            seen.add(folded)
             candidates.append(text)
     drop = prompts_mod.drop_contaminated(candidates, guard) if candidates else []
     stats["contaminated"] += sum(drop)
