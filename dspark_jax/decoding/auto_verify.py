@@ -36,7 +36,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.decoding.round import RoundInputs, VerifiedRound, draft_tokens, verify_pass
+from dspark_jax.decoding.round import RoundInputs, VerifiedRound, commit_round, draft_tokens, verify_block
 from dspark_jax.drafters.base import Draft
 from dspark_jax.models.sampling import SamplingArrays
 
@@ -184,8 +184,11 @@ def auto_round(
     wi = jnp.where(state.draft_on, choose_width(d.confidence, r.running, widths, t_verify), 0)
     ell = jnp.where(r.running, jnp.clip(jnp.minimum(jnp.asarray(widths, jnp.int32)[wi], r.room), 0, block_size), 0)
     taps = drafter.cfg.taps
-    branches = [partial(verify_pass, target, drafter, width=w, block_size=block_size, taps=taps) for w in widths]
-    res = jax.lax.switch(wi, branches, tcache, dcache, r, d, ell, sampling)
+    # The branches only read the caches, which are written once after the switch: a branch that
+    # wrote them would make XLA copy both caches into it every round.
+    branches = [partial(verify_block, target, width=w, block_size=block_size, taps=taps) for w in widths]
+    pending = jax.lax.switch(wi, branches, tcache, r, d, ell, sampling)
+    res = commit_round(target, drafter, tcache, dcache, r.running, pending)
     pays = should_draft(d.confidence, r.running, widths, t_verify, t_draft)
     idle = jnp.where(state.draft_on, 0, state.idle + 1)
     draft_next = jnp.where(state.draft_on, pays, idle >= probe_every)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from dspark_jax.decoding.verifier import verify
 from dspark_jax.drafters.base import BlockDrafter, Draft
 from dspark_jax.drafters.markov import sample_block
+from dspark_jax.models.layers import KVCache
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample
 from dspark_jax.models.target import Target
 
@@ -41,11 +42,13 @@ __all__ = [
     "FINISH_NAMES",
     "FINISH_RUNNING",
     "FINISH_STOP",
+    "PendingRound",
     "Prefilled",
     "RoundInputs",
     "RoundStats",
     "VerifiedRound",
     "append_tokens",
+    "commit_round",
     "draft_step_keys",
     "draft_tokens",
     "emit_counts",
@@ -57,6 +60,7 @@ __all__ = [
     "round_statistics",
     "split_round_keys",
     "token_keys",
+    "verify_block",
     "verify_pass",
 ]
 
@@ -292,26 +296,101 @@ def verify_pass(
     Returns:
       :class:`VerifiedRound`, tokens padded to ``block_size + 1`` so every width has one shape.
     """
-    running, anchor, anchor_pos = r.running, r.anchor, r.anchor_pos
-    drafts, draft_probs = draft.tokens, draft.probs
-    offs = jnp.arange(width + 1, dtype=jnp.int32)
-    vtok = jnp.concatenate([anchor[:, None], drafts[:, :width]], axis=1)
-    vpos = anchor_pos[:, None] + offs
+    vtok, vpos = _verified_block(r, draft, width)
     out = target(vtok, vpos, tcache, taps=taps)
-    # Only positions that verification can read must be finite (anchor .. num_verify).
-    finite = logits_are_finite(jnp.where((offs[None, :] <= num_verify[:, None])[..., None], out.logits, 0.0))
+    dcache = drafter.extend_cache(
+        dcache, out.features, jnp.where(r.running[:, None], vpos, -1), target=target, tokens=vtok
+    )
+    toks, res, finite = _judge(out.logits, r, draft, num_verify, sampling, width, block_size)
+    return VerifiedRound(out.cache, dcache, toks, res.num_emitted, res.num_accepted, finite)
+
+
+def _verified_block(r: RoundInputs, draft: Draft, width: int) -> tuple[jax.Array, jax.Array]:
+    """``(tokens, positions)`` ``[B, width + 1]`` of a verification pass: the anchor, then ``width`` drafts."""
+    vtok = jnp.concatenate([r.anchor[:, None], draft.tokens[:, :width]], axis=1)
+    return vtok, r.anchor_pos[:, None] + jnp.arange(width + 1, dtype=jnp.int32)
+
+
+def _judge(logits, r: RoundInputs, draft: Draft, num_verify, sampling: SamplingArrays, width: int, block_size: int):
+    """Rejection sampling of a pass's ``logits [B, width + 1, V]``: ``(tokens [B, G + 1] padded with -1,
+    the verifier's result, finite [B])``; only the positions verification reads must be finite."""
+    offs = jnp.arange(width + 1, dtype=jnp.int32)
+    finite = logits_are_finite(jnp.where((offs[None, :] <= num_verify[:, None])[..., None], logits, 0.0))
     res = verify(
         r.verify_keys,
-        drafts[:, :width],
-        draft_probs[:, :width],
-        process_logits(out.logits, sampling),
+        draft.tokens[:, :width],
+        draft.probs[:, :width],
+        process_logits(logits, sampling),
         jnp.minimum(num_verify, width),
     )
-    dcache = drafter.extend_cache(
-        dcache, out.features, jnp.where(running[:, None], vpos, -1), target=target, tokens=vtok
-    )
     toks = jnp.pad(res.tokens, ((0, 0), (0, block_size - width)), constant_values=-1)
-    return VerifiedRound(out.cache, dcache, toks, res.num_emitted, res.num_accepted, finite)
+    return toks, res, finite
+
+
+class PendingRound(NamedTuple):
+    """Output of :func:`verify_block`: a verified round whose cache writes :func:`commit_round` does
+    (``B`` rows, block size ``G``; every width padded to ``G + 1`` tokens so all have one shape).
+
+    Attributes:
+      block_kv: the pass's keys/values :class:`~dspark_jax.models.layers.KVCache` ``[L, B, G + 1, kvh, hd]``.
+      features: ``[B, G + 1, n_taps * H]`` the tapped target states of the pass (zeros past the width).
+      block_tokens: ``[B, G + 1]`` int32 the pass's tokens (anchor, drafts; 0 past the width).
+      positions: ``[B, G + 1]`` int32 their absolute positions, ``-1`` past the width.
+      tokens / num_emitted / num_accepted / finite: as :class:`VerifiedRound`.
+    """
+
+    block_kv: KVCache
+    features: jax.Array
+    block_tokens: jax.Array
+    positions: jax.Array
+    tokens: jax.Array
+    num_emitted: jax.Array
+    num_accepted: jax.Array
+    finite: jax.Array
+
+
+def verify_block(
+    target: Target,
+    tcache,
+    r: RoundInputs,
+    draft: Draft,
+    num_verify: jax.Array,
+    sampling: SamplingArrays,
+    *,
+    width: int,
+    block_size: int,
+    taps,
+) -> PendingRound:
+    """:func:`verify_pass` that only reads the caches (:meth:`~dspark_jax.models.target.Target.forward_block`).
+
+    Meant for one branch of a ``lax.switch`` over compiled widths: a branch that wrote the caches
+    would make XLA copy them into it every round; :func:`commit_round` then writes the caches once,
+    outside the switch, in place. Arguments as :func:`verify_pass`.
+    """
+    vtok, vpos = _verified_block(r, draft, width)
+    out, block_kv = target.forward_block(vtok, vpos, tcache, taps=taps)
+    toks, res, finite = _judge(out.logits, r, draft, num_verify, sampling, width, block_size)
+    assert out.features is not None  # every drafter reads tapped target states
+    pad = block_size - width
+    return PendingRound(
+        KVCache(*(jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))) for a in block_kv)),
+        jnp.pad(out.features, ((0, 0), (0, pad), (0, 0))),
+        jnp.pad(vtok, ((0, 0), (0, pad))),
+        jnp.pad(vpos, ((0, 0), (0, pad)), constant_values=-1),
+        toks,
+        res.num_emitted,
+        res.num_accepted,
+        finite,
+    )
+
+
+def commit_round(target: Target, drafter, tcache, dcache, running: jax.Array, pending: PendingRound) -> VerifiedRound:
+    """The cache writes of a :func:`verify_block` round: the target's keys/values at the pass's positions
+    (every row, like :func:`verify_pass`), the drafter's context for running rows only."""
+    tcache = tcache.write_block(pending.block_kv, pending.positions)
+    ctx_pos = jnp.where(running[:, None], pending.positions, -1)
+    dcache = drafter.extend_cache(dcache, pending.features, ctx_pos, target=target, tokens=pending.block_tokens)
+    return VerifiedRound(tcache, dcache, pending.tokens, pending.num_emitted, pending.num_accepted, pending.finite)
 
 
 # ------------------------------------------------------------------------------ emission

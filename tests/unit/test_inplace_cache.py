@@ -1,14 +1,14 @@
 """The decode loops update their KV caches in place, and attention's cost follows the live length.
 
 Issue 24: the compiled single-request loops (:func:`~dspark_jax.decoding.speculative._ar_decode`,
-``_spec_decode`` at a fixed width) must not rebuild a cache-shaped array in
+``_spec_decode`` at a fixed width and with ``num_speculative_tokens="auto"``) must not rebuild a cache-shaped array in
 their loop bodies (a layer ``scan`` that maps the cache as xs/ys copies it every step): inside every
 ``while`` body of the optimized HLO, the only instructions whose result has a cache's shape are
 parameters, tuple reads, bitcasts and in-place updates (``dynamic-update-slice`` / ``scatter``, or a
 fusion whose root is one). The compiled programs' temporaries (``memory_analysis()``) stay below one
 cache array. Tiny random models at a long cache, so that a cache copy would dominate the temporaries.
-(``num_speculative_tokens="auto"`` is not covered yet: its ``lax.switch`` over the compiled widths
-takes the caches as branch operands, and XLA copies them into each branch.)
+(``auto``'s ``lax.switch`` over the compiled widths reads the caches and writes them after the switch:
+with the writes inside the branches XLA copied both caches into every branch, 10 copies a round here.)
 
 :func:`~dspark_jax.models.layers.cached_attention` equals the dense masked attention, does not
 depend on the allocated cache length or the batch-mates' lengths (bit for bit), and gives queries
@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dspark_jax.decoding import auto_verify
 from dspark_jax.decoding import speculative as sp
 from dspark_jax.drafters.base import prepare_drafter
 from dspark_jax.models.layers import attention, cached_attention
@@ -156,11 +157,15 @@ def _compiled(models, kind: str):
     if kind == "plain":
         return sp._ar_decode.lower(ts, _arrays(), t_graph=tg, cache_len=CACHE, max_steps=20).compile()
     statics = dict(t_graph=tg, d_graph=dg, cache_len=CACHE, max_steps=20)
+    if kind == "auto":
+        widths = auto_verify.default_widths(drafter.cfg.block_size)
+        costs = (jnp.linspace(1.0, 2.0, len(widths), dtype=jnp.float32), jnp.float32(0.3))
+        return sp._spec_decode.lower(ts, ds, _arrays(), jnp.int32(4), costs, **statics, widths=widths).compile()
     args = (ts, ds, _arrays(), jnp.int32(4), None)
     return sp._spec_decode.lower(*args, **statics, fixed_width=4).compile()
 
 
-@pytest.mark.parametrize("kind", ["plain", "fixed"])
+@pytest.mark.parametrize("kind", ["plain", "fixed", "auto"])
 def test_loop_bodies_update_caches_in_place(models, kind):
     target, drafter = models
     compiled = _compiled(models, kind)
@@ -208,3 +213,31 @@ def test_cached_attention_reads_only_live_blocks():
     k_nan, v_nan = k.at[:, :, 64:].set(jnp.nan), v.at[:, :, 64:].set(jnp.nan)
     got = jax.jit(lambda *a: cached_attention(*a, block=32))(q, k_nan, v_nan, 0, pos)
     assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_forward_block_equals_the_cached_pass():
+    """``Target.forward_block`` (reads the cache; ``auto``'s switch branches) then ``KVCache.write_block``
+    gives the logits, features and cache of the pass that writes in place; stale slots past a row's
+    block start are ignored and padding positions (-1) write nothing."""
+    target = Target(TINY_TARGET, random_params(TINY_TARGET, seed=2, scale=0.2))
+    rng = np.random.default_rng(0)
+    b, ctx, t, length = 2, 24, 5, 64
+    pos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (b, ctx))
+    context = jnp.asarray(rng.integers(0, TINY_TARGET.vocab_size, (b, ctx)), jnp.int32)
+    cache = target(context, pos, target.init_cache(b, length)).cache
+    assert cache is not None
+    start = jnp.asarray([24, 17], jnp.int32)  # row 1: slots 17..23 hold stale entries
+    bpos = start[:, None] + jnp.arange(t, dtype=jnp.int32)
+    tokens = jnp.asarray(rng.integers(0, TINY_TARGET.vocab_size, (b, t)), jnp.int32)
+    want = target(tokens, bpos, cache, taps=(0, 2))
+    got, block_kv = target.forward_block(tokens, bpos, cache, taps=(0, 2))
+    np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got.features), np.asarray(want.features), atol=2e-5, rtol=1e-5)
+    written = cache.write_block(block_kv, bpos.at[:, -1].set(-1))  # the last token as padding
+    assert want.cache is not None
+    pad = np.zeros((b, length), bool)
+    pad[np.arange(b), np.asarray(bpos[:, -1])] = True
+    for new, ref, old in zip(written, want.cache, cache):
+        new, ref, old = (np.asarray(a) for a in (new, ref, old))
+        np.testing.assert_allclose(new[:, ~pad], ref[:, ~pad], atol=2e-5)
+        assert np.array_equal(new[:, pad], old[:, pad])  # the padding position: not written
