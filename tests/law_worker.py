@@ -6,8 +6,8 @@ A process of its own because the decodes are run-bound (24,000 rows per loop) wh
 XLA's optimisation down for its compile-bound tests: the fixture starts this script with the
 user's ``XLA_FLAGS`` (``conftest.user_xla_env``). The target, drafters, seeds and settings are the
 test module's own (:func:`test_decode.law_decodes`); OUT holds, per loop ``NAME`` (``ar``,
-``spec-bigram``, ``spec-random``, ``spec-bigram-auto``), ``NAME/tokens`` ``[rows, 6]`` int32 (-1 past
-the end), ``NAME/lengths``, ``NAME/accepted`` and ``NAME/drafted`` ``[rows]`` int64.
+``spec-bigram``, ``spec-random``, ``spec-bigram-auto``, ``bf16-spec-bigram``), ``NAME/tokens`` ``[rows, 6]``
+int32 (-1 past the end), ``NAME/lengths``, ``NAME/accepted`` and ``NAME/drafted`` ``[rows]`` int64.
 """
 
 from __future__ import annotations
