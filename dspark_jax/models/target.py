@@ -193,9 +193,7 @@ class Target(nnx.Module):
 
             (x, nk, nv, _), hidden = jax.lax.scan(cached_layer, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
             new_cache = KVCache(nk, nv)
-        features = None
-        if taps and hidden is not None:  # hidden is None exactly when there are no taps
-            features = jnp.concatenate([hidden[t] for t in taps], axis=-1)
+        features = _tap_features(hidden, taps)
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[:, None, None].astype(jnp.int32), axis=1)[:, 0]
         return TargetOutput(self.unembed(x), features, new_cache)
@@ -239,7 +237,7 @@ class Target(nnx.Module):
             return (h, li + 1), ((h if taps else None), k, v)
 
         (x, _), (hidden, nk, nv) = jax.lax.scan(block_layer, (x, jnp.int32(0)), layer_params)
-        features = jnp.concatenate([hidden[t] for t in taps], axis=-1) if taps and hidden is not None else None
+        features = _tap_features(hidden, taps)
         block_kv = KVCache(nk.astype(cache.k.dtype), nv.astype(cache.v.dtype))
         return TargetOutput(self.unembed(x), features, None), block_kv
 
@@ -293,7 +291,7 @@ class Target(nnx.Module):
         _check_taps(cfg, taps)
         (x, nk, nv, _), hidden = jax.lax.scan(layer, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
         new_kv = (nk, nv)
-        features = jnp.concatenate([hidden[t] for t in taps], axis=-1) if taps and hidden is not None else None
+        features = _tap_features(hidden, taps)
         return TargetOutput(self.unembed(x[0]), features, KVCache(*new_kv))
 
     def init_cache(self, batch: int, length: int) -> KVCache:
@@ -327,6 +325,14 @@ def _attn_out_and_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, 
     h = h + attn @ p["wo"]
     m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
     return h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"])
+
+
+def _tap_features(hidden: jax.Array | None, taps: tuple[int, ...]) -> jax.Array | None:
+    """The tapped layers' outputs ``hidden [L, ..., H]`` (a layer scan's ys) concatenated on the last axis,
+    ``[..., n_taps * H]``; None without taps (the scan then returns no hidden states)."""
+    if not taps or hidden is None:
+        return None
+    return jnp.concatenate([hidden[t] for t in taps], axis=-1)
 
 
 def _check_taps(cfg: TargetConfig, taps: tuple[int, ...]) -> None:
