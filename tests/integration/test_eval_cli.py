@@ -224,6 +224,10 @@ def test_eval_cli_on_trained_export(stories260k_export, tmp_path, capsys):
             4,
             "--max-new-tokens",
             32,
+            # a fixed length, as above: `auto` may verify no draft of a 40-step drafter on a busy
+            # machine (its measured costs decide), and leave nothing to calibrate (CI, session 16)
+            "--num-speculative-tokens",
+            block_size,
             "--out",
             out,
         ],
