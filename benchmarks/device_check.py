@@ -498,7 +498,8 @@ def section_exactness(ctx: Context) -> dict[str, Any]:
 
 
 def _engine_point(eng: Any, rows: int, p: Plan, vocab: int) -> dict[str, Any]:
-    """``rows`` greedy requests in the engine, 2 warm steps, then ``p.engine_steps`` timed ones."""
+    """``rows`` greedy requests in the engine, 2 warm steps, then ``p.engine_steps`` timed ones with
+    the next step queued on the device (``overlap``, the default), then as many without."""
     from dspark_jax.serving.engine import Request, SamplingParams
 
     rng = np.random.default_rng(rows)
@@ -508,23 +509,31 @@ def _engine_point(eng: Any, rows: int, p: Plan, vocab: int) -> dict[str, Any]:
         eng.insert(eng.prefill(Request(ids, sp, f"r{i}")), eng.free_slots()[0])
     for _ in range(2):
         eng.generate()
-    times, toks = [], 0
-    for _ in range(p.engine_steps):
-        t0 = time.perf_counter()
-        outs = eng.generate()
-        times.append(time.perf_counter() - t0)
-        toks += sum(len(o.token_ids) for o in outs)
+    res: dict[str, Any] = {"policy": eng.policy, "rows": rows}
+    for overlap in (True, False):
+        eng.overlap = overlap
+        times, toks = [], 0
+        for _ in range(p.engine_steps):
+            t0 = time.perf_counter()
+            outs = eng.generate()
+            times.append(time.perf_counter() - t0)
+            toks += sum(len(o.token_ids) for o in outs)
+        total = sum(times)
+        if overlap:
+            res |= {
+                "ms_per_step": 1e3 * statistics.median(times),
+                "steps_per_s": len(times) / total,
+                "tokens_per_s": toks / total,
+                "tokens_per_row_step": toks / len(times) / rows,
+            }
+        else:
+            res["ms_per_step_no_overlap"] = 1e3 * statistics.median(times)
+            res["overlap_speedup"] = res["ms_per_step_no_overlap"] / res["ms_per_step"]
+    eng.overlap = True
     for s in eng.active_slots():
         eng.free(s)
-    total = sum(times)
-    return {
-        "policy": eng.policy,
-        "rows": rows,
-        "ms_per_step": 1e3 * statistics.median(times),
-        "steps_per_s": len(times) / total,
-        "tokens_per_s": toks / total,
-        "tokens_per_row_step": toks / len(times) / rows,
-    }
+    eng.sync()
+    return res
 
 
 def section_engine(ctx: Context) -> dict[str, Any]:
@@ -552,7 +561,7 @@ def section_engine(ctx: Context) -> dict[str, Any]:
         for r in p.rows:
             out.append(_engine_point(eng, r, p, ctx.cfg.vocab_size))
             ctx.partial({"rows": out})
-    keys = ["policy", "rows", "ms_per_step", "steps_per_s", "tokens_per_s", "tokens_per_row_step"]
+    keys = ["policy", "rows", "ms_per_step", "ms_per_step_no_overlap", "overlap_speedup", "steps_per_s", "tokens_per_s"]
     table(f"engine: cache {p.engine_cache}, prompt {p.engine_prompt}", keys, [[r[k] for k in keys] for r in out])
     return {
         "cache_len": p.engine_cache,

@@ -173,6 +173,41 @@ def test_policies_match_autoregressive(engine, requests, reference, policy):
         assert m["accepted_tokens"] > 0 and set(m["budget_hist"]) <= {1, 4, 2, 8}
 
 
+@pytest.mark.parametrize("policy", ["plain", "fixed:3"])
+def test_cancel_insert_and_sync_while_a_step_is_in_flight(engine, requests, reference, policy):
+    """With ``overlap`` a step is queued on the device when ``generate`` returns (for ``plain``
+    dispatched before the previous step's outputs were read). A request cancelled then yields
+    nothing more, a request inserted into its slot gets exactly its own tokens, and ``sync``
+    leaves the device state where the host's records say (anchor position = length - 1)."""
+    engine.set_policy(policy)
+    assert engine.overlap
+    r0, r5, r2 = requests[0], requests[5], requests[2]
+    engine.insert(engine.prefill(r0), 0)
+    engine.insert(engine.prefill(r5), 1)
+    toks: dict[str, list[int]] = {}
+
+    def step():
+        for o in engine.generate():
+            toks.setdefault(o.request_id, []).extend(o.token_ids)
+
+    for _ in range(3):
+        step()
+    engine.sync()  # the queued step's outputs come with the next generate()
+    st = engine.device.state
+    for slot in (0, 1):
+        rec = engine.slots[slot]
+        assert int(st.pos[rec.row]) == rec.length - 1 and int(st.anchor[rec.row]) == rec.tokens[-1]
+    step()
+    n5 = len(toks[r5.request_id])
+    engine.free(1)  # cancelled while the next step is in flight
+    engine.insert(engine.prefill(r2), 1)
+    while engine.active_slots():
+        step()
+    assert len(toks[r5.request_id]) == n5 and toks[r5.request_id] == reference[r5.request_id][0][:n5]
+    assert toks[r0.request_id] == reference[r0.request_id][0]
+    assert toks[r2.request_id] == reference[r2.request_id][0]
+
+
 @pytest.fixture(scope="module")
 def plain_programs():
     """One program cache for the drafter-less engines (coupled and rejection mode compile to
@@ -286,11 +321,15 @@ def test_prefill_drafts_only_while_drafting(engine, requests, reference):
     assert engine.metrics()["draft_tokens"] > 0
 
 
-def test_suspended_drafter_catches_up(engine, requests, reference):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_suspended_drafter_catches_up(engine, requests, reference, overlap):
     """Plain steps (and prefills) after ``suspend_after`` non-drafting steps skip the drafter
     context; when drafting resumes, the catch-up rebuilds it to what continuous upkeep would
     have written (same drafter KV at every confirmed position, same drafted confidences), and
-    the output stays exact."""
+    the output stays exact. With ``overlap`` the plain steps are dispatched before the previous
+    step's outputs are read (the first suspended one marks where the context stops one token
+    ahead of the host's records), and ``set_policy`` finishes the step in flight: one more plain,
+    suspended step than without."""
     ref_eng = Engine(
         engine.target,
         engine.drafter,
@@ -306,6 +345,7 @@ def test_suspended_drafter_catches_up(engine, requests, reference):
     ref_eng.sps_table = engine.sps_table
     toks = {}
     for eng in (engine, ref_eng):
+        eng.overlap = overlap
         eng.set_policy("plain")
         eng.reset_metrics()
         eng.planner.idle_steps = 0
@@ -323,9 +363,9 @@ def test_suspended_drafter_catches_up(engine, requests, reference):
             out[o.slot] += o.token_ids
         toks[id(eng)] = out
     m, m_ref = engine.metrics(), ref_eng.metrics()
-    assert m["suspended_steps"] == 7 and m_ref["suspended_steps"] == 0
-    # row 0: positions P0+2 .. P0+8 (7 tokens); row 1: its prompt and 2 generated tokens
-    assert m["catchup_tokens"] == 7 + len(requests[2].prompt_ids) + 2 and m_ref["catchup_tokens"] == 0
+    assert m["suspended_steps"] == 7 + overlap and m_ref["suspended_steps"] == 0
+    # row 0: positions P0+2 .. P0+8 (7 tokens, 8 with overlap); row 1: its prompt and 2 generated tokens
+    assert m["catchup_tokens"] == 7 + overlap + len(requests[2].prompt_ids) + 2 and m_ref["catchup_tokens"] == 0
     assert toks[id(engine)] == toks[id(ref_eng)]
     for slot in (0, 1):
         rec, rec_ref = engine.slots[slot], ref_eng.slots[slot]
@@ -345,6 +385,7 @@ def test_suspended_drafter_catches_up(engine, requests, reference):
                 toks[id(eng)][o.slot] += o.token_ids
         assert toks[id(eng)][0] == reference[requests[0].request_id][0]
         assert toks[id(eng)][1] == reference[requests[2].request_id][0]
+    engine.overlap = True
 
 
 def test_plan_follows_host_state_and_ignores_draft_values(engine, tokenizer):
@@ -736,6 +777,7 @@ def test_rejection_mode_replays_verify(rejection_engine, tokenizer, full_logits)
 
     eng = rejection_engine
     eng.reset_metrics()
+    eng.overlap = False  # white box: the device state read before each step is the host's
     samp = sampling_arrays(1, 1.0, 50, 1.0)
     checked = 0
     for seed, text in enumerate(["Lily went to the park and saw a big", "Once upon a time", "The sun was"]):
@@ -767,6 +809,7 @@ def test_rejection_mode_replays_verify(rejection_engine, tokenizer, full_logits)
             assert o.token_ids[n_pending:] == want and o.num_accepted == int(res.num_accepted[0])
             checked += 1
     assert checked >= 10 and eng.metrics()["accepted_tokens"] > 0
+    eng.overlap = True
 
 
 def test_sps_table_is_stored_and_reused_by_a_new_engine(engine, target, drafter, tmp_path, monkeypatch):

@@ -60,9 +60,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import cast
 
-import jax
 import numpy as np
 
 from dspark_jax.decoding.cost_table import CostTable, measured_spans
@@ -72,6 +70,7 @@ from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.target import Target
 from dspark_jax.serving.engine.counters import EngineMetrics
 from dspark_jax.serving.engine.device import EngineDevice, prefill_bucket_list, row_bucket_list, token_ladder
+from dspark_jax.serving.engine.inflight import InflightStep, close_step
 from dspark_jax.serving.engine.online_calibration import OnlineCalibrator
 from dspark_jax.serving.engine.planner import Planner, catchup_batches, parse_policy
 from dspark_jax.serving.engine.prefill import PrefillPasses, chunked_prefill
@@ -83,10 +82,9 @@ from dspark_jax.serving.engine.requests import (
     StepOutput,
     bias_table,
     logit_bias,
-    lp_entry,
     stop_ids,
 )
-from dspark_jax.serving.engine.slots import Round, SlotRecord, SlotTable, close_rounds
+from dspark_jax.serving.engine.slots import SlotRecord, SlotTable
 from dspark_jax.serving.engine.state import PrefixArrays
 from dspark_jax.serving.engine.step_programs import ProgramCache
 
@@ -149,6 +147,9 @@ class Engine:
         :class:`~dspark_jax.serving.engine.prefill.ChunkedPrefill` of this many tokens per pass
         (batched, chunked prefill; the server's default); 0: None (one-shot :meth:`prefill` only,
         the same pass program in its one-request shape).
+      overlap: keep the next step queued on the device while the host works
+        (:meth:`generate`; :mod:`~dspark_jax.serving.engine.inflight`). False: every step is
+        dispatched only when :meth:`generate` is called, and done when it returns.
 
     Raises:
       DSparkInputError: bad sizes, unknown policy or verification mode, a drafter for
@@ -194,6 +195,7 @@ class Engine:
         mesh=None,
         program_cache: ProgramCache | None = None,
         prefill_chunk_tokens: int = 0,
+        overlap: bool = True,
     ):
         self._configure(target, drafter, num_slots, cache_len, verification, max_logit_bias, max_stop_ids)
         self.eos_ids = tuple(
@@ -246,6 +248,8 @@ class Engine:
         )
         self.prefill_passes = PrefillPasses(self.device, self.planner, self.limits, self.prefill_buckets)
         self.prefiller = chunked_prefill(self, prefill_chunk_tokens)
+        # _inflight: the step queued on the device, outputs unread; _ready: outputs closed by sync()
+        self.overlap, self._inflight, self._ready = bool(overlap), None, []
 
     def _configure(self, target, drafter, num_slots, cache_len, verification, max_logit_bias, max_stop_ids) -> None:
         """Validates and stores the models, sizes and verification mode."""
@@ -301,6 +305,7 @@ class Engine:
         Raises:
           DSparkInputError: bad policy string.
         """
+        self.sync()
         self.planner.set_policy(policy)
         self._warm = False
 
@@ -333,6 +338,7 @@ class Engine:
         """Compiles every bucket (steps, prefill, insert, row moves) and makes sure an SPS
         table covers the current policy's buckets (profiling when needed). After it, no step
         recompiles."""
+        self.sync()
         bare = self.row_buckets if (self.drafter is not None and self.suspend_after is not None) else []
         self.prefill_passes.warmup_one_shot(self._examples)
         self.device.compile_all(self.step_shapes(), bare, self._examples)
@@ -367,6 +373,7 @@ class Engine:
         Raises:
           DSparkInputError: a span beyond one KV block while requests hold slots.
         """
+        self.sync()
         iters = self.profile_iters if iters is None else iters
         spans = self.profile_spans if spans is None else spans
         table = self.device.profile(self.step_shapes(), iters, spans, busy=len(self.slots))
@@ -468,10 +475,15 @@ class Engine:
             outs.append(StepOutput(slot, rec.request.request_id, rec.pending, True, rec.done, 0, 0, lps))
         return outs
 
-    def _run_planned(self, ell, rows: int, tokens: int, draft_next: bool, recs: list[SlotRecord]):
-        """Runs the step the planner chose: the drafter-less program while suspended (marking
-        where each row's drafter context stops), else catch-up first, then the full step.
-        Returns ``(device outputs, want_lp, suspended)``."""
+    def _dispatch(self, ahead: int = 0) -> InflightStep:
+        """Plans the next step and dispatches it (asynchronously): the drafter-less program while
+        suspended (marking where each row's drafter context stops), else catch-up first, then the
+        full step. ``ahead``: confirmed tokens each row gains from the step still in flight, whose
+        outputs the host has not read (1 for a plain step, 0 when none is)."""
+        t0 = time.perf_counter()
+        ell, rows, tokens, draft_next = self.plan()
+        self.planner.drafting = bool(draft_next)
+        recs = self.slots.row_records()
         n = len(recs)
         b = self.num_slots
         ell_b = np.zeros(b, np.int32)
@@ -480,34 +492,58 @@ class Engine:
         active[:n] = True
         if n + int(ell.sum()) > tokens or (tokens == rows and ell.any()):
             raise RuntimeError(f"scheduler plan {ell.tolist()} does not fit bucket ({rows}, {tokens})")
-        use_bias = any(rec.biased() for rec in recs)
+        use_bias = any(rec.biased() for rec in recs)  # a stale length only errs towards True
         want_lp = any(rec.n_lp is not None for rec in recs)
-        if self.planner.suspend_now(rows, tokens, draft_next):
+        suspended = self.planner.suspend_now(rows, tokens, draft_next)
+        if suspended:
             for rec in recs:
                 if rec.stale_from is None:
-                    rec.stale_from = rec.length - 1
+                    rec.stale_from = rec.length - 1 + ahead
             out = self.device.run_bare_step(rows, ell_b, active, use_bias, want_lp)
-            return out, want_lp, True
-        self._catch_up()
-        return self.device.run_step(rows, tokens, ell_b, active, draft_next, use_bias, want_lp), want_lp, False
+        else:
+            self._catch_up()
+            out = self.device.run_step(rows, tokens, ell_b, active, draft_next, use_bias, want_lp)
+        self.planner.record_step(rows, tokens, draft_next)
+        pairs = list(zip(self.slots.row_slots(), recs))
+        return InflightStep(out, pairs, ell, (rows, tokens), bool(draft_next), want_lp, suspended, t0)
 
-    def _emit(self, slot: int, rec: SlotRecord, r: int, rnd: Round, host, draft_next: bool) -> StepOutput:
-        """Row ``r``'s output of a step (``host``: the step's outputs read back; ``rnd``: its
-        round, :func:`~dspark_jax.serving.engine.slots.close_rounds`): its kept tokens, counters and
-        logprobs; the record gets the next block's confidences."""
-        _, _, _, conf, lpc, lpv, lpi = host
-        toks = rec.pending + rnd.tokens
-        rec.pending = []
-        lps = None
-        if rec.n_lp is not None:
-            lps = rec.pending_lp + [lp_entry(lpc[r, j], lpv[r, j], lpi[r, j], rec.n_lp) for j in range(len(rnd.tokens))]
-            rec.pending_lp = []
-        rec.push_z(np.asarray(conf[r], np.float64) if (draft_next and self.block_size) else None)
-        done = rnd.reason is not None
-        return StepOutput(slot, rec.request.request_id, toks, done, rnd.reason, rnd.verified, rnd.accepted, lps)
+    def _plans_ahead(self) -> bool:
+        """Whether the next step's plan is known before the current step's outputs are read: the
+        plain policy (or no drafter) verifies no draft, so every row steps once whatever it emits."""
+        return self.overlap and (self.planner.name == "plain" or self.block_size == 0) and self.slots.num_rows > 0
+
+    def _finish(self, step: InflightStep) -> list[StepOutput]:
+        """Reads ``step``'s outputs (blocking until it is done) and closes its rounds: the rows'
+        outputs, online calibration and counters; frees the finished rows."""
+        host = step.read(self.slots)
+        rows, tokens = step.bucket
+        n_all = len(step.rows)
+        self._metrics.add_step(
+            rows, tokens, n_all + int(step.ell.sum()), step.draft_next, step.suspended, time.perf_counter() - step.t0
+        )
+        outs = close_step(host, step.draft_next, self.block_size, self.calibrator, self._metrics)
+        for o in outs:
+            if o.finished:
+                self.free(o.slot)
+        return outs
+
+    def sync(self) -> None:
+        """Waits for the step in flight, if any, and closes it: afterwards the device state
+        (:attr:`device`) matches the host's records. Its outputs are returned by the next
+        :meth:`generate`. Called before anything that runs other programs on the decode state or
+        changes the policy (:meth:`warmup`, :meth:`profile_sps`, :meth:`set_policy`)."""
+        step, self._inflight = self._inflight, None
+        if step is not None:
+            self._ready.extend(self._finish(step))
 
     def generate(self) -> list[StepOutput]:
         """One speculative (or plain) step for every active slot.
+
+        With ``overlap`` (the default), the next step is already queued on the device when this
+        returns (dispatched right after this step's rounds were closed, or for the plain policy
+        before this step's outputs were read), so the device does not wait for the host's or the
+        caller's work between steps (:mod:`~dspark_jax.serving.engine.inflight`). A request
+        inserted after a call joins the step after the queued one.
 
         Returns:
           one :class:`StepOutput` per slot that produced tokens or finished. Finished slots
@@ -515,36 +551,18 @@ class Engine:
         """
         if not self._warm:
             self.warmup()
-        outs = self._report_unplaced()
-        n = self.slots.num_rows
-        if n == 0:
-            return outs
-        t0 = time.perf_counter()
-        ell, rows, tokens, draft_next = self.plan()
-        self.planner.drafting = bool(draft_next)
-        recs = self.slots.row_records()
-        out, want_lp, suspended = self._run_planned(ell, rows, tokens, draft_next, recs)
-        self.planner.record_step(rows, tokens, draft_next)
-        # The logprob arrays are only read back when some row asked for them.
-        ypad, acc, finite, conf = jax.device_get(out[:4])
-        lp = jax.device_get(out[4]) if want_lp else (None, None, None)
-        self._metrics.add_step(rows, tokens, n + int(ell.sum()), draft_next, suspended, time.perf_counter() - t0)
-        verified_rows = ell > 0
-        if self.block_size and verified_rows.any():
-            zs = np.stack([cast(np.ndarray, rec.z) for rec, v in zip(recs, verified_rows) if v])  # verified: drafted
-            self.calibrator.observe(zs, ell[verified_rows], acc[:n][verified_rows])
-            self.calibrator.update()
-        host = (ypad, acc, finite, conf) + tuple(lp)
-        rounds, stats, kept = close_rounds(recs, ypad, acc, finite, ell, self.block_size)
-        self._metrics.add_rounds(ell, stats, kept)
-        finished = []
-        for r, slot in enumerate(self.slots.row_slots()):
-            o = self._emit(slot, recs[r], r, rounds[r], host, draft_next)
-            outs.append(o)
-            if o.finished:
-                finished.append(slot)
-        for slot in finished:
-            self.free(slot)
+        outs = self._report_unplaced() + self._ready
+        self._ready = []
+        step, self._inflight = self._inflight, None
+        if step is None:
+            if self.slots.num_rows == 0:
+                return outs
+            step = self._dispatch()
+        if self._plans_ahead():
+            self._inflight = self._dispatch(ahead=1)
+        outs += self._finish(step)
+        if self.overlap and self._inflight is None and self.slots.num_rows > 0:
+            self._inflight = self._dispatch()
         return outs
 
     # ------------------------------------------------------------------ metrics
