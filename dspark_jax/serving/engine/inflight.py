@@ -33,7 +33,6 @@ class StepHost:
 
     Attributes:
       rows: ``[(slot, record)]`` of those rows, in row order at dispatch.
-      index: ``[n]`` int their rows in the step's outputs.
       ell: ``[n]`` int32 drafts each verified.
       ypad / acc / finite / conf: ``[n, G' + 1]`` int32 tokens, ``[n]`` int32 accepted drafts,
         ``[n]`` bool finite logits, ``[n, G']`` float32 the next block's confidence logits.
@@ -41,7 +40,6 @@ class StepHost:
     """
 
     rows: list[tuple[int, SlotRecord]]
-    index: np.ndarray
     ell: np.ndarray
     ypad: np.ndarray
     acc: np.ndarray
@@ -83,7 +81,6 @@ class InflightStep:
         lp = tuple(None if a is None else np.asarray(a)[idx] for a in lp)
         return StepHost(
             rows=[self.rows[r] for r in keep],
-            index=idx,
             ell=self.ell[idx],
             ypad=np.asarray(ypad)[idx],
             acc=np.asarray(acc)[idx],
