@@ -212,6 +212,22 @@ def markdown(key: str, res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def check_lengths(parser: argparse.ArgumentParser, lengths: str, block_size: int) -> None:
+    """Exits with a usage error (status 2) before anything runs when a fixed length of
+    ``--num-speculative-tokens`` has no cost in the cost table the bounds are priced by: the table
+    measures the widths ``auto`` compiles (:func:`~dspark_jax.decoding.auto_verify.default_widths`)."""
+    from dspark_jax.decoding.auto_verify import default_widths
+
+    widths = default_widths(block_size)
+    vals = [v.strip() for v in lengths.split(",") if v.strip() and v.strip() != "auto"]
+    bad = [v for v in vals if not v.isdigit() or int(v) not in widths[1:]]
+    if bad:
+        parser.error(
+            f"--num-speculative-tokens {','.join(bad)}: the cost-table bound prices only the widths "
+            f"{list(widths[1:])} of a block-{block_size} drafter (and 'auto')"
+        )
+
+
 def run_table(args, target, drafter, sets: dict, hf) -> tuple[dict, dict]:
     """``({"T0": {set: measure_speed result}}, {"T0": {"sets", "macro", "checks"}})`` and collects
     the cost tables into each run's ``cost_tables`` (popped from the drafter rows)."""
@@ -251,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg, params, tok = resolve_target(args.target)
     target = Target(cfg, params, fingerprint=params_fingerprint(params))
     drafter, meta = load_drafter(args.drafter)
+    check_lengths(build_parser(), args.num_speculative_tokens, drafter.cfg.block_size)
     chat = bool(preset_info(args.target).get("chat"))
     room = cfg.max_position - args.max_new_tokens - drafter.cfg.block_size - 2
     sets, set_info = load_sets(

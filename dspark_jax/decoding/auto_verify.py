@@ -11,8 +11,16 @@ free either. Per round, from the drafter's calibrated confidences ``c_k`` and a 
   second ``(1 + sum_{j<=l} a_j) / T_verify(l)`` grows, with ``a_j = prod_{i<=j} c_i``;
 * whether the *next* round drafts at all compares the best expected rate with drafting,
   ``max_l (1 + sum_{j<=l} a_j) / (T_draft + T_verify(l))``, against a plain step's
-  ``1 / T_step`` (this round's confidences predict the next round's); while not drafting,
-  every ``probe_every``-th round drafts anyway to refresh the prediction.
+  ``1 / T_step``, with the acceptances forecast from the request's observed rates, shrunk towards
+  this round's confidences (:func:`forecast_acceptance`); while not drafting, every
+  ``probe_every``-th round drafts anyway to refresh the forecast;
+* the confidences are first corrected by what this request has shown so far
+  (:func:`corrected_confidence`): per position, the observed over the predicted acceptances of
+  the verified drafts, discounted by ``ACCEPTANCE_DECAY`` per drafting round and shrunk towards
+  the pooled ratio of all positions, itself shrunk to 1, by a prior of ``ACCEPTANCE_PRIOR``
+  accepted tokens. A drafter calibrated on other prompts can be confident on a prompt it mostly
+  gets wrong (session 18: a HumanEval prompt at tau 1.09 kept drafting 8 tokens every round);
+  temperature scaling alone cannot bring a positive logit below 1/2, the ratio can.
 
 Non-anticipation (docs/design.md#non-anticipation): whether draft position ``k`` is verified must
 not depend on the value of ``x_k``. ``c_j`` depends on ``x_{j-1}`` (through the Markov
@@ -40,7 +48,24 @@ from dspark_jax.decoding.round import RoundInputs, VerifiedRound, commit_round, 
 from dspark_jax.drafters.base import Draft
 from dspark_jax.models.sampling import SamplingArrays
 
-__all__ = ["AutoState", "auto_round", "choose_width", "default_widths", "init_auto_state", "should_draft"]
+__all__ = [
+    "ACCEPTANCE_DECAY",
+    "ACCEPTANCE_PRIOR",
+    "FORECAST_PRIOR",
+    "AutoState",
+    "auto_round",
+    "choose_width",
+    "corrected_confidence",
+    "default_widths",
+    "forecast_acceptance",
+    "init_auto_state",
+    "observe_acceptance",
+    "should_draft",
+]
+
+ACCEPTANCE_PRIOR = 8.0  # [accepted tokens] pseudo-observations at ratio 1 per position
+FORECAST_PRIOR = 16.0  # [observations] weight of this round's confidences in the next round's forecast
+ACCEPTANCE_DECAY = 0.98  # per drafting round: older rounds fade (half-life ~34 drafting rounds)
 
 
 def default_widths(block_size: int) -> tuple[int, ...]:
@@ -121,22 +146,88 @@ def should_draft(
 
 
 class AutoState(NamedTuple):
-    """Loop state of ``num_speculative_tokens="auto"`` (scalars shared by the batch).
+    """Loop state of ``num_speculative_tokens="auto"``.
 
     Attributes:
-      draft_on: ``[]`` bool: this round drafts.
+      draft_on: ``[]`` bool: this round drafts (shared by the batch).
       idle: ``[]`` int32 rounds since the last drafting round.
       width: ``[]`` int32 index into the widths of the width verified last round (statistics).
+      hits: ``[B, G]`` float32 discounted count of accepted drafts per position, among the
+        verified drafts that verification reached (the conditional acceptances).
+      predicted: ``[B, G]`` float32 discounted sum of their calibrated confidences ``c_k``.
+      seen: ``[B, G]`` float32 discounted count of those drafts (observations).
     """
 
     draft_on: jax.Array
     idle: jax.Array
     width: jax.Array
+    hits: jax.Array
+    predicted: jax.Array
+    seen: jax.Array
 
 
-def init_auto_state() -> AutoState:
-    """The first round drafts."""
-    return AutoState(jnp.ones((), bool), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+def init_auto_state(batch: int, block_size: int) -> AutoState:
+    """The first round drafts; no acceptance observed yet (ratio 1)."""
+    z = jnp.zeros((batch, block_size), jnp.float32)
+    return AutoState(jnp.ones((), bool), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), z, z, z)
+
+
+def corrected_confidence(conf: jax.Array, state: AutoState, prior: float = ACCEPTANCE_PRIOR) -> jax.Array:
+    """``[B, G]`` confidences ``c_k * rho_k``, clipped to [0, 1], where
+
+        rho = (H + prior) / (P + prior),   rho_k = (hits_k + prior * rho) / (predicted_k + prior)
+
+    (``H``, ``P``: the row's sums over the positions). ``rho_k`` is this request's observed over
+    predicted conditional acceptance at position ``k`` so far (:func:`observe_acceptance`), shrunk
+    towards the row's pooled ratio ``rho``, itself shrunk towards 1: deep positions, which
+    verification seldom reaches, follow what the first ones show. It depends on past rounds only,
+    so a width chosen from the corrected confidences is still a stopping time of the draft sequence.
+    """
+    hits, predicted = state.hits, state.predicted
+    pooled = (jnp.sum(hits, axis=1, keepdims=True) + prior) / (jnp.sum(predicted, axis=1, keepdims=True) + prior)
+    ratio = (hits + prior * pooled) / (predicted + prior)
+    return jnp.clip(conf.astype(jnp.float32) * ratio, 0.0, 1.0)
+
+
+def observe_acceptance(
+    state: AutoState,
+    conf: jax.Array,
+    num_verify: jax.Array,
+    num_accepted: jax.Array,
+    running: jax.Array,
+    decay: float = ACCEPTANCE_DECAY,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The next ``(hits, predicted, seen)`` after a round (each ``[B, G]`` float32).
+
+    Draft position ``k`` (1-based) of a running row is an observation iff ``k <= num_verify``
+    and ``k <= num_accepted + 1`` (verification reached it); its label is ``k <= num_accepted``
+    and its prediction the calibrated ``conf[:, k - 1]`` (uncorrected). A row that verified
+    drafts first multiplies its sums by ``decay``; rounds without drafts leave them as they are,
+    so a request that stopped drafting remembers why.
+
+    Args:
+      conf: ``[B, G]`` calibrated confidences of the round's drafts.
+      num_verify / num_accepted: ``[B]`` int32 drafts verified and accepted this round.
+      running: ``[B]`` bool.
+    """
+    k = jnp.arange(1, conf.shape[1] + 1, dtype=jnp.int32)[None, :]
+    seen = (k <= num_verify[:, None]) & (k <= num_accepted[:, None] + 1) & running[:, None]
+    hit = seen & (k <= num_accepted[:, None])
+    keep = jnp.where(running & (num_verify > 0), decay, 1.0)[:, None]
+    hits = keep * state.hits + hit.astype(jnp.float32)
+    predicted = keep * state.predicted + jnp.where(seen, conf.astype(jnp.float32), 0.0)
+    return hits, predicted, keep * state.seen + seen.astype(jnp.float32)
+
+
+def forecast_acceptance(conf: jax.Array, state: AutoState, prior: float = FORECAST_PRIOR) -> jax.Array:
+    """``[B, G]`` conditional acceptances expected of the *next* round: per position the request's
+    observed rate ``(hits_k + prior * conf_k) / (seen_k + prior)``, shrunk towards this round's
+    corrected confidence ``conf_k`` by ``prior`` observations.
+
+    One round's confidences alone are a noisy forecast of the next round's (a hard token stops
+    drafting for ``probe_every`` rounds); the observed rate is not, once there are observations.
+    """
+    return (state.hits + prior * conf) / (state.seen + prior)
 
 
 def auto_round(
@@ -155,8 +246,9 @@ def auto_round(
     """One round with an automatic verification width (module docstring).
 
     Drafts (under ``lax.cond``, only when ``state.draft_on``), chooses the width from the
-    confidences (:func:`choose_width`), verifies with that width's compiled pass
-    (``lax.switch``), and decides whether the next round drafts (:func:`should_draft`).
+    corrected confidences (:func:`corrected_confidence`, :func:`choose_width`), verifies with that width's compiled pass
+    (``lax.switch``), records the round's acceptances (:func:`observe_acceptance`) and decides
+    whether the next round drafts (:func:`should_draft` of :func:`forecast_acceptance`).
 
     Args:
       state: :class:`AutoState`. tcache / dcache: the target's KV cache and the drafter's context cache.
@@ -180,8 +272,9 @@ def auto_round(
         return Draft(jnp.zeros((b, block_size), jnp.int32), jnp.zeros((b, block_size, v), jnp.float32), z, z)
 
     d = jax.lax.cond(state.draft_on, drafted, skipped, None)
+    conf = corrected_confidence(d.confidence, state)
     # Width from confidences only, chunk by chunk (non-anticipating, module docstring).
-    wi = jnp.where(state.draft_on, choose_width(d.confidence, r.running, widths, t_verify), 0)
+    wi = jnp.where(state.draft_on, choose_width(conf, r.running, widths, t_verify), 0)
     ell = jnp.where(r.running, jnp.clip(jnp.minimum(jnp.asarray(widths, jnp.int32)[wi], r.room), 0, block_size), 0)
     taps = drafter.cfg.taps
     # The branches only read the caches, which are written once after the switch: a branch that
@@ -189,7 +282,10 @@ def auto_round(
     branches = [partial(verify_block, target, width=w, block_size=block_size, taps=taps) for w in widths]
     pending = jax.lax.switch(wi, branches, tcache, r, d, ell, sampling)
     res = commit_round(target, drafter, tcache, dcache, r.running, pending)
-    pays = should_draft(d.confidence, r.running, widths, t_verify, t_draft)
+    hits, predicted, seen = observe_acceptance(state, d.confidence, ell, res.num_accepted, r.running)
+    after = state._replace(hits=hits, predicted=predicted, seen=seen)
+    forecast = forecast_acceptance(corrected_confidence(d.confidence, after), after)
+    pays = should_draft(forecast, r.running, widths, t_verify, t_draft)
     idle = jnp.where(state.draft_on, 0, state.idle + 1)
     draft_next = jnp.where(state.draft_on, pays, idle >= probe_every)
-    return res, ell, d.confidence_logit, AutoState(draft_next, idle, wi)
+    return res, ell, d.confidence_logit, AutoState(draft_next, idle, wi, hits, predicted, seen)

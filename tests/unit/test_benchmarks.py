@@ -207,3 +207,14 @@ def test_load_checkout_imports_the_other_package_inside_its_own_tree(tmp_path):
     assert {k: v for k, v in sys.modules.items() if k == "dspark_jax" or k.startswith("dspark_jax.")} == before
     with pytest.raises(FileNotFoundError):
         harness.load_checkout(tmp_path, ["config"])
+
+
+def test_speed_table_rejects_a_length_its_bound_cannot_price_before_running():
+    from benchmarks import speed_table
+
+    parser = speed_table.build_parser()
+    speed_table.check_lengths(parser, "1,2,4,8,auto", 8)  # the compiled widths pass
+    for bad in ("3", "2,9", "x"):
+        with pytest.raises(SystemExit) as e:
+            speed_table.check_lengths(parser, bad, 8)
+        assert e.value.code == 2

@@ -1,0 +1,64 @@
+"""The within-request acceptance correction of ``num_speculative_tokens="auto"``
+(:mod:`dspark_jax.decoding.auto_verify`); its exactness runs through the decode loop in
+tests/unit/test_decode.py (``test_auto_num_speculative_tokens_greedy`` and the law of first tokens).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.decoding import auto_verify as A
+
+G = 4
+
+
+def test_observations_are_the_positions_verification_reached():
+    """Every (verified, accepted) pair of a 4-token block, against the definition: position k is
+    observed iff k <= verified and k <= accepted + 1, and accepted iff k <= accepted."""
+    pairs = [(ell, acc) for ell in range(G + 1) for acc in range(ell + 1)]
+    ell = jnp.asarray([p[0] for p in pairs] + [3], jnp.int32)
+    acc = jnp.asarray([p[1] for p in pairs] + [2], jnp.int32)
+    running = jnp.asarray([True] * len(pairs) + [False])  # a finished row observes nothing
+    conf = jnp.tile(jnp.asarray([0.9, 0.7, 0.5, 0.3], jnp.float32), (len(pairs) + 1, 1))
+    state = A.init_auto_state(len(pairs) + 1, G)
+    state = state._replace(hits=state.hits + 1.0, predicted=state.predicted + 2.0, seen=state.seen + 3.0)
+    hits, predicted, seen_sum = A.observe_acceptance(state, conf, ell, acc, running, decay=0.5)
+    for r, (e, a) in enumerate(pairs + [(3, 2)]):
+        live = r < len(pairs)
+        seen = np.array([live and k <= e and k <= a + 1 for k in range(1, G + 1)])
+        hit = seen & (np.arange(1, G + 1) <= a)
+        keep = 0.5 if live and e > 0 else 1.0  # only a row that verified drafts forgets
+        np.testing.assert_allclose(hits[r], keep + hit, err_msg=str((e, a)))
+        np.testing.assert_allclose(
+            predicted[r], 2 * keep + np.where(seen, conf[r], 0.0), rtol=1e-6, err_msg=str((e, a))
+        )
+
+
+def test_a_request_that_rejects_everything_stops_drafting():
+    """Calibrated confidences promise 0.6 per draft, but nothing is accepted: with verification
+    as cheap as a plain step, drafting first pays, then the correction stops it within a dozen
+    rounds; a request whose drafts are accepted as predicted keeps drafting, its ratio near 1."""
+    widths, t_verify, t_draft = (0, 1, 2, 4), jnp.asarray([1.0, 1.05, 1.1, 1.2]), jnp.asarray(0.1)
+    conf, running = jnp.full((1, G), 0.6, jnp.float32), jnp.ones((1,), bool)
+    assert bool(A.should_draft(conf, running, widths, t_verify, t_draft))
+    for accepted, expect_stop in ((0, True), (None, False)):
+        state, rounds = A.init_auto_state(1, G), []
+        rng = np.random.default_rng(0)
+        for _ in range(40):
+            c = A.corrected_confidence(conf, state)
+            ell = A.choose_width(c, running, widths, t_verify)
+            ell = jnp.asarray([widths[int(ell)]], jnp.int32)
+            # as predicted: each verified draft accepted with probability 0.6, in order
+            acc = accepted if accepted is not None else int(np.argmin(np.append(rng.random(G) < 0.6, False)))
+            acc = jnp.minimum(jnp.asarray([acc], jnp.int32), ell)
+            hits, predicted, seen = A.observe_acceptance(state, conf, ell, acc, running)
+            state = state._replace(hits=hits, predicted=predicted, seen=seen)
+            forecast = A.forecast_acceptance(A.corrected_confidence(conf, state), state)
+            rounds.append(bool(A.should_draft(forecast, running, widths, t_verify, t_draft)))
+        if expect_stop:
+            assert not any(rounds[12:]), rounds  # stopped, and stays stopped while nothing is accepted
+        else:
+            assert sum(rounds) >= 0.9 * len(rounds), rounds  # an early unlucky rejection may pause it
+            ratio = (state.hits + A.ACCEPTANCE_PRIOR) / (state.predicted + A.ACCEPTANCE_PRIOR)
+            assert abs(float(ratio[0, 0]) - 1.0) < 0.3, ratio
