@@ -19,7 +19,7 @@ free either. Per round, from the drafter's calibrated confidences ``c_k`` and a 
   the verified drafts, discounted by ``ACCEPTANCE_DECAY`` per drafting round and shrunk towards
   the pooled ratio of all positions, itself shrunk to 1, by a prior of ``ACCEPTANCE_PRIOR``
   accepted tokens. A drafter calibrated on other prompts can be confident on a prompt it mostly
-  gets wrong (session 18: a HumanEval prompt at tau 1.09 kept drafting 8 tokens every round);
+  gets wrong (a HumanEval prompt at tau 1.09 with 2 drafts had ``auto`` verify 8 in every round);
   temperature scaling alone cannot bring a positive logit below 1/2, the ratio can.
 
 Non-anticipation (docs/design.md#non-anticipation): whether draft position ``k`` is verified must
