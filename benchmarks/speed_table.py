@@ -219,8 +219,8 @@ def check_lengths(parser: argparse.ArgumentParser, lengths: str, block_size: int
     from dspark_jax.decoding.auto_verify import default_widths
 
     widths = default_widths(block_size)
-    vals = [v.strip() for v in lengths.split(",") if v.strip() and v.strip() != "auto"]
-    bad = [v for v in vals if not v.isdigit() or int(v) not in widths[1:]]
+    vals = [v.strip() for v in lengths.split(",")]
+    bad = [v for v in vals if v not in ("", "auto") and not (v.isdigit() and int(v) in widths[1:])]
     if bad:
         parser.error(
             f"--num-speculative-tokens {','.join(bad)}: the cost-table bound prices only the widths "

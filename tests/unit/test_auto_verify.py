@@ -33,6 +33,7 @@ def test_observations_are_the_positions_verification_reached():
         np.testing.assert_allclose(
             predicted[r], 2 * keep + np.where(seen, conf[r], 0.0), rtol=1e-6, err_msg=str((e, a))
         )
+        np.testing.assert_allclose(seen_sum[r], 3 * keep + seen, err_msg=str((e, a)))
 
 
 def test_a_request_that_rejects_everything_stops_drafting():
@@ -60,5 +61,5 @@ def test_a_request_that_rejects_everything_stops_drafting():
             assert not any(rounds[12:]), rounds  # stopped, and stays stopped while nothing is accepted
         else:
             assert sum(rounds) >= 0.9 * len(rounds), rounds  # an early unlucky rejection may pause it
-            ratio = (state.hits + A.ACCEPTANCE_PRIOR) / (state.predicted + A.ACCEPTANCE_PRIOR)
+            ratio = A.corrected_confidence(jnp.full((1, G), 0.5), state) / 0.5  # the factor the loop applies
             assert abs(float(ratio[0, 0]) - 1.0) < 0.3, ratio
