@@ -38,7 +38,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.models.sampling import _categorical, sample
+from dspark_jax.models.sampling import _categorical, sample_or_argmax
 
 __all__ = [
     "VerifyOutput",
@@ -280,6 +280,7 @@ def verify_coupled_packed(
     lengths: jax.Array | None,
     *,
     width: int,
+    all_greedy: jax.Array | bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Coupled-draw verification of packed rows (the serving engine's default mode).
 
@@ -298,13 +299,16 @@ def verify_coupled_packed(
       lengths: ``[R]`` int32 verification lengths (non-anticipating), or None for a plain
         step (anchors only: nothing accepted).
       width: static grid width (``G + 1``).
+      all_greedy: ``[]`` bool, True only when every packed distribution that is not padding is
+        greedy (a one-hot): the samples are then argmaxes, with no noise drawn
+        (:func:`~dspark_jax.models.sampling.sample_or_argmax`; the same tokens).
     Returns:
       ``(tokens [R, width] int32, num_accepted [R] int32)``: the target's samples on the grid
       (``-1`` where no token was packed) and the accepted drafts; the emitted tokens are
       ``tokens[r, :num_accepted[r] + 1]``.
     """
     r = draft_tokens.shape[0]
-    y = sample(token_keys, target_probs)
+    y = sample_or_argmax(token_keys, target_probs, jnp.asarray(all_greedy))
     grid = jnp.full((r, width), -1, jnp.int32).at[rows, cols].set(y, mode="drop")
     if lengths is None:
         return grid, jnp.zeros((r,), jnp.int32)

@@ -42,6 +42,7 @@ __all__ = [
     "logits_are_finite",
     "process_logits",
     "sample",
+    "sample_or_argmax",
     "sample_subset",
     "sampling_arrays",
     "split_keys",
@@ -333,6 +334,26 @@ def sample(keys: jax.Array, probs: jax.Array) -> jax.Array:
     if _is_single_key(keys):
         return _categorical(keys, probs)
     return jax.vmap(_categorical)(keys, probs)
+
+
+def sample_or_argmax(keys: jax.Array, probs: jax.Array, all_greedy: jax.Array) -> jax.Array:
+    """:func:`sample`, with the Gumbel noise skipped when every distribution is greedy.
+
+    A greedy distribution from :func:`process_logits` is exactly a one-hot, whose Gumbel-max
+    draw is its argmax whatever the noise; so under ``all_greedy`` this returns
+    :func:`first_argmax` (the same ids, bit for bit) and draws no random bits. The noise of a
+    ``V``-wide vocabulary is most of a token draw's cost on CPU (a threefry pass over
+    ``[..., V]``). Batch-level ``lax.cond``: one executable, one branch executed.
+
+    Args:
+      keys / probs: as :func:`sample`.
+      all_greedy: ``[]`` bool. True only if every distribution of ``probs`` that matters is a
+        one-hot (e.g. every active row has temperature ``<= 0``); the caller guarantees it.
+
+    Returns:
+      ``int32`` token ids of shape ``probs.shape[:-1]``.
+    """
+    return lax.cond(all_greedy, lambda p: first_argmax(p), lambda p: sample(keys, p), probs)
 
 
 def first_argmax(x: jax.Array) -> jax.Array:

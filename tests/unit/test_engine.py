@@ -153,7 +153,7 @@ def drive(engine, requests):
     return toks, reasons
 
 
-@pytest.mark.parametrize("policy", ["plain", "fixed:3", "threshold:0.3", "greedy", "dspark"])
+@pytest.mark.parametrize("policy", ["plain", "fixed:1", "fixed:3", "threshold:0.3", "greedy", "dspark"])
 def test_policies_match_autoregressive(engine, requests, reference, policy):
     engine.set_policy(policy)
     engine.reset_metrics()

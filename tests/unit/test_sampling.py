@@ -13,6 +13,7 @@ from dspark_jax.models.sampling import (
     logits_are_finite,
     process_logits,
     sample,
+    sample_or_argmax,
     sampling_arrays,
 )
 
@@ -295,3 +296,18 @@ def test_sample_greedy_probs_returns_argmax():
     probs = process_logits(logits, sampling_arrays(4, temperature=0.0))
     keys = jax.random.split(jax.random.PRNGKey(2), 4)
     np.testing.assert_array_equal(np.asarray(sample(keys, probs)), logits.argmax(-1))
+
+
+def test_sample_or_argmax_draws_what_sample_draws():
+    # Greedy rows with ties (the first index wins in both) and a sampled batch with the flag off.
+    logits = np.asarray(_logits(9, (4, 3, 10))).copy()
+    logits[0, 0, [2, 5]] = logits[0, 0].max() + 1.0
+    keys = jax.random.split(jax.random.PRNGKey(3), 4)
+    greedy = process_logits(jnp.asarray(logits), sampling_arrays(4, temperature=0.0))
+    got = np.asarray(sample_or_argmax(keys, greedy, jnp.bool_(True)))
+    np.testing.assert_array_equal(got, np.asarray(sample(keys, greedy)))
+    assert got[0, 0] == 2
+    sampled = process_logits(jnp.asarray(logits), sampling_arrays(4, temperature=1.0))
+    np.testing.assert_array_equal(
+        np.asarray(sample_or_argmax(keys, sampled, jnp.bool_(False))), np.asarray(sample(keys, sampled))
+    )

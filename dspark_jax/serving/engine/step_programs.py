@@ -210,7 +210,11 @@ def _verify_packed(st: DecodeState, pk: _Packed, probs, prow, *, width: int, spe
     # key; drafts were drawn with the same keys.
     keys = token_keys(st.key[:r_][pk.row], jnp.maximum(pk.pos, 0))
     lengths = pk.n - 1 if width > 1 else None
-    return verify_coupled_packed(keys, probs, prow, pk.col, pk.drafts[:, :block_size], lengths, width=gp + 1)
+    # Greedy rows' distributions are one-hots (process_logits), whose draw is the argmax: when
+    # every active row is greedy no noise is drawn (padding tokens' draws are dropped).
+    all_greedy = jnp.all(~pk.act | (st.temperature[:r_] <= 0.0))
+    drafts = pk.drafts[:, :block_size]
+    return verify_coupled_packed(keys, probs, prow, pk.col, drafts, lengths, width=gp + 1, all_greedy=all_greedy)
 
 
 def _packed_logprobs(want_lp, raw_logits, ypad, pk: _Packed, prow, r_: int, gp: int, n_top: int):
@@ -306,7 +310,9 @@ def step_program(t_state, d_state, st: DecodeState, inp: StepInputs, *, t_graph,
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
     r_, k_ = rows, tokens
-    width = 1 if k_ == r_ else block_size + 1
+    # Tokens per row: the anchor and up to block_size drafts, and never more than the budget
+    # (a 1-row engine verifying 2 drafts attends over a [1, 3] grid, not [1, block_size + 1]).
+    width = 1 if k_ == r_ else min(block_size + 1, k_)
     pk = _pack(st, ell, active, r_, k_, width, block_size)
     taps = drafter.cfg.taps if drafter is not None else ()
     out = target.forward_packed(
