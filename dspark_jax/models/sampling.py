@@ -353,7 +353,7 @@ def sample_or_argmax(keys: jax.Array, probs: jax.Array, all_greedy: jax.Array) -
     Returns:
       ``int32`` token ids of shape ``probs.shape[:-1]``.
     """
-    return lax.cond(all_greedy, lambda p: first_argmax(p), lambda p: sample(keys, p), probs)
+    return lax.cond(all_greedy, first_argmax, lambda p: sample(keys, p), probs)
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
