@@ -53,6 +53,7 @@ __all__ = [
     "ACCEPTANCE_PRIOR",
     "FORECAST_PRIOR",
     "AutoState",
+    "acceptance_ratio",
     "auto_round",
     "choose_width",
     "corrected_confidence",
@@ -183,10 +184,20 @@ def corrected_confidence(conf: jax.Array, state: AutoState, prior: float = ACCEP
     verification seldom reaches, follow what the first ones show. It depends on past rounds only,
     so a width chosen from the corrected confidences is still a stopping time of the draft sequence.
     """
-    hits, predicted = state.hits, state.predicted
-    pooled = (jnp.sum(hits, axis=1, keepdims=True) + prior) / (jnp.sum(predicted, axis=1, keepdims=True) + prior)
-    ratio = (hits + prior * pooled) / (predicted + prior)
-    return jnp.clip(conf.astype(jnp.float32) * ratio, 0.0, 1.0)
+    return jnp.clip(conf.astype(jnp.float32) * acceptance_ratio(state.hits, state.predicted, prior), 0.0, 1.0)
+
+
+def acceptance_ratio(hits, predicted, prior: float = ACCEPTANCE_PRIOR):
+    """``[..., G]`` observed over predicted acceptance per block position, shrunk:
+    ``rho_k = (hits_k + prior * rho) / (predicted_k + prior)`` with the pooled
+    ``rho = (H + prior) / (P + prior)`` (``H``, ``P``: sums over the last axis), itself shrunk to 1.
+
+    ``hits`` / ``predicted``: ``[..., G]`` (weighted) counts of accepted drafts and sums of their
+    predicted confidences over the same observations. NumPy or JAX arrays (the serving engine's
+    :class:`~dspark_jax.serving.engine.online_calibration.OnlineCalibrator` uses it on the host,
+    :func:`corrected_confidence` inside the decode loop)."""
+    pooled = (hits.sum(axis=-1, keepdims=True) + prior) / (predicted.sum(axis=-1, keepdims=True) + prior)
+    return (hits + prior * pooled) / (predicted + prior)
 
 
 def observe_acceptance(
@@ -219,15 +230,17 @@ def observe_acceptance(
     return hits, predicted, keep * state.seen + seen.astype(jnp.float32)
 
 
-def forecast_acceptance(conf: jax.Array, state: AutoState, prior: float = FORECAST_PRIOR) -> jax.Array:
-    """``[B, G]`` conditional acceptances expected of the *next* round: per position the request's
-    observed rate ``(hits_k + prior * conf_k) / (seen_k + prior)``, shrunk towards this round's
+def forecast_acceptance(conf, hits, seen, prior: float = FORECAST_PRIOR):
+    """``[..., G]`` conditional acceptances expected of the *next* round: per position the request's
+    observed rate ``(hits_k + prior * conf_k) / (seen_k + prior)``, shrunk towards its latest
     corrected confidence ``conf_k`` by ``prior`` observations.
 
     One round's confidences alone are a noisy forecast of the next round's (a hard token stops
     drafting for ``probe_every`` rounds); the observed rate is not, once there are observations.
+    ``hits`` / ``seen``: the request's decayed counts (:class:`AutoState`; the serving engine's
+    :meth:`~dspark_jax.serving.engine.slots.SlotRecord.observe_round`). NumPy or JAX arrays.
     """
-    return (state.hits + prior * conf) / (state.seen + prior)
+    return (hits + prior * conf) / (seen + prior)
 
 
 def auto_round(
@@ -284,7 +297,7 @@ def auto_round(
     res = commit_round(target, drafter, tcache, dcache, r.running, pending)
     hits, predicted, seen = observe_acceptance(state, d.confidence, ell, res.num_accepted, r.running)
     after = state._replace(hits=hits, predicted=predicted, seen=seen)
-    forecast = forecast_acceptance(corrected_confidence(d.confidence, after), after)
+    forecast = forecast_acceptance(corrected_confidence(d.confidence, after), after.hits, after.seen)
     pays = should_draft(forecast, r.running, widths, t_verify, t_draft)
     idle = jnp.where(state.draft_on, 0, state.idle + 1)
     draft_next = jnp.where(state.draft_on, pays, idle >= probe_every)

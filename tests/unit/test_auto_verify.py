@@ -55,7 +55,7 @@ def test_a_request_that_rejects_everything_stops_drafting():
             acc = jnp.minimum(jnp.asarray([acc], jnp.int32), ell)
             hits, predicted, seen = A.observe_acceptance(state, conf, ell, acc, running)
             state = state._replace(hits=hits, predicted=predicted, seen=seen)
-            forecast = A.forecast_acceptance(A.corrected_confidence(conf, state), state)
+            forecast = A.forecast_acceptance(A.corrected_confidence(conf, state), state.hits, state.seen)
             rounds.append(bool(A.should_draft(forecast, running, widths, t_verify, t_draft)))
         if expect_stop:
             assert not any(rounds[12:]), rounds  # stopped, and stays stopped while nothing is accepted

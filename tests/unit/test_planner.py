@@ -5,6 +5,7 @@ which drafting pays only when drafts are accepted, and the engine's host loop in
 import numpy as np
 import pytest
 
+from dspark_jax.decoding.auto_verify import ACCEPTANCE_DECAY
 from dspark_jax.decoding.cost_table import CostTable
 from dspark_jax.serving.engine.online_calibration import OnlineCalibrator
 from dspark_jax.serving.engine.planner import MAX_PROBE_INTERVAL, Planner
@@ -46,6 +47,7 @@ def _drive(planner: Planner, rec: SlotRecord, script, steps: int) -> list[dict]:
         if ell[0] > 0:
             planner.calibrator.observe(np.asarray(rec.z)[None], ell, np.asarray([acc]))
             planner.calibrator.update()
+            rec.observe_round(int(ell[0]), acc, GAMMA, ACCEPTANCE_DECAY)
         rec.length += 1 + acc
         rec.push_z(np.full(GAMMA, z) if draft_next else None)
         log.append({"step": step, "verified": int(ell[0]), "drafted": bool(draft_next), "suspended": suspended})
@@ -123,3 +125,39 @@ def test_the_plan_reads_the_sps_of_the_live_span():
         assert planner.live_span([rec]) == length + GAMMA
         drafts.append(planner.plan([rec])[3])
     assert drafts == [True, False]
+
+
+def test_observe_round_counts_what_verification_reached():
+    """Position k was reached iff k <= verified and k <= accepted + 1; older rounds decay."""
+    rec = _record()
+    rec.observe_round(3, 1, GAMMA, 0.5)  # positions 1, 2 reached; 1 accepted
+    rec.observe_round(4, 4, GAMMA, 0.5)  # every position reached and accepted
+    np.testing.assert_allclose(rec.seen, [1.5, 1.5, 1.0, 1.0])
+    np.testing.assert_allclose(rec.hits, [1.5, 1.0, 1.0, 1.0])
+
+
+def test_drafting_decision_follows_the_requests_observed_acceptance():
+    """The next block is not drafted yet, so whether to draft it is forecast from the request's
+    observed acceptance, shrunk towards its latest confidences: a request whose drafts were
+    mostly accepted keeps drafting after one block with low confidence, one whose drafts were
+    rejected stops after a fairly confident block. Without observations the latest confidences decide."""
+    decisions = {}
+    cases = (("good, z=-4", -4.0, GAMMA), ("none, z=-4", -4.0, None), ("bad, z=1", 1.0, 0), ("none, z=1", 1.0, None))
+    for name, z, accepted in cases:
+        planner = Planner(GAMMA, True, LADDER, [1], OnlineCalibrator(GAMMA), suspend_after=4, policy="dspark")
+        planner.set_table(_table())
+        rec = _record()
+        for _ in range(0 if accepted is None else 64):
+            rec.observe_round(GAMMA, accepted, GAMMA, ACCEPTANCE_DECAY)
+        rec.push_z(np.full(GAMMA, z))
+        decisions[name] = bool(planner.plan([rec])[3])
+    assert decisions == {"good, z=-4": True, "none, z=-4": False, "bad, z=1": False, "none, z=1": True}
+
+
+def test_one_row_budgets_include_one_and_two_drafts():
+    """Below the ladder's first budget the dspark/greedy policies compile whole drafts per row, so
+    one row can verify 1 or 2 drafts without paying for a 3-draft step; fixed:G compiles its own."""
+    planner = Planner(8, True, (4, 8, 16), [1, 2, 4], OnlineCalibrator(8), suspend_after=4, policy="dspark")
+    assert [planner.budgets(r) for r in (1, 2, 4)] == [[1, 2, 3, 4, 8, 9], [2, 4, 8, 16], [4, 8, 16]]
+    planner.set_policy("fixed:2")
+    assert planner.budgets(1) == [1, 3]

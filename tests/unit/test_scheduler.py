@@ -200,6 +200,19 @@ def test_online_calibration_cools_overconfident_positions():
     assert all(o is not None and abs(o - 0.6) < 0.1 for o in st["observed"])
 
 
+def test_online_calibration_reaches_below_one_half():
+    """Temperature scaling cannot bring a positive logit below 1/2; the observed over predicted
+    acceptance ratio can: a drafter confident at z = 2 (0.88) that lands 0.3 ends near 0.3."""
+    rng = np.random.default_rng(7)
+    cal = OnlineCalibrator(2, window=512, lr=0.2, max_step=0.05)
+    _feed(cal, 2.0, 0.3, rng)
+    after = cal.confidence(np.full(2, 2.0))
+    assert np.all(np.abs(after - 0.3) < 0.08), after
+    st = cal.stats()
+    assert all(abs(p - o) < 0.05 for p, o in zip(st["predicted"], st["observed"]))
+    assert all(r < 1.0 for r in st["ratios"])
+
+
 def test_online_calibration_warms_underconfident_positions():
     rng = np.random.default_rng(6)
     cal = OnlineCalibrator(2, init=[1.0, 1.0], window=512, lr=0.2, max_step=0.05)

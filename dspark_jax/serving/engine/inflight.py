@@ -19,6 +19,7 @@ from typing import Any, cast
 import jax
 import numpy as np
 
+from dspark_jax.decoding.auto_verify import ACCEPTANCE_DECAY
 from dspark_jax.serving.engine.counters import EngineMetrics
 from dspark_jax.serving.engine.online_calibration import OnlineCalibrator
 from dspark_jax.serving.engine.requests import StepOutput, lp_entry
@@ -122,6 +123,9 @@ def close_step(
         zs = np.stack([cast(np.ndarray, rec.z) for rec, v in zip(recs, verified) if v])  # verified: drafted
         calibrator.observe(zs, ell[verified], acc[verified])
         calibrator.update()
+        for rec, e, a in zip(recs, ell, acc):
+            if e > 0:
+                rec.observe_round(int(e), int(a), block_size, ACCEPTANCE_DECAY)
     rounds, stats, kept = close_rounds(recs, host.ypad, acc, host.finite, ell, block_size)
     metrics.add_rounds(ell, stats, kept)
     next_z = bool(draft_next and block_size)

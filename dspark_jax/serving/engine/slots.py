@@ -59,6 +59,8 @@ class SlotRecord:
       hist: the last 3 blocks' ``z`` (the deployed scheduler reads 2-step-old confidences).
       last_z: the latest ``z`` the drafter produced for this request, however old (the
         forecast of a row that has not drafted lately); None before its first block.
+      hits / seen: ``[block_size]`` this request's accepted drafts and verification-reached draft
+        positions, decayed per verifying round (:meth:`observe_round`; None before its first).
       tokens: confirmed tokens by position (the catch-up re-runs them).
       stale_from: drafter context missing from this position on (None: current).
       min_tokens: stops cannot end the request before this many generated tokens.
@@ -78,6 +80,8 @@ class SlotRecord:
     z: np.ndarray | None = None
     hist: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=3))
     last_z: np.ndarray | None = None
+    hits: np.ndarray | None = None
+    seen: np.ndarray | None = None
     tokens: list = dataclasses.field(default_factory=list)
     stale_from: int | None = None
     min_tokens: int = 0
@@ -120,6 +124,18 @@ class SlotRecord:
         self.hist.append(z)
         if z is not None:
             self.last_z = z
+
+    def observe_round(self, verified: int, accepted: int, block_size: int, decay: float) -> None:
+        """Adds one round that verified ``verified >= 1`` drafts and accepted ``accepted`` of them
+        to :attr:`hits` / :attr:`seen` (older rounds first multiplied by ``decay``): position ``k``
+        (1-based) was reached iff ``k <= verified`` and ``k <= accepted + 1``, a hit iff
+        ``k <= accepted``; batch-1 ``auto``'s observations
+        (:func:`~dspark_jax.decoding.auto_verify.observe_acceptance`), per request."""
+        k = np.arange(1, block_size + 1)
+        if self.hits is None or self.seen is None:
+            self.hits, self.seen = np.zeros(block_size), np.zeros(block_size)
+        self.seen = decay * self.seen + ((k <= verified) & (k <= accepted + 1))
+        self.hits = decay * self.hits + (k <= accepted)
 
     def biased(self) -> bool:
         """Whether a step must apply this row's bias table (logit_bias, or min_tokens masking
