@@ -350,8 +350,8 @@ class Planner:
         """``[G]`` survival forecast of a row's *next* block, which is not drafted yet: the
         request's observed conditional acceptance shrunk towards its latest calibrated confidences
         (:func:`~dspark_jax.decoding.auto_verify.forecast_acceptance`, as batch-1 ``auto``), or the
-        window's prior before it drafted. One block's confidences alone say little of the next
-        one's (SmolLM2-135M at tau 1.4: drafting in half the steps, below ``fixed:2``)."""
+        window's prior before it drafted. One block's confidences alone are a noisy forecast of
+        the next one's; the request's observed rate is not, once there are observations."""
         if rec.last_z is None:
             return prior
         conf = self.calibrator.confidence(rec.last_z)
