@@ -61,6 +61,7 @@ __all__ = [
     "forecast_acceptance",
     "init_auto_state",
     "observe_acceptance",
+    "reached_and_accepted",
     "should_draft",
 ]
 
@@ -200,6 +201,14 @@ def acceptance_ratio(hits, predicted, prior: float = ACCEPTANCE_PRIOR):
     return (hits + prior * pooled) / (predicted + prior)
 
 
+def reached_and_accepted(k, num_verify, num_accepted):
+    """Which draft positions a verification round observed: position ``k`` (1-based) was reached
+    iff ``k <= num_verify`` and ``k <= num_accepted + 1``, and accepted iff ``k <= num_accepted``.
+    Broadcasting NumPy or JAX arrays (batch-1 ``auto``'s :func:`observe_acceptance`, the serving
+    engine's online calibration and per-request counts); returns ``(reached, accepted)`` bool."""
+    return (k <= num_verify) & (k <= num_accepted + 1), k <= num_accepted
+
+
 def observe_acceptance(
     state: AutoState,
     conf: jax.Array,
@@ -222,8 +231,9 @@ def observe_acceptance(
       running: ``[B]`` bool.
     """
     k = jnp.arange(1, conf.shape[1] + 1, dtype=jnp.int32)[None, :]
-    seen = (k <= num_verify[:, None]) & (k <= num_accepted[:, None] + 1) & running[:, None]
-    hit = seen & (k <= num_accepted[:, None])
+    reached, accepted = reached_and_accepted(k, num_verify[:, None], num_accepted[:, None])
+    seen = reached & running[:, None]
+    hit = seen & accepted
     keep = jnp.where(running & (num_verify > 0), decay, 1.0)[:, None]
     hits = keep * state.hits + hit.astype(jnp.float32)
     predicted = keep * state.predicted + jnp.where(seen, conf.astype(jnp.float32), 0.0)

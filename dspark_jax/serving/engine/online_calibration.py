@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dspark_jax.decoding.auto_verify import acceptance_ratio
+from dspark_jax.decoding.auto_verify import acceptance_ratio, reached_and_accepted
 
 __all__ = ["OnlineCalibrator"]
 
@@ -96,8 +96,9 @@ class OnlineCalibrator:
         k = np.arange(1, self.block_size + 1)[None, :]
         ver = np.asarray(verified)[:, None]
         acc = np.asarray(accepted)[:, None]
-        reached = (k <= ver) & (k <= acc + 1) & np.isfinite(z)
-        label = (k <= acc).astype(np.float64)
+        reached, accepted = reached_and_accepted(k, ver, acc)
+        reached &= np.isfinite(z)
+        label = accepted.astype(np.float64)
         for pos in range(self.block_size):
             sel = reached[:, pos]
             m = int(sel.sum())

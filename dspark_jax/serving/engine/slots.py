@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dspark_jax.decoding.auto_verify import reached_and_accepted
 from dspark_jax.decoding.round import (
     FINISH_ERROR,
     FINISH_NAMES,
@@ -131,11 +132,11 @@ class SlotRecord:
         (1-based) was reached iff ``k <= verified`` and ``k <= accepted + 1``, a hit iff
         ``k <= accepted``; batch-1 ``auto``'s observations
         (:func:`~dspark_jax.decoding.auto_verify.observe_acceptance`), per request."""
-        k = np.arange(1, block_size + 1)
+        reached, hit = reached_and_accepted(np.arange(1, block_size + 1), verified, accepted)
         if self.hits is None or self.seen is None:
             self.hits, self.seen = np.zeros(block_size), np.zeros(block_size)
-        self.seen = decay * self.seen + ((k <= verified) & (k <= accepted + 1))
-        self.hits = decay * self.hits + (k <= accepted)
+        self.seen = decay * self.seen + reached
+        self.hits = decay * self.hits + hit
 
     def biased(self) -> bool:
         """Whether a step must apply this row's bias table (logit_bias, or min_tokens masking
