@@ -154,6 +154,28 @@ def test_drafting_decision_follows_the_requests_observed_acceptance():
     assert decisions == {"good, z=-4": True, "none, z=-4": False, "bad, z=1": False, "none, z=1": True}
 
 
+def test_deployed_budget_follows_the_requests_observed_acceptance():
+    """The dspark policy fixes a step's budget before the verified block's confidences exist, from
+    the block two steps old: forecast with the request's observed acceptance. At one row that
+    budget is the verified length, so a request whose drafts were rejected verifies few drafts
+    after a fairly confident stale block, one whose drafts were accepted verifies the whole block after
+    a doubtful one; without observations the stale confidences decide."""
+    tokens = {}
+    cases = (("bad, z=1", 1.0, 0), ("none, z=1", 1.0, None), ("good, z=-4", -4.0, GAMMA), ("none, z=-4", -4.0, None))
+    for name, z_old, accepted in cases:
+        planner = Planner(GAMMA, True, LADDER, [1], OnlineCalibrator(GAMMA), suspend_after=4, policy="dspark")
+        planner.set_table(_table())
+        rec = _record()
+        for _ in range(0 if accepted is None else 64):
+            rec.observe_round(GAMMA, accepted, GAMMA, ACCEPTANCE_DECAY)
+        for z in (z_old, 0.0, 4.0):  # the verified block itself is confident in every case
+            rec.push_z(np.full(GAMMA, z))
+        tokens[name] = planner.plan([rec])[2]
+    full = 1 + GAMMA
+    assert tokens["none, z=1"] == full and tokens["good, z=-4"] == full
+    assert tokens["bad, z=1"] < full and tokens["none, z=-4"] < full
+
+
 def test_one_row_budgets_include_one_and_two_drafts():
     """Below the ladder's first budget the dspark/greedy policies compile whole drafts per row, so
     one row can verify 1 or 2 drafts without paying for a 3-draft step; fixed:G compiles its own."""

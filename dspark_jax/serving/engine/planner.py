@@ -346,25 +346,35 @@ class Planner:
 
     # ------------------------------------------------------------------ the plan
 
-    def _forecast_survival(self, rec: SlotRecord, prior: np.ndarray) -> np.ndarray:
-        """``[G]`` survival forecast of a row's *next* block, which is not drafted yet: the
-        request's observed conditional acceptance shrunk towards its latest calibrated confidences
+    def _forecast_survival(self, rec: SlotRecord, prior: np.ndarray, z: np.ndarray | None = None) -> np.ndarray:
+        """``[G]`` survival forecast of a block whose own confidences are not known: the request's
+        observed conditional acceptance (:attr:`SlotRecord.hits` / ``seen``) shrunk towards the
+        calibrated confidences ``z`` of an earlier block
         (:func:`~dspark_jax.decoding.auto_verify.forecast_acceptance`, as batch-1 ``auto``), or the
-        window's prior before it drafted. One block's confidences alone are a noisy forecast of
-        the next one's; the request's observed rate is not, once there are observations."""
-        if rec.last_z is None:
+        window's ``prior`` without them. One block's confidences alone are a noisy forecast of
+        another's; the request's observed rate is not, once there are observations.
+
+        ``z``: the earlier block's ``[G]`` raw confidence logits; default the request's latest
+        (:attr:`SlotRecord.last_z`: the forecast of its *next*, not yet drafted block)."""
+        z = rec.last_z if z is None else z
+        if z is None:
             return prior
-        conf = self.calibrator.confidence(rec.last_z)
+        conf = self.calibrator.confidence(z)
         if rec.hits is not None and rec.seen is not None:
             conf = forecast_acceptance(conf, rec.hits, rec.seen)
         return sch.survival(conf)
 
+    def _stale_forecast(self, rec: SlotRecord, prior: np.ndarray) -> np.ndarray:
+        """``[G]`` survival forecast the deployed budget reads: the request's observed acceptance
+        shrunk towards the confidences of the row's block two steps old (:attr:`SlotRecord.hist`;
+        :meth:`_forecast_survival`), or ``prior`` when that step did not draft or the request is
+        newer."""
+        z = rec.hist[0] if len(rec.hist) == 3 else None
+        return prior if z is None else self._forecast_survival(rec, prior, z)
+
     def _throughput_lengths(self, records, rows, room, surv, cap) -> tuple[np.ndarray, bool]:
         """``(lengths, draft_next)`` of the greedy / dspark policies."""
         prior = self.calibrator.prior_survival()
-
-        def surv_of(zz):
-            return prior if zz is None else sch.survival(self.calibrator.confidence(zz))
 
         fc = np.stack([self._forecast_survival(rec, prior) for rec in records])
         draft_next, span = self.want_drafts(records, rows, fc, room), self.live_span(records)
@@ -376,7 +386,10 @@ class Planner:
         if self.name == "greedy":
             ell = sch.greedy_lengths(surv, cap, sps)
         else:
-            old = np.stack([surv_of(rec.hist[0] if len(rec.hist) == 3 else None) for rec in records])
+            # The deployed budget is fixed before the verified block's confidences exist, from the
+            # block two steps old: forecast with the request's observed acceptance, since at one
+            # row one stale block's confidences decide the whole budget.
+            old = np.stack([self._stale_forecast(rec, prior) for rec in records])
             ell, _ = sch.deployed_lengths(old, surv, cap, sps, self.budgets(rows))
         if self._probe == 2:  # verify the probe's drafts: at least one per row that has them
             ell = np.maximum(ell, np.minimum(cap, 1))
