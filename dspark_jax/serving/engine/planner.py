@@ -346,37 +346,30 @@ class Planner:
 
     # ------------------------------------------------------------------ the plan
 
-    def _forecast_survival(self, rec: SlotRecord, prior: np.ndarray, z: np.ndarray | None = None) -> np.ndarray:
+    def _forecast_survival(self, rec: SlotRecord, prior: np.ndarray, z: np.ndarray | None) -> np.ndarray:
         """``[G]`` survival forecast of a block whose own confidences are not known: the request's
         observed conditional acceptance (:attr:`SlotRecord.hits` / ``seen``) shrunk towards the
-        calibrated confidences ``z`` of an earlier block
-        (:func:`~dspark_jax.decoding.auto_verify.forecast_acceptance`, as batch-1 ``auto``), or the
-        window's ``prior`` without them. One block's confidences alone are a noisy forecast of
-        another's; the request's observed rate is not, once there are observations.
-
-        ``z``: the earlier block's ``[G]`` raw confidence logits; default the request's latest
-        (:attr:`SlotRecord.last_z`: the forecast of its *next*, not yet drafted block)."""
-        z = rec.last_z if z is None else z
-        if z is None:
+        calibrated confidences of an earlier block, ``z`` (its ``[G]`` raw logits), or without one
+        towards the window's survival ``prior``
+        (:func:`~dspark_jax.decoding.auto_verify.forecast_acceptance`, as batch-1 ``auto``);
+        without observations, ``z``'s survival or ``prior``. One block's confidences alone are a
+        noisy forecast of another's; the request's observed rate is not, once there are
+        observations. The *next*, not yet drafted block is forecast from :attr:`SlotRecord.last_z`,
+        the deployed budget from the block two steps old (:attr:`SlotRecord.hist`)."""
+        observed = rec.hits is not None and rec.seen is not None
+        if z is not None:
+            conf = self.calibrator.confidence(z)
+        elif observed:
+            conf = prior / np.concatenate([[1.0], prior[:-1]]).clip(1e-12)  # survival -> conditional
+        else:
             return prior
-        conf = self.calibrator.confidence(z)
-        if rec.hits is not None and rec.seen is not None:
-            conf = forecast_acceptance(conf, rec.hits, rec.seen)
-        return sch.survival(conf)
-
-    def _stale_forecast(self, rec: SlotRecord, prior: np.ndarray) -> np.ndarray:
-        """``[G]`` survival forecast the deployed budget reads: the request's observed acceptance
-        shrunk towards the confidences of the row's block two steps old (:attr:`SlotRecord.hist`;
-        :meth:`_forecast_survival`), or ``prior`` when that step did not draft or the request is
-        newer."""
-        z = rec.hist[0] if len(rec.hist) == 3 else None
-        return prior if z is None else self._forecast_survival(rec, prior, z)
+        return sch.survival(forecast_acceptance(conf, rec.hits, rec.seen) if observed else conf)
 
     def _throughput_lengths(self, records, rows, room, surv, cap) -> tuple[np.ndarray, bool]:
         """``(lengths, draft_next)`` of the greedy / dspark policies."""
         prior = self.calibrator.prior_survival()
 
-        fc = np.stack([self._forecast_survival(rec, prior) for rec in records])
+        fc = np.stack([self._forecast_survival(rec, prior, rec.last_z) for rec in records])
         draft_next, span = self.want_drafts(records, rows, fc, room), self.live_span(records)
         if not draft_next and self._probe == 0 and self._probe_due(rows, span):
             draft_next, self._probe, self._since_probe = True, 1, 0
@@ -389,7 +382,9 @@ class Planner:
             # The deployed budget is fixed before the verified block's confidences exist, from the
             # block two steps old: forecast with the request's observed acceptance, since at one
             # row one stale block's confidences decide the whole budget.
-            old = np.stack([self._stale_forecast(rec, prior) for rec in records])
+            old = np.stack(
+                [self._forecast_survival(rec, prior, rec.hist[0] if len(rec.hist) == 3 else None) for rec in records]
+            )
             ell, _ = sch.deployed_lengths(old, surv, cap, sps, self.budgets(rows))
         if self._probe == 2:  # verify the probe's drafts: at least one per row that has them
             ell = np.maximum(ell, np.minimum(cap, 1))
