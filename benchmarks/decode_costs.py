@@ -3,8 +3,7 @@
 In one process (docs/design.md#performance-anchors; the cost table behind
 ``num_speculative_tokens="auto"``, :mod:`dspark_jax.decoding.decode_profile`), at the attention
 span the decode loop's table is measured at by default (``span``; ``--spans`` measures several,
-alternated, and adds ``by_span``); each program's cost is what one more run adds inside a loop
-(:func:`~dspark_jax.decoding.decode_profile.measure_costs`, the price inside the decode loop):
+alternated, and adds ``by_span``):
 
 * ``t_step_ms``: a plain decode step (batch 1, no drafter);
 * ``t_verify_ms``: verified tokens (1 .. block_size + 1) -> ms, each length its own compiled

@@ -5,8 +5,7 @@ the programs a decoder chooses between, measured on the machine that runs them. 
 holds them for both of its users, each entry keyed by a program and a span:
 
 * batch-1 decoding (``num_speculative_tokens="auto"``, :mod:`dspark_jax.decoding.auto_verify`;
-  measured by :func:`dspark_jax.decoding.decode_profile.measure_costs` as what one more run adds
-  inside a loop, the decode loop's price): a plain autoregressive
+  measured by :func:`dspark_jax.decoding.decode_profile.measure_costs`): a plain autoregressive
   step ``("step",)``; a verification pass of ``w + 1`` tokens (anchor + ``w`` drafts, with the
   drafter context write and the rejection sampling) per compiled width ``("verify", w)``
   (``w = 0`` is the plain step of a speculative loop that keeps the drafter's context current);

@@ -61,15 +61,3 @@ def test_cost_table_is_measured_once_and_reused_by_a_later_process(store, monkey
     key = ct.table_key("cost_table", cache_len=32)
     ct.store_table(key, first)
     assert ct.stored_table(key) == first
-
-
-def test_batch1_costs_are_what_one_more_run_inside_a_loop_adds():
-    """The decode loop is one ``lax.while_loop``: a program in it pays no dispatch of its own, so
-    a cost is the difference between a call running it 4 times and once, over the 3 extra runs;
-    noise never makes one free."""
-    n = dp.LOOP_CALLS
-    secs = {(("step",), 32, 1): 0.012, (("step",), 32, n): 0.012 + (n - 1) * 0.005, (("context",), 32, 1): 0.004}
-    secs[(("context",), 32, n)] = 0.0039  # noise: the looped call came out faster than one run
-    out = dp._marginal_seconds(secs)
-    assert set(out) == {(("step",), 32), (("context",), 32)}
-    assert out[(("step",), 32)] == pytest.approx(0.005) and out[(("context",), 32)] == pytest.approx(0.0039 / n / 20)
