@@ -336,9 +336,6 @@ class EngineDevice:
             "num_slots": self.num_slots,
             "block_size": self.block_size,
             "cache_len": self.cache_len,
-            # 2: an idle engine profiles the base span with row 0 live (tables of inactive rows
-            # priced a live 1-row drafting step ~20% too cheaply; docs/journal/2026-12-03-session-21.md)
-            "sps_profile": 2,
             **({} if self.mesh is None else {"mesh": shd.describe(self.mesh)}),
         }
 
@@ -393,14 +390,12 @@ class EngineDevice:
         (:func:`~dspark_jax.decoding.cost_table.time_programs`: one warm call each, then ``iters``
         rotated rounds): the SPS table (seconds per step; ``sps()`` its steps per second).
 
-        On an idle engine (``busy`` 0) every span runs row 0 live, the other rows inactive: at
-        :attr:`base_span` (the default) with its anchor at position 0, at a longer span ``s``
-        [tokens] (whole KV blocks, at most the cache length) in the last block below ``s``, so
-        that the pass reads the blocks up to ``s``; row 0's position is reset before every timing
-        and restored afterwards (row 0 holds no request, and the next insert resets it). A step
-        of inactive rows skips work a live row does: on SmolLM2 it priced the 1-row drafting
-        step at 51.6 ms where a live one ran 61-65 ms. While slots are in use only
-        :attr:`base_span` can be profiled, with every row inactive, so no request's state changes.
+        At :attr:`base_span` (the default) every row is inactive, so no request's state changes.
+        A longer span ``s`` [tokens] (whole KV blocks, at most the cache length) runs row 0 live
+        with its anchor in the last block below ``s`` (at the base span every row is back at its
+        own position), reset before every timing, so that the pass reads the blocks up to ``s``;
+        row 0 must then hold no request (the caller profiles such spans on an idle engine only:
+        ``busy`` 0), and its position is restored afterwards.
 
         Raises:
           DSparkInputError: a span beyond :attr:`base_span` while ``busy`` (slots in use) > 0.
@@ -415,7 +410,7 @@ class EngineDevice:
             # the anchor at the start of the block of s - 1, its drafts still inside the cache
             p0 = max(0, min((s - 1) // ATTN_BLOCK * ATTN_BLOCK, self.cache_len - self.block_size - 2))
             span = live_span(p0, self.cache_len) if s > base else base  # the span it really reads
-            anchors.setdefault(span, p0 if span > base or not busy else None)
+            anchors.setdefault(span, p0 if span > base else None)
         ell, idle = np.zeros(self.num_slots, np.int32), np.zeros(self.num_slots, bool)
         live = idle.copy()
         live[0] = True
