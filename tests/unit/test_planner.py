@@ -136,6 +136,17 @@ def test_observe_round_counts_what_verification_reached():
     np.testing.assert_allclose(rec.hits, [1.5, 1.0, 1.0, 1.0])
 
 
+def _observed_request(accepted: int | None) -> tuple[Planner, SlotRecord]:
+    """A one-row dspark planner and a request that had ``accepted`` of ``GAMMA`` drafts accepted in
+    each of 64 verified rounds (None: no round observed yet)."""
+    planner = Planner(GAMMA, True, LADDER, [1], OnlineCalibrator(GAMMA), suspend_after=4, policy="dspark")
+    planner.set_table(_table())
+    rec = _record()
+    for _ in range(0 if accepted is None else 64):
+        rec.observe_round(GAMMA, accepted, GAMMA, ACCEPTANCE_DECAY)
+    return planner, rec
+
+
 def test_drafting_decision_follows_the_requests_observed_acceptance():
     """The next block is not drafted yet, so whether to draft it is forecast from the request's
     observed acceptance, shrunk towards its latest confidences: a request whose drafts were
@@ -144,11 +155,7 @@ def test_drafting_decision_follows_the_requests_observed_acceptance():
     decisions = {}
     cases = (("good, z=-4", -4.0, GAMMA), ("none, z=-4", -4.0, None), ("bad, z=1", 1.0, 0), ("none, z=1", 1.0, None))
     for name, z, accepted in cases:
-        planner = Planner(GAMMA, True, LADDER, [1], OnlineCalibrator(GAMMA), suspend_after=4, policy="dspark")
-        planner.set_table(_table())
-        rec = _record()
-        for _ in range(0 if accepted is None else 64):
-            rec.observe_round(GAMMA, accepted, GAMMA, ACCEPTANCE_DECAY)
+        planner, rec = _observed_request(accepted)
         rec.push_z(np.full(GAMMA, z))
         decisions[name] = bool(planner.plan([rec])[3])
     assert decisions == {"good, z=-4": True, "none, z=-4": False, "bad, z=1": False, "none, z=1": True}
@@ -163,11 +170,7 @@ def test_deployed_budget_follows_the_requests_observed_acceptance():
     tokens = {}
     cases = (("bad, z=1", 1.0, 0), ("none, z=1", 1.0, None), ("good, z=-4", -4.0, GAMMA), ("none, z=-4", -4.0, None))
     for name, z_old, accepted in cases:
-        planner = Planner(GAMMA, True, LADDER, [1], OnlineCalibrator(GAMMA), suspend_after=4, policy="dspark")
-        planner.set_table(_table())
-        rec = _record()
-        for _ in range(0 if accepted is None else 64):
-            rec.observe_round(GAMMA, accepted, GAMMA, ACCEPTANCE_DECAY)
+        planner, rec = _observed_request(accepted)
         for z in (z_old, 0.0, 4.0):  # the verified block itself is confident in every case
             rec.push_z(np.full(GAMMA, z))
         tokens[name] = planner.plan([rec])[2]
