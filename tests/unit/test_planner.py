@@ -143,7 +143,7 @@ def _observed_request(accepted: int | None) -> tuple[Planner, SlotRecord]:
     planner.set_table(_table())
     rec = _record()
     for _ in range(0 if accepted is None else 64):
-        rec.observe_round(GAMMA, accepted, GAMMA, ACCEPTANCE_DECAY)
+        rec.observe_round(GAMMA, int(accepted or 0), GAMMA, ACCEPTANCE_DECAY)
     return planner, rec
 
 
