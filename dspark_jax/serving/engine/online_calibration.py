@@ -33,6 +33,11 @@ from dspark_jax.decoding.auto_verify import acceptance_ratio, reached_and_accept
 __all__ = ["OnlineCalibrator"]
 
 
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-x))
+
+
 class OnlineCalibrator:
     """Per-position sliding-window temperature tracker.
 
@@ -76,9 +81,7 @@ class OnlineCalibrator:
 
     def confidence(self, z: np.ndarray) -> np.ndarray:
         """Calibrated confidences ``min(1, sigmoid(z_k / T_k) * rho_k)``; ``z [..., G]`` raw logits."""
-        z = np.asarray(z, np.float64)
-        with np.errstate(over="ignore"):
-            return np.minimum(self.ratios / (1.0 + np.exp(-z / self.temperatures)), 1.0)
+        return np.minimum(self.ratios * _sigmoid(np.asarray(z, np.float64) / self.temperatures), 1.0)
 
     def observe(self, z: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
         """Records one verification round per row.
@@ -122,11 +125,11 @@ class OnlineCalibrator:
             z, y = self._z[pos, :m], self._y[pos, :m]
             t = self.temperatures[pos]
             if m >= self.min_obs:
-                c = 1.0 / (1.0 + np.exp(-z / t))
+                c = _sigmoid(z / t)
                 grad = float(np.mean(-(c - y) * z / t))
                 step = float(np.clip(-self.lr * grad, -self.max_step, self.max_step))
                 t = self.temperatures[pos] = float(np.clip(t * np.exp(step), self.t_min, self.t_max))
-            hits[pos], predicted[pos] = y.sum(), float(np.sum(1.0 / (1.0 + np.exp(-z / t))))
+            hits[pos], predicted[pos] = y.sum(), float(np.sum(_sigmoid(z / t)))
         self.ratios = acceptance_ratio(hits, predicted)
 
     def stats(self) -> dict:
@@ -139,7 +142,7 @@ class OnlineCalibrator:
             num.append(m)
             if m:
                 z, y = self._z[pos, :m], self._y[pos, :m]
-                c = np.minimum(1.0 / (1.0 + np.exp(-z / self.temperatures[pos])) * self.ratios[pos], 1.0)
+                c = np.minimum(_sigmoid(z / self.temperatures[pos]) * self.ratios[pos], 1.0)
                 pred.append(float(np.mean(c)))
                 obs.append(float(np.mean(y)))
             else:
@@ -153,12 +156,17 @@ class OnlineCalibrator:
             "observations": num,
         }
 
-    def prior_survival(self, default: float = 0.5, strength: float = 16.0) -> np.ndarray:
-        """``[G]`` survival forecast from the window's observed conditional acceptance, shrunk
-        towards ``default`` by ``strength`` pseudo-observations per position (a Beta prior:
+    def prior_acceptance(self, default: float = 0.5, strength: float = 16.0) -> np.ndarray:
+        """``[G]`` conditional acceptance forecast from the window's observations per position,
+        shrunk towards ``default`` by ``strength`` pseudo-observations (a Beta prior:
         ``(accepted + strength * default) / (observations + strength)``), so that a handful of
-        unlucky rounds cannot pin the forecast at 0; used for requests whose own confidences
-        are not available (e.g. the deployed scheduler's stale budget)."""
+        unlucky rounds cannot pin the forecast at 0."""
         m = np.minimum(self._count, self.window).astype(np.float64)
         acc = np.array([self._y[pos, : int(m[pos])].sum() for pos in range(self.block_size)])
-        return np.cumprod((acc + strength * default) / (m + strength))
+        return (acc + strength * default) / (m + strength)
+
+    def prior_survival(self, default: float = 0.5, strength: float = 16.0) -> np.ndarray:
+        """``[G]`` survival forecast, the cumulative product of :meth:`prior_acceptance`; used for
+        requests whose own confidences are not available (e.g. the deployed scheduler's stale
+        budget)."""
+        return np.cumprod(self.prior_acceptance(default, strength))

@@ -350,7 +350,7 @@ class Planner:
         """``[G]`` survival forecast of a block whose own confidences are not known: the request's
         observed conditional acceptance (:attr:`SlotRecord.hits` / ``seen``) shrunk towards the
         calibrated confidences of an earlier block, ``z`` (its ``[G]`` raw logits), or without one
-        towards the window's survival ``prior``
+        towards the window's prior (:meth:`OnlineCalibrator.prior_acceptance`)
         (:func:`~dspark_jax.decoding.auto_verify.forecast_acceptance`, as batch-1 ``auto``);
         without observations, ``z``'s survival or ``prior``. One block's confidences alone are a
         noisy forecast of another's; the request's observed rate is not, once there are
@@ -360,7 +360,7 @@ class Planner:
         if z is not None:
             conf = self.calibrator.confidence(z)
         elif observed:
-            conf = prior / np.concatenate([[1.0], prior[:-1]]).clip(1e-12)  # survival -> conditional
+            conf = self.calibrator.prior_acceptance()
         else:
             return prior
         return sch.survival(forecast_acceptance(conf, rec.hits, rec.seen) if observed else conf)
