@@ -71,6 +71,7 @@ __all__ = [
     "BlockTerms",
     "CalibrationData",
     "block_terms",
+    "calibrate_export",
     "calibrate_training_run",
     "collect",
     "decode_weights",
@@ -443,37 +444,78 @@ def calibrate_training_run(
     *,
     source: str = "target continuations of the held-out eval prompts",
 ) -> dict[str, Any]:
-    """The calibration stage of ``python -m dspark_jax.train`` (after export).
+    """The calibration stage of ``python -m dspark_jax.train`` (after export):
+    :func:`calibrate_export` with the run's generation settings (``cfg``, a
+    :class:`~dspark_jax.training.train_config.TrainConfig`: ``gen_max_new_tokens``, ``seq_len``,
+    ``seed``, ``gen_batch_size``), the report in ``<workdir>/calibration.json``."""
+    return calibrate_export(
+        target,
+        drafter,
+        heldout_prompt_ids,
+        export_dir,
+        Path(workdir, "calibration.json"),
+        max_new_tokens=cfg.gen_max_new_tokens,
+        seq_len=cfg.seq_len,
+        seed=cfg.seed,
+        batch_size=cfg.gen_batch_size,
+        source=source,
+    )
 
-    The target generates continuations of held-out prompts (``heldout_prompt_ids``, never
-    used for training data; ``source`` describes them in the report), sampled at T = 1 for
-    the temperature-1 fit and greedy for the greedy fit, with the length settings of ``cfg``
-    (a :class:`~dspark_jax.training.train_config.TrainConfig`); the temperatures are fit and stored
-    in the export; the full report goes to ``<workdir>/calibration.json``.
 
+def calibrate_export(
+    target: Target,
+    drafter: DSparkDrafter,
+    prompt_ids: Sequence[Sequence[int]],
+    export_dir: str | Path,
+    report_path: str | Path,
+    *,
+    max_new_tokens: int,
+    seq_len: int,
+    seed: int = 0,
+    batch_size: int = 64,
+    source: str = "target continuations of held-out prompts",
+) -> dict[str, Any]:
+    """Fits the confidence temperatures of an export on the target's continuations of
+    ``prompt_ids`` and stores them in the export (both regimes).
+
+    The target continues every prompt twice, sampled at T = 1 (the 1 - TV fit used by sampled
+    rows) and greedily (the argmax-agreement fit used by rows decoding at T = 0), up to
+    ``max_new_tokens`` tokens within ``seq_len``; each fit sees the contexts its decoding regime
+    produces. The prompts must be disjoint from the drafter's training prompts and from any
+    evaluation that reads the calibrated confidences.
+
+    Args:
+      target / drafter: the target and the exported drafter (its confidence head is fitted).
+      prompt_ids: token ids of the held-out prompts.
+      export_dir: the export (``calibration`` / ``calibration_greedy`` are rewritten).
+      report_path: where the full report (JSON) is written.
+      max_new_tokens / seq_len: continuation length and stored length [tokens]; seed; batch_size.
+      source: a description of the prompts for the report.
     Returns:
-      compact summary for ``summary.json``: temperatures, pooled before/after
-      ECE / AUROC / Brier on the test half, sizes, seconds.
+      compact summary: temperatures, pooled before/after ECE / AUROC / Brier on the test half,
+      sizes, seconds, the report's path.
+    Raises:
+      DSparkInputError: no prompt, or the export cannot take a calibration.
     """
+    if not prompt_ids:
+        raise DSparkInputError("calibration needs at least one held-out prompt")
     t0 = time.perf_counter()
 
     def continuations(temperature: float) -> dict[str, np.ndarray]:
         return heldout_sequences(
             target,
-            heldout_prompt_ids,
-            max_new_tokens=cfg.gen_max_new_tokens,
-            seq_len=cfg.seq_len,
+            prompt_ids,
+            max_new_tokens=max_new_tokens,
+            seq_len=seq_len,
             temperature=temperature,
             top_p=1.0,
-            seed=cfg.seed,
-            batch_size=cfg.gen_batch_size,
+            seed=seed,
+            batch_size=batch_size,
         )
 
-    # Each fit sees the contexts its decoding regime produces: sampled (T = 1) continuations for
-    # the 1 - TV fit, greedy ones for the argmax-agreement fit used by rows decoding at T = 0.
-    rep = fit_and_store_calibration(target, drafter, continuations(1.0), export_dir, seed=cfg.seed)
+    rep = fit_and_store_calibration(target, drafter, continuations(1.0), export_dir, seed=seed)
     greedy_data = continuations(0.0)
-    rep_greedy = fit_and_store_calibration(target, drafter, greedy_data, export_dir, seed=cfg.seed, temperature=0.0)
+    rep_greedy = fit_and_store_calibration(target, drafter, greedy_data, export_dir, seed=seed, temperature=0.0)
     rep["greedy"] = {
         "temperatures": rep_greedy["temperatures"],
         "before": _compact(rep_greedy["before"]),
@@ -482,13 +524,14 @@ def calibrate_training_run(
     rep["heldout"] = {
         "source": source,
         "num_prompts": len(greedy_data["lengths"]),
-        "max_new_tokens": cfg.gen_max_new_tokens,
-        "seq_len": cfg.seq_len,
+        "max_new_tokens": max_new_tokens,
+        "seq_len": seq_len,
         "continuations": "sampled at T=1 for the T=1 fit, greedy for the greedy fit",
     }
     rep["seconds"] = round(time.perf_counter() - t0, 2)
     rep = jsonable(rep)
-    Path(workdir, "calibration.json").write_text(json.dumps(rep, indent=2))
+    Path(report_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(report_path).write_text(json.dumps(rep, indent=2))
     return {
         "temperatures": rep["temperatures"],
         "before": _compact(rep["before"]),
@@ -498,5 +541,5 @@ def calibrate_training_run(
         "num_blocks": rep["num_blocks"],
         "acceptance_temperature": rep["acceptance_temperature"],
         "seconds": rep["seconds"],
-        "report": str(Path(workdir, "calibration.json")),
+        "report": str(report_path),
     }
