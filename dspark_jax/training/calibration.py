@@ -489,11 +489,10 @@ def calibrate_export(
       prompt_ids: token ids of the held-out prompts.
       export_dir: the export (``calibration`` / ``calibration_greedy`` are rewritten).
       report_path: where the full report (JSON) is written.
-      max_new_tokens / seq_len: continuation length and stored length [tokens]; seed; batch_size.
-      source: a description of the prompts for the report.
+      max_new_tokens / seq_len: continuation / stored length [tokens]; seed; batch_size; source:
+        a description of the prompts for the report.
     Returns:
-      compact summary: temperatures, pooled before/after ECE / AUROC / Brier on the test half,
-      sizes, seconds, the report's path.
+      compact summary: temperatures, pooled ECE / AUROC / Brier before and after, sizes, seconds.
     Raises:
       DSparkInputError: no prompt, or the export cannot take a calibration.
     """
