@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             raise DSparkInputError(f"{args.drafter} is not a DSpark drafter with a confidence head")
         chat = bool(preset_info(args.target).get("chat"))
         names = [s.strip() for s in args.prompts.split(",") if s.strip()]
-        sets = {s: [encode_prompt(tok, t, chat) for t in load_prompt_texts(s)[0]] for s in names}
+        window = slice(args.skip, args.skip + args.num_prompts)  # only the window is tokenized
+        sets = {s: [encode_prompt(tok, t, chat) for t in load_prompt_texts(s)[0][window]] for s in names}
         trained: set[tuple[int, ...]] = set()
         if args.exclude_data:
             shards = sorted(Path(args.exclude_data).glob("shard_[0-9]*[0-9].npz"))
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise DSparkInputError(f"no shard_*.npz in {args.exclude_data}")
             data = load_shards(shards)
             trained = {tuple(int(x) for x in r[:n]) for r, n in zip(data["tokens"], data["prompt_lengths"])}
-        ids, kept = select_prompts(sets, args.skip, args.num_prompts, args.max_prompt_tokens, trained)
+        ids, kept = select_prompts(sets, 0, args.num_prompts, args.max_prompt_tokens, trained)
         base = TRAIN_PRESETS.get(args.target, TrainConfig())
         summary = calibrate_export(
             target,
