@@ -10,7 +10,10 @@ holds them for both of its users, each entry keyed by a program and a span:
   drafter context write and the rejection sampling) per compiled width ``("verify", w)``
   (``w = 0`` is the plain step of a speculative loop that keeps the drafter's context current);
   one drafting round ``("draft", "greedy")`` / ``("draft", "sampled")``; writing
-  ``block_size + 1`` tokens' drafter context ``("context",)``. Accessors:
+  ``block_size + 1`` tokens' drafter context ``("context",)``; and one round of the ``auto``
+  decode loop itself at each of its widths ``("round", w)`` (drafting included for ``w > 0``;
+  timed inside the loop, where XLA overlaps and fuses what standalone calls cannot, so the
+  prices ``auto`` decides by: :meth:`CostTable.auto_prices`). Accessors:
   :meth:`CostTable.verify_array`, :meth:`CostTable.draft_seconds`,
   :meth:`CostTable.bound_tokens_per_s`, ...;
 * the serving engine (:mod:`dspark_jax.serving.engine`; measured by its
@@ -247,15 +250,49 @@ class CostTable:
         """Seconds of writing ``block_size + 1`` tokens' drafter context at ``span``."""
         return self.cost(("context",), span)
 
+    def round_array(self, widths: Sequence[int], span: int = 0) -> np.ndarray | None:
+        """``[len(widths)]`` float32 seconds of one ``auto`` decode-loop round at each width at
+        ``span`` (``("round", w)``), or None when the table has no loop rounds for all of them."""
+        got = [self.get(("round", int(w)), span) for w in widths]
+        return None if any(t is None for t in got) else np.asarray(got, np.float32)
+
+    def auto_prices(self, widths: Sequence[int], greedy: bool, span: int = 0) -> tuple[np.ndarray, float]:
+        """``(t_verify [len(widths)] float32, t_draft)`` seconds that ``num_speculative_tokens="auto"``
+        decides by at ``span`` (:mod:`~dspark_jax.decoding.auto_verify`; ``widths[0] == 0``).
+
+        With loop rounds (:meth:`round_array`) a drafting round at width ``w`` costs what the loop
+        measured: ``t_draft + t_verify(w) = round(w)`` at T=0 (plus the sampled drafting's extra
+        cost at T>0, priced by the standalone draft programs), ``t_verify(0) = round(0)``, and a
+        wider pass never costs less than a narrower one (cumulative maximum over ``w >= 1``,
+        against timing noise). Without them, the standalone programs' prices.
+
+        Raises:
+          ValueError: a width or program the table did not measure.
+        """
+        t_draft = self.draft_seconds(greedy, span)
+        rounds = self.round_array(widths, span)
+        if rounds is None:
+            return self.verify_array(widths, span), t_draft
+        base = self.draft_seconds(True, span)
+        t_verify = rounds.copy()
+        t_verify[1:] = np.maximum.accumulate(np.maximum(rounds[1:] - base, 1e-6))
+        return t_verify.astype(np.float32), t_draft
+
     def bound_tokens_per_s(self, tau: float, width: int, greedy: bool = True, span: int = 0) -> float:
         """Expected tokens/s of speculative decoding at acceptance length ``tau`` [tokens/pass]
         verifying ``width`` drafts per round at ``span``: ``tau / (T_draft + T_verify(width))``."""
         return tau / (self.draft_seconds(greedy, span) + float(self.verify_array([width], span)[0]))
 
+    @property
+    def round_widths(self) -> tuple[int, ...]:
+        """Widths whose ``auto`` loop round was measured, ascending (empty: none)."""
+        return tuple(sorted(int(p[1]) for p in self._spans if p[0] == "round"))
+
     def decode_ms(self, span: int = 0) -> dict[str, Any]:
         """The batch-1 costs at ``span`` in milliseconds, the layout of ``benchmarks/decode_costs.py``'s
         JSON (``t_step_ms``, ``t_verify_ms`` by width, ``t_draft_ms``, ``t_draft_sampled_ms``,
-        ``t_context_ms``, the ``span`` used and the ``cache_len`` of :attr:`meta`)."""
+        ``t_context_ms``, ``t_round_ms`` by width (empty without loop rounds), the ``span`` used and
+        the ``cache_len`` of :attr:`meta`)."""
         ms = lambda s: round(1e3 * s, 4)
         return {
             "t_step_ms": ms(self.step_seconds(span)),
@@ -263,6 +300,7 @@ class CostTable:
             "t_draft_ms": ms(self.draft_seconds(True, span)),
             "t_draft_sampled_ms": ms(self.draft_seconds(False, span)),
             "t_context_ms": ms(self.context_seconds(span)),
+            "t_round_ms": {w: ms(self.cost(("round", w), span)) for w in self.round_widths},
             "span": self.span_for(("step",), span),
             "cache_len": self.meta.get("cache_len"),
         }

@@ -6,19 +6,22 @@ a verification pass per compiled width, of a drafting round and of a context wri
 on the machine that decodes. :func:`measure_costs` times them into a
 :class:`~dspark_jax.decoding.cost_table.CostTable` (the table the serving engine's SPS uses too)
 with the shared :func:`~dspark_jax.decoding.cost_table.time_programs`, at one attention span by
-default (:func:`default_span`) or at a list of spans; :func:`cached_cost_table` measures once per
-shapes and reuses the table in memory and from the disk cache.
+default (:func:`default_span`) or at a list of spans, and :func:`measure_round_costs` times the
+``auto`` loop's own rounds at each width, the prices it decides by; :func:`cached_cost_table`
+measures once per shapes and reuses the table in memory and from the disk cache.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import statistics
 import time
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dspark_jax.decoding.auto_verify import default_widths
@@ -36,7 +39,7 @@ from dspark_jax.decoding.round import RoundInputs, draft_tokens, verify_pass
 from dspark_jax.drafters.base import Draft, prepare_drafter
 from dspark_jax.models.sampling import process_logits, sample, sampling_arrays
 
-__all__ = ["cached_cost_table", "default_span", "measure_costs"]
+__all__ = ["cached_cost_table", "default_span", "measure_costs", "measure_round_costs"]
 
 _log = logging.getLogger(__name__)
 
@@ -132,6 +135,86 @@ def _decode_calls(target, drafter, widths: Sequence[int], cache_len: int, spans:
     return calls
 
 
+ROUND_TOKENS = 40  # [tokens] the longer of the two timed decode loops generates
+
+
+def _round_lengths(span: int, cache_len: int, block_size: int) -> tuple[int, int, int]:
+    """``(prompt tokens, short, long)`` new-token counts of the timed loops at ``span``: every
+    position a round reads or writes stays below ``span`` (and in the cache), as high as it can."""
+    top = min(span, cache_len) - block_size - 2
+    long_ = max(2, min(ROUND_TOKENS, top - 1))
+    return max(1, top - long_), max(1, long_ // 5), long_
+
+
+def _forcing_table(widths: Sequence[int], i: int, span: int) -> CostTable:
+    """Costs under which ``auto`` drafts every round and verifies ``widths[i]`` drafts (``i == 0``:
+    it never drafts but for its probes): only the ratios matter (:func:`~dspark_jax.decoding.
+    auto_verify.choose_width`, :func:`~dspark_jax.decoding.auto_verify.should_draft`)."""
+    # Up to widths[i] each wider pass is cheaper, so any expected gain (even none) extends.
+    t = 0.5 ** np.arange(len(widths), dtype=np.float64)
+    if i == 0:
+        t[0] = 1e-6
+    else:
+        t[0], t[i + 1 :] = 1e3, 1e6
+    return CostTable.from_decode_costs(
+        span=span,
+        t_step=1.0,
+        t_verify=dict(zip(widths, t.tolist())),
+        t_draft_greedy=0.0,
+        t_draft_sampled=0.0,
+        t_context=0.0,
+    )
+
+
+def measure_round_costs(target, drafter, *, cache_len: int, spans: Sequence[int], repeats: int = 5) -> dict:
+    """Seconds per round of the batch-1 ``auto`` decode loop itself, at each of its widths.
+
+    Standalone calls price a long verification pass like a short one (on a 2-core CPU verify(8)
+    within 10% of verify(2)) while inside the loop, where XLA overlaps and fuses the round's
+    programs, it costs ~15% more, and a drafting round costs less than the sum of its standalone
+    parts; ``auto`` decides by these prices (:meth:`CostTable.auto_prices`). At each span the
+    loop is forced to one width by its costs (:func:`_forcing_table`; one compiled program) and
+    run greedily on a fixed random prompt (no stop ids) for a short and a long generation
+    (:func:`_round_lengths`); a round costs the difference of their seconds over the difference
+    of their passes (prefill cancels), median of ``repeats`` rotated repeats.
+
+    Args:
+      target / drafter: the models (a block drafter).
+      cache_len: KV-cache length [tokens] of the loop. spans: whole-block spans [tokens].
+      repeats: timed rounds of all runs (each is a whole generation).
+    Returns:
+      ``{(("round", w), span): seconds}`` for ``w`` in :func:`default_widths`.
+    """
+    from dspark_jax.decoding.speculative import generate_speculative  # it imports this module
+
+    widths = default_widths(drafter.cfg.block_size)
+    prompts = np.random.default_rng(0)
+    out: dict = {}
+    for span in spans:
+        plen, short, long_ = _round_lengths(span, cache_len, drafter.cfg.block_size)
+        prompt = prompts.integers(0, target.cfg.vocab_size, plen).tolist()
+        tables = [_forcing_table(widths, i, span) for i in range(len(widths))]
+
+        def run(i, n, prompt=prompt, tables=tables):
+            res = generate_speculative(
+                target, drafter, [prompt], max_new_tokens=n, stop_ids=[], num_speculative_tokens="auto",
+                cache_len=cache_len, cost_table=tables[i],
+            )  # fmt: skip
+            return res.seconds, res.generations[0].num_target_passes
+
+        runs = [(i, n) for i in range(len(widths)) for n in (short, long_)]
+        got: dict = {r: [] for r in runs}
+        for r in runs:
+            run(*r)  # compile (once) and warm
+        for k in range(max(1, int(repeats))):
+            for r in runs[k % len(runs) :] + runs[: k % len(runs)]:
+                got[r].append(run(*r))
+        for i, w in enumerate(widths):
+            pairs = zip(got[(i, short)], got[(i, long_)])
+            out[(("round", w), span)] = statistics.median((tl - ts) / max(pl - ps, 1) for (ts, ps), (tl, pl) in pairs)
+    return out
+
+
 def measure_costs(
     target,
     drafter,
@@ -141,6 +224,7 @@ def measure_costs(
     spans: Sequence[int] | None = None,
     repeats: int = 9,
     inner: int | None = None,
+    rounds: bool = True,
 ) -> CostTable:
     """Measures the batch-1 :class:`CostTable` of ``target`` + ``drafter`` on the current device.
 
@@ -156,6 +240,8 @@ def measure_costs(
         ``cache_len``; default one: :func:`default_span`).
       repeats: timed rounds; each value is their median.
       inner: calls per timing (default: enough for ~2 ms per timing, at least 1).
+      rounds: also time the ``auto`` loop's rounds (:func:`measure_round_costs`, ``repeats`` of
+        them; block drafters), the prices ``auto`` decides by.
     Returns:
       :class:`CostTable` (``meta``: model, drafter, block size, cache length).
     Raises:
@@ -170,6 +256,8 @@ def measure_costs(
     spans = measured_spans(spans, cache_len, default_span(cache_len, g))
     calls = _decode_calls(target, drafter, widths, cache_len, spans)
     seconds = time_programs(calls, repeats=repeats, inner=inner, warm=2)
+    if rounds:
+        seconds.update(measure_round_costs(target, drafter, cache_len=cache_len, spans=spans, repeats=repeats))
     dev = jax.devices()[0]
     meta = {
         "device_kind": f"{dev.platform}:{dev.device_kind}",
@@ -199,7 +287,7 @@ def _stored_or_measured(target, drafter, cache_len: int, spans: tuple[int, ...],
         spans=list(spans),
     )
     stored = stored_table(key)
-    if stored is not None and stored.covers([("step",)], spans):
+    if stored is not None and stored.covers([("step",), ("round", 0)], spans):
         return stored
     t0 = time.perf_counter()
     table = measure_costs(target, drafter, cache_len=cache_len, spans=spans, repeats=repeats)

@@ -438,8 +438,8 @@ def _auto_costs(target: Target, drafter: Drafter, cost_table, bt: _Batch):
     table = cost_table if cost_table is not None else cached_cost_table(target, drafter, bt.cache_len)
     greedy = bool(np.all(np.asarray(bt.sampling.temperature) <= 0))
     span = auto_cost_span(bt.lens, bt.limit)
-    t_draft = table.draft_seconds(greedy, span)
-    return widths, (jnp.asarray(table.verify_array(widths, span)), jnp.float32(t_draft))
+    t_verify, t_draft = table.auto_prices(widths, greedy, span)
+    return widths, (jnp.asarray(t_verify), jnp.float32(t_draft))
 
 
 def auto_cost_span(lens, limit) -> int:

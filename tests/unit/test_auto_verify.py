@@ -63,3 +63,45 @@ def test_a_request_that_rejects_everything_stops_drafting():
             assert sum(rounds) >= 0.9 * len(rounds), rounds  # an early unlucky rejection may pause it
             ratio = A.corrected_confidence(jnp.full((1, G), 0.5), state) / 0.5  # the factor the loop applies
             assert abs(float(ratio[0, 0]) - 1.0) < 0.3, ratio
+
+
+def test_the_loop_is_forced_to_each_width_it_is_priced_at():
+    """``measure_round_costs`` prices a width by running ``auto`` under costs that force it: for any
+    confidences in (0, 1], every round drafts and verifies exactly that width (width 0: no round
+    drafts), so the timed loop is the loop at that width."""
+    from dspark_jax.decoding.decode_profile import _forcing_table
+
+    widths = A.default_widths(8)
+    rng = np.random.default_rng(0)
+    conf = jnp.asarray(np.concatenate([rng.uniform(0.01, 1.0, (63, 8)), np.full((1, 8), 1e-3)]), jnp.float32)
+    running = jnp.ones((1,), bool)
+    for i in range(len(widths)):
+        t = jnp.asarray(_forcing_table(widths, i, 256).verify_array(widths, 256))
+        for row in conf:
+            assert int(A.choose_width(row[None], running, widths, t)) == (i if i else 0)
+            assert bool(A.should_draft(row[None], running, widths, t, jnp.float32(0.0))) == (i > 0)
+
+
+def test_auto_prices_are_the_loops_rounds_when_measured():
+    """With loop rounds, a drafting round at width w costs round(w) (T=0; T>0 adds the sampled
+    drafting's extra), a wider pass never less than a narrower one, a plain round round(0);
+    without them, the standalone programs' prices."""
+    from dspark_jax.decoding.cost_table import CostTable
+
+    widths = (0, 1, 2, 4)
+    base = CostTable.from_decode_costs(
+        span=64, t_step=1.0, t_verify={0: 1.1, 1: 1.2, 2: 1.3, 4: 1.4}, t_draft_greedy=0.3, t_draft_sampled=0.5,
+        t_context=0.1,
+    )  # fmt: skip
+    t_verify, t_draft = base.auto_prices(widths, greedy=True, span=64)
+    np.testing.assert_allclose(t_verify, [1.1, 1.2, 1.3, 1.4], rtol=1e-6)
+    assert t_draft == 0.3 and base.round_array(widths, 64) is None
+    rounds = {(("round", w), 64): t for w, t in zip(widths, (0.9, 1.0, 1.25, 1.2))}  # round(4) < round(2): noise
+    table = CostTable(base.meta, {**base.seconds, **rounds})
+    t_verify, t_draft = table.auto_prices(widths, greedy=True, span=64)
+    np.testing.assert_allclose(t_verify, [0.9, 0.7, 0.95, 0.95], rtol=1e-6)
+    assert t_draft == 0.3
+    t_verify_s, t_draft_s = table.auto_prices(widths, greedy=False, span=64)
+    np.testing.assert_allclose(t_verify_s, t_verify) and None
+    assert t_draft_s == 0.5  # the sampled round: round(w) + 0.2
+    assert table.decode_ms(64)["t_round_ms"] == {0: 900.0, 1: 1000.0, 2: 1250.0, 4: 1200.0}
