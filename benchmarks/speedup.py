@@ -374,7 +374,7 @@ def prefill_seconds(target, drafter, prompts: Sequence[Sequence[int]], max_new_t
         cl = default_cache_len(target, [p], max_new_tokens, g)
         k = (target.cfg, jnp.dtype(target.dtype).name, dcfg, tuple(p), cl)
         if k not in _PREFILL_S:
-            tp = min(-(-len(p) // 32) * 32, cl)  # the loop pads prompts to a multiple of 32 (speculative._batch)
+            tp = min(-(-len(p) // 32) * 32, cl)  # the loop pads prompts to a multiple of 32 (loop.make_batch)
             arr = np.zeros((1, tp), np.int32)
             arr[0, : len(p)] = p
             plen = jnp.asarray([len(p)], jnp.int32)

@@ -35,11 +35,12 @@ from dspark_jax.decoding.cost_table import (
     table_key,
     time_programs,
 )
+from dspark_jax.decoding.loop import make_batch, run_speculative
 from dspark_jax.decoding.round import RoundInputs, draft_tokens, verify_pass
 from dspark_jax.drafters.base import Draft, prepare_drafter
 from dspark_jax.models.sampling import process_logits, sample, sampling_arrays
 
-__all__ = ["cached_cost_table", "default_span", "measure_costs", "measure_round_costs"]
+__all__ = ["cached_cost_table", "default_span", "forcing_costs", "measure_costs", "measure_round_costs"]
 
 _log = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ def _decode_calls(target, drafter, widths: Sequence[int], cache_len: int, spans:
 
 
 ROUND_TOKENS = 40  # [tokens] the longer of the two timed decode loops generates
+MIN_ROUND_SECONDS = 1e-6  # a loop too fast to time (a toy model) is not priced at zero or below
 
 
 def _round_lengths(span: int, cache_len: int, block_size: int) -> tuple[int, int, int]:
@@ -146,24 +148,18 @@ def _round_lengths(span: int, cache_len: int, block_size: int) -> tuple[int, int
     return max(1, top - long_), max(1, long_ // 5), long_
 
 
-def _forcing_table(widths: Sequence[int], i: int, span: int) -> CostTable:
-    """Costs under which ``auto`` drafts every round and verifies ``widths[i]`` drafts (``i == 0``:
-    it never drafts but for its probes): only the ratios matter (:func:`~dspark_jax.decoding.
-    auto_verify.choose_width`, :func:`~dspark_jax.decoding.auto_verify.should_draft`)."""
+def forcing_costs(widths: Sequence[int], i: int) -> np.ndarray:
+    """``t_verify [len(widths)]`` under which ``auto`` drafts every round and verifies ``widths[i]``
+    drafts (``i == 0``: it never drafts but for its probes), with ``t_draft = 0``: only the ratios
+    matter (:func:`~dspark_jax.decoding.auto_verify.choose_width`,
+    :func:`~dspark_jax.decoding.auto_verify.should_draft`)."""
     # Up to widths[i] each wider pass is cheaper, so any expected gain (even none) extends.
     t = 0.5 ** np.arange(len(widths), dtype=np.float64)
     if i == 0:
         t[0] = 1e-6
     else:
         t[0], t[i + 1 :] = 1e3, 1e6
-    return CostTable.from_decode_costs(
-        span=span,
-        t_step=1.0,
-        t_verify=dict(zip(widths, t.tolist())),
-        t_draft_greedy=0.0,
-        t_draft_sampled=0.0,
-        t_context=0.0,
-    )
+    return t.astype(np.float32)
 
 
 def measure_round_costs(target, drafter, *, cache_len: int, spans: Sequence[int], repeats: int = 5) -> dict:
@@ -171,35 +167,32 @@ def measure_round_costs(target, drafter, *, cache_len: int, spans: Sequence[int]
 
     Standalone calls price a long verification pass like a short one (on a 2-core CPU verify(8)
     within 10% of verify(2)) while inside the loop, where XLA overlaps and fuses the round's
-    programs, it costs ~15% more, and a drafting round costs less than the sum of its standalone
-    parts; ``auto`` decides by these prices (:meth:`CostTable.auto_prices`). At each span the
-    loop is forced to one width by its costs (:func:`_forcing_table`; one compiled program) and
-    run greedily on a fixed random prompt (no stop ids) for a short and a long generation
-    (:func:`_round_lengths`); a round costs the difference of their seconds over the difference
-    of their passes (prefill cancels), median of ``repeats`` rotated repeats.
+    programs, it costs more; ``auto`` decides by these prices (:meth:`CostTable.auto_prices`). At
+    each span the loop (:func:`~dspark_jax.decoding.loop.run_speculative`, one compiled program)
+    is forced to one width by its cost inputs (:func:`forcing_costs`) and run greedily on a fixed
+    random prompt (no stop ids) for a short and a long generation (:func:`_round_lengths`); a
+    round costs the difference of their seconds over the difference of their passes (prefill
+    cancels), median of ``repeats`` rotated repeats.
 
     Args:
-      target / drafter: the models (a block drafter).
+      target / drafter: the models (a block drafter, prepared for ``target``).
       cache_len: KV-cache length [tokens] of the loop. spans: whole-block spans [tokens].
       repeats: timed rounds of all runs (each is a whole generation).
     Returns:
       ``{(("round", w), span): seconds}`` for ``w`` in :func:`default_widths`.
     """
-    from dspark_jax.decoding.speculative import generate_speculative  # it imports this module
-
     widths = default_widths(drafter.cfg.block_size)
     prompts = np.random.default_rng(0)
     out: dict = {}
     for span in spans:
         plen, short, long_ = _round_lengths(span, cache_len, drafter.cfg.block_size)
         prompt = prompts.integers(0, target.cfg.vocab_size, plen).tolist()
-        tables = [_forcing_table(widths, i, span) for i in range(len(widths))]
+        g = drafter.cfg.block_size
+        batches = {n: make_batch(target, [prompt], n, g, cache_len, (0.0, 0, 1.0), 0, []) for n in (short, long_)}
+        costs = [(jnp.asarray(forcing_costs(widths, i)), jnp.float32(0.0)) for i in range(len(widths))]
 
-        def run(i, n, prompt=prompt, tables=tables):
-            res = generate_speculative(
-                target, drafter, [prompt], max_new_tokens=n, stop_ids=[], num_speculative_tokens="auto",
-                cache_len=cache_len, cost_table=tables[i],
-            )  # fmt: skip
+        def run(i, n, batches=batches, costs=costs):
+            res = run_speculative(target, drafter, batches[n], fixed=None, widths=widths, costs=costs[i])
             return res.seconds, res.generations[0].num_target_passes
 
         runs = [(i, n) for i in range(len(widths)) for n in (short, long_)]
@@ -211,7 +204,8 @@ def measure_round_costs(target, drafter, *, cache_len: int, spans: Sequence[int]
                 got[r].append(run(*r))
         for i, w in enumerate(widths):
             pairs = zip(got[(i, short)], got[(i, long_)])
-            out[(("round", w), span)] = statistics.median((tl - ts) / max(pl - ps, 1) for (ts, ps), (tl, pl) in pairs)
+            per = statistics.median((tl - ts) / max(pl - ps, 1) for (ts, ps), (tl, pl) in pairs)
+            out[(("round", w), span)] = max(per, MIN_ROUND_SECONDS)
     return out
 
 

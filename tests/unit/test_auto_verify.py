@@ -69,14 +69,14 @@ def test_the_loop_is_forced_to_each_width_it_is_priced_at():
     """``measure_round_costs`` prices a width by running ``auto`` under costs that force it: for any
     confidences in (0, 1], every round drafts and verifies exactly that width (width 0: no round
     drafts), so the timed loop is the loop at that width."""
-    from dspark_jax.decoding.decode_profile import _forcing_table
+    from dspark_jax.decoding.decode_profile import forcing_costs
 
     widths = A.default_widths(8)
     rng = np.random.default_rng(0)
     conf = jnp.asarray(np.concatenate([rng.uniform(0.01, 1.0, (63, 8)), np.full((1, 8), 1e-3)]), jnp.float32)
     running = jnp.ones((1,), bool)
     for i in range(len(widths)):
-        t = jnp.asarray(_forcing_table(widths, i, 256).verify_array(widths, 256))
+        t = jnp.asarray(forcing_costs(widths, i))
         for row in conf:
             assert int(A.choose_width(row[None], running, widths, t)) == (i if i else 0)
             assert bool(A.should_draft(row[None], running, widths, t, jnp.float32(0.0))) == (i > 0)

@@ -760,7 +760,7 @@ def test_request_keys_are_prng_keys_of_the_seeds():
     including negative seeds and seeds past 32 bits (whose low 32 bits PRNGKey keeps)."""
     import jax
 
-    from dspark_jax.decoding.speculative import _keys
+    from dspark_jax.decoding.loop import _keys
 
     seeds = [0, 1, -1, -5, 2**31 - 1, 2**31, 2**32, 2**32 + 7, 2**63 - 1, -(2**63), 123456789012345, 7]
     want = np.stack([np.asarray(jax.random.PRNGKey(s)) for s in seeds])
@@ -1013,7 +1013,7 @@ def test_num_speculative_tokens_has_one_spelling():
 
 def test_compile_cache_is_bounded():
     from dspark_jax.decoding.compile_cache import LRUCache
-    from dspark_jax.decoding.speculative import _COMPILED
+    from dspark_jax.decoding.loop import _COMPILED
 
     assert isinstance(_COMPILED, LRUCache) and _COMPILED.maxsize <= 64
     cache = LRUCache(maxsize=2)
@@ -1026,14 +1026,14 @@ def test_compile_cache_is_bounded():
 def test_a_new_max_new_tokens_reuses_the_compiled_loops(peaked, drafters, monkeypatch):
     """The loops' static step bound is bucketed (issue 24): another ``max_new_tokens`` at the same
     cache length compiles nothing new, and every request still stops at its own limit."""
-    from dspark_jax.decoding import speculative
+    from dspark_jax.decoding import loop
     from dspark_jax.decoding.compile_cache import LRUCache
 
-    monkeypatch.setattr(speculative, "_COMPILED", LRUCache(maxsize=8))
+    monkeypatch.setattr(loop, "_COMPILED", LRUCache(maxsize=8))
     kw = dict(cache_len=64, temperature=0.0, stop_ids=[])
     spec = {n: generate_speculative(peaked, drafters["bigram"], [[1, 2, 3]], max_new_tokens=n, **kw) for n in (9, 20)}
     ar = {n: generate_autoregressive(peaked, [[1, 2, 3]], max_new_tokens=n, **kw) for n in (9, 20)}
-    assert len(speculative._COMPILED) == 2  # one speculative loop and one plain loop
+    assert len(loop._COMPILED) == 2  # one speculative loop and one plain loop
     for n in (9, 20):
         ids = ar[n].generations[0].token_ids
         assert len(ids) == n and spec[n].generations[0].token_ids == ids

@@ -1,6 +1,6 @@
 """The decode loops update their KV caches in place, and attention's cost follows the live length.
 
-Issue 24: the compiled single-request loops (:func:`~dspark_jax.decoding.speculative._ar_decode`,
+Issue 24: the compiled single-request loops (:func:`~dspark_jax.decoding.loop._ar_decode`,
 ``_spec_decode`` at a fixed width and with ``num_speculative_tokens="auto"``) must not rebuild a cache-shaped array in
 their loop bodies (a layer ``scan`` that maps the cache as xs/ys copies it every step): inside every
 ``while`` body of the optimized HLO, the only instructions whose result has a cache's shape are
@@ -27,7 +27,7 @@ import pytest
 from flax import nnx
 
 from dspark_jax.decoding import auto_verify
-from dspark_jax.decoding import speculative as sp
+from dspark_jax.decoding import loop as sp
 from dspark_jax.drafters.base import prepare_drafter
 from dspark_jax.models.layers import attention, cached_attention
 from dspark_jax.models.sampling import sampling_arrays

@@ -1,0 +1,400 @@
+"""The compiled decoding loops behind :mod:`dspark_jax.decoding.speculative`: plain autoregressive
+and lossless speculative (DSpark / DFlash), their host-side batch layout and their compile cache.
+
+Both loops are single jitted functions: prefill, then a ``lax.while_loop`` whose
+body is one decode step for every row of the batch, entirely on device (no host
+round-trip per token or per block). Shapes are static: a ``[B, S]`` token
+buffer, KV caches of ``S`` positions, blocks of ``block_size + 1`` verified tokens;
+everything variable (prompt lengths, verification lengths, finished rows) is a
+mask.
+
+Speculative step (docs/design.md#pipeline / docs/design.md#verification), built from the pieces of
+:mod:`dspark_jax.decoding.round`: with ``P`` the position of the anchor (the last
+confirmed token, not yet seen by the target), draft ``block_size`` tokens (one backbone
+pass + ``lax.scan`` Markov sampler), verify ``[anchor, x_1..x_n]`` at positions
+``P..P+n`` in one target pass (``n = num_speculative_tokens``), rejection-sample, emit
+accepted drafts + correction/bonus, write the new target features into the drafter's
+context cache. Rejected positions stay in the caches as stale entries that attention
+masks by position and later writes overwrite.
+
+Randomness is per request: the token after position ``t`` is decided with keys
+derived from ``fold_in(request_key, t)``, so a request's output does not depend
+on its batch-mates, its row, or how long the process has run.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.decoding import auto_verify
+from dspark_jax.decoding.compile_cache import LRUCache
+from dspark_jax.decoding.results import BatchResult, DecodeStats, Generation, RoundLog, generations
+from dspark_jax.decoding.round import (
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_RUNNING,
+    FINISH_STOP,
+    RoundInputs,
+    VerifiedRound,
+    append_tokens,
+    draft_tokens,
+    emit_counts,
+    finish_codes,
+    is_stop,
+    next_token,
+    prefill,
+    round_statistics,
+    split_round_keys,
+    token_keys,
+    verify_pass,
+)
+from dspark_jax.decoding.validation import check_max_new_tokens, check_prompts, check_seeds
+from dspark_jax.errors import DSparkInputError
+from dspark_jax.models.layers import KVCache
+from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, sampling_arrays
+from dspark_jax.models.target import Target
+
+__all__ = ["STEP_BUCKET", "Batch", "make_batch", "run_autoregressive", "run_speculative"]
+
+
+class _Loop(NamedTuple):
+    seq: jax.Array  # [B, S] int32 tokens (prompt + generated), -1 elsewhere
+    length: jax.Array  # [B] confirmed tokens; the anchor is seq[length - 1]
+    finish: jax.Array  # [B] FINISH_* code, 0 while running
+    tcache: KVCache
+    dcache: KVCache | None
+    stats: DecodeStats
+    step: jax.Array
+    rounds: RoundLog | None = None
+    auto: Any = None  # auto_verify.AutoState with num_speculative_tokens="auto", else None
+
+
+class _Inputs(NamedTuple):
+    """A call's device inputs, one pytree argument of the compiled loops (:class:`Batch` on device)."""
+
+    prompt: jax.Array  # [B, Tp] int32 right-padded prompts
+    prompt_len: jax.Array  # [B] int32
+    limit: jax.Array  # [B] int32 prompt + max new tokens, capped by the context
+    sampling: SamplingArrays  # per-request temperature / top-k / top-p
+    keys: jax.Array  # [B, 2] request keys
+    stop: jax.Array  # [S] int32 stop ids (-2: none)
+
+
+def _start(target, drafter, x: _Inputs, cache_len: int, taps, block_size: int) -> _Loop:
+    """Prefill (:func:`~dspark_jax.decoding.round.prefill`) -> the loop's initial state."""
+    prompt, prompt_len, limit, stop_ids = x.prompt, x.prompt_len, x.limit, x.stop
+    b, tp = prompt.shape
+    pre = prefill(target, drafter, prompt, prompt_len, x.keys, x.sampling, cache_len, taps)
+    pos = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (b, tp))
+    seq = jnp.full((b, cache_len), -1, jnp.int32)
+    seq = seq.at[:, :tp].set(jnp.where(pos < prompt_len[:, None], prompt, -1))
+    seq = seq.at[jnp.arange(b), prompt_len].set(pre.token, mode="drop")
+    length = prompt_len + 1
+    finish = jnp.where(
+        is_stop(pre.token, stop_ids),
+        FINISH_STOP,
+        jnp.where(length >= jnp.minimum(limit, cache_len), FINISH_LENGTH, FINISH_RUNNING),
+    )
+    finish = jnp.where(pre.finite, finish, FINISH_ERROR).astype(jnp.int32)
+    stats = DecodeStats.zeros(b, block_size)
+    return _Loop(seq, length, finish, pre.tcache, pre.dcache, stats, jnp.zeros((), jnp.int32))
+
+
+def _emit(state: _Loop, tokens, n_new, x: _Inputs, cache_len: int):
+    """Appends up to ``n_new`` of ``tokens [B, W]`` honouring stop ids and limits.
+
+    Returns the new (seq, length, finish, n_kept).
+    """
+    running = state.finish == FINISH_RUNNING
+    end = jnp.minimum(x.limit, cache_len)
+    n_keep, stopped, full = emit_counts(tokens, n_new, running, state.length, end, x.stop)
+    seq = append_tokens(state.seq, state.length, tokens, n_keep)
+    return seq, state.length + n_keep, finish_codes(state.finish, stopped, full), n_keep
+
+
+def _running(s: _Loop, max_steps: int):
+    return jnp.any(s.finish == FINISH_RUNNING) & (s.step < max_steps)
+
+
+@partial(jax.jit, static_argnames=("t_graph", "cache_len", "max_steps"))
+def _ar_decode(t_state, x: _Inputs, *, t_graph, cache_len: int, max_steps: int):
+    target = nnx.merge(t_graph, t_state)
+    init = _start(target, None, x, cache_len, (), 1)
+
+    def body(s: _Loop):
+        p = s.length - 1
+        anchor = jnp.take_along_axis(s.seq, p[:, None], 1)
+        out = target(anchor, p[:, None], s.tcache)
+        finite = logits_are_finite(out.logits[:, 0])
+        tok = next_token(out.logits[:, 0], x.keys, p, x.sampling)
+        running = s.finish == FINISH_RUNNING
+        seq, length, finish, n_keep = _emit(s, tok[:, None], jnp.ones_like(p), x, cache_len)
+        finish = jnp.where(running & ~finite, FINISH_ERROR, finish)
+        st = s.stats
+        stats = st._replace(num_passes=st.num_passes + running, num_emitted=st.num_emitted + n_keep)
+        return _Loop(seq, length, finish, out.cache, None, stats, s.step + 1)
+
+    return jax.lax.while_loop(partial(_running, max_steps=max_steps), body, init)
+
+
+class _Round(NamedTuple):
+    """A round's verification: the verified pass, ``num_verify [B]``, the drafts' raw
+    confidence logits ``[B, block_size]`` (for :class:`RoundLog`), the compiled pass width
+    ``[]`` int32 and whether the round drafted ``[]`` bool (for :class:`DecodeStats`)."""
+
+    verified: VerifiedRound
+    num_verify: jax.Array
+    conf_logit: jax.Array
+    width: jax.Array
+    drafted: jax.Array
+
+
+def _fixed_round(target, drafter, s: _Loop, x: _Inputs, r: RoundInputs, max_verify, *, width: int) -> _Round:
+    """A round verifying ``min(num_speculative_tokens, room)`` drafts of every running row in a
+    pass of static ``width + 1`` tokens (``width`` = num_speculative_tokens: a shorter fixed
+    length costs a shorter pass, not a block-wide one with fewer accepts)."""
+    block_size = drafter.cfg.block_size
+    d = draft_tokens(target, drafter, r.anchor, r.anchor_pos, s.dcache, r.draft_keys, x.sampling)
+    # Verification length: fixed by limits only, never by draft values (non-anticipation).
+    ell = jnp.where(r.running, jnp.clip(jnp.minimum(max_verify, r.room), 0, width), 0)
+    res = verify_pass(
+        target,
+        drafter,
+        s.tcache,
+        s.dcache,
+        r,
+        d,
+        ell,
+        x.sampling,
+        width=width,
+        block_size=block_size,
+        taps=drafter.cfg.taps,
+    )
+    return _Round(res, ell, d.confidence_logit, jnp.int32(width), jnp.ones((), bool))
+
+
+def _close_round(s: _Loop, r: _Round, running, x: _Inputs, cache_len: int, new_auto) -> _Loop:
+    """Emission, finish codes, statistics and the optional round log of one round."""
+    v = r.verified
+    seq, length, finish, n_keep = _emit(s, v.tokens, v.num_emitted, x, cache_len)
+    finish = jnp.where(running & ~v.finite, FINISH_ERROR, finish)
+    block_size = s.stats.position_reached.shape[1]
+    rs = round_statistics(r.num_verify, v.num_accepted, v.num_emitted, n_keep, block_size)
+    stats = s.stats.add(running, n_keep, rs, r.width, r.drafted)
+    rounds = s.rounds
+    if rounds is not None:
+        rounds = RoundLog(
+            rounds.conf_logit.at[:, s.step].set(r.conf_logit),
+            rounds.num_accepted.at[:, s.step].set(rs.num_accepted),
+            rounds.num_draft_tokens.at[:, s.step].set(rs.num_draft_tokens),
+        )
+    return _Loop(seq, length, finish, v.tcache, v.dcache, stats, s.step + 1, rounds, new_auto)
+
+
+@partial(
+    jax.jit,
+    static_argnames=(
+        "t_graph",
+        "d_graph",
+        "cache_len",
+        "max_steps",
+        "record_rounds",
+        "widths",
+        "probe_every",
+        "fixed_width",
+    ),
+)
+def _spec_decode(
+    t_state,
+    d_state,
+    x: _Inputs,
+    max_verify,
+    costs=None,
+    *,
+    t_graph,
+    d_graph,
+    cache_len: int,
+    max_steps: int,
+    record_rounds: bool = False,
+    widths: tuple[int, ...] | None = None,
+    probe_every: int = 8,
+    fixed_width: int | None = None,
+):
+    target = nnx.merge(t_graph, t_state)
+    drafter = nnx.merge(d_graph, d_state)
+    block_size = drafter.cfg.block_size
+    init = _start(target, drafter, x, cache_len, drafter.cfg.taps, block_size)
+    b = x.prompt.shape[0]
+    if record_rounds:
+        zeros = jnp.zeros((b, max_steps), jnp.int32)
+        init = init._replace(rounds=RoundLog(jnp.zeros((b, max_steps, block_size), jnp.float32), zeros, zeros))
+    if widths is not None:
+        init = init._replace(auto=auto_verify.init_auto_state(b, block_size))
+
+    def body(s: _Loop):
+        running = s.finish == FINISH_RUNNING
+        p = s.length - 1
+        anchor = jnp.take_along_axis(s.seq, p[:, None], 1)[:, 0]
+        draft_keys, verify_keys = split_round_keys(token_keys(x.keys, p))
+        room = jnp.minimum(x.limit, cache_len) - s.length - 1
+        r_in = RoundInputs(running, anchor, p, draft_keys, verify_keys, room)
+        if widths is None:
+            width = block_size if fixed_width is None else fixed_width
+            return _close_round(
+                s, _fixed_round(target, drafter, s, x, r_in, max_verify, width=width), running, x, cache_len, None
+            )
+        assert costs is not None  # given with widths (generate_speculative)
+        res, ell, zlog, new_auto = auto_verify.auto_round(
+            target, drafter, s.auto, s.tcache, s.dcache, r_in, x.sampling, costs, widths=widths, probe_every=probe_every
+        )
+        r = _Round(res, ell, zlog, jnp.asarray(widths, jnp.int32)[new_auto.width], s.auto.draft_on)
+        return _close_round(s, r, running, x, cache_len, new_auto)
+
+    return jax.lax.while_loop(partial(_running, max_steps=max_steps), body, init)
+
+
+# Compiled loops by shape signature, shared by every call in the process; bounded so that
+# a long-lived process (a notebook sweeping prompt lengths) does not keep them all.
+_COMPILED = LRUCache(maxsize=32)
+STEP_BUCKET = 64  # [steps] granularity of the loops' static step bound
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+class Batch(NamedTuple):
+    """Host-side inputs of one call of a decode loop (:func:`make_batch`)."""
+
+    prompt: np.ndarray  # [B, Tp] int32 right-padded prompts
+    lens: np.ndarray  # [B] int32 prompt lengths
+    limit: np.ndarray  # [B] int32 prompt + max new tokens, capped by the context
+    cache_len: int
+    stop: jax.Array  # [S] int32 stop ids (-2: none)
+    sampling: SamplingArrays
+    keys: jax.Array  # [B, 2] request keys
+    max_steps: int
+
+
+def _cache_len(cfg, lens: np.ndarray, max_new: np.ndarray, tp: int, block_size: int, cache_len: int | None) -> int:
+    if cache_len is None:
+        need = int((lens + max_new).max()) + block_size + 2
+        cache_len = min(_round_up(max(need, tp + 1), 64), _round_up(cfg.max_position, 1))
+        return max(cache_len, min(tp + 1, cfg.max_position))
+    if cache_len <= int(lens.max()):
+        raise DSparkInputError(
+            f"cache_len={cache_len} leaves no room to generate after the longest prompt ({int(lens.max())} tokens)"
+        )
+    return cache_len
+
+
+def make_batch(
+    target: Target, prompts, max_new_tokens, block_size: int, cache_len, sampling_kw, seed, stop_ids
+) -> Batch:
+    """Validates a call's inputs and lays them out (:mod:`dspark_jax.decoding.validation`).
+
+    ``block_size`` (0 for plain decoding): drafts a round may write past the last kept token.
+    """
+    cfg = target.cfg
+    check_prompts(prompts, cfg.vocab_size, cfg.max_position)
+    b = len(prompts)
+    max_new = check_max_new_tokens(max_new_tokens, b)
+    lens = np.array([len(p) for p in prompts], np.int32)
+    tp = _round_up(int(lens.max()), 32)
+    cache_len = _cache_len(cfg, lens, max_new, tp, block_size, cache_len)
+    tp = min(tp, cache_len)
+    prompt = np.zeros((b, tp), np.int32)
+    for i, p in enumerate(prompts):
+        prompt[i, : len(p)] = p
+    limit = np.minimum(lens.astype(np.int64) + max_new, cfg.max_position).astype(np.int32)
+    stop = jnp.asarray(list(stop_ids if stop_ids is not None else cfg.eos_ids) or [-2], jnp.int32)
+    sampling = sampling_arrays(b, *sampling_kw)
+    keys = _keys(check_seeds(seed, b), b)
+    # The loops' step bound is static: bucketed like the default cache length, so a new
+    # max_new_tokens reuses the compiled loop (every step emits >= 1 token per running row, so a
+    # row always reaches its own limit first; the bound never cuts a generation short).
+    max_steps = _round_up(int(np.max(limit - lens)), STEP_BUCKET)
+    return Batch(prompt, lens, limit, cache_len, stop, sampling, keys, max_steps)
+
+
+def _device_inputs(bt: Batch) -> _Inputs:
+    return _Inputs(jnp.asarray(bt.prompt), jnp.asarray(bt.lens), jnp.asarray(bt.limit), bt.sampling, bt.keys, bt.stop)
+
+
+def _generations(state: _Loop, lens, speculative: bool) -> list[Generation]:
+    return generations(state.seq, state.length, state.finish, lens, state.stats, state.rounds, speculative)
+
+
+def _keys(seeds, b: int) -> jax.Array:
+    seeds = np.broadcast_to(np.asarray(seeds, np.int64), (b,))
+    # jax.random.PRNGKey keeps a seed's low 32 bits (without x64); one vectorised call gives the
+    # same keys as a per-seed loop, which cost ~0.5 ms a seed (12 s for 24,000 requests).
+    low = (seeds & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
+    return _seed_keys(jnp.asarray(low))
+
+
+_seed_keys = jax.jit(jax.vmap(jax.random.PRNGKey))
+
+
+def _run(fn, args, kwargs, key):
+    """AOT-compiles once per shape signature, then times only the execution."""
+    t0 = time.perf_counter()
+    # The arguments' layouts are part of the signature: a target sharded over a mesh
+    # (Target(mesh=...)) needs its own program.
+    key = key + (tuple(x.sharding for x in jax.tree.leaves(args) if isinstance(x, jax.Array)),)
+    compiled = _COMPILED.get_or_build(key, lambda: fn.lower(*args, **kwargs).compile())
+    t1 = time.perf_counter()
+    out = compiled(*args)
+    jax.block_until_ready(out)
+    t2 = time.perf_counter()
+    return out, t2 - t1, t1 - t0
+
+
+def run_autoregressive(target: Target, bt: Batch) -> BatchResult:
+    """Plain decoding of the laid-out batch ``bt`` (:func:`make_batch` with ``block_size=0``):
+    compiled once per shape signature, then run; seconds exclude compilation."""
+    t_graph, t_state = nnx.split(target)
+    args = (t_state, _device_inputs(bt))
+    statics = dict(t_graph=t_graph, cache_len=bt.cache_len, max_steps=bt.max_steps)
+    key = ("ar", bt.prompt.shape, bt.stop.shape, *statics.values())
+    state, secs, csecs = _run(_ar_decode, args, statics, key)
+    return BatchResult(_generations(state, bt.lens, speculative=False), secs, csecs, bt.cache_len)
+
+
+def run_speculative(
+    target: Target,
+    drafter,
+    bt: Batch,
+    *,
+    fixed: int | None,
+    widths: tuple[int, ...] | None = None,
+    costs: tuple[jax.Array, jax.Array] | None = None,
+    record_rounds: bool = False,
+) -> BatchResult:
+    """Speculative decoding of the laid-out batch ``bt`` (:func:`make_batch` with the drafter's
+    block size): ``fixed`` drafts verified per round, or ``fixed=None`` with ``widths`` and
+    ``costs`` (``(t_verify [len(widths)], t_draft [])`` float32 seconds, traced: new costs reuse
+    the program) for ``"auto"`` (:func:`~dspark_jax.decoding.auto_verify.auto_round`). Compiled
+    once per shape signature, then run; seconds exclude compilation."""
+    (t_graph, t_state), (d_graph, d_state) = nnx.split(target), nnx.split(drafter)
+    block_size = drafter.cfg.block_size
+    args = (t_state, d_state, _device_inputs(bt), jnp.int32(block_size if fixed is None else fixed), costs)
+    statics = dict(
+        t_graph=t_graph,
+        d_graph=d_graph,
+        cache_len=bt.cache_len,
+        max_steps=bt.max_steps,
+        record_rounds=bool(record_rounds),
+        widths=widths,
+        fixed_width=fixed,
+    )
+    key = ("spec", bt.prompt.shape, bt.stop.shape, *statics.values())
+    state, secs, csecs = _run(_spec_decode, args, statics, key)
+    return BatchResult(_generations(state, bt.lens, speculative=True), secs, csecs, bt.cache_len)
