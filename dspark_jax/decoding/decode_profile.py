@@ -181,13 +181,13 @@ def measure_round_costs(target, drafter, *, cache_len: int, spans: Sequence[int]
     Returns:
       ``{(("round", w), span): seconds}`` for ``w`` in :func:`default_widths`.
     """
-    widths = default_widths(drafter.cfg.block_size)
-    prompts = np.random.default_rng(0)
+    g = drafter.cfg.block_size
+    widths = default_widths(g)
+    rng = np.random.default_rng(0)
     out: dict = {}
     for span in spans:
-        plen, short, long_ = _round_lengths(span, cache_len, drafter.cfg.block_size)
-        prompt = prompts.integers(0, target.cfg.vocab_size, plen).tolist()
-        g = drafter.cfg.block_size
+        plen, short, long_ = _round_lengths(span, cache_len, g)
+        prompt = rng.integers(0, target.cfg.vocab_size, plen).tolist()
         batches = {n: make_batch(target, [prompt], n, g, cache_len, (0.0, 0, 1.0), 0, []) for n in (short, long_)}
         costs = [(jnp.asarray(forcing_costs(widths, i)), jnp.float32(0.0)) for i in range(len(widths))]
 
