@@ -38,13 +38,12 @@ Everything here is traced inside the decode loop (pure ``jnp``; widths are stati
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.decoding.round import RoundInputs, VerifiedRound, commit_round, draft_tokens, verify_block
+from dspark_jax.decoding.round import RoundInputs, VerifiedRound, draft_tokens, verify_at_width
 from dspark_jax.drafters.base import Draft
 from dspark_jax.models.sampling import SamplingArrays
 
@@ -269,9 +268,10 @@ def auto_round(
     """One round with an automatic verification width (module docstring).
 
     Drafts (under ``lax.cond``, only when ``state.draft_on``), chooses the width from the
-    corrected confidences (:func:`corrected_confidence`, :func:`choose_width`), verifies with that width's compiled pass
-    (``lax.switch``), records the round's acceptances (:func:`observe_acceptance`) and decides
-    whether the next round drafts (:func:`should_draft` of :func:`forecast_acceptance`).
+    corrected confidences (:func:`corrected_confidence`, :func:`choose_width`), verifies with that
+    width's compiled pass (:func:`~dspark_jax.decoding.round.verify_at_width`), records the round's
+    acceptances (:func:`observe_acceptance`) and decides whether the next round drafts
+    (:func:`should_draft` of :func:`forecast_acceptance`).
 
     Args:
       state: :class:`AutoState`. tcache / dcache: the target's KV cache and the drafter's context cache.
@@ -299,12 +299,20 @@ def auto_round(
     # Width from confidences only, chunk by chunk (non-anticipating, module docstring).
     wi = jnp.where(state.draft_on, choose_width(conf, r.running, widths, t_verify), 0)
     ell = jnp.where(r.running, jnp.clip(jnp.minimum(jnp.asarray(widths, jnp.int32)[wi], r.room), 0, block_size), 0)
-    taps = drafter.cfg.taps
-    # The branches only read the caches, which are written once after the switch: a branch that
-    # wrote them would make XLA copy both caches into it every round.
-    branches = [partial(verify_block, target, width=w, block_size=block_size, taps=taps) for w in widths]
-    pending = jax.lax.switch(wi, branches, tcache, r, d, ell, sampling)
-    res = commit_round(target, drafter, tcache, dcache, r.running, pending)
+    res = verify_at_width(
+        target,
+        drafter,
+        tcache,
+        dcache,
+        r,
+        d,
+        ell,
+        sampling,
+        width_index=wi,
+        widths=tuple(widths),
+        block_size=block_size,
+        taps=drafter.cfg.taps,
+    )
     hits, predicted, seen = observe_acceptance(state, d.confidence, ell, res.num_accepted, r.running)
     after = state._replace(hits=hits, predicted=predicted, seen=seen)
     forecast = forecast_acceptance(corrected_confidence(d.confidence, after), after.hits, after.seen)

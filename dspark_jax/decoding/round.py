@@ -32,7 +32,6 @@ import jax.numpy as jnp
 from dspark_jax.decoding.verifier import verify
 from dspark_jax.drafters.base import BlockDrafter, Draft
 from dspark_jax.drafters.markov import sample_block
-from dspark_jax.models.layers import KVCache
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample
 from dspark_jax.models.target import Target
 
@@ -42,13 +41,11 @@ __all__ = [
     "FINISH_NAMES",
     "FINISH_RUNNING",
     "FINISH_STOP",
-    "PendingRound",
     "Prefilled",
     "RoundInputs",
     "RoundStats",
     "VerifiedRound",
     "append_tokens",
-    "commit_round",
     "draft_step_keys",
     "draft_tokens",
     "emit_counts",
@@ -60,7 +57,7 @@ __all__ = [
     "round_statistics",
     "split_round_keys",
     "token_keys",
-    "verify_block",
+    "verify_at_width",
     "verify_pass",
 ]
 
@@ -327,70 +324,59 @@ def _judge(logits, r: RoundInputs, draft: Draft, num_verify, sampling: SamplingA
     return toks, res, finite
 
 
-class PendingRound(NamedTuple):
-    """Output of :func:`verify_block`: a verified round whose cache writes :func:`commit_round` does
-    (``B`` rows, block size ``G``; every width padded to ``G + 1`` tokens so all have one shape).
-
-    Attributes:
-      block_kv: the pass's keys/values :class:`~dspark_jax.models.layers.KVCache` ``[L, B, G + 1, kvh, hd]``.
-      features: ``[B, G + 1, n_taps * H]`` the tapped target states of the pass (zeros past the width).
-      block_tokens: ``[B, G + 1]`` int32 the pass's tokens (anchor, drafts; 0 past the width).
-      positions: ``[B, G + 1]`` int32 their absolute positions, ``-1`` past the width.
-      tokens / num_emitted / num_accepted / finite: as :class:`VerifiedRound`.
-    """
-
-    block_kv: KVCache
-    features: jax.Array
-    block_tokens: jax.Array
-    positions: jax.Array
-    tokens: jax.Array
-    num_emitted: jax.Array
-    num_accepted: jax.Array
-    finite: jax.Array
-
-
-def verify_block(
+def verify_at_width(
     target: Target,
+    drafter,
     tcache,
+    dcache,
     r: RoundInputs,
     draft: Draft,
     num_verify: jax.Array,
     sampling: SamplingArrays,
     *,
-    width: int,
+    width_index: jax.Array,
+    widths: tuple[int, ...],
     block_size: int,
     taps,
-) -> PendingRound:
-    """:func:`verify_pass` that only reads the caches (:meth:`~dspark_jax.models.target.Target.forward_block`).
+) -> VerifiedRound:
+    """:func:`verify_pass` at a width chosen inside the loop: ``widths[width_index]``.
 
-    Meant for one branch of a ``lax.switch`` over compiled widths: a branch that wrote the caches
-    would make XLA copy them into it every round; :func:`commit_round` then writes the caches once,
-    outside the switch, in place. Arguments as :func:`verify_pass`.
+    Each width is its own compiled pass, run by one ``lax.while_loop`` of zero or one trip, one loop
+    per width in sequence: a loop carries the caches and writes them in place, as the fixed-width
+    decode loop does. A ``lax.switch`` over the widths did not: with the writes inside its branches XLA
+    copied both caches into each branch every round, and with read-only branches and one write after
+    the switch a 3-token round cost 3-4 ms more than the fixed loop's on SmolLM2-135M (2 CPU cores).
+
+    Args:
+      as :func:`verify_pass`; ``width_index``: ``[]`` int32 index into the static ascending ``widths``
+      (each ``<= block_size``).
+    Returns:
+      :class:`VerifiedRound` of the chosen width (tokens padded to ``block_size + 1``).
     """
-    vtok, vpos = _verified_block(r, draft, width)
-    out, block_kv = target.forward_block(vtok, vpos, tcache, taps=taps)
-    toks, res, finite = _judge(out.logits, r, draft, num_verify, sampling, width, block_size)
-    assert out.features is not None  # every drafter reads tapped target states
-    pad = block_size - width
-    return PendingRound(
-        KVCache(*(jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))) for a in block_kv)),
-        jnp.pad(out.features, ((0, 0), (0, pad), (0, 0))),
-        jnp.pad(vtok, ((0, 0), (0, pad))),
-        jnp.pad(vpos, ((0, 0), (0, pad)), constant_values=-1),
-        toks,
-        res.num_emitted,
-        res.num_accepted,
-        finite,
-    )
+    b = r.anchor.shape[0]
+    zero = jnp.zeros((b,), jnp.int32)
+    out = VerifiedRound(tcache, dcache, jnp.full((b, block_size + 1), -1, jnp.int32), zero, zero, jnp.ones((b,), bool))
+    for i, w in enumerate(widths):
 
+        def once(carry, w=w):
+            v, _ = carry
+            res = verify_pass(
+                target,
+                drafter,
+                v.tcache,
+                v.dcache,
+                r,
+                draft,
+                num_verify,
+                sampling,
+                width=w,
+                block_size=block_size,
+                taps=taps,
+            )
+            return res, jnp.ones((), bool)
 
-def commit_round(target: Target, drafter, tcache, dcache, running: jax.Array, pending: PendingRound) -> VerifiedRound:
-    """The cache writes of a :func:`verify_block` round: the target's keys/values at the pass's positions
-    (every row, like :func:`verify_pass`), the drafter's context for running rows only."""
-    tcache = tcache.write_block(pending.block_kv, pending.positions)
-    ctx_pos = jnp.where(running[:, None], pending.positions, -1)
-    dcache = drafter.extend_cache(dcache, pending.features, ctx_pos, target=target, tokens=pending.block_tokens)
-    return VerifiedRound(tcache, dcache, pending.tokens, pending.num_emitted, pending.num_accepted, pending.finite)
+        out, _ = jax.lax.while_loop(lambda c, i=i: (width_index == i) & ~c[1], once, (out, jnp.zeros((), bool)))
+    return out
 
 
 # ------------------------------------------------------------------------------ emission

@@ -41,23 +41,6 @@ class KVCache(NamedTuple):
     def length(self) -> int:
         return self.k.shape[2]
 
-    def write_block(self, block: KVCache, positions: jax.Array) -> KVCache:
-        """Writes every layer's keys/values of a block at once: ``self.k[:, b, positions[b, t]] = block.k[:, b, t]``.
-
-        Args:
-          block: ``[L, B, T, n_kv_heads, head_dim]`` keys and values of ``T`` tokens per row.
-          positions: ``[B, T]`` int32 absolute positions; outside ``[0, S)`` (e.g. -1 for padding)
-            nothing is written.
-        Returns:
-          The updated cache (a scatter into the same buffers: in place when they are donated or
-          loop-carried).
-        """
-        b_idx = jnp.arange(self.k.shape[1])[:, None]
-        pos = jnp.where(positions < 0, self.length, positions)
-        k = self.k.at[:, b_idx, pos].set(block.k.astype(self.k.dtype), mode="drop")
-        v = self.v.at[:, b_idx, pos].set(block.v.astype(self.v.dtype), mode="drop")
-        return KVCache(k, v)
-
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm: ``x / sqrt(mean(x^2) + eps) * weight``, statistics in float32."""
@@ -201,8 +184,6 @@ def block_attention_cached(
     ctx_end: jax.Array,
     k_blk: jax.Array,
     v_blk: jax.Array,
-    *,
-    causal: bool = False,
 ) -> jax.Array:
     """:func:`block_attention` with the context read from one layer of a cache, live blocks only.
 
@@ -210,9 +191,8 @@ def block_attention_cached(
       q: ``[B, A, S, n_heads, hd]`` queries of A blocks of S slots.
       k_cache, v_cache: ``[N, B, C, n_kv_heads, hd]`` context caches (only read); ``layer``: int32 layer index.
       ctx_end: ``[B, A]`` int32: block ``a`` of row ``b`` sees the context slots ``< ctx_end[b, a]``.
-      k_blk, v_blk: ``[B, A, S, n_kv_heads, hd]`` the blocks' own keys/values: bidirectional within
-        a block, or with ``causal`` slot ``s`` sees the block's slots ``<= s`` (a target pass over
-        a block whose keys are written to the cache afterwards).
+      k_blk, v_blk: ``[B, A, S, n_kv_heads, hd]`` the blocks' own keys/values (bidirectional within
+        a block).
     Returns:
       ``[B, A, S, n_heads * hd]`` in the dtype of ``q``.
     """
@@ -226,8 +206,6 @@ def block_attention_cached(
     qb = q.reshape(b, a, s, g, r, hd)
     scale = 1.0 / jnp.sqrt(jnp.float32(hd))
     sb = jnp.einsum("basgrd,batgd->bgrast", qb, k_blk, preferred_element_type=jnp.float32) * scale
-    if causal:
-        sb = jnp.where(jnp.tril(jnp.ones((s, s), bool)), sb, _NEG_INF)
     m_all = jnp.maximum(m, jnp.max(sb, axis=-1))
     corr, eb = jnp.exp(m - m_all), jnp.exp(sb - m_all[..., None])
     denom = l * corr + jnp.sum(eb, axis=-1)

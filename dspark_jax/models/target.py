@@ -20,7 +20,7 @@ from flax import nnx
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.models.attention import attend, current_platform
-from dspark_jax.models.layers import KVCache, apply_rope, attention, block_attention_cached, rms_norm, swiglu
+from dspark_jax.models.layers import KVCache, apply_rope, attention, rms_norm, swiglu
 
 _LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
@@ -225,49 +225,6 @@ class Target(nnx.Module):
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[:, None, None].astype(jnp.int32), axis=1)[:, 0]
         return TargetOutput(self.unembed(x), features, new_cache)
-
-    def forward_block(
-        self, tokens: jax.Array, positions: jax.Array, cache: KVCache, *, taps: Sequence[int] = ()
-    ) -> tuple[TargetOutput, KVCache]:
-        """:meth:`__call__` over a block that reads the KV cache without writing it.
-
-        Query ``t`` of row ``b`` attends to the cache slots ``< positions[b, 0]`` (the committed
-        context, live blocks only) and to the block's own tokens ``<= t``; the block's keys and
-        values are returned for :meth:`KVCache.write_block` to write afterwards. A pass that only
-        reads the cache can sit in one branch of a ``lax.switch`` over compiled widths without XLA
-        copying the cache into the branch (the ``auto`` verification of
-        :mod:`dspark_jax.decoding.auto_verify`); the output equals :meth:`__call__`'s to float
-        round-off (the softmax sums the two parts in another order). Attention runs on the ``xla``
-        path whatever ``cfg.attention_backend`` (the kernels do not return softmax statistics).
-
-        Args:
-          tokens: ``[B, T]`` int32; positions: ``[B, T]`` int32 absolute positions, consecutive from
-            ``positions[:, 0]`` in each row.
-          cache: the KV cache ``[L, B, S, kvh, hd]`` (only read).
-          taps: layers whose outputs are returned as features (see :meth:`__call__`).
-        Returns:
-          ``(TargetOutput with cache None, the block's KVCache [L, B, T, kvh, hd])``.
-        """
-        cfg = self.cfg
-        taps = tuple(int(t) for t in taps)
-        _check_taps(cfg, taps)
-        x = self.embed_tokens(tokens).astype(self.dtype)
-        layer_params = {k: v[...] for k, v in self.layers.items()}
-        ctx_end = positions[:, :1]  # [B, A=1]
-
-        def block_layer(carry, p):
-            h, li = carry
-            q, k, v = _qkv(cfg, p, h, positions)
-            attn = block_attention_cached(
-                q[:, None], cache.k, cache.v, li, ctx_end, k[:, None], v[:, None], causal=True
-            )[:, 0]
-            h = _attn_out_and_mlp(cfg, p, h, attn)
-            return (h, li + 1), ((h if taps else None), k, v)
-
-        (x, _), (hidden, nk, nv) = jax.lax.scan(block_layer, (x, jnp.int32(0)), layer_params)
-        features = _tap_features(hidden, taps)
-        block_kv = KVCache(nk.astype(cache.k.dtype), nv.astype(cache.v.dtype))
-        return TargetOutput(self.unembed(x), features, None), block_kv
 
     def forward_packed(
         self,

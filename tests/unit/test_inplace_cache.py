@@ -7,8 +7,8 @@ their loop bodies (a layer ``scan`` that maps the cache as xs/ys copies it every
 parameters, tuple reads, bitcasts and in-place updates (``dynamic-update-slice`` / ``scatter``, or a
 fusion whose root is one). The compiled programs' temporaries (``memory_analysis()``) stay below one
 cache array. Tiny random models at a long cache, so that a cache copy would dominate the temporaries.
-(``auto``'s ``lax.switch`` over the compiled widths reads the caches and writes them after the switch:
-with the writes inside the branches XLA copied both caches into every branch, 10 copies a round here.)
+(``auto`` runs each compiled width in a ``lax.while_loop`` of zero or one trip: a ``lax.switch`` with
+the writes inside its branches copied both caches into every branch, 10 copies a round here.)
 
 :func:`~dspark_jax.models.layers.cached_attention` equals the dense masked attention, does not
 depend on the allocated cache length or the batch-mates' lengths (bit for bit), and gives queries
@@ -213,31 +213,3 @@ def test_cached_attention_reads_only_live_blocks():
     k_nan, v_nan = k.at[:, :, 64:].set(jnp.nan), v.at[:, :, 64:].set(jnp.nan)
     got = jax.jit(lambda *a: cached_attention(*a, block=32))(q, k_nan, v_nan, 0, pos)
     assert np.array_equal(np.asarray(got), np.asarray(want))
-
-
-def test_forward_block_equals_the_cached_pass():
-    """``Target.forward_block`` (reads the cache; ``auto``'s switch branches) then ``KVCache.write_block``
-    gives the logits, features and cache of the pass that writes in place; stale slots past a row's
-    block start are ignored and padding positions (-1) write nothing."""
-    target = Target(TINY_TARGET, random_params(TINY_TARGET, seed=2, scale=0.2))
-    rng = np.random.default_rng(0)
-    b, ctx, t, length = 2, 24, 5, 64
-    pos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (b, ctx))
-    context = jnp.asarray(rng.integers(0, TINY_TARGET.vocab_size, (b, ctx)), jnp.int32)
-    cache = target(context, pos, target.init_cache(b, length)).cache
-    assert cache is not None
-    start = jnp.asarray([24, 17], jnp.int32)  # row 1: slots 17..23 hold stale entries
-    bpos = start[:, None] + jnp.arange(t, dtype=jnp.int32)
-    tokens = jnp.asarray(rng.integers(0, TINY_TARGET.vocab_size, (b, t)), jnp.int32)
-    want = target(tokens, bpos, cache, taps=(0, 2))
-    got, block_kv = target.forward_block(tokens, bpos, cache, taps=(0, 2))
-    np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=2e-5, rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(got.features), np.asarray(want.features), atol=2e-5, rtol=1e-5)
-    written = cache.write_block(block_kv, bpos.at[:, -1].set(-1))  # the last token as padding
-    assert want.cache is not None
-    pad = np.zeros((b, length), bool)
-    pad[np.arange(b), np.asarray(bpos[:, -1])] = True
-    for new, ref, old in zip(written, want.cache, cache):
-        new, ref, old = (np.asarray(a) for a in (new, ref, old))
-        np.testing.assert_allclose(new[:, ~pad], ref[:, ~pad], atol=2e-5)
-        assert np.array_equal(new[:, pad], old[:, pad])  # the padding position: not written
