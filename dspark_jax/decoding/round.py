@@ -345,7 +345,7 @@ def verify_at_width(
     per width in sequence: a loop carries the caches and writes them in place, as the fixed-width
     decode loop does. A ``lax.switch`` over the widths did not: with the writes inside its branches XLA
     copied both caches into each branch every round, and with read-only branches and one write after
-    the switch a 3-token round cost 3-4 ms more than the fixed loop's on SmolLM2-135M (2 CPU cores).
+    the switch a 3-token round cost 3-6 ms more than the fixed loop's on SmolLM2-135M (2 CPU cores).
 
     Args:
       as :func:`verify_pass`; ``width_index``: ``[]`` int32 index into the static ascending ``widths``
