@@ -341,11 +341,12 @@ def verify_at_width(
 ) -> VerifiedRound:
     """:func:`verify_pass` at a width chosen inside the loop: ``widths[width_index]``.
 
-    Each width is its own compiled pass, run by one ``lax.while_loop`` of zero or one trip, one loop
-    per width in sequence: a loop carries the caches and writes them in place, as the fixed-width
-    decode loop does. A ``lax.switch`` over the widths did not: with the writes inside its branches XLA
-    copied both caches into each branch every round, and with read-only branches and one write after
-    the switch a 3-token round cost 3-6 ms more than the fixed loop's on SmolLM2-135M (2 CPU cores).
+    Each width is its own compiled pass, run by a loop of zero or one trip (``lax.fori_loop`` with a
+    traced bound, i.e. a ``while_loop``), one loop per width in sequence: a loop carries the caches
+    and writes them in place, as the fixed-width decode loop does. A ``lax.switch`` over the widths
+    did not: with the writes inside its branches XLA copied both caches into each branch every round,
+    and with read-only branches and one write after the switch a 3-token round cost 3-6 ms more than
+    the fixed loop's on SmolLM2-135M (2 CPU cores).
 
     Args:
       as :func:`verify_pass`; ``width_index``: ``[]`` int32 index into the static ascending ``widths``
@@ -358,9 +359,8 @@ def verify_at_width(
     out = VerifiedRound(tcache, dcache, jnp.full((b, block_size + 1), -1, jnp.int32), zero, zero, jnp.ones((b,), bool))
     for i, w in enumerate(widths):
 
-        def once(carry, w=w):
-            v, _ = carry
-            res = verify_pass(
+        def once(_, v, w=w):
+            return verify_pass(
                 target,
                 drafter,
                 v.tcache,
@@ -373,9 +373,8 @@ def verify_at_width(
                 block_size=block_size,
                 taps=taps,
             )
-            return res, jnp.ones((), bool)
 
-        out, _ = jax.lax.while_loop(lambda c, i=i: (width_index == i) & ~c[1], once, (out, jnp.zeros((), bool)))
+        out = jax.lax.fori_loop(0, (width_index == i).astype(jnp.int32), once, out)
     return out
 
 
