@@ -175,8 +175,8 @@ def test_policies_match_autoregressive(engine, requests, reference, policy):
 
 @pytest.mark.parametrize("policy", ["plain", "fixed:3"])
 def test_cancel_insert_and_sync_while_a_step_is_in_flight(engine, requests, reference, policy):
-    """With ``overlap`` a step is queued on the device when ``generate`` returns (for ``plain``
-    dispatched before the previous step's outputs were read). A request cancelled then yields
+    """With ``overlap`` a step is queued on the device when ``generate`` returns (dispatched before
+    the previous step's outputs were read). A request cancelled then yields
     nothing more, a request inserted into its slot gets exactly its own tokens, and ``sync``
     leaves the device state where the host's records say (anchor position = length - 1)."""
     engine.set_policy(policy)
@@ -206,6 +206,35 @@ def test_cancel_insert_and_sync_while_a_step_is_in_flight(engine, requests, refe
     assert len(toks[r5.request_id]) == n5 and toks[r5.request_id] == reference[r5.request_id][0][:n5]
     assert toks[r0.request_id] == reference[r0.request_id][0]
     assert toks[r2.request_id] == reference[r2.request_id][0]
+
+
+@pytest.mark.parametrize("policy", ["fixed:3", "dspark"])
+def test_speculative_steps_are_dispatched_before_the_previous_is_read(engine, requests, reference, policy, monkeypatch):
+    """With ``overlap`` and ``speculative_ahead`` (the default off the CPU) a speculative policy
+    plans each step from what the host has read (the step in flight bounds each row's room) and
+    dispatches it before reading the step in flight, as the plain policy does: nearly every read
+    finds its successor queued (the dspark policy's: most, while drafting is not suspended), and
+    every request's tokens and finish reason are still plain decoding's while rows join, finish
+    and move."""
+    from dspark_jax.serving.engine.inflight import InflightStep
+
+    engine.set_policy(policy)
+    engine.sync()
+    engine.planner.idle_steps = 0
+    monkeypatch.setattr(engine.planner, "speculative_ahead", True)  # off on the CPU by default
+    queued = []  # at each read: the step queued behind it, if any
+    read = InflightStep.read
+
+    def recording_read(step, slots):
+        queued.append(engine._inflight)
+        return read(step, slots)
+
+    monkeypatch.setattr(InflightStep, "read", recording_read)
+    toks, reasons = drive(engine, requests)  # rows join, finish and move while a step is in flight
+    for r in requests:
+        assert (toks[r.request_id], reasons[r.request_id]) == reference[r.request_id], r.request_id
+    ahead = sum(q is not None for q in queued)
+    assert ahead >= (len(queued) - len(requests) if policy == "fixed:3" else len(queued) // 2)
 
 
 @pytest.fixture(scope="module")

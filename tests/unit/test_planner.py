@@ -186,3 +186,47 @@ def test_one_row_budgets_include_one_and_two_drafts():
     assert [planner.budgets(r) for r in (1, 2, 4)] == [[1, 2, 3, 4, 8, 9], [2, 4, 8, 16], [4, 8, 16]]
     planner.set_policy("fixed:2")
     assert planner.budgets(1) == [1, 3]
+
+
+def test_a_plan_made_ahead_bounds_room_by_the_step_in_flight():
+    """Planned before the step in flight is read (engine overlap), a row's room before its end
+    counts the most that step can add (its verified drafts + 1), so no step runs past a row's
+    end; the block it verifies is known to exist only if the step in flight drafts one, and is
+    forecast from the latest confidences read."""
+    from dspark_jax.serving.engine.planner import Lookahead
+
+    planner = Planner(GAMMA, True, LADDER, [1], OnlineCalibrator(GAMMA), suspend_after=4, policy="fixed:3")
+    rec = _record()
+    rec.end = rec.length + 7  # synchronously: room for min(GAMMA, 6) drafts
+    rec.push_z(np.full(GAMMA, 2.0))
+    assert planner.plan([rec])[0].tolist() == [3]
+    ahead = lambda adv, has: planner.plan([rec], Lookahead(np.array([adv]), np.array([has])))[0].tolist()
+    assert ahead(4, True) == [2]  # the step in flight verifies 3 drafts: at most 4 more tokens
+    assert ahead(6, True) == [0]  # ... or 5: nothing left to verify
+    assert ahead(1, False) == [0]  # the step in flight does not draft: no block to verify
+    rec.z = None  # the block verified in flight had no confidences: the latest read stand in
+    assert ahead(1, True) == [3]
+
+
+@pytest.mark.parametrize("policy", ["dspark", "fixed:2"])
+def test_a_plan_made_ahead_defers_resuming_a_suspended_drafter(policy):
+    """While suspended, resuming needs a catch-up over tokens a plan made ahead has not read: such
+    a plan stays plain, takes no probe and sets ``deferred``; the engine then plans the next
+    step after the read (``plans_ahead`` is False), where the same decision drafts."""
+    from dspark_jax.serving.engine.planner import Lookahead
+
+    planner = Planner(GAMMA, True, LADDER, [1], OnlineCalibrator(GAMMA), suspend_after=4, policy=policy)
+    planner.set_table(_table())
+    rec = _record()
+    rec.push_z(np.full(GAMMA, 4.0))  # confident: the dspark policy wants to draft
+    planner.idle_steps, rec.stale_from = 4, 2  # suspended, context missing from position 2
+    planner.speculative_ahead = True  # off on the CPU by default
+    assert planner.suspended() and planner.plans_ahead(1, 1) and not planner.plans_ahead(1, 3)
+    la = Lookahead(np.array([1]), np.array([False]), may_draft=False)
+    probes = planner.probes
+    ell, rows, tokens, draft_next = planner.plan([rec], la)
+    assert (ell.tolist(), tokens, draft_next) == ([0], 1, False) and planner.deferred
+    assert planner.probes == probes and planner.suspend_now(rows, tokens, draft_next)
+    assert not planner.plans_ahead(1, 1)
+    planner.deferred = False  # the engine's next plan, after the read
+    assert planner.plan([rec])[3]

@@ -72,7 +72,7 @@ from dspark_jax.serving.engine.counters import EngineMetrics
 from dspark_jax.serving.engine.device import EngineDevice, prefill_bucket_list, row_bucket_list, token_ladder
 from dspark_jax.serving.engine.inflight import InflightStep, close_step
 from dspark_jax.serving.engine.online_calibration import OnlineCalibrator
-from dspark_jax.serving.engine.planner import Planner, catchup_batches, parse_policy
+from dspark_jax.serving.engine.planner import Planner, catchup_batches, mark_stale, parse_policy
 from dspark_jax.serving.engine.prefill import PrefillPasses, chunked_prefill
 from dspark_jax.serving.engine.requests import (
     Prefix,
@@ -249,7 +249,7 @@ class Engine:
         self.prefill_passes = PrefillPasses(self.device, self.planner, self.limits, self.prefill_buckets)
         self.prefiller = chunked_prefill(self, prefill_chunk_tokens)
         # _inflight: the step queued on the device, outputs unread; _ready: outputs closed by sync()
-        self.overlap, self._inflight, self._ready = bool(overlap), None, []
+        self._overlap, self._inflight, self._ready = bool(overlap), None, []
 
     def _configure(self, target, drafter, num_slots, cache_len, verification, max_logit_bias, max_stop_ids) -> None:
         """Validates and stores the models, sizes and verification mode."""
@@ -274,6 +274,17 @@ class Engine:
         self.block_size = drafter.cfg.block_size if drafter is not None else 0
 
     # ------------------------------------------------------------------ configuration
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the next step stays queued on the device while the host works (the constructor's
+        ``overlap``); setting it first finishes the step in flight (:meth:`sync`)."""
+        return self._overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self.sync()
+        self._overlap = bool(on)
 
     @property
     def policy(self) -> str:
@@ -467,38 +478,34 @@ class Engine:
 
     # ------------------------------------------------------------------ decoding
 
-    def _report_unplaced(self) -> list[StepOutput]:
-        """Outputs of the requests that finished at prefill (they never got a row)."""
-        outs = []
-        for slot, rec in self.slots.pop_unplaced():
-            lps = rec.pending_lp if rec.n_lp is not None else None
-            outs.append(StepOutput(slot, rec.request.request_id, rec.pending, True, rec.done, 0, 0, lps))
-        return outs
-
-    def _dispatch(self, ahead: int = 0) -> InflightStep:
+    def _dispatch(self, prev: InflightStep | None = None) -> InflightStep:
         """Plans the next step and dispatches it (asynchronously): the drafter-less program while
         suspended (marking where each row's drafter context stops), else catch-up first, then the
-        full step. ``ahead``: confirmed tokens each row gains from the step still in flight, whose
-        outputs the host has not read (1 for a plain step, 0 when none is)."""
+        full step. ``prev``: the step still in flight, whose outputs the host has not read
+        (:meth:`~dspark_jax.serving.engine.planner.Planner.plans_ahead` said this may go ahead of
+        it; the plan bounds what each row gains from it, a
+        :class:`~dspark_jax.serving.engine.planner.Lookahead`)."""
         t0 = time.perf_counter()
-        ell, rows, tokens, draft_next = self.plan()
-        self.planner.drafting = bool(draft_next)
         recs = self.slots.row_records()
+        la = None
+        if prev is not None:
+            # After a suspended step, drafting would first need the catch-up of tokens not read yet.
+            la = prev.lookahead(recs, self.block_size > 0, may_draft=not prev.suspended)
+        else:
+            self.planner.deferred = False
+        ell, rows, tokens, draft_next = self.planner.plan(recs, la)
+        self.planner.drafting = bool(draft_next)
         n = len(recs)
-        b = self.num_slots
-        ell_b = np.zeros(b, np.int32)
+        ell_b, active = np.zeros(self.num_slots, np.int32), np.arange(self.num_slots) < n
         ell_b[:n] = ell
-        active = np.zeros(b, bool)
-        active[:n] = True
         if n + int(ell.sum()) > tokens or (tokens == rows and ell.any()):
             raise RuntimeError(f"scheduler plan {ell.tolist()} does not fit bucket ({rows}, {tokens})")
         use_bias = any(rec.biased() for rec in recs)  # a stale length only errs towards True
         want_lp = any(rec.n_lp is not None for rec in recs)
         suspended = self.planner.suspend_now(rows, tokens, draft_next)
         if suspended:
-            for rec in recs:
-                if rec.stale_from is None:
-                    rec.stale_from = rec.length - 1 + ahead
+            # Planned ahead only after a plain step, whose advance of 1 a row is then exact.
+            mark_stale(recs, None if la is None else la.advance)
             out = self.device.run_bare_step(rows, ell_b, active, use_bias, want_lp)
         else:
             self._catch_up()
@@ -506,11 +513,6 @@ class Engine:
         self.planner.record_step(rows, tokens, draft_next)
         pairs = list(zip(self.slots.row_slots(), recs))
         return InflightStep(out, pairs, ell, (rows, tokens), bool(draft_next), want_lp, suspended, t0)
-
-    def _plans_ahead(self) -> bool:
-        """Whether the next step's plan is known before the current step's outputs are read: the
-        plain policy (or no drafter) verifies no draft, so every row steps once whatever it emits."""
-        return self.overlap and (self.planner.name == "plain" or self.block_size == 0) and self.slots.num_rows > 0
 
     def _finish(self, step: InflightStep) -> list[StepOutput]:
         """Reads ``step``'s outputs (blocking until it is done) and closes its rounds: the rows'
@@ -540,8 +542,9 @@ class Engine:
         """One speculative (or plain) step for every active slot.
 
         With ``overlap`` (the default), the next step is already queued on the device when this
-        returns (dispatched right after this step's rounds were closed, or for the plain policy
-        before this step's outputs were read), so the device does not wait for the host's or the
+        returns (planned and dispatched before this step's outputs were read,
+        :meth:`~dspark_jax.serving.engine.planner.Planner.plans_ahead`, else right after this step's
+        rounds were closed), so the device does not wait for the host's or the
         caller's work between steps (:mod:`~dspark_jax.serving.engine.inflight`). A request
         inserted after a call joins the step after the queued one.
 
@@ -551,15 +554,15 @@ class Engine:
         """
         if not self._warm:
             self.warmup()
-        outs = self._report_unplaced() + self._ready
+        outs = self.slots.report_unplaced() + self._ready
         self._ready = []
         step, self._inflight = self._inflight, None
         if step is None:
             if self.slots.num_rows == 0:
                 return outs
             step = self._dispatch()
-        if self._plans_ahead():
-            self._inflight = self._dispatch(ahead=1)
+        if self.overlap and self.slots.num_rows > 0 and self.planner.plans_ahead(*step.bucket):
+            self._inflight = self._dispatch(prev=step)
         outs += self._finish(step)
         if self.overlap and self._inflight is None and self.slots.num_rows > 0:
             self._inflight = self._dispatch()

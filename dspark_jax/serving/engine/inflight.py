@@ -22,6 +22,7 @@ import numpy as np
 from dspark_jax.decoding.auto_verify import ACCEPTANCE_DECAY
 from dspark_jax.serving.engine.counters import EngineMetrics
 from dspark_jax.serving.engine.online_calibration import OnlineCalibrator
+from dspark_jax.serving.engine.planner import Lookahead
 from dspark_jax.serving.engine.requests import StepOutput, lp_entry
 from dspark_jax.serving.engine.slots import Round, SlotRecord, SlotTable, close_rounds
 
@@ -69,6 +70,19 @@ class InflightStep:
     want_lp: bool
     suspended: bool
     t0: float
+
+    def lookahead(self, records: list[SlotRecord], drafts: bool, may_draft: bool) -> Lookahead:
+        """What a plan made before this step is read knows of ``records`` (the rows now):
+        a row this step holds gains at most its verified drafts + 1 tokens and holds a drafted
+        block iff this step drafts (``drafts``: the engine has a drafter); a row that joined after
+        it is current. ``may_draft``: see :class:`~dspark_jax.serving.engine.planner.Lookahead`."""
+        mine = {id(rec): r for r, (_, rec) in enumerate(self.rows)}
+        idx = [mine.get(id(rec)) for rec in records]
+        advance = np.array([0 if r is None else int(self.ell[r]) + 1 for r in idx], np.int64)
+        has = np.array(
+            [rec.z is not None if r is None else (drafts and self.draft_next) for r, rec in zip(idx, records)], bool
+        )
+        return Lookahead(advance, has, may_draft)
 
     def read(self, slots: SlotTable) -> StepHost:
         """Blocks until the step is done and reads back what the host needs, for the rows whose

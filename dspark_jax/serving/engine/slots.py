@@ -27,7 +27,7 @@ from dspark_jax.decoding.round import (
     finish_codes,
     round_statistics,
 )
-from dspark_jax.serving.engine.requests import Prefix, Request
+from dspark_jax.serving.engine.requests import Prefix, Request, StepOutput
 
 __all__ = ["Round", "SlotRecord", "SlotTable", "close_rounds"]
 
@@ -250,6 +250,15 @@ class SlotTable:
         """Removes and returns the ``(slot, record)`` pairs without a row (finished at prefill)."""
         done = [s for s, rec in self._records.items() if rec.row is None]
         return [(s, self._records.pop(s)) for s in done]
+
+    def report_unplaced(self) -> list[StepOutput]:
+        """Removes the requests that finished at prefill (they never got a row) and returns their
+        outputs."""
+        outs = []
+        for slot, rec in self.pop_unplaced():
+            lps = rec.pending_lp if rec.n_lp is not None else None
+            outs.append(StepOutput(slot, rec.request.request_id, rec.pending, True, rec.done, 0, 0, lps))
+        return outs
 
     def remove(self, slot: int) -> tuple[int, int] | None:
         """Frees ``slot`` (a free slot is a no-op). When its row was not the last one, the last
