@@ -210,7 +210,7 @@ def test_cancel_insert_and_sync_while_a_step_is_in_flight(engine, requests, refe
 
 @pytest.mark.parametrize("policy", ["fixed:3", "dspark"])
 def test_speculative_steps_are_dispatched_before_the_previous_is_read(engine, requests, reference, policy, monkeypatch):
-    """With ``overlap`` and ``speculative_ahead`` (the default off the CPU) a speculative policy
+    """With ``overlap`` and ``speculative_ahead`` (opt-in) a speculative policy
     plans each step from what the host has read (the step in flight bounds each row's room) and
     dispatches it before reading the step in flight, as the plain policy does: nearly every read
     finds its successor queued (the dspark policy's: most, while drafting is not suspended), and
@@ -221,7 +221,7 @@ def test_speculative_steps_are_dispatched_before_the_previous_is_read(engine, re
     engine.set_policy(policy)
     engine.sync()
     engine.planner.idle_steps = 0
-    monkeypatch.setattr(engine.planner, "speculative_ahead", True)  # off on the CPU by default
+    monkeypatch.setattr(engine.planner, "speculative_ahead", True)  # opt-in
     queued = []  # at each read: the step queued behind it, if any
     read = InflightStep.read
 

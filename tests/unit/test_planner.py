@@ -220,7 +220,7 @@ def test_a_plan_made_ahead_defers_resuming_a_suspended_drafter(policy):
     rec = _record()
     rec.push_z(np.full(GAMMA, 4.0))  # confident: the dspark policy wants to draft
     planner.idle_steps, rec.stale_from = 4, 2  # suspended, context missing from position 2
-    planner.speculative_ahead = True  # off on the CPU by default
+    planner.speculative_ahead = True  # opt-in
     assert planner.suspended() and planner.plans_ahead(1, 1) and not planner.plans_ahead(1, 3)
     la = Lookahead(np.array([1]), np.array([False]), may_draft=False)
     probes = planner.probes

@@ -71,6 +71,12 @@ class InflightStep:
     suspended: bool
     t0: float
 
+    def __post_init__(self) -> None:
+        # Queue the read-back right behind this step: started at read time, on an accelerator it
+        # would wait behind the next step, dispatched before this one is read.
+        for a in jax.tree.leaves(self.out[:4] + ((self.out[4],) if self.want_lp else ())):
+            a.copy_to_host_async()
+
     def lookahead(self, records: list[SlotRecord], drafts: bool, may_draft: bool) -> Lookahead:
         """What a plan made before this step is read knows of ``records`` (the rows now):
         a row this step holds gains at most its verified drafts + 1 tokens and holds a drafted

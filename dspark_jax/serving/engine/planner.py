@@ -47,10 +47,11 @@ row's end), and the block it verifies is forecast from the latest confidences th
 read, one step older than a synchronous plan's. A plan made ahead while the drafter is
 suspended cannot resume drafting (the catch-up re-runs tokens the host has not read yet): it
 stays plain and sets :attr:`Planner.deferred`, and the engine plans the next step only once the
-step in flight is read. Only where the time goes changes, never the tokens. The speculative
-policies plan ahead where the host and the device are different processors
-(:attr:`Planner.speculative_ahead`): on the CPU the host's planning runs on the cores that compute
-the step in flight, and a 2-core machine measured 0.97x (fixed:2) and 1.03x (dspark) per request.
+step in flight is read. Only where the time goes changes, never the tokens. It is opt-in
+(:attr:`Planner.speculative_ahead`): measured per request or per step against planning after the
+read, it gave 0.97x (fixed:2) and 1.03x (dspark) on 2 CPU cores with SmolLM2, where the host's
+planning shares the cores computing the step in flight, and 0.92-1.06x on an H200 (stories260K
+and a SmolLM2-shaped target, 1 and 8 slots), where a step's host work is most of its time.
 """
 
 from __future__ import annotations
@@ -65,7 +66,6 @@ import numpy as np
 from dspark_jax.decoding.auto_verify import forecast_acceptance
 from dspark_jax.decoding.cost_table import CostTable
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.models.attention import current_platform
 from dspark_jax.serving.engine import scheduler as sch
 from dspark_jax.serving.engine.online_calibration import OnlineCalibrator
 from dspark_jax.serving.engine.slots import SlotRecord
@@ -225,9 +225,8 @@ class Planner:
         self._since_probe = 0  # non-drafting steps since the last probe
         self._probe = 0  # 1: this step drafts as a probe; 2: this step verifies the probe's drafts
         self.deferred = False  # a plan made ahead wanted to draft while suspended (see Lookahead)
-        # Speculative steps planned ahead (see "Planning ahead"); off on the CPU, where the host's
-        # planning would run on the cores computing the step in flight (measured: 0.97x for fixed:2).
-        self.speculative_ahead = current_platform() != "cpu"
+        # Speculative steps planned ahead (see "Planning ahead"): opt-in, no measured gain so far.
+        self.speculative_ahead = False
         self.set_policy(policy)
 
     def set_policy(self, policy: str) -> None:
@@ -317,7 +316,7 @@ class Planner:
         made ahead deferred resuming (the resuming step's catch-up needs the tokens read) and
         while suspended after a step that verified drafts (a suspended step marks where each
         row's drafter context stops, which needs exact lengths), and only with
-        :attr:`speculative_ahead` (default: not on the CPU)."""
+        :attr:`speculative_ahead` (default off)."""
         if self.name == "plain" or self.block_size == 0:
             return True
         return self.speculative_ahead and not self.deferred and (tokens == rows or not self.suspended())
