@@ -48,10 +48,10 @@ read, one step older than a synchronous plan's. A plan made ahead while the draf
 suspended cannot resume drafting (the catch-up re-runs tokens the host has not read yet): it
 stays plain and sets :attr:`Planner.deferred`, and the engine plans the next step only once the
 step in flight is read. Only where the time goes changes, never the tokens. It is opt-in
-(:attr:`Planner.speculative_ahead`): measured per request or per step against planning after the
-read, it gave 0.97x (fixed:2) and 1.03x (dspark) on 2 CPU cores with SmolLM2, where the host's
-planning shares the cores computing the step in flight, and 0.92-1.06x on an H200 (stories260K
-and a SmolLM2-shaped target, 1 and 8 slots), where a step's host work is most of its time.
+(:attr:`Planner.speculative_ahead`). Against planning after the read
+(``benchmarks/engine_throughput.py --ahead``), on 2 CPU cores: stories260K 1.48-1.53x at one slot,
+SmolLM2 0.97x (fixed:2) and 1.03x (dspark), its long step slowed by the host's planning on the same
+cores; on an H200 0.90-1.06x (stories260K and a SmolLM2-shaped target, 1 and 8 slots).
 """
 
 from __future__ import annotations
