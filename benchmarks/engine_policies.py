@@ -7,7 +7,9 @@ order, ``--repeats`` rounds, and the median tokens/s per policy is kept, so the 
 measured side by side on a shared machine. Concurrency ``c``: ``c`` requests decode together
 (closed loop: a finished request's slot takes the next prompt). Also reports, per policy, the
 share of steps that drafted, suspended steps, probes and tau. The ``dspark`` policy's
-criterion (issue 26): tokens/s >= 0.95x the better of ``plain`` and ``fixed:G``.
+criterion (issue 26): tokens/s >= 0.95x the better of ``plain`` and ``fixed:G``. With ``--ahead``
+every speculative policy also runs as ``POLICY+ahead``: its steps planned before the step in flight
+is read (``engine.planner.speculative_ahead``, docs/design.md#serving).
 
     python -m benchmarks.engine_policies --target stories260k --drafter runs/stories260k/export \\
         --concurrency 1,4 --repeats 3 --out runs/engine_policies
@@ -41,15 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-len", type=int, default=512, help="engine cache length (default 512)")
     p.add_argument("--prefill-buckets", default="16,32", help="compiled prompt lengths (default 16,32)")
     p.add_argument("--repeats", type=int, default=3, help="alternated rounds; the median is kept (default 3)")
+    p.add_argument("--ahead", action="store_true", help="also run each speculative policy planned ahead")
     p.add_argument("--out", default="runs/engine_policies", help="output directory")
     return p
 
 
 def run_level(eng, tok, policy: str, prompts: list[str], conc: int, max_tokens: int) -> dict:
-    """Decodes every prompt under ``policy`` with ``conc`` in flight; tokens/s and counters."""
+    """Decodes every prompt under ``policy`` (``POLICY+ahead``: planned ahead) with ``conc`` in
+    flight; tokens/s and counters."""
     from dspark_jax.serving.engine.requests import Request, SamplingParams
 
-    eng.set_policy(policy)
+    name, _, ahead = policy.partition("+")
+    eng.set_policy(name)
+    eng.planner.speculative_ahead = ahead == "ahead"
     eng.reset_metrics()
     probes0 = eng.planner.probes
     queue = [
@@ -79,11 +85,15 @@ def run_level(eng, tok, policy: str, prompts: list[str], conc: int, max_tokens: 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from dspark_jax.api import load_target_and_drafter
+    from dspark_jax.drafters.dspark import DSparkDrafter
+    from dspark_jax.errors import DSparkInputError
     from dspark_jax.serving.engine import Engine
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     levels = [int(c) for c in args.concurrency.split(",")]
     target, tok, drafter = load_target_and_drafter(args.target, args.drafter)
+    if not isinstance(drafter, DSparkDrafter):
+        raise DSparkInputError("the engine serves DSpark/DFlash drafters only")
     pb = [int(b) for b in args.prefill_buckets.split(",")]
     eng = Engine(
         target, drafter, num_slots=max(levels), cache_len=args.cache_len, policy=policies[0], prefill_buckets=pb
@@ -93,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         eng.set_policy(p)
         eng.warmup()
     warm_s = time.perf_counter() - t0
+    if args.ahead:
+        policies += [f"{p}+ahead" for p in policies if p != "plain"]
     prompts = (STORIES * args.num_requests)[: args.num_requests]
     runs: dict = {c: {p: [] for p in policies} for c in levels}
     for r in range(args.repeats):

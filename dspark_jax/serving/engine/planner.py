@@ -49,7 +49,7 @@ suspended cannot resume drafting (the catch-up re-runs tokens the host has not r
 stays plain and sets :attr:`Planner.deferred`, and the engine plans the next step only once the
 step in flight is read. Only where the time goes changes, never the tokens. It is opt-in
 (:attr:`Planner.speculative_ahead`). Against planning after the read
-(``benchmarks/engine_throughput.py --ahead``), on 2 CPU cores: stories260K 1.48-1.53x at one slot,
+(``benchmarks/engine_policies.py --ahead``), on 2 CPU cores: stories260K 1.47-1.66x at one slot,
 SmolLM2 0.97x (fixed:2) and 1.03x (dspark), its long step slowed by the host's planning on the same
 cores; on an H200 0.90-1.06x (stories260K and a SmolLM2-shaped target, 1 and 8 slots).
 """
@@ -225,7 +225,8 @@ class Planner:
         self._since_probe = 0  # non-drafting steps since the last probe
         self._probe = 0  # 1: this step drafts as a probe; 2: this step verifies the probe's drafts
         self.deferred = False  # a plan made ahead wanted to draft while suspended (see Lookahead)
-        # Speculative steps planned ahead (see "Planning ahead"): opt-in, no measured gain so far.
+        # Speculative steps planned ahead (see "Planning ahead"): opt-in, since it paid only where
+        # steps are short and the host shares the device's cores (stories260K on the CPU).
         self.speculative_ahead = False
         self.set_policy(policy)
 
