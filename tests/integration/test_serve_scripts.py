@@ -38,12 +38,13 @@ def test_plain_script_plans_the_target_alone():
     plan = json.loads(_dry_run("plain.sh", "--num-slots", "4", "--port", "8123"))
     assert plan["target"]["name"] == "stories260K" and plan["drafter"] is None and plan["policy"] == "plain"
     assert plan["num_slots"] == 4 and plan["mesh_model"] == 1 and plan["url"] == "http://127.0.0.1:8123"
+    assert plan["plan_ahead"] is False
 
 
 def test_speculative_script_plans_the_drafter_and_policy():
-    plan = json.loads(_dry_run("speculative.sh", DRAFTER=str(TINY_EXPORT), POLICY="threshold:0.5"))
+    plan = json.loads(_dry_run("speculative.sh", "--plan-ahead", DRAFTER=str(TINY_EXPORT), POLICY="threshold:0.5"))
     assert plan["drafter"]["path"] == str(TINY_EXPORT) and plan["drafter"]["block_size"] == 3
-    assert plan["policy"] == "threshold:0.5" and plan["target"]["name"] == "stories260K"
+    assert plan["policy"] == "threshold:0.5" and plan["target"]["name"] == "stories260K" and plan["plan_ahead"] is True
 
 
 def test_mesh_script_plans_tensor_parallel_serving_without_weights():

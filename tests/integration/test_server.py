@@ -106,6 +106,58 @@ def _sse_events(lines) -> list:
     return out
 
 
+def _mixed_requests() -> list[dict]:
+    """Six completions: greedy and seeded sampled (top-k, top-p), streamed and not, one with a stop string."""
+    prompts = [
+        "Once upon a time",
+        "The cat sat on the mat",
+        "Tom and Lily",
+        "One day, a bird",
+        "Sam had a red ball",
+        "The sun was hot",
+    ]
+    return [
+        {
+            "prompt": p,
+            "max_tokens": 8 + 6 * i,
+            "temperature": [0.0, 0.7, 1.0, 1.3][i % 4],
+            "top_k": [0, 20, 0, 5][i % 4],
+            "top_p": [1.0, 1.0, 0.9, 0.8][i % 4],
+            "seed": 100 + i,
+            "return_token_ids": True,
+            "stream": i % 2 == 1,
+            **({"stop": ["."]} if i == 3 else {}),
+        }
+        for i, p in enumerate(prompts)
+    ]
+
+
+def _send_together(server, reqs: list[dict]) -> list[tuple]:
+    """Sends ``reqs`` concurrently; each one's ``(token_ids, text, finish_reason)``."""
+
+    async def one(c, body):
+        if not body["stream"]:
+            ch = (await c.post("/v1/completions", json=body)).json()["choices"][0]
+            return ch["token_ids"], ch["text"], ch["finish_reason"]
+        ids, text, fin = [], "", None
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    ch = json.loads(line[6:])["choices"][0]
+                    ids += ch.get("token_ids", [])
+                    text += ch["text"]
+                    fin = ch["finish_reason"] or fin
+        return ids, text, fin
+
+    async def together():
+        async with httpx.AsyncClient(
+            base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}
+        ) as c:
+            return await asyncio.gather(*(one(c, b) for b in reqs))
+
+    return asyncio.run(together())
+
+
 class TestHTTP:
     """Everything through HTTP against one running server."""
 
@@ -139,57 +191,40 @@ class TestHTTP:
         assert r2.json()["choices"][0]["text"] == server.tok.decode(ref.token_ids[:16], skip_special_tokens=True)
 
     def test_concurrent_seeded_requests_equal_alone(self, server, client):
-        prompts = [
-            "Once upon a time",
-            "The cat sat on the mat",
-            "Tom and Lily",
-            "One day, a bird",
-            "Sam had a red ball",
-            "The sun was hot",
-        ]
-        reqs = []
-        for i, p in enumerate(prompts):
-            reqs.append(
-                {
-                    "prompt": p,
-                    "max_tokens": 8 + 6 * i,
-                    "temperature": [0.0, 0.7, 1.0, 1.3][i % 4],
-                    "top_k": [0, 20, 0, 5][i % 4],
-                    "top_p": [1.0, 1.0, 0.9, 0.8][i % 4],
-                    "seed": 100 + i,
-                    "return_token_ids": True,
-                    "stream": i % 2 == 1,
-                    **({"stop": ["."]} if i == 3 else {}),
-                }
-            )
-
-        async def one(c, body):
-            if not body["stream"]:
-                ch = (await c.post("/v1/completions", json=body)).json()["choices"][0]
-                return ch["token_ids"], ch["text"], ch["finish_reason"]
-            ids, text, fin = [], "", None
-            async with c.stream("POST", "/v1/completions", json=body) as r:
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        ch = json.loads(line[6:])["choices"][0]
-                        ids += ch.get("token_ids", [])
-                        text += ch["text"]
-                        fin = ch["finish_reason"] or fin
-            return ids, text, fin
-
-        async def together():
-            async with httpx.AsyncClient(
-                base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}
-            ) as c:
-                return await asyncio.gather(*(one(c, b) for b in reqs))
-
-        concurrent = asyncio.run(together())
+        reqs = _mixed_requests()
+        concurrent = _send_together(server, reqs)
         alone = []
         for b in reqs:
             ch = client.post("/v1/completions", json=dict(b, stream=False)).json()["choices"][0]
             alone.append((ch["token_ids"], ch["text"], ch["finish_reason"]))
         assert concurrent == alone
         assert len({tuple(a[0]) for a in alone}) == len(alone)
+        assert wait_idle(client)["free_slots"] == NUM_SLOTS
+
+    def test_planned_ahead_requests_equal_alone(self, server, client, engine, monkeypatch):
+        """``--plan-ahead`` (``build_engine(plan_ahead=True)``): speculative steps dispatched before
+        the step in flight is read, through HTTP, give every request the tokens it gets alone."""
+        from dspark_jax.serving.engine.inflight import InflightStep
+
+        reqs = _mixed_requests()
+        alone = [client.post("/v1/completions", json=dict(b, stream=False)).json()["choices"][0] for b in reqs]
+        alone = [(ch["token_ids"], ch["text"], ch["finish_reason"]) for ch in alone]
+        wait_idle(client)
+        queued = []
+        read = InflightStep.read
+
+        def recording_read(step, slots):
+            queued.append(engine._inflight is not None and step.bucket[1] > step.bucket[0])
+            return read(step, slots)
+
+        monkeypatch.setattr(InflightStep, "read", recording_read)
+        monkeypatch.setattr(engine.planner, "speculative_ahead", True)
+        engine.set_policy("fixed:2")  # drafting never suspended: every speculative step may go ahead
+        try:
+            assert _send_together(server, reqs) == alone
+        finally:
+            engine.set_policy("dspark")
+        assert sum(queued) >= 5  # speculative steps found their successor already dispatched
         assert wait_idle(client)["free_slots"] == NUM_SLOTS
 
     def test_bad_numbers_get_400_and_leave_the_others_alone(self, server, client):
@@ -328,6 +363,15 @@ def test_serve_cli_rejects_speculative_policy_without_drafter(capsys):
 
     assert main(["--target", "stories260k", "--policy", "dspark"]) == 2
     assert "needs a drafter" in capsys.readouterr().err
+
+
+def test_build_engine_plans_ahead_only_when_asked(models):
+    from dspark_jax.serving.http.cli import build_engine
+
+    target, _, drafter = models
+    for ahead in (False, True):
+        eng = build_engine(target, drafter, policy="fixed:2", num_slots=1, cache_len=32, warmup=False, plan_ahead=ahead)
+        assert eng.planner.speculative_ahead is ahead
 
 
 def _benchmark(name: str):

@@ -21,7 +21,9 @@ of one request at a time; :mod:`dspark_jax.serving.engine.prefill`).
 ``--api-key`` (or ``DSPARK_API_KEY``) requires ``Authorization: Bearer KEY`` on every ``/v1``
 route (401 otherwise; ``/health`` and ``/metrics`` stay open unless
 ``--api-key-health-metrics``). ``--verification`` picks the engine's lossless verification
-(``coupled`` or ``rejection``). Exit status 2 with a one-line ``error:`` message on bad
+(``coupled`` or ``rejection``). ``--plan-ahead`` plans and dispatches each speculative step before
+the step in flight is read (off by default: it pays where a step is short and the host shares the
+device's cores; docs/design.md#serving). Exit status 2 with a one-line ``error:`` message on bad
 input, including a drafter the engine cannot serve (e.g. eagle3).
 """
 
@@ -129,6 +131,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "interleave with decode steps, so a long prompt delays the streams by one chunk at a time "
         "(0: one-shot prefill, one request at a time; default 256)",
     )
+    p.add_argument(
+        "--plan-ahead",
+        action="store_true",
+        help="plan and dispatch each speculative step before the step in flight is read (its rows' room "
+        "bounded by what that step can add; output unchanged). Off by default: on a 2-core CPU it made "
+        "stories260K 1.5-1.7x faster at one slot but not SmolLM2 (0.97-1.03x), nor anything on an H200 "
+        "(0.90-1.06x); measure with python -m benchmarks.engine_policies --ahead",
+    )
 
 
 def _add_request_args(p: argparse.ArgumentParser) -> None:
@@ -231,6 +241,7 @@ def build_engine(
     sps_table: Any = None,
     warmup: bool = True,
     eos_token_ids: Sequence[int] | None = None,
+    plan_ahead: bool = False,
     **engine_kwargs,
 ):
     """Builds (and warms up) a :class:`dspark_jax.serving.engine.Engine`.
@@ -242,6 +253,8 @@ def build_engine(
         engine reuses it only if it was measured for this device, model and shape), and after
         warm-up the table in use (loaded or freshly profiled) is written there.
       eos_token_ids: default: the target's EOS ids.
+      plan_ahead: plan speculative steps before the step in flight is read
+        (:attr:`~dspark_jax.serving.engine.planner.Planner.speculative_ahead`; default off).
     Raises:
       DSparkInputError: bad slot count / cache length, or a speculative policy without a drafter.
     """
@@ -271,6 +284,7 @@ def build_engine(
         kw["sps_table"] = sps_table
     kw.update(engine_kwargs)
     engine = Engine(target, drafter if policy != "plain" else None, **kw)
+    engine.planner.speculative_ahead = bool(plan_ahead)
     if warmup:
         warmup_engine(engine, sps_table)
     return engine
@@ -461,10 +475,13 @@ def run(args: argparse.Namespace) -> None:
         mesh=mesh,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         profile_spans=parse_buckets(args.profile_spans, "--profile-spans"),
+        plan_ahead=args.plan_ahead,
     )
     say(
         f"compiling the engine (policy {policy}, verification {args.verification}, {args.num_slots} slots, "
-        f"cache {args.cache_len}, prefill chunk {args.prefill_chunk_tokens}) for every bucket ..."
+        f"cache {args.cache_len}, prefill chunk {args.prefill_chunk_tokens}"
+        + (", planned ahead" if args.plan_ahead else "")
+        + ") for every bucket ..."
     )
     warmup_engine(engine, args.sps_table)
     say(
@@ -527,6 +544,7 @@ def print_plan(args: argparse.Namespace) -> dict[str, Any]:
         "cache_len": args.cache_len,
         "buckets": parse_buckets(args.buckets),
         "prefill_chunk_tokens": args.prefill_chunk_tokens,
+        "plan_ahead": args.plan_ahead,
         "dtype": args.dtype,
         "mesh_model": mesh.get("model", 1) if args.mesh else 1,
         "url": f"http://{args.host}:{args.port}",
