@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import write_json
+from benchmarks.http_load import split_ahead
 
 STORIES = ["Once upon a time", "The little dog", "One day, a girl named Lily", "Tom and his mom went", "The sun was"]
 
@@ -53,9 +54,9 @@ def run_level(eng, tok, policy: str, prompts: list[str], conc: int, max_tokens: 
     flight; tokens/s and counters."""
     from dspark_jax.serving.engine.requests import Request, SamplingParams
 
-    name, _, ahead = policy.partition("+")
+    name, ahead = split_ahead(policy)
     eng.set_policy(name)
-    eng.planner.speculative_ahead = ahead == "ahead"
+    eng.planner.speculative_ahead = ahead
     eng.reset_metrics()
     probes0 = eng.planner.probes
     queue = [

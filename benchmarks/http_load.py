@@ -204,8 +204,24 @@ def load_models(args):
     return target, tok, drafter
 
 
+def split_ahead(policy: str) -> tuple[str, bool]:
+    """``"fixed:8+ahead"`` -> ``("fixed:8", True)``: a benchmark arm's engine policy and whether its
+    speculative steps are planned ahead (the server's ``--plan-ahead``).
+
+    Raises:
+      DSparkInputError: a suffix other than ``+ahead``.
+    """
+    from dspark_jax.errors import DSparkInputError
+
+    name, plus, suffix = policy.partition("+")
+    if plus and suffix != "ahead":
+        raise DSparkInputError(f"policy {policy!r}: the only suffix is '+ahead'")
+    return name, bool(plus)
+
+
 def engine_for(args, target, drafter, policy: str, num_slots: int, engine=None):
-    """A warmed-up engine running ``policy``: built on first use, then reconfigured.
+    """A warmed-up engine running ``policy`` (``POLICY+ahead``: planned ahead, :func:`split_ahead`):
+    built on first use, then reconfigured.
 
     ``plain`` gets its own engine without a drafter (the baseline is plain decoding, with
     no drafter context to maintain). The speculative policies share one engine:
@@ -215,6 +231,7 @@ def engine_for(args, target, drafter, policy: str, num_slots: int, engine=None):
     """
     from dspark_jax.serving.http.cli import build_engine, parse_buckets
 
+    policy, ahead = split_ahead(policy)
     t0 = time.perf_counter()
     if engine is None:
         engine = build_engine(
@@ -231,6 +248,7 @@ def engine_for(args, target, drafter, policy: str, num_slots: int, engine=None):
         engine.warmup()
         if args.sps_table and engine.sps_table is not None:
             engine.sps_table.save(args.sps_table)
+    engine.planner.speculative_ahead = ahead
     engine.reset_metrics()
     return engine, time.perf_counter() - t0
 

@@ -6,7 +6,8 @@
     python -m benchmarks.serve_load --stress --target stories260k --random-drafter 4 --out /tmp/stress
 
 Sweep mode (default): every policy (``plain``, ``fixed:G`` for each ``--block-sizes``,
-``greedy``, ``dspark``) gets its own warmed-up engine on the same loaded target/drafter
+``greedy``, ``dspark``; ``POLICY+ahead``: that policy planned ahead, the server's ``--plan-ahead``)
+gets its own warmed-up engine on the same loaded target/drafter
 (``plain`` without a drafter), served with uvicorn in this process; real prompts
 (``--prompts``: MT-Bench first turns through the chat template by default, from
 ``$DSPARK_DATA/prompts``) are sent over loopback HTTP as streaming requests by ``c``
@@ -61,6 +62,7 @@ from benchmarks.http_load import (
     request_body,
     run_level,
     serve,
+    split_ahead,
     stream_request,
 )
 
@@ -97,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--policies",
         default=None,
-        help="comma-separated policies (default: plain, fixed:G for each --block-sizes, greedy, dspark)",
+        help="comma-separated policies (default: plain, fixed:G for each --block-sizes, greedy, dspark); "
+        "POLICY+ahead: that policy with its speculative steps planned ahead (the server's --plan-ahead)",
     )
     p.add_argument("--block-sizes", default="1,2,4,8", help="fixed gammas of the default policy list (default 1,2,4,8)")
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="concurrency levels (default 1,2,...,64)")
@@ -243,9 +246,11 @@ def sweep(args, models: tuple | None = None, engine=None, plain_engine=None) -> 
             k = (rep + levels.index(c)) % len(policies)
             for policy in policies[k:] + policies[:k]:
                 eng = engines[policy]
-                if eng.policy != policy:  # a shared engine: switch (compiled buckets are kept)
-                    eng.set_policy(policy)
+                name, ahead = split_ahead(policy)
+                if eng.policy != name:  # a shared engine: switch (compiled buckets are kept)
+                    eng.set_policy(name)
                     eng.warmup()
+                eng.planner.speculative_ahead = ahead
                 eng.reset_metrics()
                 srv, _ = serve(eng, tok, args, policy, max_queue=max(levels) * 4)
                 with srv:
@@ -305,7 +310,8 @@ def sweep(args, models: tuple | None = None, engine=None, plain_engine=None) -> 
 
 
 def add_ratios(runs: dict[str, list[dict]]) -> None:
-    """Adds ``*_vs_plain`` and ``*_vs_best_fixed`` ratios to every row (same concurrency)."""
+    """Adds ``*_vs_plain`` and ``*_vs_best_fixed`` ratios to every row (same concurrency); ``best_fixed``
+    names the ``fixed:*`` arm with the most output tok/s (per-user ratios use their own best)."""
     fixed = [p for p in runs if p.startswith("fixed:")]
     for i, _ in enumerate(next(iter(runs.values()), [])):
         for key in ("output_tok_s", "per_user_tok_s"):
@@ -316,7 +322,8 @@ def add_ratios(runs: dict[str, list[dict]]) -> None:
                 v = runs[p][i][key]
                 runs[p][i][f"{key}_vs_plain"] = v / plain if v and plain else None
                 runs[p][i][f"{key}_vs_best_fixed"] = v / best if v and best else None
-                runs[p][i]["best_fixed"] = best_name
+                if key == "output_tok_s":
+                    runs[p][i]["best_fixed"] = best_name
 
 
 def _fmt(x, spec: str = ".1f") -> str:

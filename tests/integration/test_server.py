@@ -388,7 +388,7 @@ def test_serve_load_quick_writes_table_json_png(models, engine, tmp_path, capsys
         [
             "--quick",
             "--policies",
-            "plain,fixed:2,dspark",
+            "plain,fixed:2,fixed:2+ahead,dspark",
             "--concurrency",
             "1,2",
             "--num-requests",
@@ -405,18 +405,22 @@ def test_serve_load_quick_writes_table_json_png(models, engine, tmp_path, capsys
     )
     serve_load.apply_quick(args)
     compiles = engine.metrics()["compiles"]
-    res = serve_load.sweep(args, models=models, engine=engine, plain_engine=engine)
+    try:
+        res = serve_load.sweep(args, models=models, engine=engine, plain_engine=engine)
+    finally:
+        engine.planner.speculative_ahead = False  # the +ahead arm's setting stays with the shared engine
     assert engine.metrics()["compiles"] == compiles  # reconfigured, not recompiled
     out = capsys.readouterr().out
     assert "| policy | concurrency | output tok/s |" in out and "| dspark | 2 |" in out
     assert json.loads((tmp_path / "serve_load.json").read_text()) == json.loads(json.dumps(res))
-    assert res["policies"] == ["plain", "fixed:2", "dspark"] and res["concurrency"] == [1, 2]
+    assert res["policies"] == ["plain", "fixed:2", "fixed:2+ahead", "dspark"] and res["concurrency"] == [1, 2]
     for p in res["policies"]:
         for row in res["runs"][p]:
             assert row["num_ok"] == 2 and row["output_tokens"] == 12 and row["output_tok_s"] > 0, (p, row)
-            assert row["best_fixed"] == "fixed:2" and row["per_user_tok_s"] > 0
+            assert row["best_fixed"] in ("fixed:2", "fixed:2+ahead") and row["per_user_tok_s"] > 0
     assert res["runs"]["plain"][0]["output_tok_s_vs_plain"] == pytest.approx(1.0)
-    assert res["runs"]["fixed:2"][1]["output_tok_s_vs_best_fixed"] == pytest.approx(1.0)
+    best = res["runs"]["fixed:2"][1]["best_fixed"]
+    assert res["runs"][best][1]["output_tok_s_vs_best_fixed"] == pytest.approx(1.0)
     assert res["runs"]["plain"][0]["acceptance_rate"] is None  # plain decoding verifies no drafts
     assert (tmp_path / "serve_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "sps_table.json").exists()
