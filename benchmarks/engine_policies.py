@@ -25,8 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness import write_json
-from benchmarks.http_load import split_ahead
+from benchmarks.harness import split_ahead, write_json
 
 STORIES = ["Once upon a time", "The little dog", "One day, a girl named Lily", "Tom and his mom went", "The sun was"]
 

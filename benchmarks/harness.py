@@ -97,6 +97,21 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], spec: str = ".3f") -> str:
     return "\n".join(lines + ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in rows])
 
 
+def split_ahead(policy: str) -> tuple[str, bool]:
+    """``"fixed:8+ahead"`` -> ``("fixed:8", True)``: a benchmark arm's engine policy and whether its
+    speculative steps are planned ahead (the server's ``--plan-ahead``).
+
+    Raises:
+      DSparkInputError: a suffix other than ``+ahead``.
+    """
+    from dspark_jax.errors import DSparkInputError
+
+    name, plus, suffix = policy.partition("+")
+    if plus and suffix != "ahead":
+        raise DSparkInputError(f"policy {policy!r}: the only suffix is '+ahead'")
+    return name, bool(plus)
+
+
 def device_description() -> str:
     """``platform:device kind xN (C host cores)`` of JAX's first device (imports JAX)."""
     import jax

@@ -15,6 +15,8 @@ import statistics
 import time
 from typing import Any
 
+from benchmarks.harness import split_ahead
+
 # --------------------------------------------------------------------------- client side
 
 
@@ -202,21 +204,6 @@ def load_models(args):
             dtype=dtype,
         )
     return target, tok, drafter
-
-
-def split_ahead(policy: str) -> tuple[str, bool]:
-    """``"fixed:8+ahead"`` -> ``("fixed:8", True)``: a benchmark arm's engine policy and whether its
-    speculative steps are planned ahead (the server's ``--plan-ahead``).
-
-    Raises:
-      DSparkInputError: a suffix other than ``+ahead``.
-    """
-    from dspark_jax.errors import DSparkInputError
-
-    name, plus, suffix = policy.partition("+")
-    if plus and suffix != "ahead":
-        raise DSparkInputError(f"policy {policy!r}: the only suffix is '+ahead'")
-    return name, bool(plus)
 
 
 def engine_for(args, target, drafter, policy: str, num_slots: int, engine=None):

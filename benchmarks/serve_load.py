@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import prefill_load
-from benchmarks.harness import device_description, write_json
+from benchmarks.harness import device_description, split_ahead, write_json
 from benchmarks.http_load import (
     Result,
     engine_for,
@@ -62,7 +62,6 @@ from benchmarks.http_load import (
     request_body,
     run_level,
     serve,
-    split_ahead,
     stream_request,
 )
 

@@ -180,9 +180,9 @@ def test_cells_tables_ratios_and_the_recorded_command():
 
 
 def test_policy_arms_split_their_ahead_suffix():
-    from benchmarks.http_load import split_ahead
     from dspark_jax.errors import DSparkInputError
 
+    split_ahead = harness.split_ahead
     assert split_ahead("fixed:8+ahead") == ("fixed:8", True) and split_ahead("dspark") == ("dspark", False)
     with pytest.raises(DSparkInputError, match=r"\+ahead"):
         split_ahead("fixed:8+later")

@@ -246,16 +246,12 @@ class SlotTable:
         self._row_slot.append(int(slot))
         return row
 
-    def pop_unplaced(self) -> list[tuple[int, SlotRecord]]:
-        """Removes and returns the ``(slot, record)`` pairs without a row (finished at prefill)."""
-        done = [s for s, rec in self._records.items() if rec.row is None]
-        return [(s, self._records.pop(s)) for s in done]
-
     def report_unplaced(self) -> list[StepOutput]:
         """Removes the requests that finished at prefill (they never got a row) and returns their
         outputs."""
         outs = []
-        for slot, rec in self.pop_unplaced():
+        for slot in [s for s, rec in self._records.items() if rec.row is None]:
+            rec = self._records.pop(slot)
             lps = rec.pending_lp if rec.n_lp is not None else None
             outs.append(StepOutput(slot, rec.request.request_id, rec.pending, True, rec.done, 0, 0, lps))
         return outs
