@@ -296,13 +296,6 @@ def check_compatible(target: Target, drafter: Drafter) -> None:
             f"drafter taps layers {list(d.taps)} of a {d.target_num_layers}-layer target but the "
             f"target has {t.num_layers} layers"
         )
-    if not d.target_num_layers and max(d.taps) == t.num_layers - 1:
-        # An import that records no target depth (speculators, z-lab): its index for the last layer
-        # is Hugging Face's hidden_states[L], the final-normed output, which no tap reproduces.
-        raise DSparkInputError(
-            f"drafter taps layer {t.num_layers - 1}, the target's last: in its checkpoint's indices that is "
-            "the final-normed output, which is not supported"
-        )
     fp = getattr(target, "fingerprint", "")
     if d.target_fingerprint and fp and d.target_fingerprint != fp:
         raise DSparkInputError(

@@ -203,11 +203,6 @@ def _load_external(path: Path, dtype: Any, target: Target | None) -> tuple[Draft
     cfg = ext.cfg
     if target is not None:
         t = target.cfg
-        if ext.format == "speculators" and max(cfg.taps) == t.num_layers - 1:
-            raise DSparkInputError(
-                f"{path}: aux_hidden_state_layer_ids {t.num_layers} (the target's final-normed output) is not "
-                "supported: taps are decoder-layer outputs before the final norm"
-            )
         check_reference_rows(
             ext.reference_rows,
             lambda ids: target.embed_tokens(jnp.asarray(ids, jnp.int32)),

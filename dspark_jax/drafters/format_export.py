@@ -38,7 +38,9 @@ def export_blockers(cfg: DrafterConfig, fmt: str, target_layers: int) -> list[st
     Args:
       cfg: the drafter's config.
       fmt: one of :data:`EXPORT_FORMATS`.
-      target_layers: the target's depth L (a tap of layer L - 1 has no counterpart).
+      target_layers: the target's depth L. Tap L - 1 (the last layer's output before the final
+        norm) is DeepSpec's ``target_layer_ids`` L - 1 as its target cache stores it and
+        speculators' ``aux_hidden_state_layer_ids`` L as its vLLM extraction stores it.
     """
     if cfg.variant == "eagle3":
         return ["an eagle3 drafter has no DSpark/DFlash checkpoint format"]
@@ -55,11 +57,8 @@ def export_blockers(cfg: DrafterConfig, fmt: str, target_layers: int) -> list[st
         out.append("its Markov W1 has rows for the draft vocabulary only, the formats' have one per target token")
     if cfg.markov and cfg.markov_head not in HEAD_TENSORS:
         out.append(f"the {cfg.markov_head} Markov head has no counterpart in the formats")
-    if max(cfg.taps) >= target_layers - 1:
-        out.append(
-            f"it taps the target's last layer {target_layers - 1} "
-            "(DeepSpec forbids it; speculators' index for it is the final-normed output)"
-        )
+    if max(cfg.taps) >= target_layers:
+        out.append(f"it taps layer {max(cfg.taps)} of a {target_layers}-layer target")
     if fmt == "deepspec" and cfg.draft_vocab_size:
         out.append("DeepSpec's format has no draft vocabulary (use --format speculators)")
     if fmt == "deepspec" and cfg.variant == "dflash":

@@ -123,8 +123,10 @@ def detect_format(path: Path) -> str | None:
     if "speculators_model_type" in c:
         return "speculators"
     arch = list(c.get("architectures") or [])
-    if "Qwen3DSparkModel" in arch or ("DSparkDraftModel" in arch and c.get("model_type") == "qwen3"):
+    if "Qwen3DSparkModel" in arch or "Gemma4DSparkModel" in arch:
         return "deepspec"
+    if "DSparkDraftModel" in arch and c.get("model_type") == "qwen3":
+        return "deepspec"  # an older DeepSpec name (its keys under dflash_config: _legacy_deepspec)
     if "DFlashDraftModel" in arch:
         return "zlab-dflash"
     return None
@@ -171,7 +173,10 @@ def _layer_shape(c: dict[str, Any], where: str) -> dict[str, Any]:
     """The draft layers' shape from a Qwen3-style config dict, refusing what the drafter lacks."""
     mt = c.get("model_type")
     if mt is not None and "gemma" in str(mt):
-        raise DSparkInputError(f"{where}: Gemma drafters (Gemma-style 1 + w norms, sliding layers) are not supported")
+        raise DSparkInputError(
+            f"{where}: Gemma draft layers (model_type {mt!r}: scaled embedding, soft-capped head, Gemma norms, "
+            "sliding layers) are not supported"
+        )
     if mt not in (None, "qwen3", "qwen2", "llama"):
         raise DSparkInputError(f"{where}: draft layers of model_type {mt!r} are not supported (Qwen3 layers only)")
     if c.get("attention_bias") or c.get("mlp_bias"):
@@ -270,6 +275,12 @@ def _format_fields(fmt: str, c: dict[str, Any], where: str, notes: list[str]) ->
             verifier=((c.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path"),
         )
     if fmt == "deepspec":
+        if "Gemma4DSparkModel" in list(c.get("architectures") or []):
+            raise DSparkInputError(
+                f"{where}: a Gemma4DSparkModel drafter: Gemma 4 targets are not supported yet "
+                "(the drafter needs a gemma4_text target and Gemma 4 draft layers)"
+            )
+        c = _legacy_deepspec(c, notes)
         rank = int(c.get("markov_rank", 0))
         conf = bool(c.get("enable_confidence_head", False))
         return _Fields(
@@ -297,6 +308,20 @@ def _format_fields(fmt: str, c: dict[str, Any], where: str, notes: list[str]) ->
         block_size=int(c.get("block_size") or dc.get("block_size") or 0),
         mask_token_id=dc.get("mask_token_id", c.get("mask_token_id")),
     )
+
+
+def _legacy_deepspec(c: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """An older DeepSpec config (``architectures: ["DSparkDraftModel"]``, ``model_type: "qwen3"``)
+    keeps ``target_layer_ids`` and ``mask_token_id`` under ``dflash_config``: their values are
+    moved to the top level, as vLLM's and vllm-ascend's normalisation to ``Qwen3DSparkModel`` does
+    (the nested values win). Other configs are returned unchanged."""
+    dc = c.get("dflash_config")
+    if "DSparkDraftModel" not in list(c.get("architectures") or []) or not isinstance(dc, dict):
+        return c
+    moved = {k: dc[k] for k in ("target_layer_ids", "mask_token_id") if k in dc}
+    if moved:
+        notes.append(f"older DSparkDraftModel config: {', '.join(moved)} read from dflash_config")
+    return {**c, **moved}
 
 
 def read_external(path: str | Path) -> ExternalDrafter:

@@ -179,7 +179,9 @@ class Target(nnx.Module):
             the block (training and full-sequence scoring).
           taps: 0-based layer indices whose outputs are returned as features
             (tap ``i`` equals transformers' ``hidden_states[i + 1]`` for
-            ``i < L - 1``).
+            ``i < L - 1``; tap ``L - 1`` is the last layer's output before the final
+            norm, as DeepSpec's target cache and speculators' extraction store it,
+            while transformers' ``hidden_states[L]`` is after it).
           logit_index: optional ``[B]`` int32; when given only the logits at that
             block index are computed (prefill), shape ``[B, V]``.
           attn_mask: optional extra ``[B, T, T]`` bool mask for cache-less calls.

@@ -1,0 +1,147 @@
+"""Parity with DeepSpec's own modules on the committed fixtures ``tests/data/deepspec``.
+
+The fixtures (``tests/data/deepspec/README.md``) hold a tiny random Qwen3 target written by
+transformers and four drafters written by DeepSpec's ``build_draft_config`` / ``Qwen3DSparkModel``
+(vanilla, gated and rnn Markov heads with confidence heads, and DeepSpec's DFlash), each tapping the
+target's last layer (``target_layer_ids`` L - 1), with the draft and confidence logits DeepSpec's
+training forward computed for fixed tokens and anchors from the features DeepSpec trains on (its
+target-cache hooks: the last layer's raw output, before the final norm). Checked: each imports
+with logits within 1e-4 of DeepSpec's (and far from the logits on transformers'
+``hidden_states[L]``, the final-normed output, which DeepSpec's evaluator refuses to feed); re-export
+in DeepSpec's format writes the same tensors (byte-equal) and an equivalent config; a speculators
+export re-imports to the same drafter; an older ``DSparkDraftModel`` config (keys under
+``dflash_config``) imports to the same drafter; ``Gemma4DSparkModel`` and an embedding tap are
+refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from dspark_jax.drafters.checkpoint import load_drafter
+from dspark_jax.drafters.format_export import export_to_format
+from dspark_jax.drafters.formats import detect_format
+from dspark_jax.errors import DSparkInputError
+from dspark_jax.models.hf_io import load_hf_dir
+from dspark_jax.models.target import Target
+
+pytestmark = pytest.mark.exactness
+DATA = Path(__file__).resolve().parents[1] / "data" / "deepspec"
+NAMES = ("vanilla", "gated", "rnn", "dflash")
+ATOL = 1e-4
+# DeepSpec's config keys that say what the drafter is (the rest are the target's copied config).
+DRAFT_KEYS = (
+    "architectures", "block_size", "target_layer_ids", "mask_token_id", "num_target_layers", "markov_rank",
+    "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "num_hidden_layers",
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+    "rms_norm_eps", "layer_types", "tie_word_embeddings", "model_type",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def target() -> Target:
+    cfg, params = load_hf_dir(DATA / "target")
+    return Target(cfg, params)
+
+
+def _params(drafter):
+    return nnx.to_pure_dict(nnx.state(drafter, nnx.Param))
+
+
+def _ours(target, drafter, ref):
+    """Our teacher-forced draft logits (Markov bias included) and confidence logits at DeepSpec's
+    anchors, ``[A, block_size, V]`` and ``[A, block_size]``."""
+    ids, anchors = ref["input_ids"], ref["anchors"]
+    t, g = len(ids), drafter.cfg.block_size
+    tokens = jnp.asarray(ids, jnp.int32)[None]
+    feats = target(tokens, jnp.arange(t, dtype=jnp.int32)[None], taps=drafter.cfg.taps).features
+    block = drafter.train_blocks(target, feats, tokens, jnp.asarray(anchors, jnp.int32)[None])
+    # DeepSpec's previous tokens: the anchor, then the labels (clamped to the sequence's end).
+    prev = jnp.asarray([[ids[min(p + k, t - 1)] for k in range(g)] for p in anchors], jnp.int32)[None]
+    bias, e = drafter.teacher_forced_heads(block.hidden, prev)
+    return np.asarray(block.logits + bias)[0], np.asarray(drafter.confidence_logit(block.hidden, e))[0]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_imports_with_deepspec_logits(target, name):
+    ref = dict(np.load(DATA / name / "reference.npz"))
+    drafter, meta = load_drafter(DATA / name, target=target)
+    assert meta["extra"]["source_format"] == "deepspec"
+    assert target.cfg.num_layers - 1 in drafter.cfg.taps  # the last layer is tapped
+    logits, z = _ours(target, drafter, ref)
+    m = ref["eval_mask"]
+    assert m.any() and np.max(np.abs(logits[m] - ref["draft_logits"][m])) <= ATOL
+    # Fed the final-normed output instead (transformers' hidden_states[L]), the logits are far off.
+    assert np.max(np.abs(logits[m] - ref["eval_draft_logits"][m])) > 0.1
+    if ref["confidence_logits"].size:
+        assert np.max(np.abs(z[m] - ref["confidence_logits"][m])) <= ATOL
+    else:  # DeepSpec's DFlash has no confidence head: confidence 1
+        assert np.all(np.isposinf(z))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reexport_is_lossless(target, name, tmp_path):
+    drafter, _ = load_drafter(DATA / name, target=target)
+    out, _ = export_to_format(drafter, target, "deepspec", tmp_path / "deepspec")
+    mine, theirs = load_file(str(out / "model.safetensors")), load_file(str(DATA / name / "model.safetensors"))
+    assert sorted(mine) == sorted(theirs)
+    for k in theirs:
+        assert mine[k].dtype == theirs[k].dtype and mine[k].tobytes() == theirs[k].tobytes(), k
+    a, b = json.loads((out / "config.json").read_text()), json.loads((DATA / name / "config.json").read_text())
+    assert {k: a.get(k) for k in DRAFT_KEYS} == {k: b.get(k) for k in DRAFT_KEYS}
+    # speculators' format holds the same drafter (tap L - 1 <-> aux_hidden_state_layer_ids L, the
+    # last layer's output before the final norm in both).
+    spec, _ = export_to_format(drafter, target, "speculators", tmp_path / "speculators")
+    aux = json.loads((spec / "config.json").read_text())["aux_hidden_state_layer_ids"]
+    assert aux == [t + 1 for t in b["target_layer_ids"]] and aux[-1] == target.cfg.num_layers
+    for again in (load_drafter(out, target=target)[0], load_drafter(spec, target=target)[0]):
+        assert again.cfg == drafter.cfg
+        x, y = jax.tree.leaves(_params(drafter)), jax.tree.leaves(_params(again))
+        assert len(x) == len(y) and all(np.array_equal(p, q) for p, q in zip(x, y))
+
+
+def _rewrite(tmp_path: Path, edit) -> Path:
+    d = tmp_path / "edited"
+    shutil.copytree(DATA / "vanilla", d)
+    c = json.loads((d / "config.json").read_text())
+    edit(c)
+    (d / "config.json").write_text(json.dumps(c))
+    return d
+
+
+def test_older_dspark_draft_model_config_is_normalised(target, tmp_path):
+    def legacy(c):
+        c["architectures"] = ["DSparkDraftModel"]
+        c["dflash_config"] = {"target_layer_ids": c.pop("target_layer_ids"), "mask_token_id": c.pop("mask_token_id")}
+
+    d = _rewrite(tmp_path, legacy)
+    assert detect_format(d) == "deepspec"
+    with pytest.warns(UserWarning, match="dflash_config"):
+        got, _ = load_drafter(d, target=target)
+    want, _ = load_drafter(DATA / "vanilla", target=target)
+    assert got.cfg == want.cfg
+    assert all(np.array_equal(p, q) for p, q in zip(jax.tree.leaves(_params(got)), jax.tree.leaves(_params(want))))
+
+
+def test_gemma4_drafter_and_embedding_tap_are_refused_by_name(target, tmp_path):
+    def gemma(c):
+        c["architectures"] = ["Gemma4DSparkModel"]
+        c["model_type"] = "gemma4_text"
+
+    d = _rewrite(tmp_path, gemma)
+    assert detect_format(d) == "deepspec"
+    with pytest.raises(DSparkInputError, match="Gemma 4 targets are not supported yet"):
+        load_drafter(d, target=target)
+    shutil.rmtree(d)
+    d = _rewrite(tmp_path, lambda c: c.update(target_layer_ids=[-1, 2]))
+    with pytest.raises(DSparkInputError, match=r"embedding output \(target_layer_ids -1\)"):
+        load_drafter(d, target=target)
