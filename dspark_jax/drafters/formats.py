@@ -8,7 +8,11 @@ of Qwen3 decoder layers with q/k-norm, ``fc``, ``hidden_norm``, ``norm``):
   embedding output), ``mask_token_id``, ``markov_rank``, ``markov_head_type``, the confidence-head
   flags; frozen copies of ``embed_tokens`` / ``lm_head``; Markov ``W1 [V, r]``, ``W2 [V, r]``;
   anchor-first (block = anchor + block_size-1 masks, slot k predicts position p + k + 1). DeepSpec's
-  DFlash is the same class with ``markov_rank=0`` and no confidence head.
+  DFlash is the same class with ``markov_rank=0`` and no confidence head. A tap of the target's last
+  layer (L - 1) is its output before the final norm, as DeepSpec's target cache records it (and as
+  speculators' ``aux_hidden_state_layer_ids`` L holds it), this project's tap L - 1. Older configs
+  (``DSparkDraftModel``, ``model_type: qwen3``) keep ``target_layer_ids`` / ``mask_token_id`` under
+  ``dflash_config`` and are normalised; ``Gemma4DSparkModel`` (a Gemma 4 target) is refused.
 * ``speculators``: vllm-project/speculators' ``dspark`` / ``dflash``: the draft layers' config under
   ``transformer_layer_config``, ``aux_hidden_state_layer_ids`` (Hugging Face ``hidden_states``
   indices, decoder layer + 1), ``sample_from_anchor``, ``draft_vocab_size`` with ``d2t`` offsets,
