@@ -216,7 +216,7 @@ def test_unseen_speculators_checkpoint_decodes_losslessly_and_reexports(tiny, tm
         np.testing.assert_array_equal(mine[k], orig[k], err_msg=k)
 
 
-def test_final_normed_tap_matches_speculators(tiny, tmp_path):
+def test_last_layer_tap_matches_speculators(tiny, tmp_path):
     """``aux_hidden_state_layer_ids`` L is the last layer's output before the final norm (what
     speculators' vLLM extraction stores as the final hidden state and normalises itself with
     ``verifier_norm``): our tap L - 1. Logits match speculators' own modules on those features;
