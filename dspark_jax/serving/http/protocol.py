@@ -75,9 +75,12 @@ class APIError(Exception):
 
 
 class _Strict(BaseModel):
-    """Refuses undeclared fields: a field the server does not honour is a 400, never ignored."""
+    """Refuses undeclared fields (a field the server does not honour is a 400, never ignored) and
+    values of the wrong JSON type (strict mode, every field of every request model): a boolean is
+    not an integer, a numeric string is not a number, ``3.0`` is not an integer; an integer is a
+    number (OpenAI's ``number`` fields take integers)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 import time
 import uuid
@@ -88,20 +89,53 @@ def _error_response(status: int, message: str, param: str | None = None, kind: s
     )
 
 
+_EXPECTED = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "a boolean",
+    "string_type": "a string",
+    "list_type": "an array",
+    "dict_type": "an object",
+    "model_type": "an object",
+}
+
+
+def _json_kind(value) -> str:
+    """The JSON type of a parsed JSON value, with the value (shortened) for the error message."""
+    kind = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
+    shown = json.dumps(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return f"JSON {kind.get(type(value), 'null')} {shown}"
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """``(message, param)`` of a request-body validation error (at most 4 problems named)."""
-    parts, param = [], None
+    """``(message, param)`` of a request-body validation error (at most 4 problems named; a
+    value of the wrong JSON type says which type was expected and which came). ``param``: the
+    path the first problem's field shares with the others of that field (a union's
+    alternatives are one field)."""
+    parts, locs = [], []
     for e in exc.errors()[:4]:
         if e.get("type") == "json_invalid":
             parts.append(f"the request body is not valid JSON ({e.get('ctx', {}).get('error', 'parse error')})")
             continue
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         name = ".".join(loc) or "body"
-        param = param or (".".join(loc) or None)
+        if loc:
+            locs.append(loc)
         if e.get("type") == "extra_forbidden":
             parts.append(f"{name}: unsupported parameter (this server does not honour it)")
+        elif e.get("type") in _EXPECTED:
+            parts.append(f"{name}: expected {_EXPECTED[e['type']]}, got {_json_kind(e.get('input'))}")
         else:
             parts.append(f"{name}: {e.get('msg', 'invalid')}")
+    param = None
+    if locs:
+        same = [loc for loc in locs if loc[0] == locs[0][0]]
+        common = same[0]
+        for loc in same[1:]:
+            n = next((i for i, (a, b) in enumerate(zip(common, loc)) if a != b), min(len(common), len(loc)))
+            common = common[:n]
+        param = ".".join(common)
     return "; ".join(parts) or "invalid request", param
 
 
