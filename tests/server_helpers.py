@@ -4,6 +4,38 @@ from __future__ import annotations
 
 import time
 
+from fake_engine import FakeEngine
+
+CACHE_LEN, NUM_SLOTS = 128, 4  # the fake engine's context and slots
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def serve_fake(tok, engine=None, **cfg):
+    """A :class:`~dspark_jax.serving.http.cli.ServerThread` (started) serving a fake engine
+    (``tests/fake_engine.py``) as ``fake-model`` with ``tok``; ``cfg``: ``max_queue`` and
+    :class:`~dspark_jax.serving.http.server.ServerConfig` fields (``chat_template`` defaults to
+    :data:`CHAT_TEMPLATE`). The thread has ``engine``, ``loop`` and ``tok`` attributes."""
+    from dspark_jax.serving.http.cli import ServerThread
+    from dspark_jax.serving.http.server import EngineLoop, ServerConfig, create_app
+
+    engine = engine or FakeEngine(vocab_size=tok.vocab_size, num_slots=NUM_SLOTS, cache_len=CACHE_LEN)
+    loop = EngineLoop(engine, tok, max_queue=cfg.pop("max_queue", 64), model_name="fake-model")
+    cfg.setdefault("chat_template", CHAT_TEMPLATE)
+    config = ServerConfig(
+        model_name="fake-model",
+        context_len=CACHE_LEN,
+        vocab_size=tok.vocab_size,
+        policy="fake",
+        max_logit_bias=engine.max_logit_bias,
+        **cfg,
+    )
+    srv = ServerThread(create_app(loop, tok, config)).start()
+    srv.engine, srv.loop, srv.tok = engine, loop, tok
+    return srv
+
 
 def metric(text: str, name: str, **labels) -> float:
     """Sum of the Prometheus samples of ``name`` in ``text`` whose labels include ``labels``."""

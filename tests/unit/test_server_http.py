@@ -17,13 +17,9 @@ import pytest
 from fake_engine import FakeEngine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_helpers import metric, wait_idle
+from server_helpers import CACHE_LEN, CHAT_TEMPLATE, NUM_SLOTS, metric, wait_idle
+from server_helpers import serve_fake as _serve
 
-CACHE_LEN, NUM_SLOTS = 128, 4
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 CAT = [234, 143, 174]  # tok512's byte tokens of U+732B (cat), 3 UTF-8 bytes
 
 
@@ -32,26 +28,6 @@ def tok(stories260k_dir):
     from dspark_jax.models.tokenizer import Llama2cTokenizer
 
     return Llama2cTokenizer.from_file(stories260k_dir / "tok512.bin")
-
-
-def _serve(tok, engine=None, **cfg):
-    from dspark_jax.serving.http.cli import ServerThread
-    from dspark_jax.serving.http.server import EngineLoop, ServerConfig, create_app
-
-    engine = engine or FakeEngine(vocab_size=tok.vocab_size, num_slots=NUM_SLOTS, cache_len=CACHE_LEN)
-    loop = EngineLoop(engine, tok, max_queue=cfg.pop("max_queue", 64), model_name="fake-model")
-    config = ServerConfig(
-        model_name="fake-model",
-        context_len=CACHE_LEN,
-        vocab_size=tok.vocab_size,
-        chat_template=CHAT_TEMPLATE,
-        policy="fake",
-        max_logit_bias=engine.max_logit_bias,
-        **cfg,
-    )
-    srv = ServerThread(create_app(loop, tok, config)).start()
-    srv.engine, srv.loop, srv.tok = engine, loop, tok
-    return srv
 
 
 @pytest.fixture(scope="module")
@@ -289,7 +265,8 @@ def test_typed_fields_cover_both_endpoints():
 
     comp, chat = (dict(_typed_fields(m)) for m in (CompletionRequest, ChatCompletionRequest))
     common = {"max_tokens", "temperature", "top_p", "top_k", "seed", "n", "min_tokens", "stream", "return_token_ids"}
-    common |= {"presence_penalty", "frequency_penalty", "stop_token_ids.0", "logit_bias.5", "stream_options.include_usage"}
+    common |= {"presence_penalty", "frequency_penalty", "stop_token_ids.0", "logit_bias.5"}
+    common |= {"stream_options.include_usage"}
     assert common | {"logprobs", "echo", "best_of"} <= comp.keys() and comp["logprobs"] is int
     assert common | {"logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt"} <= chat.keys()
     assert chat["logprobs"] is bool and comp["temperature"] is float

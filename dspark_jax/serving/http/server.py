@@ -59,6 +59,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from dspark_jax import __version__
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.serving.engine.requests import Request, SamplingParams
+from dspark_jax.serving.http.chat import ChatRenderer, chat_prompt
 from dspark_jax.serving.http.detokenize import OutputState, Update
 from dspark_jax.serving.http.engine_loop import (
     EngineLoop,
@@ -74,7 +75,6 @@ from dspark_jax.serving.http.protocol import (
     CompletionRequest,
     SamplingRequest,
     ServerConfig,
-    chat_prompt,
     completion_prompt,
     sampling_params,
 )
@@ -178,6 +178,49 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return _error_response(exc.status, exc.message, exc.param, exc.kind)
 
 
+class _BodyLimit:
+    """ASGI middleware: a ``POST`` body over ``limit`` bytes gets 413 before anything parses or
+    tokenizes it (``Content-Length`` says so up front; a chunked body is counted as it comes).
+    The body is read to its end either way, discarding what is over the limit, so the client
+    gets the 413 rather than a reset connection; a body within the limit is handed on whole."""
+
+    def __init__(self, app, limit: int, metrics: ServerMetrics):
+        self.app, self.limit, self.metrics = app, int(limit), metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        size, chunks, more = 0, [], True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":  # the client went away mid-body
+                return
+            body, more = msg.get("body", b""), msg.get("more_body", False)
+            size += len(body)
+            if size <= self.limit:
+                chunks.append(body)
+        if size > self.limit:
+            self.metrics.request_rejected.labels(**self.metrics.labels(status="413")).inc()
+            got = f"{int(declared)} bytes" if declared.isdigit() else f"more than {self.limit} bytes"
+            resp = _error_response(
+                413,
+                f"the request body has {got}; this server takes at most {self.limit} (--max-request-bytes)",
+                None,
+            )
+            return await resp(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # then the disconnect, when it comes
+
+        return await self.app(scope, replay, send)
+
+
 async def _watch_disconnect(http: HTTPRequest, tracked: list[TrackedRequest], loop: EngineLoop) -> None:
     """Waits for the client to go away, then aborts the request's choices (frees their slots)."""
     try:
@@ -202,6 +245,7 @@ class _Routes:
         self.params_cls, self.request_cls = params_cls, request_cls
         self.metrics = loop.metrics
         self.fmt = LogprobFormatter(tokenizer)
+        self.chat = ChatRenderer(tokenizer, config.chat_template)
 
     async def health(self):
         snap = self.loop.snapshot()
@@ -220,12 +264,14 @@ class _Routes:
 
     async def completions(self, req: CompletionRequest, http: HTTPRequest):
         self._check_model(req)
-        ids = completion_prompt(req, self.tokenizer, self.config)
+        # tokenizing is CPU-bound (seconds for a long prompt): a worker thread, so /health and the
+        # other requests' streams keep going meanwhile
+        ids = await asyncio.to_thread(completion_prompt, req, self.tokenizer, self.config)
         return await self._run(http, ids, req, req.max_tokens, chat=False)
 
     async def chat_completions(self, req: ChatCompletionRequest, http: HTTPRequest):
         self._check_model(req)
-        ids = chat_prompt(req, self.tokenizer, self.config)
+        ids = await asyncio.to_thread(chat_prompt, req, self.chat, self.config)
         return await self._run(http, ids, req, req.max_completion_tokens or req.max_tokens, chat=True)
 
     def _check_model(self, req: SamplingRequest) -> None:
@@ -354,6 +400,8 @@ def create_app(
     app = FastAPI(title="dspark_jax", version=__version__, lifespan=lifespan)
     app.state.engine_loop = loop
     app.state.config = config
+    if config.request_byte_limit is not None:  # inside the API-key check (added later: outer)
+        app.add_middleware(_BodyLimit, limit=config.request_byte_limit, metrics=loop.metrics)
     if config.api_key:
         _install_auth(app, config, loop.metrics)
     _install_error_handlers(app, loop.metrics)
