@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 from fake_engine import FakeEngine
 
@@ -56,3 +58,19 @@ def wait_idle(client, timeout: float = 10.0, poll: float = 0.01) -> dict:
         if (h["running"] == 0 and h["waiting"] == 0) or time.monotonic() - t0 > timeout:
             return h
         time.sleep(poll)
+
+
+def stories260k_drafter_meta(folder: Path, **config) -> Path:
+    """``folder`` with the ``drafter.json`` of a block-3 drafter for stories260K (all a dry run reads of an
+    export: ``tiny_export_v2``'s, for stories260K's vocabulary, width and depth), ``config`` overriding."""
+    from dspark_jax.models.presets import target_config
+
+    t = target_config("stories260k")
+    meta = json.loads((Path(__file__).parent / "data" / "tiny_export_v2" / "drafter.json").read_text())
+    meta["config"].update(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size, target_num_layers=t.num_layers, taps=[0, t.num_layers - 2]
+    )
+    meta["config"].update(target_name=t.name, **config)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "drafter.json").write_text(json.dumps(meta))
+    return folder

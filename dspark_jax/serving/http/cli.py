@@ -396,13 +396,12 @@ def run(args: argparse.Namespace) -> None:
     jax_cache = disk_cache.apply_cache_arguments(args)
 
     from dspark_jax.api import load_target
-    from dspark_jax.config import DrafterConfig
     from dspark_jax.decoding.request import load_drafter_for
-    from dspark_jax.drafters.checkpoint import read_export_meta
+    from dspark_jax.drafters.checkpoint import export_config, read_export_meta
 
     api_key = check_server_arguments(args)
     # fail fast, before loading the target
-    dcfg = DrafterConfig.from_dict(read_export_meta(args.drafter)["config"]) if args.drafter else None
+    dcfg = export_config(read_export_meta(args.drafter), args.drafter) if args.drafter else None
     chat_template = read_chat_template(args.chat_template)
 
     def say(msg: str) -> None:  # before uvicorn's logging is configured

@@ -136,14 +136,13 @@ def print_plan(args: argparse.Namespace) -> dict[str, Any]:
       DSparkInputError: what :func:`check_server_arguments` and :func:`check_plan` refuse, an
         unreadable drafter export or chat template, a bad mesh.
     """
-    from dspark_jax.config import DrafterConfig
-    from dspark_jax.drafters.checkpoint import read_export_meta
+    from dspark_jax.drafters.checkpoint import export_config, read_export_meta
     from dspark_jax.models.presets import target_config
     from dspark_jax.models.sharding import parse_mesh
     from dspark_jax.serving.http.protocol import default_max_request_bytes
 
     check_server_arguments(args)
-    dcfg = DrafterConfig.from_dict(read_export_meta(args.drafter)["config"]) if args.drafter else None
+    dcfg = export_config(read_export_meta(args.drafter), args.drafter) if args.drafter else None
     read_chat_template(args.chat_template)
     tcfg = target_config(args.target)
     policy = check_plan(args, tcfg, dcfg)
