@@ -18,6 +18,9 @@ in flight finish (up to ``--graceful-timeout`` seconds), then the engine thread 
 ``--prefill-chunk-tokens N`` (default 256) sets the batched, chunked prefill: one compiled pass of
 at most N prompt tokens per engine iteration, interleaved with decode steps (0: one-shot prefill
 of one request at a time; :mod:`dspark_jax.serving.engine.prefill`).
+``--max-request-bytes N`` refuses larger request bodies with 413 (default: 64 bytes per token of the
+context + 64 KiB; 0: no limit). ``--dry-run`` runs the start's checks without weights or devices
+(:mod:`dspark_jax.serving.http.preflight`) and prints the plan.
 ``--api-key`` (or ``DSPARK_API_KEY``) requires ``Authorization: Bearer KEY`` on every ``/v1``
 route (401 otherwise; ``/health`` and ``/metrics`` stay open unless
 ``--api-key-health-metrics``). ``--verification`` picks the engine's lossless verification

@@ -1,12 +1,14 @@
 """The OpenAI-compatible request protocol of the HTTP server: request models, the server's
 static configuration, and the translation of a validated request into prompt token ids and the
-engine's :class:`~dspark_jax.serving.engine.requests.SamplingParams`.
+engine's :class:`~dspark_jax.serving.engine.requests.SamplingParams` (chat messages:
+:mod:`dspark_jax.serving.http.chat`).
 
 Every field the server does not honour is refused with 400 naming it (the request models
-forbid undeclared fields); declared fields with values the engine cannot honour
-(``presence_penalty`` != 0, ``echo``, ...) are refused too, and so are numbers its device
-arrays cannot hold (a ``top_k`` beyond int32, a ``temperature`` beyond float32, a token id
-beyond int64): a 400 naming the field, before anything reaches the engine, so a bad request
+forbid undeclared fields), and so is a value of the wrong JSON type (strict mode: a boolean is
+not an integer, a numeric string not a number; an integer is a number); declared fields with
+values the engine cannot honour (``presence_penalty`` != 0, ``echo``, ...) are refused too,
+and so are numbers its device arrays cannot hold (a ``top_k`` beyond int32, a ``temperature``
+beyond float32, a token id beyond int64): a 400 naming the field, before anything reaches the engine, so a bad request
 never fails the others prefilled with it. ``max_tokens`` defaults as in vLLM:
 16 for completions, the rest of the context for chat (``ServerConfig.default_max_tokens``
 overrides both). ``n`` > 1 runs ``n`` requests: choice ``i`` is the same request with

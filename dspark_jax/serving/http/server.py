@@ -6,8 +6,11 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 
 Architecture (docs/design.md#serving): one background thread, :class:`EngineLoop`
 (:mod:`dspark_jax.serving.http.engine_loop`), owns the :class:`~dspark_jax.serving.engine.Engine` and is the
-only thread that touches JAX. The asyncio side (this module) validates and tokenizes requests
-(:mod:`dspark_jax.serving.http.protocol`), enqueues them, and per choice detokenizes incrementally
+only thread that touches JAX. The asyncio side (this module) refuses a body over
+``ServerConfig.max_request_bytes`` (413, before parsing), validates requests
+(:mod:`dspark_jax.serving.http.protocol`), tokenizes them in a worker thread (a long prompt
+takes seconds, and the event loop keeps serving ``/health`` and the other streams meanwhile;
+chat: :mod:`dspark_jax.serving.http.chat`), enqueues them, and per choice detokenizes incrementally
 and matches stop strings (:mod:`dspark_jax.serving.http.detokenize`), then formats responses and
 streams (:mod:`dspark_jax.serving.http.streaming`). Metrics: :mod:`dspark_jax.serving.http.prometheus`.
 Shutdown (uvicorn's graceful drain, then the app's lifespan end) stops the thread after failing
