@@ -258,6 +258,14 @@ def test_integers_are_numbers(client, path, body):
     assert r.status_code == 200, r.text
 
 
+def test_prompt_token_ids_are_integers(client):
+    """A prompt's alternatives (text, ids, a batch of either) are one field: 400 naming ``prompt``."""
+    for prompt in ([True, 5], [[5, True]], [5, "6"], [5, 6.0], True, 5):
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (prompt, r.text)
+    assert client.post("/v1/completions", json={"prompt": [[5, 6]], "max_tokens": 2}).status_code == 200
+
+
 def test_typed_fields_cover_both_endpoints():
     """The walk over the request models finds every typed field (a new field is tested without
     being listed here)."""
