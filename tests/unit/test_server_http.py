@@ -1,6 +1,6 @@
 """The HTTP server's own behaviour over a fake engine (``tests/fake_engine.py``): no JAX
-compilation, so these run in seconds. Validation (every unhonoured field refused, NaN/inf
-refused), model names (404), ``n`` > 1, ``stream_options``, ``max_tokens`` defaults, API
+compilation, so these run in seconds. Validation (every unhonoured field refused, every wrong
+JSON type refused, NaN/inf refused), model names (404), ``n`` > 1, ``stream_options``, ``max_tokens`` defaults, API
 keys, logprobs / logit_bias / min_tokens plumbing, UTF-8-safe detokenization at every cut,
 stop strings, one tau definition (a stop inside an accepted block), queue limits,
 disconnects and metrics. ``tests/integration/test_server.py`` checks the real engine end to end.

@@ -177,8 +177,8 @@ def test_developer_reaches_a_system_user_assistant_template_as_system(sua, tok):
 
 
 def test_a_role_the_template_does_not_render_is_refused(tok):
-    """Nothing is dropped silently: a role outside OpenAI's chat roles (422-style validation,
-    400), and a role or position the template does not render (400 naming the message)."""
+    """Nothing is dropped silently: a role or position the template does not render is a 400
+    naming the message (``developer`` first mapped to ``system``)."""
     from dspark_jax.serving.http.chat import ChatRenderer
     from dspark_jax.serving.http.protocol import APIError
 
