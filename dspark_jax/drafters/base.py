@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import jax
 from flax import nnx
 
-from dspark_jax.config import DrafterConfig
+from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import sharding as shd
 from dspark_jax.models.sampling import SamplingArrays
@@ -278,13 +278,23 @@ def place_like_target(target: Target, drafter: Drafter) -> bool:
 
 
 def check_compatible(target: Target, drafter: Drafter) -> None:
-    """Refuses a drafter built for another target.
+    """Refuses a drafter built for another target (:func:`check_compatible_config` of their
+    configs and the target's weights fingerprint).
 
     Raises:
       DSparkInputError: vocab size, hidden size, depth/tapped layers or weights
         fingerprint differ between the drafter's recorded target and ``target``.
     """
-    t, d = target.cfg, drafter.cfg
+    check_compatible_config(target.cfg, drafter.cfg, getattr(target, "fingerprint", ""))
+
+
+def check_compatible_config(t: TargetConfig, d: DrafterConfig, fingerprint: str = "") -> None:
+    """:func:`check_compatible` on configs alone (no weights: a dry run reads only the target's
+    config and the drafter's metadata); the weights fingerprint is checked when given.
+
+    Raises:
+      DSparkInputError: as :func:`check_compatible`.
+    """
     if d.vocab_size != t.vocab_size:
         raise DSparkInputError(
             f"drafter was trained for a vocabulary of {d.vocab_size} tokens but the target has {t.vocab_size}"
@@ -296,7 +306,7 @@ def check_compatible(target: Target, drafter: Drafter) -> None:
             f"drafter taps layers {list(d.taps)} of a {d.target_num_layers}-layer target but the "
             f"target has {t.num_layers} layers"
         )
-    fp = getattr(target, "fingerprint", "")
+    fp = fingerprint
     if d.target_fingerprint and fp and d.target_fingerprint != fp:
         raise DSparkInputError(
             f"drafter was trained for target '{d.target_name}' (weights {d.target_fingerprint}) but "

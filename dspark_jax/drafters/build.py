@@ -20,6 +20,10 @@ DRAFTER_TYPES: dict[str, type[DSparkDrafter] | type[EagleDrafter]] = {
     "eagle3": EagleDrafter,
 }
 
+# The variants whose drafters are BlockDrafters (one backbone pass per block: what the serving
+# engine needs), known from the config alone (tested against the built classes).
+BLOCK_VARIANTS = frozenset({"dspark", "dflash"})
+
 
 def build_drafter(cfg: DrafterConfig, rngs: nnx.Rngs, dtype=jnp.float32) -> Drafter:
     """A freshly initialised drafter of ``cfg.variant``: :class:`~dspark_jax.drafters.dspark.DSparkDrafter`

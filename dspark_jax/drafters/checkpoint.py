@@ -151,6 +151,22 @@ def read_export_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
+def export_config(meta: dict[str, Any], path: str | Path) -> DrafterConfig:
+    """The :class:`DrafterConfig` recorded in the metadata ``meta`` (:func:`read_export_meta`) of
+    the export at ``path``, older exports' names converted.
+
+    Raises:
+      DSparkInputError: a config that is missing or invalid.
+    """
+    try:
+        conf = dict(meta["config"])
+        if meta.get("format") == _FORMAT_1 and conf.get("markov_head") in LEGACY_MARKOV_HEADS:
+            conf["markov_head"] = LEGACY_MARKOV_HEADS[conf["markov_head"]]
+        return DrafterConfig.from_dict(conf)
+    except (KeyError, TypeError, ValueError) as e:
+        raise DSparkInputError(f"{path}/drafter.json has an invalid config: {e}") from None
+
+
 def _external_meta(path: Path, ext: ExternalDrafter) -> dict[str, Any]:
     """The metadata of a drafter read from another format (:func:`read_export_meta`)."""
     return {
@@ -241,13 +257,7 @@ def _load_external(path: Path, dtype: Any, target: Target | None) -> tuple[Draft
 def _load_export(path: Path, dtype: Any) -> tuple[Drafter, dict[str, Any]]:
     """:func:`load_drafter` of this project's export directory."""
     meta = read_export_meta(path)
-    try:
-        conf = dict(meta["config"])
-        if meta.get("format") == _FORMAT_1 and conf.get("markov_head") in LEGACY_MARKOV_HEADS:
-            conf["markov_head"] = LEGACY_MARKOV_HEADS[conf["markov_head"]]
-        cfg = DrafterConfig.from_dict(conf)
-    except (KeyError, TypeError, ValueError) as e:
-        raise DSparkInputError(f"{path}/drafter.json has an invalid config: {e}") from None
+    cfg = export_config(meta, path)
     dtype = dtype or jnp.dtype(meta.get("dtype", "float32"))
     abstract = nnx.eval_shape(lambda: build_drafter(cfg, nnx.Rngs(0), dtype=dtype))
     graphdef, abs_state = nnx.split(abstract)

@@ -1,4 +1,6 @@
-"""``serve/*.sh``: every launch script with ``--dry-run`` prints the server plan or the commands it would run."""
+"""``serve/*.sh``: every launch script with ``--dry-run`` prints the server plan or the commands it would run,
+touching no device (each runs with ``JAX_PLATFORMS`` naming a backend that does not exist, so any device
+use or compilation would fail)."""
 
 from __future__ import annotations
 
@@ -10,13 +12,14 @@ from pathlib import Path
 
 import pytest
 from conftest import MODELS_DIR
+from server_helpers import stories260k_drafter_meta
 
 REPO = Path(__file__).resolve().parents[2]
-TINY_EXPORT = REPO / "tests" / "data" / "tiny_export_v2"  # block size 3; only its drafter.json is read
 
 
 def _dry_run(script: str, *args: str, **env_vars: str) -> str:
-    env = {**os.environ, "DSPARK_MODELS": str(MODELS_DIR), "PYTHON": sys.executable, **env_vars}
+    env = {**os.environ, "DSPARK_MODELS": str(MODELS_DIR), "PYTHON": sys.executable, "JAX_PLATFORMS": "none_such"}
+    env.update(env_vars)
     p = subprocess.run(
         ["bash", str(REPO / "serve" / script), *args, "--dry-run"],
         capture_output=True,
@@ -41,9 +44,10 @@ def test_plain_script_plans_the_target_alone():
     assert plan["plan_ahead"] is False
 
 
-def test_speculative_script_plans_the_drafter_and_policy():
-    plan = json.loads(_dry_run("speculative.sh", "--plan-ahead", DRAFTER=str(TINY_EXPORT), POLICY="threshold:0.5"))
-    assert plan["drafter"]["path"] == str(TINY_EXPORT) and plan["drafter"]["block_size"] == 3
+def test_speculative_script_plans_the_drafter_and_policy(tmp_path):
+    export = stories260k_drafter_meta(tmp_path / "export")
+    plan = json.loads(_dry_run("speculative.sh", "--plan-ahead", DRAFTER=str(export), POLICY="threshold:0.5"))
+    assert plan["drafter"]["path"] == str(export) and plan["drafter"]["block_size"] == 3
     assert plan["policy"] == "threshold:0.5" and plan["target"]["name"] == "stories260K" and plan["plan_ahead"] is True
 
 

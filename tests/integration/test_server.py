@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import MODELS_DIR
-from server_helpers import metric, wait_idle
+from server_helpers import metric, stories260k_drafter_meta, wait_idle
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT_TEMPLATE = (
@@ -363,6 +363,47 @@ def test_serve_cli_rejects_speculative_policy_without_drafter(capsys):
 
     assert main(["--target", "stories260k", "--policy", "dspark"]) == 2
     assert "needs a drafter" in capsys.readouterr().err
+
+
+def test_serve_dry_run_refuses_a_drafter_for_another_target(tmp_path, smollm2_gguf, capsys):
+    """The stories260K drafter with the SmolLM2 target: ``serve --dry-run`` exits 2 with the line
+    ``serve``, ``generate`` and the API give (reading only the GGUF header and the drafter's
+    metadata)."""
+    from dspark_jax.serving.http.cli import main
+
+    export = stories260k_drafter_meta(tmp_path / "export")
+    assert main(["--target", "smollm2-135m-instruct", "--drafter", str(export), "--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == "error: drafter was trained for a vocabulary of 512 tokens but the target has 49152"
+    assert not out
+
+
+@pytest.mark.parametrize(
+    "config,flags,line",
+    [
+        ({"vocab_size": 49152}, [], "drafter was trained for a vocabulary of 49152 tokens but the target has 512"),
+        ({"hidden_size": 32}, [], "drafter expects target hidden size 32 but the target has 64"),
+        ({"taps": [0, 7], "target_num_layers": 8}, [], "drafter taps layers [0, 7] of a 8-layer target but the"),
+        ({"taps": [0, 7]}, [], "/drafter.json has an invalid config: tap layer 7 out of range for a 5-layer target"),
+        ({}, ["--policy", "fixed:4"], "policy 'fixed:4': G must be in [1, 3] for this drafter"),
+        ({"variant": "eagle3"}, [], "the serving engine cannot serve a eagle3 drafter"),
+        ({}, ["--max-request-bytes", "-1"], "--max-request-bytes must be >= 0 (0: no limit)"),
+    ],
+)
+def test_serve_dry_run_and_start_refuse_alike(tmp_path, capsys, config, flags, line):
+    """``serve --dry-run`` runs the real start's checks: each refusal is the same ``error:`` line,
+    exit status 2, from both (the start refuses before it loads the drafter or compiles)."""
+    from dspark_jax.serving.http.cli import main
+
+    export = stories260k_drafter_meta(tmp_path / "export", **config)
+    argv = ["--target", "stories260k", "--drafter", str(export), "--num-slots", "1", "--cache-len", "32", *flags]
+    errs = []
+    for dry in (["--dry-run"], []):
+        assert main(argv + dry) == 2
+        out, err = capsys.readouterr()
+        errs.append(err.strip().splitlines()[-1])
+        assert not out
+    assert errs[0] == errs[1] and errs[0].startswith("error: ") and line in errs[0], errs
 
 
 def test_build_engine_plans_ahead_only_when_asked(models):

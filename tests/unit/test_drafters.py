@@ -26,7 +26,7 @@ from flax import nnx
 
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafters.base import BlockDrafter, Drafter
-from dspark_jax.drafters.build import build_drafter
+from dspark_jax.drafters.build import BLOCK_VARIANTS, DRAFTER_TYPES, build_drafter
 from dspark_jax.drafters.checkpoint import FORMAT, export_drafter, load_drafter
 from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.drafters.eagle import EagleDrafter, eagle_taps
@@ -154,11 +154,12 @@ def _random_drafter(variant: str, seed: int = 0) -> Drafter:
     return d
 
 
-@pytest.mark.parametrize("variant", ["dspark", "dflash", "eagle3"])
+@pytest.mark.parametrize("variant", sorted(DRAFTER_TYPES))
 def test_drafter_kinds_satisfy_their_protocols(variant):
     d = build_drafter(_config(variant), nnx.Rngs(0))
     assert isinstance(d, Drafter)
-    assert isinstance(d, BlockDrafter) == (variant != "eagle3")
+    # BLOCK_VARIANTS (what the serving dry run reads) says which configs build a BlockDrafter
+    assert isinstance(d, BlockDrafter) == (variant in BLOCK_VARIANTS) == (variant != "eagle3")
     assert isinstance(d, EagleDrafter if variant == "eagle3" else DSparkDrafter)
     if variant == "eagle3":  # no fake block / Markov / confidence methods
         for name in ("draft_block", "markov_step", "markov_init", "teacher_forced_heads", "confidence_logit"):

@@ -1,6 +1,6 @@
 """The HTTP server's own behaviour over a fake engine (``tests/fake_engine.py``): no JAX
-compilation, so these run in seconds. Validation (every unhonoured field refused, NaN/inf
-refused), model names (404), ``n`` > 1, ``stream_options``, ``max_tokens`` defaults, API
+compilation, so these run in seconds. Validation (every unhonoured field refused, every wrong
+JSON type refused, NaN/inf refused), model names (404), ``n`` > 1, ``stream_options``, ``max_tokens`` defaults, API
 keys, logprobs / logit_bias / min_tokens plumbing, UTF-8-safe detokenization at every cut,
 stop strings, one tau definition (a stop inside an accepted block), queue limits,
 disconnects and metrics. ``tests/integration/test_server.py`` checks the real engine end to end.
@@ -17,13 +17,9 @@ import pytest
 from fake_engine import FakeEngine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_helpers import metric, wait_idle
+from server_helpers import CACHE_LEN, CHAT_TEMPLATE, NUM_SLOTS, metric, wait_idle
+from server_helpers import serve_fake as _serve
 
-CACHE_LEN, NUM_SLOTS = 128, 4
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 CAT = [234, 143, 174]  # tok512's byte tokens of U+732B (cat), 3 UTF-8 bytes
 
 
@@ -32,26 +28,6 @@ def tok(stories260k_dir):
     from dspark_jax.models.tokenizer import Llama2cTokenizer
 
     return Llama2cTokenizer.from_file(stories260k_dir / "tok512.bin")
-
-
-def _serve(tok, engine=None, **cfg):
-    from dspark_jax.serving.http.cli import ServerThread
-    from dspark_jax.serving.http.server import EngineLoop, ServerConfig, create_app
-
-    engine = engine or FakeEngine(vocab_size=tok.vocab_size, num_slots=NUM_SLOTS, cache_len=CACHE_LEN)
-    loop = EngineLoop(engine, tok, max_queue=cfg.pop("max_queue", 64), model_name="fake-model")
-    config = ServerConfig(
-        model_name="fake-model",
-        context_len=CACHE_LEN,
-        vocab_size=tok.vocab_size,
-        chat_template=CHAT_TEMPLATE,
-        policy="fake",
-        max_logit_bias=engine.max_logit_bias,
-        **cfg,
-    )
-    srv = ServerThread(create_app(loop, tok, config)).start()
-    srv.engine, srv.loop, srv.tok = engine, loop, tok
-    return srv
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +165,119 @@ def test_unhonoured_fields_get_400_naming_them(client, path, body, field):
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == field, err
     assert field.split(".")[-1] in err["message"], err
+
+
+def _typed_fields(model, prefix: str = "") -> list[tuple[str, type]]:
+    """``(JSON path, int | float | bool)`` of every integer, float and boolean field of a request
+    model: its scalar fields, the items of its lists, the values of its maps and the fields of
+    its nested models (``None`` alternatives ignored)."""
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    out = []
+    for name, field in model.model_fields.items():
+        alts = [a for a in typing.get_args(field.annotation) or (field.annotation,) if a is not type(None)]
+        if typing.get_origin(field.annotation) not in (typing.Union, types.UnionType):
+            alts = [field.annotation]
+        for a in alts:
+            origin, args = typing.get_origin(a), typing.get_args(a)
+            if a in (int, float, bool):
+                out.append((prefix + name, a))
+            elif origin is list and args[0] in (int, float, bool) and len(alts) == 1:
+                out.append((f"{prefix}{name}.0", args[0]))
+            elif origin is dict and args[1] in (int, float, bool):
+                out.append((f"{prefix}{name}.5", args[1]))
+            elif isinstance(a, type) and issubclass(a, BaseModel):
+                out += _typed_fields(a, f"{prefix}{name}.")
+    return out
+
+
+def _strict_cases():
+    from dspark_jax.serving.http.protocol import ChatCompletionRequest, CompletionRequest
+
+    for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
+        for field, kind in _typed_fields(model):
+            yield pytest.param(path, field, kind, id=f"{'chat' if 'chat' in path else 'completions'}-{field}")
+
+
+# A JSON value of each wrong type per expected type: booleans are not integers, numeric strings
+# are not numbers, a fractional or float-spelled number is not an integer.
+WRONG = {
+    int: [True, False, "12", 1.5, 3.0, None, [1]],
+    float: [True, "0.5", "1", None, {"x": 1}],
+    bool: [1, 0, "true", "false", None],
+}
+
+
+def _with_value(field: str, value) -> dict:
+    """A request body fragment setting the JSON path ``field`` (``a.b``, ``list.0``, ``map.5``)."""
+    parts = field.split(".")
+    if len(parts) == 1:
+        return {field: value}
+    head, key = parts
+    return {head: [value] if key == "0" else {key: value}}
+
+
+@pytest.mark.parametrize("path,field,kind", list(_strict_cases()))
+def test_wrong_json_type_of_every_typed_field_gets_400_naming_it(server, client, path, field, kind):
+    """One rule at the HTTP boundary: every integer, float and boolean field of both endpoints
+    refuses a value of the wrong JSON type (``null`` too where the field is not nullable: those
+    are skipped) with 400 naming the field, before anything is tokenized or queued."""
+    from dspark_jax.serving.http.protocol import ChatCompletionRequest, CompletionRequest
+
+    model = CompletionRequest if path == "/v1/completions" else ChatCompletionRequest
+    top = model.model_fields[field.split(".")[0]]
+    base = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    base.update(max_tokens=2, stream=field.startswith("stream_options"))
+    n_before = len(server.engine.requests)
+    for value in WRONG[kind]:
+        if value is None and "." not in field and top.default is None:
+            continue  # a nullable field: null means "not given"
+        body = dict(base, **_with_value(field, value))
+        r = client.post(path, json=body)
+        assert r.status_code == 400, (field, value, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == field, (field, value, err)
+        assert field in err["message"] and "JSON" in err["message"], err
+    assert len(server.engine.requests) == n_before  # nothing reached the engine
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/completions", {"prompt": "hi", "temperature": 1, "top_p": 1, "presence_penalty": 0}),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1}, "frequency_penalty": 0}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "top_p": 1}),
+    ],
+)
+def test_integers_are_numbers(client, path, body):
+    """OpenAI's ``number`` fields take integers (JSON has one number type)."""
+    r = client.post(path, json=dict(body, max_tokens=2))
+    assert r.status_code == 200, r.text
+
+
+def test_prompt_token_ids_are_integers(client):
+    """A prompt's alternatives (text, ids, a batch of either) are one field: 400 naming ``prompt``."""
+    for prompt in ([True, 5], [[5, True]], [5, "6"], [5, 6.0], True, 5):
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (prompt, r.text)
+    assert client.post("/v1/completions", json={"prompt": [[5, 6]], "max_tokens": 2}).status_code == 200
+
+
+def test_typed_fields_cover_both_endpoints():
+    """The walk over the request models finds every typed field (a new field is tested without
+    being listed here)."""
+    from dspark_jax.serving.http.protocol import ChatCompletionRequest, CompletionRequest
+
+    comp, chat = (dict(_typed_fields(m)) for m in (CompletionRequest, ChatCompletionRequest))
+    common = {"max_tokens", "temperature", "top_p", "top_k", "seed", "n", "min_tokens", "stream", "return_token_ids"}
+    common |= {"presence_penalty", "frequency_penalty", "stop_token_ids.0", "logit_bias.5"}
+    common |= {"stream_options.include_usage"}
+    assert common | {"logprobs", "echo", "best_of"} <= comp.keys() and comp["logprobs"] is int
+    assert common | {"logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt"} <= chat.keys()
+    assert chat["logprobs"] is bool and comp["temperature"] is float
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from dspark_jax.config import DrafterConfig
 from dspark_jax.decoding.cost_table import (
     CostTable,
     live_span,
@@ -34,6 +35,7 @@ from dspark_jax.decoding.cost_table import (
     time_programs,
 )
 from dspark_jax.drafters.base import BlockDrafter
+from dspark_jax.drafters.build import BLOCK_VARIANTS
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import sharding as shd
 from dspark_jax.models.layers import ATTN_BLOCK
@@ -205,14 +207,22 @@ class EngineDevice:
     def check_servable(drafter) -> None:
         """Refuses a drafter kind the engine cannot serve: not a block drafter (eagle3: no block pass).
 
+        ``drafter``: a drafter, or (no weights: the serving CLI's dry run) its
+        :class:`~dspark_jax.config.DrafterConfig`, whose variant decides.
+
         Raises:
           DSparkInputError: a drafter that is not a :class:`~dspark_jax.drafters.base.BlockDrafter`.
         """
         if drafter is None:
             return
-        if not isinstance(drafter, BlockDrafter):
+        if isinstance(drafter, DrafterConfig):
+            servable, kind = drafter.variant in BLOCK_VARIANTS, drafter.variant
+        else:
+            servable = isinstance(drafter, BlockDrafter)
+            kind = getattr(drafter.cfg, "variant", type(drafter).__name__)
+        if not servable:
             raise DSparkInputError(
-                f"the serving engine cannot serve a {getattr(drafter.cfg, 'variant', type(drafter).__name__)} "
+                f"the serving engine cannot serve a {kind} "
                 "drafter (it drafts autoregressively from its own cache); serve a dspark/dflash drafter, "
                 "or evaluate eagle3 with dspark_jax.decoding.speculative / dspark_jax.eval"
             )

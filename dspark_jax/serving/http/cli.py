@@ -18,6 +18,9 @@ in flight finish (up to ``--graceful-timeout`` seconds), then the engine thread 
 ``--prefill-chunk-tokens N`` (default 256) sets the batched, chunked prefill: one compiled pass of
 at most N prompt tokens per engine iteration, interleaved with decode steps (0: one-shot prefill
 of one request at a time; :mod:`dspark_jax.serving.engine.prefill`).
+``--max-request-bytes N`` refuses larger request bodies with 413 (default: 64 bytes per token of the
+context + 64 KiB; 0: no limit). ``--dry-run`` runs the start's checks without weights or devices
+(:mod:`dspark_jax.serving.http.preflight`) and prints the plan.
 ``--api-key`` (or ``DSPARK_API_KEY``) requires ``Authorization: Bearer KEY`` on every ``/v1``
 route (401 otherwise; ``/health`` and ``/metrics`` stay open unless
 ``--api-key-health-metrics``). ``--verification`` picks the engine's lossless verification
@@ -31,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import threading
 import time
@@ -40,8 +42,16 @@ from pathlib import Path
 from typing import Any
 
 from dspark_jax.decoding import disk_cache
+from dspark_jax.serving.http.preflight import (
+    check_engine_shape,
+    check_plan,
+    check_server_arguments,
+    parse_buckets,
+    print_plan,
+    read_chat_template,
+)
 
-__all__ = ["ServerThread", "build_engine", "build_server", "main", "warmup_engine"]
+__all__ = ["ServerThread", "build_engine", "build_server", "main", "parse_buckets", "warmup_engine"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dry-run",
         action="store_true",
-        help="check the arguments, read only the target's config and the drafter's metadata (no weights, no "
-        "devices), print the resolved plan as JSON and exit",
+        help="run the start's checks on the target's config and the drafter's metadata (vocabulary, hidden "
+        "size, layers, drafter kind, policy, settings; no weights, no devices, nothing compiled: exit status 2 "
+        "with the start's error line), print the resolved plan as JSON and exit",
     )
     return p
 
@@ -151,6 +162,14 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
         "(0: no waiting queue, requests are admitted while slots are free; default 256)",
     )
     p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="largest request body taken, in bytes: a larger one gets HTTP 413 before it is parsed or "
+        "tokenized (default: 64 per token of the context + 64 KiB; 0: no limit)",
+    )
+    p.add_argument(
         "--default-max-tokens",
         type=int,
         default=None,
@@ -209,27 +228,6 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def parse_buckets(spec: str | None, flag: str = "--buckets") -> tuple[int, ...] | None:
-    """The engine's token-budget buckets from ``--buckets`` (comma-separated integers, the
-    serving CLI's and the serving benchmarks' spelling; also ``--profile-spans``, named by
-    ``flag`` in errors): sorted, deduplicated; None when empty.
-
-    Raises:
-      DSparkInputError: not integers, or a value below 1.
-    """
-    from dspark_jax.errors import DSparkInputError
-
-    if not spec:
-        return None
-    try:
-        out = tuple(sorted({int(x) for x in spec.split(",") if x.strip()}))
-    except ValueError:
-        raise DSparkInputError(f"{flag} {spec!r}: expected comma-separated integers") from None
-    if not out or out[0] < 1:
-        raise DSparkInputError(f"{flag} {spec!r}: values must be positive")
-    return out
-
-
 def build_engine(
     target,
     drafter=None,
@@ -261,10 +259,7 @@ def build_engine(
     from dspark_jax.errors import DSparkInputError
     from dspark_jax.serving.engine import Engine
 
-    if num_slots < 1:
-        raise DSparkInputError("--num-slots must be >= 1")
-    if cache_len < 2:
-        raise DSparkInputError("--cache-len must be >= 2")
+    check_engine_shape(num_slots, cache_len)
     policy = policy or ("dspark" if drafter is not None else "plain")
     if policy != "plain" and drafter is None:
         raise DSparkInputError(f"policy {policy!r} needs a drafter (--drafter EXPORT_DIR); use --policy plain")
@@ -311,11 +306,13 @@ def build_server(
     policy: str = "",
     api_key: str | None = None,
     api_key_health_metrics: bool = False,
+    max_request_bytes: int | None = None,
 ):
     """``(app, engine_loop)``: the FastAPI app around an engine (the loop starts with the app).
 
     ``default_max_tokens`` None: vLLM's defaults (16 for completions, the rest of the
-    context for chat). ``api_key``: see :class:`dspark_jax.serving.http.server.ServerConfig`.
+    context for chat). ``api_key``, ``max_request_bytes`` (None: derived from the context, 0: no
+    limit): see :class:`dspark_jax.serving.http.server.ServerConfig`.
     """
     from dspark_jax.serving.http.server import EngineLoop, ServerConfig, create_app
 
@@ -331,6 +328,7 @@ def build_server(
         api_key=api_key or None,
         auth_health_metrics=bool(api_key_health_metrics),
         max_logit_bias=int(getattr(engine, "max_logit_bias", 1024)),
+        max_request_bytes=max_request_bytes,
     )
     return create_app(loop, tokenizer, cfg), loop
 
@@ -395,56 +393,19 @@ class ServerThread:
         self.stop()
 
 
-def _read_chat_template(path: str | None) -> str | None:
-    """The text of ``--chat-template FILE`` (None without the flag).
-
-    Raises:
-      DSparkInputError: the file does not exist.
-    """
-    if not path:
-        return None
-    from dspark_jax.errors import DSparkInputError
-
-    if not Path(path).is_file():
-        raise DSparkInputError(f"--chat-template file not found: {Path(path)}")
-    return Path(path).read_text(encoding="utf-8")
-
-
-def _check_server_arguments(args: argparse.Namespace) -> str | None:
-    """One-line refusals of bad server settings before anything loads; returns the API key
-    (``--api-key``, else ``DSPARK_API_KEY``, else None).
-
-    Raises:
-      DSparkInputError: a bad setting, named.
-    """
-    from dspark_jax.errors import DSparkInputError
-
-    if args.max_queue < 0:
-        raise DSparkInputError("--max-queue must be >= 0")
-    if args.default_max_tokens is not None and args.default_max_tokens < 1:
-        raise DSparkInputError("--default-max-tokens must be >= 1")
-    api_key = args.api_key if args.api_key is not None else os.environ.get("DSPARK_API_KEY")
-    if args.api_key_health_metrics and not api_key:
-        raise DSparkInputError("--api-key-health-metrics needs --api-key (or DSPARK_API_KEY)")
-    if not 0 < args.port < 65536:
-        raise DSparkInputError("--port must be in 1..65535")
-    if args.policy and args.policy.strip().lower() != "plain" and not args.drafter:
-        raise DSparkInputError(f"policy {args.policy!r} needs a drafter (--drafter EXPORT_DIR); use --policy plain")
-    return api_key
-
-
 def run(args: argparse.Namespace) -> None:
     import uvicorn
 
     jax_cache = disk_cache.apply_cache_arguments(args)
 
-    from dspark_jax.api import load_target_and_drafter
-    from dspark_jax.drafters.checkpoint import read_export_meta
+    from dspark_jax.api import load_target
+    from dspark_jax.decoding.request import load_drafter_for
+    from dspark_jax.drafters.checkpoint import export_config, read_export_meta
 
-    api_key = _check_server_arguments(args)
-    if args.drafter:
-        read_export_meta(args.drafter)  # fail fast, before loading the target
-    chat_template = _read_chat_template(args.chat_template)
+    api_key = check_server_arguments(args)
+    # fail fast, before loading the target
+    dcfg = export_config(read_export_meta(args.drafter), args.drafter) if args.drafter else None
+    chat_template = read_chat_template(args.chat_template)
 
     def say(msg: str) -> None:  # before uvicorn's logging is configured
         print(f"[dspark_jax.serve] {msg}", file=sys.stderr, flush=True)
@@ -454,10 +415,10 @@ def run(args: argparse.Namespace) -> None:
         from dspark_jax.serving.engine.state import serving_mesh
 
         mesh = serving_mesh(args.mesh)
-    target, tok, drafter = load_target_and_drafter(
-        args.target, args.drafter, dtype=args.dtype, mesh=mesh, attention_backend=args.attention_backend
-    )
-    policy = args.policy or ("dspark" if drafter is not None else "plain")
+    target, tok = load_target(args.target, dtype=args.dtype, mesh=mesh, attention_backend=args.attention_backend)
+    # the dry run's checks (the same lines), with the weights' fingerprint, before the drafter loads
+    policy = check_plan(args, target.cfg, dcfg, target.fingerprint)
+    drafter = load_drafter_for(target, tok, args.drafter, target.dtype)[0] if args.drafter else None
     t0 = time.monotonic()
     # Built without warm-up first: a drafter or setting the engine refuses (e.g. an eagle3
     # drafter) is one `error:` line before anything is compiled.
@@ -500,57 +461,11 @@ def run(args: argparse.Namespace) -> None:
         policy=policy,
         api_key=api_key,
         api_key_health_metrics=args.api_key_health_metrics,
+        max_request_bytes=args.max_request_bytes,
     )
     uvicorn.run(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.graceful_timeout
     )
-
-
-def print_plan(args: argparse.Namespace) -> dict[str, Any]:
-    """``--dry-run``: the server ``args`` would start, resolved without weights or devices, printed as JSON.
-
-    Returns:
-      The plan: target (name, layers, vocabulary), drafter (variant, block size) or None, policy,
-      engine shape, ``model`` mesh size (1: one device), bind address.
-    Raises:
-      DSparkInputError: a policy that needs a drafter, an unreadable drafter export, bad buckets or mesh.
-    """
-    import json
-
-    from dspark_jax.config import DrafterConfig
-    from dspark_jax.drafters.checkpoint import read_export_meta
-    from dspark_jax.errors import DSparkInputError
-    from dspark_jax.models.presets import target_config
-    from dspark_jax.models.sharding import parse_mesh
-
-    if args.policy and args.policy.strip().lower() != "plain" and not args.drafter:
-        raise DSparkInputError(f"policy {args.policy!r} needs a drafter (--drafter EXPORT_DIR); use --policy plain")
-    tcfg = target_config(args.target)
-    dcfg = DrafterConfig.from_dict(read_export_meta(args.drafter)["config"]) if args.drafter else None
-    try:
-        mesh = parse_mesh(args.mesh) if args.mesh else {}
-    except ValueError as e:
-        raise DSparkInputError(str(e)) from None
-    if mesh.get("data", 1) * mesh.get("fsdp", 1) > 1:
-        raise DSparkInputError(f"serving shards over 'model' only; got mesh {args.mesh}")
-    plan = {
-        "target": {"spec": args.target, "name": tcfg.name, "layers": tcfg.num_layers, "vocab": tcfg.vocab_size},
-        "drafter": None
-        if dcfg is None
-        else {"path": args.drafter, "variant": dcfg.variant, "block_size": dcfg.block_size},
-        "policy": args.policy or ("dspark" if args.drafter else "plain"),
-        "verification": args.verification,
-        "num_slots": args.num_slots,
-        "cache_len": args.cache_len,
-        "buckets": parse_buckets(args.buckets),
-        "prefill_chunk_tokens": args.prefill_chunk_tokens,
-        "plan_ahead": args.plan_ahead,
-        "dtype": args.dtype,
-        "mesh_model": mesh.get("model", 1) if args.mesh else 1,
-        "url": f"http://{args.host}:{args.port}",
-    }
-    print(json.dumps(plan, indent=2))
-    return plan
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,12 +1,14 @@
 """The OpenAI-compatible request protocol of the HTTP server: request models, the server's
 static configuration, and the translation of a validated request into prompt token ids and the
-engine's :class:`~dspark_jax.serving.engine.requests.SamplingParams`.
+engine's :class:`~dspark_jax.serving.engine.requests.SamplingParams` (chat messages:
+:mod:`dspark_jax.serving.http.chat`).
 
 Every field the server does not honour is refused with 400 naming it (the request models
-forbid undeclared fields); declared fields with values the engine cannot honour
-(``presence_penalty`` != 0, ``echo``, ...) are refused too, and so are numbers its device
-arrays cannot hold (a ``top_k`` beyond int32, a ``temperature`` beyond float32, a token id
-beyond int64): a 400 naming the field, before anything reaches the engine, so a bad request
+forbid undeclared fields), and so is a value of the wrong JSON type (strict mode: a boolean is
+not an integer, a numeric string not a number; an integer is a number); declared fields with
+values the engine cannot honour (``presence_penalty`` != 0, ``echo``, ...) are refused too,
+and so are numbers its device arrays cannot hold (a ``top_k`` beyond int32, a ``temperature``
+beyond float32, a token id beyond int64): a 400 naming the field, before anything reaches the engine, so a bad request
 never fails the others prefilled with it. ``max_tokens`` defaults as in vLLM:
 16 for completions, the rest of the context for chat (``ServerConfig.default_max_tokens``
 overrides both). ``n`` > 1 runs ``n`` requests: choice ``i`` is the same request with
@@ -46,9 +48,10 @@ __all__ = [
     "SamplingRequest",
     "ServerConfig",
     "StreamOptions",
-    "chat_prompt",
+    "check_prompt_ids",
     "choice_seed",
     "completion_prompt",
+    "default_max_request_bytes",
     "sampling_params",
 ]
 
@@ -75,9 +78,12 @@ class APIError(Exception):
 
 
 class _Strict(BaseModel):
-    """Refuses undeclared fields: a field the server does not honour is a 400, never ignored."""
+    """Refuses undeclared fields (a field the server does not honour is a 400, never ignored) and
+    values of the wrong JSON type (strict mode, every field of every request model): a boolean is
+    not an integer, a numeric string is not a number, ``3.0`` is not an integer; an integer is a
+    number (OpenAI's ``number`` fields take integers)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -177,6 +183,8 @@ class ServerConfig:
         (401 otherwise, as vLLM's ``--api-key``).
       auth_health_metrics: with ``api_key``, ``/health`` and ``/metrics`` need it too.
       max_logit_bias: most ``logit_bias`` entries per request (the engine's limit).
+      max_request_bytes: the largest request body taken (413 above it, before it is parsed or
+        tokenized); None: :func:`default_max_request_bytes` of ``context_len``; 0: no limit.
     """
 
     model_name: str
@@ -188,6 +196,21 @@ class ServerConfig:
     api_key: str | None = None
     auth_health_metrics: bool = False
     max_logit_bias: int = 1024
+    max_request_bytes: int | None = None
+
+    @property
+    def request_byte_limit(self) -> int | None:
+        """The body limit in bytes, or None for no limit (``max_request_bytes`` resolved)."""
+        if self.max_request_bytes is None:
+            return default_max_request_bytes(self.context_len)
+        return self.max_request_bytes or None
+
+
+def default_max_request_bytes(context_len: int) -> int:
+    """The default request body limit: 64 bytes per token of the context (a prompt that fits
+    is far shorter: text, escaped JSON or token ids) plus 64 KiB for the other fields (stop
+    strings, ``logit_bias``, message framing)."""
+    return 64 * int(context_len) + 64 * 1024
 
 
 @contextlib.contextmanager
@@ -314,7 +337,8 @@ def sampling_params(
 # --------------------------------------------------------------------------- prompts
 
 
-def _check_ids(ids: list[int], cfg: ServerConfig, param: str = "prompt") -> list[int]:
+def check_prompt_ids(ids: list[int], cfg: ServerConfig, param: str = "prompt") -> list[int]:
+    """``ids``, checked against the vocabulary (400 naming ``param`` otherwise)."""
     with _refused(param):
         check_prompt(ids, cfg.vocab_size)
     return ids
@@ -341,57 +365,5 @@ def completion_prompt(req: CompletionRequest, tokenizer, cfg: ServerConfig) -> l
     if isinstance(p, str):
         if not p.strip():
             raise APIError(400, "the prompt is empty: give some text to continue", "prompt")
-        return _check_ids(tokenizer.encode(p), cfg)
-    return _check_ids([int(i) for i in p], cfg)  # type: ignore[arg-type]  # a flat list of ids here
-
-
-def _messages(req: ChatCompletionRequest) -> list[dict]:
-    """``[{role, content}]`` with text-only content (parts joined)."""
-    if not req.messages:
-        raise APIError(400, "messages must not be empty", "messages")
-    msgs = []
-    for i, m in enumerate(req.messages):
-        c = m.content
-        if isinstance(c, list):
-            parts = []
-            for part in c:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
-                    raise APIError(
-                        400, f"messages[{i}].content: only text parts are supported", f"messages.{i}.content"
-                    )
-                parts.append(part["text"])
-            c = "".join(parts)
-        msgs.append({"role": m.role, "content": c or ""})
-    if not any(m["content"].strip() for m in msgs):
-        raise APIError(400, "the messages are empty", "messages")
-    return msgs
-
-
-def chat_prompt(req: ChatCompletionRequest, tokenizer, cfg: ServerConfig) -> list[int]:
-    """The prompt token ids of a chat request: its messages rendered with ``cfg.chat_template``
-    (or the tokenizer's template), encoded without BOS.
-
-    Raises:
-      APIError: 400 for empty messages, non-text content parts, a template error or ids
-        outside the vocabulary.
-    """
-    msgs = _messages(req)
-    try:
-        if cfg.chat_template is not None:
-            from dspark_jax.models.tokenizer import render_chat_template
-
-            def piece(i):
-                return "" if i is None else tokenizer.id_to_piece(i)
-
-            text = render_chat_template(
-                cfg.chat_template,
-                msgs,
-                add_generation_prompt=req.add_generation_prompt,
-                bos_token=piece(tokenizer.bos_id),
-                eos_token=piece(tokenizer.eos_ids[0] if tokenizer.eos_ids else None),
-            )
-        else:
-            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
-    except DSparkInputError as e:
-        raise APIError(400, str(e), "messages") from None
-    return _check_ids(tokenizer.encode(text, add_bos=False), cfg, "messages")
+        return check_prompt_ids(tokenizer.encode(p), cfg)
+    return check_prompt_ids([int(i) for i in p], cfg)  # type: ignore[arg-type]  # a flat list of ids here

@@ -6,8 +6,11 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 
 Architecture (docs/design.md#serving): one background thread, :class:`EngineLoop`
 (:mod:`dspark_jax.serving.http.engine_loop`), owns the :class:`~dspark_jax.serving.engine.Engine` and is the
-only thread that touches JAX. The asyncio side (this module) validates and tokenizes requests
-(:mod:`dspark_jax.serving.http.protocol`), enqueues them, and per choice detokenizes incrementally
+only thread that touches JAX. The asyncio side (this module) refuses a body over
+``ServerConfig.max_request_bytes`` (413, before parsing), validates requests
+(:mod:`dspark_jax.serving.http.protocol`), tokenizes them in a worker thread (a long prompt
+takes seconds, and the event loop keeps serving ``/health`` and the other streams meanwhile;
+chat: :mod:`dspark_jax.serving.http.chat`), enqueues them, and per choice detokenizes incrementally
 and matches stop strings (:mod:`dspark_jax.serving.http.detokenize`), then formats responses and
 streams (:mod:`dspark_jax.serving.http.streaming`). Metrics: :mod:`dspark_jax.serving.http.prometheus`.
 Shutdown (uvicorn's graceful drain, then the app's lifespan end) stops the thread after failing
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 import time
 import uuid
@@ -58,6 +62,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from dspark_jax import __version__
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.serving.engine.requests import Request, SamplingParams
+from dspark_jax.serving.http.chat import ChatRenderer, chat_prompt
 from dspark_jax.serving.http.detokenize import OutputState, Update
 from dspark_jax.serving.http.engine_loop import (
     EngineLoop,
@@ -73,7 +78,6 @@ from dspark_jax.serving.http.protocol import (
     CompletionRequest,
     SamplingRequest,
     ServerConfig,
-    chat_prompt,
     completion_prompt,
     sampling_params,
 )
@@ -88,20 +92,53 @@ def _error_response(status: int, message: str, param: str | None = None, kind: s
     )
 
 
+_EXPECTED = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "a boolean",
+    "string_type": "a string",
+    "list_type": "an array",
+    "dict_type": "an object",
+    "model_type": "an object",
+}
+
+
+def _json_kind(value) -> str:
+    """The JSON type of a parsed JSON value, with the value (shortened) for the error message."""
+    kind = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
+    shown = json.dumps(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return f"JSON {kind.get(type(value), 'null')} {shown}"
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """``(message, param)`` of a request-body validation error (at most 4 problems named)."""
-    parts, param = [], None
+    """``(message, param)`` of a request-body validation error (at most 4 problems named; a
+    value of the wrong JSON type says which type was expected and which came). ``param``: the
+    path the first problem's field shares with the others of that field (a union's
+    alternatives are one field)."""
+    parts, locs = [], []
     for e in exc.errors()[:4]:
         if e.get("type") == "json_invalid":
             parts.append(f"the request body is not valid JSON ({e.get('ctx', {}).get('error', 'parse error')})")
             continue
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         name = ".".join(loc) or "body"
-        param = param or (".".join(loc) or None)
+        if loc:
+            locs.append(loc)
         if e.get("type") == "extra_forbidden":
             parts.append(f"{name}: unsupported parameter (this server does not honour it)")
+        elif e.get("type") in _EXPECTED:
+            parts.append(f"{name}: expected {_EXPECTED[e['type']]}, got {_json_kind(e.get('input'))}")
         else:
             parts.append(f"{name}: {e.get('msg', 'invalid')}")
+    param = None
+    if locs:
+        same = [loc for loc in locs if loc[0] == locs[0][0]]
+        common = same[0]
+        for loc in same[1:]:
+            n = next((i for i, (a, b) in enumerate(zip(common, loc)) if a != b), min(len(common), len(loc)))
+            common = common[:n]
+        param = ".".join(common)
     return "; ".join(parts) or "invalid request", param
 
 
@@ -144,6 +181,49 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return _error_response(exc.status, exc.message, exc.param, exc.kind)
 
 
+class _BodyLimit:
+    """ASGI middleware: a ``POST`` body over ``limit`` bytes gets 413 before anything parses or
+    tokenizes it (``Content-Length`` says so up front; a chunked body is counted as it comes).
+    The body is read to its end either way, discarding what is over the limit, so the client
+    gets the 413 rather than a reset connection; a body within the limit is handed on whole."""
+
+    def __init__(self, app, limit: int, metrics: ServerMetrics):
+        self.app, self.limit, self.metrics = app, int(limit), metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        size, chunks, more = 0, [], True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":  # the client went away mid-body
+                return
+            body, more = msg.get("body", b""), msg.get("more_body", False)
+            size += len(body)
+            if size <= self.limit:
+                chunks.append(body)
+        if size > self.limit:
+            self.metrics.request_rejected.labels(**self.metrics.labels(status="413")).inc()
+            got = f"{int(declared)} bytes" if declared.isdigit() else f"more than {self.limit} bytes"
+            resp = _error_response(
+                413,
+                f"the request body has {got}; this server takes at most {self.limit} (--max-request-bytes)",
+                None,
+            )
+            return await resp(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # then the disconnect, when it comes
+
+        return await self.app(scope, replay, send)
+
+
 async def _watch_disconnect(http: HTTPRequest, tracked: list[TrackedRequest], loop: EngineLoop) -> None:
     """Waits for the client to go away, then aborts the request's choices (frees their slots)."""
     try:
@@ -168,6 +248,7 @@ class _Routes:
         self.params_cls, self.request_cls = params_cls, request_cls
         self.metrics = loop.metrics
         self.fmt = LogprobFormatter(tokenizer)
+        self.chat = ChatRenderer(tokenizer, config.chat_template)
 
     async def health(self):
         snap = self.loop.snapshot()
@@ -186,12 +267,14 @@ class _Routes:
 
     async def completions(self, req: CompletionRequest, http: HTTPRequest):
         self._check_model(req)
-        ids = completion_prompt(req, self.tokenizer, self.config)
+        # tokenizing is CPU-bound (seconds for a long prompt): a worker thread, so /health and the
+        # other requests' streams keep going meanwhile
+        ids = await asyncio.to_thread(completion_prompt, req, self.tokenizer, self.config)
         return await self._run(http, ids, req, req.max_tokens, chat=False)
 
     async def chat_completions(self, req: ChatCompletionRequest, http: HTTPRequest):
         self._check_model(req)
-        ids = chat_prompt(req, self.tokenizer, self.config)
+        ids = await asyncio.to_thread(chat_prompt, req, self.chat, self.config)
         return await self._run(http, ids, req, req.max_completion_tokens or req.max_tokens, chat=True)
 
     def _check_model(self, req: SamplingRequest) -> None:
@@ -320,6 +403,8 @@ def create_app(
     app = FastAPI(title="dspark_jax", version=__version__, lifespan=lifespan)
     app.state.engine_loop = loop
     app.state.config = config
+    if config.request_byte_limit is not None:  # inside the API-key check (added later: outer)
+        app.add_middleware(_BodyLimit, limit=config.request_byte_limit, metrics=loop.metrics)
     if config.api_key:
         _install_auth(app, config, loop.metrics)
     _install_error_handlers(app, loop.metrics)
