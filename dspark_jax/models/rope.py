@@ -109,22 +109,22 @@ def hf_rope_scaling(
     if kind not in ("linear", "yarn", "llama3"):
         raise DSparkInputError(f"{where}: RoPE scaling {kind!r} is not supported (default, linear, yarn, llama3)")
     orig = int(rp.get("original_max_position_embeddings") or max_position)
-    factor = rp.get("factor")
     if kind in ("yarn", "llama3") and orig <= 0:
         raise DSparkInputError(f"{where}: RoPE scaling {kind!r} without original_max_position_embeddings")
-    if factor is None and kind != "yarn":
+    if rp.get("factor") is None and kind != "yarn":
         raise DSparkInputError(f"{where}: RoPE scaling {kind!r} without a factor")
+    # yarn without a factor: max_position / original (DeepSeek-V3's rule in transformers)
+    factor = float(rp["factor"]) if rp.get("factor") is not None else max_position / orig
     if kind == "linear":
-        return theta, RopeScaling("linear", factor=float(factor))
+        return theta, RopeScaling("linear", factor=factor)
     if kind == "llama3":
         return theta, RopeScaling(
             "llama3",
-            factor=float(factor),
+            factor=factor,
             original_max_position=orig,
             low_freq_factor=float(rp["low_freq_factor"]),
             high_freq_factor=float(rp["high_freq_factor"]),
         )
-    factor = float(factor) if factor is not None else max_position / orig
     attn = rp.get("attention_factor")
     if attn is None:
         m, m_all = rp.get("mscale"), rp.get("mscale_all_dim")
