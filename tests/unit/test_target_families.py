@@ -340,3 +340,32 @@ def test_drafter_of_a_scaled_target_keeps_its_rope_through_export(hf_models, tmp
     assert written["rope_scaling"]["attention_factor"] == pytest.approx(0.1 * math.log(4.0) + 1)
     loaded, _ = load_drafter(out, target=target)
     assert loaded.cfg.rope_scaling == cfg.rope_scaling
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        LLAMA3,
+        dict(LLAMA3, factor=32.0, low_freq_factor=2.0, high_freq_factor=8.0, rope_theta=500000.0),
+        LINEAR,
+        YARN,
+        dict(YARN, beta_fast=16.0, beta_slow=2.0, truncate=False, rope_theta=1e6),
+        dict(YARN, mscale=1.0, mscale_all_dim=0.5),
+        dict(YARN, attention_factor=0.8),
+        {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": ORIG},  # legacy rope_scaling key
+    ],
+)
+def test_rope_table_equals_transformers(rope):
+    """The frequency table and cos/sin factor equal transformers' ROPE_INIT_FUNCTIONS for each setting."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from dspark_jax.models.rope import hf_rope_scaling, rope_table
+
+    hc = LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, head_dim=HEAD_DIM,
+                     max_position_embeddings=4 * ORIG, rope_scaling=dict(rope))  # fmt: skip
+    want_inv, want_scale = ROPE_INIT_FUNCTIONS[hc.rope_parameters["rope_type"]](hc, "cpu")
+    theta, scaling = hf_rope_scaling(dict(rope), max_position=4 * ORIG, where="test")
+    inv, scale = rope_table(theta if theta is not None else 10000.0, HEAD_DIM, scaling)
+    np.testing.assert_allclose(inv, want_inv.numpy(), rtol=2e-6)
+    assert scale == pytest.approx(want_scale, rel=1e-6)
