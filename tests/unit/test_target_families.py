@@ -288,13 +288,16 @@ def test_gguf_refuses_unknown_metadata_and_tensors(tmp_path):
 
 
 def test_rope_scaling_round_trips_through_config_dict():
-    from dspark_jax.config import RopeScaling, TargetConfig
+    from dspark_jax.config import DrafterConfig, RopeScaling, TargetConfig
 
     cfg = TargetConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1,
                        num_kv_heads=1, head_dim=4, max_position=16,
                        rope_scaling=RopeScaling("freq_factors", freq_factors=(1.0, 8.0)))  # fmt: skip
     back = TargetConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert back == cfg and hash(back) == hash(cfg)
+    dcfg = DrafterConfig.for_target(cfg, taps=(0,))
+    assert dcfg.rope_scaling == cfg.rope_scaling
+    assert DrafterConfig.from_dict(json.loads(json.dumps(dcfg.to_dict()))) == dcfg
 
 
 # ----------------------------------------------------------------------------- speculative == plain
