@@ -26,11 +26,54 @@ QWEN_MASK_TOKEN_ID, QWEN_VOCAB_ROWS = 151669, 151936
 
 # The implementations of the target's cached attention (docs/design.md#attention-backends).
 ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "pallas_tpu")
+# RoPE frequency scalings implemented exactly (dspark_jax.models.rope); "freq_factors" is llama.cpp's
+# per-frequency divisors (a GGUF file's rope_freqs.weight tensor).
+ROPE_TYPES = ("default", "linear", "yarn", "llama3", "freq_factors")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling of a target, as transformers' ``rope_parameters`` define it.
+
+    The inverse-frequency table it gives (:func:`dspark_jax.models.rope.rope_table`) is a constant
+    computed once per config, so scaling costs nothing in the decode loop.
+
+    Attributes:
+      rope_type: one of :data:`ROPE_TYPES`: ``linear`` (every frequency divided by ``factor``),
+        ``yarn`` (YaRN's ramp between interpolated and original frequencies, plus
+        ``attention_factor`` on cos/sin), ``llama3`` (Llama 3.1's smoothed low-frequency
+        division), ``freq_factors`` (each frequency divided by its entry of ``freq_factors``).
+      factor: the context-extension factor (linear, yarn, llama3).
+      original_max_position: the pretraining context length [tokens] (yarn, llama3).
+      low_freq_factor / high_freq_factor: llama3's wavelength bounds.
+      beta_fast / beta_slow: yarn's ramp bounds [rotations].
+      attention_factor: yarn's multiplier of cos and sin (resolved at load, transformers' rule).
+      truncate: yarn rounds its ramp bounds to whole dimensions.
+      freq_factors: ``head_dim / 2`` divisors (rope_type ``freq_factors``).
+    """
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position: int = 0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+    freq_factors: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type={self.rope_type!r} is not one of {ROPE_TYPES}")
+        object.__setattr__(self, "freq_factors", tuple(float(f) for f in self.freq_factors))
+        if (self.rope_type == "freq_factors") != bool(self.freq_factors):
+            raise ValueError("freq_factors are given exactly when rope_type is 'freq_factors'")
 
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen3).
+    """Architecture of a Llama-family decoder (Llama 2/3.x, SmolLM2, Qwen2/2.5, Qwen3).
 
     Weights follow the Hugging Face convention: RoPE rotates the two *halves* of
     each head (``rotate_half``). Loaders of formats that rotate adjacent pairs
@@ -47,9 +90,11 @@ class TargetConfig:
       head_dim: width of one head.
       max_position: context length in tokens the model was trained for.
       rope_theta: RoPE base frequency.
+      rope_scaling: RoPE frequency scaling (:class:`RopeScaling`), or None for plain RoPE.
       rms_eps: RMSNorm epsilon.
       tie_embeddings: LM head is the transposed token embedding.
       qk_norm: Qwen3-style RMSNorm on each query/key head before RoPE.
+      qkv_bias: biases on the query, key and value projections (Qwen2 / Qwen2.5).
       mask_token_id: the token id whose frozen embedding row fills a new drafter's mask slots
         (:meth:`DrafterConfig.for_target`), or None for the rule there. Set by the loaders
         that know a better choice than the rule (a token the model never reads as input).
@@ -72,9 +117,11 @@ class TargetConfig:
     head_dim: int
     max_position: int
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
     rms_eps: float = 1e-5
     tie_embeddings: bool = True
     qk_norm: bool = False
+    qkv_bias: bool = False
     mask_token_id: int | None = None
     bos_id: int | None = 1
     eos_ids: tuple[int, ...] = (2,)
@@ -89,6 +136,11 @@ class TargetConfig:
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if isinstance(self.rope_scaling, dict):  # from_dict / JSON
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        rs = self.rope_scaling
+        if rs is not None and rs.freq_factors and len(rs.freq_factors) != self.head_dim // 2:
+            raise ValueError(f"{len(rs.freq_factors)} RoPE freq_factors for head_dim {self.head_dim}")
 
     def default_mask_token_id(self) -> int:
         """The id whose frozen embedding row fills a new drafter's mask slots.
@@ -270,6 +322,8 @@ class DrafterConfig:
         the names format-1 exports' ``"gated"`` / ``"rnn"`` load under. Exports written
         before this field existed load as ``"vanilla"``.
       rope_theta / rms_eps: backbone RoPE base and norm epsilon.
+      rope_scaling: the backbone's RoPE frequency scaling (:class:`RopeScaling`; None: plain RoPE),
+        the target's for a new drafter (as DeepSpec's drafters copy their target's RoPE settings).
       width: the backbone's residual width d (0 = the target's hidden size H). When
         ``d != H`` the anchor embedding enters through a learned ``H x d`` projection
         and the final hidden state leaves through a ``d x H`` one before the target's
@@ -325,8 +379,11 @@ class DrafterConfig:
     mask_token_id: int = -1
     confidence_input: str = "head"
     markov_w1_rows: str = "draft"
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):  # from_dict / JSON
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {self.variant!r}")
         if self.markov_head not in MARKOV_HEADS:
@@ -427,6 +484,7 @@ class DrafterConfig:
             head_dim=target.head_dim,
             intermediate_size=target.intermediate_size,
             rope_theta=target.rope_theta,
+            rope_scaling=target.rope_scaling,
             rms_eps=target.rms_eps,
             target_name=target.name,
         )

@@ -1,7 +1,7 @@
 """The target model: a Llama-family decoder in Flax NNX with a static KV cache.
 
-Implements docs/design.md#target-model: RMSNorm, RoPE, GQA, SwiGLU and optional
-Qwen3 q/k-norm, with per-layer weights stacked on a leading axis and the layer
+Implements docs/design.md#target-model: RMSNorm, RoPE (with its scalings), GQA, SwiGLU,
+optional Qwen2 q/k/v biases and Qwen3 q/k-norm, with per-layer weights stacked on a leading axis and the layer
 loop run by ``lax.scan`` (one compiled layer body whatever the depth). The
 forward pass can return the hidden states of chosen layers ("taps"), which the
 drafter consumes as context features (docs/design.md#context-features).
@@ -23,6 +23,7 @@ from dspark_jax.models.attention import attend, current_platform
 from dspark_jax.models.layers import KVCache, apply_rope, attention, rms_norm, swiglu
 
 _LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+_BIAS_KEYS = ("bq", "bk", "bv")
 
 
 class TargetOutput(NamedTuple):
@@ -83,6 +84,8 @@ def random_params(cfg: TargetConfig, seed: int = 0, scale: float = 0.05) -> dict
     if cfg.qk_norm:
         layers["q_norm"] = 1 + n(L, cfg.head_dim)
         layers["k_norm"] = 1 + n(L, cfg.head_dim)
+    if cfg.qkv_bias:
+        layers.update(bq=n(L, qd), bk=n(L, kd), bv=n(L, kd))
     params = {"embed": n(cfg.vocab_size, H) * 10, "layers": layers, "final_norm": 1 + n(H)}
     if not cfg.tie_embeddings:
         params["lm_head"] = n(H, cfg.vocab_size)
@@ -127,7 +130,7 @@ class Target(nnx.Module):
         self.embed = cast(params["embed"], sh.get("embed"))
         self.final_norm = cast(params["final_norm"], sh.get("final_norm"))
         self.lm_head = None if cfg.tie_embeddings else cast(params["lm_head"], sh.get("lm_head"))
-        keys = _LAYER_KEYS + (("q_norm", "k_norm") if cfg.qk_norm else ())
+        keys = _LAYER_KEYS + (("q_norm", "k_norm") if cfg.qk_norm else ()) + (_BIAS_KEYS if cfg.qkv_bias else ())
         self.layers = nnx.Dict({k: cast(params["layers"][k], sh["layers"].get(k)) for k in keys})
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
@@ -297,13 +300,28 @@ def _qkv(cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, positions: ja
     """
     a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
     b, t, _ = a.shape
-    q = (a @ p["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = (a @ p["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = (a @ p["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q, k, v = _projections(cfg, p, a)
+    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_eps)
-    return apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta), v
+    return _rope(cfg, q, positions), _rope(cfg, k, positions), v
+
+
+def _projections(cfg: TargetConfig, p: dict[str, jax.Array], a: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The q/k/v projections of the normed ``a [..., H]`` (plus their biases when ``cfg.qkv_bias``):
+    ``([..., nh*hd], [..., kvh*hd], [..., kvh*hd])``."""
+    q, k, v = a @ p["wq"], a @ p["wk"], a @ p["wv"]
+    if cfg.qkv_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    return q, k, v
+
+
+def _rope(cfg: TargetConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """The target's RoPE (base and scaling from ``cfg``) on ``x [B, T, heads, hd]`` at ``positions [B, T]``."""
+    return apply_rope(x, positions, cfg.rope_theta, cfg.rope_scaling)
 
 
 def _attn_out_and_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, attn: jax.Array) -> jax.Array:
@@ -409,14 +427,15 @@ def packed_qkv(cfg: TargetConfig, p: dict[str, jax.Array], h, rope_pos, row, wpo
     """
     k_tok, kvh, hd = h.shape[1], cfg.num_kv_heads, cfg.head_dim
     a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
-    q = (a @ p["wq"]).reshape(1, k_tok, cfg.num_heads, hd)
-    k = (a @ p["wk"]).reshape(1, k_tok, kvh, hd)
-    v = (a @ p["wv"]).reshape(1, k_tok, kvh, hd)
+    q, k, v = _projections(cfg, p, a)
+    q = q.reshape(1, k_tok, cfg.num_heads, hd)
+    k = k.reshape(1, k_tok, kvh, hd)
+    v = v.reshape(1, k_tok, kvh, hd)
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_eps)
-    q = apply_rope(q, rope_pos, cfg.rope_theta)[0]
-    k = apply_rope(k, rope_pos, cfg.rope_theta)[0]
+    q = _rope(cfg, q, rope_pos)[0]
+    k = _rope(cfg, k, rope_pos)[0]
     lidx = jnp.full_like(row, li)
     ck_all = ck_all.at[lidx, row, wpos].set(k.astype(ck_all.dtype), mode="drop")
     cv_all = cv_all.at[lidx, row, wpos].set(v[0].astype(cv_all.dtype), mode="drop")
@@ -447,6 +466,8 @@ def _check_params(cfg: TargetConfig, params: dict[str, Any]) -> None:
     }
     if cfg.qk_norm:
         want.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
+    if cfg.qkv_bias:
+        want.update(bq=(L, qd), bk=(L, kd), bv=(L, kd))
     got = params.get("layers", {})
     problems = []
     for k, shape in want.items():
