@@ -26,11 +26,26 @@ QWEN_MASK_TOKEN_ID, QWEN_VOCAB_ROWS = 151669, 151936
 
 # The implementations of the target's cached attention (docs/design.md#attention-backends).
 ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "pallas_tpu")
+# The gated MLP activations of a target: SiLU (SwiGLU: Llama, Qwen) and GELU with the tanh
+# approximation (GeGLU: Gemma, transformers' ``gelu_pytorch_tanh``).
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+# Fields of TargetConfig that describe the Gemma-style math, with the values that mean "absent":
+# to_dict leaves them out at these values, so a Llama/Qwen config serialises as it always did.
+_GEMMA_DEFAULTS = {
+    "norm_offset": 0.0,
+    "embed_scale": 1.0,
+    "mlp_activation": "silu",
+    "sandwich_norms": False,
+    "attn_logit_softcap": None,
+    "final_logit_softcap": None,
+    "query_scale": None,
+    "layer_rope_thetas": (),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen3).
+    """Architecture of a decoder-only target (Llama 2/3, SmolLM2, Qwen3, Gemma 2/3).
 
     Weights follow the Hugging Face convention: RoPE rotates the two *halves* of
     each head (``rotate_half``). Loaders of formats that rotate adjacent pairs
@@ -61,6 +76,20 @@ class TargetConfig:
         xla on CPU), ``xla``, ``cudnn`` or ``pallas_tpu``. Not part of the architecture: a
         setting the loaders leave at ``auto`` and a user may override
         (``dataclasses.replace``, ``load_target(attention_backend=...)``, ``--attention-backend``).
+      norm_offset: every RMSNorm multiplies by ``norm_offset + weight`` (computed in float32):
+        0 for Llama/Qwen, 1 for Gemma 2/3 (their ``1 + w`` norms).
+      embed_scale: the token embedding is multiplied by this (cast to the embedding's dtype first,
+        as transformers does): 1, or ``sqrt(hidden_size)`` for Gemma.
+      mlp_activation: the gated MLP's activation, one of :data:`MLP_ACTIVATIONS`.
+      sandwich_norms: Gemma 2/3 layers: the attention output and the MLP output are each
+        RMS-normed (``post_attn_norm``, ``post_mlp_norm``) before their residual add.
+      attn_logit_softcap: attention scores become ``c * tanh(score / c)`` before the mask and
+        softmax (Gemma 2), or None.
+      final_logit_softcap: the logits become ``c * tanh(logits / c)`` (Gemma 2/3), or None.
+      query_scale: the attention score scale (Gemma's ``query_pre_attn_scalar ** -0.5``);
+        None: ``head_dim ** -0.5``.
+      layer_rope_thetas: per-layer RoPE base, ``num_layers`` entries (Gemma 3: its local base on
+        sliding layers, ``rope_theta`` on global ones), or ``()``: ``rope_theta`` everywhere.
     """
 
     vocab_size: int
@@ -80,10 +109,27 @@ class TargetConfig:
     eos_ids: tuple[int, ...] = (2,)
     name: str = "unnamed"
     attention_backend: str = "auto"
+    norm_offset: float = 0.0
+    embed_scale: float = 1.0
+    mlp_activation: str = "silu"
+    sandwich_norms: bool = False
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    query_scale: float | None = None
+    layer_rope_thetas: tuple[float, ...] = ()
 
     def __post_init__(self):
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of {ATTENTION_BACKENDS}")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"mlp_activation={self.mlp_activation!r} is not one of {MLP_ACTIVATIONS}")
+        object.__setattr__(self, "layer_rope_thetas", tuple(float(t) for t in self.layer_rope_thetas))
+        if self.layer_rope_thetas and len(self.layer_rope_thetas) != self.num_layers:
+            raise ValueError(f"layer_rope_thetas has {len(self.layer_rope_thetas)} entries for {self.num_layers} layers")
+        for name in ("attn_logit_softcap", "final_logit_softcap", "query_scale"):
+            value = getattr(self, name)
+            if value is not None and not float(value) > 0:
+                raise ValueError(f"{name}={value!r} must be positive or None")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
@@ -115,9 +161,18 @@ class TargetConfig:
             return (1 if self.num_layers > 1 else 0,)
         return tuple(int(round(1 + i * (last - 1) / (n - 1))) for i in range(n))
 
+    @property
+    def per_layer_rope(self) -> bool:
+        """Whether the RoPE base differs between layers (a per-layer scan input)."""
+        return len(set(self.layer_rope_thetas)) > 1
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_ids"] = list(self.eos_ids)
+        d["layer_rope_thetas"] = list(self.layer_rope_thetas)
+        for key, absent in _GEMMA_DEFAULTS.items():
+            if d[key] == (list(absent) if isinstance(absent, tuple) else absent):
+                del d[key]
         return d
 
     @classmethod
@@ -126,6 +181,8 @@ class TargetConfig:
         d = {k: v for k, v in d.items() if k in names}
         if "eos_ids" in d:
             d["eos_ids"] = tuple(d["eos_ids"])
+        if "layer_rope_thetas" in d:
+            d["layer_rope_thetas"] = tuple(d["layer_rope_thetas"] or ())
         return cls(**d)
 
 

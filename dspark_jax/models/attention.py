@@ -71,7 +71,17 @@ def select_backend(backend: str, q: Any, k_cache: Any, platform: str | None = No
     return (want, None) if reason is None else ("xla", reason)
 
 
-def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, q_pos: jax.Array, *, backend: str = "auto"):
+def attend(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer,
+    q_pos: jax.Array,
+    *,
+    backend: str = "auto",
+    scale: float | None = None,
+    softcap: float | None = None,
+):
     """Grouped-query attention over one layer of a static KV cache, by the chosen backend
     (docs/design.md#attention-backends).
 
@@ -83,19 +93,23 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, q_pos: j
       q_pos: ``[B, T]`` int32 last visible slot of each query; ``< 0``: sees nothing (output 0).
       backend: static, one of :data:`~dspark_jax.config.ATTENTION_BACKENDS`; a backend that does
         not fit falls back to ``xla`` (:func:`select_backend`), logged once per reason.
+      scale / softcap: static score scale (None: ``hd ** -0.5``) and soft-cap (None: none), as
+        :func:`~dspark_jax.models.layers.scale_scores`; either one runs the ``xla`` path.
     Returns:
       ``[B, T, n_heads * hd]`` in the dtype of ``q``.
     Raises:
       ValueError: an unknown backend name.
     """
     name, reason = select_backend(backend, q, k_cache)
+    if name != "xla" and (scale is not None or softcap is not None):
+        name, reason = "xla", "a query scale or attention soft-cap (Gemma) runs on the xla path"
     if reason is not None:
         _note_fallback(backend, reason)
     if name == "cudnn":
         return cudnn_attention(q, k_cache, v_cache, layer, q_pos)
     if name == "pallas_tpu":
         return pallas_tpu_attention(q, k_cache, v_cache, layer, q_pos)
-    return cached_attention(q, k_cache, v_cache, layer, q_pos)
+    return cached_attention(q, k_cache, v_cache, layer, q_pos, scale=scale, softcap=softcap)
 
 
 def _note_fallback(backend: str, reason: str) -> None:

@@ -1,4 +1,5 @@
-"""Hugging Face ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` safetensors directories.
+"""Hugging Face ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` / ``Gemma2ForCausalLM`` /
+``Gemma3ForCausalLM`` (``gemma3_text``) safetensors directories.
 
 :func:`hf_config` reads ``config.json`` (via ``transformers.AutoConfig``),
 ``generation_config.json`` and the safetensors headers; :func:`load_hf_dir` reads the
@@ -35,6 +36,15 @@ HF_LAYER_TENSORS = {
     "w_up": "mlp.up_proj",
     "w_down": "mlp.down_proj",
 }
+# Gemma 2/3 name their norms around the attention and the MLP ("sandwich" norms) differently.
+GEMMA_LAYER_TENSORS = {
+    **HF_LAYER_TENSORS,
+    "post_attn_norm": "post_attention_layernorm",
+    "mlp_norm": "pre_feedforward_layernorm",
+    "post_mlp_norm": "post_feedforward_layernorm",
+}
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma2", "gemma3_text")
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 
 
 def _safetensors_index(files: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ...], int, int]]:
@@ -81,17 +91,26 @@ def hf_target_config(
     Raises:
       DSparkInputError: an unsupported architecture, RoPE scaling, biases or activation.
     """
-    if c.model_type not in ("llama", "qwen3"):
-        raise DSparkInputError(f"{where}: model_type {c.model_type!r} is not supported (supported: llama, qwen3)")
+    if c.model_type not in SUPPORTED_MODEL_TYPES:
+        raise DSparkInputError(
+            f"{where}: model_type {c.model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    gemma = _gemma_fields(c, where) if c.model_type in GEMMA_MODEL_TYPES else {}
     rp = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    if gemma:
+        rp = {}  # read per layer type by _gemma_fields
     rope_type = rp.get("rope_type", rp.get("type", "default"))
     if rope_type not in ("default", None):
         raise DSparkInputError(f"{where}: RoPE scaling {rope_type!r} is not supported (only plain RoPE)")
-    theta = rp.get("rope_theta", getattr(c, "rope_theta", None)) or 10000.0
+    theta = gemma.pop("rope_theta", None) or rp.get("rope_theta", getattr(c, "rope_theta", None)) or 10000.0
     if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
         raise DSparkInputError(f"{where}: attention/MLP biases are not supported")
-    if getattr(c, "hidden_act", "silu") != "silu":
+    if not gemma and getattr(c, "hidden_act", "silu") != "silu":
         raise DSparkInputError(f"{where}: activation {c.hidden_act!r} is not supported (only silu)")
+    if not gemma and getattr(c, "layer_types", None) and set(c.layer_types) != {"full_attention"}:
+        raise DSparkInputError(f"{where}: sliding-window attention (layer_types {sorted(set(c.layer_types))}) is not supported")
+    if not gemma and getattr(c, "use_sliding_window", False):
+        raise DSparkInputError(f"{where}: sliding-window attention (use_sliding_window) is not supported")
     eos = list(c.eos_token_id) if isinstance(c.eos_token_id, (list, tuple)) else [c.eos_token_id]
     eos += list(generation_eos) if isinstance(generation_eos, (list, tuple)) else [generation_eos]
     nh = c.num_attention_heads
@@ -108,11 +127,64 @@ def hf_target_config(
         rope_theta=float(theta),
         rms_eps=float(c.rms_norm_eps),
         tie_embeddings=tie,
-        qk_norm=c.model_type == "qwen3",
+        qk_norm=c.model_type in ("qwen3", "gemma3_text"),
         bos_id=c.bos_token_id,
         eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         name=name,
+        **gemma,
     )
+
+
+def _gemma_fields(c: Any, where: str) -> dict[str, Any]:
+    """The Gemma 2 / Gemma 3 text parts of a :class:`TargetConfig` (plus ``rope_theta``: the global
+    layers' base), read from a ``Gemma2Config`` / ``Gemma3TextConfig`` as transformers applies them.
+
+    Gemma 3 ignores ``attn_logit_softcapping`` (transformers' Gemma 3 attention never passes it on),
+    so only Gemma 2 soft-caps attention scores.
+
+    Raises:
+      DSparkInputError: a part not implemented exactly: a sliding window narrower than the context
+        (``sliding_window < max_position_embeddings``), RoPE scaling, bidirectional attention, an
+        activation other than ``gelu_pytorch_tanh``.
+    """
+    act = getattr(c, "hidden_activation", None) or getattr(c, "hidden_act", None)
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise DSparkInputError(f"{where}: activation {act!r} is not supported for {c.model_type} (gelu_pytorch_tanh)")
+    if getattr(c, "use_bidirectional_attention", False):
+        raise DSparkInputError(f"{where}: bidirectional attention (use_bidirectional_attention) is not supported")
+    types = list(getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers)
+    if bad := sorted(set(types) - {"full_attention", "sliding_attention"}):
+        raise DSparkInputError(f"{where}: layer_types {bad} are not supported")
+    window = getattr(c, "sliding_window", None)
+    if "sliding_attention" in types and window is not None and window < c.max_position_embeddings:
+        raise DSparkInputError(
+            f"{where}: sliding-window attention (sliding_window={window} < max_position_embeddings="
+            f"{c.max_position_embeddings}) is not supported"
+        )
+    rp = dict(getattr(c, "rope_parameters", None) or {})
+    per_type = rp if all(isinstance(v, dict) for v in rp.values()) and rp else {t: rp for t in set(types)}
+    thetas = {}
+    for t in set(types):
+        params = dict(per_type.get(t) or {})
+        kind = params.get("rope_type", params.get("type")) or "default"
+        if kind != "default":
+            raise DSparkInputError(f"{where}: RoPE scaling {kind!r} ({t} layers) is not supported (only plain RoPE)")
+        thetas[t] = float(params.get("rope_theta") or getattr(c, "rope_theta", None) or 10000.0)
+    layer_thetas = tuple(thetas[t] for t in types)
+    theta = thetas.get("full_attention", layer_thetas[0])
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    qpas = getattr(c, "query_pre_attn_scalar", None)
+    return {
+        "rope_theta": theta,
+        "layer_rope_thetas": layer_thetas if len(set(layer_thetas)) > 1 else (),
+        "norm_offset": 1.0,
+        "embed_scale": float(np.float32(c.hidden_size**0.5)),  # transformers: a float32 tensor
+        "mlp_activation": "gelu_tanh",
+        "sandwich_norms": True,
+        "attn_logit_softcap": getattr(c, "attn_logit_softcapping", None) if c.model_type == "gemma2" else None,
+        "final_logit_softcap": getattr(c, "final_logit_softcapping", None),
+        "query_scale": None if qpas in (None, hd) else float(qpas) ** -0.5,
+    }
 
 
 def _hf_dir_config(path: Path, index: dict | None) -> TargetConfig:
@@ -171,7 +243,7 @@ def load_hf_dir(path: str | Path) -> tuple[TargetConfig, Params]:
             raise DSparkInputError(f"{path}: weight {name!r} not found in the safetensors files")
         return _read_st(index[name])
 
-    hf = HF_LAYER_TENSORS
+    hf = GEMMA_LAYER_TENSORS if cfg.sandwich_norms else HF_LAYER_TENSORS
     layers = stack_layers(
         cfg, lambda i, key: get(f"model.layers.{i}.{hf[key]}.weight"), lambda i, key: f"{path}: layer {i} {hf[key]}"
     )

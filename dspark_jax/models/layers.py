@@ -42,11 +42,35 @@ class KVCache(NamedTuple):
         return self.k.shape[2]
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm: ``x / sqrt(mean(x^2) + eps) * weight``, statistics in float32."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm: ``x / sqrt(mean(x^2) + eps) * (offset + weight)``, all in float32, cast back to
+    ``x``'s dtype. ``offset`` (static) is 1 for Gemma's ``1 + w`` norms."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+    w = weight.astype(jnp.float32)
+    return (y * (w + offset if offset else w)).astype(x.dtype)
+
+
+def apply_rope_table(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """:func:`apply_rope` with the inverse frequencies given: ``inv_freq [head_dim / 2]`` float32
+    (traced, e.g. a layer's row of a per-layer table), ``x [B, T, heads, head_dim]``,
+    ``positions [B, T]`` int32. Returns ``x`` rotated, same shape and dtype."""
+    hd = x.shape[-1]
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)  # [B, T, hd/2]
+    cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : hd // 2], xf[..., hd // 2 :]
+    return (xf * cos + jnp.concatenate([-x2, x1], -1) * sin).astype(x.dtype)
+
+
+def scale_scores(scores: jax.Array, hd: int, scale: float | None = None, softcap: float | None = None) -> jax.Array:
+    """Float32 attention scores ``q.k`` -> scaled (``scale``, default ``hd ** -0.5``) and, with
+    ``softcap`` (static), soft-capped ``softcap * tanh(s / softcap)`` (Gemma 2), before masking."""
+    scores = scores * (1.0 / jnp.sqrt(jnp.float32(hd)) if scale is None else jnp.float32(scale))
+    if softcap is not None:
+        scores = jnp.tanh(scores / jnp.float32(softcap)) * jnp.float32(softcap)
+    return scores
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -70,8 +94,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return (xf * cos + rot * sin).astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query scaled dot-product attention.
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None, softcap: float | None = None
+) -> jax.Array:
+    """Grouped-query scaled dot-product attention (``scale`` / ``softcap``: :func:`scale_scores`).
 
     Args:
       q: ``[B, T, n_heads, hd]`` queries.
@@ -86,7 +112,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     rep = nh // nkv
     qg = q.reshape(b, t, nkv, rep, hd)
     scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / jnp.sqrt(jnp.float32(hd)))
+    scores = scale_scores(scores, hd, scale, softcap)
     scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
     w = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bgrts,bsgd->btgrd", w, v, preferred_element_type=jnp.float32)
@@ -98,7 +124,15 @@ ATTN_BLOCK = 256
 
 
 def cached_attention(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, q_pos: jax.Array, *, block: int = ATTN_BLOCK
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer,
+    q_pos: jax.Array,
+    *,
+    block: int = ATTN_BLOCK,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Grouped-query attention over one layer of a static KV cache, at a cost that follows the live length.
 
@@ -117,19 +151,28 @@ def cached_attention(
       layer: int32 scalar (traced or static) layer index into the caches' axis 0.
       q_pos: ``[B, T]`` int32 last visible slot of each query; ``< 0``: sees nothing (its output is 0).
       block: static keys per block (clipped to ``S``).
+      scale / softcap: static score scale and soft-cap (:func:`scale_scores`).
     Returns:
       ``[B, T, n_heads * hd]`` in the dtype of ``q``.
     """
     b, t, nh, hd = q.shape
     nkv = k_cache.shape[3]
     qg = q.reshape(b, t, nkv, nh // nkv, hd)
-    m, l, acc = online_attention_stats(qg, k_cache, v_cache, layer, q_pos, block=block)
+    m, l, acc = online_attention_stats(qg, k_cache, v_cache, layer, q_pos, block=block, scale=scale, softcap=softcap)
     out = acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]  # [B, g, r, T, hd]
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, nh * hd).astype(q.dtype)
 
 
 def online_attention_stats(
-    qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, q_pos: jax.Array, *, block: int = ATTN_BLOCK
+    qg: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer,
+    q_pos: jax.Array,
+    *,
+    block: int = ATTN_BLOCK,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Unnormalised online-softmax statistics of grouped queries over the live blocks of a cache layer.
 
@@ -145,7 +188,6 @@ def online_attention_stats(
     b, t, nkv, rep, hd = qg.shape
     s_len = k_cache.shape[2]
     bs = min(block, s_len)
-    scale = 1.0 / jnp.sqrt(jnp.float32(hd))
     n_blocks = (jnp.clip(jnp.max(q_pos) + 1, 1, s_len) + bs - 1) // bs
     layer = jnp.asarray(layer, jnp.int32)
     zero = jnp.zeros((), jnp.int32)
@@ -160,7 +202,7 @@ def online_attention_stats(
         slots = first + jnp.arange(bs, dtype=jnp.int32)
         ok = (slots >= start)[None, None, :] & (slots[None, None, :] <= q_pos[:, :, None])  # [B, T, bs]
         ok = ok[:, None, None]  # [B, 1, 1, T, bs]
-        sc = jnp.einsum("btgrd,bsgd->bgrts", qg, kb, preferred_element_type=jnp.float32) * scale
+        sc = scale_scores(jnp.einsum("btgrd,bsgd->bgrts", qg, kb, preferred_element_type=jnp.float32), hd, scale, softcap)
         sc = jnp.where(ok, sc, _NEG_INF)
         m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
         p = jnp.where(ok, jnp.exp(sc - m_new[..., None]), 0.0)
@@ -217,6 +259,16 @@ def block_attention_cached(
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """SwiGLU MLP: ``(silu(x W_gate) * (x W_up)) W_down``; kernels ``[in, out]``."""
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, activation: str) -> jax.Array:
+    """Gated MLP ``(act(x W_gate) * (x W_up)) W_down`` with ``activation`` (static) ``silu``
+    (:func:`swiglu`) or ``gelu_tanh`` (GELU, tanh approximation: transformers' ``gelu_pytorch_tanh``)."""
+    if activation == "silu":
+        return swiglu(x, w_gate, w_up, w_down)
+    if activation == "gelu_tanh":
+        return (jax.nn.gelu(x @ w_gate, approximate=True) * (x @ w_up)) @ w_down
+    raise ValueError(f"unknown MLP activation {activation!r}")
 
 
 def cache_write(cache: jax.Array, update: jax.Array, positions: jax.Array) -> jax.Array:

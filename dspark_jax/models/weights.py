@@ -10,6 +10,7 @@ leading axis ``L``)::
      "layers": {"attn_norm": [L, H], "wq": [L, H, nH*hd], "wk": [L, H, nKV*hd],
                 "wv": [L, H, nKV*hd], "wo": [L, nH*hd, H],
                 "q_norm": [L, hd], "k_norm": [L, hd],        # only if cfg.qk_norm
+                "post_attn_norm": [L, H], "post_mlp_norm": [L, H],  # only if cfg.sandwich_norms
                 "mlp_norm": [L, H], "w_gate": [L, H, I], "w_up": [L, H, I],
                 "w_down": [L, I, H]},
      "final_norm": [H],
@@ -68,6 +69,8 @@ def target_param_shapes(cfg: TargetConfig) -> dict[str, Any]:
     }
     if cfg.qk_norm:
         layers.update(q_norm=(L, hd), k_norm=(L, hd))
+    if cfg.sandwich_norms:
+        layers.update(post_attn_norm=(L, H), post_mlp_norm=(L, H))
     shapes: dict[str, Any] = {"embed": (cfg.vocab_size, H), "layers": layers, "final_norm": (H,)}
     if not cfg.tie_embeddings:
         shapes["lm_head"] = (H, cfg.vocab_size)

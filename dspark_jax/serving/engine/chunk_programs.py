@@ -49,7 +49,7 @@ from dspark_jax.decoding.round import token_keys
 from dspark_jax.models import sharding as shd
 from dspark_jax.models.layers import KVCache, attention
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample
-from dspark_jax.models.target import packed_attn_out_and_mlp, packed_qkv
+from dspark_jax.models.target import attention_options, packed_attn_out_and_mlp, packed_qkv
 from dspark_jax.serving.engine.state import PrefixArrays
 from dspark_jax.serving.engine.step_programs import apply_bias, draft, logprobs, write_context
 
@@ -158,7 +158,8 @@ def _chunk_layer(cfg, g: _ChunkGeometry, keep_hidden: bool, carry: tuple, p: dic
     # tokens just written (its own and the earlier blocks of the same lane).
     ck = ck_all[li, g.blk_lane, : g.span]  # [T / g, span, kvh, hd]
     cv = cv_all[li, g.blk_lane, : g.span]
-    attn = attention(q.reshape(nblk, g.block, cfg.num_heads, hd), ck, cv, g.mask).reshape(k_tok, -1)
+    attn = attention(q.reshape(nblk, g.block, cfg.num_heads, hd), ck, cv, g.mask, **attention_options(cfg))
+    attn = attn.reshape(k_tok, -1)
     h = packed_attn_out_and_mlp(cfg, p, h, attn)
     return (h, ck_all, cv_all, li + 1), (h[0] if keep_hidden else None)
 
@@ -180,7 +181,7 @@ def chunk_forward(target, tok, pos, blk_lane, cache: KVCache, *, span: int, bloc
     cfg = target.cfg
     taps = tuple(int(t) for t in taps)
     geo = _geometry(pos, blk_lane, cache.length, span, block)
-    layer_params = {k: v[...] for k, v in target.layers.items()}
+    layer_params = target.scan_params()
     x = target.embed_tokens(tok).astype(target.dtype)[None]  # [1, T, H]
 
     def layer(carry, p):
