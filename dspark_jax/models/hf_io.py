@@ -1,4 +1,4 @@
-"""Hugging Face ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` safetensors directories.
+"""Hugging Face ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen3ForCausalLM`` safetensors directories.
 
 :func:`hf_config` reads ``config.json`` (via ``transformers.AutoConfig``),
 ``generation_config.json`` and the safetensors headers; :func:`load_hf_dir` reads the
@@ -81,8 +81,10 @@ def hf_target_config(
     Raises:
       DSparkInputError: an unsupported architecture, RoPE scaling, biases or activation.
     """
-    if c.model_type not in ("llama", "qwen3"):
-        raise DSparkInputError(f"{where}: model_type {c.model_type!r} is not supported (supported: llama, qwen3)")
+    if c.model_type not in ("llama", "mistral", "qwen3"):
+        raise DSparkInputError(
+            f"{where}: model_type {c.model_type!r} is not supported (supported: llama, mistral, qwen3)"
+        )
     rp = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
     rope_type = rp.get("rope_type", rp.get("type", "default"))
     if rope_type not in ("default", None):
@@ -96,6 +98,7 @@ def hf_target_config(
     eos += list(generation_eos) if isinstance(generation_eos, (list, tuple)) else [generation_eos]
     nh = c.num_attention_heads
     tie = bool(getattr(c, "tie_word_embeddings", False)) or lm_head_in_weights is False
+    layer_types, window = hf_attention_windows(c, where)
     return TargetConfig(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
@@ -112,7 +115,40 @@ def hf_target_config(
         bos_id=c.bos_token_id,
         eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         name=name,
+        layer_types=layer_types,
+        sliding_window=window,
     )
+
+
+def hf_attention_windows(c: Any, where: str) -> tuple[tuple[str, ...], int | None]:
+    """The per-layer attention kinds and the sliding window of a ``transformers`` config, as
+    :attr:`TargetConfig.layer_types` / :attr:`TargetConfig.sliding_window` (``((), None)`` when
+    every layer attends fully).
+
+    Mistral slides every layer when ``sliding_window`` is set. Qwen3's config object has already
+    resolved ``use_sliding_window`` / ``max_window_layers`` into ``layer_types`` (layers from
+    ``max_window_layers`` on slide) and cleared ``sliding_window`` unless ``use_sliding_window``.
+    Other families take ``layer_types`` as given.
+
+    Raises:
+      DSparkInputError: a ``layer_types`` value that is not implemented, a sliding layer without
+        a window, or a list of the wrong length.
+    """
+    n = c.num_hidden_layers
+    window = getattr(c, "sliding_window", None)
+    if c.model_type == "mistral":
+        types = ["sliding_attention"] * n if window is not None else []
+    else:
+        types = list(getattr(c, "layer_types", None) or [])
+    if bad := sorted(set(types) - {"full_attention", "sliding_attention"}):
+        raise DSparkInputError(f"{where}: layer_types {bad} are not supported (full_attention, sliding_attention)")
+    if "sliding_attention" not in types:
+        return (), None
+    if len(types) != n:
+        raise DSparkInputError(f"{where}: layer_types lists {len(types)} layers, the model has {n}")
+    if window is None or int(window) < 1:
+        raise DSparkInputError(f"{where}: sliding_attention layers without a sliding_window (got {window!r})")
+    return tuple(types), int(window)
 
 
 def _hf_dir_config(path: Path, index: dict | None) -> TargetConfig:
