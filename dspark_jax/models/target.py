@@ -1,10 +1,10 @@
 """The target model: a Llama-family decoder in Flax NNX with a static KV cache.
 
-Implements docs/design.md#target-model: RMSNorm, RoPE, GQA, SwiGLU, optional
-Qwen3 q/k-norm and per-layer sliding-window attention (Mistral, Qwen3 sliding layers), with per-layer weights stacked on a leading axis and the layer
-loop run by ``lax.scan`` (one compiled layer body whatever the depth). The
-forward pass can return the hidden states of chosen layers ("taps"), which the
-drafter consumes as context features (docs/design.md#context-features).
+Implements docs/design.md#target-model: RMSNorm, RoPE, GQA, SwiGLU, optional Qwen3 q/k-norm
+and per-layer sliding-window attention (Mistral, Qwen3 sliding layers), with per-layer weights
+stacked on a leading axis and the layer loop run by ``lax.scan`` (one compiled layer body
+whatever the depth). The forward pass can return the hidden states of chosen layers ("taps"),
+which the drafter consumes as context features (docs/design.md#context-features).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Sliding-window attention (Mistral, Qwen3 with sliding layers) against transformers, on tiny
 random fp32 models transformers itself writes (eager attention), at positions well past the window:
 
-* the loaders read the window (``sliding_window``, Qwen3's ``use_sliding_window`` /
-  ``max_window_layers`` / ``layer_types``); a Qwen3 config with sliding layers used to load as
-  full attention (6.6 logits off);
+* the loaders read the window (Mistral's ``sliding_window``; Qwen3's ``use_sliding_window`` /
+  ``max_window_layers`` / ``layer_types``; GGUF ``{arch}.attention.sliding_window[_pattern]``);
+  a Qwen3 config with sliding layers used to load as full attention;
 * logits within 1e-4 of transformers through the cache-less pass (prefill / training), the cached
   prefill and cached one-token decode steps;
 * the cached attention backends (xla blocked loop with a window-skipping start, the cuDNN
@@ -26,6 +26,7 @@ from dspark_jax.config import TargetConfig
 from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.attention import attend, cudnn_attention, select_backend
+from dspark_jax.models.gguf_io import gguf_config, load_gguf
 from dspark_jax.models.hf_io import load_hf_dir
 from dspark_jax.models.layers import attention, cached_attention
 from dspark_jax.models.target import Target
@@ -113,6 +114,37 @@ def test_qwen3_sliding_config_was_not_full_attention(family):
     ids = [1] + np.random.default_rng(0).integers(3, cfg.vocab_size, PROMPT - 1).tolist()
     got = np.asarray(full(jnp.asarray([ids]), jnp.arange(PROMPT, dtype=jnp.int32)[None]).logits[0])
     assert np.abs(got[WINDOW:] - _hf_logits(model, ids)[WINDOW:]).max() > 1e-2
+
+
+def test_gguf_window(family, tmp_path):
+    """A GGUF carrying ``{arch}.attention.sliding_window`` (all layers for ``llama`` without a
+    pattern, else per the pattern) gives transformers' logits; without the key it loads as full
+    attention (llama.cpp's converter writes Mistral so: the window cannot be known)."""
+    import gguf
+    from test_model_io import _write_gguf
+
+    kind, model, cfg, params = family
+    arch, pattern = ("llama", None) if kind == "mistral" else ("qwen3", [False, True, True])
+
+    def window_kv(w):
+        w.add_sliding_window(WINDOW)
+        if pattern is not None:
+            w.add_sliding_window_pattern(pattern)
+
+    _write_gguf(tmp_path / "w.gguf", arch, cfg, params, arch == "llama", window_kv)
+    got_cfg, got_params = load_gguf(tmp_path / "w.gguf")
+    assert (got_cfg.layer_types, got_cfg.sliding_window) == (cfg.layer_types, cfg.sliding_window)
+    ids = [1] + np.random.default_rng(2).integers(3, cfg.vocab_size, PROMPT - 1).tolist()
+    pos = jnp.arange(PROMPT, dtype=jnp.int32)[None]
+    got = np.asarray(Target(got_cfg, got_params)(jnp.asarray([ids]), pos).logits[0])
+    np.testing.assert_allclose(got, _hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    _write_gguf(tmp_path / "full.gguf", arch, cfg, params, arch == "llama", lambda w: None)
+    assert not gguf_config(tmp_path / "full.gguf").has_sliding_layers
+    if arch == "qwen3":  # which layers slide is not written: refused
+        _write_gguf(tmp_path / "np.gguf", arch, cfg, params, False, lambda w: w.add_sliding_window(WINDOW))
+        with pytest.raises(DSparkInputError, match="sliding_window_pattern"):
+            gguf_config(tmp_path / "np.gguf")
+    assert gguf.Keys.Attention.SLIDING_WINDOW == "{arch}.attention.sliding_window"
 
 
 def test_hf_config_errors(tmp_path):
