@@ -42,6 +42,9 @@ _GEMMA_DEFAULTS = {
     "layer_rope_thetas": (),
 }
 
+# The per-layer attention kinds a target may have (transformers' ``layer_types`` values).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
@@ -90,6 +93,12 @@ class TargetConfig:
         None: ``head_dim ** -0.5``.
       layer_rope_thetas: per-layer RoPE base, ``num_layers`` entries (Gemma 3: its local base on
         sliding layers, ``rope_theta`` on global ones), or ``()``: ``rope_theta`` everywhere.
+      layer_types: per-layer attention kind, one of :data:`LAYER_TYPES` for each of the
+        ``num_layers`` layers (transformers' ``layer_types``), or ``()``: every layer full
+        attention. A ``sliding_attention`` layer's query at position ``p`` sees the keys at
+        positions ``p - sliding_window + 1 .. p`` (transformers' ``sliding_window_overlay``).
+      sliding_window: the window W of the sliding layers in tokens (required when a layer
+        slides, else None).
     """
 
     vocab_size: int
@@ -117,6 +126,8 @@ class TargetConfig:
     final_logit_softcap: float | None = None
     query_scale: float | None = None
     layer_rope_thetas: tuple[float, ...] = ()
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
 
     def __post_init__(self):
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -130,11 +141,40 @@ class TargetConfig:
             value = getattr(self, name)
             if value is not None and not float(value) > 0:
                 raise ValueError(f"{name}={value!r} must be positive or None")
+        object.__setattr__(self, "layer_types", tuple(str(t) for t in self.layer_types))
+        self._check_windows()
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _check_windows(self) -> None:
+        """Raises ValueError for an inconsistent ``layer_types`` / ``sliding_window``."""
+        if bad := sorted(set(self.layer_types) - set(LAYER_TYPES)):
+            raise ValueError(f"layer_types value(s) {bad} are not implemented (known: {LAYER_TYPES})")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        if self.has_sliding_layers:
+            if self.sliding_window is None or int(self.sliding_window) < 1:
+                raise ValueError(f"sliding-window layers need sliding_window >= 1, got {self.sliding_window!r}")
+            if self.attention_backend == "pallas_tpu":
+                raise ValueError(
+                    "attention backend 'pallas_tpu' does not implement sliding-window attention "
+                    "(use 'auto', 'xla' or 'cudnn' for this model)"
+                )
+            object.__setattr__(self, "sliding_window", int(self.sliding_window))
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        """Whether any layer attends through a sliding window."""
+        return "sliding_attention" in self.layer_types
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's window in tokens (None: full attention), ``num_layers`` entries."""
+        if not self.layer_types:
+            return (None,) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
 
     def default_mask_token_id(self) -> int:
         """The id whose frozen embedding row fills a new drafter's mask slots.
@@ -173,6 +213,9 @@ class TargetConfig:
         for key, absent in _GEMMA_DEFAULTS.items():
             if d[key] == (list(absent) if isinstance(absent, tuple) else absent):
                 del d[key]
+        d["layer_types"] = list(self.layer_types)
+        if not self.layer_types and self.sliding_window is None:  # full attention: as before windows existed
+            del d["layer_types"], d["sliding_window"]
         return d
 
     @classmethod
@@ -183,6 +226,8 @@ class TargetConfig:
             d["eos_ids"] = tuple(d["eos_ids"])
         if "layer_rope_thetas" in d:
             d["layer_rope_thetas"] = tuple(d["layer_rope_thetas"] or ())
+        if "layer_types" in d:
+            d["layer_types"] = tuple(d["layer_types"] or ())
         return cls(**d)
 
 

@@ -9,7 +9,8 @@ Implements docs/design.md#attention-backends. :func:`attend` has the contract of
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` with per-row key/value
   lengths and a per-query mask (fp16/bf16 only: a float32 target keeps the ``xla`` path);
 * ``pallas_tpu``: JAX's Pallas ragged paged attention kernel, the contiguous cache rows viewed as
-  pages, one kernel "sequence" per query;
+  pages, one kernel "sequence" per query (full attention only: a sliding-window layer is refused
+  by name, and ``auto`` takes ``xla`` for a windowed model);
 * ``auto``: ``cudnn`` on a CUDA GPU for fp16/bf16, ``pallas_tpu`` on a TPU, else ``xla``.
 
 The backend is a static setting (:attr:`~dspark_jax.config.TargetConfig.attention_backend`),
@@ -45,7 +46,9 @@ def current_platform() -> str:
     return platform
 
 
-def select_backend(backend: str, q: Any, k_cache: Any, platform: str | None = None) -> tuple[str, str | None]:
+def select_backend(
+    backend: str, q: Any, k_cache: Any, platform: str | None = None, *, windowed: bool = False
+) -> tuple[str, str | None]:
     """The implementation that runs, and why a requested one does not.
 
     Args:
@@ -53,20 +56,25 @@ def select_backend(backend: str, q: Any, k_cache: Any, platform: str | None = No
       q: the queries ``[B, T, n_heads, hd]`` (anything with ``shape`` and ``dtype``).
       k_cache: the key cache ``[L, B', S, n_kv_heads, hd]`` (likewise).
       platform: as :func:`current_platform` (default: the current one).
+      windowed: the layer attends through a sliding window (the Pallas path has none).
     Returns:
       ``(name, reason)``: ``name`` in ``xla``/``cudnn``/``pallas_tpu``; ``reason`` is None unless a
       requested (or, for ``auto``, the platform's) backend fell back to ``xla``.
     Raises:
-      ValueError: an unknown backend name.
+      ValueError: an unknown backend name, or ``pallas_tpu`` asked for by name with ``windowed``.
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {ATTENTION_BACKENDS}")
+    if windowed and backend == "pallas_tpu":
+        raise ValueError("attention backend 'pallas_tpu' does not implement sliding-window attention")
     if backend == "xla":
         return "xla", None
     platform = platform or current_platform()
     want = backend if backend != "auto" else {"gpu": "cudnn", "tpu": "pallas_tpu"}.get(platform)
     if want is None:
         return "xla", None
+    if windowed and want == "pallas_tpu":
+        return "xla", "sliding-window attention is not implemented by the Pallas kernel path"
     reason = (cudnn_unfit if want == "cudnn" else pallas_tpu_unfit)(q, k_cache, platform)
     return (want, None) if reason is None else ("xla", reason)
 
@@ -81,6 +89,7 @@ def attend(
     backend: str = "auto",
     scale: float | None = None,
     softcap: float | None = None,
+    window: jax.Array | int | None = None,
 ):
     """Grouped-query attention over one layer of a static KV cache, by the chosen backend
     (docs/design.md#attention-backends).
@@ -95,21 +104,23 @@ def attend(
         not fit falls back to ``xla`` (:func:`select_backend`), logged once per reason.
       scale / softcap: static score scale (None: ``hd ** -0.5``) and soft-cap (None: none), as
         :func:`~dspark_jax.models.layers.scale_scores`; either one runs the ``xla`` path.
+      window: None (full attention) or the layer's sliding window W (int32 scalar, traced or
+        static): a query then sees only the slots ``q_pos - W < s <= q_pos``.
     Returns:
       ``[B, T, n_heads * hd]`` in the dtype of ``q``.
     Raises:
-      ValueError: an unknown backend name.
+      ValueError: an unknown backend name; ``pallas_tpu`` by name with a window.
     """
-    name, reason = select_backend(backend, q, k_cache)
+    name, reason = select_backend(backend, q, k_cache, windowed=window is not None)
     if name != "xla" and (scale is not None or softcap is not None):
         name, reason = "xla", "a query scale or attention soft-cap (Gemma) runs on the xla path"
     if reason is not None:
         _note_fallback(backend, reason)
     if name == "cudnn":
-        return cudnn_attention(q, k_cache, v_cache, layer, q_pos)
+        return cudnn_attention(q, k_cache, v_cache, layer, q_pos, window=window)
     if name == "pallas_tpu":
         return pallas_tpu_attention(q, k_cache, v_cache, layer, q_pos)
-    return cached_attention(q, k_cache, v_cache, layer, q_pos, scale=scale, softcap=softcap)
+    return cached_attention(q, k_cache, v_cache, layer, q_pos, window=window, scale=scale, softcap=softcap)
 
 
 def _note_fallback(backend: str, reason: str) -> None:
@@ -162,8 +173,9 @@ class CudnnArguments(NamedTuple):
     Attributes:
       k, v: ``[B, S, n_kv_heads, hd]`` the layer's first ``B`` cache rows, in the queries' dtype
         (GQA: ``dot_product_attention`` groups ``n_heads // n_kv_heads`` query heads per KV head).
-      mask: ``[B, 1, T, S]`` bool, True where query ``(b, t)`` sees slot ``s`` (``s <= q_pos[b, t]``);
-        broadcast over heads (cuDNN turns it into an additive bias).
+      mask: ``[B, 1, T, S]`` bool, True where query ``(b, t)`` sees slot ``s`` (``s <= q_pos[b, t]``,
+        and ``s > q_pos[b, t] - W`` with a window W); broadcast over heads (cuDNN turns it into an
+        additive bias).
       kv_lens: ``[B]`` int32 key/value length of each row, ``max_t q_pos[b, t] + 1`` clipped into
         ``[1, S]``: cuDNN skips the key blocks past it, so the cost follows the live length.
     """
@@ -174,7 +186,9 @@ class CudnnArguments(NamedTuple):
     kv_lens: jax.Array
 
 
-def cudnn_arguments(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, q_pos: jax.Array) -> CudnnArguments:
+def cudnn_arguments(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, q_pos: jax.Array, window=None
+) -> CudnnArguments:
     """The keys, values, mask and lengths for ``dot_product_attention`` (arguments as :func:`attend`).
 
     ``dot_product_attention``'s own ``is_causal`` is aligned top-left (query ``t`` sees key ``t``),
@@ -184,7 +198,11 @@ def cudnn_arguments(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer,
     b, s = q.shape[0], k_cache.shape[2]
     k = _layer_rows(k_cache, layer, b, q.dtype)
     v = _layer_rows(v_cache, layer, b, q.dtype)
-    mask = (jnp.arange(s, dtype=jnp.int32)[None, None, :] <= q_pos[:, :, None])[:, None]
+    slots = jnp.arange(s, dtype=jnp.int32)[None, None, :]
+    mask = slots <= q_pos[:, :, None]
+    if window is not None:
+        mask = mask & (slots > q_pos[:, :, None] - window)
+    mask = mask[:, None]
     kv_lens = jnp.clip(jnp.max(q_pos, axis=1) + 1, 1, s).astype(jnp.int32)
     return CudnnArguments(k, v, mask, kv_lens)
 
@@ -197,6 +215,7 @@ def cudnn_attention(
     q_pos: jax.Array,
     *,
     implementation: Literal["xla", "cudnn"] | None = "cudnn",
+    window: jax.Array | int | None = None,
 ) -> jax.Array:
     """:func:`attend` by ``jax.nn.dot_product_attention`` (arguments and result as :func:`attend`).
 
@@ -205,7 +224,7 @@ def cudnn_attention(
     ``q_pos < 0`` (which ``dot_product_attention`` would average over masked keys) gives exactly 0.
     """
     b, t, nh, hd = q.shape
-    a = cudnn_arguments(q, k_cache, v_cache, layer, q_pos)
+    a = cudnn_arguments(q, k_cache, v_cache, layer, q_pos, window)
     out = jax.nn.dot_product_attention(
         q, a.k, a.v, mask=a.mask, key_value_seq_lengths=a.kv_lens, implementation=implementation
     )

@@ -1,5 +1,5 @@
-"""Hugging Face ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` / ``Gemma2ForCausalLM`` /
-``Gemma3ForCausalLM`` (``gemma3_text``) safetensors directories.
+"""Hugging Face ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen3ForCausalLM`` /
+``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM`` (``gemma3_text``) safetensors directories.
 
 :func:`hf_config` reads ``config.json`` (via ``transformers.AutoConfig``),
 ``generation_config.json`` and the safetensors headers; :func:`load_hf_dir` reads the
@@ -43,7 +43,7 @@ GEMMA_LAYER_TENSORS = {
     "mlp_norm": "pre_feedforward_layernorm",
     "post_mlp_norm": "post_feedforward_layernorm",
 }
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen3", "gemma2", "gemma3_text")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 
 
@@ -107,14 +107,11 @@ def hf_target_config(
         raise DSparkInputError(f"{where}: attention/MLP biases are not supported")
     if not gemma and getattr(c, "hidden_act", "silu") != "silu":
         raise DSparkInputError(f"{where}: activation {c.hidden_act!r} is not supported (only silu)")
-    if not gemma and getattr(c, "layer_types", None) and set(c.layer_types) != {"full_attention"}:
-        raise DSparkInputError(f"{where}: sliding-window attention (layer_types {sorted(set(c.layer_types))}) is not supported")
-    if not gemma and getattr(c, "use_sliding_window", False):
-        raise DSparkInputError(f"{where}: sliding-window attention (use_sliding_window) is not supported")
     eos = list(c.eos_token_id) if isinstance(c.eos_token_id, (list, tuple)) else [c.eos_token_id]
     eos += list(generation_eos) if isinstance(generation_eos, (list, tuple)) else [generation_eos]
     nh = c.num_attention_heads
     tie = bool(getattr(c, "tie_word_embeddings", False)) or lm_head_in_weights is False
+    layer_types, window = hf_attention_windows(c, where)
     return TargetConfig(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
@@ -131,6 +128,8 @@ def hf_target_config(
         bos_id=c.bos_token_id,
         eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         name=name,
+        layer_types=layer_types,
+        sliding_window=window,
         **gemma,
     )
 
@@ -143,8 +142,7 @@ def _gemma_fields(c: Any, where: str) -> dict[str, Any]:
     so only Gemma 2 soft-caps attention scores.
 
     Raises:
-      DSparkInputError: a part not implemented exactly: a sliding window narrower than the context
-        (``sliding_window < max_position_embeddings``), RoPE scaling, bidirectional attention, an
+      DSparkInputError: a part not implemented exactly: RoPE scaling, bidirectional attention, an
         activation other than ``gelu_pytorch_tanh``.
     """
     act = getattr(c, "hidden_activation", None) or getattr(c, "hidden_act", None)
@@ -155,12 +153,6 @@ def _gemma_fields(c: Any, where: str) -> dict[str, Any]:
     types = list(getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers)
     if bad := sorted(set(types) - {"full_attention", "sliding_attention"}):
         raise DSparkInputError(f"{where}: layer_types {bad} are not supported")
-    window = getattr(c, "sliding_window", None)
-    if "sliding_attention" in types and window is not None and window < c.max_position_embeddings:
-        raise DSparkInputError(
-            f"{where}: sliding-window attention (sliding_window={window} < max_position_embeddings="
-            f"{c.max_position_embeddings}) is not supported"
-        )
     rp = dict(getattr(c, "rope_parameters", None) or {})
     per_type = rp if all(isinstance(v, dict) for v in rp.values()) and rp else {t: rp for t in set(types)}
     thetas = {}
@@ -185,6 +177,37 @@ def _gemma_fields(c: Any, where: str) -> dict[str, Any]:
         "final_logit_softcap": getattr(c, "final_logit_softcapping", None),
         "query_scale": None if qpas in (None, hd) else float(qpas) ** -0.5,
     }
+
+
+def hf_attention_windows(c: Any, where: str) -> tuple[tuple[str, ...], int | None]:
+    """The per-layer attention kinds and the sliding window of a ``transformers`` config, as
+    :attr:`TargetConfig.layer_types` / :attr:`TargetConfig.sliding_window` (``((), None)`` when
+    every layer attends fully).
+
+    Mistral slides every layer when ``sliding_window`` is set. Qwen3's config object has already
+    resolved ``use_sliding_window`` / ``max_window_layers`` into ``layer_types`` (layers from
+    ``max_window_layers`` on slide) and cleared ``sliding_window`` unless ``use_sliding_window``.
+    Other families take ``layer_types`` as given.
+
+    Raises:
+      DSparkInputError: a ``layer_types`` value that is not implemented, a sliding layer without
+        a window, or a list of the wrong length.
+    """
+    n = c.num_hidden_layers
+    window = getattr(c, "sliding_window", None)
+    if c.model_type == "mistral":
+        types = ["sliding_attention"] * n if window is not None else []
+    else:
+        types = list(getattr(c, "layer_types", None) or [])
+    if bad := sorted(set(types) - {"full_attention", "sliding_attention"}):
+        raise DSparkInputError(f"{where}: layer_types {bad} are not supported (full_attention, sliding_attention)")
+    if "sliding_attention" not in types:
+        return (), None
+    if len(types) != n:
+        raise DSparkInputError(f"{where}: layer_types lists {len(types)} layers, the model has {n}")
+    if window is None or int(window) < 1:
+        raise DSparkInputError(f"{where}: sliding_attention layers without a sliding_window (got {window!r})")
+    return tuple(types), int(window)
 
 
 def _hf_dir_config(path: Path, index: dict | None) -> TargetConfig:

@@ -133,14 +133,16 @@ def cached_attention(
     block: int = ATTN_BLOCK,
     scale: float | None = None,
     softcap: float | None = None,
+    window: jax.Array | int | None = None,
 ) -> jax.Array:
     """Grouped-query attention over one layer of a static KV cache, at a cost that follows the live length.
 
     Query ``(b, t)`` attends to cache slots ``s <= q_pos[b, t]`` of row ``b``. The slots are read in
     blocks of ``block`` aligned to absolute positions, by a ``lax.fori_loop`` whose trip count is
     ``ceil((max(q_pos) + 1) / block)`` (a traced value): blocks past the longest row are never read,
-    so the cost does not depend on how many slots the cache was allocated with. A cache of at most
-    one block is read in one pass, without the loop. The softmax is
+    so the cost does not depend on how many slots the cache was allocated with. With a sliding
+    ``window`` the loop also starts at the first block any query sees, so the cost follows the
+    window rather than the context. A cache of at most one block is read in one pass, without the loop. The softmax is
     accumulated online in float32; a block entirely masked for a row adds exact zeros to it, so a
     row's output does not depend on its batch-mates' lengths nor on the cache length.
 
@@ -152,13 +154,18 @@ def cached_attention(
       q_pos: ``[B, T]`` int32 last visible slot of each query; ``< 0``: sees nothing (its output is 0).
       block: static keys per block (clipped to ``S``).
       scale / softcap: static score scale and soft-cap (:func:`scale_scores`).
+      window: None (full causal attention) or an int32 scalar (traced or static) W >= 1: query
+        ``(b, t)`` then sees only the slots ``q_pos[b, t] - W < s <= q_pos[b, t]`` (a sliding window
+        of W tokens, its own included, as transformers' ``sliding_window_overlay``).
     Returns:
       ``[B, T, n_heads * hd]`` in the dtype of ``q``.
     """
     b, t, nh, hd = q.shape
     nkv = k_cache.shape[3]
     qg = q.reshape(b, t, nkv, nh // nkv, hd)
-    m, l, acc = online_attention_stats(qg, k_cache, v_cache, layer, q_pos, block=block, scale=scale, softcap=softcap)
+    m, l, acc = online_attention_stats(
+        qg, k_cache, v_cache, layer, q_pos, block=block, window=window, scale=scale, softcap=softcap
+    )
     out = acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]  # [B, g, r, T, hd]
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, nh * hd).astype(q.dtype)
 
@@ -173,11 +180,12 @@ def online_attention_stats(
     block: int = ATTN_BLOCK,
     scale: float | None = None,
     softcap: float | None = None,
+    window: jax.Array | int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Unnormalised online-softmax statistics of grouped queries over the live blocks of a cache layer.
 
     The loop of :func:`cached_attention` (which documents ``k_cache``, ``v_cache``, ``layer``,
-    ``q_pos`` and ``block``), without the final normalisation, so that a caller can merge more keys.
+    ``q_pos``, ``block`` and ``window``), without the final normalisation, so that a caller can merge more keys.
 
     Args:
       qg: ``[B, T, g, r, hd]`` queries grouped by KV head.
@@ -201,6 +209,8 @@ def online_attention_stats(
         vb = jax.lax.dynamic_slice(v_cache, idx, (1, b, bs, nkv, hd))[0].astype(qg.dtype)
         slots = first + jnp.arange(bs, dtype=jnp.int32)
         ok = (slots >= start)[None, None, :] & (slots[None, None, :] <= q_pos[:, :, None])  # [B, T, bs]
+        if window is not None:
+            ok = ok & (slots[None, None, :] > q_pos[:, :, None] - window)
         ok = ok[:, None, None]  # [B, 1, 1, T, bs]
         sc = scale_scores(jnp.einsum("btgrd,bsgd->bgrts", qg, kb, preferred_element_type=jnp.float32), hd, scale, softcap)
         sc = jnp.where(ok, sc, _NEG_INF)
@@ -215,7 +225,11 @@ def online_attention_stats(
     init = (m0, jnp.zeros_like(m0), jnp.zeros((b, nkv, rep, t, hd), jnp.float32))
     if s_len <= bs:  # one block: no loop (an XLA while costs ~1 ms a layer on CPU)
         return body(jnp.int32(0), init)
-    return jax.lax.fori_loop(0, n_blocks, body, init)
+    if window is None:
+        return jax.lax.fori_loop(0, n_blocks, body, init)
+    # The blocks before the earliest slot any query's window reaches hold nothing visible.
+    lo = jnp.min(jnp.where(q_pos >= 0, q_pos - window + 1, s_len))
+    return jax.lax.fori_loop(jnp.clip(lo, 0, s_len) // bs, n_blocks, body, init)
 
 
 def block_attention_cached(

@@ -1,13 +1,13 @@
 """The target model: a Llama-family decoder in Flax NNX with a static KV cache.
 
-Implements docs/design.md#target-model: RMSNorm, RoPE, GQA, SwiGLU and optional
-Qwen3 q/k-norm, with per-layer weights stacked on a leading axis and the layer
-loop run by ``lax.scan`` (one compiled layer body whatever the depth). The Gemma 2/3
-differences are data in :class:`~dspark_jax.config.TargetConfig`: ``1 + w`` norms, the
-scaled embedding, the GELU-tanh MLP, sandwich norms, soft-caps, the query scale and a
-per-layer RoPE base (a scan input beside the stacked weights). The
-forward pass can return the hidden states of chosen layers ("taps"), which the
-drafter consumes as context features (docs/design.md#context-features).
+Implements docs/design.md#target-model: RMSNorm, RoPE, GQA, SwiGLU, optional Qwen3 q/k-norm
+and per-layer sliding-window attention (Mistral, Qwen3 sliding layers, Gemma), with per-layer
+weights stacked on a leading axis and the layer loop run by ``lax.scan`` (one compiled layer body
+whatever the depth). The Gemma 2/3 differences are data in :class:`~dspark_jax.config.TargetConfig`:
+``1 + w`` norms, the scaled embedding, the GELU-tanh MLP, sandwich norms, soft-caps, the query
+scale and a per-layer RoPE base (a scan input beside the stacked weights). The forward pass can
+return the hidden states of chosen layers ("taps"), which the drafter consumes as context
+features (docs/design.md#context-features).
 """
 
 from __future__ import annotations
@@ -44,6 +44,25 @@ class TargetOutput(NamedTuple):
     logits: jax.Array
     features: jax.Array | None
     cache: KVCache | None
+
+
+FULL_WINDOW = 1 << 30
+"""A full-attention layer's entry in the per-layer window table of a model with sliding layers
+(wider than any cache, small enough that ``position - FULL_WINDOW`` stays in int32)."""
+
+
+def layer_window_table(cfg: TargetConfig) -> jax.Array | None:
+    """``[L]`` int32 window of every layer (:data:`FULL_WINDOW` for a full-attention layer), or
+    None when no layer slides (the programs of such a model carry no window at all)."""
+    if not cfg.has_sliding_layers:
+        return None
+    return jnp.asarray([FULL_WINDOW if w is None else w for w in cfg.layer_windows()], jnp.int32)
+
+
+def layer_window(cfg: TargetConfig, li: jax.Array) -> jax.Array | None:
+    """The sliding window of layer ``li`` (int32 scalar, traced), None when no layer slides."""
+    table = layer_window_table(cfg)
+    return None if table is None else table[li]
 
 
 # Up to this many positions, a tied LM head on the CPU runs as a row reduction (tied_head_row_reduce).
@@ -205,8 +224,9 @@ class Target(nnx.Module):
           positions: ``[B, T]`` int32 absolute positions (RoPE and cache slots).
           cache: KV cache ``[L, B, S, kvh, hd]``; the block's keys/values are
             written at ``positions`` and each query attends to every cache slot
-            at a position <= its own. Without a cache attention is causal within
-            the block (training and full-sequence scoring).
+            at a position <= its own (on a sliding layer, within its window:
+            ``> position - sliding_window``). Without a cache attention is causal
+            within the block (training and full-sequence scoring), likewise windowed.
           taps: 0-based layer indices whose outputs are returned as features
             (tap ``i`` equals transformers' ``hidden_states[i + 1]`` for
             ``i < L - 1``).
@@ -226,13 +246,16 @@ class Target(nnx.Module):
         if cache is None:
             causal = positions[:, None, :] <= positions[:, :, None]
             mask = causal if attn_mask is None else causal & attn_mask
+            windows = layer_window_table(cfg)
 
-            def layer(h, p):
+            def layer(h, xs):
+                p, w = (xs, None) if windows is None else xs
+                m = mask if w is None else mask & (positions[:, None, :] > positions[:, :, None] - w)
                 q, k, v = _qkv(cfg, p, h, positions)
-                h = _attn_out_and_mlp(cfg, p, h, attention(q, k, v, mask, **attention_options(cfg)))
+                h = _attn_out_and_mlp(cfg, p, h, attention(q, k, v, m, **attention_options(cfg)))
                 return h, (h if taps else None)
 
-            x, hidden = jax.lax.scan(layer, x, layer_params)
+            x, hidden = jax.lax.scan(layer, x, layer_params if windows is None else (layer_params, windows))
             new_cache = None
         else:
             # The cache rides in the scan carry and is written in place at the block's positions;
@@ -246,7 +269,10 @@ class Target(nnx.Module):
                 q, k, v = _qkv(cfg, p, h, positions)
                 ck = ck.at[li, b_idx, wpos].set(k.astype(ck.dtype), mode="drop")
                 cv = cv.at[li, b_idx, wpos].set(v.astype(cv.dtype), mode="drop")
-                a = attend(q, ck, cv, li, positions, backend=cfg.attention_backend, **attention_options(cfg))
+                a = attend(
+                    q, ck, cv, li, positions, backend=cfg.attention_backend, window=layer_window(cfg, li),
+                    **attention_options(cfg),
+                )
                 h = _attn_out_and_mlp(cfg, p, h, a)
                 return (h, ck, cv, li + 1), (h if taps else None)
 
@@ -459,7 +485,8 @@ def _packed_layer(
     h, ck_all, cv_all, li = carry
     q, ck_all, cv_all = packed_qkv(cfg, p, h, g.rope_pos, g.qrow, g.wpos, ck_all, cv_all, li)
     qg = jnp.zeros((g.num_rows, g.width) + q.shape[1:], q.dtype).at[g.qrow, g.cols].set(q, mode="drop")
-    attn = attend(qg, ck_all, cv_all, li, g.qpos, backend=cfg.attention_backend, **attention_options(cfg))
+    window = layer_window(cfg, li)
+    attn = attend(qg, ck_all, cv_all, li, g.qpos, backend=cfg.attention_backend, window=window, **attention_options(cfg))
     attn = attn[g.grow, g.gcol]  # [K, nh*hd]
     h = packed_attn_out_and_mlp(cfg, p, h, attn)
     return (h, ck_all, cv_all, li + 1), (h[0] if keep_hidden else None)
