@@ -39,16 +39,59 @@ _GEMMA_DEFAULTS = {
     "attn_logit_softcap": None,
     "final_logit_softcap": None,
     "query_scale": None,
-    "layer_rope_thetas": (),
+    "sliding_rope_theta": None,
 }
 
 # The per-layer attention kinds a target may have (transformers' ``layer_types`` values).
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# RoPE frequency scalings implemented exactly (dspark_jax.models.rope); "freq_factors" is llama.cpp's
+# per-frequency divisors (a GGUF file's rope_freqs.weight tensor).
+ROPE_TYPES = ("default", "linear", "yarn", "llama3", "freq_factors")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling of a target, as transformers' ``rope_parameters`` define it.
+
+    The inverse-frequency table it gives (:func:`dspark_jax.models.rope.rope_table`) is a constant
+    computed once per config, so scaling costs nothing in the decode loop.
+
+    Attributes:
+      rope_type: one of :data:`ROPE_TYPES`: ``linear`` (every frequency divided by ``factor``),
+        ``yarn`` (YaRN's ramp between interpolated and original frequencies, plus
+        ``attention_factor`` on cos/sin), ``llama3`` (Llama 3.1's smoothed low-frequency
+        division), ``freq_factors`` (each frequency divided by its entry of ``freq_factors``).
+      factor: the context-extension factor (linear, yarn, llama3).
+      original_max_position: the pretraining context length [tokens] (yarn, llama3).
+      low_freq_factor / high_freq_factor: llama3's wavelength bounds.
+      beta_fast / beta_slow: yarn's ramp bounds [rotations].
+      attention_factor: yarn's multiplier of cos and sin (resolved at load, transformers' rule).
+      truncate: yarn rounds its ramp bounds to whole dimensions.
+      freq_factors: ``head_dim / 2`` divisors (rope_type ``freq_factors``).
+    """
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position: int = 0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+    freq_factors: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type={self.rope_type!r} is not one of {ROPE_TYPES}")
+        object.__setattr__(self, "freq_factors", tuple(float(f) for f in self.freq_factors))
+        if (self.rope_type == "freq_factors") != bool(self.freq_factors):
+            raise ValueError("freq_factors are given exactly when rope_type is 'freq_factors'")
 
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    """Architecture of a decoder-only target (Llama 2/3, SmolLM2, Qwen3, Gemma 2/3).
+    """Architecture of a decoder-only target (Llama 2/3.x, SmolLM2, Qwen2/2.5, Qwen3, Mistral, Gemma 2/3).
 
     Weights follow the Hugging Face convention: RoPE rotates the two *halves* of
     each head (``rotate_half``). Loaders of formats that rotate adjacent pairs
@@ -65,9 +108,11 @@ class TargetConfig:
       head_dim: width of one head.
       max_position: context length in tokens the model was trained for.
       rope_theta: RoPE base frequency.
+      rope_scaling: RoPE frequency scaling (:class:`RopeScaling`), or None for plain RoPE.
       rms_eps: RMSNorm epsilon.
       tie_embeddings: LM head is the transposed token embedding.
       qk_norm: Qwen3-style RMSNorm on each query/key head before RoPE.
+      qkv_bias: biases on the query, key and value projections (Qwen2 / Qwen2.5).
       mask_token_id: the token id whose frozen embedding row fills a new drafter's mask slots
         (:meth:`DrafterConfig.for_target`), or None for the rule there. Set by the loaders
         that know a better choice than the rule (a token the model never reads as input).
@@ -91,8 +136,9 @@ class TargetConfig:
       final_logit_softcap: the logits become ``c * tanh(logits / c)`` (Gemma 2/3), or None.
       query_scale: the attention score scale (Gemma's ``query_pre_attn_scalar ** -0.5``);
         None: ``head_dim ** -0.5``.
-      layer_rope_thetas: per-layer RoPE base, ``num_layers`` entries (Gemma 3: its local base on
-        sliding layers, ``rope_theta`` on global ones), or ``()``: ``rope_theta`` everywhere.
+      sliding_rope_theta: the RoPE base of the ``sliding_attention`` layers, which rotate without
+        scaling (Gemma 3's local base; the full-attention layers keep ``rope_theta`` and
+        ``rope_scaling``), or None: every layer rotates alike.
       layer_types: per-layer attention kind, one of :data:`LAYER_TYPES` for each of the
         ``num_layers`` layers (transformers' ``layer_types``), or ``()``: every layer full
         attention. A ``sliding_attention`` layer's query at position ``p`` sees the keys at
@@ -110,9 +156,11 @@ class TargetConfig:
     head_dim: int
     max_position: int
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
     rms_eps: float = 1e-5
     tie_embeddings: bool = True
     qk_norm: bool = False
+    qkv_bias: bool = False
     mask_token_id: int | None = None
     bos_id: int | None = 1
     eos_ids: tuple[int, ...] = (2,)
@@ -125,7 +173,7 @@ class TargetConfig:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     query_scale: float | None = None
-    layer_rope_thetas: tuple[float, ...] = ()
+    sliding_rope_theta: float | None = None
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
 
@@ -134,10 +182,7 @@ class TargetConfig:
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of {ATTENTION_BACKENDS}")
         if self.mlp_activation not in MLP_ACTIVATIONS:
             raise ValueError(f"mlp_activation={self.mlp_activation!r} is not one of {MLP_ACTIVATIONS}")
-        object.__setattr__(self, "layer_rope_thetas", tuple(float(t) for t in self.layer_rope_thetas))
-        if self.layer_rope_thetas and len(self.layer_rope_thetas) != self.num_layers:
-            raise ValueError(f"layer_rope_thetas has {len(self.layer_rope_thetas)} entries for {self.num_layers} layers")
-        for name in ("attn_logit_softcap", "final_logit_softcap", "query_scale"):
+        for name in ("attn_logit_softcap", "final_logit_softcap", "query_scale", "sliding_rope_theta"):
             value = getattr(self, name)
             if value is not None and not float(value) > 0:
                 raise ValueError(f"{name}={value!r} must be positive or None")
@@ -148,6 +193,11 @@ class TargetConfig:
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if isinstance(self.rope_scaling, dict):  # from_dict / JSON
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        rs = self.rope_scaling
+        if rs is not None and rs.freq_factors and len(rs.freq_factors) != self.head_dim // 2:
+            raise ValueError(f"{len(rs.freq_factors)} RoPE freq_factors for head_dim {self.head_dim}")
 
     def _check_windows(self) -> None:
         """Raises ValueError for an inconsistent ``layer_types`` / ``sliding_window``."""
@@ -203,15 +253,14 @@ class TargetConfig:
 
     @property
     def per_layer_rope(self) -> bool:
-        """Whether the RoPE base differs between layers (a per-layer scan input)."""
-        return len(set(self.layer_rope_thetas)) > 1
+        """Whether the sliding layers rotate differently from the full ones (a per-layer scan input)."""
+        return self.sliding_rope_theta is not None and self.has_sliding_layers
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_ids"] = list(self.eos_ids)
-        d["layer_rope_thetas"] = list(self.layer_rope_thetas)
         for key, absent in _GEMMA_DEFAULTS.items():
-            if d[key] == (list(absent) if isinstance(absent, tuple) else absent):
+            if d[key] == absent:
                 del d[key]
         d["layer_types"] = list(self.layer_types)
         if not self.layer_types and self.sliding_window is None:  # full attention: as before windows existed
@@ -224,8 +273,6 @@ class TargetConfig:
         d = {k: v for k, v in d.items() if k in names}
         if "eos_ids" in d:
             d["eos_ids"] = tuple(d["eos_ids"])
-        if "layer_rope_thetas" in d:
-            d["layer_rope_thetas"] = tuple(d["layer_rope_thetas"] or ())
         if "layer_types" in d:
             d["layer_types"] = tuple(d["layer_types"] or ())
         return cls(**d)

@@ -1,8 +1,11 @@
-"""llama.cpp GGUF checkpoints (architectures ``llama`` and ``qwen3``).
+"""llama.cpp GGUF checkpoints (architectures ``llama``, ``qwen2`` and ``qwen3``).
 
 :func:`gguf_config` reads only the metadata; :func:`load_gguf` dequantizes every tensor to
 float32 in the canonical layout of :mod:`dspark_jax.models.weights`. Uses the ``gguf``
 package (memory-mapped reader), imported when a file is opened.
+
+Exact or refused: an ``{arch}.*`` metadata key outside :data:`GGUF_ARCH_KEYS` (a sliding window, a
+soft-cap, experts, ...) and a tensor the loader does not read are refused by name.
 """
 
 from __future__ import annotations
@@ -14,9 +17,25 @@ import numpy as np
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.models.rope import gguf_rope_scaling
 from dspark_jax.models.weights import Params, adjacent_to_half, canonical_params, owned_f32, stack_layers
 
-_GGUF_ARCHS = ("llama", "qwen3")  # qwen3: HF-style half RoPE (no permutation) + q/k norms
+# llama: adjacent-pair RoPE rows (permuted at load); qwen2 / qwen3: HF-style half RoPE (no permutation),
+# qwen2 with q/k/v biases, qwen3 with q/k norms.
+_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+# The ``{arch}.`` metadata keys this loader understands (read, checked, or without effect on the math).
+# Any other ``{arch}.`` key may change the math and is refused (general.*, tokenizer.*, quantize.*
+# and split.* keys describe the file, not the model's math).
+GGUF_ARCH_KEYS = frozenset(
+    {"block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
+     "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
+     "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count",
+     "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
+     "rope.scaling.finetuned", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+     "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.attn_factor",
+     "rope.scaling.yarn_log_multiplier"}
+)  # fmt: skip
+ROPE_FREQS = "rope_freqs.weight"
 _GGUF_NAMES = {
     "attn_norm": "attn_norm",
     "wq": "attn_q",
@@ -30,6 +49,21 @@ _GGUF_NAMES = {
     "q_norm": "attn_q_norm",
     "k_norm": "attn_k_norm",
 }
+_GGUF_BIASES = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v"}  # qwen2: blk.{i}.attn_q.bias ...
+
+
+def _tensor_name(i: int, key: str) -> str:
+    return f"blk.{i}.{_GGUF_BIASES[key]}.bias" if key in _GGUF_BIASES else f"blk.{i}.{_GGUF_NAMES[key]}.weight"
+
+
+def _refuse_unknown_keys(reader: Any, arch: str, fname: Path) -> None:
+    """Refuses an ``{arch}.`` metadata key outside :data:`GGUF_ARCH_KEYS` (it may change the math)."""
+    prefix = f"{arch}."
+    for key in reader.fields:
+        if key.startswith(prefix) and key[len(prefix) :] not in GGUF_ARCH_KEYS:
+            raise DSparkInputError(
+                f"GGUF file {fname.name}: metadata {key} is not supported (a feature this loader does not implement)"
+            )
 
 
 def _f32(x: float) -> float:
@@ -88,9 +122,18 @@ def gguf_config(path: Any) -> TargetConfig:
     arch = meta("general.architecture", required=True)
     if arch not in _GGUF_ARCHS:
         raise DSparkInputError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(_GGUF_ARCHS)})")
+    _refuse_unknown_keys(reader, arch, fname)
     tensors = {t.name: t for t in reader.tensors}
     H = int(meta(f"{arch}.embedding_length", required=True))
     nh = int(meta(f"{arch}.attention.head_count", required=True))
+    hd = int(meta(f"{arch}.attention.key_length", H // nh))
+    for key in ("attention.value_length", "rope.dimension_count"):  # partial rotary, a distinct value width
+        v = meta(f"{arch}.{key}")
+        if v is not None and int(v) != hd:
+            raise DSparkInputError(f"GGUF file {fname.name}: {arch}.{key}={v} differs from the head size {hd}")
+    freqs = tensors.get(ROPE_FREQS)
+    freq_factors = None if freqs is None else np.asarray(freqs.data, np.float32)
+    scaling = gguf_rope_scaling(meta, arch, freq_factors, where=f"GGUF file {fname.name}")
     nkv = int(meta(f"{arch}.attention.head_count_kv", nh))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = len(tokens.data) if tokens is not None else int(tensors["token_embd.weight"].shape[-1])
@@ -105,12 +148,14 @@ def gguf_config(path: Any) -> TargetConfig:
         num_layers=n_layers,
         num_heads=nh,
         num_kv_heads=nkv,
-        head_dim=int(meta(f"{arch}.attention.key_length", H // nh)),
+        head_dim=hd,
         max_position=int(meta(f"{arch}.context_length", 2048)),
         rope_theta=_f32(meta(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
         rms_eps=_f32(meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in tensors,
         qk_norm=arch == "qwen3",
+        qkv_bias=arch == "qwen2",
         bos_id=None if bos is None else int(bos),
         eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         name=fname.stem,
@@ -156,7 +201,7 @@ def gguf_attention_windows(meta: Any, arch: str, n_layers: int, fname: str) -> t
 
 
 def load_gguf(path: Any) -> tuple[TargetConfig, Params]:
-    """Loads a llama.cpp GGUF checkpoint (architectures ``llama`` and ``qwen3``).
+    """Loads a llama.cpp GGUF checkpoint (architectures ``llama``, ``qwen2`` and ``qwen3``).
 
     Hyperparameters come from ``{arch}.*`` metadata (``block_count``,
     ``embedding_length``, ``feed_forward_length``, ``attention.head_count[_kv]``,
@@ -166,14 +211,17 @@ def load_gguf(path: Any) -> tuple[TargetConfig, Params]:
     type supported by ``gguf.quants.dequantize`` (F32/F16/Q8_0/Q4_1/...) become
     float32; a GGUF shape ``[in, out]`` is a numpy ``[out, in]`` matrix,
     transposed here to ``[in, out]``. ``llama`` q/k rows are permuted from
-    adjacent-pair to half RoPE. No ``output.weight`` means tied embeddings.
+    adjacent-pair to half RoPE. No ``output.weight`` means tied embeddings. RoPE scaling from
+    ``rope_freqs.weight`` and ``{arch}.rope.scaling.*`` (:func:`~dspark_jax.models.rope.gguf_rope_scaling`);
+    ``qwen2`` q/k/v biases from ``blk.{i}.attn_{q,k,v}.bias``.
 
     Args:
       path: a ``.gguf`` path or an open ``gguf.GGUFReader`` (reading the header
         of a large-vocabulary file takes seconds, so callers may share it).
 
     Raises:
-      DSparkInputError: unreadable file, unsupported architecture, missing tensors.
+      DSparkInputError: unreadable file, unsupported architecture or metadata, missing tensors,
+        a tensor the model would not read.
     """
     import gguf
 
@@ -184,20 +232,28 @@ def load_gguf(path: Any) -> tuple[TargetConfig, Params]:
     nh, nkv = cfg.num_heads, cfg.num_kv_heads
     tensors = {t.name: t for t in reader.tensors}
 
+    read = {ROPE_FREQS}  # read by gguf_config
+
     def get(name: str) -> np.ndarray:
         t = tensors.get(name)
         if t is None:
             raise DSparkInputError(f"GGUF file {fname.name} lacks tensor {name!r}")
+        read.add(name)
         # A plain-ndarray view avoids numpy.memmap's per-slice overhead (3x faster).
         return owned_f32(gguf.quants.dequantize(t.data.view(np.ndarray), t.tensor_type))
 
     permute = {"wq": nh, "wk": nkv} if arch == "llama" else {}
 
     def fetch(i: int, key: str) -> np.ndarray:
-        m = get(f"blk.{i}.{_GGUF_NAMES[key]}.weight")
+        m = get(_tensor_name(i, key))
         return adjacent_to_half(m, permute[key]) if key in permute and m.ndim == 2 else m
 
-    layers = stack_layers(cfg, fetch, lambda i, key: f"GGUF tensor blk.{i}.{_GGUF_NAMES[key]}")
-    return cfg, canonical_params(
+    layers = stack_layers(cfg, fetch, lambda i, key: f"GGUF tensor {_tensor_name(i, key)}")
+    params = canonical_params(
         cfg, layers, get("token_embd.weight"), get("output_norm.weight"), lambda: get("output.weight")
     )
+    unread = sorted(set(tensors) - read)
+    if unread:
+        more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+        raise DSparkInputError(f"GGUF file {fname.name}: tensor {unread[0]!r}{more} is not read by this loader")
+    return cfg, params

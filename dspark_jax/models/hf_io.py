@@ -1,5 +1,6 @@
-"""Hugging Face ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen3ForCausalLM`` /
-``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM`` (``gemma3_text``) safetensors directories.
+"""Hugging Face ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` /
+``Qwen3ForCausalLM`` / ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM`` (``gemma3_text``)
+safetensors directories.
 
 :func:`hf_config` reads ``config.json`` (via ``transformers.AutoConfig``),
 ``generation_config.json`` and the safetensors headers; :func:`load_hf_dir` reads the
@@ -11,6 +12,7 @@ build their configs from ``transformers`` config objects.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ import numpy as np
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.models.rope import hf_rope_scaling
 from dspark_jax.models.weights import Params, canonical_params, owned_f32, stack_layers
 
 _ST_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "F64": "<f8"}
@@ -43,8 +46,11 @@ GEMMA_LAYER_TENSORS = {
     "mlp_norm": "pre_feedforward_layernorm",
     "post_mlp_norm": "post_feedforward_layernorm",
 }
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen3", "gemma2", "gemma3_text")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+# Qwen2's q/k/v biases: this project's name -> the Hugging Face tensor under ``layers.{i}.``.
+HF_BIAS_TENSORS = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
+# Tensors a checkpoint may hold that the model does not use (transformers ignores them too).
+_HF_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def _safetensors_index(files: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ...], int, int]]:
@@ -74,39 +80,82 @@ def _read_st(entry: tuple[Path, str, tuple[int, ...], int, int]) -> np.ndarray:
     return owned_f32(a).reshape(shape)
 
 
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+# Config keys of the Gemma families that _gemma_fields reads (the general refusal rule skips them).
+GEMMA_CONFIG_KEYS = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "hidden_activation")
+
+
+# The config keys that change the model's math beyond what TargetConfig expresses, each with the
+# values this package implements exactly: (key, feature, accepted(value)). A key absent from a
+# config is not checked; anything else is refused by _refuse_unimplemented, naming the feature.
+# (rope_parameters / rope_scaling are read, and refused where unimplemented, by models.rope.)
+HF_MATH_KEYS: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
+    ("attn_logit_softcapping", "attention logit soft-capping", lambda v: v is None),
+    ("final_logit_softcapping", "final logit soft-capping", lambda v: v is None),
+    ("query_pre_attn_scalar", "a query pre-attention scalar", lambda v: v is None),
+    ("partial_rotary_factor", "partial rotary embedding", lambda v: v in (None, 1, 1.0)),
+    ("mlp_bias", "MLP biases", lambda v: not v),
+    ("attention_bias", "attention biases on every projection (o_proj included)", lambda v: not v),
+    ("hidden_act", "an activation other than SiLU", lambda v: v in (None, "silu")),
+    ("hidden_activation", "an activation other than SiLU", lambda v: v in (None, "silu")),
+    ("num_experts", "mixture-of-experts layers", lambda v: not v),
+    ("num_local_experts", "mixture-of-experts layers", lambda v: not v),
+)
+
+
+def _refuse_unimplemented(cfg_dict: dict[str, Any], path: str) -> None:
+    """Refuses a Hugging Face config whose math this package does not implement exactly.
+
+    Checks every key of :data:`HF_MATH_KEYS` present in ``cfg_dict`` (``config.to_dict()``, so
+    derived values such as Qwen's ``layer_types`` count), e.g. ``use_sliding_window: true``,
+    ``layer_types`` with ``sliding_attention``, soft-capping, biases other than Qwen2's q/k/v.
+
+    Raises:
+      DSparkInputError: one line naming the feature, its key and value, and ``path``.
+    """
+    for key, feature, ok in HF_MATH_KEYS:
+        if key in cfg_dict and not ok(cfg_dict[key]):
+            value = cfg_dict[key]
+            shown = sorted(set(value)) if isinstance(value, list) else value
+            raise DSparkInputError(f"{path}: {feature} ({key}={shown!r}) is not supported")
+
+
 def hf_target_config(
     c: Any, *, where: str, name: str, lm_head_in_weights: bool | None = None, generation_eos: Any = ()
 ) -> TargetConfig:
-    """:class:`TargetConfig` from a ``transformers`` config object (``LlamaConfig``/``Qwen3Config``).
+    """:class:`TargetConfig` from a ``transformers`` config object (``LlamaConfig``/``Qwen2Config``/``Qwen3Config``).
 
-    ``rope_theta`` comes from ``rope_parameters``/``rope_scaling`` or the attribute,
-    ``head_dim`` when present, tied embeddings from ``tie_word_embeddings`` (or from
-    the weights lacking ``lm_head.weight`` when ``lm_head_in_weights`` is known); EOS
-    ids are the config's joined with ``generation_eos`` (``generation_config.json``).
+    ``rope_theta`` and the RoPE scaling come from ``rope_parameters`` (or legacy
+    ``rope_scaling``; :func:`~dspark_jax.models.rope.hf_rope_scaling`), ``head_dim`` when present,
+    tied embeddings from ``tie_word_embeddings`` (or from the weights lacking ``lm_head.weight``
+    when ``lm_head_in_weights`` is known); EOS ids are the config's joined with ``generation_eos``
+    (``generation_config.json``). Qwen2 has q/k/v biases (``qkv_bias``).
 
     Args:
       c: the config (``AutoConfig.from_pretrained`` or ``AutoConfig.for_model``).
       where: what to name in error messages (a path or a preset).
       name: :attr:`TargetConfig.name`.
     Raises:
-      DSparkInputError: an unsupported architecture, RoPE scaling, biases or activation.
+      DSparkInputError: an unsupported architecture or a feature not implemented exactly
+        (:func:`_refuse_unimplemented`, an unimplemented RoPE scaling).
     """
     if c.model_type not in SUPPORTED_MODEL_TYPES:
         raise DSparkInputError(
             f"{where}: model_type {c.model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
     gemma = _gemma_fields(c, where) if c.model_type in GEMMA_MODEL_TYPES else {}
-    rp = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    cfg_dict = c.to_dict()
+    if c.model_type == "qwen2":  # Qwen2's q/k/v biases are architectural, not the attention_bias key
+        cfg_dict.pop("attention_bias", None)
+    for key in GEMMA_CONFIG_KEYS if gemma else ():  # read (and refused where unimplemented) by _gemma_fields
+        cfg_dict.pop(key, None)
+    _refuse_unimplemented(cfg_dict, where)
     if gemma:
-        rp = {}  # read per layer type by _gemma_fields
-    rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise DSparkInputError(f"{where}: RoPE scaling {rope_type!r} is not supported (only plain RoPE)")
-    theta = gemma.pop("rope_theta", None) or rp.get("rope_theta", getattr(c, "rope_theta", None)) or 10000.0
-    if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
-        raise DSparkInputError(f"{where}: attention/MLP biases are not supported")
-    if not gemma and getattr(c, "hidden_act", "silu") != "silu":
-        raise DSparkInputError(f"{where}: activation {c.hidden_act!r} is not supported (only silu)")
+        theta, scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
+    else:
+        rp = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None)
+        theta, scaling = hf_rope_scaling(rp, max_position=c.max_position_embeddings, where=where)
+    theta = theta if theta is not None else getattr(c, "rope_theta", None) or 10000.0
     eos = list(c.eos_token_id) if isinstance(c.eos_token_id, (list, tuple)) else [c.eos_token_id]
     eos += list(generation_eos) if isinstance(generation_eos, (list, tuple)) else [generation_eos]
     nh = c.num_attention_heads
@@ -122,9 +171,11 @@ def hf_target_config(
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // nh,
         max_position=c.max_position_embeddings,
         rope_theta=float(theta),
+        rope_scaling=scaling,
         rms_eps=float(c.rms_norm_eps),
         tie_embeddings=tie,
         qk_norm=c.model_type in ("qwen3", "gemma3_text"),
+        qkv_bias=c.model_type == "qwen2",
         bos_id=c.bos_token_id,
         eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         name=name,
@@ -135,14 +186,15 @@ def hf_target_config(
 
 
 def _gemma_fields(c: Any, where: str) -> dict[str, Any]:
-    """The Gemma 2 / Gemma 3 text parts of a :class:`TargetConfig` (plus ``rope_theta``: the global
-    layers' base), read from a ``Gemma2Config`` / ``Gemma3TextConfig`` as transformers applies them.
+    """The Gemma 2 / Gemma 3 text parts of a :class:`TargetConfig` (with ``rope_theta`` / ``rope_scaling``:
+    the full-attention layers' RoPE), read from a ``Gemma2Config`` / ``Gemma3TextConfig`` as transformers applies them.
 
     Gemma 3 ignores ``attn_logit_softcapping`` (transformers' Gemma 3 attention never passes it on),
     so only Gemma 2 soft-caps attention scores.
 
     Raises:
-      DSparkInputError: a part not implemented exactly: RoPE scaling, bidirectional attention, an
+      DSparkInputError: a part not implemented exactly: RoPE scaling on sliding layers (or one
+        :func:`~dspark_jax.models.rope.hf_rope_scaling` refuses), bidirectional attention, an
         activation other than ``gelu_pytorch_tanh``.
     """
     act = getattr(c, "hidden_activation", None) or getattr(c, "hidden_act", None)
@@ -154,21 +206,22 @@ def _gemma_fields(c: Any, where: str) -> dict[str, Any]:
     if bad := sorted(set(types) - {"full_attention", "sliding_attention"}):
         raise DSparkInputError(f"{where}: layer_types {bad} are not supported")
     rp = dict(getattr(c, "rope_parameters", None) or {})
-    per_type = rp if all(isinstance(v, dict) for v in rp.values()) and rp else {t: rp for t in set(types)}
-    thetas = {}
-    for t in set(types):
-        params = dict(per_type.get(t) or {})
-        kind = params.get("rope_type", params.get("type")) or "default"
-        if kind != "default":
-            raise DSparkInputError(f"{where}: RoPE scaling {kind!r} ({t} layers) is not supported (only plain RoPE)")
-        thetas[t] = float(params.get("rope_theta") or getattr(c, "rope_theta", None) or 10000.0)
-    layer_thetas = tuple(thetas[t] for t in types)
-    theta = thetas.get("full_attention", layer_thetas[0])
+    per_type = rp if rp and all(isinstance(v, dict) for v in rp.values()) else {t: rp for t in set(types)}
+    mp = c.max_position_embeddings
+    rope = {t: hf_rope_scaling(per_type.get(t), max_position=mp, where=f"{where} ({t} layers)") for t in set(types)}
+    theta, scaling = rope.get("full_attention", (None, None))
+    local_theta, local_scaling = rope.get("sliding_attention", (None, None))
+    if local_scaling is not None:
+        raise DSparkInputError(f"{where}: RoPE scaling {local_scaling.rope_type!r} on sliding layers is not supported")
+    theta = theta if theta is not None else getattr(c, "rope_theta", None) or 10000.0
+    if local_theta is not None and "full_attention" not in types:  # every layer slides: one RoPE
+        theta, local_theta = local_theta, None
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     qpas = getattr(c, "query_pre_attn_scalar", None)
     return {
-        "rope_theta": theta,
-        "layer_rope_thetas": layer_thetas if len(set(layer_thetas)) > 1 else (),
+        "rope_theta": float(theta),
+        "rope_scaling": scaling,
+        "sliding_rope_theta": None if local_theta is None or (local_theta == theta and scaling is None) else float(local_theta),
         "norm_offset": 1.0,
         "embed_scale": float(np.float32(c.hidden_size**0.5)),  # transformers: a float32 tensor
         "mlp_activation": "gelu_tanh",
@@ -217,7 +270,7 @@ def _hf_dir_config(path: Path, index: dict | None) -> TargetConfig:
 
     try:
         c = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, KeyError) as e:
         raise DSparkInputError(f"cannot read Hugging Face config in {path}: {str(e).splitlines()[0]}") from None
     gen = path / "generation_config.json"
     gen_eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
@@ -243,7 +296,7 @@ def hf_config(path: str | Path) -> TargetConfig:
 
 
 def load_hf_dir(path: str | Path) -> tuple[TargetConfig, Params]:
-    """Loads a Hugging Face ``LlamaForCausalLM``/``Qwen3ForCausalLM`` safetensors directory.
+    """Loads a Hugging Face ``LlamaForCausalLM``/``Qwen2ForCausalLM``/``Qwen3ForCausalLM`` safetensors directory.
 
     Config via ``transformers.AutoConfig`` (:func:`hf_target_config`; EOS ids joined
     with ``generation_config.json``). Weights from every ``*.safetensors`` file (F32,
@@ -251,8 +304,8 @@ def load_hf_dir(path: str | Path) -> tuple[TargetConfig, Params]:
     transposed to ``[in, out]``. HF already uses half RoPE: no permutation.
 
     Raises:
-      DSparkInputError: no config/weights, an unsupported architecture or RoPE
-        scaling, biases, or missing tensors.
+      DSparkInputError: no config/weights, an unsupported architecture or feature
+        (:func:`hf_target_config`), missing tensors, or a tensor the model would not read.
     """
     path = Path(path)
     files = sorted(path.glob("*.safetensors"))
@@ -261,15 +314,33 @@ def load_hf_dir(path: str | Path) -> tuple[TargetConfig, Params]:
     if index is None:
         raise DSparkInputError(f"{path}: no *.safetensors weight files (PyTorch .bin checkpoints are not supported)")
 
+    read: set[str] = set()
+
     def get(name: str) -> np.ndarray:
         if name not in index:
             raise DSparkInputError(f"{path}: weight {name!r} not found in the safetensors files")
+        read.add(name)
         return _read_st(index[name])
 
+    def layer_tensor(i: int, key: str) -> np.ndarray:
+        return get(
+            f"model.layers.{i}.{HF_BIAS_TENSORS[key]}"
+            if key in HF_BIAS_TENSORS
+            else f"model.layers.{i}.{hf[key]}.weight"
+        )
+
     hf = GEMMA_LAYER_TENSORS if cfg.sandwich_norms else HF_LAYER_TENSORS
-    layers = stack_layers(
-        cfg, lambda i, key: get(f"model.layers.{i}.{hf[key]}.weight"), lambda i, key: f"{path}: layer {i} {hf[key]}"
-    )
-    return cfg, canonical_params(
+    names = {**{k: f"{v}.weight" for k, v in hf.items()}, **HF_BIAS_TENSORS}
+    layers = stack_layers(cfg, layer_tensor, lambda i, key: f"{path}: layer {i} {names[key]}")
+    params = canonical_params(
         cfg, layers, get("model.embed_tokens.weight"), get("model.norm.weight"), lambda: get("lm_head.weight")
     )
+    # A tensor the model would not read changes what transformers computes: refuse it by name.
+    unread = sorted(n for n in index if n not in read and not n.endswith(_HF_IGNORED_SUFFIXES))
+    unread = [n for n in unread if not (n == "lm_head.weight" and cfg.tie_embeddings)]  # tied: transformers ignores it
+    if unread:
+        more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+        raise DSparkInputError(
+            f"{path}: tensor {unread[0]!r}{more} is not read by this loader (an unsupported feature)"
+        )
+    return cfg, params

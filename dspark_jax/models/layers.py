@@ -13,6 +13,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.config import RopeScaling
+from dspark_jax.models.rope import rope_table
+
 _NEG_INF = -1e30
 
 
@@ -51,17 +54,21 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -
     return (y * (w + offset if offset else w)).astype(x.dtype)
 
 
-def apply_rope_table(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+def apply_rope_table(x: jax.Array, positions: jax.Array, inv_freq, mscale: float = 1.0) -> jax.Array:
     """:func:`apply_rope` with the inverse frequencies given: ``inv_freq [head_dim / 2]`` float32
-    (traced, e.g. a layer's row of a per-layer table), ``x [B, T, heads, head_dim]``,
-    ``positions [B, T]`` int32. Returns ``x`` rotated, same shape and dtype."""
+    (a constant, or traced: a layer's row of a per-layer table), ``x [B, T, heads, head_dim]``,
+    ``positions [B, T]`` int32, ``mscale`` (static) multiplies cos and sin. Returns ``x`` rotated,
+    same shape and dtype."""
     hd = x.shape[-1]
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)  # [B, T, hd/2]
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [B, T, hd/2]
     cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1)[:, :, None, :]
     sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1)[:, :, None, :]
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., : hd // 2], xf[..., hd // 2 :]
-    return (xf * cos + jnp.concatenate([-x2, x1], -1) * sin).astype(x.dtype)
+    rot = jnp.concatenate([-x2, x1], -1)
+    return (xf * cos + rot * sin).astype(x.dtype)
 
 
 def scale_scores(scores: jax.Array, hd: int, scale: float | None = None, softcap: float | None = None) -> jax.Array:
@@ -73,25 +80,20 @@ def scale_scores(scores: jax.Array, hd: int, scale: float | None = None, softcap
     return scores
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
     """Rotary position embedding, Hugging Face ``rotate_half`` layout.
 
     Args:
       x: ``[B, T, heads, head_dim]``.
       positions: ``[B, T]`` int32 absolute positions.
       theta: RoPE base.
+      scaling: the target's RoPE frequency scaling (None: plain RoPE). Its frequency table is a
+        constant computed once per config (:func:`~dspark_jax.models.rope.rope_table`).
     Returns:
-      ``x`` rotated, same shape and dtype.
+      ``x`` rotated (and, with YaRN, scaled by its attention factor), same shape and dtype.
     """
-    hd = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
-    cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1)[:, :, None, :]
-    sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1)[:, :, None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = xf[..., : hd // 2], xf[..., hd // 2 :]
-    rot = jnp.concatenate([-x2, x1], -1)
-    return (xf * cos + rot * sin).astype(x.dtype)
+    table, mscale = rope_table(float(theta), x.shape[-1], scaling)
+    return apply_rope_table(x, positions, table, mscale)
 
 
 def attention(

@@ -1,13 +1,13 @@
 """The target model: a Llama-family decoder in Flax NNX with a static KV cache.
 
-Implements docs/design.md#target-model: RMSNorm, RoPE, GQA, SwiGLU, optional Qwen3 q/k-norm
-and per-layer sliding-window attention (Mistral, Qwen3 sliding layers, Gemma), with per-layer
-weights stacked on a leading axis and the layer loop run by ``lax.scan`` (one compiled layer body
-whatever the depth). The Gemma 2/3 differences are data in :class:`~dspark_jax.config.TargetConfig`:
-``1 + w`` norms, the scaled embedding, the GELU-tanh MLP, sandwich norms, soft-caps, the query
-scale and a per-layer RoPE base (a scan input beside the stacked weights). The forward pass can
-return the hidden states of chosen layers ("taps"), which the drafter consumes as context
-features (docs/design.md#context-features).
+Implements docs/design.md#target-model: RMSNorm, RoPE (with its scalings), GQA, SwiGLU, optional
+Qwen2 q/k/v biases and Qwen3 q/k-norm, and per-layer sliding-window attention (Mistral, Qwen3
+sliding layers, Gemma), with per-layer weights stacked on a leading axis and the layer loop run by
+``lax.scan`` (one compiled layer body whatever the depth). The Gemma 2/3 differences are data in
+:class:`~dspark_jax.config.TargetConfig`: ``1 + w`` norms, the scaled embedding, the GELU-tanh
+MLP, sandwich norms, soft-caps, the query scale and a per-layer RoPE (a scan input beside the
+stacked weights). The forward pass can return the hidden states of chosen layers ("taps"), which
+the drafter consumes as context features (docs/design.md#context-features).
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ from flax import nnx
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.models.attention import attend, current_platform
+from dspark_jax.models.rope import rope_table
 from dspark_jax.models.layers import KVCache, apply_rope, apply_rope_table, attention, gated_mlp, rms_norm
 
 _LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+_BIAS_KEYS = ("bq", "bk", "bv")
 _SANDWICH_KEYS = ("post_attn_norm", "post_mlp_norm")
 # The per-layer RoPE inverse frequencies ride in the scan's per-layer inputs under this key.
 ROPE_FREQ_KEY = "rope_freq"
@@ -110,6 +112,8 @@ def random_params(cfg: TargetConfig, seed: int = 0, scale: float = 0.05) -> dict
     if cfg.qk_norm:
         layers["q_norm"] = one + n(L, cfg.head_dim)
         layers["k_norm"] = one + n(L, cfg.head_dim)
+    if cfg.qkv_bias:
+        layers.update(bq=n(L, qd), bk=n(L, kd), bv=n(L, kd))
     if cfg.sandwich_norms:
         layers["post_attn_norm"] = one + n(L, H)
         layers["post_mlp_norm"] = one + n(L, H)
@@ -157,7 +161,8 @@ class Target(nnx.Module):
         self.embed = cast(params["embed"], sh.get("embed"))
         self.final_norm = cast(params["final_norm"], sh.get("final_norm"))
         self.lm_head = None if cfg.tie_embeddings else cast(params["lm_head"], sh.get("lm_head"))
-        keys = _LAYER_KEYS + (("q_norm", "k_norm") if cfg.qk_norm else ()) + (_SANDWICH_KEYS if cfg.sandwich_norms else ())
+        keys = _LAYER_KEYS + (("q_norm", "k_norm") if cfg.qk_norm else ()) + (_BIAS_KEYS if cfg.qkv_bias else ())
+        keys += _SANDWICH_KEYS if cfg.sandwich_norms else ()
         self.layers = nnx.Dict({k: cast(params["layers"][k], sh["layers"].get(k)) for k in keys})
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
@@ -352,30 +357,47 @@ def _qkv(cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, positions: ja
     """
     a = rms_norm(h, p["attn_norm"], cfg.rms_eps, cfg.norm_offset)
     b, t, _ = a.shape
-    q = (a @ p["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = (a @ p["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = (a @ p["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q, k, v = _projections(cfg, p, a)
+    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_eps, cfg.norm_offset)
         k = rms_norm(k, p["k_norm"], cfg.rms_eps, cfg.norm_offset)
     return _rope(cfg, p, q, positions), _rope(cfg, p, k, positions), v
 
 
+def _projections(cfg: TargetConfig, p: dict[str, jax.Array], a: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The q/k/v projections of the normed ``a [..., H]`` (plus their biases when ``cfg.qkv_bias``):
+    ``([..., nh*hd], [..., kvh*hd], [..., kvh*hd])``."""
+    q, k, v = a @ p["wq"], a @ p["wk"], a @ p["wv"]
+    if cfg.qkv_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    return q, k, v
+
+
 def _rope(cfg: TargetConfig, p: dict[str, jax.Array], x: jax.Array, positions: jax.Array) -> jax.Array:
     """RoPE of ``x [B, T, heads, hd]`` at ``positions [B, T]``: the layer's own frequencies
-    (``p[ROPE_FREQ_KEY]``) when they differ between layers, else ``cfg.rope_theta``'s."""
+    (``p[ROPE_FREQ_KEY]``) when they differ between layers, else those of ``cfg.rope_theta`` and
+    ``cfg.rope_scaling`` (a constant table)."""
     if ROPE_FREQ_KEY in p:
         return apply_rope_table(x, positions, p[ROPE_FREQ_KEY])
-    return apply_rope(x, positions, cfg.rope_theta)
+    return apply_rope(x, positions, cfg.rope_theta, cfg.rope_scaling)
 
 
 def layer_inv_freqs(cfg: TargetConfig) -> np.ndarray:
-    """``[L, head_dim / 2]`` float32 RoPE inverse frequencies of every layer (``cfg.layer_rope_thetas``),
-    computed as transformers does (``1 / theta ** (arange(0, hd, 2) / hd)`` in float32)."""
-    hd = cfg.head_dim
-    thetas = cfg.layer_rope_thetas or (cfg.rope_theta,) * cfg.num_layers
-    exps = np.arange(0, hd, 2, dtype=np.float32) / np.float32(hd)
-    return np.stack([1.0 / (np.float32(t) ** exps) for t in thetas]).astype(np.float32)
+    """``[L, head_dim / 2]`` float32 RoPE inverse frequencies of every layer: ``cfg.sliding_rope_theta``
+    unscaled on sliding layers, ``cfg.rope_theta`` with ``cfg.rope_scaling`` on the others
+    (:func:`~dspark_jax.models.rope.rope_table`).
+
+    Raises:
+      ValueError: a scaling with a cos/sin factor (YaRN's attention factor) on per-layer RoPE.
+    """
+    full, mscale = rope_table(float(cfg.rope_theta), cfg.head_dim, cfg.rope_scaling)
+    if mscale != 1.0:
+        raise ValueError("per-layer RoPE with a cos/sin attention factor (YaRN) is not implemented")
+    local, _ = rope_table(float(cfg.sliding_rope_theta or cfg.rope_theta), cfg.head_dim, None)
+    return np.stack([local if w is not None else full for w in cfg.layer_windows()]).astype(np.float32)
 
 
 def attention_options(cfg: TargetConfig) -> dict[str, Any]:
@@ -505,9 +527,10 @@ def packed_qkv(cfg: TargetConfig, p: dict[str, jax.Array], h, rope_pos, row, wpo
     """
     k_tok, kvh, hd = h.shape[1], cfg.num_kv_heads, cfg.head_dim
     a = rms_norm(h, p["attn_norm"], cfg.rms_eps, cfg.norm_offset)
-    q = (a @ p["wq"]).reshape(1, k_tok, cfg.num_heads, hd)
-    k = (a @ p["wk"]).reshape(1, k_tok, kvh, hd)
-    v = (a @ p["wv"]).reshape(1, k_tok, kvh, hd)
+    q, k, v = _projections(cfg, p, a)
+    q = q.reshape(1, k_tok, cfg.num_heads, hd)
+    k = k.reshape(1, k_tok, kvh, hd)
+    v = v.reshape(1, k_tok, kvh, hd)
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_eps, cfg.norm_offset)
         k = rms_norm(k, p["k_norm"], cfg.rms_eps, cfg.norm_offset)
@@ -543,6 +566,8 @@ def _check_params(cfg: TargetConfig, params: dict[str, Any]) -> None:
         want.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
     if cfg.sandwich_norms:
         want.update(post_attn_norm=(L, H), post_mlp_norm=(L, H))
+    if cfg.qkv_bias:
+        want.update(bq=(L, qd), bk=(L, kd), bv=(L, kd))
     got = params.get("layers", {})
     problems = []
     for k, shape in want.items():

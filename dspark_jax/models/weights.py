@@ -11,6 +11,7 @@ leading axis ``L``)::
                 "wv": [L, H, nKV*hd], "wo": [L, nH*hd, H],
                 "q_norm": [L, hd], "k_norm": [L, hd],        # only if cfg.qk_norm
                 "post_attn_norm": [L, H], "post_mlp_norm": [L, H],  # only if cfg.sandwich_norms
+                "bq": [L, nH*hd], "bk": [L, nKV*hd], "bv": [L, nKV*hd],  # only if cfg.qkv_bias
                 "mlp_norm": [L, H], "w_gate": [L, H, I], "w_up": [L, H, I],
                 "w_down": [L, I, H]},
      "final_norm": [H],
@@ -71,6 +72,8 @@ def target_param_shapes(cfg: TargetConfig) -> dict[str, Any]:
         layers.update(q_norm=(L, hd), k_norm=(L, hd))
     if cfg.sandwich_norms:
         layers.update(post_attn_norm=(L, H), post_mlp_norm=(L, H))
+    if cfg.qkv_bias:
+        layers.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
     shapes: dict[str, Any] = {"embed": (cfg.vocab_size, H), "layers": layers, "final_norm": (H,)}
     if not cfg.tie_embeddings:
         shapes["lm_head"] = (H, cfg.vocab_size)

@@ -344,15 +344,16 @@ def test_hf_dir(kind, dtype_name, tie, tmp_path, write_tiny_hf_tokenizer):
     np.testing.assert_allclose(ref_logits(cfg, p, ids, last_only=False), want, rtol=2e-4, atol=2e-4)
 
 
-def test_hf_rejects_rope_scaling(tmp_path, write_tiny_hf_tokenizer):
+def test_hf_rejects_length_dependent_rope_scaling(tmp_path, write_tiny_hf_tokenizer):
+    """dynamic NTK changes its frequencies with each call's length: refused by name (linear, yarn
+    and llama3 are exact: tests/unit/test_target_families.py)."""
     import json
 
     _tiny_hf("llama", tmp_path, write_tiny_hf_tokenizer)
     c = json.loads((tmp_path / "config.json").read_text())
-    c["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5000.0,
-                            "original_max_position_embeddings": 32}  # fmt: skip
+    c["rope_parameters"] = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 5000.0}
     (tmp_path / "config.json").write_text(json.dumps(c))
-    with pytest.raises(DSparkInputError, match="not supported"):
+    with pytest.raises(DSparkInputError, match="RoPE scaling 'dynamic' is not supported"):
         load_target_files(tmp_path)
 
 
