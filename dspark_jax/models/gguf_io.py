@@ -4,8 +4,8 @@
 float32 in the canonical layout of :mod:`dspark_jax.models.weights`. Uses the ``gguf``
 package (memory-mapped reader), imported when a file is opened.
 
-Exact or refused: an ``{arch}.*`` metadata key outside :data:`GGUF_ARCH_KEYS` (a sliding window, a
-soft-cap, experts, ...) and a tensor the loader does not read are refused by name.
+Exact or refused: an ``{arch}.*`` metadata key outside :data:`GGUF_ARCH_KEYS` (a soft-cap,
+experts, ...) and a tensor the loader does not read are refused by name.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ GGUF_ARCH_KEYS = frozenset(
     {"block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
      "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
      "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count",
+     "attention.sliding_window", "attention.sliding_window_pattern",
      "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
      "rope.scaling.finetuned", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
      "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.attn_factor",
