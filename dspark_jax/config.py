@@ -26,21 +26,13 @@ QWEN_MASK_TOKEN_ID, QWEN_VOCAB_ROWS = 151669, 151936
 
 # The implementations of the target's cached attention (docs/design.md#attention-backends).
 ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "pallas_tpu")
-# The gated MLP activations of a target: SiLU (SwiGLU: Llama, Qwen) and GELU with the tanh
-# approximation (GeGLU: Gemma, transformers' ``gelu_pytorch_tanh``).
+# Gated MLP activations: SiLU (Llama, Qwen) and GELU-tanh (Gemma: transformers' gelu_pytorch_tanh).
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
-# Fields of TargetConfig that describe the Gemma-style math, with the values that mean "absent":
-# to_dict leaves them out at these values, so a Llama/Qwen config serialises as it always did.
-_GEMMA_DEFAULTS = {
-    "norm_offset": 0.0,
-    "embed_scale": 1.0,
-    "mlp_activation": "silu",
-    "sandwich_norms": False,
-    "attn_logit_softcap": None,
-    "final_logit_softcap": None,
-    "query_scale": None,
-    "sliding_rope_theta": None,
-}
+# TargetConfig's Gemma fields at their "absent" values, which to_dict leaves out (a Llama/Qwen
+# config serialises as it always did).
+_GEMMA_DEFAULTS = {"norm_offset": 0.0, "embed_scale": 1.0, "mlp_activation": "silu", "sandwich_norms": False,
+                   "attn_logit_softcap": None, "final_logit_softcap": None, "query_scale": None,
+                   "sliding_rope_theta": None}  # fmt: skip
 
 # The per-layer attention kinds a target may have (transformers' ``layer_types`` values).
 LAYER_TYPES = ("full_attention", "sliding_attention")

@@ -103,7 +103,8 @@ def attend(
       backend: static, one of :data:`~dspark_jax.config.ATTENTION_BACKENDS`; a backend that does
         not fit falls back to ``xla`` (:func:`select_backend`), logged once per reason.
       scale / softcap: static score scale (None: ``hd ** -0.5``) and soft-cap (None: none), as
-        :func:`~dspark_jax.models.layers.score_scale` and :func:`~dspark_jax.models.layers.soft_cap`; either one runs the ``xla`` path.
+        :func:`~dspark_jax.models.layers.score_scale` and :func:`~dspark_jax.models.layers.soft_cap`;
+        either one runs the ``xla`` path.
       window: None (full attention) or the layer's sliding window W (int32 scalar, traced or
         static): a query then sees only the slots ``q_pos - W < s <= q_pos``.
     Returns:

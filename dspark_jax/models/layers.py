@@ -102,7 +102,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float, scaling: RopeSc
 
 
 def attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None, softcap: float | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Grouped-query scaled dot-product attention (``scale``: :func:`score_scale`; ``softcap``: :func:`soft_cap`).
 

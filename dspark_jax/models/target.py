@@ -23,8 +23,8 @@ from flax import nnx
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.models.attention import attend, current_platform
-from dspark_jax.models.rope import rope_table
 from dspark_jax.models.layers import KVCache, apply_rope, apply_rope_table, attention, gated_mlp, rms_norm
+from dspark_jax.models.rope import rope_table
 
 _LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 _BIAS_KEYS = ("bq", "bk", "bv")
@@ -275,7 +275,13 @@ class Target(nnx.Module):
                 ck = ck.at[li, b_idx, wpos].set(k.astype(ck.dtype), mode="drop")
                 cv = cv.at[li, b_idx, wpos].set(v.astype(cv.dtype), mode="drop")
                 a = attend(
-                    q, ck, cv, li, positions, backend=cfg.attention_backend, window=layer_window(cfg, li),
+                    q,
+                    ck,
+                    cv,
+                    li,
+                    positions,
+                    backend=cfg.attention_backend,
+                    window=layer_window(cfg, li),
                     **attention_options(cfg),
                 )
                 h = _attn_out_and_mlp(cfg, p, h, a)
@@ -508,7 +514,9 @@ def _packed_layer(
     q, ck_all, cv_all = packed_qkv(cfg, p, h, g.rope_pos, g.qrow, g.wpos, ck_all, cv_all, li)
     qg = jnp.zeros((g.num_rows, g.width) + q.shape[1:], q.dtype).at[g.qrow, g.cols].set(q, mode="drop")
     window = layer_window(cfg, li)
-    attn = attend(qg, ck_all, cv_all, li, g.qpos, backend=cfg.attention_backend, window=window, **attention_options(cfg))
+    attn = attend(
+        qg, ck_all, cv_all, li, g.qpos, backend=cfg.attention_backend, window=window, **attention_options(cfg)
+    )
     attn = attn[g.grow, g.gcol]  # [K, nh*hd]
     h = packed_attn_out_and_mlp(cfg, p, h, attn)
     return (h, ck_all, cv_all, li + 1), (h[0] if keep_hidden else None)

@@ -46,7 +46,8 @@ def _gemma_config(kind: str, **extra):
     if kind == "gemma2":
         kw = dict(query_pre_attn_scalar=24, attn_logit_softcapping=4.0, final_logit_softcapping=3.0)
         return tr.Gemma2Config(**{**common, **kw, **extra})
-    kw = dict(query_pre_attn_scalar=16, final_logit_softcapping=3.0, sliding_window_pattern=2, rope_parameters=GEMMA3_ROPE)
+    kw = dict(query_pre_attn_scalar=16, final_logit_softcapping=3.0, sliding_window_pattern=2)
+    kw["rope_parameters"] = GEMMA3_ROPE
     return tr.Gemma3TextConfig(**{**common, **kw, **extra})
 
 
@@ -197,8 +198,9 @@ def test_engine_equals_plain_decoding(written):
     """Packed decode steps and verification, one-shot and chunked prefill (12-token chunks), give
     plain decoding's tokens on the Gemma 2 target (soft-capped, scaled attention; windows)."""
     target = _target(written, "gemma2")
-    eng = Engine(target, bigram_drafter(target, block_size=3), num_slots=3, cache_len=64, policy="fixed:3",
-                 buckets=(12,), row_buckets=(3,), prefill_buckets=(32,), profile_iters=1, suspend_after=None)  # fmt: skip
+    drafter = bigram_drafter(target, block_size=3)
+    eng = Engine(target, drafter, num_slots=3, cache_len=64, policy="fixed:3", buckets=(12,), row_buckets=(3,),
+                 prefill_buckets=(32,), profile_iters=1, suspend_after=None)  # fmt: skip
     eng.prefiller = ChunkedPrefill(eng.device, eng.planner, eng.limits, eng.prefill_buckets, 12, lanes=3, block=4)
     eng.warmup()
     prompts = _prompts((30, 21, 5))
