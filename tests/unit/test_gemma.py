@@ -209,3 +209,12 @@ def test_engine_equals_plain_decoding(written):
     want = {r.request_id: (g.token_ids, g.finish_reason) for r, g in zip(reqs, ar.generations, strict=True)}
     for chunked in (False, True):
         assert test_prefill.drive(eng, reqs, chunked=chunked) == want
+
+
+def test_warm_start_from_gemma_layers_is_refused(written):
+    from dspark_jax.training.warm_start import check_init_from_target_layers
+
+    target = _target(written, "gemma3")
+    drafter = random_drafter(target, block_size=4)
+    with pytest.raises(DSparkInputError, match="Gemma"):
+        check_init_from_target_layers(drafter, target, list(range(drafter.cfg.num_layers)))
