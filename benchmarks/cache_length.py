@@ -4,6 +4,9 @@ Three sections, each alternated in one process (medians of ``--reps`` repeats), 
 against another checkout of the package (``--old DIR``, loaded beside this one by
 :func:`benchmarks.harness.load_checkout`, each checkout building its own target):
 
+``--window W`` gives the decode, live and engine sections' target a sliding window of ``W`` tokens
+on every layer (this checkout only: the cost of windowed cached attention against the cache length).
+
 * ``decode``: batch-1 plain decoding (``generate_autoregressive``, greedy, no stop ids) of one
   prompt of ``--prompt-len`` tokens, ``--new-tokens`` new tokens, with the KV cache allocated at
   each of ``--cache-lens`` slots: ms per generated token (compilation excluded) and the ratio to
@@ -57,8 +60,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=5, help="alternated repeats per case (default 5)")
     p.add_argument("--profile-cache-len", type=int, default=1024, help="profile section's cache length")
     p.add_argument("--profile-spans", default="256,1024", help="profile section's spans of the SPS per span")
+    p.add_argument("--window", type=int, default=0, help="sliding window on every target layer (0: none)")
     p.add_argument("--out", default="runs/cache_length", help="output directory")
     return p
+
+
+def _load(mods, a):
+    """The sections' target, with ``--window`` applied to every layer when given."""
+    target, _ = mods["api"].load_target(a.target)
+    if a.window:
+        import dataclasses
+
+        n = target.cfg.num_layers
+        target.cfg = dataclasses.replace(target.cfg, layer_types=("sliding_attention",) * n, sliding_window=a.window)
+    return target
 
 
 def _packages(old: str | None) -> dict[str, dict[str, Any]]:
@@ -78,7 +93,7 @@ def decode_section(pk, a) -> list[dict[str, Any]]:
     lens = [int(c) for c in a.cache_lens.split(",")]
     cases = {}
     for name, mods in pk.items():
-        target, _ = mods["api"].load_target(a.target)
+        target = _load(mods, a)
         prompt = _prompt(target, a.prompt_len)
         gen = mods["decoding.speculative"].generate_autoregressive
         for c in lens:
@@ -99,7 +114,7 @@ def live_section(pk, a) -> list[dict[str, Any]]:
     lens = [int(n) for n in a.live_lens.split(",")]
     cases = {}
     for name, mods in pk.items():
-        target, _ = mods["api"].load_target(a.target)
+        target = _load(mods, a)
         gen = mods["decoding.speculative"].generate_autoregressive
         kw = dict(max_new_tokens=a.new_tokens, stop_ids=[], cache_len=a.live_cache_len)
         for n in lens:
@@ -122,7 +137,7 @@ def engine_section(pk, a) -> list[dict[str, Any]]:
     lens = [int(c) for c in a.engine_cache_lens.split(",")]
     cases = {}
     for name, mods in pk.items():
-        target, _ = mods["api"].load_target(a.target)
+        target = _load(mods, a)
         for c in lens:
             eng = mods["serving.engine"].Engine(
                 target, None, num_slots=a.rows, cache_len=c, policy="plain", row_buckets=[a.rows], prefill_buckets=[32]
@@ -207,7 +222,7 @@ def profile_section(pk, a) -> list[dict[str, Any]]:
     c = a.profile_cache_len
     cases, engines = {}, {}
     for name, mods in pk.items():
-        target, _ = mods["api"].load_target(a.target)
+        target = _load(mods, a)
         drafter = drafter_for(mods, target.cfg, 4, num_layers=1, markov_rank=8)
         eng = mods["serving.engine"].Engine(
             target, drafter, num_slots=a.rows, cache_len=c, policy="dspark", row_buckets=[a.rows], prefill_buckets=[32]
