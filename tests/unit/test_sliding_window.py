@@ -156,6 +156,14 @@ def test_hf_config_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(c))
     with pytest.raises(DSparkInputError, match="chunked_attention"):
         load_hf_dir(tmp_path)
+    c["layer_types"], c["use_sliding_window"] = ["full_attention"] * 3, True  # as given: no layer slides
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    assert load_hf_dir(tmp_path)[0].layer_types == ()
+    del c["layer_types"], c["use_sliding_window"], c["max_window_layers"]
+    c.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None)
+    (tmp_path / "config.json").write_text(json.dumps(c))  # Mistral v0.2+: no window
+    cfg = load_hf_dir(tmp_path)[0]
+    assert (cfg.layer_types, cfg.sliding_window, cfg.qk_norm) == ((), None, False)
 
 
 def test_config_rules():
@@ -195,6 +203,20 @@ def test_cached_attention_window_equals_dense(s_len, block):
     with pytest.raises(ValueError, match="sliding-window"):
         attend(q, kc, vc, 1, q_pos, backend="pallas_tpu", window=win)
     assert select_backend("auto", q, kc, "tpu", windowed=True)[0] == "xla"
+
+
+def test_windowed_loop_skips_the_blocks_before_the_window():
+    """The xla loop never reads the blocks before the earliest window (NaN there would show), so
+    a windowed layer's cost follows the window, not the context."""
+    rng = np.random.default_rng(2)
+    s_len, block, w = 128, 16, 7
+    q = jnp.asarray(rng.standard_normal((1, 2, 4, 8)), jnp.float32)
+    kc = rng.standard_normal((1, 1, s_len, 2, 8)).astype(np.float32)
+    vc = rng.standard_normal((1, 1, s_len, 2, 8)).astype(np.float32)
+    want = np.asarray(cached_attention(q, jnp.asarray(kc), jnp.asarray(vc), 0, jnp.asarray([[60, 70]]), window=w))
+    kc[:, :, :48], vc[:, :, :48] = np.nan, np.nan  # blocks 0-2: before slot 54, the first one seen
+    got = cached_attention(q, jnp.asarray(kc), jnp.asarray(vc), 0, jnp.asarray([[60, 70]]), block=block, window=w)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
