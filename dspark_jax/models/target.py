@@ -61,7 +61,9 @@ def layer_window(cfg: TargetConfig, li: jax.Array) -> jax.Array | int | None:
         return None
     if cfg.uniform_window is not None:
         return cfg.uniform_window
-    return layer_window_table(cfg)[li]
+    table = layer_window_table(cfg)
+    assert table is not None
+    return table[li]
 
 
 # Up to this many positions, a tied LM head on the CPU runs as a row reduction (tied_head_row_reduce).
