@@ -200,17 +200,24 @@ class TargetConfig:
         if self.has_sliding_layers:
             if self.sliding_window is None or int(self.sliding_window) < 1:
                 raise ValueError(f"sliding-window layers need sliding_window >= 1, got {self.sliding_window!r}")
-            if self.attention_backend == "pallas_tpu":
-                raise ValueError(
-                    "attention backend 'pallas_tpu' does not implement sliding-window attention "
-                    "(use 'auto', 'xla' or 'cudnn' for this model)"
-                )
             object.__setattr__(self, "sliding_window", int(self.sliding_window))
+            if self.attention_backend == "pallas_tpu" and self.uniform_window is None:
+                raise ValueError(
+                    "attention backend 'pallas_tpu' does not implement sliding-window layers mixed with "
+                    "full-attention layers (use 'auto', 'xla' or 'cudnn' for this model)"
+                )
 
     @property
     def has_sliding_layers(self) -> bool:
         """Whether any layer attends through a sliding window."""
         return "sliding_attention" in self.layer_types
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer slides by it (Mistral), else None."""
+        if self.layer_types and all(t == "sliding_attention" for t in self.layer_types):
+            return self.sliding_window
+        return None
 
     def layer_windows(self) -> tuple[int | None, ...]:
         """Each layer's window in tokens (None: full attention), ``num_layers`` entries."""

@@ -155,8 +155,8 @@ def cached_attention(
     ``ceil((max(q_pos) + 1) / block)`` (a traced value): blocks past the longest row are never read,
     so the cost does not depend on how many slots the cache was allocated with. With a sliding
     ``window`` the loop also starts at the first block any query sees, so the cost follows the
-    window rather than the context. A cache of at most one block is read in one pass, without the loop. The softmax is
-    accumulated online in float32; a block entirely masked for a row adds exact zeros to it, so a
+    window rather than the context. A cache of at most one block is read in one pass, without the
+    loop. The softmax is accumulated online in float32; a block entirely masked for a row adds exact zeros to it, so a
     row's output does not depend on its batch-mates' lengths nor on the cache length.
 
     Args:
@@ -198,7 +198,8 @@ def online_attention_stats(
     """Unnormalised online-softmax statistics of grouped queries over the live blocks of a cache layer.
 
     The loop of :func:`cached_attention` (which documents ``k_cache``, ``v_cache``, ``layer``,
-    ``q_pos``, ``block`` and ``window``), without the final normalisation, so that a caller can merge more keys.
+    ``q_pos``, ``block`` and ``window``), without the final normalisation, so that a caller can
+    merge more keys.
 
     Args:
       qg: ``[B, T, g, r, hd]`` queries grouped by KV head.

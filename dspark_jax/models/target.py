@@ -61,10 +61,17 @@ def layer_window_table(cfg: TargetConfig) -> jax.Array | None:
     return jnp.asarray([FULL_WINDOW if w is None else w for w in cfg.layer_windows()], jnp.int32)
 
 
-def layer_window(cfg: TargetConfig, li: jax.Array) -> jax.Array | None:
-    """The sliding window of layer ``li`` (int32 scalar, traced), None when no layer slides."""
+def layer_window(cfg: TargetConfig, li: jax.Array) -> jax.Array | int | None:
+    """The sliding window of layer ``li``: None when no layer slides; a static int when every
+    layer slides by the same window (Mistral: what the Pallas kernel path takes); else the int32
+    scalar ``layer_window_table(cfg)[li]`` (traced)."""
+    if not cfg.has_sliding_layers:
+        return None
+    if cfg.uniform_window is not None:
+        return cfg.uniform_window
     table = layer_window_table(cfg)
-    return None if table is None else table[li]
+    assert table is not None
+    return table[li]
 
 
 # Up to this many positions, a tied LM head on the CPU runs as a row reduction (tied_head_row_reduce).
