@@ -418,6 +418,8 @@ class DrafterConfig:
         the names format-1 exports' ``"gated"`` / ``"rnn"`` load under. Exports written
         before this field existed load as ``"vanilla"``.
       rope_theta / rms_eps: backbone RoPE base and norm epsilon.
+      rope_scaling: the backbone's RoPE frequency scaling (:class:`RopeScaling`; None: plain RoPE),
+        the target's for a new drafter (as DeepSpec's drafters copy their target's RoPE settings).
       width: the backbone's residual width d (0 = the target's hidden size H). When
         ``d != H`` the anchor embedding enters through a learned ``H x d`` projection
         and the final hidden state leaves through a ``d x H`` one before the target's
@@ -473,8 +475,11 @@ class DrafterConfig:
     mask_token_id: int = -1
     confidence_input: str = "head"
     markov_w1_rows: str = "draft"
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):  # from_dict / JSON
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {self.variant!r}")
         if self.markov_head not in MARKOV_HEADS:
@@ -575,6 +580,7 @@ class DrafterConfig:
             head_dim=target.head_dim,
             intermediate_size=target.intermediate_size,
             rope_theta=target.rope_theta,
+            rope_scaling=target.rope_scaling,
             rms_eps=target.rms_eps,
             target_name=target.name,
         )

@@ -101,13 +101,16 @@ def _gguf_name(reader: Any) -> Path:
 def gguf_config(path: Any) -> TargetConfig:
     """The :class:`TargetConfig` of a GGUF file from its metadata (no tensor data is read).
 
-    Hyperparameters come from ``{arch}.*`` metadata (see :func:`load_gguf`); tied
-    embeddings when there is no ``output.weight`` tensor.
+    Hyperparameters come from ``{arch}.*`` metadata (see :func:`load_gguf`), the RoPE scaling
+    from ``{arch}.rope.scaling.*`` and the ``rope_freqs.weight`` tensor; tied embeddings when
+    there is no ``output.weight`` tensor.
 
     Args:
       path: a ``.gguf`` path or an open ``gguf.GGUFReader``.
     Raises:
-      DSparkInputError: unreadable file, unsupported architecture, missing metadata.
+      DSparkInputError: unreadable file, unsupported architecture, missing metadata, an
+        ``{arch}.`` key outside :data:`GGUF_ARCH_KEYS`, a RoPE setting not implemented exactly,
+        partial rotary dimensions.
     """
     reader = _as_reader(path)
     fname = _gguf_name(reader)

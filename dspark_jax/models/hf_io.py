@@ -277,7 +277,7 @@ def _hf_dir_config(path: Path, index: dict | None) -> TargetConfig:
     gen_eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
     return hf_target_config(
         c,
-        where=str(path),
+        where=str(path / "config.json"),
         name=path.resolve().name,
         generation_eos=gen_eos,
         lm_head_in_weights=None if index is None else "lm_head.weight" in index,
