@@ -26,6 +26,16 @@ QWEN_MASK_TOKEN_ID, QWEN_VOCAB_ROWS = 151669, 151936
 
 # The implementations of the target's cached attention (docs/design.md#attention-backends).
 ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "pallas_tpu")
+# Gated MLP activations: SiLU (Llama, Qwen) and GELU-tanh (Gemma: transformers' gelu_pytorch_tanh).
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+# TargetConfig's Gemma fields at their "absent" values, which to_dict leaves out (a Llama/Qwen
+# config serialises as it always did).
+_GEMMA_DEFAULTS = {"norm_offset": 0.0, "embed_scale": 1.0, "mlp_activation": "silu", "sandwich_norms": False,
+                   "attn_logit_softcap": None, "final_logit_softcap": None, "query_scale": None,
+                   "sliding_rope_theta": None}  # fmt: skip
+
+# The per-layer attention kinds a target may have (transformers' ``layer_types`` values).
+LAYER_TYPES = ("full_attention", "sliding_attention")
 # RoPE frequency scalings implemented exactly (dspark_jax.models.rope); "freq_factors" is llama.cpp's
 # per-frequency divisors (a GGUF file's rope_freqs.weight tensor).
 ROPE_TYPES = ("default", "linear", "yarn", "llama3", "freq_factors")
@@ -73,7 +83,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3.x, SmolLM2, Qwen2/2.5, Qwen3).
+    """Architecture of a decoder-only target (Llama 2/3.x, SmolLM2, Qwen2/2.5, Qwen3, Mistral, Gemma 2/3).
 
     Weights follow the Hugging Face convention: RoPE rotates the two *halves* of
     each head (``rotate_half``). Loaders of formats that rotate adjacent pairs
@@ -106,6 +116,27 @@ class TargetConfig:
         xla on CPU), ``xla``, ``cudnn`` or ``pallas_tpu``. Not part of the architecture: a
         setting the loaders leave at ``auto`` and a user may override
         (``dataclasses.replace``, ``load_target(attention_backend=...)``, ``--attention-backend``).
+      norm_offset: every RMSNorm multiplies by ``norm_offset + weight`` (computed in float32):
+        0 for Llama/Qwen, 1 for Gemma 2/3 (their ``1 + w`` norms).
+      embed_scale: the token embedding is multiplied by this (cast to the embedding's dtype first,
+        as transformers does): 1, or ``sqrt(hidden_size)`` for Gemma.
+      mlp_activation: the gated MLP's activation, one of :data:`MLP_ACTIVATIONS`.
+      sandwich_norms: Gemma 2/3 layers: the attention output and the MLP output are each
+        RMS-normed (``post_attn_norm``, ``post_mlp_norm``) before their residual add.
+      attn_logit_softcap: attention scores become ``c * tanh(score / c)`` before the mask and
+        softmax (Gemma 2), or None.
+      final_logit_softcap: the logits become ``c * tanh(logits / c)`` (Gemma 2/3), or None.
+      query_scale: the attention score scale (Gemma's ``query_pre_attn_scalar ** -0.5``);
+        None: ``head_dim ** -0.5``.
+      sliding_rope_theta: the RoPE base of the ``sliding_attention`` layers, which rotate without
+        scaling (Gemma 3's local base; the full-attention layers keep ``rope_theta`` and
+        ``rope_scaling``), or None: every layer rotates alike.
+      layer_types: per-layer attention kind, one of :data:`LAYER_TYPES` for each of the
+        ``num_layers`` layers (transformers' ``layer_types``), or ``()``: every layer full
+        attention. A ``sliding_attention`` layer's query at position ``p`` sees the keys at
+        positions ``p - sliding_window + 1 .. p`` (transformers' ``sliding_window_overlay``).
+      sliding_window: the window W of the sliding layers in tokens (required when a layer
+        slides, else None).
     """
 
     vocab_size: int
@@ -127,10 +158,28 @@ class TargetConfig:
     eos_ids: tuple[int, ...] = (2,)
     name: str = "unnamed"
     attention_backend: str = "auto"
+    norm_offset: float = 0.0
+    embed_scale: float = 1.0
+    mlp_activation: str = "silu"
+    sandwich_norms: bool = False
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    query_scale: float | None = None
+    sliding_rope_theta: float | None = None
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
 
     def __post_init__(self):
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of {ATTENTION_BACKENDS}")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"mlp_activation={self.mlp_activation!r} is not one of {MLP_ACTIVATIONS}")
+        for name in ("attn_logit_softcap", "final_logit_softcap", "query_scale", "sliding_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not float(value) > 0:
+                raise ValueError(f"{name}={value!r} must be positive or None")
+        object.__setattr__(self, "layer_types", tuple(str(t) for t in self.layer_types))
+        self._check_windows()
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
@@ -141,6 +190,40 @@ class TargetConfig:
         rs = self.rope_scaling
         if rs is not None and rs.freq_factors and len(rs.freq_factors) != self.head_dim // 2:
             raise ValueError(f"{len(rs.freq_factors)} RoPE freq_factors for head_dim {self.head_dim}")
+
+    def _check_windows(self) -> None:
+        """Raises ValueError for an inconsistent ``layer_types`` / ``sliding_window``."""
+        if bad := sorted(set(self.layer_types) - set(LAYER_TYPES)):
+            raise ValueError(f"layer_types value(s) {bad} are not implemented (known: {LAYER_TYPES})")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        if self.has_sliding_layers:
+            if self.sliding_window is None or int(self.sliding_window) < 1:
+                raise ValueError(f"sliding-window layers need sliding_window >= 1, got {self.sliding_window!r}")
+            object.__setattr__(self, "sliding_window", int(self.sliding_window))
+            if self.attention_backend == "pallas_tpu" and self.uniform_window is None:
+                raise ValueError(
+                    "attention backend 'pallas_tpu' does not implement sliding-window layers mixed with "
+                    "full-attention layers (use 'auto', 'xla' or 'cudnn' for this model)"
+                )
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        """Whether any layer attends through a sliding window."""
+        return "sliding_attention" in self.layer_types
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer slides by it (Mistral), else None."""
+        if self.layer_types and all(t == "sliding_attention" for t in self.layer_types):
+            return self.sliding_window
+        return None
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's window in tokens (None: full attention), ``num_layers`` entries."""
+        if not self.layer_types:
+            return (None,) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
 
     def default_mask_token_id(self) -> int:
         """The id whose frozen embedding row fills a new drafter's mask slots.
@@ -167,9 +250,20 @@ class TargetConfig:
             return (1 if self.num_layers > 1 else 0,)
         return tuple(int(round(1 + i * (last - 1) / (n - 1))) for i in range(n))
 
+    @property
+    def per_layer_rope(self) -> bool:
+        """Whether the sliding layers rotate differently from the full ones (a per-layer scan input)."""
+        return self.sliding_rope_theta is not None and self.has_sliding_layers
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_ids"] = list(self.eos_ids)
+        for key, absent in _GEMMA_DEFAULTS.items():
+            if d[key] == absent:
+                del d[key]
+        d["layer_types"] = list(self.layer_types)
+        if not self.layer_types and self.sliding_window is None:  # full attention: as before windows existed
+            del d["layer_types"], d["sliding_window"]
         return d
 
     @classmethod
@@ -178,6 +272,8 @@ class TargetConfig:
         d = {k: v for k, v in d.items() if k in names}
         if "eos_ids" in d:
             d["eos_ids"] = tuple(d["eos_ids"])
+        if "layer_types" in d:
+            d["layer_types"] = tuple(d["layer_types"] or ())
         return cls(**d)
 
 

@@ -324,7 +324,8 @@ class DSparkDrafter(nnx.Module):
 
     def base_logits(self, target: Target, h: jax.Array) -> jax.Array:
         """``[..., d]`` -> ``[..., N]`` float32 via the target's frozen LM head (N = V, or the draft
-        vocabulary's size: those columns of the head only).
+        vocabulary's size: those columns of the head only), soft-capped as the target's logits are
+        (:meth:`~dspark_jax.models.target.Target.cap_logits`, Gemma's final soft-cap).
 
         A drafter narrower or wider than the target (``cfg.width``) projects ``d -> H`` first.
         With a draft vocabulary the rows come from the head :meth:`prepare_decoding` installed
@@ -341,9 +342,9 @@ class DSparkDrafter(nnx.Module):
             if rows is None:
                 rows = target.lm_head_rows(ids)
             rows = jax.lax.stop_gradient(rows).astype(h.dtype)
-            return jnp.einsum("...h,nh->...n", h, rows, preferred_element_type=jnp.float32)
+            return target.cap_logits(jnp.einsum("...h,nh->...n", h, rows, preferred_element_type=jnp.float32))
         w = jax.lax.stop_gradient(target.lm_head_weight())
-        return jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+        return target.cap_logits(jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32))
 
     # -- heads ---------------------------------------------------------------------
 

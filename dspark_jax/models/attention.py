@@ -9,7 +9,9 @@ Implements docs/design.md#attention-backends. :func:`attend` has the contract of
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` with per-row key/value
   lengths and a per-query mask (fp16/bf16 only: a float32 target keeps the ``xla`` path);
 * ``pallas_tpu``: JAX's Pallas ragged paged attention kernel, the contiguous cache rows viewed as
-  pages, one kernel "sequence" per query;
+  pages, one kernel "sequence" per query (with the kernel's static ``sliding_window`` when every
+  layer slides by the same window; a per-layer traced window is refused by name, and ``auto``
+  takes ``xla`` for it);
 * ``auto``: ``cudnn`` on a CUDA GPU for fp16/bf16, ``pallas_tpu`` on a TPU, else ``xla``.
 
 The backend is a static setting (:attr:`~dspark_jax.config.TargetConfig.attention_backend`),
@@ -45,7 +47,9 @@ def current_platform() -> str:
     return platform
 
 
-def select_backend(backend: str, q: Any, k_cache: Any, platform: str | None = None) -> tuple[str, str | None]:
+def select_backend(
+    backend: str, q: Any, k_cache: Any, platform: str | None = None, *, traced_window: bool = False
+) -> tuple[str, str | None]:
     """The implementation that runs, and why a requested one does not.
 
     Args:
@@ -53,25 +57,42 @@ def select_backend(backend: str, q: Any, k_cache: Any, platform: str | None = No
       q: the queries ``[B, T, n_heads, hd]`` (anything with ``shape`` and ``dtype``).
       k_cache: the key cache ``[L, B', S, n_kv_heads, hd]`` (likewise).
       platform: as :func:`current_platform` (default: the current one).
+      traced_window: the layer's sliding window is a traced value (a model mixing sliding and
+        full layers): the Pallas kernel takes a static window only.
     Returns:
       ``(name, reason)``: ``name`` in ``xla``/``cudnn``/``pallas_tpu``; ``reason`` is None unless a
       requested (or, for ``auto``, the platform's) backend fell back to ``xla``.
     Raises:
-      ValueError: an unknown backend name.
+      ValueError: an unknown backend name, or ``pallas_tpu`` asked for by name with ``traced_window``.
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {ATTENTION_BACKENDS}")
+    if traced_window and backend == "pallas_tpu":
+        raise ValueError("attention backend 'pallas_tpu' does not implement a per-layer (traced) sliding window")
     if backend == "xla":
         return "xla", None
     platform = platform or current_platform()
     want = backend if backend != "auto" else {"gpu": "cudnn", "tpu": "pallas_tpu"}.get(platform)
     if want is None:
         return "xla", None
+    if traced_window and want == "pallas_tpu":
+        return "xla", "a per-layer (traced) sliding window is not implemented by the Pallas kernel path"
     reason = (cudnn_unfit if want == "cudnn" else pallas_tpu_unfit)(q, k_cache, platform)
     return (want, None) if reason is None else ("xla", reason)
 
 
-def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, q_pos: jax.Array, *, backend: str = "auto"):
+def attend(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer,
+    q_pos: jax.Array,
+    *,
+    backend: str = "auto",
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: jax.Array | int | None = None,
+):
     """Grouped-query attention over one layer of a static KV cache, by the chosen backend
     (docs/design.md#attention-backends).
 
@@ -83,19 +104,29 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, q_pos: j
       q_pos: ``[B, T]`` int32 last visible slot of each query; ``< 0``: sees nothing (output 0).
       backend: static, one of :data:`~dspark_jax.config.ATTENTION_BACKENDS`; a backend that does
         not fit falls back to ``xla`` (:func:`select_backend`), logged once per reason.
+      scale / softcap: static score scale (None: ``hd ** -0.5``) and soft-cap (None: none), as
+        :func:`~dspark_jax.models.layers.score_scale` and :func:`~dspark_jax.models.layers.soft_cap`;
+        either one runs the ``xla`` path.
+      window: None (full attention) or the layer's sliding window W (a static int, or an int32
+        scalar, traced): a query then sees only the slots ``q_pos - W < s <= q_pos``.
     Returns:
       ``[B, T, n_heads * hd]`` in the dtype of ``q``.
     Raises:
-      ValueError: an unknown backend name.
+      ValueError: an unknown backend name; ``pallas_tpu`` by name with a traced window.
     """
-    name, reason = select_backend(backend, q, k_cache)
+    traced = window is not None and not isinstance(window, int)
+    name, reason = select_backend(backend, q, k_cache, traced_window=traced)
+    if name != "xla" and (scale is not None or softcap is not None):
+        name, reason = "xla", "a query scale or attention soft-cap (Gemma) runs on the xla path"
     if reason is not None:
         _note_fallback(backend, reason)
     if name == "cudnn":
-        return cudnn_attention(q, k_cache, v_cache, layer, q_pos)
+        return cudnn_attention(q, k_cache, v_cache, layer, q_pos, window=window)
     if name == "pallas_tpu":
-        return pallas_tpu_attention(q, k_cache, v_cache, layer, q_pos)
-    return cached_attention(q, k_cache, v_cache, layer, q_pos)
+        if window is None:
+            return pallas_tpu_attention(q, k_cache, v_cache, layer, q_pos)
+        return pallas_tpu_attention(q, k_cache, v_cache, layer, q_pos, window=int(window))
+    return cached_attention(q, k_cache, v_cache, layer, q_pos, window=window, scale=scale, softcap=softcap)
 
 
 def _note_fallback(backend: str, reason: str) -> None:
@@ -148,8 +179,9 @@ class CudnnArguments(NamedTuple):
     Attributes:
       k, v: ``[B, S, n_kv_heads, hd]`` the layer's first ``B`` cache rows, in the queries' dtype
         (GQA: ``dot_product_attention`` groups ``n_heads // n_kv_heads`` query heads per KV head).
-      mask: ``[B, 1, T, S]`` bool, True where query ``(b, t)`` sees slot ``s`` (``s <= q_pos[b, t]``);
-        broadcast over heads (cuDNN turns it into an additive bias).
+      mask: ``[B, 1, T, S]`` bool, True where query ``(b, t)`` sees slot ``s`` (``s <= q_pos[b, t]``,
+        and ``s > q_pos[b, t] - W`` with a window W); broadcast over heads (cuDNN turns it into an
+        additive bias).
       kv_lens: ``[B]`` int32 key/value length of each row, ``max_t q_pos[b, t] + 1`` clipped into
         ``[1, S]``: cuDNN skips the key blocks past it, so the cost follows the live length.
     """
@@ -160,7 +192,9 @@ class CudnnArguments(NamedTuple):
     kv_lens: jax.Array
 
 
-def cudnn_arguments(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, q_pos: jax.Array) -> CudnnArguments:
+def cudnn_arguments(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, q_pos: jax.Array, window=None
+) -> CudnnArguments:
     """The keys, values, mask and lengths for ``dot_product_attention`` (arguments as :func:`attend`).
 
     ``dot_product_attention``'s own ``is_causal`` is aligned top-left (query ``t`` sees key ``t``),
@@ -170,7 +204,11 @@ def cudnn_arguments(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer,
     b, s = q.shape[0], k_cache.shape[2]
     k = _layer_rows(k_cache, layer, b, q.dtype)
     v = _layer_rows(v_cache, layer, b, q.dtype)
-    mask = (jnp.arange(s, dtype=jnp.int32)[None, None, :] <= q_pos[:, :, None])[:, None]
+    slots = jnp.arange(s, dtype=jnp.int32)[None, None, :]
+    mask = slots <= q_pos[:, :, None]
+    if window is not None:
+        mask = mask & (slots > q_pos[:, :, None] - window)
+    mask = mask[:, None]
     kv_lens = jnp.clip(jnp.max(q_pos, axis=1) + 1, 1, s).astype(jnp.int32)
     return CudnnArguments(k, v, mask, kv_lens)
 
@@ -183,6 +221,7 @@ def cudnn_attention(
     q_pos: jax.Array,
     *,
     implementation: Literal["xla", "cudnn"] | None = "cudnn",
+    window: jax.Array | int | None = None,
 ) -> jax.Array:
     """:func:`attend` by ``jax.nn.dot_product_attention`` (arguments and result as :func:`attend`).
 
@@ -191,7 +230,7 @@ def cudnn_attention(
     ``q_pos < 0`` (which ``dot_product_attention`` would average over masked keys) gives exactly 0.
     """
     b, t, nh, hd = q.shape
-    a = cudnn_arguments(q, k_cache, v_cache, layer, q_pos)
+    a = cudnn_arguments(q, k_cache, v_cache, layer, q_pos, window)
     out = jax.nn.dot_product_attention(
         q, a.k, a.v, mask=a.mask, key_value_seq_lengths=a.kv_lens, implementation=implementation
     )
@@ -300,12 +339,16 @@ def pallas_tpu_attention(
     *,
     page_size: int | None = None,
     kernel=None,
+    window: int | None = None,
 ) -> jax.Array:
     """:func:`attend` by JAX's Pallas ragged paged attention (arguments and result as :func:`attend`).
 
     Args:
       page_size: slots per page (default :func:`page_size_for` the cache length).
-      kernel: the function called with :class:`RaggedPagedArguments` and ``sm_scale``; default
+      window: static sliding window W (the kernel's ``sliding_window``: a query sees the keys
+        ``q_pos - W < s <= q_pos``), or None.
+      kernel: the function called with :class:`RaggedPagedArguments` and ``sm_scale`` (and
+        ``sliding_window`` with a window); default
         ``jax.experimental.pallas.ops.tpu.ragged_paged_attention.ragged_paged_attention`` (TPU
         only). The CPU tests pass JAX's ``ref_ragged_paged_attention`` (eager: it loops in Python).
     Raises:
@@ -318,6 +361,7 @@ def pallas_tpu_attention(
     if kernel is None:
         from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention as kernel
     a = ragged_paged_arguments(q, k_cache, v_cache, layer, q_pos, page_size)
-    out = kernel(*a, sm_scale=float(hd) ** -0.5).reshape(b, t, nh, hd)
+    extra = {} if window is None else {"sliding_window": int(window)}
+    out = kernel(*a, sm_scale=float(hd) ** -0.5, **extra).reshape(b, t, nh, hd)
     out = jnp.where((q_pos >= 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
     return out.reshape(b, t, nh * hd).astype(q.dtype)

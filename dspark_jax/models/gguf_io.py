@@ -4,8 +4,8 @@
 float32 in the canonical layout of :mod:`dspark_jax.models.weights`. Uses the ``gguf``
 package (memory-mapped reader), imported when a file is opened.
 
-Exact or refused: an ``{arch}.*`` metadata key outside :data:`GGUF_ARCH_KEYS` (a sliding window, a
-soft-cap, experts, ...) and a tensor the loader does not read are refused by name.
+Exact or refused: an ``{arch}.*`` metadata key outside :data:`GGUF_ARCH_KEYS` (a soft-cap,
+experts, ...) and a tensor the loader does not read are refused by name.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ GGUF_ARCH_KEYS = frozenset(
     {"block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
      "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
      "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count",
+     "attention.sliding_window", "attention.sliding_window_pattern",
      "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
      "rope.scaling.finetuned", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
      "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.attn_factor",
@@ -142,11 +143,13 @@ def gguf_config(path: Any) -> TargetConfig:
     vocab = len(tokens.data) if tokens is not None else int(tensors["token_embd.weight"].shape[-1])
     bos = meta("tokenizer.ggml.bos_token_id")
     eos = [meta("tokenizer.ggml.eos_token_id"), meta("tokenizer.ggml.eot_token_id")]
+    n_layers = int(meta(f"{arch}.block_count", required=True))
+    layer_types, window = gguf_attention_windows(meta, arch, n_layers, fname.name)
     return TargetConfig(
         vocab_size=vocab,
         hidden_size=H,
         intermediate_size=int(meta(f"{arch}.feed_forward_length", required=True)),
-        num_layers=int(meta(f"{arch}.block_count", required=True)),
+        num_layers=n_layers,
         num_heads=nh,
         num_kv_heads=nkv,
         head_dim=hd,
@@ -160,7 +163,45 @@ def gguf_config(path: Any) -> TargetConfig:
         bos_id=None if bos is None else int(bos),
         eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         name=fname.stem,
+        layer_types=layer_types,
+        sliding_window=window,
     )
+
+
+def gguf_attention_windows(meta: Any, arch: str, n_layers: int, fname: str) -> tuple[tuple[str, ...], int | None]:
+    """Per-layer attention kinds and the sliding window from ``{arch}.attention.sliding_window``
+    (0 or absent: full attention) and ``{arch}.attention.sliding_window_pattern`` (one bool per
+    layer, True: sliding), as :attr:`TargetConfig.layer_types` / :attr:`TargetConfig.sliding_window`.
+
+    A window without a pattern slides every layer for ``llama`` (Mistral's meaning). llama.cpp's
+    converter writes Mistral as ``llama`` *without* the window, so such a file cannot be told
+    from full attention: it loads as full attention (docs/design.md#sliding-window-attention).
+
+    Args:
+      meta: ``meta(key, default)`` metadata reader; fname: the file name for messages.
+    Raises:
+      DSparkInputError: a pattern of the wrong length, or a window without a pattern for an
+        architecture whose sliding layers it does not determine.
+    """
+    window = int(meta(f"{arch}.attention.sliding_window", 0) or 0)
+    if window <= 0:
+        return (), None
+    pattern = meta(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, int):
+        raise DSparkInputError(f"GGUF file {fname}: an integer sliding_window_pattern ({pattern}) is not supported")
+    if pattern is None:
+        if arch != "llama":
+            raise DSparkInputError(
+                f"GGUF file {fname}: {arch}.attention.sliding_window without a sliding_window_pattern "
+                "(which layers slide is unknown)"
+            )
+        pattern = [True] * n_layers
+    pattern = [bool(x) for x in pattern]
+    if len(pattern) != n_layers:
+        raise DSparkInputError(f"GGUF file {fname}: sliding_window_pattern has {len(pattern)} entries, not {n_layers}")
+    if not any(pattern):
+        return (), None
+    return tuple("sliding_attention" if x else "full_attention" for x in pattern), window
 
 
 def load_gguf(path: Any) -> tuple[TargetConfig, Params]:

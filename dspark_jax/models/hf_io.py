@@ -1,4 +1,6 @@
-"""Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` safetensors directories.
+"""Hugging Face ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` /
+``Qwen3ForCausalLM`` / ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM`` (``gemma3_text``)
+safetensors directories.
 
 :func:`hf_config` reads ``config.json`` (via ``transformers.AutoConfig``),
 ``generation_config.json`` and the safetensors headers; :func:`load_hf_dir` reads the
@@ -37,6 +39,14 @@ HF_LAYER_TENSORS = {
     "w_up": "mlp.up_proj",
     "w_down": "mlp.down_proj",
 }
+# Gemma 2/3 name their norms around the attention and the MLP ("sandwich" norms) differently.
+GEMMA_LAYER_TENSORS = {
+    **HF_LAYER_TENSORS,
+    "post_attn_norm": "post_attention_layernorm",
+    "mlp_norm": "pre_feedforward_layernorm",
+    "post_mlp_norm": "post_feedforward_layernorm",
+}
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 # Qwen2's q/k/v biases: this project's name -> the Hugging Face tensor under ``layers.{i}.``.
 HF_BIAS_TENSORS = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
 # Tensors a checkpoint may hold that the model does not use (transformers ignores them too).
@@ -70,11 +80,9 @@ def _read_st(entry: tuple[Path, str, tuple[int, ...], int, int]) -> np.ndarray:
     return owned_f32(a).reshape(shape)
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-
-
-def _all_full(types: Any) -> bool:
-    return types is None or all(t == "full_attention" for t in types)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+# Config keys of the Gemma families that _gemma_fields reads (the general refusal rule skips them).
+GEMMA_CONFIG_KEYS = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "hidden_activation")
 
 
 # The config keys that change the model's math beyond what TargetConfig expresses, each with the
@@ -82,8 +90,6 @@ def _all_full(types: Any) -> bool:
 # config is not checked; anything else is refused by _refuse_unimplemented, naming the feature.
 # (rope_parameters / rope_scaling are read, and refused where unimplemented, by models.rope.)
 HF_MATH_KEYS: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
-    ("use_sliding_window", "sliding-window attention", lambda v: not v),
-    ("layer_types", "per-layer attention types other than full attention", _all_full),
     ("attn_logit_softcapping", "attention logit soft-capping", lambda v: v is None),
     ("final_logit_softcapping", "final logit soft-capping", lambda v: v is None),
     ("query_pre_attn_scalar", "a query pre-attention scalar", lambda v: v is None),
@@ -137,17 +143,24 @@ def hf_target_config(
         raise DSparkInputError(
             f"{where}: model_type {c.model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    gemma = _gemma_fields(c, where) if c.model_type in GEMMA_MODEL_TYPES else {}
     cfg_dict = c.to_dict()
     if c.model_type == "qwen2":  # Qwen2's q/k/v biases are architectural, not the attention_bias key
         cfg_dict.pop("attention_bias", None)
+    for key in GEMMA_CONFIG_KEYS if gemma else ():  # read (and refused where unimplemented) by _gemma_fields
+        cfg_dict.pop(key, None)
     _refuse_unimplemented(cfg_dict, where)
-    rp = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None)
-    theta, scaling = hf_rope_scaling(rp, max_position=c.max_position_embeddings, where=where)
+    if gemma:
+        theta, scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
+    else:
+        rp = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None)
+        theta, scaling = hf_rope_scaling(rp, max_position=c.max_position_embeddings, where=where)
     theta = theta if theta is not None else getattr(c, "rope_theta", None) or 10000.0
     eos = list(c.eos_token_id) if isinstance(c.eos_token_id, (list, tuple)) else [c.eos_token_id]
     eos += list(generation_eos) if isinstance(generation_eos, (list, tuple)) else [generation_eos]
     nh = c.num_attention_heads
     tie = bool(getattr(c, "tie_word_embeddings", False)) or lm_head_in_weights is False
+    layer_types, window = hf_attention_windows(c, where)
     return TargetConfig(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
@@ -161,12 +174,94 @@ def hf_target_config(
         rope_scaling=scaling,
         rms_eps=float(c.rms_norm_eps),
         tie_embeddings=tie,
-        qk_norm=c.model_type == "qwen3",
+        qk_norm=c.model_type in ("qwen3", "gemma3_text"),
         qkv_bias=c.model_type == "qwen2",
         bos_id=c.bos_token_id,
         eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         name=name,
+        layer_types=layer_types,
+        sliding_window=window,
+        **gemma,
     )
+
+
+def _gemma_fields(c: Any, where: str) -> dict[str, Any]:
+    """The Gemma 2 / Gemma 3 text parts of a :class:`TargetConfig` (with ``rope_theta`` / ``rope_scaling``:
+    the full-attention layers' RoPE), read from a ``Gemma2Config`` / ``Gemma3TextConfig`` as transformers applies them.
+
+    Gemma 3 ignores ``attn_logit_softcapping`` (transformers' Gemma 3 attention never passes it on),
+    so only Gemma 2 soft-caps attention scores.
+
+    Raises:
+      DSparkInputError: a part not implemented exactly: RoPE scaling on sliding layers (or one
+        :func:`~dspark_jax.models.rope.hf_rope_scaling` refuses), bidirectional attention, an
+        activation other than ``gelu_pytorch_tanh``.
+    """
+    act = getattr(c, "hidden_activation", None) or getattr(c, "hidden_act", None)
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise DSparkInputError(f"{where}: activation {act!r} is not supported for {c.model_type} (gelu_pytorch_tanh)")
+    if getattr(c, "use_bidirectional_attention", False):
+        raise DSparkInputError(f"{where}: bidirectional attention (use_bidirectional_attention) is not supported")
+    types = list(getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers)
+    if bad := sorted(set(types) - {"full_attention", "sliding_attention"}):
+        raise DSparkInputError(f"{where}: layer_types {bad} are not supported")
+    rp = dict(getattr(c, "rope_parameters", None) or {})
+    per_type = rp if rp and all(isinstance(v, dict) for v in rp.values()) else {t: rp for t in set(types)}
+    mp = c.max_position_embeddings
+    rope = {t: hf_rope_scaling(per_type.get(t), max_position=mp, where=f"{where} ({t} layers)") for t in set(types)}
+    theta, scaling = rope.get("full_attention", (None, None))
+    local_theta, local_scaling = rope.get("sliding_attention", (None, None))
+    if local_scaling is not None:
+        raise DSparkInputError(f"{where}: RoPE scaling {local_scaling.rope_type!r} on sliding layers is not supported")
+    theta = theta if theta is not None else getattr(c, "rope_theta", None) or 10000.0
+    if local_theta is not None and "full_attention" not in types:  # every layer slides: one RoPE
+        theta, local_theta = local_theta, None
+    local_alike = local_theta is None or (local_theta, scaling) == (theta, None)  # one RoPE for every layer
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    qpas = getattr(c, "query_pre_attn_scalar", None)
+    return {
+        "rope_theta": float(theta),
+        "rope_scaling": scaling,
+        "sliding_rope_theta": None if local_alike or local_theta is None else float(local_theta),
+        "norm_offset": 1.0,
+        "embed_scale": float(np.float32(c.hidden_size**0.5)),  # transformers: a float32 tensor
+        "mlp_activation": "gelu_tanh",
+        "sandwich_norms": True,
+        "attn_logit_softcap": getattr(c, "attn_logit_softcapping", None) if c.model_type == "gemma2" else None,
+        "final_logit_softcap": getattr(c, "final_logit_softcapping", None),
+        "query_scale": None if qpas in (None, hd) else float(qpas) ** -0.5,
+    }
+
+
+def hf_attention_windows(c: Any, where: str) -> tuple[tuple[str, ...], int | None]:
+    """The per-layer attention kinds and the sliding window of a ``transformers`` config, as
+    :attr:`TargetConfig.layer_types` / :attr:`TargetConfig.sliding_window` (``((), None)`` when
+    every layer attends fully).
+
+    Mistral slides every layer when ``sliding_window`` is set. Qwen3's config object has already
+    resolved ``use_sliding_window`` / ``max_window_layers`` into ``layer_types`` (layers from
+    ``max_window_layers`` on slide) and cleared ``sliding_window`` unless ``use_sliding_window``.
+    Other families take ``layer_types`` as given.
+
+    Raises:
+      DSparkInputError: a ``layer_types`` value that is not implemented, a sliding layer without
+        a window, or a list of the wrong length.
+    """
+    n = c.num_hidden_layers
+    window = getattr(c, "sliding_window", None)
+    if c.model_type == "mistral":
+        types = ["sliding_attention"] * n if window is not None else []
+    else:
+        types = list(getattr(c, "layer_types", None) or [])
+    if bad := sorted(set(types) - {"full_attention", "sliding_attention"}):
+        raise DSparkInputError(f"{where}: layer_types {bad} are not supported (full_attention, sliding_attention)")
+    if "sliding_attention" not in types:
+        return (), None
+    if len(types) != n:
+        raise DSparkInputError(f"{where}: layer_types lists {len(types)} layers, the model has {n}")
+    if window is None or int(window) < 1:
+        raise DSparkInputError(f"{where}: sliding_attention layers without a sliding_window (got {window!r})")
+    return tuple(types), int(window)
 
 
 def _hf_dir_config(path: Path, index: dict | None) -> TargetConfig:
@@ -235,7 +330,7 @@ def load_hf_dir(path: str | Path) -> tuple[TargetConfig, Params]:
             else f"model.layers.{i}.{hf[key]}.weight"
         )
 
-    hf = HF_LAYER_TENSORS
+    hf = GEMMA_LAYER_TENSORS if cfg.sandwich_norms else HF_LAYER_TENSORS
     names = {**{k: f"{v}.weight" for k, v in hf.items()}, **HF_BIAS_TENSORS}
     layers = stack_layers(cfg, layer_tensor, lambda i, key: f"{path}: layer {i} {names[key]}")
     params = canonical_params(

@@ -45,11 +45,44 @@ class KVCache(NamedTuple):
         return self.k.shape[2]
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm: ``x / sqrt(mean(x^2) + eps) * weight``, statistics in float32."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm: ``x / sqrt(mean(x^2) + eps) * (offset + weight)``, all in float32, cast back to
+    ``x``'s dtype. ``offset`` (static) is 1 for Gemma's ``1 + w`` norms."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+    w = weight.astype(jnp.float32)
+    return (y * (w + offset if offset else w)).astype(x.dtype)
+
+
+def apply_rope_table(x: jax.Array, positions: jax.Array, inv_freq, mscale: float = 1.0) -> jax.Array:
+    """:func:`apply_rope` with the inverse frequencies given: ``inv_freq [head_dim / 2]`` float32
+    (a constant, or traced: a layer's row of a per-layer table), ``x [B, T, heads, head_dim]``,
+    ``positions [B, T]`` int32, ``mscale`` (static) multiplies cos and sin. Returns ``x`` rotated,
+    same shape and dtype."""
+    hd = x.shape[-1]
+    # jnp.asarray without a dtype: the same numpy table for q and k stays one constant of the program
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, hd/2]
+    cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1)[:, :, None, :]
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : hd // 2], xf[..., hd // 2 :]
+    rot = jnp.concatenate([-x2, x1], -1)
+    return (xf * cos + rot * sin).astype(x.dtype)
+
+
+def score_scale(hd: int, scale: float | None = None) -> jax.Array:
+    """The float32 multiplier of the attention scores ``q.k``: ``scale`` (static), default ``hd ** -0.5``."""
+    return 1.0 / jnp.sqrt(jnp.float32(hd)) if scale is None else jnp.float32(scale)
+
+
+def soft_cap(scores: jax.Array, softcap: float | None) -> jax.Array:
+    """``softcap * tanh(scores / softcap)`` (Gemma 2's attention soft-cap, before masking); the scores
+    unchanged when ``softcap`` (static) is None."""
+    if softcap is None:
+        return scores
+    return jnp.tanh(scores / jnp.float32(softcap)) * jnp.float32(softcap)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
@@ -64,21 +97,20 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float, scaling: RopeSc
     Returns:
       ``x`` rotated (and, with YaRN, scaled by its attention factor), same shape and dtype.
     """
-    hd = x.shape[-1]
-    table, mscale = rope_table(float(theta), hd, scaling)
-    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(table)  # [B, T, hd/2]
-    cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1)[:, :, None, :]
-    sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1)[:, :, None, :]
-    if mscale != 1.0:
-        cos, sin = cos * mscale, sin * mscale
-    xf = x.astype(jnp.float32)
-    x1, x2 = xf[..., : hd // 2], xf[..., hd // 2 :]
-    rot = jnp.concatenate([-x2, x1], -1)
-    return (xf * cos + rot * sin).astype(x.dtype)
+    table, mscale = rope_table(float(theta), x.shape[-1], scaling)
+    return apply_rope_table(x, positions, table, mscale)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query scaled dot-product attention.
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> jax.Array:
+    """Grouped-query scaled dot-product attention (``scale``: :func:`score_scale`; ``softcap``: :func:`soft_cap`).
 
     Args:
       q: ``[B, T, n_heads, hd]`` queries.
@@ -93,7 +125,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     rep = nh // nkv
     qg = q.reshape(b, t, nkv, rep, hd)
     scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / jnp.sqrt(jnp.float32(hd)))
+    scores = soft_cap(scores * score_scale(hd, scale), softcap)
     scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
     w = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bgrts,bsgd->btgrd", w, v, preferred_element_type=jnp.float32)
@@ -105,16 +137,26 @@ ATTN_BLOCK = 256
 
 
 def cached_attention(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, q_pos: jax.Array, *, block: int = ATTN_BLOCK
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer,
+    q_pos: jax.Array,
+    *,
+    block: int = ATTN_BLOCK,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: jax.Array | int | None = None,
 ) -> jax.Array:
     """Grouped-query attention over one layer of a static KV cache, at a cost that follows the live length.
 
     Query ``(b, t)`` attends to cache slots ``s <= q_pos[b, t]`` of row ``b``. The slots are read in
     blocks of ``block`` aligned to absolute positions, by a ``lax.fori_loop`` whose trip count is
     ``ceil((max(q_pos) + 1) / block)`` (a traced value): blocks past the longest row are never read,
-    so the cost does not depend on how many slots the cache was allocated with. A cache of at most
-    one block is read in one pass, without the loop. The softmax is
-    accumulated online in float32; a block entirely masked for a row adds exact zeros to it, so a
+    so the cost does not depend on how many slots the cache was allocated with. With a sliding
+    ``window`` the loop also starts at the first block any query sees, so the cost follows the
+    window rather than the context. A cache of at most one block is read in one pass, without the
+    loop. The softmax is accumulated online in float32; a block entirely masked for a row adds exact zeros to it, so a
     row's output does not depend on its batch-mates' lengths nor on the cache length.
 
     Args:
@@ -124,24 +166,40 @@ def cached_attention(
       layer: int32 scalar (traced or static) layer index into the caches' axis 0.
       q_pos: ``[B, T]`` int32 last visible slot of each query; ``< 0``: sees nothing (its output is 0).
       block: static keys per block (clipped to ``S``).
+      scale / softcap: static score scale (:func:`score_scale`) and soft-cap (:func:`soft_cap`).
+      window: None (full causal attention) or an int32 scalar (traced or static) W >= 1: query
+        ``(b, t)`` then sees only the slots ``q_pos[b, t] - W < s <= q_pos[b, t]`` (a sliding window
+        of W tokens, its own included, as transformers' ``sliding_window_overlay``).
     Returns:
       ``[B, T, n_heads * hd]`` in the dtype of ``q``.
     """
     b, t, nh, hd = q.shape
     nkv = k_cache.shape[3]
     qg = q.reshape(b, t, nkv, nh // nkv, hd)
-    m, l, acc = online_attention_stats(qg, k_cache, v_cache, layer, q_pos, block=block)
+    m, l, acc = online_attention_stats(
+        qg, k_cache, v_cache, layer, q_pos, block=block, window=window, scale=scale, softcap=softcap
+    )
     out = acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]  # [B, g, r, T, hd]
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, nh * hd).astype(q.dtype)
 
 
 def online_attention_stats(
-    qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, q_pos: jax.Array, *, block: int = ATTN_BLOCK
+    qg: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer,
+    q_pos: jax.Array,
+    *,
+    block: int = ATTN_BLOCK,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: jax.Array | int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Unnormalised online-softmax statistics of grouped queries over the live blocks of a cache layer.
 
     The loop of :func:`cached_attention` (which documents ``k_cache``, ``v_cache``, ``layer``,
-    ``q_pos`` and ``block``), without the final normalisation, so that a caller can merge more keys.
+    ``q_pos``, ``block`` and ``window``), without the final normalisation, so that a caller can
+    merge more keys.
 
     Args:
       qg: ``[B, T, g, r, hd]`` queries grouped by KV head.
@@ -152,7 +210,7 @@ def online_attention_stats(
     b, t, nkv, rep, hd = qg.shape
     s_len = k_cache.shape[2]
     bs = min(block, s_len)
-    scale = 1.0 / jnp.sqrt(jnp.float32(hd))
+    mult = score_scale(hd, scale)
     n_blocks = (jnp.clip(jnp.max(q_pos) + 1, 1, s_len) + bs - 1) // bs
     layer = jnp.asarray(layer, jnp.int32)
     zero = jnp.zeros((), jnp.int32)
@@ -166,8 +224,10 @@ def online_attention_stats(
         vb = jax.lax.dynamic_slice(v_cache, idx, (1, b, bs, nkv, hd))[0].astype(qg.dtype)
         slots = first + jnp.arange(bs, dtype=jnp.int32)
         ok = (slots >= start)[None, None, :] & (slots[None, None, :] <= q_pos[:, :, None])  # [B, T, bs]
+        if window is not None:
+            ok = ok & (slots[None, None, :] > q_pos[:, :, None] - window)
         ok = ok[:, None, None]  # [B, 1, 1, T, bs]
-        sc = jnp.einsum("btgrd,bsgd->bgrts", qg, kb, preferred_element_type=jnp.float32) * scale
+        sc = soft_cap(jnp.einsum("btgrd,bsgd->bgrts", qg, kb, preferred_element_type=jnp.float32) * mult, softcap)
         sc = jnp.where(ok, sc, _NEG_INF)
         m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
         p = jnp.where(ok, jnp.exp(sc - m_new[..., None]), 0.0)
@@ -180,7 +240,11 @@ def online_attention_stats(
     init = (m0, jnp.zeros_like(m0), jnp.zeros((b, nkv, rep, t, hd), jnp.float32))
     if s_len <= bs:  # one block: no loop (an XLA while costs ~1 ms a layer on CPU)
         return body(jnp.int32(0), init)
-    return jax.lax.fori_loop(0, n_blocks, body, init)
+    if window is None:
+        return jax.lax.fori_loop(0, n_blocks, body, init)
+    # The blocks before the earliest slot any query's window reaches hold nothing visible.
+    lo = jnp.min(jnp.where(q_pos >= 0, q_pos - window + 1, s_len))
+    return jax.lax.fori_loop(jnp.clip(lo, 0, s_len) // bs, n_blocks, body, init)
 
 
 def block_attention_cached(
@@ -224,6 +288,16 @@ def block_attention_cached(
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """SwiGLU MLP: ``(silu(x W_gate) * (x W_up)) W_down``; kernels ``[in, out]``."""
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, activation: str) -> jax.Array:
+    """Gated MLP ``(act(x W_gate) * (x W_up)) W_down`` with ``activation`` (static) ``silu``
+    (:func:`swiglu`) or ``gelu_tanh`` (GELU, tanh approximation: transformers' ``gelu_pytorch_tanh``)."""
+    if activation == "silu":
+        return swiglu(x, w_gate, w_up, w_down)
+    if activation == "gelu_tanh":
+        return (jax.nn.gelu(x @ w_gate, approximate=True) * (x @ w_up)) @ w_down
+    raise ValueError(f"unknown MLP activation {activation!r}")
 
 
 def cache_write(cache: jax.Array, update: jax.Array, positions: jax.Array) -> jax.Array:

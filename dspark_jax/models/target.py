@@ -1,10 +1,13 @@
 """The target model: a Llama-family decoder in Flax NNX with a static KV cache.
 
-Implements docs/design.md#target-model: RMSNorm, RoPE (with its scalings), GQA, SwiGLU,
-optional Qwen2 q/k/v biases and Qwen3 q/k-norm, with per-layer weights stacked on a leading axis and the layer
-loop run by ``lax.scan`` (one compiled layer body whatever the depth). The
-forward pass can return the hidden states of chosen layers ("taps"), which the
-drafter consumes as context features (docs/design.md#context-features).
+Implements docs/design.md#target-model: RMSNorm, RoPE (with its scalings), GQA, SwiGLU, optional
+Qwen2 q/k/v biases and Qwen3 q/k-norm, and per-layer sliding-window attention (Mistral, Qwen3
+sliding layers, Gemma), with per-layer weights stacked on a leading axis and the layer loop run by
+``lax.scan`` (one compiled layer body whatever the depth). The Gemma 2/3 differences are data in
+:class:`~dspark_jax.config.TargetConfig`: ``1 + w`` norms, the scaled embedding, the GELU-tanh
+MLP, sandwich norms, soft-caps, the query scale and a per-layer RoPE (a scan input beside the
+stacked weights). The forward pass can return the hidden states of chosen layers ("taps"), which
+the drafter consumes as context features (docs/design.md#context-features).
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ from flax import nnx
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.models.attention import attend, current_platform
-from dspark_jax.models.layers import KVCache, apply_rope, attention, rms_norm, swiglu
+from dspark_jax.models.layers import KVCache, apply_rope, apply_rope_table, attention, gated_mlp, rms_norm
+from dspark_jax.models.rope import rope_table
 
 _LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 _BIAS_KEYS = ("bq", "bk", "bv")
+_SANDWICH_KEYS = ("post_attn_norm", "post_mlp_norm")
+# The per-layer RoPE inverse frequencies ride in the scan's per-layer inputs under this key.
+ROPE_FREQ_KEY = "rope_freq"
 
 
 class TargetOutput(NamedTuple):
@@ -39,6 +46,32 @@ class TargetOutput(NamedTuple):
     logits: jax.Array
     features: jax.Array | None
     cache: KVCache | None
+
+
+FULL_WINDOW = 1 << 30
+"""A full-attention layer's entry in the per-layer window table of a model with sliding layers
+(wider than any cache, small enough that ``position - FULL_WINDOW`` stays in int32)."""
+
+
+def layer_window_table(cfg: TargetConfig) -> jax.Array | None:
+    """``[L]`` int32 window of every layer (:data:`FULL_WINDOW` for a full-attention layer), or
+    None when no layer slides (the programs of such a model carry no window at all)."""
+    if not cfg.has_sliding_layers:
+        return None
+    return jnp.asarray([FULL_WINDOW if w is None else w for w in cfg.layer_windows()], jnp.int32)
+
+
+def layer_window(cfg: TargetConfig, li: jax.Array) -> jax.Array | int | None:
+    """The sliding window of layer ``li``: None when no layer slides; a static int when every
+    layer slides by the same window (Mistral: what the Pallas kernel path takes); else the int32
+    scalar ``layer_window_table(cfg)[li]`` (traced)."""
+    if not cfg.has_sliding_layers:
+        return None
+    if cfg.uniform_window is not None:
+        return cfg.uniform_window
+    table = layer_window_table(cfg)
+    assert table is not None
+    return table[li]
 
 
 # Up to this many positions, a tied LM head on the CPU runs as a row reduction (tied_head_row_reduce).
@@ -70,23 +103,28 @@ def random_params(cfg: TargetConfig, seed: int = 0, scale: float = 0.05) -> dict
     def n(*shape):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
+    one = np.float32(1 - cfg.norm_offset)  # norm weights near 1 after the offset
+
     layers = {
-        "attn_norm": 1 + n(L, H),
+        "attn_norm": one + n(L, H),
         "wq": n(L, H, qd),
         "wk": n(L, H, kd),
         "wv": n(L, H, kd),
         "wo": n(L, qd, H),
-        "mlp_norm": 1 + n(L, H),
+        "mlp_norm": one + n(L, H),
         "w_gate": n(L, H, I),
         "w_up": n(L, H, I),
         "w_down": n(L, I, H),
     }
     if cfg.qk_norm:
-        layers["q_norm"] = 1 + n(L, cfg.head_dim)
-        layers["k_norm"] = 1 + n(L, cfg.head_dim)
+        layers["q_norm"] = one + n(L, cfg.head_dim)
+        layers["k_norm"] = one + n(L, cfg.head_dim)
     if cfg.qkv_bias:
         layers.update(bq=n(L, qd), bk=n(L, kd), bv=n(L, kd))
-    params = {"embed": n(cfg.vocab_size, H) * 10, "layers": layers, "final_norm": 1 + n(H)}
+    if cfg.sandwich_norms:
+        layers["post_attn_norm"] = one + n(L, H)
+        layers["post_mlp_norm"] = one + n(L, H)
+    params = {"embed": n(cfg.vocab_size, H) * 10, "layers": layers, "final_norm": one + n(H)}
     if not cfg.tie_embeddings:
         params["lm_head"] = n(H, cfg.vocab_size)
     return params
@@ -131,11 +169,31 @@ class Target(nnx.Module):
         self.final_norm = cast(params["final_norm"], sh.get("final_norm"))
         self.lm_head = None if cfg.tie_embeddings else cast(params["lm_head"], sh.get("lm_head"))
         keys = _LAYER_KEYS + (("q_norm", "k_norm") if cfg.qk_norm else ()) + (_BIAS_KEYS if cfg.qkv_bias else ())
+        keys += _SANDWICH_KEYS if cfg.sandwich_norms else ()
         self.layers = nnx.Dict({k: cast(params["layers"][k], sh["layers"].get(k)) for k in keys})
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        """``[...]`` int32 token ids -> ``[..., H]`` embeddings."""
-        return jnp.take(self.embed[...], tokens, axis=0)
+        """``[...]`` int32 token ids -> ``[..., H]`` input embeddings (times ``cfg.embed_scale``,
+        cast to the embedding's dtype first, as transformers scales Gemma's)."""
+        e = jnp.take(self.embed[...], tokens, axis=0)
+        return e if self.cfg.embed_scale == 1.0 else e * jnp.asarray(self.cfg.embed_scale, e.dtype)
+
+    def scan_params(self) -> dict[str, jax.Array]:
+        """The per-layer inputs of a layer scan: the stacked weights ``{key: [L, ...]}`` and, when the
+        RoPE base differs between layers, :data:`ROPE_FREQ_KEY` ``[L, head_dim / 2]`` float32."""
+        p = {k: v[...] for k, v in self.layers.items()}
+        if self.cfg.per_layer_rope:
+            p[ROPE_FREQ_KEY] = jnp.asarray(layer_inv_freqs(self.cfg))
+        return p
+
+    def final_normed(self, h: jax.Array) -> jax.Array:
+        """The final RMSNorm of ``h [..., H]`` (same dtype)."""
+        return rms_norm(h, self.final_norm[...], self.cfg.rms_eps, self.cfg.norm_offset)
+
+    def cap_logits(self, logits: jax.Array) -> jax.Array:
+        """``cfg.final_logit_softcap``'s ``c * tanh(logits / c)`` on float32 logits (identity without one)."""
+        c = self.cfg.final_logit_softcap
+        return logits if c is None else jnp.tanh(logits / jnp.float32(c)) * jnp.float32(c)
 
     def lm_head_weight(self) -> jax.Array:
         """``[H, V]`` output projection (the transposed embedding when tied)."""
@@ -154,13 +212,13 @@ class Target(nnx.Module):
 
         With a tied head on the CPU, 2 to :data:`ROW_REDUCE_MAX_TOKENS` positions (a verification
         pass, a small engine step) are unembedded by :func:`tied_head_row_reduce`, the rest by one
-        dot; the two agree to float round-off.
+        dot; the two agree to float round-off. ``cfg.final_logit_softcap`` applies (:meth:`cap_logits`).
         """
-        h = rms_norm(h, self.final_norm[...], self.cfg.rms_eps)
+        h = self.final_normed(h)
         n = int(np.prod(h.shape[:-1]))
         if self.lm_head is None and 1 < n <= ROW_REDUCE_MAX_TOKENS and current_platform() == "cpu":
-            return tied_head_row_reduce(h, self.embed[...])
-        return jnp.dot(h, self.lm_head_weight(), preferred_element_type=jnp.float32)
+            return self.cap_logits(tied_head_row_reduce(h, self.embed[...]))
+        return self.cap_logits(jnp.dot(h, self.lm_head_weight(), preferred_element_type=jnp.float32))
 
     def __call__(
         self,
@@ -178,8 +236,9 @@ class Target(nnx.Module):
           positions: ``[B, T]`` int32 absolute positions (RoPE and cache slots).
           cache: KV cache ``[L, B, S, kvh, hd]``; the block's keys/values are
             written at ``positions`` and each query attends to every cache slot
-            at a position <= its own. Without a cache attention is causal within
-            the block (training and full-sequence scoring).
+            at a position <= its own (on a sliding layer, within its window:
+            ``> position - sliding_window``). Without a cache attention is causal
+            within the block (training and full-sequence scoring), likewise windowed.
           taps: 0-based layer indices whose outputs are returned as features
             (tap ``i`` equals transformers' ``hidden_states[i + 1]`` for
             ``i < L - 1``; tap ``L - 1`` is the last layer's output before the final
@@ -196,18 +255,21 @@ class Target(nnx.Module):
         x = self.embed_tokens(tokens).astype(self.dtype)
         taps = tuple(int(t) for t in taps)
         _check_taps(cfg, taps)
-        layer_params = {k: v[...] for k, v in self.layers.items()}
+        layer_params = self.scan_params()
 
         if cache is None:
             causal = positions[:, None, :] <= positions[:, :, None]
             mask = causal if attn_mask is None else causal & attn_mask
+            windows = layer_window_table(cfg)
 
-            def layer(h, p):
+            def layer(h, xs):
+                p, w = (xs, None) if windows is None else xs
+                m = mask if w is None else mask & (positions[:, None, :] > positions[:, :, None] - w)
                 q, k, v = _qkv(cfg, p, h, positions)
-                h = _attn_out_and_mlp(cfg, p, h, attention(q, k, v, mask))
+                h = _attn_out_and_mlp(cfg, p, h, attention(q, k, v, m, **attention_options(cfg)))
                 return h, (h if taps else None)
 
-            x, hidden = jax.lax.scan(layer, x, layer_params)
+            x, hidden = jax.lax.scan(layer, x, layer_params if windows is None else (layer_params, windows))
             new_cache = None
         else:
             # The cache rides in the scan carry and is written in place at the block's positions;
@@ -221,7 +283,17 @@ class Target(nnx.Module):
                 q, k, v = _qkv(cfg, p, h, positions)
                 ck = ck.at[li, b_idx, wpos].set(k.astype(ck.dtype), mode="drop")
                 cv = cv.at[li, b_idx, wpos].set(v.astype(cv.dtype), mode="drop")
-                h = _attn_out_and_mlp(cfg, p, h, attend(q, ck, cv, li, positions, backend=cfg.attention_backend))
+                a = attend(
+                    q,
+                    ck,
+                    cv,
+                    li,
+                    positions,
+                    backend=cfg.attention_backend,
+                    window=layer_window(cfg, li),
+                    **attention_options(cfg),
+                )
+                h = _attn_out_and_mlp(cfg, p, h, a)
                 return (h, ck, cv, li + 1), (h if taps else None)
 
             (x, nk, nv, _), hidden = jax.lax.scan(cached_layer, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
@@ -275,7 +347,7 @@ class Target(nnx.Module):
         cfg = self.cfg
         taps = tuple(int(t) for t in taps)
         geo = _packed_geometry(rows, cols, positions, cache.length, num_rows, width)
-        layer_params = {k: v[...] for k, v in self.layers.items()}
+        layer_params = self.scan_params()
         x = self.embed_tokens(tokens).astype(self.dtype)[None]  # [1, K, H]
         layer = functools.partial(_packed_layer, cfg, geo, bool(taps))
         _check_taps(cfg, taps)
@@ -298,16 +370,16 @@ def _qkv(cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, positions: ja
     Returns:
       ``(q [B, T, nh, hd], k [B, T, kvh, hd], v [B, T, kvh, hd])``.
     """
-    a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
+    a = rms_norm(h, p["attn_norm"], cfg.rms_eps, cfg.norm_offset)
     b, t, _ = a.shape
     q, k, v = _projections(cfg, p, a)
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_eps)
-    return _rope(cfg, q, positions), _rope(cfg, k, positions), v
+        q = rms_norm(q, p["q_norm"], cfg.rms_eps, cfg.norm_offset)
+        k = rms_norm(k, p["k_norm"], cfg.rms_eps, cfg.norm_offset)
+    return _rope(cfg, p, q, positions), _rope(cfg, p, k, positions), v
 
 
 def _projections(cfg: TargetConfig, p: dict[str, jax.Array], a: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -319,17 +391,58 @@ def _projections(cfg: TargetConfig, p: dict[str, jax.Array], a: jax.Array) -> tu
     return q, k, v
 
 
-def _rope(cfg: TargetConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
-    """The target's RoPE (base and scaling from ``cfg``) on ``x [B, T, heads, hd]`` at ``positions [B, T]``."""
+def _rope(cfg: TargetConfig, p: dict[str, jax.Array], x: jax.Array, positions: jax.Array) -> jax.Array:
+    """RoPE of ``x [B, T, heads, hd]`` at ``positions [B, T]``: the layer's own frequencies
+    (``p[ROPE_FREQ_KEY]``) when they differ between layers, else those of ``cfg.rope_theta`` and
+    ``cfg.rope_scaling`` (a constant table)."""
+    if ROPE_FREQ_KEY in p:
+        return apply_rope_table(x, positions, p[ROPE_FREQ_KEY])
     return apply_rope(x, positions, cfg.rope_theta, cfg.rope_scaling)
+
+
+def layer_inv_freqs(cfg: TargetConfig) -> np.ndarray:
+    """``[L, head_dim / 2]`` float32 RoPE inverse frequencies of every layer: ``cfg.sliding_rope_theta``
+    unscaled on sliding layers, ``cfg.rope_theta`` with ``cfg.rope_scaling`` on the others
+    (:func:`~dspark_jax.models.rope.rope_table`).
+
+    Raises:
+      ValueError: a scaling with a cos/sin factor (YaRN's attention factor) on per-layer RoPE.
+    """
+    full, mscale = rope_table(float(cfg.rope_theta), cfg.head_dim, cfg.rope_scaling)
+    if mscale != 1.0:
+        raise ValueError("per-layer RoPE with a cos/sin attention factor (YaRN) is not implemented")
+    local, _ = rope_table(float(cfg.sliding_rope_theta or cfg.rope_theta), cfg.head_dim, None)
+    return np.stack([local if w is not None else full for w in cfg.layer_windows()]).astype(np.float32)
+
+
+def attention_options(cfg: TargetConfig) -> dict[str, Any]:
+    """The static ``scale`` / ``softcap`` keywords of the attention functions for ``cfg``
+    (empty for the default scale without a soft-cap, so those programs are unchanged)."""
+    opts: dict[str, Any] = {}
+    if cfg.query_scale is not None:
+        opts["scale"] = float(cfg.query_scale)
+    if cfg.attn_logit_softcap is not None:
+        opts["softcap"] = float(cfg.attn_logit_softcap)
+    return opts
+
+
+def _residual_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, attn_out: jax.Array) -> jax.Array:
+    """The residual adds around attention (``attn_out``: after ``wo``) and the gated MLP, with
+    Gemma's sandwich norms when ``cfg.sandwich_norms``. ``h``/result: ``[..., H]``."""
+    off, eps = cfg.norm_offset, cfg.rms_eps
+    if cfg.sandwich_norms:
+        attn_out = rms_norm(attn_out, p["post_attn_norm"], eps, off)
+    h = h + attn_out
+    m = gated_mlp(rms_norm(h, p["mlp_norm"], eps, off), p["w_gate"], p["w_up"], p["w_down"], cfg.mlp_activation)
+    if cfg.sandwich_norms:
+        m = rms_norm(m, p["post_mlp_norm"], eps, off)
+    return h + m
 
 
 def _attn_out_and_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, attn: jax.Array) -> jax.Array:
     """A layer's second half: output projection of ``attn [B, T, nh*hd]`` added to ``h [B, T, H]``,
-    then the SwiGLU MLP with its residual. Returns the new ``[B, T, H]``."""
-    h = h + attn @ p["wo"]
-    m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
-    return h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"])
+    then the gated MLP with its residual (:func:`_residual_mlp`). Returns the new ``[B, T, H]``."""
+    return _residual_mlp(cfg, p, h, attn @ p["wo"])
 
 
 def _tap_features(hidden: jax.Array | None, taps: tuple[int, ...]) -> jax.Array | None:
@@ -409,7 +522,11 @@ def _packed_layer(
     h, ck_all, cv_all, li = carry
     q, ck_all, cv_all = packed_qkv(cfg, p, h, g.rope_pos, g.qrow, g.wpos, ck_all, cv_all, li)
     qg = jnp.zeros((g.num_rows, g.width) + q.shape[1:], q.dtype).at[g.qrow, g.cols].set(q, mode="drop")
-    attn = attend(qg, ck_all, cv_all, li, g.qpos, backend=cfg.attention_backend)[g.grow, g.gcol]  # [K, nh*hd]
+    window = layer_window(cfg, li)
+    attn = attend(
+        qg, ck_all, cv_all, li, g.qpos, backend=cfg.attention_backend, window=window, **attention_options(cfg)
+    )
+    attn = attn[g.grow, g.gcol]  # [K, nh*hd]
     h = packed_attn_out_and_mlp(cfg, p, h, attn)
     return (h, ck_all, cv_all, li + 1), (h[0] if keep_hidden else None)
 
@@ -426,16 +543,16 @@ def packed_qkv(cfg: TargetConfig, p: dict[str, jax.Array], h, rope_pos, row, wpo
       ``(q [K, nh, hd], ck_all, cv_all)``.
     """
     k_tok, kvh, hd = h.shape[1], cfg.num_kv_heads, cfg.head_dim
-    a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
+    a = rms_norm(h, p["attn_norm"], cfg.rms_eps, cfg.norm_offset)
     q, k, v = _projections(cfg, p, a)
     q = q.reshape(1, k_tok, cfg.num_heads, hd)
     k = k.reshape(1, k_tok, kvh, hd)
     v = v.reshape(1, k_tok, kvh, hd)
     if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_eps)
-    q = _rope(cfg, q, rope_pos)[0]
-    k = _rope(cfg, k, rope_pos)[0]
+        q = rms_norm(q, p["q_norm"], cfg.rms_eps, cfg.norm_offset)
+        k = rms_norm(k, p["k_norm"], cfg.rms_eps, cfg.norm_offset)
+    q = _rope(cfg, p, q, rope_pos)[0]
+    k = _rope(cfg, p, k, rope_pos)[0]
     lidx = jnp.full_like(row, li)
     ck_all = ck_all.at[lidx, row, wpos].set(k.astype(ck_all.dtype), mode="drop")
     cv_all = cv_all.at[lidx, row, wpos].set(v[0].astype(cv_all.dtype), mode="drop")
@@ -444,10 +561,8 @@ def packed_qkv(cfg: TargetConfig, p: dict[str, jax.Array], h, rope_pos, row, wpo
 
 def packed_attn_out_and_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h, attn):
     """A packed layer's second half: output projection of ``attn [K, nh*hd]`` added to
-    ``h [1, K, H]``, then the SwiGLU MLP with its residual. Returns the new ``[1, K, H]``."""
-    h = h + (attn @ p["wo"])[None]
-    m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
-    return h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"])
+    ``h [1, K, H]``, then the gated MLP with its residual. Returns the new ``[1, K, H]``."""
+    return _residual_mlp(cfg, p, h, (attn @ p["wo"])[None])
 
 
 def _check_params(cfg: TargetConfig, params: dict[str, Any]) -> None:
@@ -466,6 +581,8 @@ def _check_params(cfg: TargetConfig, params: dict[str, Any]) -> None:
     }
     if cfg.qk_norm:
         want.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
+    if cfg.sandwich_norms:
+        want.update(post_attn_norm=(L, H), post_mlp_norm=(L, H))
     if cfg.qkv_bias:
         want.update(bq=(L, qd), bk=(L, kd), bv=(L, kd))
     got = params.get("layers", {})

@@ -10,6 +10,7 @@ leading axis ``L``)::
      "layers": {"attn_norm": [L, H], "wq": [L, H, nH*hd], "wk": [L, H, nKV*hd],
                 "wv": [L, H, nKV*hd], "wo": [L, nH*hd, H],
                 "q_norm": [L, hd], "k_norm": [L, hd],        # only if cfg.qk_norm
+                "post_attn_norm": [L, H], "post_mlp_norm": [L, H],  # only if cfg.sandwich_norms
                 "bq": [L, nH*hd], "bk": [L, nKV*hd], "bv": [L, nKV*hd],  # only if cfg.qkv_bias
                 "mlp_norm": [L, H], "w_gate": [L, H, I], "w_up": [L, H, I],
                 "w_down": [L, I, H]},
@@ -69,6 +70,8 @@ def target_param_shapes(cfg: TargetConfig) -> dict[str, Any]:
     }
     if cfg.qk_norm:
         layers.update(q_norm=(L, hd), k_norm=(L, hd))
+    if cfg.sandwich_norms:
+        layers.update(post_attn_norm=(L, H), post_mlp_norm=(L, H))
     if cfg.qkv_bias:
         layers.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
     shapes: dict[str, Any] = {"embed": (cfg.vocab_size, H), "layers": layers, "final_norm": (H,)}

@@ -32,7 +32,6 @@ import jax.numpy as jnp
 import optax
 
 from dspark_jax.drafters.base import BlockDrafter, Drafter
-from dspark_jax.models.layers import rms_norm
 from dspark_jax.models.target import Target
 
 # The drafters the loss trains: every kind (block drafters, dspark / dflash, with their
@@ -137,9 +136,9 @@ def target_draft_probs(
     ids = None if drafter is None else drafter.draft_vocab_ids()
     if t_logits is None and ids is not None and lse is not None:
         assert hidden is not None
-        h = rms_norm(hidden.astype(target.dtype), target.final_norm[...], target.cfg.rms_eps)
+        h = target.final_normed(hidden.astype(target.dtype))
         rows = target.lm_head_rows(ids)  # [N, H]
-        logits = jnp.einsum("...h,nh->...n", h, rows, preferred_element_type=jnp.float32)
+        logits = target.cap_logits(jnp.einsum("...h,nh->...n", h, rows, preferred_element_type=jnp.float32))
         p = jnp.exp(logits - lse.astype(jnp.float32)[..., None])
         # The cached logsumexp comes from another program's matrix product (and exp is rounded):
         # where nearly all the mass lies on the draft vocabulary its sum can come out a few 1e-6

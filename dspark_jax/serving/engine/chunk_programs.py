@@ -49,7 +49,7 @@ from dspark_jax.decoding.round import token_keys
 from dspark_jax.models import sharding as shd
 from dspark_jax.models.layers import KVCache, attention
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample
-from dspark_jax.models.target import packed_attn_out_and_mlp, packed_qkv
+from dspark_jax.models.target import attention_options, layer_window, packed_attn_out_and_mlp, packed_qkv
 from dspark_jax.serving.engine.state import PrefixArrays
 from dspark_jax.serving.engine.step_programs import apply_bias, draft, logprobs, write_context
 
@@ -124,7 +124,9 @@ class _ChunkGeometry(NamedTuple):
       lane: ``[T]`` staging lane of each token; blk_lane: ``[T / g]`` lane of each block.
       wpos: ``[T]`` cache slot written (``S``, out of range, for padding: dropped write).
       rope_pos: ``[1, T]`` RoPE positions (clipped into the cache).
-      mask: ``[T / g, g, span]`` bool, token ``(b, i)`` may read lane slot ``s``.
+      mask: ``[T / g, g, span]`` bool, token ``(b, i)`` may read lane slot ``s`` (causally; a
+        sliding layer narrows it to its window with ``qpos``).
+      qpos: ``[T / g, g]`` int32 absolute position of each token (< 0: padding).
       span / block / k_tok: static attention span, block size g and T.
     """
 
@@ -133,6 +135,7 @@ class _ChunkGeometry(NamedTuple):
     wpos: jax.Array
     rope_pos: jax.Array
     mask: jax.Array
+    qpos: jax.Array
     span: int
     block: int
     k_tok: int
@@ -145,7 +148,7 @@ def _geometry(pos, blk_lane, s_len: int, span: int, block: int) -> _ChunkGeometr
     qpos = pos.reshape(k_tok // block, block)
     mask = jnp.arange(span, dtype=jnp.int32)[None, None, :] <= qpos[:, :, None]  # padding sees nothing
     rope_pos = jnp.clip(pos, 0, s_len - 1)[None]
-    return _ChunkGeometry(lane, blk_lane, wpos, rope_pos, mask, span, block, k_tok)
+    return _ChunkGeometry(lane, blk_lane, wpos, rope_pos, mask, qpos, span, block, k_tok)
 
 
 def _chunk_layer(cfg, g: _ChunkGeometry, keep_hidden: bool, carry: tuple, p: dict[str, jax.Array]):
@@ -158,7 +161,11 @@ def _chunk_layer(cfg, g: _ChunkGeometry, keep_hidden: bool, carry: tuple, p: dic
     # tokens just written (its own and the earlier blocks of the same lane).
     ck = ck_all[li, g.blk_lane, : g.span]  # [T / g, span, kvh, hd]
     cv = cv_all[li, g.blk_lane, : g.span]
-    attn = attention(q.reshape(nblk, g.block, cfg.num_heads, hd), ck, cv, g.mask).reshape(k_tok, -1)
+    mask, window = g.mask, layer_window(cfg, li)
+    if window is not None:
+        mask = mask & (jnp.arange(g.span, dtype=jnp.int32)[None, None, :] > g.qpos[:, :, None] - window)
+    attn = attention(q.reshape(nblk, g.block, cfg.num_heads, hd), ck, cv, mask, **attention_options(cfg))
+    attn = attn.reshape(k_tok, -1)
     h = packed_attn_out_and_mlp(cfg, p, h, attn)
     return (h, ck_all, cv_all, li + 1), (h[0] if keep_hidden else None)
 
@@ -180,7 +187,7 @@ def chunk_forward(target, tok, pos, blk_lane, cache: KVCache, *, span: int, bloc
     cfg = target.cfg
     taps = tuple(int(t) for t in taps)
     geo = _geometry(pos, blk_lane, cache.length, span, block)
-    layer_params = {k: v[...] for k, v in target.layers.items()}
+    layer_params = target.scan_params()
     x = target.embed_tokens(tok).astype(target.dtype)[None]  # [1, T, H]
 
     def layer(carry, p):
