@@ -218,3 +218,25 @@ def test_warm_start_from_gemma_layers_is_refused(written):
     drafter = random_drafter(target, block_size=4)
     with pytest.raises(DSparkInputError, match="Gemma"):
         check_init_from_target_layers(drafter, target, list(range(drafter.cfg.num_layers)))
+
+
+def test_training_on_a_gemma_target_reduces_the_loss(written):
+    """The trainer's path (tapped features, the soft-capped target distribution, the drafter's
+    logits through the target head) runs on a Gemma target and learns."""
+    from flax import nnx
+
+    from dspark_jax.drafters.dspark import DSparkDrafter
+    from dspark_jax.training.data import batches
+    from dspark_jax.training.train_config import TrainConfig, drafter_config
+    from dspark_jax.training.trainer import Trainer
+
+    target = _target(written, "gemma3")
+    cfg = TrainConfig(steps=20, batch_size=4, anchors_per_seq=4, block_size=4, num_layers=1, markov_rank=8,
+                      learning_rate=1e-2)  # fmt: skip
+    tr = Trainer(cfg, target, DSparkDrafter(drafter_config(cfg, target), nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
+    data = {"tokens": rng.integers(3, VOCAB, (8, 32)).astype(np.int32), "lengths": np.full(8, 32, np.int32),
+            "prompt_lengths": np.full(8, 4, np.int32)}  # fmt: skip
+    it = batches(data, cfg.batch_size, seed=0)
+    losses = [float(tr.step(next(it), s)[0].loss) for s in range(20)]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
