@@ -253,3 +253,30 @@ def test_gemma4_text_is_refused_by_name():
     c = AutoConfig.for_model("gemma4_text", num_hidden_layers=2, hidden_size=64, vocab_size=VOCAB)
     with pytest.raises(DSparkInputError, match="model_type 'gemma4_text' is not supported"):
         hf_target_config(c, where="gemma4", name="gemma4")
+
+
+def test_multimodal_gemma3_checkpoint_loads_its_text_model(tmp_path):
+    """Gemma 3 4B-27B ship as Gemma3ForConditionalGeneration: the text model (``language_model.*``)
+    loads and its text-only logits match transformers'; the vision tower is never read."""
+    import torch
+    import transformers as tr
+
+    torch.manual_seed(1)
+    text = _gemma_config("gemma3").to_dict()
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)  # fmt: skip
+    c = tr.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=255,
+                        boi_token_index=253, eoi_token_index=254, attn_implementation="eager")  # fmt: skip
+    model = tr.Gemma3ForConditionalGeneration(c).eval()
+    with torch.no_grad():
+        for n, prm in model.named_parameters():
+            if "norm" in n and "vision" not in n:
+                prm.copy_(0.3 * torch.randn_like(prm))
+    model.save_pretrained(tmp_path)
+    cfg, params = load_hf_dir(tmp_path)
+    assert cfg.sandwich_norms and cfg.qk_norm and cfg.sliding_rope_theta == 1000.0
+    assert cfg.final_logit_softcap is None  # Gemma3ForConditionalGeneration does not soft-cap its logits
+    ids = _ids(24)
+    ids = np.where(ids >= 253, ids - 100, ids)  # no image / begin- / end-of-image token: a text-only prompt
+    got = np.asarray(Target(cfg, params)(ids[None], np.arange(24, dtype=np.int32)[None]).logits[0])
+    np.testing.assert_allclose(got, _hf_logits(model, ids), atol=TOL, rtol=0)
