@@ -51,6 +51,8 @@ GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 HF_BIAS_TENSORS = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
 # Tensors a checkpoint may hold that the model does not use (transformers ignores them too).
 _HF_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# The image-only parts of a multimodal Gemma 3 checkpoint (a text target never runs them).
+_IMAGE_ONLY_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 
 
 def _safetensors_index(files: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ...], int, int]]:
@@ -139,11 +141,16 @@ def hf_target_config(
       DSparkInputError: an unsupported architecture or a feature not implemented exactly
         (:func:`_refuse_unimplemented`, an unimplemented RoPE scaling).
     """
+    multimodal = c.model_type == "gemma3"  # Gemma3ForConditionalGeneration: its text model (images are not read)
+    if multimodal:
+        c = c.text_config
     if c.model_type not in SUPPORTED_MODEL_TYPES:
         raise DSparkInputError(
             f"{where}: model_type {c.model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
     gemma = _gemma_fields(c, where) if c.model_type in GEMMA_MODEL_TYPES else {}
+    if multimodal:  # transformers' Gemma3ForConditionalGeneration never applies final_logit_softcapping
+        gemma["final_logit_softcap"] = None
     cfg_dict = c.to_dict()
     if c.model_type == "qwen2":  # Qwen2's q/k/v biases are architectural, not the attention_bias key
         cfg_dict.pop("attention_bias", None)
@@ -280,7 +287,9 @@ def _hf_dir_config(path: Path, index: dict | None) -> TargetConfig:
         where=str(path / "config.json"),
         name=path.resolve().name,
         generation_eos=gen_eos,
-        lm_head_in_weights=None if index is None else "lm_head.weight" in index,
+        lm_head_in_weights=None
+        if index is None
+        else bool({"lm_head.weight", "language_model.lm_head.weight"} & set(index)),
     )
 
 
@@ -297,7 +306,8 @@ def hf_config(path: str | Path) -> TargetConfig:
 
 
 def load_hf_dir(path: str | Path) -> tuple[TargetConfig, Params]:
-    """Loads a Hugging Face ``LlamaForCausalLM``/``Qwen2ForCausalLM``/``Qwen3ForCausalLM`` safetensors directory.
+    """Loads a Hugging Face ``LlamaForCausalLM``/``Qwen2ForCausalLM``/``Qwen3ForCausalLM`` (also Mistral,
+    Gemma 2, Gemma 3: text-only or the text model of ``Gemma3ForConditionalGeneration``) safetensors directory.
 
     Config via ``transformers.AutoConfig`` (:func:`hf_target_config`; EOS ids joined
     with ``generation_config.json``). Weights from every ``*.safetensors`` file (F32,
@@ -316,6 +326,12 @@ def load_hf_dir(path: str | Path) -> tuple[TargetConfig, Params]:
         raise DSparkInputError(f"{path}: no *.safetensors weight files (PyTorch .bin checkpoints are not supported)")
 
     read: set[str] = set()
+    # A multimodal Gemma 3 checkpoint keeps its text model under language_model.; its vision tower
+    # and projector only read images, which a target never receives.
+    multimodal = "language_model.model.embed_tokens.weight" in index
+    pre, head = (
+        ("language_model.model.", "language_model.lm_head.weight") if multimodal else ("model.", "lm_head.weight")
+    )
 
     def get(name: str) -> np.ndarray:
         if name not in index:
@@ -325,20 +341,20 @@ def load_hf_dir(path: str | Path) -> tuple[TargetConfig, Params]:
 
     def layer_tensor(i: int, key: str) -> np.ndarray:
         return get(
-            f"model.layers.{i}.{HF_BIAS_TENSORS[key]}"
-            if key in HF_BIAS_TENSORS
-            else f"model.layers.{i}.{hf[key]}.weight"
+            f"{pre}layers.{i}.{HF_BIAS_TENSORS[key]}" if key in HF_BIAS_TENSORS else f"{pre}layers.{i}.{hf[key]}.weight"
         )
 
     hf = GEMMA_LAYER_TENSORS if cfg.sandwich_norms else HF_LAYER_TENSORS
     names = {**{k: f"{v}.weight" for k, v in hf.items()}, **HF_BIAS_TENSORS}
     layers = stack_layers(cfg, layer_tensor, lambda i, key: f"{path}: layer {i} {names[key]}")
     params = canonical_params(
-        cfg, layers, get("model.embed_tokens.weight"), get("model.norm.weight"), lambda: get("lm_head.weight")
+        cfg, layers, get(f"{pre}embed_tokens.weight"), get(f"{pre}norm.weight"), lambda: get(head)
     )
     # A tensor the model would not read changes what transformers computes: refuse it by name.
     unread = sorted(n for n in index if n not in read and not n.endswith(_HF_IGNORED_SUFFIXES))
-    unread = [n for n in unread if not (n == "lm_head.weight" and cfg.tie_embeddings)]  # tied: transformers ignores it
+    unread = [n for n in unread if not (n == head and cfg.tie_embeddings)]  # tied: transformers ignores it
+    if multimodal:
+        unread = [n for n in unread if not n.startswith(_IMAGE_ONLY_PREFIXES)]
     if unread:
         more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
         raise DSparkInputError(
