@@ -41,6 +41,16 @@ _GEMMA_DEFAULTS = {
     "query_scale": None,
     "sliding_rope_theta": None,
 }
+# Fields of TargetConfig that describe mixture-of-experts layers, at their dense (absent) values:
+# to_dict leaves them out at these values, so a dense config serialises as it always did.
+_MOE_DEFAULTS = {
+    "num_experts": 0,
+    "num_experts_per_tok": 0,
+    "moe_intermediate_size": 0,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": (),
+}
 
 # The per-layer attention kinds a target may have (transformers' ``layer_types`` values).
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -145,6 +155,16 @@ class TargetConfig:
         positions ``p - sliding_window + 1 .. p`` (transformers' ``sliding_window_overlay``).
       sliding_window: the window W of the sliding layers in tokens (required when a layer
         slides, else None).
+      num_experts: E, experts of a sparse (mixture-of-experts) layer's feed-forward; 0: every
+        layer has the dense gated MLP.
+      num_experts_per_tok: k, experts each token is routed to (``1 <= k <= E``).
+      moe_intermediate_size: the gated-MLP width of one expert.
+      norm_topk_prob: the router's top-k softmax probabilities are renormalised to sum to 1
+        (Mixtral always; Qwen3-MoE per its config). The router is transformers' ``qwen3_moe``:
+        softmax over all E logits in float32, top k, optional renormalisation.
+      decoder_sparse_step / mlp_only_layers: layer ``i`` is sparse when ``i`` is not in
+        ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0`` (transformers'
+        ``qwen3_moe`` rule); the other layers keep the dense MLP of ``intermediate_size``.
     """
 
     vocab_size: int
@@ -176,6 +196,12 @@ class TargetConfig:
     sliding_rope_theta: float | None = None
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -188,6 +214,7 @@ class TargetConfig:
                 raise ValueError(f"{name}={value!r} must be positive or None")
         object.__setattr__(self, "layer_types", tuple(str(t) for t in self.layer_types))
         self._check_windows()
+        self._check_experts()
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
@@ -214,6 +241,34 @@ class TargetConfig:
                     "(use 'auto', 'xla' or 'cudnn' for this model)"
                 )
             object.__setattr__(self, "sliding_window", int(self.sliding_window))
+
+    def _check_experts(self) -> None:
+        """Raises ValueError for inconsistent mixture-of-experts fields."""
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if not self.num_experts:
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, {self.num_experts}]")
+        if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+            raise ValueError("mixture-of-experts layers need moe_intermediate_size >= 1 and decoder_sparse_step >= 1")
+
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Whether each of the ``num_layers`` layers has the mixture-of-experts feed-forward."""
+        if not self.num_experts:
+            return (False,) * self.num_layers
+        only = set(self.mlp_only_layers)
+        return tuple(i not in only and (i + 1) % self.decoder_sparse_step == 0 for i in range(self.num_layers))
+
+    @property
+    def num_sparse_layers(self) -> int:
+        """How many layers route tokens to experts."""
+        return sum(self.sparse_layers())
+
+    @property
+    def mixed_mlp(self) -> bool:
+        """Whether dense and mixture-of-experts layers are mixed (their weights then live in two
+        stacks the layer scan indexes, rather than in the scanned per-layer weights)."""
+        return 0 < self.num_sparse_layers < self.num_layers
 
     @property
     def has_sliding_layers(self) -> bool:
@@ -262,6 +317,11 @@ class TargetConfig:
         for key, absent in _GEMMA_DEFAULTS.items():
             if d[key] == absent:
                 del d[key]
+        for key, absent in _MOE_DEFAULTS.items():
+            if d[key] == absent:
+                del d[key]
+        if "mlp_only_layers" in d:
+            d["mlp_only_layers"] = list(self.mlp_only_layers)
         d["layer_types"] = list(self.layer_types)
         if not self.layer_types and self.sliding_window is None:  # full attention: as before windows existed
             del d["layer_types"], d["sliding_window"]
@@ -275,6 +335,8 @@ class TargetConfig:
             d["eos_ids"] = tuple(d["eos_ids"])
         if "layer_types" in d:
             d["layer_types"] = tuple(d["layer_types"] or ())
+        if "mlp_only_layers" in d:
+            d["mlp_only_layers"] = tuple(d["mlp_only_layers"] or ())
         return cls(**d)
 
 

@@ -25,12 +25,17 @@ from dspark_jax.config import TargetConfig
 from dspark_jax.models.attention import attend, current_platform
 from dspark_jax.models.rope import rope_table
 from dspark_jax.models.layers import KVCache, apply_rope, apply_rope_table, attention, gated_mlp, rms_norm
+from dspark_jax.models.moe import moe_mlp
+from dspark_jax.models.weights import DENSE_MLP_KEYS, MOE_KEYS, layer_members, target_param_shapes
 
 _LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 _BIAS_KEYS = ("bq", "bk", "bv")
 _SANDWICH_KEYS = ("post_attn_norm", "post_mlp_norm")
 # The per-layer RoPE inverse frequencies ride in the scan's per-layer inputs under this key.
 ROPE_FREQ_KEY = "rope_freq"
+# With dense and sparse layers mixed, a layer's MLP weights sit at this index of its group's stack
+# (Target.mlp_stacks), and this flag says which group: both ride in the scan's per-layer inputs.
+MLP_SLOT_KEY, MLP_SPARSE_KEY = "mlp_slot", "mlp_sparse"
 
 
 class TargetOutput(NamedTuple):
@@ -92,6 +97,7 @@ def random_params(cfg: TargetConfig, seed: int = 0, scale: float = 0.05) -> dict
     rng = np.random.default_rng(seed)
     L, H, I = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
     qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    Ld = L - cfg.num_sparse_layers
 
     def n(*shape):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
@@ -105,10 +111,12 @@ def random_params(cfg: TargetConfig, seed: int = 0, scale: float = 0.05) -> dict
         "wv": n(L, H, kd),
         "wo": n(L, qd, H),
         "mlp_norm": one + n(L, H),
-        "w_gate": n(L, H, I),
-        "w_up": n(L, H, I),
-        "w_down": n(L, I, H),
+        "w_gate": n(Ld, H, I),
+        "w_up": n(Ld, H, I),
+        "w_down": n(Ld, I, H),
     }
+    if not Ld:
+        del layers["w_gate"], layers["w_up"], layers["w_down"]
     if cfg.qk_norm:
         layers["q_norm"] = one + n(L, cfg.head_dim)
         layers["k_norm"] = one + n(L, cfg.head_dim)
@@ -117,6 +125,9 @@ def random_params(cfg: TargetConfig, seed: int = 0, scale: float = 0.05) -> dict
     if cfg.sandwich_norms:
         layers["post_attn_norm"] = one + n(L, H)
         layers["post_mlp_norm"] = one + n(L, H)
+    if cfg.num_sparse_layers:
+        shapes = target_param_shapes(cfg)["layers"]
+        layers.update({k: n(*shapes[k]) for k in MOE_KEYS})
     params = {"embed": n(cfg.vocab_size, H) * 10, "layers": layers, "final_norm": one + n(H)}
     if not cfg.tie_embeddings:
         params["lm_head"] = n(H, cfg.vocab_size)
@@ -163,6 +174,8 @@ class Target(nnx.Module):
         self.lm_head = None if cfg.tie_embeddings else cast(params["lm_head"], sh.get("lm_head"))
         keys = _LAYER_KEYS + (("q_norm", "k_norm") if cfg.qk_norm else ()) + (_BIAS_KEYS if cfg.qkv_bias else ())
         keys += _SANDWICH_KEYS if cfg.sandwich_norms else ()
+        keys = tuple(k for k in keys if cfg.num_sparse_layers < cfg.num_layers or k not in DENSE_MLP_KEYS)
+        keys += MOE_KEYS if cfg.num_sparse_layers else ()
         self.layers = nnx.Dict({k: cast(params["layers"][k], sh["layers"].get(k)) for k in keys})
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
@@ -177,7 +190,22 @@ class Target(nnx.Module):
         p = {k: v[...] for k, v in self.layers.items()}
         if self.cfg.per_layer_rope:
             p[ROPE_FREQ_KEY] = jnp.asarray(layer_inv_freqs(self.cfg))
+        if self.cfg.mixed_mlp:  # the MLP weights are indexed in mlp_stacks(), not scanned
+            for k in DENSE_MLP_KEYS + MOE_KEYS:
+                del p[k]
+            members = layer_members(self.cfg)
+            slots = [members["w_gate" if not s else "moe_gate"].index(i) for i, s in enumerate(self.cfg.sparse_layers())]
+            p[MLP_SLOT_KEY] = jnp.asarray(slots, jnp.int32)
+            p[MLP_SPARSE_KEY] = jnp.asarray(self.cfg.sparse_layers())
         return p
+
+    def mlp_stacks(self) -> dict[str, jax.Array]:
+        """With dense and sparse layers mixed (``cfg.mixed_mlp``), the two groups' MLP weights,
+        each stacked over its own layers (``w_gate [Ld, H, I]``..., ``moe_gate [Ls, E, H, Im]``...),
+        which the layer scan indexes at :data:`MLP_SLOT_KEY`; else ``{}`` (they are scanned)."""
+        if not self.cfg.mixed_mlp:
+            return {}
+        return {k: self.layers[k][...] for k in DENSE_MLP_KEYS + MOE_KEYS}
 
     def final_normed(self, h: jax.Array) -> jax.Array:
         """The final RMSNorm of ``h [..., H]`` (same dtype)."""
@@ -247,6 +275,7 @@ class Target(nnx.Module):
         taps = tuple(int(t) for t in taps)
         _check_taps(cfg, taps)
         layer_params = self.scan_params()
+        stacks = self.mlp_stacks()
 
         if cache is None:
             causal = positions[:, None, :] <= positions[:, :, None]
@@ -257,7 +286,7 @@ class Target(nnx.Module):
                 p, w = (xs, None) if windows is None else xs
                 m = mask if w is None else mask & (positions[:, None, :] > positions[:, :, None] - w)
                 q, k, v = _qkv(cfg, p, h, positions)
-                h = _attn_out_and_mlp(cfg, p, h, attention(q, k, v, m, **attention_options(cfg)))
+                h = _attn_out_and_mlp(cfg, p, h, attention(q, k, v, m, **attention_options(cfg)), stacks)
                 return h, (h if taps else None)
 
             x, hidden = jax.lax.scan(layer, x, layer_params if windows is None else (layer_params, windows))
@@ -278,7 +307,7 @@ class Target(nnx.Module):
                     q, ck, cv, li, positions, backend=cfg.attention_backend, window=layer_window(cfg, li),
                     **attention_options(cfg),
                 )
-                h = _attn_out_and_mlp(cfg, p, h, a)
+                h = _attn_out_and_mlp(cfg, p, h, a, stacks)
                 return (h, ck, cv, li + 1), (h if taps else None)
 
             (x, nk, nv, _), hidden = jax.lax.scan(cached_layer, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
@@ -334,7 +363,7 @@ class Target(nnx.Module):
         geo = _packed_geometry(rows, cols, positions, cache.length, num_rows, width)
         layer_params = self.scan_params()
         x = self.embed_tokens(tokens).astype(self.dtype)[None]  # [1, K, H]
-        layer = functools.partial(_packed_layer, cfg, geo, bool(taps))
+        layer = functools.partial(_packed_layer, cfg, geo, bool(taps), self.mlp_stacks())
         _check_taps(cfg, taps)
         (x, nk, nv, _), hidden = jax.lax.scan(layer, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
         new_kv = (nk, nv)
@@ -411,23 +440,48 @@ def attention_options(cfg: TargetConfig) -> dict[str, Any]:
     return opts
 
 
-def _residual_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, attn_out: jax.Array) -> jax.Array:
-    """The residual adds around attention (``attn_out``: after ``wo``) and the gated MLP, with
-    Gemma's sandwich norms when ``cfg.sandwich_norms``. ``h``/result: ``[..., H]``."""
+def _feed_forward(cfg: TargetConfig, p: dict[str, jax.Array], x: jax.Array, stacks: dict[str, jax.Array]) -> jax.Array:
+    """A layer's feed-forward of the normed ``x [..., H]``: the gated MLP, or on a sparse layer
+    the experts (:func:`~dspark_jax.models.moe.moe_mlp`); with both kinds mixed, the layer's
+    weights are taken from ``stacks`` at ``p[MLP_SLOT_KEY]`` and ``lax.cond`` runs its kind only."""
+
+    def dense(x, q):
+        return gated_mlp(x, q["w_gate"], q["w_up"], q["w_down"], cfg.mlp_activation)
+
+    def sparse(x, q):
+        return moe_mlp(x, q, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+
+    if not cfg.mixed_mlp:
+        return sparse(x, p) if cfg.num_sparse_layers else dense(x, p)
+
+    def pick(keys):
+        return {k: jax.lax.dynamic_index_in_dim(stacks[k], p[MLP_SLOT_KEY], keepdims=False) for k in keys}
+
+    return jax.lax.cond(
+        p[MLP_SPARSE_KEY], lambda x: sparse(x, pick(MOE_KEYS)), lambda x: dense(x, pick(DENSE_MLP_KEYS)), x
+    )
+
+
+def _residual_mlp(
+    cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, attn_out: jax.Array, stacks: dict[str, jax.Array]
+) -> jax.Array:
+    """The residual adds around attention (``attn_out``: after ``wo``) and the feed-forward
+    (:func:`_feed_forward`; ``stacks``: :meth:`Target.mlp_stacks`), with Gemma's sandwich norms when
+    ``cfg.sandwich_norms``. ``h``/result: ``[..., H]``."""
     off, eps = cfg.norm_offset, cfg.rms_eps
     if cfg.sandwich_norms:
         attn_out = rms_norm(attn_out, p["post_attn_norm"], eps, off)
     h = h + attn_out
-    m = gated_mlp(rms_norm(h, p["mlp_norm"], eps, off), p["w_gate"], p["w_up"], p["w_down"], cfg.mlp_activation)
+    m = _feed_forward(cfg, p, rms_norm(h, p["mlp_norm"], eps, off), stacks)
     if cfg.sandwich_norms:
         m = rms_norm(m, p["post_mlp_norm"], eps, off)
     return h + m
 
 
-def _attn_out_and_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, attn: jax.Array) -> jax.Array:
+def _attn_out_and_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, attn: jax.Array, stacks) -> jax.Array:
     """A layer's second half: output projection of ``attn [B, T, nh*hd]`` added to ``h [B, T, H]``,
-    then the gated MLP with its residual (:func:`_residual_mlp`). Returns the new ``[B, T, H]``."""
-    return _residual_mlp(cfg, p, h, attn @ p["wo"])
+    then the feed-forward with its residual (:func:`_residual_mlp`). Returns the new ``[B, T, H]``."""
+    return _residual_mlp(cfg, p, h, attn @ p["wo"], stacks)
 
 
 def _tap_features(hidden: jax.Array | None, taps: tuple[int, ...]) -> jax.Array | None:
@@ -490,7 +544,7 @@ def _packed_geometry(
 
 
 def _packed_layer(
-    cfg: TargetConfig, g: _PackedGeometry, keep_hidden: bool, carry: tuple, p: dict[str, jax.Array]
+    cfg: TargetConfig, g: _PackedGeometry, keep_hidden: bool, stacks: dict, carry: tuple, p: dict[str, jax.Array]
 ) -> tuple[tuple, jax.Array | None]:
     """One decoder layer of :meth:`Target.forward_packed` (a ``lax.scan`` body over layers).
 
@@ -510,7 +564,7 @@ def _packed_layer(
     window = layer_window(cfg, li)
     attn = attend(qg, ck_all, cv_all, li, g.qpos, backend=cfg.attention_backend, window=window, **attention_options(cfg))
     attn = attn[g.grow, g.gcol]  # [K, nh*hd]
-    h = packed_attn_out_and_mlp(cfg, p, h, attn)
+    h = packed_attn_out_and_mlp(cfg, p, h, attn, stacks)
     return (h, ck_all, cv_all, li + 1), (h[0] if keep_hidden else None)
 
 
@@ -542,32 +596,16 @@ def packed_qkv(cfg: TargetConfig, p: dict[str, jax.Array], h, rope_pos, row, wpo
     return q, ck_all, cv_all
 
 
-def packed_attn_out_and_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h, attn):
+def packed_attn_out_and_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h, attn, stacks):
     """A packed layer's second half: output projection of ``attn [K, nh*hd]`` added to
-    ``h [1, K, H]``, then the gated MLP with its residual. Returns the new ``[1, K, H]``."""
-    return _residual_mlp(cfg, p, h, (attn @ p["wo"])[None])
+    ``h [1, K, H]``, then the feed-forward with its residual (``stacks``: :meth:`Target.mlp_stacks`).
+    Returns the new ``[1, K, H]``."""
+    return _residual_mlp(cfg, p, h, (attn @ p["wo"])[None], stacks)
 
 
 def _check_params(cfg: TargetConfig, params: dict[str, Any]) -> None:
-    L, H, I = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
-    qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    want = {
-        "attn_norm": (L, H),
-        "wq": (L, H, qd),
-        "wk": (L, H, kd),
-        "wv": (L, H, kd),
-        "wo": (L, qd, H),
-        "mlp_norm": (L, H),
-        "w_gate": (L, H, I),
-        "w_up": (L, H, I),
-        "w_down": (L, I, H),
-    }
-    if cfg.qk_norm:
-        want.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
-    if cfg.sandwich_norms:
-        want.update(post_attn_norm=(L, H), post_mlp_norm=(L, H))
-    if cfg.qkv_bias:
-        want.update(bq=(L, qd), bk=(L, kd), bv=(L, kd))
+    H = cfg.hidden_size
+    want = target_param_shapes(cfg)["layers"]
     got = params.get("layers", {})
     problems = []
     for k, shape in want.items():
