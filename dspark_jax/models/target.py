@@ -23,19 +23,16 @@ from flax import nnx
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.models.attention import attend, current_platform
+from dspark_jax.models.layers import KVCache, apply_rope, apply_rope_table, attention, rms_norm
+from dspark_jax.models.moe import feed_forward, split_mixed_mlp
 from dspark_jax.models.rope import rope_table
-from dspark_jax.models.layers import KVCache, apply_rope, apply_rope_table, attention, gated_mlp, rms_norm
-from dspark_jax.models.moe import moe_mlp
-from dspark_jax.models.weights import DENSE_MLP_KEYS, MOE_KEYS, layer_members, target_param_shapes
+from dspark_jax.models.weights import DENSE_MLP_KEYS, MOE_KEYS, target_param_shapes
 
 _LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 _BIAS_KEYS = ("bq", "bk", "bv")
 _SANDWICH_KEYS = ("post_attn_norm", "post_mlp_norm")
 # The per-layer RoPE inverse frequencies ride in the scan's per-layer inputs under this key.
 ROPE_FREQ_KEY = "rope_freq"
-# With dense and sparse layers mixed, a layer's MLP weights sit at this index of its group's stack
-# (Target.mlp_stacks), and this flag says which group: both ride in the scan's per-layer inputs.
-MLP_SLOT_KEY, MLP_SPARSE_KEY = "mlp_slot", "mlp_sparse"
 
 
 class TargetOutput(NamedTuple):
@@ -185,27 +182,20 @@ class Target(nnx.Module):
         return e if self.cfg.embed_scale == 1.0 else e * jnp.asarray(self.cfg.embed_scale, e.dtype)
 
     def scan_params(self) -> dict[str, jax.Array]:
-        """The per-layer inputs of a layer scan: the stacked weights ``{key: [L, ...]}`` and, when the
-        RoPE base differs between layers, :data:`ROPE_FREQ_KEY` ``[L, head_dim / 2]`` float32."""
+        """The per-layer inputs of a layer scan: the stacked weights ``{key: [L, ...]}``, when the
+        RoPE base differs between layers :data:`ROPE_FREQ_KEY` ``[L, head_dim / 2]`` float32, and with
+        dense and sparse layers mixed each layer's MLP slot and kind in place of the MLP weights
+        (:func:`~dspark_jax.models.moe.split_mixed_mlp`)."""
         p = {k: v[...] for k, v in self.layers.items()}
         if self.cfg.per_layer_rope:
             p[ROPE_FREQ_KEY] = jnp.asarray(layer_inv_freqs(self.cfg))
-        if self.cfg.mixed_mlp:  # the MLP weights are indexed in mlp_stacks(), not scanned
-            for k in DENSE_MLP_KEYS + MOE_KEYS:
-                del p[k]
-            members = layer_members(self.cfg)
-            slots = [members["w_gate" if not s else "moe_gate"].index(i) for i, s in enumerate(self.cfg.sparse_layers())]
-            p[MLP_SLOT_KEY] = jnp.asarray(slots, jnp.int32)
-            p[MLP_SPARSE_KEY] = jnp.asarray(self.cfg.sparse_layers())
-        return p
+        return split_mixed_mlp(self.cfg, p)[0]
 
     def mlp_stacks(self) -> dict[str, jax.Array]:
         """With dense and sparse layers mixed (``cfg.mixed_mlp``), the two groups' MLP weights,
         each stacked over its own layers (``w_gate [Ld, H, I]``..., ``moe_gate [Ls, E, H, Im]``...),
         which the layer scan indexes at :data:`MLP_SLOT_KEY`; else ``{}`` (they are scanned)."""
-        if not self.cfg.mixed_mlp:
-            return {}
-        return {k: self.layers[k][...] for k in DENSE_MLP_KEYS + MOE_KEYS}
+        return split_mixed_mlp(self.cfg, {k: v[...] for k, v in self.layers.items()})[1]
 
     def final_normed(self, h: jax.Array) -> jax.Array:
         """The final RMSNorm of ``h [..., H]`` (same dtype)."""
@@ -440,39 +430,17 @@ def attention_options(cfg: TargetConfig) -> dict[str, Any]:
     return opts
 
 
-def _feed_forward(cfg: TargetConfig, p: dict[str, jax.Array], x: jax.Array, stacks: dict[str, jax.Array]) -> jax.Array:
-    """A layer's feed-forward of the normed ``x [..., H]``: the gated MLP, or on a sparse layer
-    the experts (:func:`~dspark_jax.models.moe.moe_mlp`); with both kinds mixed, the layer's
-    weights are taken from ``stacks`` at ``p[MLP_SLOT_KEY]`` and ``lax.cond`` runs its kind only."""
-
-    def dense(x, q):
-        return gated_mlp(x, q["w_gate"], q["w_up"], q["w_down"], cfg.mlp_activation)
-
-    def sparse(x, q):
-        return moe_mlp(x, q, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-
-    if not cfg.mixed_mlp:
-        return sparse(x, p) if cfg.num_sparse_layers else dense(x, p)
-
-    def pick(keys):
-        return {k: jax.lax.dynamic_index_in_dim(stacks[k], p[MLP_SLOT_KEY], keepdims=False) for k in keys}
-
-    return jax.lax.cond(
-        p[MLP_SPARSE_KEY], lambda x: sparse(x, pick(MOE_KEYS)), lambda x: dense(x, pick(DENSE_MLP_KEYS)), x
-    )
-
-
 def _residual_mlp(
     cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, attn_out: jax.Array, stacks: dict[str, jax.Array]
 ) -> jax.Array:
     """The residual adds around attention (``attn_out``: after ``wo``) and the feed-forward
-    (:func:`_feed_forward`; ``stacks``: :meth:`Target.mlp_stacks`), with Gemma's sandwich norms when
-    ``cfg.sandwich_norms``. ``h``/result: ``[..., H]``."""
+    (:func:`~dspark_jax.models.moe.feed_forward`; ``stacks``: :meth:`Target.mlp_stacks`), with
+    Gemma's sandwich norms when ``cfg.sandwich_norms``. ``h``/result: ``[..., H]``."""
     off, eps = cfg.norm_offset, cfg.rms_eps
     if cfg.sandwich_norms:
         attn_out = rms_norm(attn_out, p["post_attn_norm"], eps, off)
     h = h + attn_out
-    m = _feed_forward(cfg, p, rms_norm(h, p["mlp_norm"], eps, off), stacks)
+    m = feed_forward(cfg, p, rms_norm(h, p["mlp_norm"], eps, off), stacks)
     if cfg.sandwich_norms:
         m = rms_norm(m, p["post_mlp_norm"], eps, off)
     return h + m

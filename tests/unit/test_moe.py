@@ -130,8 +130,9 @@ def test_all_sparse_layers_are_scanned_directly(qwen3_moe, tmp_path):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(2)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=16,
-                                               num_hidden_layers=2, num_experts=EXPERTS, norm_topk_prob=True))  # fmt: skip
+    cfg = Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                         num_experts=EXPERTS, norm_topk_prob=True)  # fmt: skip
+    model = Qwen3MoeForCausalLM(cfg)
     _perturb(model)
     model.save_pretrained(tmp_path)
     cfg, params = load_hf_dir(tmp_path)
@@ -176,7 +177,10 @@ def write_mixtral_gguf(model, path):
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     for i in range(c.num_hidden_layers):
         pre = f"model.layers.{i}."
-        gate_up, down = sd[pre + "mlp.experts.gate_up_proj"], sd[pre + "mlp.experts.down_proj"]  # [E, 2Im, H], [E, H, Im]
+        gate_up, down = (
+            sd[pre + "mlp.experts.gate_up_proj"],
+            sd[pre + "mlp.experts.down_proj"],
+        )  # [E, 2Im, H], [E, H, Im]
         tensors = {
             "attn_norm": sd[pre + "input_layernorm.weight"],
             "attn_q": permute(sd[pre + "self_attn.q_proj.weight"], c.num_attention_heads),
@@ -313,3 +317,13 @@ def test_drafter_for_moe_target_trains_and_decodes_exactly(moe_target):
     ar = generate_autoregressive(moe_target, prompts, max_new_tokens=12, cache_len=48)
     sp = generate_speculative(moe_target, tr.drafter(), prompts, max_new_tokens=12, cache_len=48)
     assert_same_outputs(ar, sp)
+
+
+def test_qwen3_30b_a3b_preset_counts_total_and_active_parameters():
+    """The built-in Qwen3-30B-A3B config (what ``--dry-run`` plans): 30.5B parameters, 3.35B active."""
+    from dspark_jax.models.presets import target_config
+
+    cfg = target_config("qwen3-30b-a3b")
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.num_sparse_layers) == (128, 8, 48)
+    assert count_target_params(cfg) == 30_532_122_624
+    assert count_target_params(cfg, active=True) == 3_353_032_704
