@@ -102,6 +102,72 @@ def configs(a: argparse.Namespace) -> tuple[Any, Any]:
     return moe, dense
 
 
+def time_steps(targets: dict[str, Any], verify: int, cache_len: int, reps: int) -> list[dict[str, Any]]:
+    """Median ms of the batch-1 cached pass of ``targets["moe"]`` and ``targets["dense"]`` at one token
+    and at ``verify`` tokens (position ``cache_len / 2``), the four cases alternated; rows per token count."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    live, cases = cache_len // 2, {}
+    for name, target in targets.items():
+        graph, state = nnx.split(target)
+
+        def step(state, cache, tok, pos, graph=graph):
+            out = nnx.merge(graph, state)(tok, pos, cache=cache)
+            return jnp.argmax(out.logits, axis=-1), out.cache
+
+        for t in (1, verify):
+            tok = jnp.asarray(np.random.default_rng(t).integers(0, target.cfg.vocab_size, (1, t)), jnp.int32)
+            pos = jnp.arange(live, live + t, dtype=jnp.int32)[None]
+            cache = target.init_cache(1, cache_len)
+            exe = jax.jit(step).lower(state, cache, tok, pos).compile()
+
+            def run(exe=exe, state=state, cache=cache, tok=tok, pos=pos):
+                jax.block_until_ready(exe(state, cache, tok, pos))
+
+            cases[f"{name}@{t}"] = run
+    ms = {k: 1e3 * v for k, v in alternate(cases, reps, warmup=2).items()}
+    rows = []
+    for t in (1, verify):
+        moe_ms, dense_ms = ms[f"moe@{t}"], ms[f"dense@{t}"]
+        rows.append({"tokens": t, "moe_ms": moe_ms, "dense_ms": dense_ms, "moe_over_dense": ratio(moe_ms, dense_ms)})
+    return rows
+
+
+def layer_bytes(target: Any, verify: int) -> list[dict[str, Any]]:
+    """The weight bytes the first sparse layer's feed-forward reads (:func:`weight_bytes_read` of its
+    optimised HLO) at one token and at ``verify`` tokens, against the bytes of the experts those
+    tokens chose plus the router's; rows per token count."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dspark_jax.models.moe import moe_mlp, route
+
+    cfg, lay = target.cfg, target.layers
+    p0 = {k: lay[k][...][0] for k in ("moe_router", "moe_gate", "moe_up", "moe_down")}
+    item = p0["moe_gate"].dtype.itemsize
+    per_expert = sum(int(np.prod(p0[k].shape[1:])) * item for k in ("moe_gate", "moe_up", "moe_down"))
+    router = int(np.prod(p0["moe_router"].shape)) * item
+    k, norm = cfg.num_experts_per_tok, cfg.norm_topk_prob
+    rows = []
+    for t in (1, verify):
+        x = jnp.asarray(np.random.default_rng(10 + t).standard_normal((t, cfg.hidden_size)), p0["moe_gate"].dtype)
+        compiled = jax.jit(lambda x, p: moe_mlp(x, p, k, norm)).lower(x, p0).compile()
+        weights = sum(v for name, v in weight_bytes_read(compiled.as_text()).items() if not name.startswith("x"))
+        chosen = len(set(np.asarray(route(x, p0["moe_router"], k, norm)[1]).ravel().tolist()))
+        ca = compiled.cost_analysis()
+        ca = ca[0] if isinstance(ca, list) else ca
+        active = chosen * per_expert + router
+        rows.append({"tokens": t, "experts_chosen": chosen, "active_expert_MB": active / 1e6,
+                     "hlo_weight_MB_read": weights / 1e6, "read_over_active": ratio(weights, active),
+                     "xla_cost_analysis_MB": float(ca["bytes accessed"]) / 1e6,
+                     "all_experts_MB": (cfg.num_experts * per_expert + router) / 1e6})  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m benchmarks.moe_cost", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--experts", type=int, default=32)
@@ -118,12 +184,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", default=None, help="JSON path")
     a = p.parse_args(argv)
 
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    from dspark_jax.models.moe import moe_mlp, route
     from dspark_jax.models.target import Target, random_params
     from dspark_jax.models.weights import count_target_params
 
@@ -132,52 +192,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "moe": Target(moe_cfg, random_params(moe_cfg, seed=0)),
         "dense": Target(dense_cfg, random_params(dense_cfg, seed=0)),
     }
-    live = a.cache_len // 2
-    cases, programs = {}, {}
-    for name, target in targets.items():
-        graph, state = nnx.split(target)
-
-        def step(state, cache, tok, pos, graph=graph):
-            out = nnx.merge(graph, state)(tok, pos, cache=cache)
-            return jnp.argmax(out.logits, axis=-1), out.cache
-
-        for t in (1, a.verify):
-            tok = jnp.asarray(np.random.default_rng(t).integers(0, a.vocab, (1, t)), jnp.int32)
-            pos = jnp.arange(live, live + t, dtype=jnp.int32)[None]
-            cache = target.init_cache(1, a.cache_len)
-            exe = jax.jit(step).lower(state, cache, tok, pos).compile()
-            programs[(name, t)] = exe
-
-            def run(exe=exe, state=state, cache=cache, tok=tok, pos=pos):
-                jax.block_until_ready(exe(state, cache, tok, pos))
-
-            cases[f"{name}@{t}"] = run
-    ms = {k: 1e3 * v for k, v in alternate(cases, a.reps, warmup=2).items()}
-    timing = [
-        {"tokens": t, "moe_ms": ms[f"moe@{t}"], "dense_ms": ms[f"dense@{t}"], "moe_over_dense": ratio(ms[f"moe@{t}"], ms[f"dense@{t}"])}
-        for t in (1, a.verify)
-    ]  # fmt: skip
-
-    # Bytes one sparse layer's feed-forward reads at 1 and --verify tokens.
-    lay = targets["moe"].layers
-    p0 = {k: lay[k][...][0] for k in ("moe_router", "moe_gate", "moe_up", "moe_down")}
-    per_expert = sum(int(np.prod(p0[k].shape[1:])) * 4 for k in ("moe_gate", "moe_up", "moe_down"))
-    router = int(np.prod(p0["moe_router"].shape)) * 4
-    bytes_rows = []
-    for t in (1, a.verify):
-        x = jnp.asarray(np.random.default_rng(10 + t).standard_normal((t, a.hidden)), jnp.float32)
-        fn = jax.jit(lambda x, p: moe_mlp(x, p, a.experts_per_tok, True))
-        compiled = fn.lower(x, p0).compile()
-        read = weight_bytes_read(compiled.as_text())
-        weights = sum(v for k, v in read.items() if not k.startswith("x"))
-        chosen = len(set(np.asarray(route(x, p0["moe_router"], a.experts_per_tok, True)[1]).ravel().tolist()))
-        ca = compiled.cost_analysis()
-        ca = ca[0] if isinstance(ca, list) else ca
-        active = chosen * per_expert + router
-        bytes_rows.append({"tokens": t, "experts_chosen": chosen, "active_expert_MB": active / 1e6,
-                           "hlo_weight_MB_read": weights / 1e6, "read_over_active": ratio(weights, active),
-                           "xla_cost_analysis_MB": float(ca["bytes accessed"]) / 1e6,
-                           "all_experts_MB": (a.experts * per_expert + router) / 1e6})  # fmt: skip
+    timing = time_steps(targets, a.verify, a.cache_len, a.reps)
+    bytes_rows = layer_bytes(targets["moe"], a.verify)
     result = {
         "command": command_line("moe_cost", argv),
         "device": device_description(),
@@ -186,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "params": {
             n: {"total": count_target_params(t.cfg), "active": count_target_params(t.cfg, active=True)}
             for n, t in targets.items()
-        },  # fmt: skip
+        },
         "timing": timing,
         "bytes": bytes_rows,
         "note": "the four timed cases alternate (benchmarks.harness.alternate) on a machine shared with other jobs",

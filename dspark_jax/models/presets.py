@@ -107,7 +107,7 @@ BUILTIN_HF_CONFIGS: dict[str, dict] = {
         num_experts_per_tok=8,
         output_router_logits=False,
         router_aux_loss_coef=0.001,
-    ),  # fmt: skip
+    ),
 }
 BUILTIN_HUB_IDS = {"qwen3-4b": "Qwen/Qwen3-4B", "qwen3-8b": "Qwen/Qwen3-8B", "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B"}
 _QWEN3_GENERATION_EOS = [151645, 151643]
