@@ -327,3 +327,10 @@ def test_qwen3_30b_a3b_preset_counts_total_and_active_parameters():
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.num_sparse_layers) == (128, 8, 48)
     assert count_target_params(cfg) == 30_532_122_624
     assert count_target_params(cfg, active=True) == 3_353_032_704
+
+
+def test_warm_start_from_moe_target_layers_is_refused(moe_target):
+    from dspark_jax.training.warm_start import init_from_target_layers
+
+    with pytest.raises(DSparkInputError, match="mixture-of-experts target"):
+        init_from_target_layers(random_drafter(moe_target, block_size=4), moe_target, [0])
