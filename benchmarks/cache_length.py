@@ -4,6 +4,14 @@ Three sections, each alternated in one process (medians of ``--reps`` repeats), 
 against another checkout of the package (``--old DIR``, loaded beside this one by
 :func:`benchmarks.harness.load_checkout`, each checkout building its own target):
 
+``--window W`` gives the decode, live and engine sections' target a sliding window of ``W`` tokens
+on every layer (this checkout only: the cost of windowed cached attention against the cache length).
+
+* ``window`` (not run by default; this checkout only): one jitted batch-1 decode step (cache donated)
+  at each of ``--window-positions`` in a cache of ``--live-cache-len`` slots, the target with full
+  attention and with a window of ``--window`` (default 64) on every layer: ms per step, so that the
+  windowed cost is seen not to grow with the position (the prefill is not timed).
+
 * ``decode``: batch-1 plain decoding (``generate_autoregressive``, greedy, no stop ids) of one
   prompt of ``--prompt-len`` tokens, ``--new-tokens`` new tokens, with the KV cache allocated at
   each of ``--cache-lens`` slots: ms per generated token (compilation excluded) and the ratio to
@@ -57,8 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=5, help="alternated repeats per case (default 5)")
     p.add_argument("--profile-cache-len", type=int, default=1024, help="profile section's cache length")
     p.add_argument("--profile-spans", default="256,1024", help="profile section's spans of the SPS per span")
+    p.add_argument("--window", type=int, default=0, help="sliding window on every target layer (0: none)")
+    p.add_argument("--window-positions", default="40,2000,4000", help="window section's decode positions")
     p.add_argument("--out", default="runs/cache_length", help="output directory")
     return p
+
+
+def _load(mods, a):
+    """The sections' target, with ``--window`` applied to every layer when given."""
+    target, _ = mods["api"].load_target(a.target)
+    if a.window:
+        import dataclasses
+
+        n = target.cfg.num_layers
+        target.cfg = dataclasses.replace(target.cfg, layer_types=("sliding_attention",) * n, sliding_window=a.window)
+    return target
 
 
 def _packages(old: str | None) -> dict[str, dict[str, Any]]:
@@ -78,7 +99,7 @@ def decode_section(pk, a) -> list[dict[str, Any]]:
     lens = [int(c) for c in a.cache_lens.split(",")]
     cases = {}
     for name, mods in pk.items():
-        target, _ = mods["api"].load_target(a.target)
+        target = _load(mods, a)
         prompt = _prompt(target, a.prompt_len)
         gen = mods["decoding.speculative"].generate_autoregressive
         for c in lens:
@@ -99,7 +120,7 @@ def live_section(pk, a) -> list[dict[str, Any]]:
     lens = [int(n) for n in a.live_lens.split(",")]
     cases = {}
     for name, mods in pk.items():
-        target, _ = mods["api"].load_target(a.target)
+        target = _load(mods, a)
         gen = mods["decoding.speculative"].generate_autoregressive
         kw = dict(max_new_tokens=a.new_tokens, stop_ids=[], cache_len=a.live_cache_len)
         for n in lens:
@@ -122,7 +143,7 @@ def engine_section(pk, a) -> list[dict[str, Any]]:
     lens = [int(c) for c in a.engine_cache_lens.split(",")]
     cases = {}
     for name, mods in pk.items():
-        target, _ = mods["api"].load_target(a.target)
+        target = _load(mods, a)
         for c in lens:
             eng = mods["serving.engine"].Engine(
                 target, None, num_slots=a.rows, cache_len=c, policy="plain", row_buckets=[a.rows], prefill_buckets=[32]
@@ -207,7 +228,7 @@ def profile_section(pk, a) -> list[dict[str, Any]]:
     c = a.profile_cache_len
     cases, engines = {}, {}
     for name, mods in pk.items():
-        target, _ = mods["api"].load_target(a.target)
+        target = _load(mods, a)
         drafter = drafter_for(mods, target.cfg, 4, num_layers=1, markov_rank=8)
         eng = mods["serving.engine"].Engine(
             target, drafter, num_slots=a.rows, cache_len=c, policy="dspark", row_buckets=[a.rows], prefill_buckets=[32]
@@ -234,6 +255,48 @@ def profile_section(pk, a) -> list[dict[str, Any]]:
     return rows
 
 
+def window_section(pk, a) -> list[dict[str, Any]]:
+    """One decode step at each position, full attention against a window on every layer."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    mods, w = pk["new"], a.window or 64
+    positions = [int(p) for p in a.window_positions.split(",")]
+    cases = {}
+    for kind in ("full", "window"):
+        target, _ = mods["api"].load_target(a.target)
+        if kind == "window":
+            n = target.cfg.num_layers
+            target.cfg = dataclasses.replace(target.cfg, layer_types=("sliding_attention",) * n, sliding_window=w)
+        graph, state = nnx.split(target)
+        cache_cls = type(target.init_cache(1, 1))
+
+        def step(state, tok, pos, k, v, graph=graph, cache_cls=cache_cls):
+            out = nnx.merge(graph, state)(tok, pos, cache=cache_cls(k, v))
+            return out.logits, out.cache.k, out.cache.v
+
+        fn, cache = jax.jit(step, donate_argnums=(3, 4)), target.init_cache(1, a.live_cache_len)
+        kv = [cache.k, cache.v]
+        for p in positions:
+
+            def run(fn=fn, state=state, kv=kv, p=p):
+                _, kv[0], kv[1] = jax.block_until_ready(
+                    fn(state, jnp.zeros((1, 1), jnp.int32), jnp.full((1, 1), p, jnp.int32), kv[0], kv[1])
+                )
+
+            cases[f"{kind}:{p}"] = run
+    med = alternate(cases, a.reps)
+    rows = []
+    for p in positions:
+        ms = {k: med[f"{k}:{p}"] * 1e3 for k in ("full", "window")}
+        row = {"position": p, "cache_len": a.live_cache_len, "window": w}
+        rows.append(row | {f"{k}_ms": v for k, v in ms.items()})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     import jax
@@ -248,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine": engine_section,
         "default": default_section,
         "profile": profile_section,
+        "window": window_section,
     }
     for name in a.sections.split(","):
         result[name] = sections[name](pk, a)

@@ -69,13 +69,13 @@ def hf_llama_from_params(cfg, params):
         Hugging Face ``rotate_half`` layout, as every loader of :mod:`dspark_jax.models.model_io`
         produces).
     Raises:
-      ValueError: a Qwen3-style (q/k-norm) target.
+      ValueError: a Qwen3-style (q/k-norm) or Qwen2-style (q/k/v bias) target, or one with RoPE scaling.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if cfg.qk_norm:
-        raise ValueError("q/k-norm targets (Qwen3) are not converted here")
+    if cfg.qk_norm or cfg.qkv_bias or cfg.rope_scaling is not None:
+        raise ValueError("only plain-RoPE Llama targets are converted here (no q/k-norm, q/k/v biases, RoPE scaling)")
     hc = LlamaConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,

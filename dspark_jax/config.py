@@ -23,31 +23,16 @@ QWEN_MASK_TOKEN_ID, QWEN_VOCAB_ROWS = 151669, 151936
 
 # The implementations of the target's cached attention (docs/design.md#attention-backends).
 ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "pallas_tpu")
-# The gated MLP activations of a target: SiLU (SwiGLU: Llama, Qwen) and GELU with the tanh
-# approximation (GeGLU: Gemma, transformers' ``gelu_pytorch_tanh``).
+# Gated MLP activations: SiLU (Llama, Qwen) and GELU-tanh (Gemma: transformers' gelu_pytorch_tanh).
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
-# Fields of TargetConfig that describe the Gemma-style math, with the values that mean "absent":
-# to_dict leaves them out at these values, so a Llama/Qwen config serialises as it always did.
-_GEMMA_DEFAULTS = {
-    "norm_offset": 0.0,
-    "embed_scale": 1.0,
-    "mlp_activation": "silu",
-    "sandwich_norms": False,
-    "attn_logit_softcap": None,
-    "final_logit_softcap": None,
-    "query_scale": None,
-    "sliding_rope_theta": None,
-}
-# Fields of TargetConfig that describe mixture-of-experts layers, at their dense (absent) values:
-# to_dict leaves them out at these values, so a dense config serialises as it always did.
-_MOE_DEFAULTS = {
-    "num_experts": 0,
-    "num_experts_per_tok": 0,
-    "moe_intermediate_size": 0,
-    "norm_topk_prob": False,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": (),
-}
+# TargetConfig's Gemma fields at their "absent" values, which to_dict leaves out (a Llama/Qwen
+# config serialises as it always did).
+_GEMMA_DEFAULTS = {"norm_offset": 0.0, "embed_scale": 1.0, "mlp_activation": "silu", "sandwich_norms": False,
+                   "attn_logit_softcap": None, "final_logit_softcap": None, "query_scale": None,
+                   "sliding_rope_theta": None}  # fmt: skip
+# Its mixture-of-experts fields at their dense (absent) values, likewise left out by to_dict.
+_MOE_DEFAULTS = {"num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0, "norm_topk_prob": False,
+                 "decoder_sparse_step": 1, "mlp_only_layers": ()}  # fmt: skip
 
 # The per-layer attention kinds a target may have (transformers' ``layer_types`` values).
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -232,12 +217,12 @@ class TargetConfig:
         if self.has_sliding_layers:
             if self.sliding_window is None or int(self.sliding_window) < 1:
                 raise ValueError(f"sliding-window layers need sliding_window >= 1, got {self.sliding_window!r}")
-            if self.attention_backend == "pallas_tpu":
-                raise ValueError(
-                    "attention backend 'pallas_tpu' does not implement sliding-window attention "
-                    "(use 'auto', 'xla' or 'cudnn' for this model)"
-                )
             object.__setattr__(self, "sliding_window", int(self.sliding_window))
+            if self.attention_backend == "pallas_tpu" and self.uniform_window is None:
+                raise ValueError(
+                    "attention backend 'pallas_tpu' does not implement sliding-window layers mixed with "
+                    "full-attention layers (use 'auto', 'xla' or 'cudnn' for this model)"
+                )
 
     def _check_experts(self) -> None:
         """Raises ValueError for inconsistent mixture-of-experts fields."""
@@ -271,6 +256,13 @@ class TargetConfig:
     def has_sliding_layers(self) -> bool:
         """Whether any layer attends through a sliding window."""
         return "sliding_attention" in self.layer_types
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer slides by it (Mistral), else None."""
+        if self.layer_types and all(t == "sliding_attention" for t in self.layer_types):
+            return self.sliding_window
+        return None
 
     def layer_windows(self) -> tuple[int | None, ...]:
         """Each layer's window in tokens (None: full attention), ``num_layers`` entries."""
@@ -400,6 +392,8 @@ class DrafterConfig:
         the names format-1 exports' ``"gated"`` / ``"rnn"`` load under. Exports written
         before this field existed load as ``"vanilla"``.
       rope_theta / rms_eps: backbone RoPE base and norm epsilon.
+      rope_scaling: the backbone's RoPE frequency scaling (:class:`RopeScaling`; None: plain RoPE),
+        the target's for a new drafter (as DeepSpec's drafters copy their target's RoPE settings).
       width: the backbone's residual width d (0 = the target's hidden size H). When
         ``d != H`` the anchor embedding enters through a learned ``H x d`` projection
         and the final hidden state leaves through a ``d x H`` one before the target's
@@ -455,8 +449,11 @@ class DrafterConfig:
     mask_token_id: int = -1
     confidence_input: str = "head"
     markov_w1_rows: str = "draft"
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):  # from_dict / JSON
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {self.variant!r}")
         if self.markov_head not in MARKOV_HEADS:
@@ -557,6 +554,7 @@ class DrafterConfig:
             head_dim=target.head_dim,
             intermediate_size=target.intermediate_size,
             rope_theta=target.rope_theta,
+            rope_scaling=target.rope_scaling,
             rms_eps=target.rms_eps,
             target_name=target.name,
         )

@@ -236,7 +236,7 @@ class DSparkDrafter(nnx.Module):
         v = v.reshape(cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:  # the context keys get k_norm too (before RoPE), like the block's
             k = rms_norm(k, self.layers["k_norm"][...][:, None, None, None, :], cfg.rms_eps)
-        k = jax.vmap(lambda kk: apply_rope(kk, positions, cfg.rope_theta))(k)
+        k = jax.vmap(lambda kk: apply_rope(kk, positions, cfg.rope_theta, cfg.rope_scaling))(k)
         return k, v
 
     def init_cache(self, batch: int, length: int) -> KVCache:
@@ -272,7 +272,9 @@ class DSparkDrafter(nnx.Module):
 
         def rope(y):
             n = y.shape[-2]
-            return apply_rope(y.reshape(b, a * s, n, cfg.head_dim), flat_pos, cfg.rope_theta).reshape(y.shape)
+            return apply_rope(y.reshape(b, a * s, n, cfg.head_dim), flat_pos, cfg.rope_theta, cfg.rope_scaling).reshape(
+                y.shape
+            )
 
         def layer(carry, xs):
             (h, li), (p, ck, cv) = carry, xs

@@ -175,7 +175,8 @@ class EagleDrafter(nnx.Module):
         q = (x @ self.wq[...]).reshape(b, t, c.num_heads, c.head_dim)
         k = (x @ self.wk[...]).reshape(b, t, c.num_kv_heads, c.head_dim)
         v = (x @ self.wv[...]).reshape(b, t, c.num_kv_heads, c.head_dim)
-        return apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta), v
+        rope = lambda y: apply_rope(y, positions, c.rope_theta, c.rope_scaling)
+        return rope(q), rope(k), v
 
     def _finish(self, hid: jax.Array, attn: jax.Array) -> jax.Array:
         """Residual from the input feature, attention output, SwiGLU MLP -> ``a`` ``[B, T, d]``."""

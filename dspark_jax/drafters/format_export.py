@@ -25,6 +25,7 @@ from dspark_jax.config import DrafterConfig
 from dspark_jax.drafters.base import check_compatible
 from dspark_jax.drafters.formats import HEAD_TENSORS, LAYER_TENSORS, NORM_TENSORS
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.models.rope import hf_rope_dict
 from dspark_jax.models.target import Target
 
 EXPORT_FORMATS = ("deepspec", "speculators")
@@ -60,6 +61,8 @@ def export_blockers(cfg: DrafterConfig, fmt: str, target_layers: int) -> list[st
             f"it taps the target's last layer {target_layers - 1} "
             "(DeepSpec forbids it; speculators' index for it is the final-normed output)"
         )
+    if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "freq_factors":
+        out.append("its RoPE frequency factors (a GGUF target's rope_freqs.weight) have no Hugging Face rope type")
     if fmt == "deepspec" and cfg.draft_vocab_size:
         out.append("DeepSpec's format has no draft vocabulary (use --format speculators)")
     if fmt == "deepspec" and cfg.variant == "dflash":
@@ -139,7 +142,7 @@ def _layer_config(cfg: DrafterConfig, target: Target, dtype: Any) -> dict[str, A
         "max_position_embeddings": target.cfg.max_position,
         "rms_norm_eps": cfg.rms_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": hf_rope_dict(cfg.rope_scaling, where="drafter export"),
         "attention_bias": False,
         "attention_dropout": 0.0,
         "use_sliding_window": False,
@@ -202,7 +205,8 @@ def format_config(drafter: Any, target: Target, fmt: str, dtype: Any, verifier: 
 
 
 def _verifier_architectures(target: Target) -> list[str]:
-    return ["Qwen3ForCausalLM"] if target.cfg.qk_norm else ["LlamaForCausalLM"]
+    c = target.cfg
+    return ["Qwen3ForCausalLM"] if c.qk_norm else ["Qwen2ForCausalLM"] if c.qkv_bias else ["LlamaForCausalLM"]
 
 
 def export_to_format(

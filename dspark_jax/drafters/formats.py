@@ -39,6 +39,7 @@ import numpy as np
 from dspark_jax.config import DrafterConfig
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.hf_io import HF_LAYER_TENSORS
+from dspark_jax.models.rope import hf_rope_scaling
 
 FORMATS = ("deepspec", "speculators", "zlab-dflash")
 # Per-layer tensors: this project's stacked name -> the formats' name under ``layers.{i}.``.
@@ -182,10 +183,11 @@ def _layer_shape(c: dict[str, Any], where: str) -> dict[str, Any]:
     if c.get("use_sliding_window") or any(t != "full_attention" for t in types):
         raise DSparkInputError(f"{where}: sliding-window attention layers are not supported (full attention only)")
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if kind not in (None, "default"):
-        raise DSparkInputError(f"{where}: RoPE scaling {kind!r} is not supported")
-    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    rope = dict(rope) if isinstance(rope, dict) else {}
+    if "original_max_position_embeddings" in c:  # a top-level value wins, as in transformers
+        rope["original_max_position_embeddings"] = c["original_max_position_embeddings"]
+    max_pos = int(c.get("max_position_embeddings") or 0)
+    theta, scaling = hf_rope_scaling(rope, max_position=max_pos, where=where)
     theta = theta if theta is not None else c.get("rope_theta", 10000.0)
     nh = int(c["num_attention_heads"])
     return dict(
@@ -196,6 +198,7 @@ def _layer_shape(c: dict[str, Any], where: str) -> dict[str, Any]:
         head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // nh),
         intermediate_size=int(c["intermediate_size"]),
         rope_theta=float(theta),
+        rope_scaling=scaling,
         rms_eps=float(c.get("rms_norm_eps", 1e-6)),
         vocab_size=int(c["vocab_size"]),
     )
@@ -350,6 +353,7 @@ def read_external(path: str | Path) -> ExternalDrafter:
         block_size=f.block_size if f.anchor_first else f.block_size - 1,
         markov_rank=f.markov_rank,
         rope_theta=f.layer["rope_theta"],
+        rope_scaling=f.layer["rope_scaling"],
         rms_eps=f.layer["rms_eps"],
         target_name=str(f.verifier or c.get("_name_or_path") or path.name),
         markov_head=f.head,

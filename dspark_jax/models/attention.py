@@ -9,8 +9,9 @@ Implements docs/design.md#attention-backends. :func:`attend` has the contract of
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` with per-row key/value
   lengths and a per-query mask (fp16/bf16 only: a float32 target keeps the ``xla`` path);
 * ``pallas_tpu``: JAX's Pallas ragged paged attention kernel, the contiguous cache rows viewed as
-  pages, one kernel "sequence" per query (full attention only: a sliding-window layer is refused
-  by name, and ``auto`` takes ``xla`` for a windowed model);
+  pages, one kernel "sequence" per query (with the kernel's static ``sliding_window`` when every
+  layer slides by the same window; a per-layer traced window is refused by name, and ``auto``
+  takes ``xla`` for it);
 * ``auto``: ``cudnn`` on a CUDA GPU for fp16/bf16, ``pallas_tpu`` on a TPU, else ``xla``.
 
 The backend is a static setting (:attr:`~dspark_jax.config.TargetConfig.attention_backend`),
@@ -47,7 +48,7 @@ def current_platform() -> str:
 
 
 def select_backend(
-    backend: str, q: Any, k_cache: Any, platform: str | None = None, *, windowed: bool = False
+    backend: str, q: Any, k_cache: Any, platform: str | None = None, *, traced_window: bool = False
 ) -> tuple[str, str | None]:
     """The implementation that runs, and why a requested one does not.
 
@@ -56,25 +57,26 @@ def select_backend(
       q: the queries ``[B, T, n_heads, hd]`` (anything with ``shape`` and ``dtype``).
       k_cache: the key cache ``[L, B', S, n_kv_heads, hd]`` (likewise).
       platform: as :func:`current_platform` (default: the current one).
-      windowed: the layer attends through a sliding window (the Pallas path has none).
+      traced_window: the layer's sliding window is a traced value (a model mixing sliding and
+        full layers): the Pallas kernel takes a static window only.
     Returns:
       ``(name, reason)``: ``name`` in ``xla``/``cudnn``/``pallas_tpu``; ``reason`` is None unless a
       requested (or, for ``auto``, the platform's) backend fell back to ``xla``.
     Raises:
-      ValueError: an unknown backend name, or ``pallas_tpu`` asked for by name with ``windowed``.
+      ValueError: an unknown backend name, or ``pallas_tpu`` asked for by name with ``traced_window``.
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {ATTENTION_BACKENDS}")
-    if windowed and backend == "pallas_tpu":
-        raise ValueError("attention backend 'pallas_tpu' does not implement sliding-window attention")
+    if traced_window and backend == "pallas_tpu":
+        raise ValueError("attention backend 'pallas_tpu' does not implement a per-layer (traced) sliding window")
     if backend == "xla":
         return "xla", None
     platform = platform or current_platform()
     want = backend if backend != "auto" else {"gpu": "cudnn", "tpu": "pallas_tpu"}.get(platform)
     if want is None:
         return "xla", None
-    if windowed and want == "pallas_tpu":
-        return "xla", "sliding-window attention is not implemented by the Pallas kernel path"
+    if traced_window and want == "pallas_tpu":
+        return "xla", "a per-layer (traced) sliding window is not implemented by the Pallas kernel path"
     reason = (cudnn_unfit if want == "cudnn" else pallas_tpu_unfit)(q, k_cache, platform)
     return (want, None) if reason is None else ("xla", reason)
 
@@ -103,15 +105,17 @@ def attend(
       backend: static, one of :data:`~dspark_jax.config.ATTENTION_BACKENDS`; a backend that does
         not fit falls back to ``xla`` (:func:`select_backend`), logged once per reason.
       scale / softcap: static score scale (None: ``hd ** -0.5``) and soft-cap (None: none), as
-        :func:`~dspark_jax.models.layers.scale_scores`; either one runs the ``xla`` path.
-      window: None (full attention) or the layer's sliding window W (int32 scalar, traced or
-        static): a query then sees only the slots ``q_pos - W < s <= q_pos``.
+        :func:`~dspark_jax.models.layers.score_scale` and :func:`~dspark_jax.models.layers.soft_cap`;
+        either one runs the ``xla`` path.
+      window: None (full attention) or the layer's sliding window W (a static int, or an int32
+        scalar, traced): a query then sees only the slots ``q_pos - W < s <= q_pos``.
     Returns:
       ``[B, T, n_heads * hd]`` in the dtype of ``q``.
     Raises:
-      ValueError: an unknown backend name; ``pallas_tpu`` by name with a window.
+      ValueError: an unknown backend name; ``pallas_tpu`` by name with a traced window.
     """
-    name, reason = select_backend(backend, q, k_cache, windowed=window is not None)
+    traced = window is not None and not isinstance(window, int)
+    name, reason = select_backend(backend, q, k_cache, traced_window=traced)
     if name != "xla" and (scale is not None or softcap is not None):
         name, reason = "xla", "a query scale or attention soft-cap (Gemma) runs on the xla path"
     if reason is not None:
@@ -119,7 +123,9 @@ def attend(
     if name == "cudnn":
         return cudnn_attention(q, k_cache, v_cache, layer, q_pos, window=window)
     if name == "pallas_tpu":
-        return pallas_tpu_attention(q, k_cache, v_cache, layer, q_pos)
+        if window is None:
+            return pallas_tpu_attention(q, k_cache, v_cache, layer, q_pos)
+        return pallas_tpu_attention(q, k_cache, v_cache, layer, q_pos, window=int(window))
     return cached_attention(q, k_cache, v_cache, layer, q_pos, window=window, scale=scale, softcap=softcap)
 
 
@@ -333,12 +339,16 @@ def pallas_tpu_attention(
     *,
     page_size: int | None = None,
     kernel=None,
+    window: int | None = None,
 ) -> jax.Array:
     """:func:`attend` by JAX's Pallas ragged paged attention (arguments and result as :func:`attend`).
 
     Args:
       page_size: slots per page (default :func:`page_size_for` the cache length).
-      kernel: the function called with :class:`RaggedPagedArguments` and ``sm_scale``; default
+      window: static sliding window W (the kernel's ``sliding_window``: a query sees the keys
+        ``q_pos - W < s <= q_pos``), or None.
+      kernel: the function called with :class:`RaggedPagedArguments` and ``sm_scale`` (and
+        ``sliding_window`` with a window); default
         ``jax.experimental.pallas.ops.tpu.ragged_paged_attention.ragged_paged_attention`` (TPU
         only). The CPU tests pass JAX's ``ref_ragged_paged_attention`` (eager: it loops in Python).
     Raises:
@@ -351,6 +361,7 @@ def pallas_tpu_attention(
     if kernel is None:
         from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention as kernel
     a = ragged_paged_arguments(q, k_cache, v_cache, layer, q_pos, page_size)
-    out = kernel(*a, sm_scale=float(hd) ** -0.5).reshape(b, t, nh, hd)
+    extra = {} if window is None else {"sliding_window": int(window)}
+    out = kernel(*a, sm_scale=float(hd) ** -0.5, **extra).reshape(b, t, nh, hd)
     out = jnp.where((q_pos >= 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
     return out.reshape(b, t, nh * hd).astype(q.dtype)

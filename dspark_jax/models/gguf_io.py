@@ -5,8 +5,8 @@
 float32 in the canonical layout of :mod:`dspark_jax.models.weights`. Uses the ``gguf``
 package (memory-mapped reader), imported when a file is opened.
 
-Exact or refused: an ``{arch}.*`` metadata key outside :data:`GGUF_ARCH_KEYS` (a sliding window, a
-soft-cap, experts, ...) and a tensor the loader does not read are refused by name.
+Exact or refused: an ``{arch}.*`` metadata key outside :data:`GGUF_ARCH_KEYS` (a soft-cap,
+experts, ...) and a tensor the loader does not read are refused by name.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ GGUF_ARCH_KEYS = frozenset(
     {"block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
      "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
      "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count",
+     "attention.sliding_window", "attention.sliding_window_pattern",
      "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
      "rope.scaling.finetuned", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
      "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.attn_factor",
@@ -105,13 +106,16 @@ def _gguf_name(reader: Any) -> Path:
 def gguf_config(path: Any) -> TargetConfig:
     """The :class:`TargetConfig` of a GGUF file from its metadata (no tensor data is read).
 
-    Hyperparameters come from ``{arch}.*`` metadata (see :func:`load_gguf`); tied
-    embeddings when there is no ``output.weight`` tensor.
+    Hyperparameters come from ``{arch}.*`` metadata (see :func:`load_gguf`), the RoPE scaling
+    from ``{arch}.rope.scaling.*`` and the ``rope_freqs.weight`` tensor; tied embeddings when
+    there is no ``output.weight`` tensor.
 
     Args:
       path: a ``.gguf`` path or an open ``gguf.GGUFReader``.
     Raises:
-      DSparkInputError: unreadable file, unsupported architecture, missing metadata.
+      DSparkInputError: unreadable file, unsupported architecture, missing metadata, an
+        ``{arch}.`` key outside :data:`GGUF_ARCH_KEYS`, a RoPE setting not implemented exactly,
+        partial rotary dimensions.
     """
     reader = _as_reader(path)
     fname = _gguf_name(reader)

@@ -248,12 +248,13 @@ def _gemma_fields(c: Any, where: str) -> dict[str, Any]:
     theta = theta if theta is not None else getattr(c, "rope_theta", None) or 10000.0
     if local_theta is not None and "full_attention" not in types:  # every layer slides: one RoPE
         theta, local_theta = local_theta, None
+    local_alike = local_theta is None or (local_theta, scaling) == (theta, None)  # one RoPE for every layer
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     qpas = getattr(c, "query_pre_attn_scalar", None)
     return {
         "rope_theta": float(theta),
         "rope_scaling": scaling,
-        "sliding_rope_theta": None if local_theta is None or (local_theta == theta and scaling is None) else float(local_theta),
+        "sliding_rope_theta": None if local_alike or local_theta is None else float(local_theta),
         "norm_offset": 1.0,
         "embed_scale": float(np.float32(c.hidden_size**0.5)),  # transformers: a float32 tensor
         "mlp_activation": "gelu_tanh",
@@ -308,7 +309,7 @@ def _hf_dir_config(path: Path, index: dict | None) -> TargetConfig:
     gen_eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
     return hf_target_config(
         c,
-        where=str(path),
+        where=str(path / "config.json"),
         name=path.resolve().name,
         generation_eos=gen_eos,
         lm_head_in_weights=None if index is None else "lm_head.weight" in index,

@@ -60,7 +60,8 @@ def apply_rope_table(x: jax.Array, positions: jax.Array, inv_freq, mscale: float
     ``positions [B, T]`` int32, ``mscale`` (static) multiplies cos and sin. Returns ``x`` rotated,
     same shape and dtype."""
     hd = x.shape[-1]
-    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [B, T, hd/2]
+    # jnp.asarray without a dtype: the same numpy table for q and k stays one constant of the program
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, hd/2]
     cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1)[:, :, None, :]
     sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1)[:, :, None, :]
     if mscale != 1.0:
@@ -71,13 +72,17 @@ def apply_rope_table(x: jax.Array, positions: jax.Array, inv_freq, mscale: float
     return (xf * cos + rot * sin).astype(x.dtype)
 
 
-def scale_scores(scores: jax.Array, hd: int, scale: float | None = None, softcap: float | None = None) -> jax.Array:
-    """Float32 attention scores ``q.k`` -> scaled (``scale``, default ``hd ** -0.5``) and, with
-    ``softcap`` (static), soft-capped ``softcap * tanh(s / softcap)`` (Gemma 2), before masking."""
-    scores = scores * (1.0 / jnp.sqrt(jnp.float32(hd)) if scale is None else jnp.float32(scale))
-    if softcap is not None:
-        scores = jnp.tanh(scores / jnp.float32(softcap)) * jnp.float32(softcap)
-    return scores
+def score_scale(hd: int, scale: float | None = None) -> jax.Array:
+    """The float32 multiplier of the attention scores ``q.k``: ``scale`` (static), default ``hd ** -0.5``."""
+    return 1.0 / jnp.sqrt(jnp.float32(hd)) if scale is None else jnp.float32(scale)
+
+
+def soft_cap(scores: jax.Array, softcap: float | None) -> jax.Array:
+    """``softcap * tanh(scores / softcap)`` (Gemma 2's attention soft-cap, before masking); the scores
+    unchanged when ``softcap`` (static) is None."""
+    if softcap is None:
+        return scores
+    return jnp.tanh(scores / jnp.float32(softcap)) * jnp.float32(softcap)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
@@ -97,9 +102,15 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float, scaling: RopeSc
 
 
 def attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None, softcap: float | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
-    """Grouped-query scaled dot-product attention (``scale`` / ``softcap``: :func:`scale_scores`).
+    """Grouped-query scaled dot-product attention (``scale``: :func:`score_scale`; ``softcap``: :func:`soft_cap`).
 
     Args:
       q: ``[B, T, n_heads, hd]`` queries.
@@ -114,7 +125,7 @@ def attention(
     rep = nh // nkv
     qg = q.reshape(b, t, nkv, rep, hd)
     scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32)
-    scores = scale_scores(scores, hd, scale, softcap)
+    scores = soft_cap(scores * score_scale(hd, scale), softcap)
     scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
     w = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bgrts,bsgd->btgrd", w, v, preferred_element_type=jnp.float32)
@@ -144,8 +155,8 @@ def cached_attention(
     ``ceil((max(q_pos) + 1) / block)`` (a traced value): blocks past the longest row are never read,
     so the cost does not depend on how many slots the cache was allocated with. With a sliding
     ``window`` the loop also starts at the first block any query sees, so the cost follows the
-    window rather than the context. A cache of at most one block is read in one pass, without the loop. The softmax is
-    accumulated online in float32; a block entirely masked for a row adds exact zeros to it, so a
+    window rather than the context. A cache of at most one block is read in one pass, without the
+    loop. The softmax is accumulated online in float32; a block entirely masked for a row adds exact zeros to it, so a
     row's output does not depend on its batch-mates' lengths nor on the cache length.
 
     Args:
@@ -155,7 +166,7 @@ def cached_attention(
       layer: int32 scalar (traced or static) layer index into the caches' axis 0.
       q_pos: ``[B, T]`` int32 last visible slot of each query; ``< 0``: sees nothing (its output is 0).
       block: static keys per block (clipped to ``S``).
-      scale / softcap: static score scale and soft-cap (:func:`scale_scores`).
+      scale / softcap: static score scale (:func:`score_scale`) and soft-cap (:func:`soft_cap`).
       window: None (full causal attention) or an int32 scalar (traced or static) W >= 1: query
         ``(b, t)`` then sees only the slots ``q_pos[b, t] - W < s <= q_pos[b, t]`` (a sliding window
         of W tokens, its own included, as transformers' ``sliding_window_overlay``).
@@ -187,7 +198,8 @@ def online_attention_stats(
     """Unnormalised online-softmax statistics of grouped queries over the live blocks of a cache layer.
 
     The loop of :func:`cached_attention` (which documents ``k_cache``, ``v_cache``, ``layer``,
-    ``q_pos``, ``block`` and ``window``), without the final normalisation, so that a caller can merge more keys.
+    ``q_pos``, ``block`` and ``window``), without the final normalisation, so that a caller can
+    merge more keys.
 
     Args:
       qg: ``[B, T, g, r, hd]`` queries grouped by KV head.
@@ -198,6 +210,7 @@ def online_attention_stats(
     b, t, nkv, rep, hd = qg.shape
     s_len = k_cache.shape[2]
     bs = min(block, s_len)
+    mult = score_scale(hd, scale)
     n_blocks = (jnp.clip(jnp.max(q_pos) + 1, 1, s_len) + bs - 1) // bs
     layer = jnp.asarray(layer, jnp.int32)
     zero = jnp.zeros((), jnp.int32)
@@ -214,7 +227,7 @@ def online_attention_stats(
         if window is not None:
             ok = ok & (slots[None, None, :] > q_pos[:, :, None] - window)
         ok = ok[:, None, None]  # [B, 1, 1, T, bs]
-        sc = scale_scores(jnp.einsum("btgrd,bsgd->bgrts", qg, kb, preferred_element_type=jnp.float32), hd, scale, softcap)
+        sc = soft_cap(jnp.einsum("btgrd,bsgd->bgrts", qg, kb, preferred_element_type=jnp.float32) * mult, softcap)
         sc = jnp.where(ok, sc, _NEG_INF)
         m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
         p = jnp.where(ok, jnp.exp(sc - m_new[..., None]), 0.0)

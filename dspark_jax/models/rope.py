@@ -109,18 +109,22 @@ def hf_rope_scaling(
     if kind not in ("linear", "yarn", "llama3"):
         raise DSparkInputError(f"{where}: RoPE scaling {kind!r} is not supported (default, linear, yarn, llama3)")
     orig = int(rp.get("original_max_position_embeddings") or max_position)
-    factor = rp.get("factor")
+    if kind in ("yarn", "llama3") and orig <= 0:
+        raise DSparkInputError(f"{where}: RoPE scaling {kind!r} without original_max_position_embeddings")
+    if rp.get("factor") is None and kind != "yarn":
+        raise DSparkInputError(f"{where}: RoPE scaling {kind!r} without a factor")
+    # yarn without a factor: max_position / original (DeepSeek-V3's rule in transformers)
+    factor = float(rp["factor"]) if rp.get("factor") is not None else max_position / orig
     if kind == "linear":
-        return theta, RopeScaling("linear", factor=float(factor))
+        return theta, RopeScaling("linear", factor=factor)
     if kind == "llama3":
         return theta, RopeScaling(
             "llama3",
-            factor=float(factor),
+            factor=factor,
             original_max_position=orig,
             low_freq_factor=float(rp["low_freq_factor"]),
             high_freq_factor=float(rp["high_freq_factor"]),
         )
-    factor = float(factor) if factor is not None else max_position / orig
     attn = rp.get("attention_factor")
     if attn is None:
         m, m_all = rp.get("mscale"), rp.get("mscale_all_dim")
@@ -180,4 +184,29 @@ def gguf_rope_scaling(meta: Any, arch: str, freq_factors: np.ndarray | None, *, 
         beta_fast=float(meta(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
         beta_slow=float(meta(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
         attention_factor=_yarn_mscale(factor),
+    )
+
+
+def hf_rope_dict(scaling: RopeScaling | None, *, where: str) -> dict[str, Any] | None:
+    """The Hugging Face ``rope_scaling`` dict of ``scaling`` (None for plain RoPE); the inverse of
+    :func:`hf_rope_scaling` (yarn's attention factor written explicitly).
+
+    Raises:
+      DSparkInputError: ``freq_factors`` (a GGUF file's table), which no Hugging Face rope type expresses.
+    """
+    if scaling is None or scaling.rope_type == "default":
+        return None
+    s = scaling
+    if s.rope_type == "linear":
+        return {"rope_type": "linear", "factor": s.factor}
+    if s.rope_type == "llama3":
+        return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position}  # fmt: skip
+    if s.rope_type == "yarn":
+        d = {"rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings": s.original_max_position,
+             "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "attention_factor": s.attention_factor}  # fmt: skip
+        return d if s.truncate else {**d, "truncate": False}
+    raise DSparkInputError(
+        f"{where}: RoPE frequency factors read from a GGUF file (rope_freqs.weight) have no Hugging Face rope type"
     )

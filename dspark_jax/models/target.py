@@ -26,7 +26,7 @@ from dspark_jax.models.attention import attend, current_platform
 from dspark_jax.models.layers import KVCache, apply_rope, apply_rope_table, attention, rms_norm
 from dspark_jax.models.moe import feed_forward, split_mixed_mlp
 from dspark_jax.models.rope import rope_table
-from dspark_jax.models.weights import DENSE_MLP_KEYS, MOE_KEYS, target_param_shapes
+from dspark_jax.models.weights import MOE_KEYS, target_param_shapes
 
 _LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 _BIAS_KEYS = ("bq", "bk", "bv")
@@ -63,10 +63,17 @@ def layer_window_table(cfg: TargetConfig) -> jax.Array | None:
     return jnp.asarray([FULL_WINDOW if w is None else w for w in cfg.layer_windows()], jnp.int32)
 
 
-def layer_window(cfg: TargetConfig, li: jax.Array) -> jax.Array | None:
-    """The sliding window of layer ``li`` (int32 scalar, traced), None when no layer slides."""
+def layer_window(cfg: TargetConfig, li: jax.Array) -> jax.Array | int | None:
+    """The sliding window of layer ``li``: None when no layer slides; a static int when every
+    layer slides by the same window (Mistral: what the Pallas kernel path takes); else the int32
+    scalar ``layer_window_table(cfg)[li]`` (traced)."""
+    if not cfg.has_sliding_layers:
+        return None
+    if cfg.uniform_window is not None:
+        return cfg.uniform_window
     table = layer_window_table(cfg)
-    return None if table is None else table[li]
+    assert table is not None
+    return table[li]
 
 
 # Up to this many positions, a tied LM head on the CPU runs as a row reduction (tied_head_row_reduce).
@@ -92,9 +99,8 @@ def tied_head_row_reduce(h: jax.Array, embed: jax.Array) -> jax.Array:
 def random_params(cfg: TargetConfig, seed: int = 0, scale: float = 0.05) -> dict[str, Any]:
     """Random float32 parameters in the canonical layout (for tests and dry runs)."""
     rng = np.random.default_rng(seed)
-    L, H, I = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    L, H, I, Ld = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers - cfg.num_sparse_layers
     qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    Ld = L - cfg.num_sparse_layers
 
     def n(*shape):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
@@ -112,8 +118,6 @@ def random_params(cfg: TargetConfig, seed: int = 0, scale: float = 0.05) -> dict
         "w_up": n(Ld, H, I),
         "w_down": n(Ld, I, H),
     }
-    if not Ld:
-        del layers["w_gate"], layers["w_up"], layers["w_down"]
     if cfg.qk_norm:
         layers["q_norm"] = one + n(L, cfg.head_dim)
         layers["k_norm"] = one + n(L, cfg.head_dim)
@@ -122,9 +126,9 @@ def random_params(cfg: TargetConfig, seed: int = 0, scale: float = 0.05) -> dict
     if cfg.sandwich_norms:
         layers["post_attn_norm"] = one + n(L, H)
         layers["post_mlp_norm"] = one + n(L, H)
-    if cfg.num_sparse_layers:
+    if cfg.num_sparse_layers:  # the dense MLP keys stack the dense layers only (none: absent)
         shapes = target_param_shapes(cfg)["layers"]
-        layers.update({k: n(*shapes[k]) for k in MOE_KEYS})
+        layers = {k: v for k, v in layers.items() if k in shapes} | {k: n(*shapes[k]) for k in MOE_KEYS}
     params = {"embed": n(cfg.vocab_size, H) * 10, "layers": layers, "final_norm": one + n(H)}
     if not cfg.tie_embeddings:
         params["lm_head"] = n(H, cfg.vocab_size)
@@ -171,8 +175,7 @@ class Target(nnx.Module):
         self.lm_head = None if cfg.tie_embeddings else cast(params["lm_head"], sh.get("lm_head"))
         keys = _LAYER_KEYS + (("q_norm", "k_norm") if cfg.qk_norm else ()) + (_BIAS_KEYS if cfg.qkv_bias else ())
         keys += _SANDWICH_KEYS if cfg.sandwich_norms else ()
-        keys = tuple(k for k in keys if cfg.num_sparse_layers < cfg.num_layers or k not in DENSE_MLP_KEYS)
-        keys += MOE_KEYS if cfg.num_sparse_layers else ()
+        keys = tuple(k for k in keys + MOE_KEYS if k in target_param_shapes(cfg)["layers"])
         self.layers = nnx.Dict({k: cast(params["layers"][k], sh["layers"].get(k)) for k in keys})
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
@@ -182,19 +185,17 @@ class Target(nnx.Module):
         return e if self.cfg.embed_scale == 1.0 else e * jnp.asarray(self.cfg.embed_scale, e.dtype)
 
     def scan_params(self) -> dict[str, jax.Array]:
-        """The per-layer inputs of a layer scan: the stacked weights ``{key: [L, ...]}``, when the
-        RoPE base differs between layers :data:`ROPE_FREQ_KEY` ``[L, head_dim / 2]`` float32, and with
-        dense and sparse layers mixed each layer's MLP slot and kind in place of the MLP weights
-        (:func:`~dspark_jax.models.moe.split_mixed_mlp`)."""
+        """The per-layer inputs of a layer scan: the stacked weights ``{key: [L, ...]}``, the RoPE
+        (:data:`ROPE_FREQ_KEY` ``[L, head_dim / 2]`` float32) when it differs between layers, and with
+        dense and sparse layers mixed their MLP slots for the weights (:func:`.moe.split_mixed_mlp`)."""
         p = {k: v[...] for k, v in self.layers.items()}
         if self.cfg.per_layer_rope:
             p[ROPE_FREQ_KEY] = jnp.asarray(layer_inv_freqs(self.cfg))
         return split_mixed_mlp(self.cfg, p)[0]
 
     def mlp_stacks(self) -> dict[str, jax.Array]:
-        """With dense and sparse layers mixed (``cfg.mixed_mlp``), the two groups' MLP weights,
-        each stacked over its own layers (``w_gate [Ld, H, I]``..., ``moe_gate [Ls, E, H, Im]``...),
-        which the layer scan indexes at :data:`MLP_SLOT_KEY`; else ``{}`` (they are scanned)."""
+        """With dense and sparse layers mixed (``cfg.mixed_mlp``), the two groups' MLP weights, each
+        stacked over its own layers, which the scan indexes (:func:`.moe.split_mixed_mlp`); else ``{}``."""
         return split_mixed_mlp(self.cfg, {k: v[...] for k, v in self.layers.items()})[1]
 
     def final_normed(self, h: jax.Array) -> jax.Array:
@@ -294,7 +295,13 @@ class Target(nnx.Module):
                 ck = ck.at[li, b_idx, wpos].set(k.astype(ck.dtype), mode="drop")
                 cv = cv.at[li, b_idx, wpos].set(v.astype(cv.dtype), mode="drop")
                 a = attend(
-                    q, ck, cv, li, positions, backend=cfg.attention_backend, window=layer_window(cfg, li),
+                    q,
+                    ck,
+                    cv,
+                    li,
+                    positions,
+                    backend=cfg.attention_backend,
+                    window=layer_window(cfg, li),
                     **attention_options(cfg),
                 )
                 h = _attn_out_and_mlp(cfg, p, h, a, stacks)
@@ -530,7 +537,9 @@ def _packed_layer(
     q, ck_all, cv_all = packed_qkv(cfg, p, h, g.rope_pos, g.qrow, g.wpos, ck_all, cv_all, li)
     qg = jnp.zeros((g.num_rows, g.width) + q.shape[1:], q.dtype).at[g.qrow, g.cols].set(q, mode="drop")
     window = layer_window(cfg, li)
-    attn = attend(qg, ck_all, cv_all, li, g.qpos, backend=cfg.attention_backend, window=window, **attention_options(cfg))
+    attn = attend(
+        qg, ck_all, cv_all, li, g.qpos, backend=cfg.attention_backend, window=window, **attention_options(cfg)
+    )
     attn = attn[g.grow, g.gcol]  # [K, nh*hd]
     h = packed_attn_out_and_mlp(cfg, p, h, attn, stacks)
     return (h, ck_all, cv_all, li + 1), (h[0] if keep_hidden else None)

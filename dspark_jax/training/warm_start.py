@@ -29,9 +29,15 @@ def check_init_from_target_layers(drafter, target, layers: Sequence[int]) -> lis
     mine = getattr(drafter, "layers", None)
     if mine is None or drafter.cfg.variant == "eagle3":
         raise DSparkInputError("init_from_target_layers: only DSpark and DFlash drafters have target-shaped layers")
-    if target.cfg.num_sparse_layers:
+    tc = target.cfg
+    if tc.num_sparse_layers:
         raise DSparkInputError(
             "init_from_target_layers: a mixture-of-experts target's layers have no dense MLP to copy"
+        )
+    if tc.sandwich_norms or tc.mlp_activation != "silu" or tc.norm_offset:
+        raise DSparkInputError(
+            "init_from_target_layers: the target's layers (Gemma: 1 + w norms, sandwich norms, GELU MLP) "
+            "compute differently from a drafter's; warm starts copy Llama/Qwen-style layers only"
         )
     n, big_l = drafter.cfg.num_layers, target.cfg.num_layers
     idx = [int(i) for i in layers]

@@ -236,7 +236,10 @@ def test_refusals_name_what_is_not_supported(tiny, tmp_path):
         ({"aux_hidden_state_layer_ids": [0, 1, 2]}, "embedding output"),
         ({"aux_hidden_state_layer_ids": [1, 2, L]}, "final-normed output"),
         ({"layer.layer_types": ["sliding_attention"]}, "sliding-window"),
-        ({"layer.rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "RoPE scaling 'yarn'"),
+        (
+            {"layer.rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}},
+            "RoPE scaling 'dynamic'",
+        ),
         ({"layer.model_type": "gemma3"}, "Gemma"),
         ({"markov_head_type": "lstm"}, "Markov head type 'lstm'"),
         ({"speculators_model_type": "eagle3"}, "not a DSpark/DFlash drafter"),

@@ -7,7 +7,8 @@ random fp32 models transformers itself writes (eager attention), at positions we
 * logits within 1e-4 of transformers through the cache-less pass (prefill / training), the cached
   prefill and cached one-token decode steps;
 * the cached attention backends (xla blocked loop with a window-skipping start, the cuDNN
-  arguments run through XLA) equal dense windowed attention, and ``pallas_tpu`` is refused by name;
+  arguments run through XLA, the Pallas paged view through JAX's reference kernel with a static
+  window) equal dense windowed attention; ``pallas_tpu`` is refused by name for mixed layers;
 * greedy speculative decoding equals plain decoding, and the serving engine (one-shot and chunked
   prefill, packed steps) equals plain decoding, on the windowed Mistral target.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,7 +27,7 @@ from test_decode import assert_same_outputs, bigram_drafter, random_drafter
 from dspark_jax.config import TargetConfig
 from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.models.attention import attend, cudnn_attention, select_backend
+from dspark_jax.models.attention import attend, cudnn_attention, pallas_tpu_attention, select_backend
 from dspark_jax.models.gguf_io import gguf_config, load_gguf
 from dspark_jax.models.hf_io import load_hf_dir
 from dspark_jax.models.layers import attention, cached_attention
@@ -156,6 +158,14 @@ def test_hf_config_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(c))
     with pytest.raises(DSparkInputError, match="chunked_attention"):
         load_hf_dir(tmp_path)
+    c["layer_types"], c["use_sliding_window"] = ["full_attention"] * 3, True  # as given: no layer slides
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    assert load_hf_dir(tmp_path)[0].layer_types == ()
+    del c["layer_types"], c["use_sliding_window"], c["max_window_layers"]
+    c.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None)
+    (tmp_path / "config.json").write_text(json.dumps(c))  # Mistral v0.2+: no window
+    cfg = load_hf_dir(tmp_path)[0]
+    assert (cfg.layer_types, cfg.sliding_window, cfg.qk_norm) == ((), None, False)
 
 
 def test_config_rules():
@@ -166,7 +176,12 @@ def test_config_rules():
     with pytest.raises(ValueError, match="not implemented"):
         TargetConfig(**base, layer_types=("local", "full_attention"), sliding_window=4)
     with pytest.raises(ValueError, match="pallas_tpu"):
-        TargetConfig(**base, layer_types=("sliding_attention",) * 2, sliding_window=4, attention_backend="pallas_tpu")
+        TargetConfig(**base, layer_types=("full_attention", "sliding_attention"), sliding_window=4,
+                     attention_backend="pallas_tpu")  # fmt: skip
+    every = TargetConfig(
+        **base, layer_types=("sliding_attention",) * 2, sliding_window=4, attention_backend="pallas_tpu"
+    )
+    assert every.uniform_window == 4
     assert "layer_types" not in TargetConfig(**base).to_dict()  # full attention: the dict of before
 
 
@@ -192,17 +207,53 @@ def test_cached_attention_window_equals_dense(s_len, block):
     got = cudnn_attention(q, kc, vc, 1, q_pos, implementation="xla", window=win)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(attend(q, kc, vc, 1, q_pos, backend="auto", window=win)), want, atol=1e-5)
-    with pytest.raises(ValueError, match="sliding-window"):
+    with pytest.raises(ValueError, match="sliding window"):
         attend(q, kc, vc, 1, q_pos, backend="pallas_tpu", window=win)
-    assert select_backend("auto", q, kc, "tpu", windowed=True)[0] == "xla"
+    assert select_backend("auto", q, kc, "tpu", traced_window=True)[0] == "xla"
+    if s_len % 8 == 0:  # the paged view (pages of 8 slots) with the kernel's static window, by its reference
+        got = pallas_tpu_attention(q, kc, vc, 1, q_pos, page_size=8, kernel=_reference_kernel, window=w)
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+
+
+def _reference_kernel(q, kv_pages, *metadata, **kw):
+    """JAX's ``ref_ragged_paged_attention`` with the metadata concrete (it slices by them)."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+
+    meta = [np.asarray(m) for m in metadata]
+    return jax.jit(lambda qq, pages: ref_ragged_paged_attention(qq, pages, *meta, **kw))(q, kv_pages)
+
+
+def test_windowed_loop_skips_the_blocks_before_the_window():
+    """The xla loop never reads the blocks before the earliest window (NaN there would show), so
+    a windowed layer's cost follows the window, not the context."""
+    rng = np.random.default_rng(2)
+    s_len, block, w = 128, 16, 7
+    q = jnp.asarray(rng.standard_normal((1, 2, 4, 8)), jnp.float32)
+    kc = rng.standard_normal((1, 1, s_len, 2, 8)).astype(np.float32)
+    vc = rng.standard_normal((1, 1, s_len, 2, 8)).astype(np.float32)
+    want = np.asarray(cached_attention(q, jnp.asarray(kc), jnp.asarray(vc), 0, jnp.asarray([[60, 70]]), window=w))
+    kc[:, :, :48], vc[:, :, :48] = np.nan, np.nan  # blocks 0-2: before slot 54, the first one seen
+    got = cached_attention(q, jnp.asarray(kc), jnp.asarray(vc), 0, jnp.asarray([[60, 70]]), block=block, window=w)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+
+
+def _target(kind, tmp_path_factory) -> Target:
+    path = tmp_path_factory.mktemp(f"{kind}-decode")
+    _write(kind, path)
+    cfg, params = load_hf_dir(path)
+    return Target(cfg, params, fingerprint=params_fingerprint(params))
 
 
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mistral-engine")
-    _write("mistral", path)
-    cfg, params = load_hf_dir(path)
-    return Target(cfg, params, fingerprint=params_fingerprint(params))
+    """Every layer slides by one window: a static window in every path."""
+    return _target("mistral", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen3_sliding(tmp_path_factory):
+    """A full layer then sliding layers: the per-layer window is traced in the layer scan."""
+    return _target("qwen3", tmp_path_factory)
 
 
 def _prompts(n, lengths):
@@ -217,17 +268,19 @@ def test_greedy_speculative_equals_plain(mistral):
     assert_same_outputs(ar, sp)
 
 
-def test_engine_equals_plain_decoding(mistral):
+@pytest.mark.parametrize("kind", ["mistral", "qwen3_sliding"])
+def test_engine_equals_plain_decoding(kind, request):
     """Packed decode steps and verification with one-shot and chunked prefill (12-token chunks, so
-    a prompt spans passes) give plain decoding's tokens on the windowed target."""
-    drafter = bigram_drafter(mistral, block_size=3)
-    eng = Engine(mistral, drafter, num_slots=3, cache_len=64, policy="fixed:3", buckets=(12,), row_buckets=(3,),
+    a prompt spans passes) give plain decoding's tokens on the windowed targets."""
+    target = request.getfixturevalue(kind)
+    drafter = bigram_drafter(target, block_size=3)
+    eng = Engine(target, drafter, num_slots=3, cache_len=64, policy="fixed:3", buckets=(12,), row_buckets=(3,),
                  prefill_buckets=(32,), profile_iters=1, suspend_after=None)  # fmt: skip
     eng.prefiller = ChunkedPrefill(eng.device, eng.planner, eng.limits, eng.prefill_buckets, 12, lanes=3, block=4)
     eng.warmup()
-    prompts = _prompts(mistral.cfg.vocab_size, (30, 21, 5, 26))
+    prompts = _prompts(target.cfg.vocab_size, (30, 21, 5, 26))
     reqs = [Request(p, SamplingParams(temperature=0.0, max_tokens=14), f"w{i}") for i, p in enumerate(prompts)]
-    ar = generate_autoregressive(mistral, prompts, max_new_tokens=14, cache_len=64)
+    ar = generate_autoregressive(target, prompts, max_new_tokens=14, cache_len=64)
     want = {r.request_id: (g.token_ids, g.finish_reason) for r, g in zip(reqs, ar.generations)}
     for chunked in (False, True):
         assert test_prefill.drive(eng, reqs, chunked=chunked) == want

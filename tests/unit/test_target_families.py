@@ -65,7 +65,8 @@ def hf_logits(model, ids: np.ndarray) -> np.ndarray:
 
 
 def jax_logits(cfg, params, ids: np.ndarray) -> np.ndarray:
-    """Full causal forward [T, V], and the same through the KV cache (prefill 40, then 3 + 1 + ...)."""
+    """Full causal forward ``[T, V]``; checks that the KV-cache path (prefill 40, then 3, 1 and the
+    rest) and the serving engine's packed pass (8 tokens after the prefill) give the same logits."""
     from dspark_jax.models.target import Target
 
     target = Target(cfg, params)
@@ -75,10 +76,15 @@ def jax_logits(cfg, params, ids: np.ndarray) -> np.ndarray:
     parts, start = [], 0
     for n in (40, 3, 1, len(ids) - 44):  # prefill, a verification-sized block, one token, the rest
         out = target(ids[None, start : start + n], pos[:, start : start + n], cache)
+        if start == 0:
+            prefilled = out.cache
         cache = out.cache
         parts.append(np.asarray(out.logits[0]))
         start += n
     np.testing.assert_allclose(np.concatenate(parts), full, atol=TOL, rtol=0)
+    k = np.arange(8, dtype=np.int32)
+    packed = target.forward_packed(ids[40:48], 0 * k, k, 40 + k, prefilled, num_rows=1, width=8)
+    np.testing.assert_allclose(np.asarray(packed.logits), full[40:48], atol=TOL, rtol=0)
     return full
 
 
@@ -230,8 +236,7 @@ def qwen3_dir(tmp_path_factory):
 @pytest.mark.parametrize(
     "changes,match",
     [
-        ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}, "sliding-window attention"),
-        ({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8}, "per-layer attention types"),
+        ({"layer_types": ["full_attention", "chunked_attention"], "sliding_window": 8}, "chunked_attention"),
         ({"attn_logit_softcapping": 50.0}, "attention logit soft-capping"),
         ({"final_logit_softcapping": 30.0}, "final logit soft-capping"),
         ({"attention_bias": True}, "attention biases"),
@@ -244,7 +249,8 @@ def qwen3_dir(tmp_path_factory):
     ],
 )  # fmt: skip
 def test_hf_refuses_what_it_does_not_implement(qwen3_dir, tmp_path, changes, match):
-    """Qwen3 with sliding layers used to load and run full attention (silently wrong): refused."""
+    """Math the loader does not implement is refused by name (sliding layers are implemented:
+    tests/unit/test_sliding_window.py)."""
     import shutil
 
     path = tmp_path / "m"
@@ -272,8 +278,8 @@ def test_hf_refuses_unread_tensor(qwen3_dir, tmp_path):
 
 def test_gguf_refuses_unknown_metadata_and_tensors(tmp_path):
     model = make_hf("llama", LINEAR, tmp_path / "hf", seed=4)
-    p = write_gguf(model, LINEAR, "llama", tmp_path / "a.gguf", extra_kv={"llama.attention.sliding_window": 8})
-    with pytest.raises(DSparkInputError, match="llama.attention.sliding_window is not supported"):
+    p = write_gguf(model, LINEAR, "llama", tmp_path / "a.gguf", extra_kv={"llama.expert_shared_count": 1})
+    with pytest.raises(DSparkInputError, match="llama.expert_shared_count is not supported"):
         load_gguf(p)
     extra = [("blk.0.attn_output.bias", np.zeros(HIDDEN, np.float32))]
     p = write_gguf(model, LINEAR, "llama", tmp_path / "b.gguf", extra_tensors=extra)
@@ -282,13 +288,16 @@ def test_gguf_refuses_unknown_metadata_and_tensors(tmp_path):
 
 
 def test_rope_scaling_round_trips_through_config_dict():
-    from dspark_jax.config import RopeScaling, TargetConfig
+    from dspark_jax.config import DrafterConfig, RopeScaling, TargetConfig
 
     cfg = TargetConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1,
                        num_kv_heads=1, head_dim=4, max_position=16,
                        rope_scaling=RopeScaling("freq_factors", freq_factors=(1.0, 8.0)))  # fmt: skip
     back = TargetConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert back == cfg and hash(back) == hash(cfg)
+    dcfg = DrafterConfig.for_target(cfg, taps=(0,))
+    assert dcfg.rope_scaling == cfg.rope_scaling
+    assert DrafterConfig.from_dict(json.loads(json.dumps(dcfg.to_dict()))) == dcfg
 
 
 # ----------------------------------------------------------------------------- speculative == plain
@@ -311,3 +320,55 @@ def test_qwen2_yarn_greedy_speculative_equals_autoregressive(hf_models):
     sp = generate_speculative(target, tiny_drafter(target), prompts, **kw)
     for a, s in zip(ar.generations, sp.generations, strict=True):
         assert s.token_ids == a.token_ids and len(a.token_ids) > 1
+
+
+def test_drafter_of_a_scaled_target_keeps_its_rope_through_export(hf_models, tmp_path):
+    """A new drafter copies its target's RoPE scaling (as DeepSpec's drafters do); DeepSpec's
+    format writes it as ``rope_scaling`` and reads it back unchanged."""
+    from flax import nnx
+
+    from dspark_jax.config import DrafterConfig
+    from dspark_jax.drafters.build import build_drafter
+    from dspark_jax.drafters.checkpoint import load_drafter
+    from dspark_jax.drafters.format_export import export_to_format
+    from dspark_jax.models.target import Target
+
+    cfg, params = load_hf_dir(hf_models("qwen2-yarn")[1])
+    target = Target(cfg, params)
+    dcfg = DrafterConfig.for_target(cfg, taps=(0,), num_layers=1, block_size=4, markov_rank=8)
+    assert dcfg.rope_scaling == cfg.rope_scaling and cfg.rope_scaling.rope_type == "yarn"
+    out, _ = export_to_format(build_drafter(dcfg, nnx.Rngs(0)), target, "deepspec", tmp_path / "ds")
+    written = json.loads((out / "config.json").read_text())
+    assert written["rope_scaling"]["rope_type"] == "yarn"
+    assert written["rope_scaling"]["attention_factor"] == pytest.approx(0.1 * math.log(4.0) + 1)
+    loaded, _ = load_drafter(out, target=target)
+    assert loaded.cfg.rope_scaling == cfg.rope_scaling
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        LLAMA3,
+        dict(LLAMA3, factor=32.0, low_freq_factor=2.0, high_freq_factor=8.0, rope_theta=500000.0),
+        LINEAR,
+        YARN,
+        dict(YARN, beta_fast=16.0, beta_slow=2.0, truncate=False, rope_theta=1e6),
+        dict(YARN, mscale=1.0, mscale_all_dim=0.5),
+        dict(YARN, attention_factor=0.8),
+        {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": ORIG},  # legacy rope_scaling key
+    ],
+)
+def test_rope_table_equals_transformers(rope):
+    """The frequency table and cos/sin factor equal transformers' ROPE_INIT_FUNCTIONS for each setting."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from dspark_jax.models.rope import hf_rope_scaling, rope_table
+
+    hc = LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, head_dim=HEAD_DIM,
+                     max_position_embeddings=4 * ORIG, rope_scaling=dict(rope))  # fmt: skip
+    want_inv, want_scale = ROPE_INIT_FUNCTIONS[hc.rope_parameters["rope_type"]](hc, "cpu")
+    theta, scaling = hf_rope_scaling(dict(rope), max_position=4 * ORIG, where="test")
+    inv, scale = rope_table(theta if theta is not None else 10000.0, HEAD_DIM, scaling)
+    np.testing.assert_allclose(inv, want_inv.numpy(), rtol=2e-6)
+    assert scale == pytest.approx(want_scale, rel=1e-6)

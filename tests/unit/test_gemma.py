@@ -1,0 +1,220 @@
+"""Gemma 2 and Gemma 3 text targets: the one decoder, configured by TargetConfig data.
+
+Tiny random models written by transformers itself (4 layers, hidden 64, vocab 256, fp32, eager
+attention, perturbed ``1 + w`` norms, alternating sliding / full layers with an 8-token window)
+are loaded through the Hugging Face loader and compared with transformers' logits (max |diff| <=
+1e-4) over 40 positions, past the window: Gemma 2 with attention and final soft-caps and a query
+scale other than ``head_dim ** -0.5``; Gemma 3 with q/k norms, a local RoPE base on sliding layers
+and linear RoPE scaling on full ones. Each Gemma field is shown to matter (turning it off moves
+the logits). Greedy speculative decoding and the serving engine equal plain decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import test_prefill
+from test_decode import assert_same_outputs, bigram_drafter, random_drafter
+
+from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
+from dspark_jax.errors import DSparkInputError
+from dspark_jax.models.hf_io import load_hf_dir
+from dspark_jax.models.target import Target
+from dspark_jax.models.weights import params_fingerprint
+from dspark_jax.serving.engine import Engine, Request, SamplingParams
+from dspark_jax.serving.engine.prefill import ChunkedPrefill
+
+pytestmark = pytest.mark.exactness
+
+TOL = 1e-4
+VOCAB, WINDOW, SEQ = 256, 8, 40
+GEMMA3_ROPE = {
+    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+}
+
+
+def _gemma_config(kind: str, **extra):
+    import transformers as tr
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, sliding_window=WINDOW,
+                  initializer_range=0.1, attn_implementation="eager")  # fmt: skip
+    if kind == "gemma2":
+        kw = dict(query_pre_attn_scalar=24, attn_logit_softcapping=4.0, final_logit_softcapping=3.0)
+        return tr.Gemma2Config(**{**common, **kw, **extra})
+    kw = dict(query_pre_attn_scalar=16, final_logit_softcapping=3.0, sliding_window_pattern=2)
+    kw["rope_parameters"] = GEMMA3_ROPE
+    return tr.Gemma3TextConfig(**{**common, **kw, **extra})
+
+
+def _write(kind: str, path, **extra):
+    """A tiny random Gemma 2 / Gemma 3 text model saved to ``path``; returns the fp32 torch model."""
+    import torch
+    import transformers as tr
+
+    torch.manual_seed(0)
+    model_cls = tr.Gemma2ForCausalLM if kind == "gemma2" else tr.Gemma3ForCausalLM
+    model = model_cls(_gemma_config(kind, **extra)).eval()
+    with torch.no_grad():  # Gemma norms are 1 + w: random w, so that a mis-mapped norm shows up
+        for n, prm in model.named_parameters():
+            if "norm" in n:
+                prm.copy_(0.3 * torch.randn_like(prm))
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """``kind -> (kind, torch model, TargetConfig, params)``, each family written and loaded once."""
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            path = tmp_path_factory.mktemp(kind)
+            model = _write(kind, path)
+            cache[kind] = (kind, model, *load_hf_dir(path))
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(params=["gemma2", "gemma3"])
+def family(request, written):
+    return written(request.param)
+
+
+def _hf_logits(model, ids):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor(ids[None], dtype=torch.long)).logits[0].numpy()
+
+
+def _ids(n=SEQ, seed=3):
+    return np.random.default_rng(seed).integers(3, VOCAB, n).astype(np.int32)
+
+
+def test_loader_reads_the_gemma_fields(family):
+    kind, _, cfg, params = family
+    assert cfg.norm_offset == 1.0 and cfg.embed_scale == np.float32(8.0) and cfg.mlp_activation == "gelu_tanh"
+    assert cfg.sandwich_norms and cfg.tie_embeddings and cfg.final_logit_softcap == 3.0
+    assert cfg.layer_types == ("sliding_attention", "full_attention") * 2 and cfg.sliding_window == WINDOW
+    assert set(params["layers"]) >= {"post_attn_norm", "post_mlp_norm"}
+    if kind == "gemma2":
+        assert cfg.attn_logit_softcap == 4.0 and cfg.query_scale == pytest.approx(24**-0.5) and not cfg.qk_norm
+    else:  # Gemma 3: q/k norms; query_pre_attn_scalar == head_dim is the default scale
+        assert cfg.qk_norm and cfg.attn_logit_softcap is None and cfg.query_scale is None
+        assert (cfg.rope_theta, cfg.sliding_rope_theta, cfg.rope_scaling.rope_type) == (50000.0, 1000.0, "linear")
+
+
+def test_logits_match_transformers_past_the_window(family):
+    """Cache-less, and through the KV cache (prefill 20, a 3-token block, then one token at a time)."""
+    _, model, cfg, params = family
+    ids = _ids()
+    want = _hf_logits(model, ids)
+    assert np.abs(want).max() > 1.0  # the final soft-cap (3.0) binds
+    target = Target(cfg, params)
+    pos = np.arange(SEQ, dtype=np.int32)[None]
+    full = np.asarray(target(ids[None], pos).logits[0])
+    np.testing.assert_allclose(full, want, atol=TOL, rtol=0)
+    cache, parts, start = target.init_cache(1, SEQ), [], 0
+    for n in (20, 3, 1, 1, SEQ - 25):
+        out = target(ids[None, start : start + n], pos[:, start : start + n], cache)
+        cache, start = out.cache, start + n
+        parts.append(np.asarray(out.logits[0]))
+    np.testing.assert_allclose(np.concatenate(parts), want, atol=TOL, rtol=0)
+
+
+GEMMA2_OFF = {"norm_offset": 0.0, "embed_scale": 1.0, "mlp_activation": "silu", "sandwich_norms": None,
+              "attn_logit_softcap": None, "final_logit_softcap": None, "query_scale": None}  # fmt: skip
+GEMMA3_OFF = {"sliding_rope_theta": None, "rope_scaling": None, "qk_norm": False}
+
+
+def test_every_gemma_field_matters(family):
+    """Turning any one Gemma field off moves the logits by far more than the tolerance, so the parity
+    test above checks each of them."""
+    kind, _, cfg, params = family
+    ids = _ids(24)
+    pos = np.arange(24, dtype=np.int32)[None]
+    base = np.asarray(Target(cfg, params)(ids[None], pos).logits[0])
+    for field, off in {**GEMMA2_OFF, **(GEMMA3_OFF if kind == "gemma3" else {})}.items():
+        if field == "sandwich_norms":  # the post-norms' weights w = 0 (a unit 1 + w norm) stand for "off"
+            p = {**params, "layers": {**params["layers"], "post_attn_norm": 0 * params["layers"]["post_attn_norm"]}}
+            moved = np.asarray(Target(cfg, p)(ids[None], pos).logits[0])
+        elif getattr(cfg, field) == off:
+            continue
+        else:
+            moved = np.asarray(Target(dataclasses.replace(cfg, **{field: off}), params)(ids[None], pos).logits[0])
+        assert np.abs(moved - base).max() > 100 * TOL, field
+
+
+@pytest.mark.parametrize(
+    "kind,extra,match",
+    [
+        ("gemma3", {"use_bidirectional_attention": True}, "bidirectional attention"),
+        ("gemma3", {"rope_parameters": {**GEMMA3_ROPE, "sliding_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                             "rope_theta": 1000.0}}},
+         "RoPE scaling 'linear' on sliding layers"),
+        ("gemma3", {"rope_parameters": {**GEMMA3_ROPE, "full_attention": {"rope_type": "dynamic", "factor": 2.0,
+                                                                          "rope_theta": 1e4}}},
+         "RoPE scaling 'dynamic'"),
+        ("gemma2", {"hidden_activation": "gelu"}, "activation 'gelu'"),
+    ],
+)  # fmt: skip
+def test_refuses_what_it_does_not_implement(tmp_path, kind, extra, match):
+    _write(kind, tmp_path, **extra)
+    with pytest.raises(DSparkInputError, match=match) as e:
+        load_hf_dir(tmp_path)
+    assert str(tmp_path) in str(e.value) and "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def _target(written, kind):
+    _, _, cfg, params = written(kind)
+    return Target(cfg, params, fingerprint=params_fingerprint(params))
+
+
+def _prompts(lengths):
+    rng = np.random.default_rng(5)
+    return [[1] + rng.integers(3, VOCAB, k - 1).tolist() for k in lengths]
+
+
+def test_greedy_speculative_equals_plain(written):
+    """Gemma 3 (per-layer RoPE, q/k norms, windows): verification blocks and rollbacks are exact."""
+    target = _target(written, "gemma3")
+    prompts = _prompts((SEQ, 13))
+    ar = generate_autoregressive(target, prompts, max_new_tokens=20, cache_len=80)
+    sp = generate_speculative(target, random_drafter(target, block_size=4), prompts, max_new_tokens=20, cache_len=80)
+    assert_same_outputs(ar, sp)
+
+
+def test_engine_equals_plain_decoding(written):
+    """Packed decode steps and verification, one-shot and chunked prefill (12-token chunks), give
+    plain decoding's tokens on the Gemma 2 target (soft-capped, scaled attention; windows)."""
+    target = _target(written, "gemma2")
+    drafter = bigram_drafter(target, block_size=3)
+    eng = Engine(target, drafter, num_slots=3, cache_len=64, policy="fixed:3", buckets=(12,), row_buckets=(3,),
+                 prefill_buckets=(32,), profile_iters=1, suspend_after=None)  # fmt: skip
+    eng.prefiller = ChunkedPrefill(eng.device, eng.planner, eng.limits, eng.prefill_buckets, 12, lanes=3, block=4)
+    eng.warmup()
+    prompts = _prompts((30, 21, 5))
+    reqs = [Request(p, SamplingParams(temperature=0.0, max_tokens=12), f"g{i}") for i, p in enumerate(prompts)]
+    ar = generate_autoregressive(target, prompts, max_new_tokens=12, cache_len=64)
+    want = {r.request_id: (g.token_ids, g.finish_reason) for r, g in zip(reqs, ar.generations, strict=True)}
+    for chunked in (False, True):
+        assert test_prefill.drive(eng, reqs, chunked=chunked) == want
+
+
+def test_warm_start_from_gemma_layers_is_refused(written):
+    from dspark_jax.training.warm_start import check_init_from_target_layers
+
+    target = _target(written, "gemma3")
+    drafter = random_drafter(target, block_size=4)
+    with pytest.raises(DSparkInputError, match="Gemma"):
+        check_init_from_target_layers(drafter, target, list(range(drafter.cfg.num_layers)))
