@@ -265,8 +265,7 @@ class Target(nnx.Module):
         x = self.embed_tokens(tokens).astype(self.dtype)
         taps = tuple(int(t) for t in taps)
         _check_taps(cfg, taps)
-        layer_params = self.scan_params()
-        stacks = self.mlp_stacks()
+        layer_params, stacks = self.scan_params(), self.mlp_stacks()
 
         if cache is None:
             causal = positions[:, None, :] <= positions[:, :, None]
