@@ -145,14 +145,16 @@ def test_all_sparse_layers_are_scanned_directly(qwen3_moe, tmp_path):
 # ----------------------------------------------------------------------------- Mixtral GGUF
 
 
-def write_mixtral_gguf(model, path):
-    """``MixtralForCausalLM`` as an F32 GGUF the way convert_hf_to_gguf.py writes Mixtral: architecture
-    ``llama`` with ``llama.expert_count`` / ``expert_used_count``, q/k rows permuted to adjacent pairs,
-    ``ffn_gate_inp`` (router) and each projection's experts stacked as ``ffn_{gate,up,down}_exps``."""
+def write_moe_gguf(model, path, arch: str = "llama"):
+    """``MixtralForCausalLM`` (``arch="llama"``) or an all-sparse ``Qwen3MoeForCausalLM``
+    (``"qwen3moe"``) as an F32 GGUF the way convert_hf_to_gguf.py writes them: ``{arch}.expert_count``
+    / ``expert_used_count`` (qwen3moe: ``expert_feed_forward_length``), llama's q/k rows permuted to
+    adjacent pairs (qwen3moe: half rotation kept, q/k norms), ``ffn_gate_inp`` (router) and each
+    projection's experts stacked as ``ffn_{gate,up,down}_exps``."""
     import gguf
 
     c = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -163,8 +165,10 @@ def write_mixtral_gguf(model, path):
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_key_length(HD)
     w.add_value_length(HD)
-    w.add_expert_count(c.num_local_experts)
+    w.add_expert_count(c.num_local_experts if arch == "llama" else c.num_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
+    if arch == "qwen3moe":
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     w.add_vocab_size(c.vocab_size)
     w.add_rope_dimension_count(HD)
@@ -173,7 +177,8 @@ def write_mixtral_gguf(model, path):
     def permute(m, n):  # LlamaModel.permute: half-rotation rows -> adjacent pairs
         return m.reshape(n, 2, m.shape[0] // n // 2, *m.shape[1:]).swapaxes(1, 2).reshape(m.shape)
 
-    im = c.intermediate_size
+    im = c.intermediate_size if arch == "llama" else c.moe_intermediate_size
+    qk = permute if arch == "llama" else (lambda m, n: m)
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     for i in range(c.num_hidden_layers):
         pre = f"model.layers.{i}."
@@ -183,8 +188,8 @@ def write_mixtral_gguf(model, path):
         )  # [E, 2Im, H], [E, H, Im]
         tensors = {
             "attn_norm": sd[pre + "input_layernorm.weight"],
-            "attn_q": permute(sd[pre + "self_attn.q_proj.weight"], c.num_attention_heads),
-            "attn_k": permute(sd[pre + "self_attn.k_proj.weight"], c.num_key_value_heads),
+            "attn_q": qk(sd[pre + "self_attn.q_proj.weight"], c.num_attention_heads),
+            "attn_k": qk(sd[pre + "self_attn.k_proj.weight"], c.num_key_value_heads),
             "attn_v": sd[pre + "self_attn.v_proj.weight"],
             "attn_output": sd[pre + "self_attn.o_proj.weight"],
             "ffn_norm": sd[pre + "post_attention_layernorm.weight"],
@@ -193,6 +198,10 @@ def write_mixtral_gguf(model, path):
             "ffn_up_exps": gate_up[:, im:],
             "ffn_down_exps": down,
         }
+        if arch == "qwen3moe":
+            tensors.update(
+                attn_q_norm=sd[pre + "self_attn.q_norm.weight"], attn_k_norm=sd[pre + "self_attn.k_norm.weight"]
+            )
         for name, t in tensors.items():
             w.add_tensor(f"blk.{i}.{name}.weight", np.ascontiguousarray(t))
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
@@ -214,7 +223,7 @@ def mixtral(tmp_path_factory):
                         initializer_range=0.1)  # fmt: skip
     model = MixtralForCausalLM(cfg)
     _perturb(model)
-    return model.float().eval(), write_mixtral_gguf(model, tmp_path_factory.mktemp("mixtral") / "m.gguf")
+    return model.float().eval(), write_moe_gguf(model, tmp_path_factory.mktemp("mixtral") / "m.gguf")
 
 
 def test_mixtral_gguf_matches_transformers(mixtral):
@@ -224,6 +233,22 @@ def test_mixtral_gguf_matches_transformers(mixtral):
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (EXPERTS, TOPK, True)
     ids = tokens(1)
     want, got = hf_logits(model, ids), jax_logits(cfg, params, ids)
+    assert np.abs(got - want).max() <= TOL, np.abs(got - want).max()
+
+
+def test_qwen3moe_gguf_matches_transformers(tmp_path):
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(4)
+    cfg = Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                         num_experts=EXPERTS, norm_topk_prob=True, initializer_range=0.1)  # fmt: skip
+    model = Qwen3MoeForCausalLM(cfg)
+    _perturb(model)
+    tcfg, params = load_gguf(write_moe_gguf(model, tmp_path / "q.gguf", arch="qwen3moe"))
+    assert tcfg.qk_norm and (tcfg.moe_intermediate_size, tcfg.num_experts) == (16, EXPERTS)
+    ids = tokens(2)
+    want, got = hf_logits(model.float().eval(), ids), jax_logits(tcfg, params, ids)
     assert np.abs(got - want).max() <= TOL, np.abs(got - want).max()
 
 
