@@ -359,3 +359,17 @@ def test_warm_start_from_moe_target_layers_is_refused(moe_target):
 
     with pytest.raises(DSparkInputError, match="mixture-of-experts target"):
         init_from_target_layers(random_drafter(moe_target, block_size=4), moe_target, [0])
+
+
+def test_experts_split_over_the_model_axis():
+    """Experts go over ``model``; when it does not divide them, each expert's hidden units do."""
+    import jax
+
+    from dspark_jax.models.sharding import AbstractMesh, logical_spec, param_axes
+
+    def spec(shape, model):
+        (path, leaf), *_ = jax.tree_util.tree_flatten_with_path({"layers": {"moe_gate": np.empty(shape)}})[0]
+        return tuple(logical_spec(param_axes(path, shape), shape, AbstractMesh({"model": model})))
+
+    assert spec((2, 8, 32, 16), 4) == (None, "model")  # [L, E, H, Im]: experts
+    assert spec((2, 6, 32, 16), 4) == (None, None, None, "model")  # 6 experts: their hidden units
