@@ -5,7 +5,7 @@
 float32 in the canonical layout of :mod:`dspark_jax.models.weights`. Uses the ``gguf``
 package (memory-mapped reader), imported when a file is opened.
 
-Exact or refused: an ``{arch}.*`` metadata key outside :data:`GGUF_ARCH_KEYS` (a soft-cap,
+Exact or refused: an ``{arch}.*`` metadata key outside :data:`GGUF_ARCH_KEYS` (a soft-cap, shared
 experts, ...) and a tensor the loader does not read are refused by name.
 """
 
