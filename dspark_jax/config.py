@@ -25,8 +25,7 @@ QWEN_MASK_TOKEN_ID, QWEN_VOCAB_ROWS = 151669, 151936
 ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "pallas_tpu")
 # Gated MLP activations: SiLU (Llama, Qwen) and GELU-tanh (Gemma: transformers' gelu_pytorch_tanh).
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
-# TargetConfig's Gemma fields at their "absent" values, which to_dict leaves out (a Llama/Qwen
-# config serialises as it always did).
+# TargetConfig's Gemma fields at their "absent" values, left out by to_dict (Llama/Qwen dicts unchanged).
 _GEMMA_DEFAULTS = {"norm_offset": 0.0, "embed_scale": 1.0, "mlp_activation": "silu", "sandwich_norms": False,
                    "attn_logit_softcap": None, "final_logit_softcap": None, "query_scale": None,
                    "sliding_rope_theta": None}  # fmt: skip
@@ -116,21 +115,15 @@ class TargetConfig:
         xla on CPU), ``xla``, ``cudnn`` or ``pallas_tpu``. Not part of the architecture: a
         setting the loaders leave at ``auto`` and a user may override
         (``dataclasses.replace``, ``load_target(attention_backend=...)``, ``--attention-backend``).
-      norm_offset: every RMSNorm multiplies by ``norm_offset + weight`` (computed in float32):
-        0 for Llama/Qwen, 1 for Gemma 2/3 (their ``1 + w`` norms).
-      embed_scale: the token embedding is multiplied by this (cast to the embedding's dtype first,
-        as transformers does): 1, or ``sqrt(hidden_size)`` for Gemma.
+      norm_offset: RMSNorms multiply by ``norm_offset + weight`` in float32 (Gemma 2/3: 1).
+      embed_scale: input embedding multiplier, cast to the embedding's dtype (Gemma: sqrt(H)).
       mlp_activation: the gated MLP's activation, one of :data:`MLP_ACTIVATIONS`.
-      sandwich_norms: Gemma 2/3 layers: the attention output and the MLP output are each
-        RMS-normed (``post_attn_norm``, ``post_mlp_norm``) before their residual add.
-      attn_logit_softcap: attention scores become ``c * tanh(score / c)`` before the mask and
-        softmax (Gemma 2), or None.
-      final_logit_softcap: the logits become ``c * tanh(logits / c)`` (Gemma 2/3), or None.
-      query_scale: the attention score scale (Gemma's ``query_pre_attn_scalar ** -0.5``);
-        None: ``head_dim ** -0.5``.
-      sliding_rope_theta: the RoPE base of the ``sliding_attention`` layers, which rotate without
-        scaling (Gemma 3's local base; the full-attention layers keep ``rope_theta`` and
-        ``rope_scaling``), or None: every layer rotates alike.
+      sandwich_norms: Gemma's ``post_attn_norm`` / ``post_mlp_norm`` before each residual add.
+      attn_logit_softcap / final_logit_softcap: ``c * tanh(x / c)`` on the attention scores
+        (before the mask; Gemma 2) / on the logits, or None.
+      query_scale: attention score scale (Gemma's ``query_pre_attn_scalar ** -0.5``); None: ``hd ** -0.5``.
+      sliding_rope_theta: RoPE base of the sliding layers, unscaled (Gemma 3's local base; full
+        layers keep ``rope_theta`` and ``rope_scaling``), or None: every layer rotates alike.
       layer_types: per-layer attention kind, one of :data:`LAYER_TYPES` for each of the
         ``num_layers`` layers (transformers' ``layer_types``), or ``()``: every layer full
         attention. A ``sliding_attention`` layer's query at position ``p`` sees the keys at

@@ -186,9 +186,10 @@ class EagleDrafter(nnx.Module):
         )
 
     def base_logits(self, target: Target, h: jax.Array) -> jax.Array:
-        """Final-normed ``[..., d]`` -> ``[..., V]`` float32 via the target's frozen LM head."""
+        """Final-normed ``[..., d]`` -> ``[..., V]`` float32 via the target's frozen LM head, soft-capped
+        as the target's logits are (:meth:`~dspark_jax.models.target.Target.cap_logits`)."""
         w = jax.lax.stop_gradient(target.lm_head_weight())
-        return jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+        return target.cap_logits(jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32))
 
     def _normed(self, a: jax.Array) -> jax.Array:
         return rms_norm(a, self.final_norm[...], self.cfg.rms_eps)

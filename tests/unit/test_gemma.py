@@ -6,7 +6,8 @@ are loaded through the Hugging Face loader and compared with transformers' logit
 1e-4) over 40 positions, past the window: Gemma 2 with attention and final soft-caps and a query
 scale other than ``head_dim ** -0.5``; Gemma 3 with q/k norms, a local RoPE base on sliding layers
 and linear RoPE scaling on full ones. Each Gemma field is shown to matter (turning it off moves
-the logits). Greedy speculative decoding and the serving engine equal plain decoding.
+the logits). Greedy speculative decoding and the serving engine equal plain decoding; training
+runs on a Gemma target; warm starts from Gemma layers and Gemma 4 text are refused by name.
 """
 
 from __future__ import annotations
@@ -218,3 +219,37 @@ def test_warm_start_from_gemma_layers_is_refused(written):
     drafter = random_drafter(target, block_size=4)
     with pytest.raises(DSparkInputError, match="Gemma"):
         check_init_from_target_layers(drafter, target, list(range(drafter.cfg.num_layers)))
+
+
+def test_training_on_a_gemma_target_reduces_the_loss(written):
+    """The trainer's path (tapped features, the soft-capped target distribution, the drafter's
+    logits through the target head) runs on a Gemma target and learns."""
+    from flax import nnx
+
+    from dspark_jax.drafters.dspark import DSparkDrafter
+    from dspark_jax.training.data import batches
+    from dspark_jax.training.train_config import TrainConfig, drafter_config
+    from dspark_jax.training.trainer import Trainer
+
+    target = _target(written, "gemma3")
+    cfg = TrainConfig(steps=20, batch_size=4, anchors_per_seq=4, block_size=4, num_layers=1, markov_rank=8,
+                      learning_rate=1e-2)  # fmt: skip
+    tr = Trainer(cfg, target, DSparkDrafter(drafter_config(cfg, target), nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
+    data = {"tokens": rng.integers(3, VOCAB, (8, 32)).astype(np.int32), "lengths": np.full(8, 32, np.int32),
+            "prompt_lengths": np.full(8, 4, np.int32)}  # fmt: skip
+    it = batches(data, cfg.batch_size, seed=0)
+    losses = [float(tr.step(next(it), s)[0].loss) for s in range(20)]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+def test_gemma4_text_is_refused_by_name():
+    """Gemma 4 text (x * w norms, v-norm, k = v layers, per-layer inputs, shared KV layers, partial
+    RoPE, a second head dim) is not implemented: its model_type is refused in one line."""
+    from transformers import AutoConfig
+
+    from dspark_jax.models.hf_io import hf_target_config
+
+    c = AutoConfig.for_model("gemma4_text", num_hidden_layers=2, hidden_size=64, vocab_size=VOCAB)
+    with pytest.raises(DSparkInputError, match="model_type 'gemma4_text' is not supported"):
+        hf_target_config(c, where="gemma4", name="gemma4")
