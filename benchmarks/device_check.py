@@ -36,6 +36,10 @@ Sections (run in this order; the JSON keys):
 * ``train``: the training step (:class:`~dspark_jax.training.trainer.Trainer`): seconds and MFU
   from analytic FLOPs (:func:`train_flops`; XLA's cost analysis counts a scan body once) against
   :data:`PEAK_TFLOPS` (bfloat16 dense);
+* ``moe``: a mixture-of-experts target (Qwen3-30B-A3B's layer shape: 128 experts, top 8, expert
+  width 768, hidden 2048, 4 layers) against a dense one of the same active size, batch-1 step
+  and a ``block_size``-token verification (:func:`benchmarks.moe_cost.time_steps`), and the weight
+  bytes one compiled sparse layer reads against its chosen experts' (:func:`benchmarks.moe_cost.layer_bytes`);
 * ``compile``: compile seconds of every program above.
 """
 
@@ -72,7 +76,7 @@ from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafters.build import build_drafter
 from dspark_jax.models.target import Target
 
-SECTIONS = ("step", "roofline", "exactness", "engine", "train", "compile")
+SECTIONS = ("step", "roofline", "exactness", "engine", "train", "moe", "compile")
 # Peak HBM bandwidth [GB/s] and dense bfloat16 [TFLOP/s] by a substring of the lower-cased
 # jax device_kind, first match wins (vendors' data sheets; SXM parts unless named).
 PEAK_BW_GB_S = (
@@ -665,6 +669,24 @@ def section_train(ctx: Context) -> dict[str, Any]:
     return res
 
 
+def section_moe(ctx: Context) -> dict[str, Any]:
+    from benchmarks.moe_cost import layer_bytes, time_steps
+
+    base = tiny_config() if ctx.args.tiny else qwen3_8b_config()
+    hidden, experts, k, width = (64, 8, 2, 32) if ctx.args.tiny else (2048, 128, 8, 768)
+    moe = dataclasses.replace(base, name="moe", hidden_size=hidden, num_layers=4, num_heads=4 if ctx.args.tiny else 32,
+                              num_kv_heads=4 if not ctx.args.tiny else 2, head_dim=128 if not ctx.args.tiny else 16,
+                              intermediate_size=k * width, num_experts=experts, num_experts_per_tok=k,
+                              moe_intermediate_size=width, norm_topk_prob=True)  # fmt: skip
+    dense = dataclasses.replace(moe, name="dense", num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0)
+    targets = {c.name: Target(c, device_params(c, ctx.dtype), dtype=ctx.dtype) for c in (moe, dense)}
+    timing = time_steps(targets, ctx.plan.block_size, ctx.plan.caches[0], ctx.plan.reps)
+    rows = layer_bytes(targets["moe"], ctx.plan.block_size)
+    table("moe: MoE vs dense of the same active size", list(timing[0]), [list(r.values()) for r in timing])
+    table("moe: weight bytes one sparse layer reads", list(rows[0]), [list(r.values()) for r in rows])
+    return {"moe_config": moe.to_dict(), "timing": timing, "bytes": rows}
+
+
 # ----------------------------------------------------------------------------- main
 
 RUNNERS = {
@@ -673,6 +695,7 @@ RUNNERS = {
     "exactness": section_exactness,
     "engine": section_engine,
     "train": section_train,
+    "moe": section_moe,
 }
 
 

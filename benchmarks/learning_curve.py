@@ -149,7 +149,7 @@ def parse_budgets(spec: str) -> list[int]:
 
 def study_config(args, budgets: list[int]):
     """``(base TrainConfig shared by every run, eval settings)`` from the preset and the flags."""
-    from dspark_jax.config import apply_overrides
+    from dspark_jax.training.overrides import apply_overrides
     from dspark_jax.training.recipes import TRAIN_PRESETS
     from dspark_jax.training.schedules import wsd_decay_start
 

@@ -31,10 +31,10 @@ from benchmarks.harness import write_json
 
 def main(argv: list[str] | None = None) -> int:
     from dspark_jax.api import load_target
-    from dspark_jax.config import apply_overrides
     from dspark_jax.drafters.build import build_drafter
     from dspark_jax.models.presets import canonical_preset
     from dspark_jax.training.data import batches, draft_vocabulary, load_shards
+    from dspark_jax.training.overrides import apply_overrides
     from dspark_jax.training.recipes import TRAIN_PRESETS
     from dspark_jax.training.train_config import TrainConfig, drafter_config
     from dspark_jax.training.trainer import Trainer, count_params

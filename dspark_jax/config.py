@@ -13,10 +13,7 @@ arguments of ``jax.jit``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import typing
-from collections.abc import Sequence
 from typing import Any
 
 from dspark_jax.errors import DSparkInputError
@@ -32,6 +29,9 @@ MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 _GEMMA_DEFAULTS = {"norm_offset": 0.0, "embed_scale": 1.0, "mlp_activation": "silu", "sandwich_norms": False,
                    "attn_logit_softcap": None, "final_logit_softcap": None, "query_scale": None,
                    "sliding_rope_theta": None}  # fmt: skip
+# Its mixture-of-experts fields at their dense (absent) values, likewise left out by to_dict.
+_MOE_DEFAULTS = {"num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0, "norm_topk_prob": False,
+                 "decoder_sparse_step": 1, "mlp_only_layers": ()}  # fmt: skip
 
 # The per-layer attention kinds a target may have (transformers' ``layer_types`` values).
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -130,6 +130,16 @@ class TargetConfig:
         positions ``p - sliding_window + 1 .. p`` (transformers' ``sliding_window_overlay``).
       sliding_window: the window W of the sliding layers in tokens (required when a layer
         slides, else None).
+      num_experts: E, experts of a sparse (mixture-of-experts) layer's feed-forward; 0: every
+        layer has the dense gated MLP.
+      num_experts_per_tok: k, experts each token is routed to (``1 <= k <= E``).
+      moe_intermediate_size: the gated-MLP width of one expert.
+      norm_topk_prob: the router's top-k softmax probabilities are renormalised to sum to 1
+        (Mixtral always; Qwen3-MoE per its config). The router is transformers' ``qwen3_moe``:
+        softmax over all E logits in float32, top k, optional renormalisation.
+      decoder_sparse_step / mlp_only_layers: layer ``i`` is sparse when ``i`` is not in
+        ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0`` (transformers'
+        ``qwen3_moe`` rule); the other layers keep the dense MLP of ``intermediate_size``.
     """
 
     vocab_size: int
@@ -161,6 +171,12 @@ class TargetConfig:
     sliding_rope_theta: float | None = None
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -173,6 +189,7 @@ class TargetConfig:
                 raise ValueError(f"{name}={value!r} must be positive or None")
         object.__setattr__(self, "layer_types", tuple(str(t) for t in self.layer_types))
         self._check_windows()
+        self._check_experts()
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
@@ -199,6 +216,34 @@ class TargetConfig:
                     "attention backend 'pallas_tpu' does not implement sliding-window layers mixed with "
                     "full-attention layers (use 'auto', 'xla' or 'cudnn' for this model)"
                 )
+
+    def _check_experts(self) -> None:
+        """Raises ValueError for inconsistent mixture-of-experts fields."""
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if not self.num_experts:
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, {self.num_experts}]")
+        if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+            raise ValueError("mixture-of-experts layers need moe_intermediate_size >= 1 and decoder_sparse_step >= 1")
+
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Whether each of the ``num_layers`` layers has the mixture-of-experts feed-forward."""
+        if not self.num_experts:
+            return (False,) * self.num_layers
+        only = set(self.mlp_only_layers)
+        return tuple(i not in only and (i + 1) % self.decoder_sparse_step == 0 for i in range(self.num_layers))
+
+    @property
+    def num_sparse_layers(self) -> int:
+        """How many layers route tokens to experts."""
+        return sum(self.sparse_layers())
+
+    @property
+    def mixed_mlp(self) -> bool:
+        """Whether dense and mixture-of-experts layers are mixed (their weights then live in two
+        stacks the layer scan indexes, rather than in the scanned per-layer weights)."""
+        return 0 < self.num_sparse_layers < self.num_layers
 
     @property
     def has_sliding_layers(self) -> bool:
@@ -254,6 +299,11 @@ class TargetConfig:
         for key, absent in _GEMMA_DEFAULTS.items():
             if d[key] == absent:
                 del d[key]
+        for key, absent in _MOE_DEFAULTS.items():
+            if d[key] == absent:
+                del d[key]
+        if "mlp_only_layers" in d:
+            d["mlp_only_layers"] = list(self.mlp_only_layers)
         d["layer_types"] = list(self.layer_types)
         if not self.layer_types and self.sliding_window is None:  # full attention: as before windows existed
             del d["layer_types"], d["sliding_window"]
@@ -267,64 +317,9 @@ class TargetConfig:
             d["eos_ids"] = tuple(d["eos_ids"])
         if "layer_types" in d:
             d["layer_types"] = tuple(d["layer_types"] or ())
+        if "mlp_only_layers" in d:
+            d["mlp_only_layers"] = tuple(d["mlp_only_layers"] or ())
         return cls(**d)
-
-
-def _coerce(value: str, typ: Any) -> Any:
-    """Parses a command-line string into the annotated field type."""
-    origin = typing.get_origin(typ)
-    args = typing.get_args(typ)
-    if typ is bool:
-        low = value.lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"expected a boolean, got {value!r}")
-    if typ is int:
-        return int(value)
-    if typ is float:
-        return float(value)
-    if typ is str:
-        return value
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        if value.lower() in ("none", "null") and type(None) in args:
-            return None
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a)
-            except (ValueError, TypeError):
-                continue
-        raise ValueError(f"cannot parse {value!r} as {typ}")
-    if origin in (tuple, list, Sequence):
-        parsed = json.loads(value) if value.strip().startswith("[") else [v for v in value.split(",") if v.strip()]
-        inner = args[0] if args else str
-        return tuple(_coerce(str(v), inner) for v in parsed)
-    return json.loads(value)
-
-
-def apply_overrides(cfg: Any, overrides: Sequence[str] | dict[str, Any]) -> Any:
-    """Returns a copy of dataclass ``cfg`` with ``key=value`` overrides applied.
-
-    Nested dataclass fields are addressed with dots (``drafter.num_layers=2``).
-    Values given as strings are parsed according to the field's type annotation.
-
-    Raises:
-      ValueError: unknown key, malformed ``key=value`` or unparsable value.
-    """
-    if not isinstance(overrides, dict):
-        pairs = {}
-        for item in overrides:
-            if "=" not in item:
-                raise ValueError(f"override {item!r} is not of the form key=value")
-            k, v = item.split("=", 1)
-            pairs[k.strip()] = v
-        overrides = pairs
-    for key, value in overrides.items():
-        cfg = _set_path(cfg, key.split("."), value, key)
-    return cfg
 
 
 # Keys renamed since the first release: still read from recipes, config files, overrides and
@@ -339,27 +334,6 @@ def renamed_key(key: str, where: str) -> str:
         return key
     logging.getLogger("dspark_jax.config").warning("note: %s %r is now called %r", where, key, new)
     return new
-
-
-def _set_path(cfg: Any, path: list[str], value: Any, full: str) -> Any:
-    hints = typing.get_type_hints(type(cfg))
-    fields = {f.name for f in dataclasses.fields(cfg)}
-    head = path[0]
-    if head not in fields:
-        head = renamed_key(head, "config key")
-    if head not in fields:
-        raise ValueError(f"unknown config key {full!r}; valid keys here: {', '.join(sorted(fields))}")
-    if len(path) > 1:
-        sub = getattr(cfg, head)
-        if not dataclasses.is_dataclass(sub):
-            raise ValueError(f"config key {full!r}: {head!r} has no sub-keys")
-        return dataclasses.replace(cfg, **{head: _set_path(sub, path[1:], value, full)})
-    if isinstance(value, str):
-        try:
-            value = _coerce(value, hints[head])
-        except (ValueError, TypeError, json.JSONDecodeError) as e:
-            raise ValueError(f"bad value for {full!r}: {e}") from None
-    return dataclasses.replace(cfg, **{head: value})
 
 
 VARIANTS = ("dspark", "dflash", "eagle3")

@@ -1,10 +1,11 @@
-"""llama.cpp GGUF checkpoints (architectures ``llama``, ``qwen2`` and ``qwen3``).
+"""llama.cpp GGUF checkpoints (architectures ``llama``, ``qwen2``, ``qwen3`` and ``qwen3moe``;
+``llama`` with ``llama.expert_count`` is Mixtral).
 
 :func:`gguf_config` reads only the metadata; :func:`load_gguf` dequantizes every tensor to
 float32 in the canonical layout of :mod:`dspark_jax.models.weights`. Uses the ``gguf``
 package (memory-mapped reader), imported when a file is opened.
 
-Exact or refused: an ``{arch}.*`` metadata key outside :data:`GGUF_ARCH_KEYS` (a soft-cap,
+Exact or refused: an ``{arch}.*`` metadata key outside :data:`GGUF_ARCH_KEYS` (a soft-cap, shared
 experts, ...) and a tensor the loader does not read are refused by name.
 """
 
@@ -22,7 +23,7 @@ from dspark_jax.models.weights import Params, adjacent_to_half, canonical_params
 
 # llama: adjacent-pair RoPE rows (permuted at load); qwen2 / qwen3: HF-style half RoPE (no permutation),
 # qwen2 with q/k/v biases, qwen3 with q/k norms.
-_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
 # The ``{arch}.`` metadata keys this loader understands (read, checked, or without effect on the math).
 # Any other ``{arch}.`` key may change the math and is refused (general.*, tokenizer.*, quantize.*
 # and split.* keys describe the file, not the model's math).
@@ -34,7 +35,7 @@ GGUF_ARCH_KEYS = frozenset(
      "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
      "rope.scaling.finetuned", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
      "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.attn_factor",
-     "rope.scaling.yarn_log_multiplier"}
+     "rope.scaling.yarn_log_multiplier", "expert_count", "expert_used_count", "expert_feed_forward_length"}
 )  # fmt: skip
 ROPE_FREQS = "rope_freqs.weight"
 _GGUF_NAMES = {
@@ -49,6 +50,10 @@ _GGUF_NAMES = {
     "w_down": "ffn_down",
     "q_norm": "attn_q_norm",
     "k_norm": "attn_k_norm",
+    "moe_router": "ffn_gate_inp",
+    "moe_gate": "ffn_gate_exps",
+    "moe_up": "ffn_up_exps",
+    "moe_down": "ffn_down_exps",
 }
 _GGUF_BIASES = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v"}  # qwen2: blk.{i}.attn_q.bias ...
 
@@ -145,10 +150,11 @@ def gguf_config(path: Any) -> TargetConfig:
     eos = [meta("tokenizer.ggml.eos_token_id"), meta("tokenizer.ggml.eot_token_id")]
     n_layers = int(meta(f"{arch}.block_count", required=True))
     layer_types, window = gguf_attention_windows(meta, arch, n_layers, fname.name)
+    ffn = int(meta(f"{arch}.feed_forward_length", required=True))
     return TargetConfig(
         vocab_size=vocab,
         hidden_size=H,
-        intermediate_size=int(meta(f"{arch}.feed_forward_length", required=True)),
+        intermediate_size=ffn,
         num_layers=n_layers,
         num_heads=nh,
         num_kv_heads=nkv,
@@ -158,14 +164,37 @@ def gguf_config(path: Any) -> TargetConfig:
         rope_scaling=scaling,
         rms_eps=_f32(meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in tensors,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3moe"),
         qkv_bias=arch == "qwen2",
         bos_id=None if bos is None else int(bos),
         eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         name=fname.stem,
         layer_types=layer_types,
         sliding_window=window,
+        **gguf_experts(meta, arch, ffn, fname.name),
     )
+
+
+def gguf_experts(meta: Any, arch: str, ffn: int, fname: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a :class:`TargetConfig` from ``{arch}.expert_count`` /
+    ``expert_used_count`` (and ``qwen3moe``'s ``expert_feed_forward_length``); ``{}`` for a dense file.
+
+    Every layer is sparse, and the top-k weights are renormalised (llama.cpp's ``llama`` and
+    ``qwen3moe`` graphs: Mixtral's softmax over its top-k logits, Qwen3-MoE's ``norm_topk_prob``).
+
+    Raises:
+      DSparkInputError: experts without a used count, or a used count outside ``[1, expert_count]``.
+    """
+    n = int(meta(f"{arch}.expert_count", 0) or 0)
+    if n == 0:
+        if arch == "qwen3moe":
+            raise DSparkInputError(f"GGUF file {fname}: qwen3moe without {arch}.expert_count")
+        return {}
+    k = int(meta(f"{arch}.expert_used_count", 0) or 0)
+    if not 1 <= k <= n:
+        raise DSparkInputError(f"GGUF file {fname}: {arch}.expert_used_count={k} for {n} experts")
+    width = int(meta(f"{arch}.expert_feed_forward_length", ffn)) if arch == "qwen3moe" else ffn
+    return {"num_experts": n, "num_experts_per_tok": k, "moe_intermediate_size": width, "norm_topk_prob": True}
 
 
 def gguf_attention_windows(meta: Any, arch: str, n_layers: int, fname: str) -> tuple[tuple[str, ...], int | None]:
@@ -205,7 +234,7 @@ def gguf_attention_windows(meta: Any, arch: str, n_layers: int, fname: str) -> t
 
 
 def load_gguf(path: Any) -> tuple[TargetConfig, Params]:
-    """Loads a llama.cpp GGUF checkpoint (architectures ``llama``, ``qwen2`` and ``qwen3``).
+    """Loads a llama.cpp GGUF checkpoint (architectures ``llama``, ``qwen2``, ``qwen3``, ``qwen3moe``).
 
     Hyperparameters come from ``{arch}.*`` metadata (``block_count``,
     ``embedding_length``, ``feed_forward_length``, ``attention.head_count[_kv]``,
@@ -217,7 +246,9 @@ def load_gguf(path: Any) -> tuple[TargetConfig, Params]:
     transposed here to ``[in, out]``. ``llama`` q/k rows are permuted from
     adjacent-pair to half RoPE. No ``output.weight`` means tied embeddings. RoPE scaling from
     ``rope_freqs.weight`` and ``{arch}.rope.scaling.*`` (:func:`~dspark_jax.models.rope.gguf_rope_scaling`);
-    ``qwen2`` q/k/v biases from ``blk.{i}.attn_{q,k,v}.bias``.
+    ``qwen2`` q/k/v biases from ``blk.{i}.attn_{q,k,v}.bias``. Experts (:func:`gguf_experts`) from
+    ``blk.{i}.ffn_gate_inp`` (router ``[E, H]``) and ``blk.{i}.ffn_{gate,up,down}_exps``
+    (``[E, out, in]``, each expert's matrix transposed).
 
     Args:
       path: a ``.gguf`` path or an open ``gguf.GGUFReader`` (reading the header

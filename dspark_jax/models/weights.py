@@ -17,6 +17,11 @@ leading axis ``L``)::
      "final_norm": [H],
      "lm_head": [H, V]}                                       # only if not cfg.tie_embeddings
 
+With mixture-of-experts layers (``cfg.num_experts``), ``w_gate``/``w_up``/``w_down`` stack only
+the ``Ld`` dense layers (absent when none) and the ``Ls`` sparse layers stack (in layer order)
+``moe_router [Ls, H, E]``, ``moe_gate``/``moe_up [Ls, E, H, Im]`` and ``moe_down [Ls, E, Im, H]``
+(:func:`layer_members` says which layers each key stacks).
+
 RoPE follows Hugging Face ``rotate_half`` (first/second half of each head).
 llama2.c and llama.cpp-converted GGUF files rotate adjacent pairs, so their
 q/k output features are permuted per head (:func:`adjacent_to_half`).
@@ -53,9 +58,23 @@ def owned_f32(a: np.ndarray) -> np.ndarray:
     return np.require(a, np.float32, ["C", "W", "O"])
 
 
-def target_param_shapes(cfg: TargetConfig) -> dict[str, Any]:
-    """Shapes (tuples of ints) of the canonical parameter dict for ``cfg`` (see the module docstring)."""
-    L, H, I, hd = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+DENSE_MLP_KEYS = ("w_gate", "w_up", "w_down")
+MOE_KEYS = ("moe_router", "moe_gate", "moe_up", "moe_down")
+
+
+def layer_members(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
+    """The layers each stacked key of ``params["layers"]`` holds, in order (every layer, except
+    the dense MLP keys: the dense layers, and :data:`MOE_KEYS`: the sparse layers)."""
+    sparse = cfg.sparse_layers()
+    dense_l = tuple(i for i, s in enumerate(sparse) if not s)
+    sparse_l = tuple(i for i, s in enumerate(sparse) if s)
+    every = tuple(range(cfg.num_layers))
+    shapes = target_param_shapes(cfg)["layers"]
+    return {k: dense_l if k in DENSE_MLP_KEYS else sparse_l if k in MOE_KEYS else every for k in shapes}
+
+
+def _layer_shapes(cfg: TargetConfig, L: int, Ld: int, Ls: int) -> dict[str, tuple[int, ...]]:
+    H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     layers = {
         "attn_norm": (L, H),
@@ -64,10 +83,21 @@ def target_param_shapes(cfg: TargetConfig) -> dict[str, Any]:
         "wv": (L, H, kv),
         "wo": (L, q, H),
         "mlp_norm": (L, H),
-        "w_gate": (L, H, I),
-        "w_up": (L, H, I),
-        "w_down": (L, I, H),
     }
+    if Ld:
+        layers.update(w_gate=(Ld, H, I), w_up=(Ld, H, I), w_down=(Ld, I, H))
+    if Ls:
+        E, Im = cfg.num_experts, cfg.moe_intermediate_size
+        layers.update(moe_router=(Ls, H, E), moe_gate=(Ls, E, H, Im), moe_up=(Ls, E, H, Im), moe_down=(Ls, E, Im, H))
+    return layers
+
+
+def target_param_shapes(cfg: TargetConfig) -> dict[str, Any]:
+    """Shapes (tuples of ints) of the canonical parameter dict for ``cfg`` (see the module docstring)."""
+    L, H, hd = cfg.num_layers, cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    Ls = cfg.num_sparse_layers
+    layers = _layer_shapes(cfg, L, L - Ls, Ls)
     if cfg.qk_norm:
         layers.update(q_norm=(L, hd), k_norm=(L, hd))
     if cfg.sandwich_norms:
@@ -80,11 +110,16 @@ def target_param_shapes(cfg: TargetConfig) -> dict[str, Any]:
     return shapes
 
 
-def count_target_params(cfg: TargetConfig) -> int:
-    """Number of target parameters implied by ``cfg`` (no weights needed)."""
+def count_target_params(cfg: TargetConfig, active: bool = False) -> int:
+    """Number of target parameters implied by ``cfg`` (no weights needed); ``active``: those one
+    token reads (of each sparse layer's experts only ``num_experts_per_tok``)."""
     s = target_param_shapes(cfg)
     leaves = [s["embed"], s["final_norm"], *s["layers"].values()] + ([s["lm_head"]] if "lm_head" in s else [])
-    return int(sum(int(np.prod(x)) for x in leaves))
+    total = int(sum(int(np.prod(x)) for x in leaves))
+    if active and cfg.num_sparse_layers:
+        idle = cfg.num_experts - cfg.num_experts_per_tok
+        total -= sum(int(np.prod(s["layers"][k])) // cfg.num_experts * idle for k in MOE_KEYS[1:])
+    return total
 
 
 def _empty_layers(cfg: TargetConfig) -> dict[str, np.ndarray]:
@@ -97,17 +132,21 @@ def stack_layers(
     """Stacks per-layer tensors into the canonical ``[L, ...]`` layout.
 
     ``fetch(i, key)`` returns layer ``i``'s tensor for canonical ``key`` as stored
-    (matrices ``[out, in]``, transposed here to ``[in, out]``); ``describe(i, key)``
-    names it in the error raised when its shape does not match ``cfg``.
+    (matrices ``[out, in]``, transposed here to ``[in, out]``; expert tensors ``[E, out, in]``,
+    each expert's matrix transposed), for the layers :func:`layer_members` gives the key;
+    ``describe(i, key)`` names it in the error raised when its shape does not match ``cfg``.
     """
     layers = _empty_layers(cfg)
+    members = layer_members(cfg)
     for i in range(cfg.num_layers):
         for key, dst in layers.items():
+            if i not in members[key]:
+                continue
             m = fetch(i, key)
-            m = m.T if m.ndim == 2 else m
+            m = m.T if m.ndim == 2 else np.swapaxes(m, -1, -2) if m.ndim == 3 else m
             if m.shape != dst.shape[1:]:
                 raise DSparkInputError(f"{describe(i, key)} has shape {m.shape}, expected {dst.shape[1:]}")
-            dst[i] = m
+            dst[members[key].index(i)] = m
     return layers
 
 
@@ -148,7 +187,8 @@ def params_fingerprint(params: Params) -> str:
     V = np.shape(emb)[0]
     pieces = [emb[r, :256] for r in sorted({0, 1, V // 2, V - 1})]
     lay = params["layers"]
-    pieces += [lay["wq"][0, 0, :256], lay["wq"][-1, -1, :256], lay["w_down"][-1, 0, :256], params["final_norm"][:256]]
+    down = lay["w_down"][-1, 0, :256] if "w_down" in lay else lay["moe_down"][-1, -1, 0, :256]
+    pieces += [lay["wq"][0, 0, :256], lay["wq"][-1, -1, :256], down, params["final_norm"][:256]]
     for a in pieces:
         h.update(np.ascontiguousarray(np.asarray(a, dtype=np.float32)).astype("<f4").tobytes())
     return h.hexdigest()[:16]

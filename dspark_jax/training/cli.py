@@ -30,11 +30,11 @@ import dataclasses
 import json
 import sys
 
-from dspark_jax.config import apply_overrides
 from dspark_jax.decoding import disk_cache
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.training.distributed import add_distributed_arguments, initialize_distributed, spec_from_args
 from dspark_jax.training.dry_run import dry_run, serve_dry_run
+from dspark_jax.training.overrides import apply_overrides
 from dspark_jax.training.pipeline import run
 from dspark_jax.training.recipes import DEFAULT_RECIPE, TRAIN_PRESETS, load_config_file
 from dspark_jax.training.train_config import TrainConfig

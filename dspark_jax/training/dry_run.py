@@ -311,6 +311,7 @@ def dry_run(
         "target": tcfg.name,
         "target_config": tcfg.to_dict(),
         "target_params": n_t,
+        "target_active_params": count_target_params(tcfg, active=True),
         "drafter_params": n_d,
         "drafter_config": dcfg.to_dict(),
         "dtype": cfg.dtype,
@@ -352,6 +353,8 @@ def serve_dry_run(
     """
     import jax
 
+    from dspark_jax.models.weights import count_target_params
+
     if num_slots < 1 or cache_len < 2:
         raise DSparkInputError(f"--num-slots must be >= 1 and --cache-len >= 2, got {num_slots} and {cache_len}")
     tcfg, dcfg = _recipe_configs(cfg)
@@ -366,6 +369,8 @@ def serve_dry_run(
     report = {
         "mode": "serve",
         "target": tcfg.name,
+        "target_params": count_target_params(tcfg),
+        "target_active_params": count_target_params(tcfg, active=True),
         "dtype": cfg.dtype,
         "devices": n_dev,
         "mesh": ",".join(f"{a}:{n}" for a, n in sizes.items()),

@@ -16,8 +16,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dspark_jax.config import apply_overrides
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.training.overrides import apply_overrides
 from dspark_jax.training.train_config import TrainConfig
 
 # The recipe a run starts from when neither --preset nor a config file's ``preset:`` names one.

@@ -30,6 +30,10 @@ def check_init_from_target_layers(drafter, target, layers: Sequence[int]) -> lis
     if mine is None or drafter.cfg.variant == "eagle3":
         raise DSparkInputError("init_from_target_layers: only DSpark and DFlash drafters have target-shaped layers")
     tc = target.cfg
+    if tc.num_sparse_layers:
+        raise DSparkInputError(
+            "init_from_target_layers: a mixture-of-experts target's layers have no dense MLP to copy"
+        )
     if tc.sandwich_norms or tc.mlp_activation != "silu" or tc.norm_offset:
         raise DSparkInputError(
             "init_from_target_layers: the target's layers (Gemma: 1 + w norms, sandwich norms, GELU MLP) "
@@ -72,7 +76,8 @@ def init_from_target_layers(drafter, target, layers: Sequence[int]) -> None:
     Raises:
       DSparkInputError: a drafter without backbone layers (Eagle3), a count or index that does not
         fit, or a parameter whose shape differs from the target's (a drafter wider or narrower
-        than its target: ``drafter_width`` / ``drafter_intermediate_size`` set).
+        than its target: ``drafter_width`` / ``drafter_intermediate_size`` set), or a
+        mixture-of-experts target (its sparse layers have no dense MLP).
     """
     idx = np.asarray(check_init_from_target_layers(drafter, target, layers))
     for key in _shared(drafter, target):

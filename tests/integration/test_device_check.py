@@ -43,7 +43,7 @@ def test_tiny_run_writes_every_section(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads((tmp_path / "device_check.json").read_text())
     s = r["sections"]
-    assert list(s) == ["step", "roofline", "exactness", "engine", "train", "compile"]
+    assert list(s) == ["step", "roofline", "exactness", "engine", "train", "moe", "compile"]
     for name, sec in s.items():
         assert not {"error", "skipped", "partial"} & set(sec), (name, sec)
         assert f"== {name if name != 'compile' else 'compile seconds'}" in p.stdout
@@ -66,6 +66,7 @@ def test_tiny_run_writes_every_section(tmp_path):
     # bfloat16: the one-pass recomputation has other shapes than the verifying passes, so a near
     # tie may flip; on this tiny model none does
     assert case["argmax_agreement"] >= 0.9
+    assert [x["tokens"] for x in s["moe"]["timing"]] == [1, 4] and s["moe"]["bytes"][0]["read_over_active"] <= 1.5
     engine = {(x["policy"], x["rows"]) for x in s["engine"]["rows"]}
     assert engine == {("fixed:4", 1), ("fixed:4", 4), ("plain", 1), ("plain", 4)}
     assert all(x["steps_per_s"] > 0 and x["tokens_per_s"] > 0 for x in s["engine"]["rows"])

@@ -278,8 +278,8 @@ def test_hf_refuses_unread_tensor(qwen3_dir, tmp_path):
 
 def test_gguf_refuses_unknown_metadata_and_tensors(tmp_path):
     model = make_hf("llama", LINEAR, tmp_path / "hf", seed=4)
-    p = write_gguf(model, LINEAR, "llama", tmp_path / "a.gguf", extra_kv={"llama.expert_count": 8})
-    with pytest.raises(DSparkInputError, match="llama.expert_count is not supported"):
+    p = write_gguf(model, LINEAR, "llama", tmp_path / "a.gguf", extra_kv={"llama.expert_shared_count": 1})
+    with pytest.raises(DSparkInputError, match="llama.expert_shared_count is not supported"):
         load_gguf(p)
     extra = [("blk.0.attn_output.bias", np.zeros(HIDDEN, np.float32))]
     p = write_gguf(model, LINEAR, "llama", tmp_path / "b.gguf", extra_tensors=extra)

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dspark_jax.config import DrafterConfig, TargetConfig, apply_overrides
+from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafters.checkpoint import export_drafter, load_drafter
 from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.models.target import Target, random_params
 from dspark_jax.training.data import batches
 from dspark_jax.training.losses import drafter_loss
+from dspark_jax.training.overrides import apply_overrides
 from dspark_jax.training.train_config import TrainConfig, drafter_config
 from dspark_jax.training.trainer import Trainer
 

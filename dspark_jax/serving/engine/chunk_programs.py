@@ -151,7 +151,7 @@ def _geometry(pos, blk_lane, s_len: int, span: int, block: int) -> _ChunkGeometr
     return _ChunkGeometry(lane, blk_lane, wpos, rope_pos, mask, qpos, span, block, k_tok)
 
 
-def _chunk_layer(cfg, g: _ChunkGeometry, keep_hidden: bool, carry: tuple, p: dict[str, jax.Array]):
+def _chunk_layer(cfg, g: _ChunkGeometry, keep_hidden: bool, stacks: dict, carry: tuple, p: dict[str, jax.Array]):
     """One decoder layer of :func:`chunk_forward` (a ``lax.scan`` body over layers; the whole
     staging cache rides in the carry and is updated in place, as in the target's packed pass)."""
     h, ck_all, cv_all, li = carry
@@ -166,7 +166,7 @@ def _chunk_layer(cfg, g: _ChunkGeometry, keep_hidden: bool, carry: tuple, p: dic
         mask = mask & (jnp.arange(g.span, dtype=jnp.int32)[None, None, :] > g.qpos[:, :, None] - window)
     attn = attention(q.reshape(nblk, g.block, cfg.num_heads, hd), ck, cv, mask, **attention_options(cfg))
     attn = attn.reshape(k_tok, -1)
-    h = packed_attn_out_and_mlp(cfg, p, h, attn)
+    h = packed_attn_out_and_mlp(cfg, p, h, attn, stacks)
     return (h, ck_all, cv_all, li + 1), (h[0] if keep_hidden else None)
 
 
@@ -187,11 +187,11 @@ def chunk_forward(target, tok, pos, blk_lane, cache: KVCache, *, span: int, bloc
     cfg = target.cfg
     taps = tuple(int(t) for t in taps)
     geo = _geometry(pos, blk_lane, cache.length, span, block)
-    layer_params = target.scan_params()
+    layer_params, stacks = target.scan_params(), target.mlp_stacks()
     x = target.embed_tokens(tok).astype(target.dtype)[None]  # [1, T, H]
 
     def layer(carry, p):
-        return _chunk_layer(cfg, geo, bool(taps), carry, p)
+        return _chunk_layer(cfg, geo, bool(taps), stacks, carry, p)
 
     (x, nk, nv, _), hidden = jax.lax.scan(layer, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
     features = jnp.concatenate([hidden[t] for t in taps], axis=-1) if taps and hidden is not None else None
