@@ -295,16 +295,8 @@ class Target(nnx.Module):
                 q, k, v = _qkv(cfg, p, h, positions)
                 ck = ck.at[li, b_idx, wpos].set(k.astype(ck.dtype), mode="drop")
                 cv = cv.at[li, b_idx, wpos].set(v.astype(cv.dtype), mode="drop")
-                a = attend(
-                    q,
-                    ck,
-                    cv,
-                    li,
-                    positions,
-                    backend=cfg.attention_backend,
-                    window=layer_window(cfg, li),
-                    **attention_options(cfg),
-                )
+                opts = dict(backend=cfg.attention_backend, window=layer_window(cfg, li), **attention_options(cfg))
+                a = attend(q, ck, cv, li, positions, **opts)
                 h = _attn_out_and_mlp(cfg, p, h, a, stacks)
                 return (h, ck, cv, li + 1), (h if taps else None)
 
