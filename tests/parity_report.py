@@ -24,6 +24,11 @@ from dspark_jax.models.gguf_io import load_gguf
 from dspark_jax.models.hf_io import load_hf_dir
 from dspark_jax.models.target import Target
 
+GEMMA3_LLAMACPP_ROPE = {
+    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+}
+
 
 def cached_logits(cfg, params, ids, chunks):
     """Logits ``[T, V]`` through the KV cache: prefill ``chunks[0]`` tokens, then the other chunks."""
@@ -91,6 +96,13 @@ def main():
         ids = tg._ids()
         test = "test_gemma.py::test_logits_match_transformers_past_the_window"
         rows.append((kind, "HF", *diffs(cfg, params, ids, tg._hf_logits(model, ids), (20, 3, 1, 1)), test))
+    model = tg._write("gemma3", tmp / "g3-6", num_hidden_layers=7, final_logit_softcapping=None,
+                      sliding_window_pattern=6, rope_parameters=GEMMA3_LLAMACPP_ROPE, layer_types=None)  # fmt: skip
+    cfg, params = load_gguf(tg._write_gemma3_gguf(model, tmp / "g3.gguf"))
+    ids = tg._ids()
+    test = "test_gemma.py::test_gemma3_gguf_matches_transformers"
+    label = "gemma3, 7 layers (every 6th full, local RoPE base 1e4), as `gemma3`"
+    rows.append((label, "GGUF", *diffs(cfg, params, ids, tg._hf_logits(model, ids), (20, 3, 1, 1)), test))
     print("| family | source | max abs logit | max abs logit diff, cache-less | through the KV cache | test |")
     print("|---|---|---|---|---|---|")
     for name, src, m, a, b, test in rows:
