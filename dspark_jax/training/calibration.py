@@ -357,16 +357,7 @@ def fit_and_store_calibration(
         target, drafter, heldout_data, batch_size=batch_size, anchor_stride=anchor_stride, temperature=temperature
     )
     fit, test = _split_by_sequence(data, fit_fraction, seed)
-
-    def fit_on_blocks(part: CalibrationData) -> np.ndarray:
-        obs = (
-            expected_survival(part.accept, part.valid)
-            if fit_on == "expected"
-            else sampled_survival(part.accept, part.valid, seed + 1)
-        )
-        weights = decode_weights(part) if weighting == "decode" else None
-        return fit_temperatures(part.z, obs, part.valid, loss=loss, weights=weights)
-
+    fit_on_blocks = partial(_fit_blocks, fit_on=fit_on, loss=loss, weighting=weighting, seed=seed)
     split_temps = fit_on_blocks(fit)
     report = _fit_report(
         fit, test, split_temps, temperature=temperature, fit_on=fit_on, loss=loss, seed=seed, n_bins=n_bins
@@ -380,6 +371,17 @@ def fit_and_store_calibration(
         _store_in_export(meta, export_dir, report, greedy=greedy)
     report["seconds"] = round(time.perf_counter() - t0, 2)
     return report
+
+
+def _fit_blocks(part: CalibrationData, *, fit_on: str, loss: str, weighting: str, seed: int) -> np.ndarray:
+    """``[block_size]`` temperatures fit on ``part`` (:func:`fit_and_store_calibration`'s settings)."""
+    obs = (
+        expected_survival(part.accept, part.valid)
+        if fit_on == "expected"
+        else sampled_survival(part.accept, part.valid, seed + 1)
+    )
+    weights = decode_weights(part) if weighting == "decode" else None
+    return fit_temperatures(part.z, obs, part.valid, loss=loss, weights=weights)
 
 
 def _split_by_sequence(
