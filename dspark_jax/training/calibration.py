@@ -18,9 +18,9 @@ label; ``temperature=0`` gives greedy acceptance ``1[argmax q = argmax p]``).
 Observed survival, two versions (both computed, documented in every report):
 
 * ``expected``: ``s_k = prod_{i<=k} (1 - TV_i)``, the exact probability that the
-  prefix 1..k is accepted (no sampling noise). **Used for fitting** (binary cross-entropy
-  against this soft label by default, or the Brier score; in expectation each is the same
-  objective as against sampled outcomes, minus a constant) **and for the headline
+  prefix 1..k is accepted (no sampling noise). **Used for fitting** (Brier score,
+  i.e. squared error against this soft label; in expectation the same objective as
+  the Brier score against sampled outcomes, minus a constant) **and for the headline
   ECE / Brier**.
 * ``sampled``: binary outcomes ``y_k = prod_{i<=k} 1[u_i < 1 - TV_i]`` with
   ``u_i ~ U(0, 1)`` (one draw per block, fixed seed): the accept/reject events a
@@ -305,7 +305,7 @@ def fit_and_store_calibration(
     fit_fraction: float = 0.5,
     temperature: float = 1.0,
     fit_on: str = "expected",
-    loss: str = "nll",
+    loss: str = "brier",
     seed: int = 0,
     n_bins: int = N_BINS,
     batch_size: int = 8,
@@ -315,11 +315,9 @@ def fit_and_store_calibration(
     """Fits per-position confidence temperatures and stores them in an export.
 
     The held-out sequences are split by sequence into a fit part (``fit_fraction``)
-    and a test part; temperatures fit on the fit part give the before/after metrics on the
-    test part (headline, an estimate on unseen sequences) and on the fit part. The
-    temperatures stored and installed are then refit on all the sequences (half the data
-    left a visibly noisier fit at decode time). With fewer than two sequences both parts
-    are all of them.
+    and a test part; temperatures are fit on the fit part, before/after metrics are
+    reported on the test part (headline) and on the fit part. With fewer than two
+    sequences both parts are all of them.
 
     Args:
       target / drafter: the frozen target and the trained drafter (its
@@ -333,15 +331,13 @@ def fit_and_store_calibration(
         acceptance, argmax agreement: the fit is then stored as the drafter's greedy
         calibration, ``calibration_greedy`` in the export, used for rows decoding at T = 0).
       fit_on: ``"expected"`` (``prod (1 - TV)``, default) or ``"sampled"`` (0/1 draws).
-      loss: ``"nll"`` (default; binary cross-entropy against the survival, the proper score
-        for the 0/1 outcomes verification produces) or ``"brier"``.
+      loss: ``"brier"`` (default) or ``"nll"``.
       weighting: ``"decode"`` (default): each fit block weighted by how often decoding would
         verify it (:func:`decode_weights`; needs ``anchor_stride`` 1), so the confidences are
         calibrated for the blocks decoding actually drafts; ``"uniform"``: every anchor alike.
     Returns:
-      report dict: ``temperatures`` (the fit on all sequences, stored), ``split_temperatures``
-      (the fit part's), ``before`` / ``after`` (test part with the fit part's temperatures:
-      pooled and per-position ECE, AUROC, Brier + reliability table), ``fit_split`` (pooled
+      report dict: ``temperatures``, ``before`` / ``after`` (test part: pooled and
+      per-position ECE, AUROC, Brier + reliability table), ``fit_split`` (pooled
       before/after on the fit part), sizes, method and timing.
     Raises:
       DSparkInputError: drafter without confidence head, no usable held-out data,
@@ -357,13 +353,14 @@ def fit_and_store_calibration(
         target, drafter, heldout_data, batch_size=batch_size, anchor_stride=anchor_stride, temperature=temperature
     )
     fit, test = _split_by_sequence(data, fit_fraction, seed)
-    fit_on_blocks = partial(_fit_blocks, fit_on=fit_on, loss=loss, weighting=weighting, seed=seed)
-    split_temps = fit_on_blocks(fit)
-    report = _fit_report(
-        fit, test, split_temps, temperature=temperature, fit_on=fit_on, loss=loss, seed=seed, n_bins=n_bins
+    obs = (
+        expected_survival(fit.accept, fit.valid)
+        if fit_on == "expected"
+        else sampled_survival(fit.accept, fit.valid, seed + 1)
     )
-    report["split_temperatures"] = report["temperatures"]
-    report["temperatures"] = [float(t) for t in (split_temps if fit is test else fit_on_blocks(data))]
+    weights = decode_weights(fit) if weighting == "decode" else None
+    temps = fit_temperatures(fit.z, obs, fit.valid, loss=loss, weights=weights)
+    report = _fit_report(fit, test, temps, temperature=temperature, fit_on=fit_on, loss=loss, seed=seed, n_bins=n_bins)
     report["weighting"] = weighting
     greedy = temperature <= 0
     drafter.set_calibration(report["temperatures"], greedy=greedy)
@@ -371,17 +368,6 @@ def fit_and_store_calibration(
         _store_in_export(meta, export_dir, report, greedy=greedy)
     report["seconds"] = round(time.perf_counter() - t0, 2)
     return report
-
-
-def _fit_blocks(part: CalibrationData, *, fit_on: str, loss: str, weighting: str, seed: int) -> np.ndarray:
-    """``[block_size]`` temperatures fit on ``part`` (:func:`fit_and_store_calibration`'s settings)."""
-    obs = (
-        expected_survival(part.accept, part.valid)
-        if fit_on == "expected"
-        else sampled_survival(part.accept, part.valid, seed + 1)
-    )
-    weights = decode_weights(part) if weighting == "decode" else None
-    return fit_temperatures(part.z, obs, part.valid, loss=loss, weights=weights)
 
 
 def _split_by_sequence(
