@@ -20,7 +20,7 @@ from flax import nnx
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.models.attention import attend, current_platform
-from dspark_jax.models.layers import KVCache, apply_rope, attention, rms_norm, swiglu
+from dspark_jax.models.layers import KVCache, apply_rope, attention, kv_scatter, rms_norm, swiglu
 
 _LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
@@ -214,8 +214,8 @@ class Target(nnx.Module):
             def cached_layer(carry, p):
                 h, ck, cv, li = carry
                 q, k, v = _qkv(cfg, p, h, positions)
-                ck = ck.at[li, b_idx, wpos].set(k.astype(ck.dtype), mode="drop")
-                cv = cv.at[li, b_idx, wpos].set(v.astype(cv.dtype), mode="drop")
+                ck = kv_scatter(ck, (li, b_idx, wpos), k)
+                cv = kv_scatter(cv, (li, b_idx, wpos), v)
                 h = _attn_out_and_mlp(cfg, p, h, attend(q, ck, cv, li, positions, backend=cfg.attention_backend))
                 return (h, ck, cv, li + 1), (h if taps else None)
 
@@ -416,8 +416,8 @@ def packed_qkv(cfg: TargetConfig, p: dict[str, jax.Array], h, rope_pos, row, wpo
     q = apply_rope(q, rope_pos, cfg.rope_theta)[0]
     k = apply_rope(k, rope_pos, cfg.rope_theta)[0]
     lidx = jnp.full_like(row, li)
-    ck_all = ck_all.at[lidx, row, wpos].set(k.astype(ck_all.dtype), mode="drop")
-    cv_all = cv_all.at[lidx, row, wpos].set(v[0].astype(cv_all.dtype), mode="drop")
+    ck_all = kv_scatter(ck_all, (lidx, row, wpos), k)
+    cv_all = kv_scatter(cv_all, (lidx, row, wpos), v[0])
     return q, ck_all, cv_all
 
 
