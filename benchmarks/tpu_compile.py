@@ -393,16 +393,10 @@ def main(argv: list[str] | None = None) -> int:
         for spec in a.models.split(","):
             cfg = model_config(spec)
             b = Builder(cfg, mesh)
-            shorts = [Builder(dataclasses.replace(cfg, num_layers=n), mesh) for n in (2, 4)] if a.extrapolate else []
             for method, kw in program_specs(cfg.num_layers, caches, rows_arg):
                 p = getattr(b, method)(**kw)
-                if method == "step" and "taps" in kw and shorts:
-                    kw = {**kw, "taps": (0, 1)}
-                short = (
-                    tuple(getattr(x, method)(**kw) for x in shorts) if shorts and method != "drafter_context" else None
-                )
                 s = kw["length"]
-                r = {"topology": topo, "mesh": shd.describe(mesh), "model": spec, "cache": s, **measure(p, bw, short)}
+                r = {"topology": topo, "mesh": shd.describe(mesh), "model": spec, "cache": s, **measure(p, bw)}
                 rows.append(r)
                 print(f"# {topo} {spec} {p.name} cache {s}: compiled in {r['compile_s']:.1f}s", file=sys.stderr)
     table(rows)
