@@ -192,8 +192,7 @@ class Builder:
         sizes = dict(mesh.shape)
         self.weight_bytes = 0
         for path, x in jax.tree_util.tree_leaves_with_path(self.state):
-            names = shd._path_names(path)
-            if "embed" in names and not cfg.tie_embeddings:
+            if not cfg.tie_embeddings and any(getattr(k, "key", None) == "embed" for k in path):
                 continue  # an untied embedding is only gathered (one row a token)
             self.weight_bytes += shd.shard_bytes(x.shape, x.dtype.itemsize, x.sharding.spec, sizes)
 
@@ -288,7 +287,7 @@ def program_specs(num_layers: int, caches: tuple[int, ...], rows: tuple[int, ...
     return out
 
 
-def _compile(p: Program, unroll: bool):
+def compile_program(p: Program, unroll: bool):
     fn = p.fn if not unroll else (lambda *a: p.fn(*a))  # a new function: no trace-cache hit
     jit = jax.jit(fn, donate_argnums=p.donate, out_shardings=p.out_shardings)
     with unrolled_scans() if unroll else contextlib.nullcontext():
@@ -297,7 +296,7 @@ def _compile(p: Program, unroll: bool):
 
 def unrolled_bytes(p: Program) -> float:
     """``bytes accessed`` of ``p`` compiled with its layer scan unrolled."""
-    cost = _compile(p, unroll=True).cost_analysis()
+    cost = compile_program(p, unroll=True).cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return float(cost.get("bytes accessed", 0.0))
 
@@ -306,7 +305,7 @@ def measure(p: Program, bandwidth: float | None) -> dict[str, Any]:
     """Memory, copies and collectives of ``p``; for a decode pass (``p.ideal_bytes``) also the bytes
     of ``p`` compiled with its layer scan unrolled (the slow part: minutes at 36 layers)."""
     t0 = time.perf_counter()
-    exe = _compile(p, unroll=False)
+    exe = compile_program(p, unroll=False)
     seconds = time.perf_counter() - t0
     m = exe.memory_analysis()
     hlo = exe.as_text()
@@ -375,7 +374,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.tpu_compile", description=__doc__.split("\n\n")[0])
     ap.add_argument("--topology", default="v5e:2x4", help=f"comma list of {', '.join(TOPOLOGY_BOUNDS)}")
     ap.add_argument("--models", default="qwen3-8b,qwen3-4b", help="comma list: built-in config names or HF folders")
     ap.add_argument("--mesh", default="", help="mesh spec (default model:<chips>)")
