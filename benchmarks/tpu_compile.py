@@ -301,7 +301,7 @@ def unrolled_bytes(p: Program) -> float:
     return float(cost.get("bytes accessed", 0.0))
 
 
-def measure(p: Program, bandwidth: float | None) -> dict[str, Any]:
+def measure(p: Program, bandwidth: float | None, costed: bool = True) -> dict[str, Any]:
     """Memory, copies and collectives of ``p``; for a decode pass (``p.ideal_bytes``) also the bytes
     of ``p`` compiled with its layer scan unrolled (the slow part: minutes at 36 layers)."""
     t0 = time.perf_counter()
@@ -310,7 +310,7 @@ def measure(p: Program, bandwidth: float | None) -> dict[str, Any]:
     m = exe.memory_analysis()
     hlo = exe.as_text()
     copies = cache_copies(hlo, p.cache_elements)
-    nbytes = unrolled_bytes(p) if p.ideal_bytes else None
+    nbytes = unrolled_bytes(p) if costed and p.ideal_bytes else None
     mib = 2.0**20
     r: dict[str, Any] = {
         "program": p.name,
@@ -380,6 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mesh", default="", help="mesh spec (default model:<chips>)")
     ap.add_argument("--caches", default="1024,4096", help="cache lengths of decode-1 / verify-8")
     ap.add_argument("--rows", default="1,8,64", help="engine step row counts (at the largest cache)")
+    ap.add_argument(
+        "--bytes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="bytes accessed of the decode passes (a second, unrolled compile: minutes and ~11 GB at 36 layers)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     a = ap.parse_args(argv)
     caches = tuple(int(x) for x in a.caches.split(","))
@@ -395,11 +401,11 @@ def main(argv: list[str] | None = None) -> int:
             for method, kw in program_specs(cfg.num_layers, caches, rows_arg):
                 p = getattr(b, method)(**kw)
                 s = kw["length"]
-                r = {"topology": topo, "mesh": shd.describe(mesh), "model": spec, "cache": s, **measure(p, bw)}
+                r = {"topology": topo, "mesh": shd.describe(mesh), "model": spec, "cache": s, **measure(p, bw, a.bytes)}
                 rows.append(r)
                 print(f"# {topo} {spec} {p.name} cache {s}: compiled in {r['compile_s']:.1f}s", file=sys.stderr)
     table(rows)
-    summary = ratios(rows)
+    summary = ratios(rows) if a.bytes else []
     for x in summary:
         print(
             f"{x['topology']} {x['model']}: verify-8/decode-1 {x['verify8_over_decode1']:.2f}, "
