@@ -45,7 +45,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -174,6 +174,11 @@ class Program:
     ideal_bytes: int | None  # per-device weights + live KV read by one call (None: not a decode pass)
 
 
+def _pair(x: Any) -> KVCache:
+    """A :class:`KVCache` of abstract arrays or shardings (K and V alike)."""
+    return KVCache(cast(Any, x), cast(Any, x))
+
+
 def _sds(shape, dtype, sharding):
     return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
 
@@ -202,7 +207,7 @@ class Builder:
         sh = shd.cache_sharding(self.mesh, shape[3], shape)
         one = _sds(shape, self.dtype, sh)
         per_dev = shd.shard_bytes(shape, 1, sh.spec, dict(self.mesh.shape))
-        return KVCache(one, one), sh, per_dev
+        return _pair(one), sh, per_dev
 
     def kv_live_bytes(self, per_dev_elements: int, length: int) -> int:
         return 2 * per_dev_elements * jnp.dtype(self.dtype).itemsize * min(LIVE, length) // length
@@ -224,7 +229,7 @@ class Builder:
             fn,
             (self.state, cache, ids, ids),
             (1,),
-            (self.rep, self.rep, KVCache(sh, sh)),
+            (self.rep, self.rep, _pair(sh)),
             per_dev,
             ideal,
         )
@@ -240,7 +245,7 @@ class Builder:
         ids = _sds((rows,), jnp.int32, self.rep)
         ideal = self.weight_bytes + self.kv_live_bytes(per_dev, length)
         args = (self.state, cache, ids, ids, ids, ids)
-        return Program(f"engine-{rows}", fn, args, (1,), (self.rep, KVCache(sh, sh)), per_dev, ideal)
+        return Program(f"engine-{rows}", fn, args, (1,), (self.rep, _pair(sh)), per_dev, ideal)
 
     def prefill_chunk(self, length: int, tokens: int = 256, lanes: int = 4, block: int = 8) -> Program:
         from dspark_jax.serving.engine.chunk_programs import chunk_forward
@@ -254,7 +259,7 @@ class Builder:
 
         ids = _sds((tokens,), jnp.int32, self.rep)
         args = (self.state, cache, ids, ids, _sds((tokens // block,), jnp.int32, self.rep))
-        return Program("prefill-chunk", fn, args, (1,), (self.rep, KVCache(sh, sh)), per_dev, None)
+        return Program("prefill-chunk", fn, args, (1,), (self.rep, _pair(sh)), per_dev, None)
 
     def drafter_context(self, length: int, rows: int = 8, tokens: int = 64) -> Program:
         from dspark_jax.config import DrafterConfig
@@ -272,7 +277,7 @@ class Builder:
 
         ids = _sds((tokens,), jnp.int32, self.rep)
         args = (dstate, cache, _sds((tokens, width), self.dtype, self.rep), ids, ids)
-        return Program("drafter-ctx", fn, args, (1,), KVCache(sh, sh), per_dev, None)
+        return Program("drafter-ctx", fn, args, (1,), _pair(sh), per_dev, None)
 
 
 def program_specs(num_layers: int, caches: tuple[int, ...], rows: tuple[int, ...]) -> list[tuple[str, dict]]:
@@ -298,7 +303,7 @@ def unrolled_bytes(p: Program) -> float:
     """``bytes accessed`` of ``p`` compiled with its layer scan unrolled."""
     cost = compile_program(p, unroll=True).cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return float(cost.get("bytes accessed", 0.0))
+    return float(cost.get("bytes accessed", 0.0)) if cost else 0.0
 
 
 def measure(p: Program, bandwidth: float | None, costed: bool = True) -> dict[str, Any]:
@@ -308,7 +313,8 @@ def measure(p: Program, bandwidth: float | None, costed: bool = True) -> dict[st
     exe = compile_program(p, unroll=False)
     seconds = time.perf_counter() - t0
     m = exe.memory_analysis()
-    hlo = exe.as_text()
+    assert m is not None, "the TPU compiler gave no memory analysis"
+    hlo = exe.as_text() or ""
     copies = cache_copies(hlo, p.cache_elements)
     nbytes = unrolled_bytes(p) if costed and p.ideal_bytes else None
     mib = 2.0**20
@@ -374,7 +380,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.tpu_compile", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.tpu_compile", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--topology", default="v5e:2x4", help=f"comma list of {', '.join(TOPOLOGY_BOUNDS)}")
     ap.add_argument("--models", default="qwen3-8b,qwen3-4b", help="comma list: built-in config names or HF folders")
     ap.add_argument("--mesh", default="", help="mesh spec (default model:<chips>)")
