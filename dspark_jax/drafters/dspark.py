@@ -517,7 +517,7 @@ class DSparkDrafter(nnx.Module):
         n, b = cache.k.shape[:2]
         wpos = jnp.where(positions < 0, cache.length, positions)  # out of range: dropped writes
         index = (jnp.arange(n)[:, None, None], jnp.arange(b)[None, :, None], wpos[None])
-        return KVCache(kv_scatter(cache.k, index, k), kv_scatter(cache.v, index, v))
+        return KVCache(kv_scatter(cache.k, index, k, flat=True), kv_scatter(cache.v, index, v, flat=True))
 
     def write_context(
         self,
@@ -541,7 +541,7 @@ class DSparkDrafter(nnx.Module):
         ck, cv = self.context_kv(self.context_features(features[None]), jnp.maximum(positions, 0)[None])
         wpos = jnp.where(positions >= 0, positions, cache.length)  # out of range: dropped writes
         index = (jnp.arange(cache.k.shape[0])[:, None], rows[None], wpos[None])
-        return KVCache(kv_scatter(cache.k, index, ck[:, 0]), kv_scatter(cache.v, index, cv[:, 0]))
+        return KVCache(kv_scatter(cache.k, index, ck[:, 0], flat=True), kv_scatter(cache.v, index, cv[:, 0], flat=True))
 
     def draft(
         self,

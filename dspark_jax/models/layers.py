@@ -220,17 +220,18 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) 
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
 
-def kv_scatter(cache: jax.Array, index: tuple, update: jax.Array) -> jax.Array:
+def kv_scatter(cache: jax.Array, index: tuple, update: jax.Array, *, flat: bool | None = None) -> jax.Array:
     """``cache.at[index].set(update, mode="drop")`` for a KV cache whose last two axes are
-    ``(n_kv_heads, head_dim)``; on a TPU written as rows of a flat ``[prod(leading),
-    n_kv_heads * head_dim]`` view.
+    ``(n_kv_heads, head_dim)``; on a TPU written as rows of a ``[prod(leading), n_kv_heads,
+    head_dim]`` view (the leading axes flattened).
 
     Why the view: under tensor parallelism a TPU device often holds one KV head, and the TPU lays
     out a cache shard ``[..., S, 1, hd]`` with the size-1 head axis moved out of the tiled minor
     pair, while the read-modify-write of a one-token write (a dynamic-update-slice with the
     dropped-write select) asked for the plain order: the compiler copied the whole cache twice in
-    every layer. The flat view has one layout; its reshapes are bitcasts and the values are the
-    same. Other backends keep the plain scatter (XLA's CPU layout assignment copies around the view).
+    every layer. The flattened view has one layout for both (and keeps a shard of several heads as
+    laid out: merging heads into ``head_dim`` would relayout it); its reshapes are bitcasts and the
+    values are the same. Other backends keep the plain scatter (XLA's CPU layout assignment copies around the view).
 
     Args:
       cache: ``[*lead, n_kv_heads, head_dim]``.
@@ -238,10 +239,18 @@ def kv_scatter(cache: jax.Array, index: tuple, update: jax.Array) -> jax.Array:
         an index outside ``[0, n)`` of its axis drops that write (callers map negative positions
         out of range first: ``.at`` would wrap them).
       update: ``[*I, n_kv_heads, head_dim]``.
+      flat: use the view on a TPU; default: only for a single written row (``prod(I) == 1``). A
+        many-row scatter stays a scatter, which keeps the cache's layout: the view would relayout a
+        shard of two heads on v5p for the 8-token verification pass (measured), so callers opt in
+        where the plain form copied (the DSpark drafter's all-layer context write).
     Returns:
       the updated cache (same shape and dtype).
     """
     index = tuple(jnp.asarray(i, jnp.int32) for i in index)
+    if flat is None:  # one written row: the dynamic-update-slice case
+        flat = math.prod(jnp.broadcast_shapes(*(i.shape for i in index))) == 1
+    if not flat:
+        return _kv_scatter_plain(cache, index, update.astype(cache.dtype))
     return jax.lax.platform_dependent(
         cache, index, update.astype(cache.dtype), tpu=_kv_scatter_flat, default=_kv_scatter_plain
     )
@@ -259,8 +268,8 @@ def _kv_scatter_flat(cache: jax.Array, index: tuple, update: jax.Array) -> jax.A
     for i, n in zip(idx, lead):
         row, ok = row * n + i, ok & (i >= 0) & (i < n)
     row = jnp.where(ok, row, total)  # out of range: dropped
-    flat = cache.reshape(total, heads * hd)
-    flat = flat.at[row].set(update.reshape(row.shape + (heads * hd,)), mode="drop")
+    flat = cache.reshape(total, heads, hd)
+    flat = flat.at[row].set(update.reshape(row.shape + (heads, hd)), mode="drop")
     return flat.reshape(cache.shape)
 
 
