@@ -248,7 +248,7 @@ def kv_scatter(cache: jax.Array, index: tuple, update: jax.Array, *, flat: bool 
     """
     index = tuple(jnp.asarray(i, jnp.int32) for i in index)
     if flat is None:  # one written row: the dynamic-update-slice case
-        flat = math.prod(jnp.broadcast_shapes(*(i.shape for i in index))) == 1
+        flat = math.prod(int(d) for d in jnp.broadcast_shapes(*(i.shape for i in index))) == 1
     if not flat:
         return _kv_scatter_plain(cache, index, update.astype(cache.dtype))
     return jax.lax.platform_dependent(
