@@ -19,6 +19,10 @@ from pathlib import Path
 
 import pytest
 
+# libtpu (the test extra: tests/integration/test_tpu_compile.py compiles for a TPU topology on the
+# CPU) is loaded by several xdist workers at once; deviceless compiles need no TPU lock.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 # Measured cost tables go to a disk cache made fresh for the run (shared by xdist workers and the
 # CLIs' subprocesses through the environment): a table is keyed by shapes and configs, not weights,
 # so the many `auto` decodes of one configuration measure it once (about 28 s on stories260K) as a

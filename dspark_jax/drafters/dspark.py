@@ -39,7 +39,7 @@ from dspark_jax.drafters.base import BlockOutput, Draft
 from dspark_jax.drafters.decode_head import DecodeHead, decode_head_rows, install_decode_head, release_decode_head
 from dspark_jax.drafters.markov import build_markov_head, sample_block
 from dspark_jax.models import layers
-from dspark_jax.models.layers import KVCache, apply_rope, block_attention, cache_write, rms_norm, swiglu
+from dspark_jax.models.layers import KVCache, apply_rope, block_attention, kv_scatter, rms_norm, swiglu
 from dspark_jax.models.sampling import SamplingArrays
 from dspark_jax.models.target import Target
 
@@ -517,10 +517,10 @@ class DSparkDrafter(nnx.Module):
             :class:`~dspark_jax.drafters.base.Drafter` protocol (the eagle3 drafter needs them).
         """
         k, v = self.context_kv(self.context_features(features), positions)
-        return KVCache(
-            jax.vmap(cache_write, in_axes=(0, 0, None))(cache.k, k, positions),
-            jax.vmap(cache_write, in_axes=(0, 0, None))(cache.v, v, positions),
-        )
+        n, b = cache.k.shape[:2]
+        wpos = jnp.where(positions < 0, cache.length, positions)  # out of range: dropped writes
+        index = (jnp.arange(n)[:, None, None], jnp.arange(b)[None, :, None], wpos[None])
+        return KVCache(kv_scatter(cache.k, index, k, flat=True), kv_scatter(cache.v, index, v, flat=True))
 
     def write_context(
         self,
@@ -543,10 +543,8 @@ class DSparkDrafter(nnx.Module):
         """
         ck, cv = self.context_kv(self.context_features(features[None]), jnp.maximum(positions, 0)[None])
         wpos = jnp.where(positions >= 0, positions, cache.length)  # out of range: dropped writes
-        return KVCache(
-            cache.k.at[:, rows, wpos].set(ck[:, 0].astype(cache.k.dtype), mode="drop"),
-            cache.v.at[:, rows, wpos].set(cv[:, 0].astype(cache.v.dtype), mode="drop"),
-        )
+        index = (jnp.arange(cache.k.shape[0])[:, None], rows[None], wpos[None])
+        return KVCache(kv_scatter(cache.k, index, ck[:, 0], flat=True), kv_scatter(cache.v, index, cv[:, 0], flat=True))
 
     def draft(
         self,

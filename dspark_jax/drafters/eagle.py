@@ -45,7 +45,16 @@ from flax import nnx
 
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafters.base import BlockOutput, Draft
-from dspark_jax.models.layers import _NEG_INF, apply_rope, attention, cache_write, rms_norm, swiglu
+from dspark_jax.models.layers import (
+    _NEG_INF,
+    apply_rope,
+    attention,
+    cache_write,
+    kv_cache_write,
+    kv_scatter,
+    rms_norm,
+    swiglu,
+)
 from dspark_jax.models.sampling import SamplingArrays, process_logits, sample
 from dspark_jax.models.target import Target
 
@@ -255,7 +264,7 @@ class EagleDrafter(nnx.Module):
         u = jnp.take_along_axis(feat, jnp.clip(prev, 0, cache.length - 1)[..., None], axis=1)
         u = jnp.where((prev >= 0)[..., None], u, 0.0)
         _, k, v = self._qkv(u, target.embed_tokens(jnp.maximum(tokens, 0)), positions)
-        return EagleCache(cache_write(cache.k, k, positions), cache_write(cache.v, v, positions), feat)
+        return EagleCache(kv_cache_write(cache.k, k, positions), kv_cache_write(cache.v, v, positions), feat)
 
     def write_context(
         self,
@@ -288,11 +297,7 @@ class EagleDrafter(nnx.Module):
         u = jnp.where((prev >= 0)[:, None], feat[rows, jnp.clip(prev, 0, cache.length - 1)], 0.0)
         emb = target.embed_tokens(jnp.maximum(tokens, 0))
         _, k, v = self._qkv(u[None], emb[None], jnp.maximum(positions, 0)[None])
-        return EagleCache(
-            cache.k.at[rows, wpos].set(k[0].astype(cache.k.dtype), mode="drop"),
-            cache.v.at[rows, wpos].set(v[0].astype(cache.v.dtype), mode="drop"),
-            feat,
-        )
+        return EagleCache(kv_scatter(cache.k, (rows, wpos), k[0]), kv_scatter(cache.v, (rows, wpos), v[0]), feat)
 
     def draft(
         self,

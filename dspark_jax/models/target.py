@@ -23,7 +23,7 @@ from flax import nnx
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.models.attention import attend, current_platform
-from dspark_jax.models.layers import KVCache, apply_rope, apply_rope_table, attention, rms_norm
+from dspark_jax.models.layers import KVCache, apply_rope, apply_rope_table, attention, kv_scatter, rms_norm
 from dspark_jax.models.moe import feed_forward, split_mixed_mlp
 from dspark_jax.models.rope import rope_table
 from dspark_jax.models.weights import MOE_KEYS, target_param_shapes
@@ -293,8 +293,8 @@ class Target(nnx.Module):
             def cached_layer(carry, p):
                 h, ck, cv, li = carry
                 q, k, v = _qkv(cfg, p, h, positions)
-                ck = ck.at[li, b_idx, wpos].set(k.astype(ck.dtype), mode="drop")
-                cv = cv.at[li, b_idx, wpos].set(v.astype(cv.dtype), mode="drop")
+                ck = kv_scatter(ck, (li, b_idx, wpos), k)
+                cv = kv_scatter(cv, (li, b_idx, wpos), v)
                 opts = dict(backend=cfg.attention_backend, window=layer_window(cfg, li), **attention_options(cfg))
                 a = attend(q, ck, cv, li, positions, **opts)
                 h = _attn_out_and_mlp(cfg, p, h, a, stacks)
@@ -561,8 +561,8 @@ def packed_qkv(cfg: TargetConfig, p: dict[str, jax.Array], h, rope_pos, row, wpo
     q = _rope(cfg, p, q, rope_pos)[0]
     k = _rope(cfg, p, k, rope_pos)[0]
     lidx = jnp.full_like(row, li)
-    ck_all = ck_all.at[lidx, row, wpos].set(k.astype(ck_all.dtype), mode="drop")
-    cv_all = cv_all.at[lidx, row, wpos].set(v[0].astype(cv_all.dtype), mode="drop")
+    ck_all = kv_scatter(ck_all, (lidx, row, wpos), k)
+    cv_all = kv_scatter(cv_all, (lidx, row, wpos), v[0])
     return q, ck_all, cv_all
 
 

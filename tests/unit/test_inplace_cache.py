@@ -29,6 +29,7 @@ from flax import nnx
 from dspark_jax.decoding import auto_verify
 from dspark_jax.decoding import loop as sp
 from dspark_jax.drafters.base import prepare_drafter
+from dspark_jax.models import layers
 from dspark_jax.models.layers import attention, cached_attention
 from dspark_jax.models.sampling import sampling_arrays
 from dspark_jax.models.target import Target, random_params
@@ -213,3 +214,19 @@ def test_cached_attention_reads_only_live_blocks():
     k_nan, v_nan = k.at[:, :, 64:].set(jnp.nan), v.at[:, :, 64:].set(jnp.nan)
     got = jax.jit(lambda *a: cached_attention(*a, block=32))(q, k_nan, v_nan, 0, pos)
     assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_the_tpu_flat_kv_write_equals_the_plain_scatter():
+    """kv_scatter's TPU form (rows of a flat [rows, heads * hd] view) writes what the plain scatter
+    writes and drops out-of-range indices (negative ones too); checked on CPU by calling both forms."""
+    rng = np.random.default_rng(0)
+    cache = jnp.asarray(rng.standard_normal((3, 2, 16, 2, 4)), jnp.float32)
+    upd = jnp.asarray(rng.standard_normal((2, 5, 2, 4)), jnp.float32)
+    pos = jnp.asarray([[0, 3, 15, 16, 40], [7, 8, 9, 2, 16]], jnp.int32)  # 16, 40: past the end
+    index = (jnp.int32(1), jnp.arange(2)[:, None], pos)
+    flat = layers._kv_scatter_flat(cache, index, upd)
+    assert np.array_equal(np.asarray(flat), np.asarray(layers._kv_scatter_plain(cache, index, upd)))
+    assert np.array_equal(np.asarray(flat), np.asarray(layers.kv_scatter(cache, index, upd)))  # CPU: plain
+    packed = (jnp.asarray([0, 2, 2]), jnp.asarray([1, 0, 5]), jnp.asarray([4, -1, 3]))  # row 5, slot -1: dropped
+    got = layers._kv_scatter_flat(cache, packed, upd[0, :3])
+    assert np.array_equal(np.asarray(got), np.asarray(cache.at[0, 1, 4].set(upd[0, 0])))

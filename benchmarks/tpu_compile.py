@@ -1,0 +1,437 @@
+"""The project's hot programs compiled for a TPU topology that is not here, by the TPU compiler.
+
+    JAX_PLATFORMS=cpu python -m benchmarks.tpu_compile --topology v5e:2x4 --json /tmp/tpu.json
+
+With ``libtpu`` installed (the version jax's ``tpu`` extra pins), JAX compiles for a named TPU
+topology on this CPU (``jax.experimental.topologies.get_topology_desc``, as MaxText's
+``train_compile.py``). For each topology and model shape (``qwen3-8b`` and ``qwen3-4b`` by default,
+or a folder with a Hugging Face ``config.json``) the programs below are lowered with the
+project's own shardings (:func:`dspark_jax.models.sharding.make_mesh` over the topology's devices,
+``model:<chips>`` by default; abstract bfloat16 parameters from ``nnx.eval_shape``,
+:func:`~dspark_jax.models.sharding.tree_shardings`, :func:`~dspark_jax.models.sharding.cache_sharding`;
+caches donated) and compiled:
+
+* ``decode-1``: the batch-1 target step (one token, KV cache write), at each ``--caches`` length;
+* ``verify-8``: the batch-1 verification pass of 8 tokens with three tapped layers;
+* ``engine-R``: the serving engine's packed target pass (:meth:`Target.forward_packed`) at R rows;
+* ``prefill-chunk``: chunked prefill's target pass (``chunk_forward``) over 4 staging lanes;
+* ``drafter-ctx``: the DSpark drafter's context-cache write of 64 packed tokens (``write_context``).
+
+Reported per program: per-device memory from ``memory_analysis()`` (arguments, temporaries,
+outputs, aliased), the whole-cache copies in the optimised HLO (copy/transpose instructions with
+as many elements as one device's K or V cache, anywhere in the module), the collectives in the
+HLO (static count; those in the layer loop run once per layer), and bytes accessed with an
+estimated time at the chip's HBM bandwidth against the ideal (per-device weights read once, plus
+the live KV).
+
+``cost_analysis()`` counts a ``while`` body once, so the bytes come from a second compile of the
+same program with the layer scan unrolled (``jax.lax.scan(unroll=True)`` while tracing); the
+attention's loop over 256-key blocks stays a loop with a runtime trip count, counted once: the
+bytes are those of a live length of one block (256 positions), which is the live length the ideal
+uses. The estimate is ``bytes / HBM bandwidth`` (libtpu's own ``optimal_seconds`` is not used: it
+can be negative). The package is imported from ``sys.path`` as found, so running this file by its
+path with ``PYTHONPATH=<other checkout>`` measures that checkout (before/after numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, cast
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dspark_jax.models import sharding as shd
+from dspark_jax.models.layers import KVCache
+from dspark_jax.models.target import Target
+from dspark_jax.models.weights import target_param_shapes
+
+# Chips per host of the topologies named here (get_topology_desc needs them), and HBM GB/s per chip.
+TOPOLOGY_BOUNDS = {"v5e:2x2": (2, 2, 1), "v5e:2x4": (2, 4, 1), "v6e:2x4": (2, 4, 1), "v5p:2x2x1": (2, 2, 1)}
+HBM_GBS = (("v5 lite", 819.0), ("v5e", 819.0), ("v6 lite", 1640.0), ("v6e", 1640.0), ("v5p", 2765.0), ("v5", 2765.0))
+LIVE = 256  # live KV positions the byte counts correspond to (one attention block, see the module doc)
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+
+def topology_devices(name: str) -> list[Any]:
+    """The devices of TPU topology ``name`` (``v5e:2x4``), compiled for without a TPU.
+
+    Raises:
+      ValueError: a topology not in :data:`TOPOLOGY_BOUNDS`.
+    """
+    from jax.experimental import topologies
+
+    if name not in TOPOLOGY_BOUNDS:
+        raise ValueError(f"topology {name!r}: known ones are {', '.join(TOPOLOGY_BOUNDS)}")
+    topo = topologies.get_topology_desc(
+        platform="tpu",
+        topology_name=name,
+        chip_config_name="default",
+        chips_per_host_bounds=TOPOLOGY_BOUNDS[name],
+        num_slices=1,
+    )
+    return list(topo.devices)
+
+
+def hbm_gbs(device_kind: str) -> float | None:
+    kind = device_kind.lower()
+    return next((v for k, v in HBM_GBS if k in kind), None)
+
+
+def model_config(spec: str):
+    """A built-in config name (``qwen3-8b``) or a folder holding a Hugging Face ``config.json``."""
+    from dspark_jax.models.presets import builtin_target_config
+
+    if Path(spec).is_dir():
+        from transformers import AutoConfig
+
+        from dspark_jax.models.hf_io import hf_target_config
+
+        return hf_target_config(AutoConfig.from_pretrained(spec), where=spec, name=Path(spec).name)
+    return builtin_target_config(spec)
+
+
+# ------------------------------------------------------------------------------------------ HLO
+
+
+def _elements(shape_text: str) -> int:
+    dims = shape_text.strip("[]")
+    return math.prod(int(d) for d in dims.split(",")) if dims else 1
+
+
+def cache_copies(hlo: str, elements: int) -> list[str]:
+    """Instructions of the optimised HLO ``hlo`` that copy or transpose an array of ``elements``
+    elements (one device's whole K or V cache), in any computation (a fusion counts by its root)."""
+    out, roots = [], {}
+    comp = None
+    for ln in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%(\S+) ", ln)
+        if head and ln.rstrip().endswith("{"):
+            comp = head.group(1)
+        m = re.match(r"\s*ROOT %\S+ = \S+\[[^\]]*\]\S* ([a-z-]+)\(", ln)
+        if m and comp:
+            roots[comp] = m.group(1)
+    for ln in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (\w+)(\[[^\]]*\])\S* ([a-z-]+)\(", ln)
+        if not m or _elements(m.group(3)) != elements:
+            continue
+        op = m.group(4)
+        if op == "fusion":
+            callee = re.search(r"calls=%([\w.-]+)", ln)
+            op = roots.get(callee.group(1), "fusion") if callee else op
+        if op in ("copy", "copy-start", "transpose"):
+            out.append(ln.strip()[:160])
+    return out
+
+
+def collectives(hlo: str) -> dict[str, int]:
+    counts = {c: len(re.findall(rf"\s{c}(?:-start)?\(", hlo)) for c in COLLECTIVES}
+    return {k: v for k, v in counts.items() if v}
+
+
+@contextlib.contextmanager
+def unrolled_scans():
+    """``jax.lax.scan`` unrolls while tracing (the layer loop becomes straight-line code for costing)."""
+    original = jax.lax.scan
+
+    def scan(*a, **kw):
+        kw["unroll"] = True
+        return original(*a, **kw)
+
+    jax.lax.scan = scan
+    try:
+        yield
+    finally:
+        jax.lax.scan = original
+
+
+# ------------------------------------------------------------------------------------- programs
+
+
+@dataclasses.dataclass
+class Program:
+    name: str
+    fn: Any
+    args: tuple
+    donate: tuple[int, ...]
+    out_shardings: Any
+    cache_elements: int  # elements of one device's K (or V) cache
+    ideal_bytes: int | None  # per-device weights + live KV read by one call (None: not a decode pass)
+
+
+def _pair(x: Any) -> KVCache:
+    """A :class:`KVCache` of abstract arrays or shardings (K and V alike)."""
+    return KVCache(cast(Any, x), cast(Any, x))
+
+
+def _sds(shape, dtype, sharding):
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+class Builder:
+    """Abstract target (and drafter) on a mesh, and the programs over them."""
+
+    def __init__(self, cfg, mesh, dtype=jnp.bfloat16):
+        self.cfg, self.mesh, self.dtype = cfg, mesh, dtype
+        shapes = target_param_shapes(cfg)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s, dtype), shapes, is_leaf=lambda x: isinstance(x, tuple))
+        self.graph, state = nnx.split(nnx.eval_shape(lambda: Target(cfg, zeros, dtype=dtype)))
+        shard = shd.tree_shardings(state, mesh, cfg)
+        self.state = jax.tree.map(lambda x, s: _sds(x.shape, x.dtype, s), state, shard)
+        self.rep = NamedSharding(mesh, P())
+        sizes = dict(mesh.shape)
+        self.weight_bytes = 0
+        for path, x in jax.tree_util.tree_leaves_with_path(self.state):
+            if not cfg.tie_embeddings and any(getattr(k, "key", None) == "embed" for k in path):
+                continue  # an untied embedding is only gathered (one row a token)
+            self.weight_bytes += shd.shard_bytes(x.shape, x.dtype.itemsize, x.sharding.spec, sizes)
+
+    def cache(self, rows: int, length: int, layers: int | None = None, kv_heads: int | None = None, hd=None):
+        c = self.cfg
+        shape = (layers or c.num_layers, rows, length, kv_heads or c.num_kv_heads, hd or c.head_dim)
+        sh = shd.cache_sharding(self.mesh, shape[3], shape)
+        one = _sds(shape, self.dtype, sh)
+        per_dev = shd.shard_bytes(shape, 1, sh.spec, dict(self.mesh.shape))
+        return _pair(one), sh, per_dev
+
+    def kv_live_bytes(self, per_dev_elements: int, length: int) -> int:
+        return 2 * per_dev_elements * jnp.dtype(self.dtype).itemsize * min(LIVE, length) // length
+
+    def step(self, length: int, tokens: int, taps: tuple[int, ...] = ()) -> Program:
+        graph = self.graph
+        cache, sh, per_dev = self.cache(1, length)
+
+        def fn(state, cache, tok, pos):
+            out = nnx.merge(graph, state)(tok, pos, cache=cache, taps=taps)
+            nxt = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+            return nxt, out.features, out.cache
+
+        ids = _sds((1, tokens), jnp.int32, self.rep)
+        name = f"{'decode' if tokens == 1 else 'verify'}-{tokens}"
+        ideal = self.weight_bytes + self.kv_live_bytes(per_dev, length)
+        return Program(
+            name,
+            fn,
+            (self.state, cache, ids, ids),
+            (1,),
+            (self.rep, self.rep, _pair(sh)),
+            per_dev,
+            ideal,
+        )
+
+    def engine(self, rows: int, length: int) -> Program:
+        graph = self.graph
+        cache, sh, per_dev = self.cache(rows, length)
+
+        def fn(state, cache, tok, row, col, pos):
+            out = nnx.merge(graph, state).forward_packed(tok, row, col, pos, cache, num_rows=rows, width=1)
+            return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
+
+        ids = _sds((rows,), jnp.int32, self.rep)
+        ideal = self.weight_bytes + self.kv_live_bytes(per_dev, length)
+        args = (self.state, cache, ids, ids, ids, ids)
+        return Program(f"engine-{rows}", fn, args, (1,), (self.rep, _pair(sh)), per_dev, ideal)
+
+    def prefill_chunk(self, length: int, tokens: int = 256, lanes: int = 4, block: int = 8) -> Program:
+        from dspark_jax.serving.engine.chunk_programs import chunk_forward
+
+        graph = self.graph
+        cache, sh, per_dev = self.cache(lanes, length)
+
+        def fn(state, cache, tok, pos, lane):
+            hidden, _, new = chunk_forward(nnx.merge(graph, state), tok, pos, lane, cache, span=length, block=block)
+            return hidden, new
+
+        ids = _sds((tokens,), jnp.int32, self.rep)
+        args = (self.state, cache, ids, ids, _sds((tokens // block,), jnp.int32, self.rep))
+        return Program("prefill-chunk", fn, args, (1,), (self.rep, _pair(sh)), per_dev, None)
+
+    def drafter_context(self, length: int, rows: int = 8, tokens: int = 64) -> Program:
+        from dspark_jax.config import DrafterConfig
+        from dspark_jax.drafters.build import build_drafter
+
+        dcfg = DrafterConfig.for_target(self.cfg, block_size=8, num_layers=2)
+        dgraph, dstate = nnx.split(nnx.eval_shape(lambda: build_drafter(dcfg, nnx.Rngs(0), dtype=self.dtype)))
+        dshard = shd.tree_shardings(dstate, self.mesh, dcfg)
+        dstate = jax.tree.map(lambda x, s: _sds(x.shape, x.dtype, s), dstate, dshard)
+        cache, sh, per_dev = self.cache(rows, length, dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim)
+        width = len(dcfg.taps) * self.cfg.hidden_size
+
+        def fn(dstate, cache, feats, row, pos):
+            return nnx.merge(dgraph, dstate).write_context(cache, feats, row, pos)
+
+        ids = _sds((tokens,), jnp.int32, self.rep)
+        args = (dstate, cache, _sds((tokens, width), self.dtype, self.rep), ids, ids)
+        return Program("drafter-ctx", fn, args, (1,), _pair(sh), per_dev, None)
+
+
+def program_specs(num_layers: int, caches: tuple[int, ...], rows: tuple[int, ...]) -> list[tuple[str, dict]]:
+    """``(Builder method, keyword arguments)`` of every program measured."""
+    taps = (1, num_layers // 2, num_layers - 2)
+    out: list[tuple[str, dict]] = []
+    for s in caches:
+        out += [("step", {"length": s, "tokens": 1}), ("step", {"length": s, "tokens": 8, "taps": taps})]
+    s = max(caches)
+    out += [("engine", {"rows": r, "length": s}) for r in rows]
+    out += [("prefill_chunk", {"length": s}), ("drafter_context", {"length": s})]
+    return out
+
+
+def compile_program(p: Program, unroll: bool):
+    fn = p.fn if not unroll else (lambda *a: p.fn(*a))  # a new function: no trace-cache hit
+    jit = jax.jit(fn, donate_argnums=p.donate, out_shardings=p.out_shardings)
+    with unrolled_scans() if unroll else contextlib.nullcontext():
+        return jit.lower(*p.args).compile()
+
+
+def unrolled_bytes(p: Program) -> float:
+    """``bytes accessed`` of ``p`` compiled with its layer scan unrolled."""
+    cost = compile_program(p, unroll=True).cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost.get("bytes accessed", 0.0)) if cost else 0.0
+
+
+def measure(p: Program, bandwidth: float | None, costed: bool = True) -> dict[str, Any]:
+    """Memory, copies and collectives of ``p``; for a decode pass (``p.ideal_bytes``) also the bytes
+    of ``p`` compiled with its layer scan unrolled (the slow part: minutes at 36 layers)."""
+    t0 = time.perf_counter()
+    exe = compile_program(p, unroll=False)
+    seconds = time.perf_counter() - t0
+    m = exe.memory_analysis()
+    assert m is not None, "the TPU compiler gave no memory analysis"
+    hlo = exe.as_text() or ""
+    copies = cache_copies(hlo, p.cache_elements)
+    nbytes = unrolled_bytes(p) if costed and p.ideal_bytes else None
+    mib = 2.0**20
+    r: dict[str, Any] = {
+        "program": p.name,
+        "args_mib": m.argument_size_in_bytes / mib,
+        "temp_mib": m.temp_size_in_bytes / mib,
+        "out_mib": m.output_size_in_bytes / mib,
+        "alias_mib": m.alias_size_in_bytes / mib,
+        "peak_mib": (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+        / mib,
+        "cache_copies": len(copies),
+        "copy_lines": copies[:4],
+        "collectives": collectives(hlo),
+        "bytes_accessed": nbytes,
+        "ideal_bytes": p.ideal_bytes,
+        "bytes_vs_ideal": nbytes / p.ideal_bytes if nbytes and p.ideal_bytes else None,
+        "est_ms": nbytes / bandwidth / 1e6 if nbytes and bandwidth else None,
+        "ideal_ms": p.ideal_bytes / bandwidth / 1e6 if bandwidth and p.ideal_bytes else None,
+        "compile_s": seconds,
+    }
+    return r
+
+
+def _fmt(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.2f}"
+    if isinstance(x, dict):
+        return " ".join(f"{k}:{v}" for k, v in x.items()) or "-"
+    return str(x)
+
+
+def table(rows: list[dict[str, Any]]) -> None:
+    cols = ["topology", "model", "program", "cache", "args_mib", "temp_mib", "out_mib", "peak_mib"]
+    cols += ["cache_copies", "collectives", "bytes_vs_ideal", "est_ms", "ideal_ms"]
+    cells = [[_fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for x in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(x, widths)))
+
+
+def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """verify-8 / decode-1 and cache max / min (decode-1) estimated time, per topology and model."""
+    out = []
+    for key in sorted({(r["topology"], r["model"]) for r in rows}):
+        mine = [r for r in rows if (r["topology"], r["model"]) == key]
+        dec = {r["cache"]: r for r in mine if r["program"] == "decode-1"}
+        ver = {r["cache"]: r for r in mine if r["program"] == "verify-8"}
+        lo, hi = min(dec), max(dec)
+        out.append(
+            {
+                "topology": key[0],
+                "model": key[1],
+                "verify8_over_decode1": ver[hi]["bytes_accessed"] / dec[hi]["bytes_accessed"],
+                "cache_hi_over_lo": dec[hi]["bytes_accessed"] / dec[lo]["bytes_accessed"],
+                "caches": [lo, hi],
+            }
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.tpu_compile", description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--topology", default="v5e:2x4", help=f"comma list of {', '.join(TOPOLOGY_BOUNDS)}")
+    ap.add_argument("--models", default="qwen3-8b,qwen3-4b", help="comma list: built-in config names or HF folders")
+    ap.add_argument("--mesh", default="", help="mesh spec (default model:<chips>)")
+    ap.add_argument("--caches", default="1024,4096", help="cache lengths of decode-1 / verify-8")
+    ap.add_argument("--rows", default="1,8,64", help="engine step row counts (at the largest cache)")
+    ap.add_argument(
+        "--bytes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="bytes accessed of the decode passes (a second, unrolled compile: minutes and ~11 GB at 36 layers)",
+    )
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    a = ap.parse_args(argv)
+    caches = tuple(int(x) for x in a.caches.split(","))
+    rows_arg = tuple(int(x) for x in a.rows.split(","))
+    rows: list[dict[str, Any]] = []
+    for topo in a.topology.split(","):
+        devices = topology_devices(topo)
+        mesh = shd.make_mesh(a.mesh or f"model:{len(devices)}", devices=devices)
+        bw = hbm_gbs(devices[0].device_kind)
+        for spec in a.models.split(","):
+            cfg = model_config(spec)
+            b = Builder(cfg, mesh)
+            for method, kw in program_specs(cfg.num_layers, caches, rows_arg):
+                p = getattr(b, method)(**kw)
+                s = kw["length"]
+                r = {"topology": topo, "mesh": shd.describe(mesh), "model": spec, "cache": s, **measure(p, bw, a.bytes)}
+                rows.append(r)
+                print(f"# {topo} {spec} {p.name} cache {s}: compiled in {r['compile_s']:.1f}s", file=sys.stderr)
+    table(rows)
+    summary = ratios(rows) if a.bytes else []
+    for x in summary:
+        print(
+            f"{x['topology']} {x['model']}: verify-8/decode-1 {x['verify8_over_decode1']:.2f}, "
+            f"decode-1 cache {x['caches'][1]}/{x['caches'][0]} {x['cache_hi_over_lo']:.2f} (bytes, live {LIVE})"
+        )
+    if a.json:
+        a.json.write_text(
+            json.dumps(
+                {
+                    "command": " ".join(["python -m benchmarks.tpu_compile", *(argv or sys.argv[1:])]),
+                    "jax": jax.__version__,
+                    "live": LIVE,
+                    "rows": rows,
+                    "ratios": summary,
+                },
+                indent=1,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
