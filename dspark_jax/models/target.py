@@ -295,8 +295,8 @@ class Target(nnx.Module):
                 q, k, v = _qkv(cfg, p, h, positions)
                 ck = kv_scatter(ck, (li, b_idx, wpos), k)
                 cv = kv_scatter(cv, (li, b_idx, wpos), v)
-                opts = dict(backend=cfg.attention_backend, window=layer_window(cfg, li), **attention_options(cfg))
-                a = attend(q, ck, cv, li, positions, **opts)
+                w, be = layer_window(cfg, li), cfg.attention_backend
+                a = attend(q, ck, cv, li, positions, backend=be, window=w, **attention_options(cfg))
                 h = _attn_out_and_mlp(cfg, p, h, a, stacks)
                 return (h, ck, cv, li + 1), (h if taps else None)
 
