@@ -22,6 +22,13 @@ import pytest
 # libtpu (the test extra: tests/integration/test_tpu_compile.py compiles for a TPU topology on the
 # CPU) is loaded by several xdist workers at once; deviceless compiles need no TPU lock.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# With libtpu installed, JAX probes for a TPU in every process that starts a backend, and on a machine
+# without one libtpu prints several lines of warnings to stderr, which the CLIs' one-line-error tests
+# read. Where there is no accelerator device at all (no TPU, no NVIDIA GPU), the run and its
+# subprocesses use the CPU backend by name, which is what they would get anyway.
+if "JAX_PLATFORMS" not in os.environ and not any(Path("/dev").glob("accel*")) and not Path("/dev/vfio").exists():
+    if not any(Path("/dev").glob("nvidia[0-9]*")):
+        os.environ["JAX_PLATFORMS"] = "cpu"
 
 # Measured cost tables go to a disk cache made fresh for the run (shared by xdist workers and the
 # CLIs' subprocesses through the environment): a table is keyed by shapes and configs, not weights,
