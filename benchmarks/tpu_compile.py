@@ -24,11 +24,18 @@ HLO (static count; those in the layer loop run once per layer), and bytes access
 estimated time at the chip's HBM bandwidth against the ideal (per-device weights read once, plus
 the live KV).
 
+A mixture-of-experts target (``qwen3-30b-a3b``) is compiled the same way; its ideal counts of
+each device's experts only those a pass may route to: ``k`` a token, at most the experts the device
+holds (:meth:`Builder.active_weight_bytes`), under the project's rule (experts over ``model``) or
+with ``--expert-split hidden`` (each expert's hidden units over ``model``).
+
 ``cost_analysis()`` counts a ``while`` body once, so the bytes come from a second compile of the
 same program with the layer scan unrolled (``jax.lax.scan(unroll=True)`` while tracing); the
 attention's loop over 256-key blocks stays a loop with a runtime trip count, counted once: the
 bytes are those of a live length of one block (256 positions), which is the live length the ideal
-uses. The estimate is ``bytes / HBM bandwidth`` (libtpu's own ``optimal_seconds`` is not used: it
+uses. For a mixture-of-experts target the unrolled layers take their weights by an index the
+compiler cannot see, as the loop does (static slices let it copy a layer's whole expert stacks).
+The estimate is ``bytes / HBM bandwidth`` (libtpu's own ``optimal_seconds`` is not used: it
 can be negative). The package is imported from ``sys.path`` as found, so running this file by its
 path with ``PYTHONPATH=<other checkout>`` measures that checkout (before/after numbers).
 """
@@ -64,6 +71,7 @@ from dspark_jax.models.weights import target_param_shapes
 # Chips per host of the topologies named here (get_topology_desc needs them), and HBM GB/s per chip.
 TOPOLOGY_BOUNDS = {"v5e:2x2": (2, 2, 1), "v5e:2x4": (2, 4, 1), "v6e:2x4": (2, 4, 1), "v5p:2x2x1": (2, 2, 1)}
 HBM_GBS = (("v5 lite", 819.0), ("v5e", 819.0), ("v6 lite", 1640.0), ("v6e", 1640.0), ("v5p", 2765.0), ("v5", 2765.0))
+EXPERT_KEYS = ("moe_gate", "moe_up", "moe_down")  # a mixture-of-experts layer's expert stacks
 LIVE = 256  # live KV positions the byte counts correspond to (one attention block, see the module doc)
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
@@ -144,12 +152,33 @@ def collectives(hlo: str) -> dict[str, int]:
     return {k: v for k, v in counts.items() if v}
 
 
+def _opaque_unrolled_scan(f, init, xs=None, length=None, reverse=False, **_):
+    """``jax.lax.scan`` as straight-line code whose step ``i`` takes its inputs by a dynamic index
+    the compiler cannot see (``optimization_barrier``), as the rolled loop's body does: with static
+    slices the TPU compiler materialises a layer's whole expert stacks (into VMEM) before picking
+    the routed experts from them, which the rolled loop does not do."""
+    leaves = jax.tree.leaves(xs)
+    n = length if length is not None else leaves[0].shape[0]
+    carry, ys = init, []
+    for i in reversed(range(n)) if reverse else range(n):
+        at = jax.lax.optimization_barrier(jnp.int32(i))
+        x = jax.tree.map(lambda a, at=at: jax.lax.dynamic_index_in_dim(a, at, keepdims=False), xs)
+        carry, y = f(carry, x)
+        ys.append(y)
+    if reverse:
+        ys.reverse()
+    return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys) if ys else None
+
+
 @contextlib.contextmanager
-def unrolled_scans():
-    """``jax.lax.scan`` unrolls while tracing (the layer loop becomes straight-line code for costing)."""
+def unrolled_scans(opaque_index: bool = False):
+    """``jax.lax.scan`` unrolls while tracing (the layer loop becomes straight-line code for
+    costing); ``opaque_index``: by :func:`_opaque_unrolled_scan`."""
     original = jax.lax.scan
 
     def scan(*a, **kw):
+        if opaque_index:
+            return _opaque_unrolled_scan(*a, **kw)
         kw["unroll"] = True
         return original(*a, **kw)
 
@@ -172,6 +201,7 @@ class Program:
     out_shardings: Any
     cache_elements: int  # elements of one device's K (or V) cache
     ideal_bytes: int | None  # per-device weights + live KV read by one call (None: not a decode pass)
+    opaque_index: bool = False  # cost with the layers taken by an opaque index (a mixture-of-experts target)
 
 
 def _pair(x: Any) -> KVCache:
@@ -186,20 +216,44 @@ def _sds(shape, dtype, sharding):
 class Builder:
     """Abstract target (and drafter) on a mesh, and the programs over them."""
 
-    def __init__(self, cfg, mesh, dtype=jnp.bfloat16):
+    def __init__(self, cfg, mesh, dtype=jnp.bfloat16, rules=shd.DEFAULT_RULES):
         self.cfg, self.mesh, self.dtype = cfg, mesh, dtype
         shapes = target_param_shapes(cfg)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s, dtype), shapes, is_leaf=lambda x: isinstance(x, tuple))
-        self.graph, state = nnx.split(nnx.eval_shape(lambda: Target(cfg, zeros, dtype=dtype)))
-        shard = shd.tree_shardings(state, mesh, cfg)
+
+        def build():  # abstract: the zeros are never allocated (Qwen3-30B's would be 61 GB)
+            zeros = jax.tree.map(lambda s: jnp.zeros(s, dtype), shapes, is_leaf=lambda x: isinstance(x, tuple))
+            return Target(cfg, zeros, dtype=dtype)
+
+        self.graph, state = nnx.split(nnx.eval_shape(build))
+        shard = shd.tree_shardings(state, mesh, cfg, rules)
         self.state = jax.tree.map(lambda x, s: _sds(x.shape, x.dtype, s), state, shard)
         self.rep = NamedSharding(mesh, P())
         sizes = dict(mesh.shape)
-        self.weight_bytes = 0
+        self.weight_bytes = 0  # per device, read by every pass: all but the embedding and the experts
+        self.expert_bytes = 0  # per device, every expert it holds (all sparse layers)
+        self.local_experts = max(cfg.num_experts, 1)  # experts a device holds per layer
         for path, x in jax.tree_util.tree_leaves_with_path(self.state):
-            if not cfg.tie_embeddings and any(getattr(k, "key", None) == "embed" for k in path):
+            keys = {getattr(k, "key", None) for k in path}
+            if not cfg.tie_embeddings and "embed" in keys:
                 continue  # an untied embedding is only gathered (one row a token)
-            self.weight_bytes += shd.shard_bytes(x.shape, x.dtype.itemsize, x.sharding.spec, sizes)
+            nbytes = shd.shard_bytes(x.shape, x.dtype.itemsize, x.sharding.spec, sizes)
+            if keys & set(EXPERT_KEYS):
+                self.expert_bytes += nbytes
+                spec = tuple(x.sharding.spec) + (None,) * len(x.shape)
+                axis = spec[len(x.shape) - 3]  # the expert dimension of [..., E, H, Im] / [..., E, Im, H]
+                self.local_experts = cfg.num_experts // shd.axis_size(mesh, axis) if axis else cfg.num_experts
+            else:
+                self.weight_bytes += nbytes
+
+    def active_weight_bytes(self, tokens: int) -> int:
+        """Per-device weight bytes a pass over ``tokens`` tokens must read: the dense weights, and of
+        a mixture-of-experts target's experts only ``k`` a token, capped at the experts a device
+        holds (the routing is data: a compiled program must serve every routing, and on a device
+        whose experts all ``tokens * k`` pairs chose it reads that many, or all it holds)."""
+        if not self.expert_bytes:
+            return self.weight_bytes
+        used = min(tokens * self.cfg.num_experts_per_tok, self.local_experts)
+        return self.weight_bytes + self.expert_bytes * used // self.local_experts
 
     def cache(self, rows: int, length: int, layers: int | None = None, kv_heads: int | None = None, hd=None):
         c = self.cfg
@@ -223,7 +277,7 @@ class Builder:
 
         ids = _sds((1, tokens), jnp.int32, self.rep)
         name = f"{'decode' if tokens == 1 else 'verify'}-{tokens}"
-        ideal = self.weight_bytes + self.kv_live_bytes(per_dev, length)
+        ideal = self.active_weight_bytes(tokens) + self.kv_live_bytes(per_dev, length)
         return Program(
             name,
             fn,
@@ -232,6 +286,7 @@ class Builder:
             (self.rep, self.rep, _pair(sh)),
             per_dev,
             ideal,
+            bool(self.cfg.num_experts),
         )
 
     def engine(self, rows: int, length: int) -> Program:
@@ -243,9 +298,10 @@ class Builder:
             return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
 
         ids = _sds((rows,), jnp.int32, self.rep)
-        ideal = self.weight_bytes + self.kv_live_bytes(per_dev, length)
+        ideal = self.active_weight_bytes(rows) + self.kv_live_bytes(per_dev, length)
         args = (self.state, cache, ids, ids, ids, ids)
-        return Program(f"engine-{rows}", fn, args, (1,), (self.rep, _pair(sh)), per_dev, ideal)
+        moe = bool(self.cfg.num_experts)
+        return Program(f"engine-{rows}", fn, args, (1,), (self.rep, _pair(sh)), per_dev, ideal, moe)
 
     def prefill_chunk(self, length: int, tokens: int = 256, lanes: int = 4, block: int = 8) -> Program:
         from dspark_jax.serving.engine.chunk_programs import chunk_forward
@@ -280,6 +336,12 @@ class Builder:
         return Program("drafter-ctx", fn, args, (1,), _pair(sh), per_dev, None)
 
 
+def expert_rules(split: str) -> tuple[tuple[str, Any], ...]:
+    """Sharding rules with a mixture-of-experts target's experts over ``model`` (``"experts"``, the
+    project's rule) or, with the ``experts`` rule dropped, each expert's hidden units (``"hidden"``)."""
+    return tuple(r for r in shd.DEFAULT_RULES if split == "experts" or r[0] != "experts")
+
+
 def program_specs(num_layers: int, caches: tuple[int, ...], rows: tuple[int, ...]) -> list[tuple[str, dict]]:
     """``(Builder method, keyword arguments)`` of every program measured."""
     taps = (1, num_layers // 2, num_layers - 2)
@@ -295,7 +357,7 @@ def program_specs(num_layers: int, caches: tuple[int, ...], rows: tuple[int, ...
 def compile_program(p: Program, unroll: bool):
     fn = p.fn if not unroll else (lambda *a: p.fn(*a))  # a new function: no trace-cache hit
     jit = jax.jit(fn, donate_argnums=p.donate, out_shardings=p.out_shardings)
-    with unrolled_scans() if unroll else contextlib.nullcontext():
+    with unrolled_scans(p.opaque_index) if unroll else contextlib.nullcontext():
         return jit.lower(*p.args).compile()
 
 
@@ -392,6 +454,12 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="bytes accessed of the decode passes (a second, unrolled compile: minutes and ~11 GB at 36 layers)",
     )
+    ap.add_argument(
+        "--expert-split",
+        choices=("experts", "hidden"),
+        default="experts",
+        help="a mixture-of-experts target's experts over model (the project's rule), or each expert's hidden units",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     a = ap.parse_args(argv)
     caches = tuple(int(x) for x in a.caches.split(","))
@@ -403,11 +471,14 @@ def main(argv: list[str] | None = None) -> int:
         bw = hbm_gbs(devices[0].device_kind)
         for spec in a.models.split(","):
             cfg = model_config(spec)
-            b = Builder(cfg, mesh)
+            b = Builder(cfg, mesh, rules=expert_rules(a.expert_split))
             for method, kw in program_specs(cfg.num_layers, caches, rows_arg):
                 p = getattr(b, method)(**kw)
                 s = kw["length"]
-                r = {"topology": topo, "mesh": shd.describe(mesh), "model": spec, "cache": s, **measure(p, bw, a.bytes)}
+                r = {"topology": topo, "mesh": shd.describe(mesh), "model": spec, "cache": s}
+                if cfg.num_experts:
+                    r["expert_split"] = a.expert_split
+                r.update(measure(p, bw, a.bytes))
                 rows.append(r)
                 print(f"# {topo} {spec} {p.name} cache {s}: compiled in {r['compile_s']:.1f}s", file=sys.stderr)
     table(rows)

@@ -204,7 +204,16 @@ def format_config(drafter: Any, target: Target, fmt: str, dtype: Any, verifier: 
 
 
 def _verifier_architectures(target: Target) -> list[str]:
+    """The target's transformers architecture, as speculators' ``verifier`` section names it.
+
+    Raises:
+      DSparkInputError: a mixture-of-experts target with q/k/v biases (no such family is loaded).
+    """
     c = target.cfg
+    if c.num_experts:  # Qwen3-MoE has q/k-norm; Mixtral (GGUF ``llama`` with experts) has neither it nor biases
+        if c.qkv_bias:
+            raise DSparkInputError("a mixture-of-experts target with q/k/v biases has no verifier architecture here")
+        return ["Qwen3MoeForCausalLM"] if c.qk_norm else ["MixtralForCausalLM"]
     return ["Qwen3ForCausalLM"] if c.qk_norm else ["Qwen2ForCausalLM"] if c.qkv_bias else ["LlamaForCausalLM"]
 
 

@@ -344,6 +344,36 @@ def test_drafter_for_moe_target_trains_and_decodes_exactly(moe_target):
     assert_same_outputs(ar, sp)
 
 
+def test_drafter_for_moe_target_exports_in_the_formats_and_reimports_identically(moe_target, tmp_path):
+    """The drafter is dense: DeepSpec's and speculators' formats hold it unchanged, and speculators'
+    verifier section names the MoE target's architecture (not the dense Qwen3 one)."""
+    import dataclasses
+
+    import jax
+    from flax import nnx
+
+    from dspark_jax.config import DrafterConfig
+    from dspark_jax.drafters.build import build_drafter
+    from dspark_jax.drafters.checkpoint import load_drafter
+    from dspark_jax.drafters.format_export import export_to_format
+
+    cfg = DrafterConfig.for_target(moe_target.cfg, block_size=3, num_layers=1, markov_rank=4)
+    drafter = build_drafter(cfg, nnx.Rngs(3))
+    want = jax.tree.leaves(nnx.to_pure_dict(nnx.state(drafter, nnx.Param)))
+    for fmt in ("deepspec", "speculators"):
+        out, _ = export_to_format(drafter, moe_target, fmt, tmp_path / fmt)
+        conf = json.loads((out / "config.json").read_text())
+        if fmt == "speculators":
+            assert conf["speculators_config"]["verifier"]["architectures"] == ["Qwen3MoeForCausalLM"]
+        else:
+            assert conf["num_target_layers"] == moe_target.cfg.num_layers
+        again, meta = load_drafter(out, target=moe_target)
+        assert meta["extra"]["source_format"] == fmt and again.cfg.target_fingerprint == moe_target.fingerprint
+        assert dataclasses.replace(again.cfg, target_fingerprint="") == drafter.cfg
+        got = jax.tree.leaves(nnx.to_pure_dict(nnx.state(again, nnx.Param)))
+        assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(want, got)), fmt
+
+
 def test_qwen3_30b_a3b_preset_counts_total_and_active_parameters():
     """The built-in Qwen3-30B-A3B config (what ``--dry-run`` plans): 30.5B parameters, 3.35B active."""
     from dspark_jax.models.presets import target_config
