@@ -26,9 +26,9 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # without one libtpu prints several lines of warnings to stderr, which the CLIs' one-line-error tests
 # read. Where there is no accelerator device at all (no TPU, no NVIDIA GPU), the run and its
 # subprocesses use the CPU backend by name, which is what they would get anyway.
-if "JAX_PLATFORMS" not in os.environ and not any(Path("/dev").glob("accel*")) and not Path("/dev/vfio").exists():
-    if not any(Path("/dev").glob("nvidia[0-9]*")):
-        os.environ["JAX_PLATFORMS"] = "cpu"
+_devices = [*Path("/dev").glob("accel*"), *Path("/dev").glob("nvidia[0-9]*"), Path("/dev/vfio")]
+if "JAX_PLATFORMS" not in os.environ and not any(d.exists() for d in _devices):
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 # Measured cost tables go to a disk cache made fresh for the run (shared by xdist workers and the
 # CLIs' subprocesses through the environment): a table is keyed by shapes and configs, not weights,
