@@ -260,7 +260,7 @@ class Builder:
         shape = (layers or c.num_layers, rows, length, kv_heads or c.num_kv_heads, hd or c.head_dim)
         sh = shd.cache_sharding(self.mesh, shape[3], shape)
         one = _sds(shape, self.dtype, sh)
-        per_dev = shd.shard_bytes(shape, 1, sh.spec, dict(self.mesh.shape))
+        per_dev = shd.shard_bytes(shape, 1, sh.spec, dict(sh.mesh.shape))  # the cache's mesh may split model
         return _pair(one), sh, per_dev
 
     def kv_live_bytes(self, per_dev_elements: int, length: int) -> int:

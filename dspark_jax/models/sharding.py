@@ -290,8 +290,35 @@ def cache_sharding(
     mesh: Mesh, num_kv_heads: int, shape: Sequence[int], rules: Iterable[tuple[str, Any]] = DEFAULT_RULES
 ) -> NamedSharding:
     """Sharding of a KV cache ``[L, B, S, kv_heads, head_dim]``: KV heads over ``model`` when it
-    divides them, else replicated."""
-    return NamedSharding(mesh, logical_spec(CACHE_AXES, shape, mesh, tuple(rules), {"kv_heads": num_kv_heads}))
+    divides them; with fewer KV heads than ``model`` devices (a multiple of them), each KV head on
+    ``model / kv_heads`` neighbouring devices, else replicated.
+
+    Why the split: the query heads are over ``model``, so device ``i`` needs only KV head
+    ``i // (model / kv_heads)``. A replicated cache made the TPU compiler keep that one head in the
+    layer loop anyway and all-gather (and copy) the whole K and V cache after every step. The split
+    is a :class:`NamedSharding` on the same devices, in the same order, with ``model`` cut into
+    ``model_kv`` (major, over the KV heads) and ``model_rep`` (minor, the copies of a head): each
+    device holds one KV head, where the read and the write are local.
+    """
+    rules = tuple(rules)
+    m = axis_size(mesh, "model")
+    if (
+        isinstance(mesh, Mesh)
+        and dict(rules).get("kv_heads") == "model"
+        and 1 < num_kv_heads < m
+        and m % num_kv_heads == 0
+        and mesh.axis_names[-1] == "model"
+    ):
+        d = mesh.devices
+        split = Mesh(
+            d.reshape(d.shape[:-1] + (num_kv_heads, m // num_kv_heads)),
+            (*mesh.axis_names[:-1], "model_kv", "model_rep"),
+        )
+        return NamedSharding(
+            split,
+            logical_spec(CACHE_AXES, shape, split, (*rules, ("kv_heads", "model_kv")), {"kv_heads": num_kv_heads}),
+        )
+    return NamedSharding(mesh, logical_spec(CACHE_AXES, shape, mesh, rules, {"kv_heads": num_kv_heads}))
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 1, rules: Iterable[tuple[str, Any]] = DEFAULT_RULES) -> NamedSharding:

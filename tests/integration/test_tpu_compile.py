@@ -97,3 +97,35 @@ def test_moe_decode_reads_only_the_routed_experts():
     verify = tpu_compile.Builder(cfg, mesh).step(2048, 8, taps=(0, 1))  # the experts over model
     hlo = tpu_compile.compile_program(verify, unroll=False).as_text() or ""
     assert tpu_compile.cache_copies(hlo, verify.cache_elements) == []
+
+
+def test_fewer_kv_heads_than_model_devices_write_in_place():
+    """2 KV heads on ``model:4`` (as Qwen3-30B-A3B's 4 on ``model:8``): each KV head is kept on 2
+    devices (the cache's head axis over a 2-way split of ``model``), so decode-1, verify-8 and the
+    engine step read and write one head a device, with no all-gather and copy of a replicated
+    cache after the step."""
+    from benchmarks import tpu_compile
+    from dspark_jax.models import sharding as shd
+    from dspark_jax.models.presets import builtin_target_config
+
+    cfg = dataclasses.replace(
+        builtin_target_config("qwen3-8b"),
+        num_layers=2,
+        hidden_size=256,
+        intermediate_size=512,
+        vocab_size=1024,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+    )
+    b = tpu_compile.Builder(cfg, shd.make_mesh("model:4", devices=tpu_compile.topology_devices("v5e:2x2")))
+    found, per_device = {}, {}
+    for p in (b.step(2048, 1), b.step(2048, 8, taps=(0, 1)), b.engine(1, 2048)):
+        per_device[p.name] = p.cache_elements
+        hlo = tpu_compile.compile_program(p, unroll=False).as_text() or ""
+        # a replicated cache's copies are of both heads: look for either size
+        found[p.name] = tpu_compile.cache_copies(hlo, p.cache_elements) + tpu_compile.cache_copies(
+            hlo, 2 * p.cache_elements
+        )
+    assert found == {name: [] for name in found}, found
+    assert per_device == {name: 2 * 2048 * 128 for name in found}  # one KV head a device, 2 layers
