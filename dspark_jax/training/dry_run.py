@@ -47,6 +47,13 @@ def _div(n: int, m: int) -> int:
     return m if m > 1 and n % m == 0 else 1
 
 
+def _kv_div(n: int, m: int) -> int:
+    """The split of a serving KV cache's ``n`` KV heads over ``model:m``
+    (:func:`dspark_jax.models.sharding.cache_sharding`): ``m`` when it divides them, ``n`` when they
+    divide ``m`` (each head on ``m / n`` devices), else 1 (replicated)."""
+    return n if 1 < n < m and m % n == 0 else _div(n, m)
+
+
 def _train_activations(
     cfg: TrainConfig, t: TargetConfig, d: DrafterConfig, micro: int, m: int, cb: int
 ) -> dict[str, float]:
@@ -187,7 +194,7 @@ def estimate_serving_memory(
     t = tcfg
     gib = lambda x: round(x / 2**30, 3)
     t_bytes = tree_bytes_per_device(_shape_tree(target_param_shapes(t)), sizes, t, itemsize=cb)
-    kv = 2 * t.num_layers * num_slots * max_len * t.num_kv_heads * t.head_dim * cb / _div(t.num_kv_heads, m)
+    kv = 2 * t.num_layers * num_slots * max_len * t.num_kv_heads * t.head_dim * cb / _kv_div(t.num_kv_heads, m)
     parts = {"target_weights": t_bytes, "target_kv_cache": kv}
     width = 1
     if dcfg is not None:
@@ -201,7 +208,7 @@ def estimate_serving_memory(
             * dcfg.num_kv_heads
             * dcfg.head_dim
             * cb
-            / _div(dcfg.num_kv_heads, m)
+            / _kv_div(dcfg.num_kv_heads, m)
         )
         width = dcfg.block_size + 1
     k_tok = min(max_tokens, num_slots * width)
