@@ -276,9 +276,12 @@ def main():
     out["train_seconds"] = round(time.perf_counter() - t0, 1)
     out["train_cpu_seconds"] = round(time.process_time() - c0, 1)
 
-    # Serving: a drafter whose Markov head holds the target's bigram logits, so drafts get accepted.
+    # Serving: a drafter whose Markov head holds the target's bigram logits, so drafts get accepted;
+    # 2 KV heads, fewer than model:8's devices (its context cache: each head on 4 devices).
     v = TCFG.vocab_size
-    dcfg = DrafterConfig.for_target(TCFG, block_size=2, num_layers=1, markov_rank=v, target_fingerprint="tinymeshfp")
+    dcfg = DrafterConfig.for_target(
+        TCFG, block_size=2, num_layers=1, markov_rank=v, num_kv_heads=2, target_fingerprint="tinymeshfp"
+    )
     d = DSparkDrafter(dcfg, nnx.Rngs(0))
     x = np.stack([np.full(v, 1), np.arange(v)], axis=1).astype(np.int32)
     pos = np.broadcast_to(np.arange(2, dtype=np.int32), x.shape)
