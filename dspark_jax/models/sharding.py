@@ -17,6 +17,8 @@ A dimension is only sharded when the mesh axis divides it -- in *units*: a fused
 heads is divisible, so every device holds whole heads -- otherwise it is replicated
 (the replication fallback: stories260K has 4 KV heads, SmolLM2-135M 9 heads and 3 KV
 heads). So any model runs on any mesh; only the memory saving differs.
+One exception: a KV cache with fewer KV heads than ``model`` devices, a divisor of them, puts
+each head on ``model / kv_heads`` devices (:func:`cache_sharding`).
 
 Everything here is a pure function of shapes, names and the mesh: the trainer
 (:mod:`dspark_jax.training.trainer`), the engine (:mod:`dspark_jax.serving.engine`) and the dry run
