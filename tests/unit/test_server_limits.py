@@ -73,8 +73,13 @@ def _first_chunk_seconds(client, body) -> float:
 
 def test_a_long_prompt_is_tokenized_off_the_event_loop(tok):
     """No body limit: a 1,000,000-character prompt is tokenized (seconds, by the real tokenizer)
-    while ``/health`` answers and a small streamed request gets its first chunk, each in under
-    1 s; then it is refused for the context (400)."""
+    while ``/health`` answers in under 1 s and a small streamed request gets its first chunk before
+    that tokenization ends; then it is refused for the context (400).
+
+    The first chunk's seconds are printed, not bounded: this tokenizer is pure Python, so its worker
+    thread shares the GIL with the engine's and the loop's, and with the suite's other workers on two
+    cores the chunk took 2.3 s once (0.014 s on a quiet machine). With the default body limit the same
+    prompt never reaches the tokenizer (413 in under 1 s, below)."""
     watched = _Watched(tok)
     srv = serve_fake(watched, max_request_bytes=0)
     try:
@@ -95,8 +100,10 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(tok):
             overlapped = not watched.finished.is_set()
         sender.join(120)
         print(f"while tokenizing {BIG:,} characters: /health {health_s:.3f} s, first chunk {first_s:.3f} s")
-        assert health_s < 1.0 and first_s < 1.0, (health_s, first_s)
-        assert overlapped, "the long prompt finished tokenizing before the others were timed: make it longer"
+        assert health_s < 1.0, health_s
+        assert overlapped, (
+            f"the small request's first chunk ({first_s:.3f} s) came after the long prompt's tokenization"
+        )
         r = big["r"]
         assert r.status_code == 400 and "context length" in r.json()["error"]["message"], r.text
     finally:
