@@ -23,24 +23,27 @@ if importlib.util.find_spec("libtpu") is None:
     pytest.skip("libtpu is not installed: no TPU compiler to compile for", allow_module_level=True)
 
 
+def _tiny(preset: str, **fields):
+    """A 2-layer, 8-head (head size 128) version of a built-in config, with ``fields`` replaced."""
+    from dspark_jax.models.presets import builtin_target_config
+
+    small = dict(num_layers=2, hidden_size=256, intermediate_size=512, vocab_size=1024, num_heads=8, head_dim=128)
+    return dataclasses.replace(builtin_target_config(preset), **{**small, **fields})
+
+
+def _model4():
+    """``model:4`` over a deviceless v5e:2x2."""
+    from benchmarks import tpu_compile
+    from dspark_jax.models import sharding as shd
+
+    return shd.make_mesh("model:4", devices=tpu_compile.topology_devices("v5e:2x2"))
+
+
 @pytest.fixture(scope="module")
 def builder():
     from benchmarks import tpu_compile
-    from dspark_jax.models import sharding as shd
-    from dspark_jax.models.presets import builtin_target_config
 
-    cfg = dataclasses.replace(
-        builtin_target_config("qwen3-8b"),
-        num_layers=2,
-        hidden_size=256,
-        intermediate_size=512,
-        vocab_size=1024,
-        num_heads=8,
-        num_kv_heads=4,
-        head_dim=128,
-    )
-    devices = tpu_compile.topology_devices("v5e:2x2")
-    return tpu_compile.Builder(cfg, shd.make_mesh("model:4", devices=devices))
+    return tpu_compile.Builder(_tiny("qwen3-8b", num_kv_heads=4), _model4())
 
 
 def _programs(b):
@@ -73,22 +76,17 @@ def test_moe_decode_reads_only_the_routed_experts():
     experts' shards and the live KV (layer-unrolled compile, ``bytes accessed``; 1.18x when
     written), and no program copies the whole per-device cache."""
     from benchmarks import tpu_compile
-    from dspark_jax.models import sharding as shd
-    from dspark_jax.models.presets import builtin_target_config
 
-    cfg = dataclasses.replace(
-        builtin_target_config("qwen3-30b-a3b"),
-        num_layers=2,
+    cfg = _tiny(
+        "qwen3-30b-a3b",
         hidden_size=512,
-        vocab_size=1024,
-        num_heads=8,
+        intermediate_size=6144,  # the preset's dense width (every layer is sparse)
         num_kv_heads=4,
-        head_dim=128,
         num_experts=32,
         num_experts_per_tok=2,
         moe_intermediate_size=512,
     )
-    mesh = shd.make_mesh("model:4", devices=tpu_compile.topology_devices("v5e:2x2"))
+    mesh = _model4()
     b = tpu_compile.Builder(cfg, mesh, rules=tpu_compile.expert_rules("hidden"))
     # all 32 experts' shards are 8x the two routed ones: reading them all could not pass
     assert b.expert_bytes >= 8 * (b.active_weight_bytes(1) - b.weight_bytes)
@@ -105,20 +103,8 @@ def test_fewer_kv_heads_than_model_devices_write_in_place():
     engine step read and write one head a device, with no all-gather and copy of a replicated
     cache after the step."""
     from benchmarks import tpu_compile
-    from dspark_jax.models import sharding as shd
-    from dspark_jax.models.presets import builtin_target_config
 
-    cfg = dataclasses.replace(
-        builtin_target_config("qwen3-8b"),
-        num_layers=2,
-        hidden_size=256,
-        intermediate_size=512,
-        vocab_size=1024,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=128,
-    )
-    b = tpu_compile.Builder(cfg, shd.make_mesh("model:4", devices=tpu_compile.topology_devices("v5e:2x2")))
+    b = tpu_compile.Builder(_tiny("qwen3-8b", num_kv_heads=2), _model4())
     found, per_device = {}, {}
     for p in (b.step(2048, 1), b.step(2048, 8, taps=(0, 1)), b.engine(1, 2048)):
         per_device[p.name] = p.cache_elements
