@@ -93,3 +93,29 @@ def law_target(seed: int = 7, scale: float = 0.4) -> Target:
     """:data:`LAW_TARGET` with random weights (seed 7, scale 0.4: peaked enough that drafts are
     both accepted and rejected), no fingerprint."""
     return Target(LAW_TARGET, random_params(LAW_TARGET, seed=seed, scale=scale))
+
+
+def hf_logits(model, ids) -> np.ndarray:
+    """A transformers model's float32 logits ``[T, V]`` for one sequence of token ids ``[T]``."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor(ids[None], dtype=torch.long)).logits[0].float().numpy()
+
+
+def cached_logits(target, ids, splits, tol: float):
+    """``target``'s full causal logits ``[T, V]`` for ``ids [T]``, after checking (within ``tol``) that
+    the KV-cache path fed in blocks of ``splits`` tokens gives the same; returns ``(full, cache
+    after the first block)``."""
+    pos = np.arange(len(ids), dtype=np.int32)[None]
+    full = np.asarray(target(ids[None], pos).logits[0])
+    cache = target.init_cache(1, len(ids))
+    parts, start, first = [], 0, None
+    for n in splits:
+        out = target(ids[None, start : start + n], pos[:, start : start + n], cache)
+        cache = out.cache
+        first = cache if first is None else first
+        parts.append(np.asarray(out.logits[0]))
+        start += n
+    np.testing.assert_allclose(np.concatenate(parts), full, atol=tol, rtol=0)
+    return full, first

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import test_prefill
 from test_decode import assert_same_outputs, bigram_drafter, random_drafter
+from tiny import cached_logits, hf_logits
 
 from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
 from dspark_jax.errors import DSparkInputError
@@ -66,27 +67,9 @@ def make_qwen3_moe(path, norm_topk_prob: bool, seed: int = 0):
     return model.float().eval()
 
 
-def hf_logits(model, ids: np.ndarray) -> np.ndarray:
-    import torch
-
-    with torch.no_grad():
-        return model(torch.tensor(ids[None], dtype=torch.long)).logits[0].float().numpy()
-
-
 def jax_logits(cfg, params, ids: np.ndarray) -> np.ndarray:
     """Full causal forward [T, V], checked against the cached path (prefill 12, then 3, 1, the rest)."""
-    target = Target(cfg, params)
-    pos = np.arange(len(ids), dtype=np.int32)[None]
-    full = np.asarray(target(ids[None], pos).logits[0])
-    cache = target.init_cache(1, len(ids))
-    parts, start = [], 0
-    for n in (12, 3, 1, len(ids) - 16):
-        out = target(ids[None, start : start + n], pos[:, start : start + n], cache)
-        cache = out.cache
-        parts.append(np.asarray(out.logits[0]))
-        start += n
-    np.testing.assert_allclose(np.concatenate(parts), full, atol=TOL, rtol=0)
-    return full
+    return cached_logits(Target(cfg, params), ids, (12, 3, 1, len(ids) - 16), TOL)[0]
 
 
 def tokens(seed: int = 0) -> np.ndarray:

@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 import pytest
+from tiny import cached_logits, hf_logits
 
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.gguf_io import load_gguf
@@ -57,31 +58,14 @@ def make_hf(kind: str, rope: dict | None, path, seed: int = 0, **extra):
     return model.float().eval()
 
 
-def hf_logits(model, ids: np.ndarray) -> np.ndarray:
-    import torch
-
-    with torch.no_grad():
-        return model(torch.tensor(ids[None], dtype=torch.long)).logits[0].float().numpy()
-
-
 def jax_logits(cfg, params, ids: np.ndarray) -> np.ndarray:
     """Full causal forward ``[T, V]``; checks that the KV-cache path (prefill 40, then 3, 1 and the
     rest) and the serving engine's packed pass (8 tokens after the prefill) give the same logits."""
     from dspark_jax.models.target import Target
 
     target = Target(cfg, params)
-    pos = np.arange(len(ids), dtype=np.int32)[None]
-    full = np.asarray(target(ids[None], pos).logits[0])
-    cache = target.init_cache(1, len(ids))
-    parts, start = [], 0
-    for n in (40, 3, 1, len(ids) - 44):  # prefill, a verification-sized block, one token, the rest
-        out = target(ids[None, start : start + n], pos[:, start : start + n], cache)
-        if start == 0:
-            prefilled = out.cache
-        cache = out.cache
-        parts.append(np.asarray(out.logits[0]))
-        start += n
-    np.testing.assert_allclose(np.concatenate(parts), full, atol=TOL, rtol=0)
+    # prefill, a verification-sized block, one token, the rest
+    full, prefilled = cached_logits(target, ids, (40, 3, 1, len(ids) - 44), TOL)
     k = np.arange(8, dtype=np.int32)
     packed = target.forward_packed(ids[40:48], 0 * k, k, 40 + k, prefilled, num_rows=1, width=8)
     np.testing.assert_allclose(np.asarray(packed.logits), full[40:48], atol=TOL, rtol=0)
