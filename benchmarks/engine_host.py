@@ -32,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="stories260k", help="preset or model path (default stories260k)")
     p.add_argument("--drafter", default=None, help="drafter export directory")
     p.add_argument(
-        "--random-drafter", type=int, default=4, metavar="GAMMA", help="a random drafter of this block size (default 4)"
+        "--random-drafter",
+        type=int,
+        default=4,
+        metavar="BLOCK_SIZE",
+        help="a random drafter of this block size (default 4)",
     )
     p.add_argument("--policies", default="plain,fixed:2,dspark", help="comma-separated engine policies")
     p.add_argument("--rows", default="1,8", help="active rows, comma-separated (default 1,8)")

@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--random-drafter",
         type=int,
         default=None,
-        metavar="GAMMA",
+        metavar="BLOCK_SIZE",
         help="a randomly initialised drafter with this block size instead of an export",
     )
     p.add_argument("--rows", default="1,16,64", help="active rows per step, comma-separated (default 1,16,64)")
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     target, _, drafter = load_target_and_drafter(args.target, args.drafter)
     if drafter is None:
         if not args.random_drafter:
-            raise DSparkInputError("give --drafter EXPORT_DIR or --random-drafter GAMMA")
+            raise DSparkInputError("give --drafter EXPORT_DIR or --random-drafter BLOCK_SIZE")
         drafter = DSparkDrafter(
             DrafterConfig.for_target(target.cfg, block_size=args.random_drafter, num_layers=1, markov_rank=8),
             nnx.Rngs(0),

@@ -5,7 +5,7 @@
     python -m benchmarks.serve_load --quick --out /tmp/serve_load          # CI smoke run (stories260K)
     python -m benchmarks.serve_load --stress --target stories260k --random-drafter 4 --out /tmp/stress
 
-Sweep mode (default): every policy (``plain``, ``fixed:G`` for each ``--block-sizes``,
+Sweep mode (default): every policy (``plain``, ``fixed:N`` for each ``--num-speculative-tokens``,
 ``greedy``, ``dspark``; ``POLICY+ahead``: that policy planned ahead, the server's ``--plan-ahead``)
 gets its own warmed-up engine on the same loaded target/drafter
 (``plain`` without a drafter), served with uvicorn in this process; real prompts
@@ -91,17 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--random-drafter",
         type=int,
         default=None,
-        metavar="GAMMA",
+        metavar="BLOCK_SIZE",
         help="use a randomly initialised (untrained) drafter with this block size instead of an export "
         "(smoke tests: exercises every policy, acceptance is near zero)",
     )
     p.add_argument(
         "--policies",
         default=None,
-        help="comma-separated policies (default: plain, fixed:G for each --block-sizes, greedy, dspark); "
+        help="comma-separated policies (default: plain, fixed:N for each --num-speculative-tokens, greedy, dspark); "
         "POLICY+ahead: that policy with its speculative steps planned ahead (the server's --plan-ahead)",
     )
-    p.add_argument("--block-sizes", default="1,2,4,8", help="fixed gammas of the default policy list (default 1,2,4,8)")
+    p.add_argument(
+        "--num-speculative-tokens",
+        default="1,2,4,8",
+        metavar="N[,N...]",
+        help="the fixed policies' draft tokens verified per round, in the default policy list (default 1,2,4,8)",
+    )
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="concurrency levels (default 1,2,...,64)")
     p.add_argument(
         "--num-requests",
@@ -181,7 +186,8 @@ def default_policies(args, has_drafter: bool) -> list[str]:
         return [p.strip() for p in args.policies.split(",") if p.strip()]
     if not has_drafter:
         return ["plain"]
-    return ["plain"] + [f"fixed:{g}" for g in args.gammas.split(",")] + ["greedy", "dspark"]
+    fixed = [f"fixed:{n.strip()}" for n in args.num_speculative_tokens.split(",") if n.strip()]
+    return ["plain", *fixed, "greedy", "dspark"]
 
 
 # --------------------------------------------------------------------------- sweep

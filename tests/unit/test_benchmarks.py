@@ -227,3 +227,52 @@ def test_speed_table_rejects_a_length_its_bound_cannot_price_before_running():
         with pytest.raises(SystemExit) as e:
             speed_table.check_lengths(parser, bad, 8)
         assert e.value.code == 2
+
+
+def _parser_dests(tree: ast.AST) -> set[str]:
+    """Each ``add_argument`` call's dest: ``dest=`` or its first long option, dashes as underscores."""
+    dests = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
+            explicit = [k.value.value for k in node.keywords if k.arg == "dest" and isinstance(k.value, ast.Constant)]
+            flags = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            longs = [f for f in flags if f.startswith("--")] or flags
+            if explicit or longs:
+                dests.add(str(explicit[0] if explicit else longs[0].lstrip("-").replace("-", "_")))
+    return dests
+
+
+def _namespace_functions(tree: ast.AST) -> list[ast.FunctionDef]:
+    """Functions whose ``args`` is the parsed namespace: a parameter, or bound from ``parse_args``."""
+    out = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        parsed = any(
+            isinstance(n, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "args" for t in n.targets)
+            and isinstance(n.value, ast.Call)
+            and getattr(n.value.func, "attr", "") in {"parse_args", "parse_known_args"}
+            for n in ast.walk(fn)
+        )
+        if parsed or "args" in {a.arg for a in fn.args.args + fn.args.kwonlyargs}:
+            out.append(fn)
+    return out
+
+
+def test_every_args_attribute_a_script_reads_is_a_flag_it_defines():
+    """``args.NAME`` read in a script is one of its parser's dests or set by the script itself (a renamed
+    flag whose old name is still read fails only on the path that reads it, which a test may miss).
+    A script's known dests include those of the benchmark modules it imports (shared flag groups)."""
+    missing, imports = {}, graph()
+    for mod in SCRIPTS:
+        tree = TREES[mod]
+        known = _parser_dests(tree).union(*(_parser_dests(TREES[m]) for m in imports[mod]))
+        reads, sets = set(), set()
+        for fn in _namespace_functions(tree):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "args":
+                    (sets if isinstance(node.ctx, ast.Store) else reads).add(node.attr)
+        if unknown := sorted(reads - known - sets):
+            missing[mod] = unknown
+    assert not missing, missing
