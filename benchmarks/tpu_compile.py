@@ -26,8 +26,8 @@ the live KV).
 
 A mixture-of-experts target (``qwen3-30b-a3b``) is compiled the same way; its ideal counts of
 each device's experts only those a pass may route to: ``k`` a token, at most the experts the device
-holds (:meth:`Builder.active_weight_bytes`), under the project's rule (experts over ``model``) or
-with ``--expert-split hidden`` (each expert's hidden units over ``model``).
+holds (:meth:`Builder.active_weight_bytes`), under the project's rule (each expert's hidden units
+over ``model``) or with ``--expert-split experts`` (the experts over ``model``, expert parallel).
 
 ``cost_analysis()`` counts a ``while`` body once, so the bytes come from a second compile of the
 same program with the layer scan unrolled (``jax.lax.scan(unroll=True)`` while tracing); the
@@ -337,9 +337,10 @@ class Builder:
 
 
 def expert_rules(split: str) -> tuple[tuple[str, Any], ...]:
-    """Sharding rules with a mixture-of-experts target's experts over ``model`` (``"experts"``, the
-    project's rule) or, with the ``experts`` rule dropped, each expert's hidden units (``"hidden"``)."""
-    return tuple(r for r in shd.DEFAULT_RULES if split == "experts" or r[0] != "experts")
+    """Sharding rules with a mixture-of-experts target's experts' hidden units over ``model``
+    (``"hidden"``, the project's rule) or, with the ``expert_mlp`` rule dropped, the experts themselves
+    (``"experts"``, expert parallel)."""
+    return tuple(r for r in shd.DEFAULT_RULES if split == "hidden" or r[0] != "expert_mlp")
 
 
 def program_specs(num_layers: int, caches: tuple[int, ...], rows: tuple[int, ...]) -> list[tuple[str, dict]]:
@@ -457,8 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--expert-split",
         choices=("experts", "hidden"),
-        default="experts",
-        help="a mixture-of-experts target's experts over model (the project's rule), or each expert's hidden units",
+        default="hidden",
+        help="a mixture-of-experts target's experts' hidden units over model (the project's rule), or the experts",
     )
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     a = ap.parse_args(argv)

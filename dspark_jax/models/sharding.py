@@ -9,8 +9,9 @@ rules maps logical names to *mesh* axes. The mesh has three named axes:
   with their optimizer state (fully sharded data parallel; size 1 unless asked for);
 * ``model`` -- attention heads, KV heads, MLP hidden units, the vocabulary and the
   drafter's feature projection are split over it (tensor parallel); so are a mixture-of-experts
-  target's experts (expert parallel), or, when the axis does not divide the expert count, each
-  expert's hidden units.
+  target's experts' hidden units (every chip holds a slice of every expert, so a batch-1 step reads
+  the routed experts' slices on all chips at once, as vLLM's default does), or, when the axis does
+  not divide the experts' hidden width, the experts themselves (expert parallel).
 
 A dimension is only sharded when the mesh axis divides it -- in *units*: a fused
 ``[H, heads * head_dim]`` projection is sharded over ``model`` only when the number of
@@ -46,8 +47,8 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("heads", "model"),
     ("kv_heads", "model"),
     ("mlp", "model"),
-    ("experts", "model"),
-    ("expert_mlp", "model"),  # used only when "experts" could not take the axis
+    ("expert_mlp", "model"),
+    ("experts", "model"),  # used only when "expert_mlp" could not take the axis
     ("features", "model"),
     ("embed", "fsdp"),
     ("layers", None),
@@ -208,30 +209,31 @@ def logical_spec(
       axes: logical name per dimension (None: replicated), ``len(axes) == len(shape)``.
       shape: the array's shape.
       mesh: the device mesh (or an :class:`AbstractMesh` when planning).
-      rules: ``(logical, mesh axis | tuple of mesh axes | None)`` pairs; first match wins.
+      rules: ``(logical, mesh axis | tuple of mesh axes | None)`` pairs; first match wins, and
+        when two dimensions want one mesh axis, the one whose rule comes first takes it.
       units: logical name -> the count that must be divisible (e.g. ``heads`` -> number of
         heads for a fused ``heads * head_dim`` dimension); default: the dimension itself.
     Returns:
       The spec; a dimension is replicated when its rule's mesh axes do not divide it, or
-      when those mesh axes are already used by an earlier dimension.
+      when those mesh axes are taken by a dimension whose rule comes earlier in ``rules``.
     Raises:
       ValueError: ``axes`` and ``shape`` differ in length.
     """
     if len(axes) != len(shape):
         raise ValueError(f"logical axes {tuple(axes)} do not match shape {tuple(shape)}")
     table = dict(rules)
+    rank = {name: i for i, name in enumerate(table)}  # which dimension picks its mesh axes first
     units = units or {}
     used: set[str] = set()
-    out = []
-    for name, dim in zip(axes, shape):
+    out: list[Any] = [None] * len(axes)
+    for i in sorted(range(len(axes)), key=lambda i: (rank.get(axes[i] or "", len(rank)), i)):
+        name, dim = axes[i], shape[i]
         mesh_axis = _present(mesh, table.get(name)) if name is not None else None
         n = axis_size(mesh, mesh_axis)
         flat = {mesh_axis} if isinstance(mesh_axis, str) else set(mesh_axis or ())
         count = int(units.get(name, dim)) if name is not None else dim
-        if mesh_axis is None or n == 1 or count % n or dim % n or flat & used:
-            out.append(None)
-        else:
-            out.append(mesh_axis)
+        if not (mesh_axis is None or n == 1 or count % n or dim % n or flat & used):
+            out[i] = mesh_axis
             used |= flat
     while out and out[-1] is None:
         out.pop()

@@ -130,8 +130,9 @@ def test_replication_fallback_for_dimensions_the_mesh_does_not_divide():
     assert shd.logical_spec(("embed", "heads"), (576, 512), mesh, units={"heads": 8}) == shd.P(None, "model")
     assert shd.logical_spec(("vocab", "embed"), (49152, 576), mesh) == shd.P("model")
     assert shd.logical_spec(("vocab", "embed"), (513, 576), mesh) == shd.P()
-    # one mesh axis is used at most once per array
-    assert shd.logical_spec(("mlp", "vocab"), (8, 8), mesh) == shd.P("model")
+    # one mesh axis is used at most once per array, by the dimension whose rule comes first
+    assert shd.logical_spec(("mlp", "vocab"), (8, 8), mesh) == shd.P(None, "model")
+    assert shd.logical_spec(("vocab", "mlp"), (8, 8), mesh) == shd.P("model")
 
 
 def test_dry_run_cli_mesh_fit_line_and_bad_mesh(tmp_path, monkeypatch, capsys):

@@ -375,7 +375,8 @@ def test_warm_start_from_moe_target_layers_is_refused(moe_target):
 
 
 def test_experts_split_over_the_model_axis():
-    """Experts go over ``model``; when it does not divide them, each expert's hidden units do."""
+    """Each expert's hidden units go over ``model`` (a batch-1 step reads the routed experts' slices on
+    every chip); when the axis does not divide that width, the experts themselves do."""
     import jax
 
     from dspark_jax.models.sharding import AbstractMesh, logical_spec, param_axes
@@ -384,5 +385,6 @@ def test_experts_split_over_the_model_axis():
         (path, leaf), *_ = jax.tree_util.tree_flatten_with_path({"layers": {"moe_gate": np.empty(shape)}})[0]
         return tuple(logical_spec(param_axes(path, shape), shape, AbstractMesh({"model": model})))
 
-    assert spec((2, 8, 32, 16), 4) == (None, "model")  # [L, E, H, Im]: experts
-    assert spec((2, 6, 32, 16), 4) == (None, None, None, "model")  # 6 experts: their hidden units
+    assert spec((2, 8, 32, 16), 4) == (None, None, None, "model")  # [L, E, H, Im]: hidden units
+    assert spec((2, 8, 32, 6), 4) == (None, "model")  # 4 does not divide 6 units: experts
+    assert spec((2, 6, 32, 6), 4) == ()  # nor 6 experts: replicated
