@@ -35,6 +35,8 @@ NORM_TENSORS = ("attn_norm", "q_norm", "k_norm", "mlp_norm", "post_attn_norm", "
 # The DrafterConfig fields of a Gemma 4 drafter beyond its shape (embed_scale: sqrt(H), own_arch).
 _ARCH = {"own_embeddings": True, "mlp_activation": "gelu_tanh", "sandwich_norms": True, "layer_scalar": True,
          "v_norm": True, "query_scale": 1.0}  # fmt: skip
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "global_head_dim")  # fmt: skip
 _ROPE_KEYS = {"rope_type", "rope_theta", "partial_rotary_factor", "factor"}
 
 
@@ -53,6 +55,8 @@ def layer_shape(c: dict[str, Any], where: str) -> dict[str, Any]:
     """
     if c.get("model_type") != MODEL_TYPE:
         raise DSparkInputError(f"{where}: a Gemma4DSparkModel of model_type {c.get('model_type')!r} (gemma4_text only)")
+    if missing := [k for k in _REQUIRED if c.get(k) is None]:
+        raise DSparkInputError(f"{where}: the Gemma4DSparkModel config lacks {', '.join(missing)}")
     for key, why in (("attention_bias", "attention biases"), ("enable_moe_block", "mixture-of-experts blocks")):
         if c.get(key):
             raise DSparkInputError(f"{where}: {key} is set: {why} are not supported")
@@ -68,6 +72,8 @@ def layer_shape(c: dict[str, Any], where: str) -> dict[str, Any]:
     if list(c.get("layer_types") or ["full_attention"] * n) != ["full_attention"] * n:
         raise DSparkInputError(f"{where}: draft layers other than full_attention (layer_types) are not supported")
     k_eq_v = bool(c.get("attention_k_eq_v", False))
+    if k_eq_v and c.get("num_global_key_value_heads") is None:
+        raise DSparkInputError(f"{where}: attention_k_eq_v without num_global_key_value_heads")
     head_dim = int(c["global_head_dim"])
     kv = int(c["num_global_key_value_heads"] if k_eq_v else c["num_key_value_heads"])
     cap = c.get("final_logit_softcapping")
