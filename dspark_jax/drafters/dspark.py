@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import dspark_jax.drafters.draft_layer as draft_layer
 from dspark_jax.config import DrafterConfig
-from dspark_jax.drafters import draft_layer
 from dspark_jax.drafters.base import BlockOutput, Draft
 from dspark_jax.drafters.decode_head import DecodeHead, decode_head_rows, install_decode_head, release_decode_head
 from dspark_jax.drafters.markov import build_markov_head, sample_block

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import dspark_jax.drafters.gemma4_format as gemma4_format
 from dspark_jax.config import DrafterConfig
-from dspark_jax.drafters import gemma4_format
 from dspark_jax.drafters.base import check_compatible
 from dspark_jax.drafters.formats import HEAD_TENSORS, LAYER_TENSORS, NORM_TENSORS
 from dspark_jax.errors import DSparkInputError

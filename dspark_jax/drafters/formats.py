@@ -41,8 +41,8 @@ from typing import Any
 
 import numpy as np
 
+import dspark_jax.drafters.gemma4_format as gemma4_format
 from dspark_jax.config import DrafterConfig
-from dspark_jax.drafters import gemma4_format
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.hf_io import HF_LAYER_TENSORS
 from dspark_jax.models.rope import hf_rope_scaling

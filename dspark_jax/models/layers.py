@@ -405,10 +405,10 @@ def block_attention(
     g = k_ctx.shape[2]
     r = nh // g
     qg = q.reshape(b, a, s, g, r, hd)
-    scale = score_scale(hd, scale)
-    sc = jnp.einsum("basgrd,bcgd->basgrc", qg, k_ctx, preferred_element_type=jnp.float32) * scale
+    mult = score_scale(hd, scale)
+    sc = jnp.einsum("basgrd,bcgd->basgrc", qg, k_ctx, preferred_element_type=jnp.float32) * mult
     sc = jnp.where(ctx_mask[:, :, :, None, None, :], sc, _NEG_INF)
-    sb = jnp.einsum("basgrd,batgd->basgrt", qg, k_blk, preferred_element_type=jnp.float32) * scale
+    sb = jnp.einsum("basgrd,batgd->basgrt", qg, k_blk, preferred_element_type=jnp.float32) * mult
     m = jnp.maximum(jnp.max(sc, -1, keepdims=True), jnp.max(sb, -1, keepdims=True))
     ec, eb = jnp.exp(sc - m), jnp.exp(sb - m)
     denom = jnp.sum(ec, -1, keepdims=True) + jnp.sum(eb, -1, keepdims=True)
