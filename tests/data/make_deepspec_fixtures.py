@@ -75,12 +75,12 @@ SHARED = dict(block_size=4, mask_token_id=MASK_TOKEN_ID, num_anchors=NUM_ANCHORS
 # only): global (full-attention) heads of width 16 with proportional RoPE on a quarter of the
 # dimensions, a final logit soft-cap small enough to bite on random logits.
 GEMMA4_TEXT = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
     num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
     head_dim=8,
     global_head_dim=16,
     num_global_key_value_heads=1,
@@ -247,7 +247,7 @@ def _gemma4(out: Path) -> None:
         if d.exists():
             shutil.rmtree(d)
         model.save_pretrained(d)
-        ids = torch.randint(0, 96, (1, SEQ_LEN), generator=gen)
+        ids = torch.randint(0, GEMMA4_TEXT["vocab_size"], (1, SEQ_LEN), generator=gen)
         feats = torch.randn((1, SEQ_LEN, len(cfg.target_layer_ids) * cfg.hidden_size), generator=gen)
         loss_mask = torch.ones_like(ids, dtype=torch.float32)
         torch.manual_seed(SEED)
