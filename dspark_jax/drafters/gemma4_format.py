@@ -62,13 +62,14 @@ def layer_shape(c: dict[str, Any], where: str) -> dict[str, Any]:
             raise DSparkInputError(f"{where}: {key} is set: {why} are not supported")
     if c.get("hidden_size_per_layer_input"):
         raise DSparkInputError(f"{where}: per-layer inputs (hidden_size_per_layer_input) are not supported")
-    if c.get("use_double_wide_mlp") and c.get("num_kv_shared_layers"):
-        raise DSparkInputError(f"{where}: double-wide MLP layers (use_double_wide_mlp) are not supported")
     if c.get("attn_logit_softcapping") is not None:
         raise DSparkInputError(f"{where}: an attention soft-cap (attn_logit_softcapping) is not supported")
     if c.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise DSparkInputError(f"{where}: hidden_activation {c.get('hidden_activation')!r} is not supported")
     n = int(c["num_hidden_layers"])
+    # DeepSpec's pinned transformers doubles the MLP of draft layers i >= n - num_kv_shared_layers > 0
+    if c.get("use_double_wide_mlp") and 0 < n - int(c.get("num_kv_shared_layers") or 0) < n:
+        raise DSparkInputError(f"{where}: double-wide MLP layers (use_double_wide_mlp) are not supported")
     if list(c.get("layer_types") or ["full_attention"] * n) != ["full_attention"] * n:
         raise DSparkInputError(f"{where}: draft layers other than full_attention (layer_types) are not supported")
     k_eq_v = bool(c.get("attention_k_eq_v", False))

@@ -221,6 +221,7 @@ def test_gemma4_reexport_is_lossless(name, tmp_path):
         (lambda c: c.update(layer_types=["sliding_attention", "full_attention"]), "other than full_attention"),
         (lambda c: c["rope_parameters"]["full_attention"].update(rope_type="yarn"), "RoPE 'yarn' is not supported"),
         (lambda c: c.pop("global_head_dim"), "lacks global_head_dim"),
+        (lambda c: c.update(use_double_wide_mlp=True, num_kv_shared_layers=1), "double-wide MLP"),
     ],
 )
 def test_gemma4_settings_not_implemented_are_refused_by_name(tmp_path, edit, match):
