@@ -368,7 +368,7 @@ def read_external(path: str | Path) -> ExternalDrafter:
         n = int(c["draft_vocab_size"])
         draft_vocab = _draft_vocab(t, n, v, where)
         reference["lm_head"] = _sample_rows(_take(t, "lm_head.weight", (n, h), where), np.asarray(draft_vocab))
-    if fmt == "deepspec" and not f.arch:  # a Gemma 4 drafter's embedding and head are its own
+    if fmt == "deepspec":  # copies of the target's (a Gemma 4 drafter's own: the same raw rows, unscaled)
         for ours, name in (("embed", "embed_tokens.weight"), ("lm_head", "lm_head.weight")):
             if name in t:
                 reference[ours] = _sample_rows(_take(t, name, (v, h), where), np.arange(v))

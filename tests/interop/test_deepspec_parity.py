@@ -16,7 +16,8 @@ DeepSeek's ``Gemma4DSparkModel`` (``gemma4_keqv``: values from the key projectio
 ``gemma4_v``: a ``v_proj``, gated head): self-contained drafters, fed DeepSpec's fixed target
 features directly (no Gemma 4 target needed). Their draft and confidence logits match DeepSpec's
 within 1e-4, the cached decode path agrees with the training path, a re-export writes the same
-tensors and config, and what the importer does not implement is refused by name.
+tensors and config, a target whose tables differ from the drafter's copies is refused, and what the
+importer does not implement is refused by name.
 """
 
 from __future__ import annotations
@@ -239,3 +240,22 @@ def test_gemma4_tensor_not_read_is_refused_by_name(tmp_path):
     save_file(t, str(d / "model.safetensors"))
     with pytest.raises(DSparkInputError, match="does not read: layers.0.self_attn.v_proj.weight"):
         load_drafter(d)
+
+
+def test_gemma4_drafter_is_checked_against_the_target_it_is_given():
+    """The drafter's own embedding / head are DeepSpec's copies of its target's: a target whose
+    tables differ is refused (rows compared unscaled: a Gemma target scales its embedding)."""
+    from dspark_jax.config import TargetConfig
+    from dspark_jax.models.target import random_params
+
+    drafter, _ = load_drafter(DATA / "gemma4_keqv")
+    c = drafter.cfg
+    tcfg = TargetConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=32, num_layers=4,
+                        num_heads=2, num_kv_heads=1, head_dim=8, max_position=64, tie_embeddings=False,
+                        embed_scale=c.embed_scale, name="g4-tiny")  # fmt: skip
+    params = random_params(tcfg, seed=3)
+    with pytest.raises(DSparkInputError, match="stored embed_tokens copy differs"):
+        load_drafter(DATA / "gemma4_keqv", target=Target(tcfg, params))
+    params.update(embed=np.asarray(drafter.embed[...]), lm_head=np.asarray(drafter.lm_head[...]))
+    again, _ = load_drafter(DATA / "gemma4_keqv", target=Target(tcfg, params))
+    assert again.cfg.target_name == "g4-tiny"
