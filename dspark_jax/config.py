@@ -29,6 +29,10 @@ MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 _GEMMA_DEFAULTS = {"norm_offset": 0.0, "embed_scale": 1.0, "mlp_activation": "silu", "sandwich_norms": False,
                    "attn_logit_softcap": None, "final_logit_softcap": None, "query_scale": None,
                    "sliding_rope_theta": None}  # fmt: skip
+# DrafterConfig's Gemma-layer fields at their absent values, likewise left out by its to_dict.
+_DRAFTER_GEMMA_DEFAULTS = {"own_embeddings": False, "embed_scale": 1.0, "final_logit_softcap": None,
+                           "mlp_activation": "silu", "sandwich_norms": False, "layer_scalar": False,
+                           "v_norm": False, "k_eq_v": False, "query_scale": None}  # fmt: skip
 # Its mixture-of-experts fields at their dense (absent) values, likewise left out by to_dict.
 _MOE_DEFAULTS = {"num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0, "norm_topk_prob": False,
                  "decoder_sparse_step": 1, "mlp_only_layers": ()}  # fmt: skip
@@ -37,7 +41,7 @@ _MOE_DEFAULTS = {"num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_s
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # RoPE frequency scalings implemented exactly (dspark_jax.models.rope); "freq_factors" is llama.cpp's
 # per-frequency divisors (a GGUF file's rope_freqs.weight tensor).
-ROPE_TYPES = ("default", "linear", "yarn", "llama3", "freq_factors")
+ROPE_TYPES = ("default", "linear", "yarn", "llama3", "freq_factors", "proportional")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +63,8 @@ class RopeScaling:
       attention_factor: yarn's multiplier of cos and sin (resolved at load, transformers' rule).
       truncate: yarn rounds its ramp bounds to whole dimensions.
       freq_factors: ``head_dim / 2`` divisors (rope_type ``freq_factors``).
+      partial_rotary_factor: ``proportional`` (Gemma 4's global layers): the first
+        ``int(partial_rotary_factor * head_dim // 2)`` default frequencies turn, the rest are 0; all / ``factor``.
     """
 
     rope_type: str = "default"
@@ -71,6 +77,7 @@ class RopeScaling:
     attention_factor: float = 1.0
     truncate: bool = True
     freq_factors: tuple[float, ...] = ()
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self):
         if self.rope_type not in ROPE_TYPES:
@@ -413,6 +420,13 @@ class DrafterConfig:
       markov_w1_rows: ``"target"``: ``W1`` has one row per target token ``[V, r]`` (the formats'
         layout); ``"draft"``: one per draft-vocabulary token plus one shared row for the rest,
         ``[N + 1, r]`` (the first architecture; ``[V, r]`` without a draft vocabulary).
+      own_embeddings: the drafter holds its own embedding ``[V, H]`` and LM head (frozen copies:
+        DeepSeek's ``Gemma4DSparkModel``), scaled by ``embed_scale`` (cast to the dtype; Gemma: sqrt(H))
+        and soft-capped by ``final_logit_softcap`` (``c * tanh(x / c)``, None: none).
+      mlp_activation: one of :data:`MLP_ACTIVATIONS`. sandwich_norms: ``post_attn_norm`` /
+        ``post_mlp_norm`` before each residual add. layer_scalar: layer outputs times ``layer_scalar [N]``.
+      v_norm: weightless RMSNorm on value heads. k_eq_v: no ``wv``, values are the key projection before
+        ``k_norm``. query_scale: score scale (None: ``head_dim ** -0.5``; Gemma 4 drafters: 1).
 
     The last four fields' defaults are the first architecture's, the one every export written
     before they existed holds; :meth:`for_target` builds new drafters in the formats' architecture
@@ -443,10 +457,21 @@ class DrafterConfig:
     confidence_input: str = "head"
     markov_w1_rows: str = "draft"
     rope_scaling: RopeScaling | None = None
+    own_embeddings: bool = False
+    embed_scale: float = 1.0
+    final_logit_softcap: float | None = None
+    mlp_activation: str = "silu"
+    sandwich_norms: bool = False
+    layer_scalar: bool = False
+    v_norm: bool = False
+    k_eq_v: bool = False
+    query_scale: float | None = None
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # from_dict / JSON
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"mlp_activation={self.mlp_activation!r} is not one of {MLP_ACTIVATIONS}")
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {self.variant!r}")
         if self.markov_head not in MARKOV_HEADS:
@@ -560,7 +585,7 @@ class DrafterConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["taps"] = list(self.taps)
-        return d
+        return {k: v for k, v in d.items() if k not in _DRAFTER_GEMMA_DEFAULTS or v != _DRAFTER_GEMMA_DEFAULTS[k]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DrafterConfig:

@@ -219,9 +219,14 @@ def _load_external(path: Path, dtype: Any, target: Target | None) -> tuple[Draft
     cfg = ext.cfg
     if target is not None:
         t = target.cfg
+
+        def embed_rows(ids):
+            ids = jnp.asarray(ids, jnp.int32)  # a drafter's own embedding copies the target's table, unscaled
+            return jnp.take(target.embed[...], ids, axis=0) if cfg.own_embeddings else target.embed_tokens(ids)
+
         check_reference_rows(
             ext.reference_rows,
-            lambda ids: target.embed_tokens(jnp.asarray(ids, jnp.int32)),
+            embed_rows,
             lambda ids: target.lm_head_rows(jnp.asarray(ids, jnp.int32)),
         )
         # The checks passed: record the target as this project's exports do.

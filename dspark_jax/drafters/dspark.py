@@ -24,8 +24,10 @@ Implements docs/design.md#drafter (paper Sections 4-6 and Appendix A3/A4):
    :mod:`dspark_jax.training.calibration`).
 
 The module owns only its own weights. Target pieces (embedding, LM head) come
-from the :class:`~dspark_jax.models.target.Target` passed to each call. It implements the
-:class:`~dspark_jax.drafters.base.BlockDrafter` protocol.
+from the :class:`~dspark_jax.models.target.Target` passed to each call, unless the drafter
+carries frozen copies of its own (``cfg.own_embeddings``: DeepSeek's Gemma 4 drafters). The
+layer, its per-family differences as config data, is :mod:`~dspark_jax.drafters.draft_layer`.
+It implements the :class:`~dspark_jax.drafters.base.BlockDrafter` protocol.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import dspark_jax.drafters.draft_layer as draft_layer
 from dspark_jax.config import DrafterConfig
 from dspark_jax.drafters.base import BlockOutput, Draft
 from dspark_jax.drafters.decode_head import DecodeHead, decode_head_rows, install_decode_head, release_decode_head
 from dspark_jax.drafters.markov import build_markov_head, sample_block
 from dspark_jax.models import layers
-from dspark_jax.models.layers import KVCache, apply_rope, block_attention, kv_scatter, rms_norm, swiglu
+from dspark_jax.models.layers import KVCache, apply_rope, block_attention, kv_scatter, rms_norm
 from dspark_jax.models.sampling import SamplingArrays
 from dspark_jax.models.target import Target
 
@@ -59,8 +62,7 @@ class DSparkDrafter(nnx.Module):
     def __init__(self, cfg: DrafterConfig, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg
         self.dtype = dtype
-        d, n, big_h = cfg.model_width, cfg.num_layers, cfg.hidden_size
-        qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        d, big_h = cfg.model_width, cfg.hidden_size
         f_in = len(cfg.taps) * cfg.hidden_size
         init = nnx.initializers.lecun_normal()
 
@@ -77,23 +79,7 @@ class DSparkDrafter(nnx.Module):
         # follow get the same initial values in both architectures.
         mask = 0.02 * jax.random.normal(rngs.params(), (d,), dtype)
         self.mask_embed = nnx.Param(mask) if cfg.mask_token_id < 0 else None
-        qk = {
-            "q_norm": nnx.Param(jnp.ones((n, cfg.head_dim), dtype)),
-            "k_norm": nnx.Param(jnp.ones((n, cfg.head_dim), dtype)),
-        }
-        self.layers = nnx.Dict(
-            **(qk if cfg.qk_norm else {}),
-            attn_norm=nnx.Param(jnp.ones((n, d), dtype)),
-            wq=w(n, d, qd),
-            wk=w(n, d, kd),
-            wv=w(n, d, kd),
-            # Residual branches start near zero so the untrained block is stable.
-            wo=nnx.Param(jnp.zeros((n, qd, d), dtype)),
-            mlp_norm=nnx.Param(jnp.ones((n, d), dtype)),
-            w_gate=w(n, d, cfg.intermediate_size),
-            w_up=w(n, d, cfg.intermediate_size),
-            w_down=nnx.Param(jnp.zeros((n, cfg.intermediate_size, d), dtype)),
-        )
+        self.layers = draft_layer.layer_params(cfg, w, dtype)
         self.final_norm = nnx.Param(jnp.ones((d,), dtype))
         # Width adapters around the target's frozen embedding (H) and LM head (H): only when d != H.
         self.embed_in = w(big_h, d) if d != big_h else None
@@ -106,6 +92,12 @@ class DSparkDrafter(nnx.Module):
         else:
             self.conf_w = None
             self.conf_b = None
+        # Own frozen embedding [V, H] and LM head [H, V] (cfg.own_embeddings), else the target's.
+        own = cfg.own_embeddings
+        self.embed = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, big_h), dtype)) if own else None
+        self.lm_head = w(big_h, cfg.vocab_size) if own else None
+        if own and cfg.draft_vocab_size:
+            raise ValueError("a drafter with its own LM head drafts over the full vocabulary (draft_vocab_size=0)")
         # Per-position confidence temperatures T_1..T_gamma (sequential temperature scaling,
         # paper A5) or None (uncalibrated). A static tuple of floats, part of the graph
         # definition (not a parameter): set by `load_drafter` from the export's
@@ -229,15 +221,10 @@ class DSparkDrafter(nnx.Module):
           ``(k, v)``, each ``[N, B, T, n_kv_heads, head_dim]``; keys carry RoPE.
         """
         cfg = self.cfg
-        b, t, _ = ctx.shape
-        k = jnp.einsum("btd,nde->nbte", ctx, self.layers["wk"][...])
-        v = jnp.einsum("btd,nde->nbte", ctx, self.layers["wv"][...])
-        k = k.reshape(cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:  # the context keys get k_norm too (before RoPE), like the block's
-            k = rms_norm(k, self.layers["k_norm"][...][:, None, None, None, :], cfg.rms_eps)
-        k = jax.vmap(lambda kk: apply_rope(kk, positions, cfg.rope_theta, cfg.rope_scaling))(k)
-        return k, v
+        params = {k: v[...] for k, v in self.layers.items()}
+        return draft_layer.context_kv(
+            cfg, params, ctx, lambda k: apply_rope(k, positions, cfg.rope_theta, cfg.rope_scaling)
+        )
 
     def init_cache(self, batch: int, length: int) -> KVCache:
         """Empty per-layer context K/V cache ``[N, B, length, kvh, hd]``."""
@@ -267,9 +254,6 @@ class DSparkDrafter(nnx.Module):
         b, a, s, d = x.shape
         flat_pos = positions.reshape(b, a * s)
 
-        def heads(y, n):
-            return y.reshape(b, a, s, n, cfg.head_dim)
-
         def rope(y):
             n = y.shape[-2]
             return apply_rope(y.reshape(b, a * s, n, cfg.head_dim), flat_pos, cfg.rope_theta, cfg.rope_scaling).reshape(
@@ -278,19 +262,14 @@ class DSparkDrafter(nnx.Module):
 
         def layer(carry, xs):
             (h, li), (p, ck, cv) = carry, xs
-            u = rms_norm(h, p["attn_norm"], cfg.rms_eps)
-            q = heads(u @ p["wq"], cfg.num_heads)
-            k = heads(u @ p["wk"], cfg.num_kv_heads)
-            if cfg.qk_norm:  # per head, before RoPE (Qwen3 layers)
-                q, k = rms_norm(q, p["q_norm"], cfg.rms_eps), rms_norm(k, p["k_norm"], cfg.rms_eps)
-            q, k = rope(q), rope(k)
-            v = heads(u @ p["wv"], cfg.num_kv_heads)
-            if ctx_end is None:
-                h = h + block_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), ctx_mask, k, v) @ p["wo"]
-            else:  # the caches are read in place, not mapped as scan xs
-                h = h + layers.block_attention_cached(q, ctx_k, ctx_v, li, ctx_end, k, v) @ p["wo"]
-            m = rms_norm(h, p["mlp_norm"], cfg.rms_eps)
-            return (h + swiglu(m, p["w_gate"], p["w_up"], p["w_down"]), li + 1), None
+
+            def attend(q, k, v, scale):
+                if ctx_end is None:
+                    return block_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), ctx_mask, k, v, scale)
+                # the caches are read in place, not mapped as scan xs
+                return layers.block_attention_cached(q, ctx_k, ctx_v, li, ctx_end, k, v, scale)
+
+            return (draft_layer.layer(cfg, p, h, rope, attend), li + 1), None
 
         body = jax.checkpoint(layer, prevent_cse=False) if remat else layer
         xs = (params, ctx_k, ctx_v) if ctx_end is None else (params, None, None)
@@ -302,13 +281,13 @@ class DSparkDrafter(nnx.Module):
 
         The mask slots' input is the target's embedding row ``cfg.mask_token_id`` (or the
         learned ``mask_embed`` when it is -1). Target rows (width H) are projected to d when
-        ``cfg.width`` differs.
+        ``cfg.width`` differs. With ``cfg.own_embeddings`` the rows are the drafter's own, scaled.
         """
-        a = target.embed_tokens(anchors).astype(self.dtype)[..., None, :]
+        a = self._embed(target, anchors).astype(self.dtype)[..., None, :]
         if self.mask_embed is not None:
             m = self.mask_embed[...]
-        else:  # the target's frozen row of cfg.mask_token_id, through the same width adapter
-            m = jax.lax.stop_gradient(target.embed_tokens(jnp.asarray(self.cfg.mask_token_id, jnp.int32)))
+        else:  # the frozen row of cfg.mask_token_id, through the same width adapter
+            m = jax.lax.stop_gradient(self._embed(target, jnp.asarray(self.cfg.mask_token_id, jnp.int32)))
             m = m.astype(self.dtype)
             if self.embed_in is not None:
                 m = m @ self.embed_in[...]
@@ -316,6 +295,14 @@ class DSparkDrafter(nnx.Module):
             a = a @ self.embed_in[...]
         m = jnp.broadcast_to(m, anchors.shape + (self.cfg.num_block_positions - 1, a.shape[-1]))
         return jnp.concatenate([a, m], axis=-2)
+
+    def _embed(self, target: Target, ids: jax.Array) -> jax.Array:
+        """``[...]`` ids -> ``[..., H]``: the target's embedding rows, or the drafter's own frozen rows
+        times ``cfg.embed_scale`` cast to their dtype (``cfg.own_embeddings``)."""
+        if self.embed is None:
+            return target.embed_tokens(ids)
+        rows = jax.lax.stop_gradient(self.embed[...])[ids]
+        return rows * jnp.asarray(self.cfg.embed_scale, rows.dtype)
 
     def predicted_slots(self, h: jax.Array) -> jax.Array:
         """Selects the block_size slots that predict draft tokens 1..block_size (axis -2)."""
@@ -325,7 +312,8 @@ class DSparkDrafter(nnx.Module):
     def base_logits(self, target: Target, h: jax.Array) -> jax.Array:
         """``[..., d]`` -> ``[..., N]`` float32 via the target's frozen LM head (N = V, or the draft
         vocabulary's size: those columns of the head only), soft-capped as the target's logits are
-        (:meth:`~dspark_jax.models.target.Target.cap_logits`, Gemma's final soft-cap).
+        (:meth:`~dspark_jax.models.target.Target.cap_logits`, Gemma's final soft-cap); or via the
+        drafter's own head, soft-capped by ``cfg.final_logit_softcap`` (``cfg.own_embeddings``).
 
         A drafter narrower or wider than the target (``cfg.width``) projects ``d -> H`` first.
         With a draft vocabulary the rows come from the head :meth:`prepare_decoding` installed
@@ -336,6 +324,9 @@ class DSparkDrafter(nnx.Module):
         """
         if self.proj_out is not None:
             h = h @ self.proj_out[...]
+        if self.lm_head is not None:  # the drafter's own frozen head, soft-capped (cfg.final_logit_softcap)
+            w = jax.lax.stop_gradient(self.lm_head[...]).astype(h.dtype)
+            return layers.soft_cap(jnp.dot(h, w, preferred_element_type=jnp.float32), self.cfg.final_logit_softcap)
         ids = self.draft_vocab_ids()
         if ids is not None:  # only the draft vocabulary's rows of the head: [N, H]
             rows = decode_head_rows(self, target)

@@ -1,5 +1,5 @@
-"""Writing a drafter in the field's checkpoint formats (DeepSpec's ``Qwen3DSparkModel``,
-speculators' ``dspark`` / ``dflash``), the inverse of :mod:`dspark_jax.drafters.formats`.
+"""Writing a drafter in the field's checkpoint formats (DeepSpec's ``Qwen3DSparkModel`` and
+``Gemma4DSparkModel``, speculators' ``dspark`` / ``dflash``), the inverse of :mod:`dspark_jax.drafters.formats`.
 
 :func:`export_blockers` lists what a drafter holds that a format cannot (the first architecture's
 learned mask vector, no q/k-norm, a width other than the target's, ...): such a drafter is refused,
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import dspark_jax.drafters.gemma4_format as gemma4_format
 from dspark_jax.config import DrafterConfig
 from dspark_jax.drafters.base import check_compatible
 from dspark_jax.drafters.formats import HEAD_TENSORS, LAYER_TENSORS, NORM_TENSORS
@@ -46,6 +47,11 @@ def export_blockers(cfg: DrafterConfig, fmt: str, target_layers: int) -> list[st
     if cfg.variant == "eagle3":
         return ["an eagle3 drafter has no DSpark/DFlash checkpoint format"]
     out = []
+    gemma = {k: getattr(cfg, k) for k in ("sandwich_norms", "layer_scalar", "v_norm", "k_eq_v", "query_scale")}
+    if cfg.own_embeddings:  # DeepSpec's Gemma4DSparkModel
+        out += gemma4_format.blockers(cfg) + ([] if fmt == "deepspec" else [f"{fmt}'s format has no own embedding"])
+    elif any(gemma.values()) or cfg.mlp_activation != "silu" or cfg.final_logit_softcap is not None:
+        out.append("its layers are Gemma layers without their own embedding (no format holds them)")
     if not cfg.qk_norm:
         out.append("its layers have no q/k-norm (the first architecture: retrain with drafter_arch=interop)")
     if cfg.mask_token_id < 0:
@@ -88,12 +94,14 @@ def _confidence_head(drafter: Any) -> tuple[bool, bool]:
     return True, bool(cfg.markov and np.any(w[cfg.model_width :]))
 
 
-def format_tensors(drafter: Any, target: Target, fmt: str, dtype: Any) -> dict[str, np.ndarray]:
+def format_tensors(drafter: Any, target: Target | None, fmt: str, dtype: Any) -> dict[str, np.ndarray]:
     """The safetensors of ``drafter`` in format ``fmt`` (names as :mod:`~dspark_jax.drafters.formats` reads them)."""
     cfg = drafter.cfg
     layers = {k: v[...] for k, v in drafter.layers.items()}
     t: dict[str, np.ndarray] = {}
-    for ours, theirs in LAYER_TENSORS.items():
+    if cfg.own_embeddings:
+        t.update(gemma4_format.tensors(drafter, lambda a: _np(a, dtype)))
+    for ours, theirs in () if cfg.own_embeddings else LAYER_TENSORS.items():
         for i in range(cfg.num_layers):
             w = layers[ours][i]
             t[f"layers.{i}.{theirs}.weight"] = _np(w if ours in NORM_TENSORS else w.T, dtype)
@@ -112,10 +120,11 @@ def format_tensors(drafter: Any, target: Target, fmt: str, dtype: Any) -> dict[s
         w = drafter.conf_w[...]
         t["confidence_head.proj.weight"] = _np(w if with_markov else w[: cfg.model_width], dtype)[None, :]
         t["confidence_head.proj.bias"] = _np(drafter.conf_b[...], dtype).reshape(1)
-    if fmt == "deepspec":
+    if fmt == "deepspec" and not cfg.own_embeddings:
+        assert target is not None  # export_to_format: only a drafter with its own embedding goes without
         t["embed_tokens.weight"] = _np(target.embed[...], dtype)
         t["lm_head.weight"] = _np(target.lm_head_weight().T, dtype)
-    elif cfg.draft_vocab_size:
+    elif cfg.draft_vocab_size and target is not None:
         ids = np.asarray(drafter.draft_vocab, np.int64)
         t["d2t"] = ids - np.arange(len(ids), dtype=np.int64)
         t2d = np.zeros((cfg.vocab_size,), bool)
@@ -154,8 +163,11 @@ def _layer_config(cfg: DrafterConfig, target: Target, dtype: Any) -> dict[str, A
     }
 
 
-def format_config(drafter: Any, target: Target, fmt: str, dtype: Any, verifier: str) -> dict[str, Any]:
-    """``config.json`` of ``drafter`` in format ``fmt`` (``verifier``: speculators' verifier name)."""
+def format_config(
+    drafter: Any, target: Target | None, fmt: str, dtype: Any, verifier: str, base: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``config.json`` of ``drafter`` in format ``fmt`` (``verifier``: speculators' verifier name;
+    ``base``: a Gemma 4 drafter's source config, whose keys the drafter does not read are kept)."""
     cfg = drafter.cfg
     enabled, with_markov = _confidence_head(drafter)
     markov = {"markov_rank": cfg.markov_rank} if cfg.variant == "dspark" else {}
@@ -164,10 +176,8 @@ def format_config(drafter: Any, target: Target, fmt: str, dtype: Any, verifier: 
     anchor_first = cfg.variant == "dspark"
     block = cfg.block_size if anchor_first else cfg.block_size + 1
     if fmt == "deepspec":
-        out = _layer_config(cfg, target, dtype)
-        out.update(
-            architectures=["Qwen3DSparkModel"],
-            num_target_layers=target.cfg.num_layers,
+        keys = dict(
+            num_target_layers=cfg.target_num_layers if target is None else target.cfg.num_layers,
             block_size=block,
             target_layer_ids=list(cfg.taps),
             mask_token_id=cfg.mask_token_id,
@@ -175,8 +185,14 @@ def format_config(drafter: Any, target: Target, fmt: str, dtype: Any, verifier: 
             **markov,
         )
         if enabled:
-            out["confidence_head_with_markov"] = with_markov
-        return out
+            keys["confidence_head_with_markov"] = with_markov
+        if cfg.own_embeddings:
+            if target is not None:
+                keys.update(max_position_embeddings=target.cfg.max_position, bos_token_id=target.cfg.bos_id)
+            return gemma4_format.config(cfg, base, keys, jnp.dtype(dtype).name)
+        assert target is not None  # export_to_format
+        return {**_layer_config(cfg, target, dtype), "architectures": ["Qwen3DSparkModel"], **keys}
+    assert target is not None  # export_to_format
     kind = "dspark" if anchor_first and (cfg.markov or enabled) else "dflash"
     out = {
         "speculators_model_type": kind,
@@ -219,12 +235,13 @@ def _verifier_architectures(target: Target) -> list[str]:
 
 def export_to_format(
     drafter: Any,
-    target: Target,
+    target: Target | None,
     fmt: str,
     out: str | Path,
     *,
     dtype: Any = None,
     verifier: str | None = None,
+    base_config: dict[str, Any] | None = None,
 ) -> tuple[Path, list[str]]:
     """Writes ``drafter`` in format ``fmt`` to the directory ``out`` (created; files overwritten).
 
@@ -233,10 +250,13 @@ def export_to_format(
       target: the target it was trained for (checked with
         :func:`~dspark_jax.drafters.base.check_compatible`): supplies the embedding / LM-head
         copies (DeepSpec) and the restricted ``lm_head`` of a draft vocabulary (speculators).
+        None only for a drafter with its own embedding and head (DeepSeek's Gemma 4 drafters).
       fmt: ``"deepspec"`` or ``"speculators"``.
       out: the directory to write.
       dtype: tensor dtype (default: the drafter's), e.g. ``jnp.bfloat16``.
       verifier: speculators' ``verifier.name_or_path`` (default: the target's name).
+      base_config: a Gemma 4 drafter's source ``config.json``: the keys its layers do not read
+        (token ids, context length, the target's sliding-layer settings) are written back as they were.
     Returns:
       ``(out, notes)``: notes for the user (e.g. a head vLLM does not serve).
     Raises:
@@ -245,8 +265,12 @@ def export_to_format(
     """
     if fmt not in EXPORT_FORMATS:
         raise DSparkInputError(f"unknown format {fmt!r}: use one of {', '.join(EXPORT_FORMATS)}")
-    check_compatible(target, drafter)
-    blockers = export_blockers(drafter.cfg, fmt, target.cfg.num_layers)
+    if target is None and not drafter.cfg.own_embeddings:
+        raise DSparkInputError("exporting this drafter needs its target (for the embedding and LM head)")
+    if target is not None:
+        check_compatible(target, drafter)
+    depth = drafter.cfg.target_num_layers if target is None else target.cfg.num_layers
+    blockers = export_blockers(drafter.cfg, fmt, depth or max(drafter.cfg.taps) + 1)
     if blockers:
         raise DSparkInputError(f"this drafter cannot be written in {fmt}'s format: {'; '.join(blockers)}")
     from safetensors.numpy import save_file
@@ -255,7 +279,7 @@ def export_to_format(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = drafter.cfg
-    conf = format_config(drafter, target, fmt, dtype, verifier or target.cfg.name)
+    conf = format_config(drafter, target, fmt, dtype, verifier or (target.cfg.name if target else ""), base_config)
     (out / "config.json").write_text(json.dumps(conf, indent=2))
     save_file(format_tensors(drafter, target, fmt, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
     side = {

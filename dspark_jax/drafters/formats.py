@@ -12,7 +12,8 @@ of Qwen3 decoder layers with q/k-norm, ``fc``, ``hidden_norm``, ``norm``):
   layer (L - 1) is its output before the final norm, as DeepSpec's target cache records it (and as
   speculators' ``aux_hidden_state_layer_ids`` L holds it), this project's tap L - 1. Older configs
   (``DSparkDraftModel``, ``model_type: qwen3``) keep ``target_layer_ids`` / ``mask_token_id`` under
-  ``dflash_config`` and are normalised; ``Gemma4DSparkModel`` (a Gemma 4 target) is refused.
+  ``dflash_config`` and are normalised. DeepSeek's ``Gemma4DSparkModel`` (Gemma 4 draft layers with
+  their own scaled embedding and soft-capped LM head) is read by :mod:`~dspark_jax.drafters.gemma4_format`.
 * ``speculators``: vllm-project/speculators' ``dspark`` / ``dflash``: the draft layers' config under
   ``transformer_layer_config``, ``aux_hidden_state_layer_ids`` (Hugging Face ``hidden_states``
   indices, decoder layer + 1), ``sample_from_anchor``, ``draft_vocab_size`` with ``d2t`` offsets,
@@ -40,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+import dspark_jax.drafters.gemma4_format as gemma4_format
 from dspark_jax.config import DrafterConfig
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.hf_io import HF_LAYER_TENSORS
@@ -179,8 +181,8 @@ def _layer_shape(c: dict[str, Any], where: str) -> dict[str, Any]:
     mt = c.get("model_type")
     if mt is not None and "gemma" in str(mt):
         raise DSparkInputError(
-            f"{where}: Gemma draft layers (model_type {mt!r}: scaled embedding, soft-capped head, Gemma norms, "
-            "sliding layers) are not supported"
+            f"{where}: Gemma draft layers (model_type {mt!r}) are supported in DeepSpec's Gemma4DSparkModel "
+            "checkpoints only"
         )
     if mt not in (None, "qwen3", "qwen2", "llama"):
         raise DSparkInputError(f"{where}: draft layers of model_type {mt!r} are not supported (Qwen3 layers only)")
@@ -244,6 +246,7 @@ class _Fields:
     block_size: int
     mask_token_id: Any
     verifier: str | None = None
+    arch: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _format_fields(fmt: str, c: dict[str, Any], where: str, notes: list[str]) -> _Fields:
@@ -282,16 +285,13 @@ def _format_fields(fmt: str, c: dict[str, Any], where: str, notes: list[str]) ->
             verifier=((c.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path"),
         )
     if fmt == "deepspec":
-        if "Gemma4DSparkModel" in list(c.get("architectures") or []):
-            raise DSparkInputError(
-                f"{where}: a Gemma4DSparkModel drafter: Gemma 4 targets are not supported yet "
-                "(the drafter needs a gemma4_text target and Gemma 4 draft layers)"
-            )
         c = _legacy_deepspec(c, notes)
         rank = int(c.get("markov_rank", 0))
         conf = bool(c.get("enable_confidence_head", False))
+        layer = gemma4_format.layer_shape(c, where) if gemma4_format.is_gemma4(c) else _layer_shape(c, where)
         return _Fields(
-            layer=_layer_shape(c, where),
+            layer=layer,
+            arch=layer.pop("arch", {}),
             taps=_taps(list(c.get("target_layer_ids") or []), hf_indices=False, where=where),
             anchor_first=True,
             markov_rank=rank,
@@ -368,7 +368,7 @@ def read_external(path: str | Path) -> ExternalDrafter:
         n = int(c["draft_vocab_size"])
         draft_vocab = _draft_vocab(t, n, v, where)
         reference["lm_head"] = _sample_rows(_take(t, "lm_head.weight", (n, h), where), np.asarray(draft_vocab))
-    if fmt == "deepspec":
+    if fmt == "deepspec":  # copies of the target's (a Gemma 4 drafter's own: the same raw rows, unscaled)
         for ours, name in (("embed", "embed_tokens.weight"), ("lm_head", "lm_head.weight")):
             if name in t:
                 reference[ours] = _sample_rows(_take(t, name, (v, h), where), np.arange(v))
@@ -392,6 +392,7 @@ def read_external(path: str | Path) -> ExternalDrafter:
         confidence_input="raw",
         markov_w1_rows="target",
         **shape,
+        **f.arch,
     )
     params = _params(cfg, t, conf=f.conf, conf_markov=f.conf_markov, where=where)
     return ExternalDrafter(fmt, cfg, params, draft_vocab, reference, notes, f.verifier)
@@ -443,42 +444,54 @@ def _params(cfg: DrafterConfig, t: dict[str, np.ndarray], *, conf: bool, conf_ma
         "w_up": (i_, d),
         "w_down": (d, i_),
     }
+    read: set[str] = set()  # what a Gemma 4 drafter's tensors are checked against: every one is read
+
+    def take(name: str, shape: tuple[int, ...] | None) -> np.ndarray:
+        read.add(name)
+        return _take(t, name, shape, where)
+
     layers = {}
-    for ours, theirs in LAYER_TENSORS.items():
-        per = [_take(t, f"layers.{k}.{theirs}.weight", shapes[ours], where) for k in range(n)]
+    for ours, theirs in () if cfg.own_embeddings else LAYER_TENSORS.items():
+        per = [take(f"layers.{k}.{theirs}.weight", shapes[ours]) for k in range(n)]
         layers[ours] = np.stack(per if ours in NORM_TENSORS else [w.T for w in per])
+    if cfg.own_embeddings:
+        layers = gemma4_format.layer_params(cfg, take)
     if f"layers.{n}.input_layernorm.weight" in t:
         raise DSparkInputError(f"{where}: the checkpoint has more than num_hidden_layers={n} layers")
     f_in = len(cfg.taps) * cfg.hidden_size
     out: dict[str, Any] = {
-        "fc": _take(t, "fc.weight", (d, f_in), where).T,
-        "ctx_norm": _take(t, "hidden_norm.weight", (d,), where),
-        "final_norm": _take(t, "norm.weight", (d,), where),
+        "fc": take("fc.weight", (d, f_in)).T,
+        "ctx_norm": take("hidden_norm.weight", (d,)),
+        "final_norm": take("norm.weight", (d,)),
         "layers": layers,
     }
+    if cfg.own_embeddings:
+        out.update(gemma4_format.own_params(cfg, take))
     if cfg.markov:
         head = {
-            "w1": _take(t, "markov_head.markov_w1.weight", (cfg.vocab_size, r), where),
-            "w2": _take(t, "markov_head.markov_w2.weight", (cfg.draft_size, r), where).T,
+            "w1": take("markov_head.markov_w1.weight", (cfg.vocab_size, r)),
+            "w2": take("markov_head.markov_w2.weight", (cfg.draft_size, r)).T,
         }
         in_dim = {"gated": d + r, "rnn": 2 * r + d}.get(cfg.markov_head, 0)
         out_dim = {"gated": r, "rnn": 3 * r}.get(cfg.markov_head, 0)
         for ours, theirs in HEAD_TENSORS[cfg.markov_head].items():
             shape = (out_dim, in_dim) if theirs.endswith("weight") else (out_dim,)
-            a = _take(t, f"markov_head.{theirs}", shape, where)
+            a = take(f"markov_head.{theirs}", shape)
             head[ours] = a.T if a.ndim == 2 else a
         out["markov_head"] = head
     if cfg.has_confidence:
         c_in = d + (r if cfg.markov else 0)
         if conf:
             w_in = d + (r if conf_markov else 0)
-            w = _take(t, "confidence_head.proj.weight", (1, w_in), where)[0]
-            b = _take(t, "confidence_head.proj.bias", (1,), where)[0]
+            w = take("confidence_head.proj.weight", (1, w_in))[0]
+            b = take("confidence_head.proj.bias", (1,))[0]
             out["conf_w"] = np.concatenate([w, np.zeros((c_in - w_in,), w.dtype)])
             out["conf_b"] = np.asarray(b)
         else:  # no confidence head: confidence 1 (module doc)
             dt = out["fc"].dtype
             out["conf_w"], out["conf_b"] = np.zeros((c_in,), dt), np.asarray(np.inf, dt)
+    if cfg.own_embeddings and (unread := sorted(set(t) - read)):
+        raise DSparkInputError(f"{where}: tensors this drafter does not read: {', '.join(unread[:4])}")
     return out
 
 

@@ -256,6 +256,7 @@ def block_attention_cached(
     ctx_end: jax.Array,
     k_blk: jax.Array,
     v_blk: jax.Array,
+    scale: float | None = None,
 ) -> jax.Array:
     """:func:`block_attention` with the context read from one layer of a cache, live blocks only.
 
@@ -265,6 +266,7 @@ def block_attention_cached(
       ctx_end: ``[B, A]`` int32: block ``a`` of row ``b`` sees the context slots ``< ctx_end[b, a]``.
       k_blk, v_blk: ``[B, A, S, n_kv_heads, hd]`` the blocks' own keys/values (bidirectional within
         a block).
+      scale: the score scale (static; :func:`score_scale`).
     Returns:
       ``[B, A, S, n_heads * hd]`` in the dtype of ``q``.
     """
@@ -273,11 +275,10 @@ def block_attention_cached(
     r = nh // g
     qg = q.reshape(b, a * s, g, r, hd)
     q_pos = jnp.broadcast_to(ctx_end[:, :, None] - 1, (b, a, s)).reshape(b, a * s)
-    m, l, acc = online_attention_stats(qg, k_cache, v_cache, layer, q_pos)
+    m, l, acc = online_attention_stats(qg, k_cache, v_cache, layer, q_pos, scale=scale)
     m, l, acc = (x.reshape((b, g, r, a, s) + x.shape[4:]) for x in (m, l, acc))
     qb = q.reshape(b, a, s, g, r, hd)
-    scale = 1.0 / jnp.sqrt(jnp.float32(hd))
-    sb = jnp.einsum("basgrd,batgd->bgrast", qb, k_blk, preferred_element_type=jnp.float32) * scale
+    sb = jnp.einsum("basgrd,batgd->bgrast", qb, k_blk, preferred_element_type=jnp.float32) * score_scale(hd, scale)
     m_all = jnp.maximum(m, jnp.max(sb, axis=-1))
     corr, eb = jnp.exp(m - m_all), jnp.exp(sb - m_all[..., None])
     denom = l * corr + jnp.sum(eb, axis=-1)
@@ -376,7 +377,13 @@ def kv_cache_write(cache: jax.Array, update: jax.Array, positions: jax.Array) ->
 
 
 def block_attention(
-    q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask: jax.Array, k_blk: jax.Array, v_blk: jax.Array
+    q: jax.Array,
+    k_ctx: jax.Array,
+    v_ctx: jax.Array,
+    ctx_mask: jax.Array,
+    k_blk: jax.Array,
+    v_blk: jax.Array,
+    scale: float | None = None,
 ) -> jax.Array:
     """Attention of draft blocks over shared context keys plus their own block (KV injection).
 
@@ -390,6 +397,7 @@ def block_attention(
       ctx_mask: ``[B, A, S, C]`` bool, context entries visible to each slot.
       k_blk, v_blk: ``[B, A, S, n_kv_heads, hd]`` the blocks' own keys/values
         (bidirectional within a block).
+      scale: the score scale (static; :func:`score_scale`).
     Returns:
       ``[B, A, S, n_heads * hd]`` in the dtype of ``q``.
     """
@@ -397,10 +405,10 @@ def block_attention(
     g = k_ctx.shape[2]
     r = nh // g
     qg = q.reshape(b, a, s, g, r, hd)
-    scale = 1.0 / jnp.sqrt(jnp.float32(hd))
-    sc = jnp.einsum("basgrd,bcgd->basgrc", qg, k_ctx, preferred_element_type=jnp.float32) * scale
+    mult = score_scale(hd, scale)
+    sc = jnp.einsum("basgrd,bcgd->basgrc", qg, k_ctx, preferred_element_type=jnp.float32) * mult
     sc = jnp.where(ctx_mask[:, :, :, None, None, :], sc, _NEG_INF)
-    sb = jnp.einsum("basgrd,batgd->basgrt", qg, k_blk, preferred_element_type=jnp.float32) * scale
+    sb = jnp.einsum("basgrd,batgd->basgrt", qg, k_blk, preferred_element_type=jnp.float32) * mult
     m = jnp.maximum(jnp.max(sc, -1, keepdims=True), jnp.max(sb, -1, keepdims=True))
     ec, eb = jnp.exp(sc - m), jnp.exp(sb - m)
     denom = jnp.sum(ec, -1, keepdims=True) + jnp.sum(eb, -1, keepdims=True)

@@ -36,7 +36,8 @@ def rope_table(theta: float, head_dim: int, scaling: RopeScaling | None) -> tupl
     """The inverse frequencies ``[head_dim // 2]`` float32 [radians / token] and the cos/sin factor.
 
     Follows transformers' ``ROPE_INIT_FUNCTIONS`` (``modeling_rope_utils``): default, linear,
-    yarn, llama3; ``freq_factors`` divides the default frequencies by llama.cpp's per-frequency
+    yarn, llama3, proportional (Gemma 4: a leading share of the frequencies turns, the rest are 0);
+    ``freq_factors`` divides the default frequencies by llama.cpp's per-frequency
     factors (``rope_freqs.weight``), as llama.cpp's ``ggml_rope_ext`` does.
     """
     dim = head_dim
@@ -45,6 +46,8 @@ def rope_table(theta: float, head_dim: int, scaling: RopeScaling | None) -> tupl
     scale = 1.0
     if s.rope_type == "linear":
         inv = inv / s.factor
+    elif s.rope_type == "proportional":  # transformers' int(partial_rotary_factor * head_dim // 2) turning
+        inv = np.where(np.arange(dim // 2) < int(s.partial_rotary_factor * dim // 2), inv, 0.0) / s.factor
     elif s.rope_type == "freq_factors":
         inv = inv / np.asarray(s.freq_factors, np.float64)
     elif s.rope_type == "llama3":
@@ -199,6 +202,9 @@ def hf_rope_dict(scaling: RopeScaling | None, *, where: str) -> dict[str, Any] |
     s = scaling
     if s.rope_type == "linear":
         return {"rope_type": "linear", "factor": s.factor}
+    if s.rope_type == "proportional":
+        d = {"rope_type": "proportional", "partial_rotary_factor": s.partial_rotary_factor}
+        return d if s.factor == 1.0 else {**d, "factor": s.factor}
     if s.rope_type == "llama3":
         return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                 "high_freq_factor": s.high_freq_factor,

@@ -10,12 +10,19 @@ with logits within 1e-4 of DeepSpec's (and far from the logits on transformers'
 ``hidden_states[L]``, the final-normed output, which DeepSpec's evaluator refuses to feed); re-export
 in DeepSpec's format writes the same tensors (byte-equal) and an equivalent config; a speculators
 export re-imports to the same drafter; an older ``DSparkDraftModel`` config (keys under
-``dflash_config``) imports to the same drafter; ``Gemma4DSparkModel`` and an embedding tap are
-refused by name.
+``dflash_config``) imports to the same drafter; an embedding tap is refused by name.
+
+DeepSeek's ``Gemma4DSparkModel`` (``gemma4_keqv``: values from the key projection, vanilla Markov head;
+``gemma4_v``: a ``v_proj``, gated head): self-contained drafters, fed DeepSpec's fixed target
+features directly (no Gemma 4 target needed). Their draft and confidence logits match DeepSpec's
+within 1e-4, the cached decode path agrees with the training path, a re-export writes the same
+tensors and config, a target whose tables differ from the drafter's copies is refused, and what the
+importer does not implement is refused by name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -109,9 +116,9 @@ def test_reexport_is_lossless(target, name, tmp_path):
         assert len(x) == len(y) and all(np.array_equal(p, q) for p, q in zip(x, y))
 
 
-def _rewrite(tmp_path: Path, edit) -> Path:
+def _rewrite(tmp_path: Path, edit, name: str = "vanilla") -> Path:
     d = tmp_path / "edited"
-    shutil.copytree(DATA / "vanilla", d)
+    shutil.copytree(DATA / name, d)
     c = json.loads((d / "config.json").read_text())
     edit(c)
     (d / "config.json").write_text(json.dumps(c))
@@ -132,16 +139,123 @@ def test_older_dspark_draft_model_config_is_normalised(target, tmp_path):
     assert all(np.array_equal(p, q) for p, q in zip(jax.tree.leaves(_params(got)), jax.tree.leaves(_params(want))))
 
 
-def test_gemma4_drafter_and_embedding_tap_are_refused_by_name(target, tmp_path):
-    def gemma(c):
-        c["architectures"] = ["Gemma4DSparkModel"]
-        c["model_type"] = "gemma4_text"
-
-    d = _rewrite(tmp_path, gemma)
-    assert detect_format(d) == "deepspec"
-    with pytest.raises(DSparkInputError, match="Gemma 4 targets are not supported yet"):
-        load_drafter(d, target=target)
-    shutil.rmtree(d)
+def test_embedding_tap_is_refused_by_name(target, tmp_path):
     d = _rewrite(tmp_path, lambda c: c.update(target_layer_ids=[-1, 2]))
     with pytest.raises(DSparkInputError, match=r"embedding output \(target_layer_ids -1\)"):
         load_drafter(d, target=target)
+
+
+GEMMA4 = ("gemma4_keqv", "gemma4_v")
+
+
+def _gemma4_ours(drafter, ref):
+    """:func:`_ours` for a self-contained Gemma 4 drafter on DeepSpec's fixed features (no target)."""
+    ids, anchors = ref["input_ids"], ref["anchors"]
+    t, g = len(ids), drafter.cfg.block_size
+    tokens, feats = jnp.asarray(ids, jnp.int32)[None], jnp.asarray(ref["features"])[None]
+    block = drafter.train_blocks(None, feats, tokens, jnp.asarray(anchors, jnp.int32)[None])
+    prev = jnp.asarray([[ids[min(p + k, t - 1)] for k in range(g)] for p in anchors], jnp.int32)[None]
+    bias, e = drafter.teacher_forced_heads(block.hidden, prev)
+    z = drafter.confidence_logit(block.hidden, e)
+    return np.asarray(block.logits + bias)[0], np.asarray(z)[0], np.asarray(block.logits)[0]
+
+
+@pytest.mark.parametrize("name", GEMMA4)
+def test_gemma4_imports_with_deepspec_logits(name):
+    ref = dict(np.load(DATA / name / "reference.npz"))
+    drafter, meta = load_drafter(DATA / name)
+    c = drafter.cfg
+    assert meta["extra"]["source_format"] == "deepspec" and c.own_embeddings and c.k_eq_v == (name == "gemma4_keqv")
+    logits, z, base = _gemma4_ours(drafter, ref)
+    m = ref["eval_mask"]
+    assert m.all() and np.max(np.abs(logits - ref["draft_logits"])) <= ATOL
+    assert np.max(np.abs(z - ref["confidence_logits"])) <= ATOL
+    # Decoding: the context written into the cache and one block drafted from it give the same logits.
+    feats, ids = jnp.asarray(ref["features"])[None], ref["input_ids"]
+    for a, p in enumerate(ref["anchors"][-1:].tolist(), start=len(ref["anchors"]) - 1):
+        pos = jnp.arange(p, dtype=jnp.int32)[None]
+        cache = drafter.extend_cache(drafter.init_cache(1, len(ids)), feats[:, :p], pos)
+        out = drafter.draft_block(None, jnp.asarray([ids[p]], jnp.int32), jnp.asarray([p], jnp.int32), cache)
+        assert np.max(np.abs(np.asarray(out.logits)[0] - base[a])) <= ATOL
+
+
+@pytest.mark.parametrize("name", GEMMA4)
+def test_gemma4_reexport_is_lossless(name, tmp_path):
+    drafter, _ = load_drafter(DATA / name)
+    theirs_cfg = json.loads((DATA / name / "config.json").read_text())
+    out, _ = export_to_format(drafter, None, "deepspec", tmp_path / "out", base_config=theirs_cfg)
+    mine, theirs = load_file(str(out / "model.safetensors")), load_file(str(DATA / name / "model.safetensors"))
+    assert sorted(mine) == sorted(theirs)
+    for k in theirs:
+        assert mine[k].dtype == theirs[k].dtype and mine[k].tobytes() == theirs[k].tobytes(), k
+    assert json.loads((out / "config.json").read_text()) == theirs_cfg
+    # Without the source config every key the drafter reads is still written, the same (the local
+    # layers' head_dim and KV heads, which no draft layer reads, are then the global ones).
+    out2, _ = export_to_format(drafter, None, "deepspec", tmp_path / "bare")
+    bare = json.loads((out2 / "config.json").read_text())
+    kv = "num_key_value_heads" if drafter.cfg.k_eq_v else "num_global_key_value_heads"
+    unread = {"rope_parameters", "head_dim", kv}
+    assert {k: theirs_cfg[k] for k in bare if k not in unread} == {k: v for k, v in bare.items() if k not in unread}
+    assert bare["rope_parameters"]["full_attention"] == theirs_cfg["rope_parameters"]["full_attention"]
+    for d in (out, out2):
+        again, _ = load_drafter(d)
+        assert dataclasses.replace(again.cfg, target_name=name) == drafter.cfg
+        x, y = jax.tree.leaves(_params(drafter)), jax.tree.leaves(_params(again))
+        assert len(x) == len(y) and all(np.array_equal(p, q) for p, q in zip(x, y))
+    with pytest.raises(DSparkInputError, match="speculators's format has no own embedding"):
+        export_to_format(drafter, None, "speculators", tmp_path / "spec")
+    # The command line writes the same files without a target.
+    from dspark_jax.export import main
+
+    assert main([str(DATA / name), "--format", "deepspec", "--out", str(tmp_path / "cli")]) == 0
+    assert json.loads((tmp_path / "cli" / "config.json").read_text()) == theirs_cfg
+    cli = load_file(str(tmp_path / "cli" / "model.safetensors"))
+    assert all(cli[k].tobytes() == theirs[k].tobytes() for k in theirs)
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda c: c.update(attention_bias=True), "attention_bias is set"),
+        (lambda c: c.update(hidden_size_per_layer_input=8), "per-layer inputs"),
+        (lambda c: c.update(attn_logit_softcapping=50.0), "attention soft-cap"),
+        (lambda c: c.update(layer_types=["sliding_attention", "full_attention"]), "other than full_attention"),
+        (lambda c: c["rope_parameters"]["full_attention"].update(rope_type="yarn"), "RoPE 'yarn' is not supported"),
+        (lambda c: c.pop("global_head_dim"), "lacks global_head_dim"),
+        (lambda c: c.update(use_double_wide_mlp=True, num_kv_shared_layers=1), "double-wide MLP"),
+    ],
+)
+def test_gemma4_settings_not_implemented_are_refused_by_name(tmp_path, edit, match):
+    d = _rewrite(tmp_path, edit, "gemma4_keqv")
+    with pytest.raises(DSparkInputError, match=match):
+        load_drafter(d)
+
+
+def test_gemma4_tensor_not_read_is_refused_by_name(tmp_path):
+    from safetensors.numpy import save_file
+
+    d = _rewrite(tmp_path, lambda c: None, "gemma4_keqv")
+    t = load_file(str(d / "model.safetensors"))
+    t["layers.0.self_attn.v_proj.weight"] = t["layers.0.self_attn.k_proj.weight"]
+    save_file(t, str(d / "model.safetensors"))
+    with pytest.raises(DSparkInputError, match="does not read: layers.0.self_attn.v_proj.weight"):
+        load_drafter(d)
+
+
+def test_gemma4_drafter_is_checked_against_the_target_it_is_given():
+    """The drafter's own embedding / head are DeepSpec's copies of its target's: a target whose
+    tables differ is refused (rows compared unscaled: a Gemma target scales its embedding)."""
+    from dspark_jax.config import TargetConfig
+    from dspark_jax.models.target import random_params
+
+    drafter, _ = load_drafter(DATA / "gemma4_keqv")
+    c = drafter.cfg
+    tcfg = TargetConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=32, num_layers=4,
+                        num_heads=2, num_kv_heads=1, head_dim=8, max_position=64, tie_embeddings=False,
+                        embed_scale=c.embed_scale, name="g4-tiny")  # fmt: skip
+    params = random_params(tcfg, seed=3)
+    with pytest.raises(DSparkInputError, match="stored embed_tokens copy differs"):
+        load_drafter(DATA / "gemma4_keqv", target=Target(tcfg, params))
+    params.update(embed=np.asarray(drafter.embed[...]), lm_head=np.asarray(drafter.lm_head[...]))
+    again, _ = load_drafter(DATA / "gemma4_keqv", target=Target(tcfg, params))
+    assert again.cfg.target_name == "g4-tiny"
