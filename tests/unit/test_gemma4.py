@@ -40,10 +40,9 @@ VARIANTS = {
         final_logit_softcapping=3.0,
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
-            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 5e4,
-                               "factor": 2.0},
+            "full_attention": dict(rope_type="proportional", partial_rotary_factor=0.5, rope_theta=5e4, factor=2.0),
         },
-    ),  # fmt: skip
+    ),
     "v_proj": dict(
         layer_types=["sliding_attention"] * 3 + ["full_attention"],
         attention_k_eq_v=False,
@@ -61,8 +60,9 @@ def _config(**extra):
 
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
-              sliding_window=WINDOW, hidden_size_per_layer_input=0, max_position_embeddings=128, rms_norm_eps=1e-6,
-              initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="eager")  # fmt: skip
+              sliding_window=WINDOW, hidden_size_per_layer_input=0, max_position_embeddings=128,
+              rms_norm_eps=1e-6, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+              attn_implementation="eager")  # fmt: skip
     return tr.Gemma4TextConfig(**{**kw, **extra})
 
 
