@@ -1,5 +1,8 @@
-"""Gemma 4 text targets (``gemma4_text``, and the text model of a ``gemma4`` config) read from
-Hugging Face configs and checkpoints, as transformers' ``modeling_gemma4`` computes them.
+"""Gemma 4 text targets (``gemma4_text`` / ``gemma4_unified_text``, and the text model of a ``gemma4`` /
+``gemma4_unified`` config) read from Hugging Face configs and checkpoints, as transformers'
+``modeling_gemma4`` / ``modeling_gemma4_unified`` compute them (the unified text decoder is Gemma 4's
+without per-layer inputs and experts; a text-only input sees the causal mask under
+``use_bidirectional_attention: vision``).
 
 :func:`gemma4_fields` turns a ``Gemma4TextConfig`` into the Gemma 4 part of a
 :class:`~dspark_jax.config.TargetConfig` (the decoder: :mod:`dspark_jax.models.gemma4`), refusing
@@ -17,6 +20,7 @@ import numpy as np
 from dspark_jax.config import RopeScaling
 from dspark_jax.errors import DSparkInputError
 
+GEMMA4_TEXT_TYPES = ("gemma4_text", "gemma4_unified_text")
 # The config keys gemma4_fields reads (and refuses where unimplemented); the general rule skips them.
 GEMMA4_CONFIG_KEYS = (
     "final_logit_softcapping",
@@ -68,11 +72,11 @@ def _refuse(c: Any, where: str) -> None:
         ("use_bidirectional_attention", "bidirectional attention"),
     )
     for key, feature in parts:
-        if value := getattr(c, key, None):
+        if (value := getattr(c, key, None)) and value != "vision":  # vision: bidirectional over image tokens only
             raise DSparkInputError(f"{where}: Gemma 4 {feature} ({key}={value!r}) is not supported")
     act = getattr(c, "hidden_activation", None)
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise DSparkInputError(f"{where}: activation {act!r} is not supported for gemma4_text (gelu_pytorch_tanh)")
+        raise DSparkInputError(f"{where}: activation {act!r} is not supported for {c.model_type} (gelu_pytorch_tanh)")
     cap = getattr(c, "final_logit_softcapping", None)
     if cap is not None and not cap > 0:
         raise DSparkInputError(f"{where}: final_logit_softcapping={cap!r} is not supported (positive or null)")
@@ -102,7 +106,7 @@ def _rope(c: Any, where: str, kinds: list[str]) -> dict[str, Any]:
             raise DSparkInputError(f"{where}: rope_parameters gives no rope_theta for {kind} layers")
         rt = p.get("rope_type", "default")
         if rt not in (("default", "proportional") if kind == "full_attention" else ("default",)):
-            raise DSparkInputError(f"{where}: RoPE type {rt!r} on {kind} layers is not supported for gemma4_text")
+            raise DSparkInputError(f"{where}: RoPE type {rt!r} on {kind} layers is not supported for Gemma 4")
         if kind == "sliding_attention":
             out["sliding_rope_theta"] = float(p["rope_theta"])
             continue

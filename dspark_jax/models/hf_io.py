@@ -20,7 +20,13 @@ import numpy as np
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.models.gemma4_io import GEMMA4_CONFIG_KEYS, GEMMA4_LAYER_TENSORS, gemma4_fields, gemma4_prefixes
+from dspark_jax.models.gemma4_io import (
+    GEMMA4_CONFIG_KEYS,
+    GEMMA4_LAYER_TENSORS,
+    GEMMA4_TEXT_TYPES,
+    gemma4_fields,
+    gemma4_prefixes,
+)
 from dspark_jax.models.rope import hf_rope_scaling
 from dspark_jax.models.weights import Params, canonical_params, owned_f32, stack_layers
 
@@ -87,7 +93,7 @@ def _read_st(entry: tuple[Path, str, tuple[int, ...], int, int]) -> np.ndarray:
     return owned_f32(a).reshape(shape)
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gemma4_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", *GEMMA4_TEXT_TYPES)
 # Config keys of Qwen3-MoE that _moe_fields reads (the general refusal rule skips them).
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts")
 # Config keys of the Gemma families that _gemma_fields reads (the general refusal rule skips them).
@@ -155,7 +161,7 @@ def hf_target_config(
       DSparkInputError: an unsupported architecture or a feature not implemented exactly
         (:func:`_refuse_unimplemented`, an unimplemented RoPE scaling).
     """
-    multimodal = c.model_type in ("gemma3", "gemma4")  # ...ForConditionalGeneration: its text model
+    multimodal = c.model_type in ("gemma3", "gemma4", "gemma4_unified")  # ...ForConditionalGeneration: its text model
     gemma3_mm = c.model_type == "gemma3"
     if multimodal:
         c = c.text_config
@@ -164,13 +170,14 @@ def hf_target_config(
             f"{where}: model_type {c.model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
     gemma = _gemma_fields(c, where) if c.model_type in GEMMA_MODEL_TYPES else {}
-    gemma = gemma4_fields(c, where) if c.model_type == "gemma4_text" else gemma
+    gemma4 = c.model_type in GEMMA4_TEXT_TYPES
+    gemma = gemma4_fields(c, where) if gemma4 else gemma
     if gemma3_mm:  # transformers' Gemma3ForConditionalGeneration never applies final_logit_softcapping
         gemma["final_logit_softcap"] = None
     cfg_dict = c.to_dict()
     if c.model_type == "qwen2":  # Qwen2's q/k/v biases are architectural, not the attention_bias key
         cfg_dict.pop("attention_bias", None)
-    for key in (GEMMA_CONFIG_KEYS + GEMMA4_CONFIG_KEYS * (c.model_type == "gemma4_text")) if gemma else ():
+    for key in (GEMMA_CONFIG_KEYS + GEMMA4_CONFIG_KEYS * gemma4) if gemma else ():
         cfg_dict.pop(key, None)  # read (and refused where unimplemented) by _gemma_fields / gemma4_fields
     moe = _moe_fields(c, where) if c.model_type == "qwen3_moe" else {}
     for key in MOE_CONFIG_KEYS if moe else ():
@@ -202,7 +209,7 @@ def hf_target_config(
         rope_scaling=scaling,
         rms_eps=float(c.rms_norm_eps),
         tie_embeddings=tie,
-        qk_norm=c.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text"),
+        qk_norm=c.model_type in ("qwen3", "qwen3_moe", "gemma3_text") or gemma4,
         qkv_bias=c.model_type == "qwen2",
         bos_id=c.bos_token_id,
         eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),

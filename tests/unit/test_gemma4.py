@@ -9,7 +9,9 @@ transformers' logits over 40 positions, past the window, cache-less and through 
   and 1 KV head against the sliding layers' 16 and 2, keys as values, proportional RoPE with a
   partial factor 0.5 and factor 2, final soft-cap;
 * ``v_proj``: three sliding layers then a full one (one period of 4 layers), a value projection on
-  the full layer, default RoPE everywhere, no soft-cap.
+  the full layer, default RoPE everywhere, no soft-cap;
+* ``unified``: ``k_eq_v``'s layers written by ``Gemma4UnifiedForCausalLM`` (``gemma4_unified_text``,
+  the text decoder of google/gemma-4-12B-it).
 
 Greedy speculative decoding equals plain decoding; the taps are transformers' hidden states; what
 is not implemented (per-layer input embeddings, KV-shared layers, the MoE block, other RoPE types,
@@ -53,9 +55,10 @@ VARIANTS = {
         },
     ),
 }
+VARIANTS["unified"] = VARIANTS["k_eq_v"]
 
 
-def _config(**extra):
+def _config(unified=False, **extra):
     import transformers as tr
 
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -63,16 +66,20 @@ def _config(**extra):
               sliding_window=WINDOW, hidden_size_per_layer_input=0, max_position_embeddings=128,
               rms_norm_eps=1e-6, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
               attn_implementation="eager")  # fmt: skip
+    if unified:
+        del kw["hidden_size_per_layer_input"]
+        return tr.Gemma4UnifiedTextConfig(**{**kw, **extra})
     return tr.Gemma4TextConfig(**{**kw, **extra})
 
 
-def _write(path, **extra):
+def _write(path, unified=False, **extra):
     """A tiny random Gemma 4 text model saved to ``path``; returns the fp32 torch model."""
     import torch
     import transformers as tr
 
     torch.manual_seed(0)
-    model = tr.Gemma4ForCausalLM(_config(**extra)).eval()
+    cls = tr.Gemma4UnifiedForCausalLM if unified else tr.Gemma4ForCausalLM
+    model = cls(_config(unified, **extra)).eval()
     with torch.no_grad():  # x * w norms and layer scalars near 1 but not 1: a mis-mapped one shows up
         for n, prm in model.named_parameters():
             if "norm" in n:
@@ -92,7 +99,7 @@ def written(tmp_path_factory):
     def get(name):
         if name not in cache:
             path = tmp_path_factory.mktemp(name)
-            cache[name] = (_write(path, **VARIANTS[name]), *load_hf_dir(path))
+            cache[name] = (_write(path, name == "unified", **VARIANTS[name]), *load_hf_dir(path))
         return cache[name]
 
     return get
