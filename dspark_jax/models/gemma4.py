@@ -27,7 +27,15 @@ import numpy as np
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.models.layers import KVCache, apply_rope_table, attention, cached_attention, kv_scatter, rms_norm
+from dspark_jax.models.layers import (
+    KVCache,
+    apply_rope_table,
+    attention,
+    cached_attention,
+    gated_mlp,
+    kv_scatter,
+    rms_norm,
+)
 from dspark_jax.models.rope import rope_table
 from dspark_jax.models.weights import GLOBAL_ATTN_KEYS, attention_groups, target_param_shapes
 
@@ -94,24 +102,26 @@ def _period_inputs(cfg: TargetConfig, layers: dict[str, jax.Array]) -> dict[str,
 
 def _qkv(cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, positions: jax.Array, full: bool, table):
     """A layer's normed q, k (RoPE applied) and v: ``[B, T, heads, hd]`` each (the layer's shapes)."""
-    a = rms_norm(h, p["attn_norm"], cfg.rms_eps)
+    a = rms_norm(h, p["attn_norm"], cfg.rms_eps, cfg.norm_offset)
     b, t, _ = a.shape
     hd = (cfg.global_head_dim or cfg.head_dim) if full else cfg.head_dim
     kvh = (cfg.global_num_kv_heads or cfg.num_kv_heads) if full else cfg.num_kv_heads
-    q = rms_norm((a @ p["wq"]).reshape(b, t, cfg.num_heads, hd), p["q_norm"], cfg.rms_eps)
+    q = rms_norm((a @ p["wq"]).reshape(b, t, cfg.num_heads, hd), p["q_norm"], cfg.rms_eps, cfg.norm_offset)
     k_raw = (a @ p["wk"]).reshape(b, t, kvh, hd)
     v = k_raw if full and cfg.k_eq_v else (a @ p["wv"]).reshape(b, t, kvh, hd)
     if cfg.v_norm:
         v = rms_norm(v, jnp.ones((hd,), v.dtype), cfg.rms_eps)
-    k = rms_norm(k_raw, p["k_norm"], cfg.rms_eps)
+    k = rms_norm(k_raw, p["k_norm"], cfg.rms_eps, cfg.norm_offset)
     return apply_rope_table(q, positions, table), apply_rope_table(k, positions, table), v
 
 
 def _layer_rest(cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, attn: jax.Array) -> jax.Array:
-    """Output projection, the sandwich-normed residual adds around it and the MLP, times the layer scalar."""
-    from dspark_jax.models.target import _residual_mlp
-
-    out = _residual_mlp(cfg, p, h, attn @ p["wo"], {})
+    """Output projection, the (sandwich-normed) residual adds around it and the gated MLP, times the
+    layer scalar: ``h [B, T, H]``, ``attn [B, T, nh*hd]`` -> ``[B, T, H]``."""
+    eps, off, a = cfg.rms_eps, cfg.norm_offset, attn @ p["wo"]
+    h = h + (rms_norm(a, p["post_attn_norm"], eps, off) if cfg.sandwich_norms else a)
+    m = gated_mlp(rms_norm(h, p["mlp_norm"], eps, off), p["w_gate"], p["w_up"], p["w_down"], cfg.mlp_activation)
+    out = h + (rms_norm(m, p["post_mlp_norm"], eps, off) if cfg.sandwich_norms else m)
     return out if not cfg.layer_scalar else out * p["layer_scalar"].astype(out.dtype)
 
 
@@ -124,6 +134,8 @@ def grouped_forward(
     cfg = target.cfg
     if cfg.attention_backend not in ("auto", "xla"):
         raise DSparkInputError(f"attention backend {cfg.attention_backend!r} does not support Gemma 4 targets")
+    if cfg.num_experts or cfg.qkv_bias or not cfg.qk_norm:
+        raise ValueError("Gemma 4 layers with experts, q/k/v biases or without q/k norms are not implemented")
     period = layer_period(cfg)
     kinds = [w is None for w in cfg.layer_windows()[:period]]  # True: a full-attention layer
     tables = tuple(jnp.asarray(t) for t in _rope_tables(cfg))
