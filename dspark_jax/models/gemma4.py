@@ -14,7 +14,8 @@ own shapes, both riding in the scan carry and written in place, so a decode step
 once with no padding and no branch. An irregular pattern is one period of ``L`` layers (unrolled).
 
 What refuses a Gemma 4 target, by name: the serving engine's packed passes (and so its chunked
-prefill), a device mesh, an attention backend other than xla.
+prefill), an attention backend other than xla. On a device mesh the sliding layers' weights split
+like every target's, the full layers' ``g_wq`` / ``g_wo`` over heads, their few KV heads replicated.
 """
 
 from __future__ import annotations

@@ -169,7 +169,6 @@ class Target(nnx.Module):
         else:
             from dspark_jax.models.sharding import place, tree_shardings
 
-            refuse(cfg, "a device mesh")
             shardings = tree_shardings(params, mesh, cfg)
             cast = lambda a, s: nnx.Param(place(np.asarray(a).astype(jnp.dtype(dtype)), s))
         sh = shardings if mesh is not None else {"layers": {}}

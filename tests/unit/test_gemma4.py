@@ -15,7 +15,7 @@ transformers' logits over 40 positions, past the window, cache-less and through 
 
 Greedy speculative decoding equals plain decoding; the taps are transformers' hidden states; what
 is not implemented (per-layer input embeddings, KV-shared layers, the MoE block, other RoPE types,
-the serving engine, a device mesh) is refused in one line.
+the serving engine) is refused in one line. On device meshes: tests/integration/test_gemma4_mesh.py.
 """
 
 from __future__ import annotations
@@ -190,15 +190,14 @@ def test_multimodal_config_gives_its_text_model():
     assert hf_target_config(mm, where="mm", name="g4") == hf_target_config(text, where="mm", name="g4")
 
 
-def test_engine_and_mesh_refuse_a_gemma4_target(written):
-    import jax
-
+def test_engine_refuses_a_gemma4_target(written):
+    """The serving engine's packed passes are not implemented for Gemma 4: a one-line refusal."""
     from dspark_jax.serving.engine import Engine
 
     _, cfg, params = written("v_proj")
     target = Target(cfg, params)
-    with pytest.raises(DSparkInputError, match="serving engine does not support Gemma 4"):
+    with pytest.raises(DSparkInputError, match="serving engine does not support Gemma 4") as e:
         Engine(target, None, num_slots=2, cache_len=32, policy="plain")
-    mesh = jax.make_mesh((1,), ("model",))
-    with pytest.raises(DSparkInputError, match="device mesh does not support Gemma 4"):
-        Target(cfg, params, mesh=mesh)
+    assert "\n" not in str(e.value)
+    with pytest.raises(DSparkInputError, match="packed pass does not support Gemma 4"):
+        target.forward_packed(*(np.zeros(2, np.int32),) * 4, target.init_cache(2, 8), num_rows=2, width=1)
