@@ -20,7 +20,7 @@ like every target's, the full layers' ``g_wq`` / ``g_wo`` over heads, their few 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +91,7 @@ def init_grouped_cache(cfg: TargetConfig, batch: int, length: int, dtype) -> KVC
     gkv, ghd = cfg.global_num_kv_heads or cfg.num_kv_heads, cfg.global_head_dim or cfg.head_dim
     ks = jnp.zeros((len(local), batch, length, cfg.num_kv_heads, cfg.head_dim), dtype)
     kf = jnp.zeros((len(full), batch, length, gkv, ghd), dtype)
-    return KVCache((ks, kf), (ks, kf))
+    return KVCache(cast(Any, (ks, kf)), cast(Any, (ks, kf)))
 
 
 def _period_inputs(cfg: TargetConfig, layers: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -166,6 +166,7 @@ def grouped_forward(
             else:
                 li = n * sum(kinds if full else [not f for f in kinds]) + j
                 ck, cv = (kf, vf) if full else (ks, vs)
+                assert ck is not None and cv is not None
                 ck, cv = kv_scatter(ck, (li, b_idx, wpos), k), kv_scatter(cv, (li, b_idx, wpos), v)
                 a = cached_attention(q, ck, cv, li, positions, window=None if full else cfg.sliding_window, **opts)
                 ks, vs, kf, vf = (ks, vs, ck, cv) if full else (ck, cv, kf, vf)
@@ -177,7 +178,7 @@ def grouped_forward(
     (x, caches, _), hidden = jax.lax.scan(period_body, (x, caches, jnp.int32(0)), xs)
     if hidden is not None:
         hidden = hidden.reshape((cfg.num_layers,) + hidden.shape[2:])
-    new_cache = None if cache is None else KVCache(caches[:2], caches[2:])
+    new_cache = None if cache is None else KVCache(cast(Any, caches[:2]), cast(Any, caches[2:]))
     return x, hidden, new_cache
 
 

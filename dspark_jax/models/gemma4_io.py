@@ -132,7 +132,7 @@ def gemma4_fields(c: Any, where: str) -> dict[str, Any]:
     if bad := sorted(set(kinds) - {"full_attention", "sliding_attention"}):
         raise DSparkInputError(f"{where}: layer_types {bad} are not supported")
     shapes = _layer_shapes(c, where, kinds)
-    local = shapes.get("sliding_attention", shapes.get("full_attention"))
+    local = shapes["sliding_attention"] if "sliding_attention" in shapes else shapes["full_attention"]
     ghd, gkv = shapes.get("full_attention", local)
     rope = _rope(c, where, kinds)
     if "full_attention" not in kinds:  # every layer slides: their RoPE is the only one

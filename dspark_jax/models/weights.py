@@ -102,7 +102,8 @@ def _grouped_attention_shapes(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
         ("g_", len(full), cfg.global_head_dim or cfg.head_dim, cfg.global_num_kv_heads or cfg.num_kv_heads),
     ):
         if n:
-            shapes = {"wq": (n, H, nh * hd), "wk": (n, H, kvh * hd), "wv": (n, H, kvh * hd), "wo": (n, nh * hd, H)}
+            shapes: dict[str, tuple[int, ...]] = {"wq": (n, H, nh * hd), "wk": (n, H, kvh * hd), "wo": (n, nh * hd, H)}
+            shapes["wv"] = (n, H, kvh * hd)
             shapes.update(q_norm=(n, hd), k_norm=(n, hd))
             if prefix and cfg.k_eq_v:
                 del shapes["wv"]

@@ -13,7 +13,8 @@ transformers' logits over 40 positions, past the window, cache-less and through 
 * ``unified``: ``k_eq_v``'s layers written by ``Gemma4UnifiedForCausalLM`` (``gemma4_unified_text``,
   the text decoder of google/gemma-4-12B-it).
 
-Greedy speculative decoding equals plain decoding; the taps are transformers' hidden states; what
+Greedy speculative decoding equals plain decoding; the taps are transformers' hidden states; the
+trainer learns on a Gemma 4 target; what
 is not implemented (per-layer input embeddings, KV-shared layers, the MoE block, other RoPE types,
 the serving engine) is refused in one line. On device meshes: tests/integration/test_gemma4_mesh.py.
 """
@@ -201,3 +202,26 @@ def test_engine_refuses_a_gemma4_target(written):
     assert "\n" not in str(e.value)
     with pytest.raises(DSparkInputError, match="packed pass does not support Gemma 4"):
         target.forward_packed(*(np.zeros(2, np.int32),) * 4, target.init_cache(2, 8), num_rows=2, width=1)
+
+
+def test_training_on_a_gemma4_target_reduces_the_loss(written):
+    """The trainer's path (tapped features of both layer kinds, the soft-capped target distribution,
+    the drafter's logits through the tied head) runs on a Gemma 4 target and learns."""
+    from flax import nnx
+
+    from dspark_jax.drafters.dspark import DSparkDrafter
+    from dspark_jax.training.data import batches
+    from dspark_jax.training.train_config import TrainConfig, drafter_config
+    from dspark_jax.training.trainer import Trainer
+
+    _, cfg, params = written("k_eq_v")
+    target = Target(cfg, params, fingerprint=params_fingerprint(params))
+    tc = TrainConfig(steps=12, batch_size=4, anchors_per_seq=4, block_size=4, num_layers=1, markov_rank=8,
+                     learning_rate=1e-2, taps=(0, 1, 3))  # fmt: skip
+    tr = Trainer(tc, target, DSparkDrafter(drafter_config(tc, target), nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
+    data = {"tokens": rng.integers(3, VOCAB, (8, 24)).astype(np.int32), "lengths": np.full(8, 24, np.int32),
+            "prompt_lengths": np.full(8, 4, np.int32)}  # fmt: skip
+    it = batches(data, tc.batch_size, seed=0)
+    losses = [float(tr.step(next(it), s)[0].loss) for s in range(12)]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
