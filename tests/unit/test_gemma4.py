@@ -225,3 +225,18 @@ def test_training_on_a_gemma4_target_reduces_the_loss(written):
     it = batches(data, tc.batch_size, seed=0)
     losses = [float(tr.step(next(it), s)[0].loss) for s in range(12)]
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+def test_gguf_refuses_gemma4_by_architecture(tmp_path):
+    import gguf
+
+    from dspark_jax.models.gguf_io import load_gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "g4.gguf"), "gemma4")
+    w.add_block_count(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(DSparkInputError, match="GGUF architecture 'gemma4' is not supported"):
+        load_gguf(tmp_path / "g4.gguf")
