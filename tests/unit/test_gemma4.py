@@ -14,7 +14,7 @@ transformers' logits over 40 positions, past the window, cache-less and through 
   the text decoder of google/gemma-4-12B-it).
 
 Greedy speculative decoding equals plain decoding; the taps are transformers' hidden states; the
-trainer learns on a Gemma 4 target; what
+trainer learns on a Gemma 4 target; a multimodal ``gemma4`` checkpoint loads as its text model; what
 is not implemented (per-layer input embeddings, KV-shared layers, the MoE block, other RoPE types,
 the serving engine) is refused in one line. On device meshes: tests/integration/test_gemma4_mesh.py.
 """
@@ -182,13 +182,22 @@ def test_refuses_what_it_does_not_implement(extra, match):
     assert "gemma4/config.json" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_multimodal_config_gives_its_text_model():
-    """A ``gemma4`` (Gemma4ForConditionalGeneration) config: its text model, final soft-cap applied."""
+def test_multimodal_checkpoint_loads_its_text_model(tmp_path):
+    """A ``gemma4`` (Gemma4ForConditionalGeneration) checkpoint: its text model (``model.language_model.*``),
+    the final soft-cap applied as transformers' class applies it; logits within 1e-4."""
+    import torch
     import transformers as tr
 
+    torch.manual_seed(0)
     text = _config(**VARIANTS["k_eq_v"])
-    mm = tr.Gemma4Config(text_config=text.to_dict(), vision_config=None, audio_config=None)
-    assert hf_target_config(mm, where="mm", name="g4") == hf_target_config(text, where="mm", name="g4")
+    model = tr.Gemma4ForConditionalGeneration(tr.Gemma4Config(text_config=text.to_dict(), vision_config=None,
+                                                                 audio_config=None)).eval()  # fmt: skip
+    model.save_pretrained(tmp_path)
+    cfg, params = load_hf_dir(tmp_path)
+    assert cfg == hf_target_config(text, where="x", name=tmp_path.name) and cfg.final_logit_softcap == 3.0
+    ids = _ids(16)
+    got = Target(cfg, params)(ids[None], np.arange(16, dtype=np.int32)[None]).logits[0]
+    np.testing.assert_allclose(np.asarray(got), hf_logits(model, ids), atol=TOL, rtol=0)
 
 
 def test_engine_refuses_a_gemma4_target(written):
