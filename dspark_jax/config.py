@@ -28,7 +28,8 @@ MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 # TargetConfig's Gemma fields at their "absent" values, left out by to_dict (Llama/Qwen dicts unchanged).
 _GEMMA_DEFAULTS = {"norm_offset": 0.0, "embed_scale": 1.0, "mlp_activation": "silu", "sandwich_norms": False,
                    "attn_logit_softcap": None, "final_logit_softcap": None, "query_scale": None,
-                   "sliding_rope_theta": None}  # fmt: skip
+                   "sliding_rope_theta": None, "global_head_dim": None, "global_num_kv_heads": None,
+                   "k_eq_v": False, "v_norm": False, "layer_scalar": False}  # fmt: skip
 # DrafterConfig's Gemma-layer fields at their absent values, likewise left out by its to_dict.
 _DRAFTER_GEMMA_DEFAULTS = {"own_embeddings": False, "embed_scale": 1.0, "final_logit_softcap": None,
                            "mlp_activation": "silu", "sandwich_norms": False, "layer_scalar": False,
@@ -89,7 +90,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    """Architecture of a decoder-only target (Llama 2/3.x, SmolLM2, Qwen2/2.5, Qwen3, Mistral, Gemma 2/3).
+    """Architecture of a decoder-only target (Llama 2/3.x, SmolLM2, Qwen2/2.5, Qwen3, Mistral, Gemma 2/3/4).
 
     Weights follow the Hugging Face convention: RoPE rotates the two *halves* of
     each head (``rotate_half``). Loaders of formats that rotate adjacent pairs
@@ -147,6 +148,11 @@ class TargetConfig:
       decoder_sparse_step / mlp_only_layers: layer ``i`` is sparse when ``i`` is not in
         ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0`` (transformers'
         ``qwen3_moe`` rule); the other layers keep the dense MLP of ``intermediate_size``.
+      global_head_dim / global_num_kv_heads: head width / KV heads of the full-attention layers
+        when they differ from the sliding ones' (Gemma 4), else None.
+      k_eq_v: full-attention layers have no value projection: V is the raw key projection (Gemma 4).
+      v_norm: a weightless RMSNorm of every value head. layer_scalar: each layer's output is
+        multiplied by its entry of ``layers.layer_scalar [L]`` (both Gemma 4).
     """
 
     vocab_size: int
@@ -184,6 +190,11 @@ class TargetConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    global_head_dim: int | None = None
+    global_num_kv_heads: int | None = None
+    k_eq_v: bool = False
+    v_norm: bool = False
+    layer_scalar: bool = False
 
     def __post_init__(self):
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -197,8 +208,9 @@ class TargetConfig:
         object.__setattr__(self, "layer_types", tuple(str(t) for t in self.layer_types))
         self._check_windows()
         self._check_experts()
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        for kvh in (self.num_kv_heads, self.global_num_kv_heads or self.num_kv_heads):
+            if self.num_heads % kvh:
+                raise ValueError(f"num_heads={self.num_heads} is not a multiple of {kvh} KV heads")
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
@@ -294,6 +306,14 @@ class TargetConfig:
         if n == 1:
             return (1 if self.num_layers > 1 else 0,)
         return tuple(int(round(1 + i * (last - 1) / (n - 1))) for i in range(n))
+
+    @property
+    def grouped_attention(self) -> bool:
+        """Whether the layers run as Gemma 4's (:mod:`dspark_jax.models.gemma4`): sliding and
+        full-attention layers with their own attention weights (and shapes), KV caches and RoPE."""
+        g = (self.global_head_dim, self.global_num_kv_heads)
+        proportional = self.rope_scaling is not None and self.rope_scaling.rope_type == "proportional"
+        return self.k_eq_v or self.v_norm or self.layer_scalar or proportional or g != (None, None)
 
     @property
     def per_layer_rope(self) -> bool:

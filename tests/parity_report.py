@@ -1,6 +1,6 @@
 """Prints the parity table of docs/results.md: max |logit diff| against transformers (fp32) of each
 target family's tiny random model, through the same writers and loaders as the exactness tests
-(tests/unit/test_target_families.py, test_sliding_window.py, test_gemma.py), cache-less and cached.
+(tests/unit/test_target_families.py, test_sliding_window.py, test_gemma.py, test_gemma4.py), cache-less and cached.
 
     python tests/parity_report.py   # from the repository root, about a minute on 2 CPU cores
 """
@@ -16,6 +16,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent / "unit"))
 
 import test_gemma as tg
+import test_gemma4 as tg4
 import test_sliding_window as tsw
 import test_target_families as ttf
 from test_model_io import _write_gguf
@@ -50,6 +51,25 @@ def diffs(cfg, params, ids, want, chunks):
     a = np.abs(full_logits(cfg, params, ids) - want).max()
     b = np.abs(cached_logits(cfg, params, ids, chunks) - want).max()
     return float(np.abs(want).max()), float(a), float(b)
+
+
+GEMMA4_LABELS = {
+    "k_eq_v": "gemma4_text: full layers 32-wide x 1 KV head, k = v, proportional RoPE 0.5",
+    "v_proj": "gemma4_text: 3 sliding + 1 full (v_proj), default RoPE",
+    "unified": "gemma4_unified_text (as `k_eq_v`)",
+}
+
+
+def gemma4_rows(tmp: Path) -> list[tuple]:
+    """The Gemma 4 text rows: test_gemma4's tiny models (40 positions, window 8)."""
+    rows = []
+    for name, label in GEMMA4_LABELS.items():
+        model = tg4._write(tmp / f"g4-{name}", name == "unified", **tg4.VARIANTS[name])
+        cfg, params = load_hf_dir(tmp / f"g4-{name}")
+        ids = tg4._ids()
+        test = "test_gemma4.py::test_logits_match_transformers_past_the_window"
+        rows.append((label, "HF", *diffs(cfg, params, ids, tg._hf_logits(model, ids), (17, 1)), test))
+    return rows
 
 
 def main():
@@ -103,6 +123,7 @@ def main():
     test = "test_gemma.py::test_gemma3_gguf_matches_transformers"
     label = "gemma3, 7 layers (every 6th full, local RoPE base 1e4), as `gemma3`"
     rows.append((label, "GGUF", *diffs(cfg, params, ids, tg._hf_logits(model, ids), (20, 3, 1, 1)), test))
+    rows += gemma4_rows(tmp)
     print("| family | source | max abs logit | max abs logit diff, cache-less | through the KV cache | test |")
     print("|---|---|---|---|---|---|")
     for name, src, m, a, b, test in rows:

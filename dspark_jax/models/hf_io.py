@@ -1,6 +1,6 @@
 """Hugging Face ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` /
 ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM`` (``gemma3_text``)
-safetensors directories.
+/ ``Gemma4ForCausalLM`` (``gemma4_text``; :mod:`~dspark_jax.models.gemma4_io`) safetensors directories.
 
 :func:`hf_config` reads ``config.json`` (via ``transformers.AutoConfig``),
 ``generation_config.json`` and the safetensors headers; :func:`load_hf_dir` reads the
@@ -20,6 +20,13 @@ import numpy as np
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.models.gemma4_io import (
+    GEMMA4_CONFIG_KEYS,
+    GEMMA4_LAYER_TENSORS,
+    GEMMA4_TEXT_TYPES,
+    gemma4_fields,
+    gemma4_prefixes,
+)
 from dspark_jax.models.rope import hf_rope_scaling
 from dspark_jax.models.weights import Params, canonical_params, owned_f32, stack_layers
 
@@ -86,7 +93,7 @@ def _read_st(entry: tuple[Path, str, tuple[int, ...], int, int]) -> np.ndarray:
     return owned_f32(a).reshape(shape)
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", *GEMMA4_TEXT_TYPES)
 # Config keys of Qwen3-MoE that _moe_fields reads (the general refusal rule skips them).
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts")
 # Config keys of the Gemma families that _gemma_fields reads (the general refusal rule skips them).
@@ -108,6 +115,13 @@ HF_MATH_KEYS: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
     ("hidden_activation", "an activation other than SiLU", lambda v: v in (None, "silu")),
     ("num_experts", "mixture-of-experts layers", lambda v: not v),
     ("num_local_experts", "mixture-of-experts layers", lambda v: not v),
+    ("per_layer_config", "per-layer attention shapes", lambda v: not v),
+    ("attention_k_eq_v", "keys shared as values", lambda v: not v),
+    ("hidden_size_per_layer_input", "per-layer input embeddings", lambda v: not v),
+    ("num_kv_shared_layers", "KV-shared layers", lambda v: not v),
+    ("enable_moe_block", "a mixture-of-experts block beside the MLP", lambda v: not v),
+    ("use_double_wide_mlp", "double-wide MLPs", lambda v: not v),
+    ("use_bidirectional_attention", "bidirectional attention", lambda v: not v),
 )
 
 
@@ -147,7 +161,8 @@ def hf_target_config(
       DSparkInputError: an unsupported architecture or a feature not implemented exactly
         (:func:`_refuse_unimplemented`, an unimplemented RoPE scaling).
     """
-    multimodal = c.model_type == "gemma3"  # Gemma3ForConditionalGeneration: its text model (images are not read)
+    multimodal = c.model_type in ("gemma3", "gemma4", "gemma4_unified")  # ...ForConditionalGeneration: its text model
+    gemma3_mm = c.model_type == "gemma3"
     if multimodal:
         c = c.text_config
     if c.model_type not in SUPPORTED_MODEL_TYPES:
@@ -155,13 +170,15 @@ def hf_target_config(
             f"{where}: model_type {c.model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
     gemma = _gemma_fields(c, where) if c.model_type in GEMMA_MODEL_TYPES else {}
-    if multimodal:  # transformers' Gemma3ForConditionalGeneration never applies final_logit_softcapping
+    gemma4 = c.model_type in GEMMA4_TEXT_TYPES
+    gemma = gemma4_fields(c, where) if gemma4 else gemma
+    if gemma3_mm:  # transformers' Gemma3ForConditionalGeneration never applies final_logit_softcapping
         gemma["final_logit_softcap"] = None
     cfg_dict = c.to_dict()
     if c.model_type == "qwen2":  # Qwen2's q/k/v biases are architectural, not the attention_bias key
         cfg_dict.pop("attention_bias", None)
-    for key in GEMMA_CONFIG_KEYS if gemma else ():  # read (and refused where unimplemented) by _gemma_fields
-        cfg_dict.pop(key, None)
+    for key in (GEMMA_CONFIG_KEYS + GEMMA4_CONFIG_KEYS * gemma4) if gemma else ():
+        cfg_dict.pop(key, None)  # read (and refused where unimplemented) by _gemma_fields / gemma4_fields
     moe = _moe_fields(c, where) if c.model_type == "qwen3_moe" else {}
     for key in MOE_CONFIG_KEYS if moe else ():
         cfg_dict.pop(key, None)
@@ -177,20 +194,22 @@ def hf_target_config(
     nh = c.num_attention_heads
     tie = bool(getattr(c, "tie_word_embeddings", False)) or lm_head_in_weights is False
     layer_types, window = hf_attention_windows(c, where)
+    kvh = gemma.pop("num_kv_heads", None) or getattr(c, "num_key_value_heads", None) or nh
+    hd = gemma.pop("head_dim", None) or getattr(c, "head_dim", None) or c.hidden_size // nh
     return TargetConfig(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,
         num_layers=c.num_hidden_layers,
         num_heads=nh,
-        num_kv_heads=getattr(c, "num_key_value_heads", None) or nh,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // nh,
+        num_kv_heads=kvh,
+        head_dim=hd,
         max_position=c.max_position_embeddings,
         rope_theta=float(theta),
         rope_scaling=scaling,
         rms_eps=float(c.rms_norm_eps),
         tie_embeddings=tie,
-        qk_norm=c.model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+        qk_norm=c.model_type in ("qwen3", "qwen3_moe", "gemma3_text") or gemma4,
         qkv_bias=c.model_type == "qwen2",
         bos_id=c.bos_token_id,
         eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
@@ -364,6 +383,7 @@ def load_hf_dir(path: str | Path) -> tuple[TargetConfig, Params]:
     pre, head = (
         ("language_model.model.", "language_model.lm_head.weight") if multimodal else ("model.", "lm_head.weight")
     )
+    pre, skipped = gemma4_prefixes(index, pre) if cfg.grouped_attention else (pre, ())
 
     def get(name: str) -> np.ndarray:
         if name not in index:
@@ -377,12 +397,14 @@ def load_hf_dir(path: str | Path) -> tuple[TargetConfig, Params]:
             return np.stack([get(f"model.layers.{i}.mlp.experts.{e}.{HF_EXPERT_TENSORS[key]}") for e in experts])
         if key == "moe_router":
             return get(f"model.layers.{i}.{HF_ROUTER_TENSOR}")
-        return get(
-            f"{pre}layers.{i}.{HF_BIAS_TENSORS[key]}" if key in HF_BIAS_TENSORS else f"{pre}layers.{i}.{hf[key]}.weight"
-        )
+        if key in HF_BIAS_TENSORS or key == "layer_scalar":
+            return get(f"{pre}layers.{i}.{HF_BIAS_TENSORS.get(key, key)}")
+        return get(f"{pre}layers.{i}.{hf[key]}.weight")
 
     hf = GEMMA_LAYER_TENSORS if cfg.sandwich_norms else HF_LAYER_TENSORS
+    hf = GEMMA4_LAYER_TENSORS if cfg.grouped_attention else hf
     names = {**{k: f"{v}.weight" for k, v in hf.items()}, **HF_BIAS_TENSORS, "moe_router": HF_ROUTER_TENSOR}
+    names["layer_scalar"] = "layer_scalar"
     names.update({k: f"mlp.experts.*.{v}" for k, v in HF_EXPERT_TENSORS.items()})
     layers = stack_layers(cfg, layer_tensor, lambda i, key: f"{path}: layer {i} {names[key]}")
     params = canonical_params(
@@ -391,8 +413,8 @@ def load_hf_dir(path: str | Path) -> tuple[TargetConfig, Params]:
     # A tensor the model would not read changes what transformers computes: refuse it by name.
     unread = sorted(n for n in index if n not in read and not n.endswith(_HF_IGNORED_SUFFIXES))
     unread = [n for n in unread if not (n == head and cfg.tie_embeddings)]  # tied: transformers ignores it
-    if multimodal:
-        unread = [n for n in unread if not n.startswith(_IMAGE_ONLY_PREFIXES)]
+    if multimodal or skipped:
+        unread = [n for n in unread if not n.startswith(_IMAGE_ONLY_PREFIXES + skipped)]
     if unread:
         more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
         raise DSparkInputError(

@@ -43,7 +43,8 @@ class KVCache(NamedTuple):
 
     @property
     def length(self) -> int:
-        return self.k.shape[2]
+        """S, the positions each row holds (a Gemma 4 cache's ``k`` is a pair: sliding, full)."""
+        return (self.k[0] if isinstance(self.k, tuple) else self.k).shape[2]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:

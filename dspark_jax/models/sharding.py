@@ -70,6 +70,8 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "wk": ("embed", "kv_heads"),
     "wv": ("embed", "kv_heads"),
     "wo": ("heads", "embed"),
+    "g_wq": ("embed", "heads"),  # Gemma 4's full-attention layers (their few KV heads: replicated)
+    "g_wo": ("heads", "embed"),
     "w_gate": ("embed", "mlp"),
     "w_up": ("embed", "mlp"),
     "w_down": ("mlp", "embed"),

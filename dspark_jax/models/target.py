@@ -1,13 +1,13 @@
 """The target model: a Llama-family decoder in Flax NNX with a static KV cache.
 
-Implements docs/design.md#target-model: RMSNorm, RoPE (with its scalings), GQA, SwiGLU, optional
-Qwen2 q/k/v biases and Qwen3 q/k-norm, and per-layer sliding-window attention (Mistral, Qwen3
-sliding layers, Gemma), with per-layer weights stacked on a leading axis and the layer loop run by
-``lax.scan`` (one compiled layer body whatever the depth). The Gemma 2/3 differences are data in
-:class:`~dspark_jax.config.TargetConfig`: ``1 + w`` norms, the scaled embedding, the GELU-tanh
-MLP, sandwich norms, soft-caps, the query scale and a per-layer RoPE (a scan input beside the
-stacked weights). The forward pass can return the hidden states of chosen layers ("taps"), which
-the drafter consumes as context features (docs/design.md#context-features).
+Implements docs/design.md#target-model: RMSNorm, RoPE (with its scalings), GQA, SwiGLU, optional Qwen2
+q/k/v biases and Qwen3 q/k-norm, and per-layer sliding-window attention (Mistral, Qwen3 sliding layers,
+Gemma), with per-layer weights stacked on a leading axis and the layer loop run by ``lax.scan`` (one
+compiled layer body whatever the depth). The Gemma 2/3 differences are data in :class:`~dspark_jax.config.TargetConfig`:
+``1 + w`` norms, the scaled embedding, the GELU-tanh MLP, sandwich norms, soft-caps, the query scale and
+a per-layer RoPE (a scan input beside the stacked weights); Gemma 4's layers of two shapes scan by
+pattern period (:mod:`dspark_jax.models.gemma4`). The forward pass can return the hidden states of
+chosen layers ("taps"), which the drafter consumes as context features (docs/design.md#context-features).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from flax import nnx
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.models.attention import attend, current_platform
+from dspark_jax.models.gemma4 import grouped_forward, init_grouped_cache, random_grouped_params, refuse
 from dspark_jax.models.layers import KVCache, apply_rope, apply_rope_table, attention, kv_scatter, rms_norm
 from dspark_jax.models.moe import feed_forward, split_mixed_mlp
 from dspark_jax.models.rope import rope_table
@@ -84,11 +85,10 @@ def tied_head_row_reduce(h: jax.Array, embed: jax.Array) -> jax.Array:
     """``h @ embed.T`` as one reduction over H for every embedding row: ``[..., H]`` x ``[V, H]``
     -> ``[..., V]`` float32.
 
-    Why: XLA's CPU backend runs a dot with one row as a matrix-vector product near memory bandwidth,
-    but a dot with 2-32 rows through a GEMM kernel that read SmolLM2's 113 MB embedding 2.6x
-    slower (2 cores, 3 rows: 8.1 ms against 3.1 ms for one row); the reduction streams each
-    embedding row once for every position (4.7 ms at 3 rows; 7.8 against 9.7 ms at 9; session 22).
-    Equal to the dot up to float round-off (summation order).
+    Why: XLA's CPU backend runs a dot with one row as a matrix-vector product near memory bandwidth, but a
+    dot with 2-32 rows through a GEMM kernel that read SmolLM2's 113 MB embedding 2.6x slower (2 cores,
+    3 rows: 8.1 ms against 3.1 ms for one row); the reduction streams each embedding row once for every
+    position (4.7 ms at 3 rows; 7.8 against 9.7 ms at 9). Equal to the dot up to round-off (summation order).
     """
     lead, hidden = h.shape[:-1], h.shape[-1]
     flat = h.reshape(-1, hidden).astype(jnp.float32)
@@ -98,6 +98,8 @@ def tied_head_row_reduce(h: jax.Array, embed: jax.Array) -> jax.Array:
 
 def random_params(cfg: TargetConfig, seed: int = 0, scale: float = 0.05) -> dict[str, Any]:
     """Random float32 parameters in the canonical layout (for tests and dry runs)."""
+    if cfg.grouped_attention:
+        return random_grouped_params(cfg, seed, scale)
     rng = np.random.default_rng(seed)
     L, H, I, Ld = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers - cfg.num_sparse_layers
     qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -176,6 +178,7 @@ class Target(nnx.Module):
         keys = _LAYER_KEYS + (("q_norm", "k_norm") if cfg.qk_norm else ()) + (_BIAS_KEYS if cfg.qkv_bias else ())
         keys += _SANDWICH_KEYS if cfg.sandwich_norms else ()
         keys = tuple(k for k in keys + MOE_KEYS if k in target_param_shapes(cfg)["layers"])
+        keys = tuple(target_param_shapes(cfg)["layers"]) if cfg.grouped_attention else keys
         self.layers = nnx.Dict({k: cast(params["layers"][k], sh["layers"].get(k)) for k in keys})
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
@@ -246,16 +249,14 @@ class Target(nnx.Module):
         Args:
           tokens: ``[B, T]`` int32 token ids.
           positions: ``[B, T]`` int32 absolute positions (RoPE and cache slots).
-          cache: KV cache ``[L, B, S, kvh, hd]``; the block's keys/values are
-            written at ``positions`` and each query attends to every cache slot
-            at a position <= its own (on a sliding layer, within its window:
-            ``> position - sliding_window``). Without a cache attention is causal
-            within the block (training and full-sequence scoring), likewise windowed.
-          taps: 0-based layer indices whose outputs are returned as features
-            (tap ``i`` equals transformers' ``hidden_states[i + 1]`` for
-            ``i < L - 1``; tap ``L - 1`` is the last layer's output before the final
-            norm, as DeepSpec's target cache and speculators' extraction store it,
-            while transformers' ``hidden_states[L]`` is after it).
+          cache: KV cache ``[L, B, S, kvh, hd]`` (Gemma 4: :func:`.gemma4.init_grouped_cache`); the block's
+            keys/values are written at ``positions`` and each query attends to every cache slot at a
+            position <= its own (on a sliding layer, within its window: ``> position - sliding_window``).
+            Without a cache attention is causal within the block (training, scoring), likewise windowed.
+          taps: 0-based layer indices whose outputs are returned as features (tap ``i`` equals
+            transformers' ``hidden_states[i + 1]`` for ``i < L - 1``; tap ``L - 1`` is the last layer's
+            output before the final norm, as DeepSpec's target cache and speculators' extraction store
+            it, while transformers' ``hidden_states[L]`` is after it).
           logit_index: optional ``[B]`` int32; when given only the logits at that
             block index are computed (prefill), shape ``[B, V]``.
           attn_mask: optional extra ``[B, T, T]`` bool mask for cache-less calls.
@@ -269,7 +270,9 @@ class Target(nnx.Module):
         _check_taps(cfg, taps)
         layer_params, stacks = self.scan_params(), self.mlp_stacks()
 
-        if cache is None:
+        if cfg.grouped_attention:  # Gemma 4: two attention shapes (models.gemma4)
+            x, hidden, new_cache = grouped_forward(self, tokens, positions, cache, taps, attn_mask)
+        elif cache is None:
             causal = positions[:, None, :] <= positions[:, :, None]
             mask = causal if attn_mask is None else causal & attn_mask
             windows = layer_window_table(cfg)
@@ -349,6 +352,7 @@ class Target(nnx.Module):
           (or None) and the updated cache.
         """
         cfg = self.cfg
+        refuse(cfg, "the serving engine's packed pass")
         taps = tuple(int(t) for t in taps)
         geo = _packed_geometry(rows, cols, positions, cache.length, num_rows, width)
         layer_params = self.scan_params()
@@ -363,6 +367,8 @@ class Target(nnx.Module):
     def init_cache(self, batch: int, length: int) -> KVCache:
         """An empty cache for ``batch`` rows of ``length`` positions."""
         c = self.cfg
+        if c.grouped_attention:
+            return init_grouped_cache(c, batch, length, self.dtype)
         return KVCache.zeros(c.num_layers, batch, length, c.num_kv_heads, c.head_dim, self.dtype)
 
 

@@ -17,6 +17,11 @@ leading axis ``L``)::
      "final_norm": [H],
      "lm_head": [H, V]}                                       # only if not cfg.tie_embeddings
 
+With sliding and full-attention layers of their own (``cfg.grouped_attention``: Gemma 4), the
+attention keys ``wq``/``wk``/``wv``/``wo``/``q_norm``/``k_norm`` stack the sliding layers and
+``g_wq``... (:data:`GLOBAL_ATTN_KEYS`; no ``g_wv`` with ``cfg.k_eq_v``) the full-attention layers,
+with the full layers' head width and KV heads; ``layer_scalar [L]`` scales each layer's output.
+
 With mixture-of-experts layers (``cfg.num_experts``), ``w_gate``/``w_up``/``w_down`` stack only
 the ``Ld`` dense layers (absent when none) and the ``Ls`` sparse layers stack (in layer order)
 ``moe_router [Ls, H, E]``, ``moe_gate``/``moe_up [Ls, E, H, Im]`` and ``moe_down [Ls, E, Im, H]``
@@ -60,6 +65,16 @@ def owned_f32(a: np.ndarray) -> np.ndarray:
 
 DENSE_MLP_KEYS = ("w_gate", "w_up", "w_down")
 MOE_KEYS = ("moe_router", "moe_gate", "moe_up", "moe_down")
+# Grouped attention (Gemma 4): a sliding layer's attention key -> the full-attention layers' key.
+GLOBAL_ATTN_KEYS = {k: "g_" + k for k in ("wq", "wk", "wv", "wo", "q_norm", "k_norm")}
+
+
+def attention_groups(cfg: TargetConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The sliding and the full-attention layers, in order."""
+    w = cfg.layer_windows()
+    return tuple(i for i in range(cfg.num_layers) if w[i] is not None), tuple(
+        i for i in range(cfg.num_layers) if w[i] is None
+    )
 
 
 def layer_members(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
@@ -70,7 +85,30 @@ def layer_members(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
     sparse_l = tuple(i for i, s in enumerate(sparse) if s)
     every = tuple(range(cfg.num_layers))
     shapes = target_param_shapes(cfg)["layers"]
-    return {k: dense_l if k in DENSE_MLP_KEYS else sparse_l if k in MOE_KEYS else every for k in shapes}
+    members = {k: dense_l if k in DENSE_MLP_KEYS else sparse_l if k in MOE_KEYS else every for k in shapes}
+    if cfg.grouped_attention:
+        local, full = attention_groups(cfg)
+        members.update({k: local for k in GLOBAL_ATTN_KEYS if k in shapes})
+        members.update({k: full for k in GLOBAL_ATTN_KEYS.values() if k in shapes})
+    return members
+
+
+def _grouped_attention_shapes(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
+    """Gemma 4's attention keys (see the module docstring), the layer scalars included."""
+    H, nh, (local, full) = cfg.hidden_size, cfg.num_heads, attention_groups(cfg)
+    out: dict[str, tuple[int, ...]] = {"layer_scalar": (cfg.num_layers,)}
+    for prefix, n, hd, kvh in (
+        ("", len(local), cfg.head_dim, cfg.num_kv_heads),
+        ("g_", len(full), cfg.global_head_dim or cfg.head_dim, cfg.global_num_kv_heads or cfg.num_kv_heads),
+    ):
+        if n:
+            shapes: dict[str, tuple[int, ...]] = {"wq": (n, H, nh * hd), "wk": (n, H, kvh * hd), "wo": (n, nh * hd, H)}
+            shapes["wv"] = (n, H, kvh * hd)
+            shapes.update(q_norm=(n, hd), k_norm=(n, hd))
+            if prefix and cfg.k_eq_v:
+                del shapes["wv"]
+            out.update({prefix + k: v for k, v in shapes.items()})
+    return out
 
 
 def _layer_shapes(cfg: TargetConfig, L: int, Ld: int, Ls: int) -> dict[str, tuple[int, ...]]:
@@ -104,6 +142,8 @@ def target_param_shapes(cfg: TargetConfig) -> dict[str, Any]:
         layers.update(post_attn_norm=(L, H), post_mlp_norm=(L, H))
     if cfg.qkv_bias:
         layers.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
+    if cfg.grouped_attention:
+        layers = {k: v for k, v in layers.items() if k not in GLOBAL_ATTN_KEYS} | _grouped_attention_shapes(cfg)
     shapes: dict[str, Any] = {"embed": (cfg.vocab_size, H), "layers": layers, "final_norm": (H,)}
     if not cfg.tie_embeddings:
         shapes["lm_head"] = (H, cfg.vocab_size)
@@ -144,6 +184,7 @@ def stack_layers(
                 continue
             m = fetch(i, key)
             m = m.T if m.ndim == 2 else np.swapaxes(m, -1, -2) if m.ndim == 3 else m
+            m = m.reshape(()) if key == "layer_scalar" else m
             if m.shape != dst.shape[1:]:
                 raise DSparkInputError(f"{describe(i, key)} has shape {m.shape}, expected {dst.shape[1:]}")
             dst[members[key].index(i)] = m
@@ -188,7 +229,8 @@ def params_fingerprint(params: Params) -> str:
     pieces = [emb[r, :256] for r in sorted({0, 1, V // 2, V - 1})]
     lay = params["layers"]
     down = lay["w_down"][-1, 0, :256] if "w_down" in lay else lay["moe_down"][-1, -1, 0, :256]
-    pieces += [lay["wq"][0, 0, :256], lay["wq"][-1, -1, :256], down, params["final_norm"][:256]]
+    wq = lay["wq"] if "wq" in lay else lay["g_wq"]
+    pieces += [wq[0, 0, :256], wq[-1, -1, :256], down, params["final_norm"][:256]]
     for a in pieces:
         h.update(np.ascontiguousarray(np.asarray(a, dtype=np.float32)).astype("<f4").tobytes())
     return h.hexdigest()[:16]

@@ -356,15 +356,18 @@ def serve_dry_run(
     (default ``model:<devices>``), without any weights.
 
     Raises:
-      DSparkInputError: bad sizes or mesh, or a drafter config that does not fit the target.
+      DSparkInputError: bad sizes or mesh, a drafter config that does not fit the target, or a
+        target the engine does not serve (Gemma 4).
     """
     import jax
 
+    from dspark_jax.models.gemma4 import refuse
     from dspark_jax.models.weights import count_target_params
 
     if num_slots < 1 or cache_len < 2:
         raise DSparkInputError(f"--num-slots must be >= 1 and --cache-len >= 2, got {num_slots} and {cache_len}")
     tcfg, dcfg = _recipe_configs(cfg)
+    refuse(tcfg, "the serving engine")
     n_dev = int(devices or jax.device_count())
     mesh = mesh if mesh else (cfg.mesh or f"model:{n_dev}")
     sizes = _mesh_sizes(mesh, n_dev)

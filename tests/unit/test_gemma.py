@@ -7,7 +7,7 @@ are loaded through the Hugging Face loader and compared with transformers' logit
 scale other than ``head_dim ** -0.5``; Gemma 3 with q/k norms, a local RoPE base on sliding layers
 and linear RoPE scaling on full ones. Each Gemma field is shown to matter (turning it off moves
 the logits). Greedy speculative decoding and the serving engine equal plain decoding; training
-runs on a Gemma target; warm starts from Gemma layers and Gemma 4 text are refused by name. A Gemma 3
+runs on a Gemma target; warm starts from Gemma layers are refused by name (Gemma 4: test_gemma4.py). A Gemma 3
 GGUF written as llama.cpp's converter writes it gives transformers' logits.
 """
 
@@ -242,18 +242,6 @@ def test_training_on_a_gemma_target_reduces_the_loss(written):
     it = batches(data, cfg.batch_size, seed=0)
     losses = [float(tr.step(next(it), s)[0].loss) for s in range(20)]
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
-
-
-def test_gemma4_text_is_refused_by_name():
-    """Gemma 4 text (x * w norms, v-norm, k = v layers, per-layer inputs, shared KV layers, partial
-    RoPE, a second head dim) is not implemented: its model_type is refused in one line."""
-    from transformers import AutoConfig
-
-    from dspark_jax.models.hf_io import hf_target_config
-
-    c = AutoConfig.for_model("gemma4_text", num_hidden_layers=2, hidden_size=64, vocab_size=VOCAB)
-    with pytest.raises(DSparkInputError, match="model_type 'gemma4_text' is not supported"):
-        hf_target_config(c, where="gemma4", name="gemma4")
 
 
 def test_multimodal_gemma3_checkpoint_loads_its_text_model(tmp_path):

@@ -222,3 +222,23 @@ def test_family_recipe_targets_the_published_config(name):
     else:
         assert (t.rope_scaling.rope_type, t.rope_scaling.factor) == ("linear", 8.0)
         assert t.embed_scale == pytest.approx(3840**0.5, rel=1e-6)
+
+
+def test_gemma4_recipe_targets_the_built_in_config():
+    """The Gemma 4 12B recipe names the built-in config (google/gemma-4-12B-it's text model as public
+    ports record it) and DeepSeek's drafter shape: taps 5/17/29/41/46, block 7, 5 layers, mask token 4."""
+    from dspark_jax.config import RopeScaling
+    from dspark_jax.models.presets import target_config
+    from dspark_jax.models.weights import count_target_params
+
+    cfg = TRAIN_PRESETS["gemma-4-12b"]
+    t = target_config(cfg.target)
+    want = dict(vocab_size=262144, hidden_size=3840, num_layers=48, num_heads=16, num_kv_heads=8, head_dim=256,
+                global_head_dim=512, global_num_kv_heads=1, k_eq_v=True, rope_theta=1e6,
+                sliding_rope_theta=1e4, sliding_window=1024, final_logit_softcap=30.0, norm_offset=0.0,
+                query_scale=1.0, mask_token_id=4)  # fmt: skip
+    assert {k: getattr(t, k) for k in want} == want
+    assert t.rope_scaling == RopeScaling("proportional", partial_rotary_factor=0.25)  # on the full layers
+    assert t.layer_types == tuple("full_attention" if i % 6 == 5 else "sliding_attention" for i in range(48))
+    assert (cfg.taps, cfg.block_size, cfg.num_layers, cfg.markov_rank) == ((5, 17, 29, 41, 46), 7, 5, 256)
+    assert 11.9e9 < count_target_params(t) < 11.92e9

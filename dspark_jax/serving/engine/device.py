@@ -38,6 +38,7 @@ from dspark_jax.drafters.base import BlockDrafter
 from dspark_jax.drafters.build import BLOCK_VARIANTS
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import sharding as shd
+from dspark_jax.models.gemma4 import refuse
 from dspark_jax.models.layers import ATTN_BLOCK
 from dspark_jax.serving.engine.requests import SamplingParams, no_bias
 from dspark_jax.serving.engine.state import (
@@ -204,15 +205,19 @@ class EngineDevice:
             self.state = shd.place(self.state, state_shardings(DecodeState, self.mesh, target.cfg, d_cfg, self.keep_q))
 
     @staticmethod
-    def check_servable(drafter) -> None:
-        """Refuses a drafter kind the engine cannot serve: not a block drafter (eagle3: no block pass).
+    def check_servable(drafter, target_cfg=None) -> None:
+        """Refuses a drafter kind the engine cannot serve: not a block drafter (eagle3: no block pass),
+        and a target it cannot serve (``target_cfg``, a :class:`~dspark_jax.config.TargetConfig`: Gemma 4).
 
         ``drafter``: a drafter, or (no weights: the serving CLI's dry run) its
         :class:`~dspark_jax.config.DrafterConfig`, whose variant decides.
 
         Raises:
-          DSparkInputError: a drafter that is not a :class:`~dspark_jax.drafters.base.BlockDrafter`.
+          DSparkInputError: a drafter that is not a :class:`~dspark_jax.drafters.base.BlockDrafter`,
+            or a Gemma 4 target (its packed passes are not implemented).
         """
+        if target_cfg is not None:
+            refuse(target_cfg, "the serving engine")
         if drafter is None:
             return
         if isinstance(drafter, DrafterConfig):

@@ -255,7 +255,7 @@ class Engine:
         """Validates and stores the models, sizes and verification mode."""
         if verification not in ("coupled", "rejection"):
             raise DSparkInputError(f"verification must be 'coupled' or 'rejection', got {verification!r}")
-        EngineDevice.check_servable(drafter)
+        EngineDevice.check_servable(drafter, target.cfg)
         if max_logit_bias < 0 or max_stop_ids < 0:
             raise DSparkInputError(
                 f"max_logit_bias and max_stop_ids must be >= 0, got {max_logit_bias}, {max_stop_ids}"

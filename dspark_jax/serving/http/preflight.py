@@ -108,6 +108,7 @@ def check_plan(args: argparse.Namespace, tcfg, dcfg=None, fingerprint: str = "")
     from dspark_jax.serving.engine.device import EngineDevice
     from dspark_jax.serving.engine.planner import parse_policy
 
+    EngineDevice.check_servable(None, tcfg)
     if dcfg is not None:
         check_compatible_config(tcfg, dcfg, fingerprint)
         EngineDevice.check_servable(dcfg)
