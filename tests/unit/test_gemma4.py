@@ -115,7 +115,7 @@ def test_loader_reads_the_gemma4_fields(written):
     assert (cfg.head_dim, cfg.num_kv_heads, cfg.global_head_dim, cfg.global_num_kv_heads) == (16, 2, 32, 1)
     assert cfg.k_eq_v and cfg.v_norm and cfg.layer_scalar and cfg.norm_offset == 0.0 and cfg.query_scale == 1.0
     assert (cfg.rope_theta, cfg.sliding_rope_theta, cfg.rope_scaling.partial_rotary_factor) == (5e4, 1000.0, 0.5)
-    assert cfg.rope_scaling.rope_type == "linear" and cfg.rope_scaling.factor == 2.0
+    assert cfg.rope_scaling.rope_type == "proportional" and cfg.rope_scaling.factor == 2.0
     layers = params["layers"]
     assert layers["wq"].shape == (2, 64, 64) and layers["g_wq"].shape == (2, 64, 128) and "g_wv" not in layers
     assert layers["g_wk"].shape == (2, 64, 32) and layers["layer_scalar"].shape == (4,)
