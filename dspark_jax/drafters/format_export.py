@@ -230,7 +230,15 @@ def _verifier_architectures(target: Target) -> list[str]:
         if c.qkv_bias:
             raise DSparkInputError("a mixture-of-experts target with q/k/v biases has no verifier architecture here")
         return ["Qwen3MoeForCausalLM"] if c.qk_norm else ["MixtralForCausalLM"]
-    return ["Qwen3ForCausalLM"] if c.qk_norm else ["Qwen2ForCausalLM"] if c.qkv_bias else ["LlamaForCausalLM"]
+    if c.grouped_attention:
+        return ["Gemma4ForCausalLM"]
+    if c.norm_offset:  # Gemma's 1 + w norms: Gemma 3 has q/k norms, Gemma 2 soft-caps instead
+        return ["Gemma3ForCausalLM"] if c.qk_norm else ["Gemma2ForCausalLM"]
+    if c.qk_norm:
+        return ["Qwen3ForCausalLM"]
+    if c.qkv_bias:
+        return ["Qwen2ForCausalLM"]
+    return ["MistralForCausalLM"] if c.has_sliding_layers else ["LlamaForCausalLM"]
 
 
 def export_to_format(

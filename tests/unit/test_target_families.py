@@ -356,3 +356,27 @@ def test_rope_table_equals_transformers(rope):
     inv, scale = rope_table(theta if theta is not None else 10000.0, HEAD_DIM, scaling)
     np.testing.assert_allclose(inv, want_inv.numpy(), rtol=2e-6)
     assert scale == pytest.approx(want_scale, rel=1e-6)
+
+
+def test_speculators_verifier_section_names_each_familys_architecture():
+    """An export's ``verifier.architectures`` is the target's own transformers class, for every family
+    the loaders read (it said ``Qwen3ForCausalLM`` for any target with q/k norms, Gemma 3 included)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from dspark_jax.drafters.format_export import _verifier_architectures
+    from dspark_jax.models.presets import builtin_target_config
+
+    def arch(name, **fields):
+        cfg = dataclasses.replace(builtin_target_config(name), **fields)
+        return _verifier_architectures(SimpleNamespace(cfg=cfg))  # pyright: ignore[reportArgumentType]
+
+    assert arch("qwen3-8b") == ["Qwen3ForCausalLM"]
+    assert arch("qwen3-8b", qk_norm=False, qkv_bias=True) == ["Qwen2ForCausalLM"]
+    assert arch("llama-3.1-8b-instruct") == ["LlamaForCausalLM"]
+    windows = dict(layer_types=("sliding_attention",) * 32, sliding_window=4096)
+    assert arch("llama-3.1-8b-instruct", **windows) == ["MistralForCausalLM"]
+    assert arch("gemma-3-12b") == ["Gemma3ForCausalLM"]
+    assert arch("gemma-3-12b", qk_norm=False, attn_logit_softcap=50.0) == ["Gemma2ForCausalLM"]
+    assert arch("gemma-4-12b") == ["Gemma4ForCausalLM"]
+    assert arch("qwen3-30b-a3b") == ["Qwen3MoeForCausalLM"]
