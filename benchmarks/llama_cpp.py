@@ -14,8 +14,9 @@ with the Markov half of its confidence head zeroed), the check
    draft tokens`` per round at debug verbosity, ``examples/speculative-simple``), the rounds aligned
    by the position where they start, and conditional acceptance per draft position in both engines,
    and (d) tokens/s of both engines plain and speculative, the four alternated prompt by prompt
-   (llama.cpp: fresh processes, its own decode-phase figures, prompt excluded; ours: one
-   long-lived process, the decode loop's seconds, compilation excluded) and their ratios.
+   (llama.cpp: fresh processes, its own decode-phase figures, prompt excluded: ``llama-completion``'s
+   eval plus sampling time, ``llama-speculative-simple``'s "decoded" speed; ours: one long-lived
+   process, the decode loop's seconds with its prefill, compilation excluded) and their ratios.
 
 Greedy, stopping at EOS, ``--num-speculative-tokens`` drafts per round in both (llama.cpp
 ``--spec-draft-n-max N --spec-draft-p-min 0``: no confidence truncation). Texts are compared as
@@ -50,7 +51,8 @@ EOS = 2  # end of generation in stories260K's vocabulary (both targets here use 
 
 
 _DECODED = re.compile(r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+) t/s")
-_EVAL = re.compile(r"\beval time =.*?([\d.]+) tokens per second")
+_EVAL = re.compile(r"\beval time =\s+([\d.]+) ms /\s+(\d+) runs")
+_SAMPLING = re.compile(r"sampling time =\s+([\d.]+) ms")
 
 
 class LlamaCpp:
@@ -71,13 +73,13 @@ class LlamaCpp:
             cmd = [str(self.bin / "llama-speculative-simple"), *common, "-md", str(self.drafter)]
             cmd += ["--spec-type", "draft-dspark", "--spec-draft-n-max", str(self.n_spec), "--spec-draft-n-min", "0"]
             cmd += ["--spec-draft-p-min", "0", "-td", str(self.threads)] + (["-v"] if rounds else [])
-        for _ in range(8):  # llama.cpp's logger thread at times loses the end of the output at exit (status 0)
+        for _ in range(20):  # llama.cpp's logger thread at times loses the end of the output at exit (status 0)
             p = subprocess.run(cmd, capture_output=True, timeout=600)
             err = p.stderr.decode(errors="replace")
             if p.returncode != 0 or (_EVAL if self.drafter is None else _DECODED).search(err):
                 break
         else:
-            return {"error": "llama.cpp's output ended before its timings, 8 times"}
+            return {"error": "llama.cpp's output ended before its timings, 20 times"}
         if p.returncode != 0:
             lines = [x for x in err.splitlines() if x.strip()]
             errs = [x for x in lines if re.search(r"error|failed|exception", x, re.I)] or lines
@@ -91,7 +93,14 @@ class LlamaCpp:
         text = text.removesuffix(b" [end of text]\n") if self.drafter is None else text.removesuffix(b"\n\n")
         m = (_EVAL if self.drafter is None else _DECODED).search(err)
         found = [(int(a), int(d)) for a, d in _ROUND.findall(err)] if rounds else []
-        return {"text": text, "tok_s": float(m.group(1)) if m else None, "rounds": found}
+        if m is None:
+            tok_s = None
+        elif self.drafter is None:  # decode passes and sampling, as speculative-simple's figure has both
+            ms = float(m.group(1)) + float(sm.group(1) if (sm := _SAMPLING.search(err)) else 0.0)
+            tok_s = int(m.group(2)) / ms * 1e3
+        else:
+            tok_s = float(m.group(1))
+        return {"text": text, "tok_s": tok_s, "rounds": found}
 
 
 # ----------------------------------------------------------------------------- round statistics
@@ -233,7 +242,7 @@ def _format_row(args, llama, name: str, fmt: str, ctx: dict, ours: dict, base: l
         f"{sum(_same(x, s, lg) for x, s, lg in zip(xs, ours['plain'], ours['long'], strict=True))}/{len(texts)}"
     )
     row["equal_plain"], row["equal_spec"], row["equal_ours_spec"] = count(base), count(theirs), count(ours["spec"])
-    own = sum(x["text"].startswith(y["text"]) for x, y in zip(theirs, base, strict=True))  # may run past n
+    own = sum("text" in y and x["text"].startswith(y["text"]) for x, y in zip(theirs, base, strict=True))
     row["equal_llama_spec_plain"] = f"{own}/{len(texts)}"
     s_ours = [starts(x["rounds"], 1, n) for x in ours["spec"]]
     s_theirs = [starts(x["rounds"], 0, n) for x in theirs]
@@ -314,7 +323,7 @@ def table(rows: Sequence[dict]) -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.llama_cpp",
-        description=__doc__.split("\n\n")[0],
+        description=(__doc__ or "").split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(

@@ -158,7 +158,7 @@ def write_tokenizer(tokenizer: Any, out: Path) -> None:
     from transformers.convert_slow_tokenizer import SentencePieceExtractor
 
     (out / "tokenizer.model").write_bytes(sentencepiece_model(tokenizer.pieces, tokenizer.scores))
-    kw = SentencePieceExtractor(str(out / "tokenizer.model")).extract(BPE)
+    kw: Any = SentencePieceExtractor(str(out / "tokenizer.model")).extract(BPE)  # a dict in transformers 5
     hf = LlamaTokenizer(vocab=kw["vocab"], merges=kw["merges"], legacy=True, add_bos_token=True)
     hf.save_pretrained(str(out))
 
@@ -202,7 +202,7 @@ def tiny_qwen3_hf_dir(out: Path, seed: int = 0) -> Path:
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=1024,
-        rope_theta=10000.0,
+        rope_theta=10000.0,  # pyright: ignore[reportCallIssue]  (a **kwargs field of Qwen3Config)
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         initializer_range=0.5,
