@@ -83,15 +83,18 @@ def _np(x: Any, dtype: Any) -> np.ndarray:
 
 def _confidence_head(drafter: Any) -> tuple[bool, bool]:
     """``(enable_confidence_head, confidence_head_with_markov)`` of a dspark drafter: the head
-    of an imported DFlash (``w = 0``, ``b = +inf``) is no head; a head whose Markov half is zero
-    is written without it."""
+    of an imported DFlash (``w = 0``, ``b = +inf``) is no head. Beside a vanilla Markov head the
+    head is always written with its Markov half, zeros included (the same confidences in every
+    reader): llama.cpp loads a confidence head only in that shape (``[d + r, 1]``) and refuses
+    the file otherwise. Beside a gated or rnn head (which llama.cpp does not serve) a zero Markov
+    half is left out, as DeepSpec writes it."""
     cfg = drafter.cfg
     if not cfg.has_confidence:
         return False, False
     w, b = np.asarray(drafter.conf_w[...]), float(np.asarray(drafter.conf_b[...]))
     if np.isinf(b) and not np.any(w):
         return False, False
-    return True, bool(cfg.markov and np.any(w[cfg.model_width :]))
+    return True, bool(cfg.markov and (cfg.markov_head == "vanilla" or np.any(w[cfg.model_width :])))
 
 
 def format_tensors(drafter: Any, target: Target | None, fmt: str, dtype: Any) -> dict[str, np.ndarray]:
@@ -299,6 +302,11 @@ def export_to_format(
     }
     (out / SIDECAR).write_text(json.dumps(side, indent=2))
     notes = []
+    if fmt == "deepspec" and target is not None and not target.cfg.tie_embeddings:
+        notes.append(
+            "llama.cpp drafts with the wrong head from this DeepSpec export of an untied target (its converter drops "
+            "the full-vocabulary lm_head, its loader then uses embed_tokens): for llama.cpp use --format speculators"
+        )
     if cfg.markov and cfg.markov_head != "vanilla":
         notes.append(
             f"the {cfg.markov_head} Markov head loads in speculators and DeepSpec; vLLM serves vanilla heads only"

@@ -33,7 +33,7 @@ def _dry_run(script: str, *args: str, **env_vars: str) -> str:
 
 
 def test_every_serve_script_is_tested():
-    tested = {"plain.sh", "speculative.sh", "mesh.sh", "vllm.sh", "sglang.sh"}
+    tested = {"plain.sh", "speculative.sh", "mesh.sh", "vllm.sh", "sglang.sh", "llamacpp.sh"}
     assert {p.name for p in (REPO / "serve").glob("*.sh")} == tested
 
 
@@ -75,3 +75,22 @@ def test_external_engine_scripts_print_the_export_and_serve_commands(script, fmt
         assert spec == {"method": "dspark", "model": "/o/d", "num_speculative_tokens": 7}
     else:
         assert "--speculative-algorithm DSPARK --speculative-draft-model-path /o/d" in serve_line
+
+
+def test_llamacpp_script_prints_export_convert_and_server_commands(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "convert_hf_to_gguf.py").write_text("")
+    env = {"LLAMA_CPP": str(tmp_path), "TARGET": "/m/Qwen3-8B", "EXPORT": "runs/x/export", "DIR": "/o/d"}
+    out = _dry_run("llamacpp.sh", "--export", "--convert", "--port", "9000", "-t", "2", **env)
+    export, target, drafter, serve = out.splitlines()
+    assert export.endswith(
+        "-m dspark_jax.export runs/x/export --target /m/Qwen3-8B --format speculators --out /o/d --dtype bfloat16"
+    )
+    convert = f"{tmp_path}/src/convert_hf_to_gguf.py"
+    assert target.endswith(f"{convert} /m/Qwen3-8B --outtype bf16 --outfile /o/d.target.gguf")
+    assert drafter.endswith(f"{convert} /o/d --target-model-dir /m/Qwen3-8B --outtype bf16 --outfile /o/d.gguf")
+    assert serve == (
+        f"serve: {tmp_path}/build/bin/llama-server -m /o/d.target.gguf -md /o/d.gguf --spec-type draft-dspark "
+        "--spec-draft-n-max 7 --port 9000 -t 2"
+    )
+    assert _dry_run("llamacpp.sh", **env).splitlines()[0].startswith("serve: ")

@@ -259,3 +259,21 @@ def test_gemma4_drafter_is_checked_against_the_target_it_is_given():
     params.update(embed=np.asarray(drafter.embed[...]), lm_head=np.asarray(drafter.lm_head[...]))
     again, _ = load_drafter(DATA / "gemma4_keqv", target=Target(tcfg, params))
     assert again.cfg.target_name == "g4-tiny"
+
+
+def test_confidence_head_keeps_its_zero_markov_half_and_untied_deepspec_warns(target, tmp_path):
+    """Beside a vanilla Markov head the confidence head is written ``[1, H + r]`` with
+    ``confidence_head_with_markov: true`` even when its Markov half is zero (llama.cpp refuses a
+    ``[1, H]`` head: ``conf_proj.weight`` has wrong shape), with the same confidences on re-import;
+    a DeepSpec export of an untied target notes that llama.cpp drafts with the wrong head there."""
+    drafter, _ = load_drafter(DATA / "vanilla", target=target)
+    d = drafter.cfg.model_width
+    drafter.conf_w[...] = drafter.conf_w[...].at[d:].set(0.0)
+    out, notes = export_to_format(drafter, target, "deepspec", tmp_path / "ds")
+    assert json.loads((out / "config.json").read_text())["confidence_head_with_markov"] is True
+    w = load_file(str(out / "model.safetensors"))["confidence_head.proj.weight"]
+    assert w.shape == (1, d + drafter.cfg.markov_rank) and not np.any(w[0, d:])
+    again, _ = load_drafter(out, target=target)
+    np.testing.assert_array_equal(np.asarray(again.conf_w[...]), np.asarray(drafter.conf_w[...]))
+    assert not target.cfg.tie_embeddings and any("--format speculators" in n for n in notes)
+    assert not export_to_format(drafter, target, "speculators", tmp_path / "sp")[1]

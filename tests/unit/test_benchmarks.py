@@ -276,3 +276,31 @@ def test_every_args_attribute_a_script_reads_is_a_flag_it_defines():
         if unknown := sorted(reads - known - sets):
             missing[mod] = unknown
     assert not missing, missing
+
+
+def test_llama_cpp_rounds_align_by_start_position_and_count_acceptance_per_position():
+    from benchmarks import llama_cpp as lc
+
+    # ours: prefill emits token 0, rounds from position 1; llama.cpp's speculative-simple starts a
+    # round at 0 (drafting at the prompt's last token) and may run one round past n = 12
+    ours = lc.starts([(2, 4), (0, 4), (4, 4), (1, 2)], 1, 12)
+    theirs = lc.starts([(1, 4), (2, 4), (0, 4), (3, 4), (1, 2), (4, 4)], 0, 12)
+    assert ours == {1: (2, 4), 4: (0, 4), 5: (4, 4), 10: (1, 2)}
+    assert theirs == {2: (2, 4), 5: (0, 4), 6: (3, 4), 10: (1, 2)}
+    assert lc.align(ours, theirs) == (2, 1)  # positions 5 and 10 in both; 10 accepts the same
+    # conditional: position k counts the rounds that verified k with 1..k-1 accepted
+    assert lc.position_acceptance([(0, 4), (2, 4), (4, 4), (1, 1)], 4) == [3 / 4, 2 / 2, 1 / 2, 1 / 1]
+    assert lc.position_acceptance([(0, 2)], 3) == [0.0, None, None]
+
+
+def test_sentencepiece_model_is_the_protobuf_of_the_vocabulary():
+    from benchmarks.llama_cpp_files import sentencepiece_model
+
+    pieces = [b"<unk>", b"\n<s>\n", b"\n</s>\n", *(b"<0x%02X>" % i for i in range(256)), b" the"]
+    proto = sentencepiece_model(pieces, [0.0] * 259 + [-1.5])
+    assert b"\x0a\x05<unk>" in proto and "\u2581the".encode() in proto and b"<0x0A>" in proto
+    sp = pytest.importorskip("sentencepiece")
+    m = sp.SentencePieceProcessor(model_proto=proto)
+    assert m.vocab_size() == 260 and m.id_to_piece(259) == "\u2581the" and m.get_score(259) == -1.5
+    assert m.is_control(1) and m.is_byte(3) and m.bos_id() == 1 and m.eos_id() == 2
+    assert m.encode("\u00e9", add_bos=True) == [1, 3 + 0xE2, 3 + 0x96, 3 + 0x81, 3 + 0xC3, 3 + 0xA9]  # byte fallback
