@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.config import TargetConfig
+from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import attention as A
 from dspark_jax.models.layers import cached_attention
 
@@ -66,11 +67,19 @@ def test_auto_by_platform_and_the_dtype_rule(case):
     fit_q = jax.ShapeDtypeStruct((1, 1, 16, 128), jnp.bfloat16)
     fit_k = jax.ShapeDtypeStruct((2, 1, 256, 8, 128), jnp.bfloat16)
     assert A.select_backend("auto", fit_q, fit_k, platform="tpu") == ("pallas_tpu", None)
+    # By name, a backend that cannot serve the program is refused with the reason, never replaced.
     odd_heads = jax.ShapeDtypeStruct((2, 1, 256, 3, 128), jnp.float32)  # 6 combined f32 heads: not tiled
-    name, reason = A.select_backend("pallas_tpu", jax.ShapeDtypeStruct((1, 1, 6, 128), jnp.float32), odd_heads, "tpu")
-    assert name == "xla" and reason is not None and "heads" in reason
-    name, reason = A.select_backend("pallas_tpu", fit_q, jax.ShapeDtypeStruct((2, 1, 100, 8, 128), jnp.bfloat16), "tpu")
-    assert name == "xla" and reason is not None and "cache length" in reason
+    odd_q = jax.ShapeDtypeStruct((1, 1, 6, 128), jnp.float32)
+    assert A.select_backend("auto", odd_q, odd_heads, "tpu")[0] == "xla"
+    with pytest.raises(DSparkInputError, match="'pallas_tpu' cannot run this program: the kernel does not take"):
+        A.select_backend("pallas_tpu", odd_q, odd_heads, "tpu")
+    with pytest.raises(DSparkInputError, match="cache length 100"):
+        A.select_backend("pallas_tpu", fit_q, jax.ShapeDtypeStruct((2, 1, 100, 8, 128), jnp.bfloat16), "tpu")
+    with pytest.raises(DSparkInputError, match="float32 queries"):
+        A.select_backend("cudnn", q, k, platform="gpu")
+    with pytest.raises(DSparkInputError, match="soft-cap"):
+        A.select_backend("cudnn", bf16, k, platform="gpu", softcap=50.0)
+    assert A.select_backend("pallas_tpu", fit_q, fit_k, platform="tpu", softcap=50.0) == ("pallas_tpu", None)
     with pytest.raises(ValueError, match="not one of"):
         A.select_backend("flash", q, k)
     with pytest.raises(ValueError, match="attention_backend"):
@@ -117,15 +126,25 @@ def test_pallas_paged_view_through_the_reference_matches_the_xla_path(case):
 
 
 @pytest.mark.parametrize("backend", ["cudnn", "pallas_tpu"])
-def test_named_backend_off_platform_falls_back_to_xla(case, backend, caplog, monkeypatch):
+def test_named_backend_off_platform_is_refused_by_name(case, backend):
+    """A kernel backend asked for by name where it cannot run (here: on the CPU) is a one-line
+    error naming the backend and what it needs, not a quiet switch to xla."""
+    q, k, v, q_pos, _ = case
+    need = {"cudnn": "needs a CUDA GPU", "pallas_tpu": "needs a TPU"}[backend]
+    with pytest.raises(DSparkInputError, match=f"attention backend '{backend}' cannot run this program: .*{need}"):
+        jax.jit(lambda *a: A.attend(*a, backend=backend))(q, k, v, 1, q_pos)
+
+
+def test_auto_logs_why_it_takes_xla_once(case, caplog, monkeypatch):
     q, k, v, q_pos, want = case
-    monkeypatch.setattr(A, "_noted", set())  # fallbacks are logged once per process
-    with caplog.at_level(logging.WARNING, logger=A.__name__):
-        got = jax.jit(lambda *a: A.attend(*a, backend=backend))(q, k, v, 1, q_pos)
-        jax.eval_shape(lambda *a: A.attend(*a, backend=backend), q, k, v, 0, q_pos)  # a second trace: no second line
+    monkeypatch.setattr(A, "current_platform", lambda: "tpu")
+    monkeypatch.setattr(A, "_noted", set())
+    with caplog.at_level(logging.INFO, logger=A.__name__):
+        got = jax.jit(lambda *a: A.attend(*a, backend="auto"))(q, k, v, 1, q_pos)  # HD 16: not the kernel's
+        jax.eval_shape(lambda *a: A.attend(*a, backend="auto"), q, k, v, 0, q_pos)  # a second trace: no second line
     assert np.array_equal(np.asarray(got), np.asarray(want))
     notes = [r.getMessage() for r in caplog.records if "runs as xla" in r.getMessage()]
-    assert len(notes) == 1 and "platform cpu" in notes[0]
+    assert len(notes) == 1 and "multiple of 128" in notes[0]
 
 
 def test_the_override_reaches_the_target_config(stories260k_dir):
