@@ -36,9 +36,9 @@ from dspark_jax.models.layers import cached_attention
 from dspark_jax.models.pallas_tpu import (
     PAGE_SIZES,
     RaggedPagedArguments,
+    layer_rows,
     page_size_for,
     pallas_tpu_attention,
-    layer_rows,
     pallas_tpu_unfit,
     placement,
     ragged_paged_arguments,
