@@ -17,6 +17,10 @@ caches donated) and compiled:
 * ``prefill-chunk``: chunked prefill's target pass (``chunk_forward``) over 4 staging lanes;
 * ``drafter-ctx``: the DSpark drafter's context-cache write of 64 packed tokens (``write_context``).
 
+With ``--backends xla,pallas_tpu`` the programs that attend through the target's backend
+(decode, verify, engine) are compiled again with the Pallas kernel (under ``shard_map`` on the
+mesh); ``pallas_calls`` counts the Mosaic kernel calls in the optimised HLO.
+
 Reported per program: per-device memory from ``memory_analysis()`` (arguments, temporaries,
 outputs, aliased), the whole-cache copies in the optimised HLO (copy/transpose instructions with
 as many elements as one device's K or V cache, anywhere in the module), the collectives in the
@@ -45,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -342,15 +347,20 @@ def expert_rules(split: str) -> tuple[tuple[str, Any], ...]:
     return tuple(r for r in shd.DEFAULT_RULES if split == "experts" or r[0] != "experts")
 
 
-def program_specs(num_layers: int, caches: tuple[int, ...], rows: tuple[int, ...]) -> list[tuple[str, dict]]:
-    """``(Builder method, keyword arguments)`` of every program measured."""
+def program_specs(
+    num_layers: int, caches: tuple[int, ...], rows: tuple[int, ...], attending_only: bool = False
+) -> list[tuple[str, dict]]:
+    """``(Builder method, keyword arguments)`` of every program measured (``attending_only``: only
+    those whose attention is the target's configured backend; chunked prefill and the drafter
+    keep their own XLA attention)."""
     taps = (1, num_layers // 2, num_layers - 2)
     out: list[tuple[str, dict]] = []
     for s in caches:
         out += [("step", {"length": s, "tokens": 1}), ("step", {"length": s, "tokens": 8, "taps": taps})]
     s = max(caches)
     out += [("engine", {"rows": r, "length": s}) for r in rows]
-    out += [("prefill_chunk", {"length": s}), ("drafter_context", {"length": s})]
+    if not attending_only:
+        out += [("prefill_chunk", {"length": s}), ("drafter_context", {"length": s})]
     return out
 
 
@@ -389,6 +399,7 @@ def measure(p: Program, bandwidth: float | None, costed: bool = True) -> dict[st
         "peak_mib": (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
         / mib,
         "cache_copies": len(copies),
+        "pallas_calls": hlo.count('custom_call_target="tpu_custom_call"'),
         "copy_lines": copies[:4],
         "collectives": collectives(hlo),
         "bytes_accessed": nbytes,
@@ -412,8 +423,8 @@ def _fmt(x: Any) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> None:
-    cols = ["topology", "model", "program", "cache", "args_mib", "temp_mib", "out_mib", "peak_mib"]
-    cols += ["cache_copies", "collectives", "bytes_vs_ideal", "est_ms", "ideal_ms"]
+    cols = ["topology", "model", "backend", "program", "cache", "args_mib", "temp_mib", "out_mib", "peak_mib"]
+    cols += ["cache_copies", "pallas_calls", "collectives", "bytes_vs_ideal", "est_ms", "ideal_ms"]
     cells = [[_fmt(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
@@ -422,10 +433,11 @@ def table(rows: list[dict[str, Any]]) -> None:
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """verify-8 / decode-1 and cache max / min (decode-1) estimated time, per topology and model."""
+    """verify-8 / decode-1 and cache max / min (decode-1) estimated time, per topology, model and
+    attention backend."""
     out = []
-    for key in sorted({(r["topology"], r["model"]) for r in rows}):
-        mine = [r for r in rows if (r["topology"], r["model"]) == key]
+    for key in sorted({(r["topology"], r["model"], r["backend"]) for r in rows}):
+        mine = [r for r in rows if (r["topology"], r["model"], r["backend"]) == key]
         dec = {r["cache"]: r for r in mine if r["program"] == "decode-1"}
         ver = {r["cache"]: r for r in mine if r["program"] == "verify-8"}
         lo, hi = min(dec), max(dec)
@@ -433,6 +445,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             {
                 "topology": key[0],
                 "model": key[1],
+                "backend": key[2],
                 "verify8_over_decode1": ver[hi]["bytes_accessed"] / dec[hi]["bytes_accessed"],
                 "cache_hi_over_lo": dec[hi]["bytes_accessed"] / dec[lo]["bytes_accessed"],
                 "caches": [lo, hi],
@@ -460,6 +473,12 @@ def main(argv: list[str] | None = None) -> int:
         default="experts",
         help="a mixture-of-experts target's experts over model (the project's rule), or each expert's hidden units",
     )
+    ap.add_argument(
+        "--backends",
+        default="xla",
+        help="comma list of target attention backends (xla, pallas_tpu); after the first only the "
+        "programs that attend through it (decode, verify, engine)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     a = ap.parse_args(argv)
     caches = tuple(int(x) for x in a.caches.split(","))
@@ -469,23 +488,25 @@ def main(argv: list[str] | None = None) -> int:
         devices = topology_devices(topo)
         mesh = shd.make_mesh(a.mesh or f"model:{len(devices)}", devices=devices)
         bw = hbm_gbs(devices[0].device_kind)
-        for spec in a.models.split(","):
-            cfg = model_config(spec)
+        for spec, (i, backend) in itertools.product(a.models.split(","), enumerate(a.backends.split(","))):
+            cfg = dataclasses.replace(model_config(spec), attention_backend=backend)
             b = Builder(cfg, mesh, rules=expert_rules(a.expert_split))
-            for method, kw in program_specs(cfg.num_layers, caches, rows_arg):
+            for method, kw in program_specs(cfg.num_layers, caches, rows_arg, attending_only=i > 0):
                 p = getattr(b, method)(**kw)
                 s = kw["length"]
-                r = {"topology": topo, "mesh": shd.describe(mesh), "model": spec, "cache": s}
+                r = {"topology": topo, "mesh": shd.describe(mesh), "model": spec, "backend": backend, "cache": s}
                 if cfg.num_experts:
                     r["expert_split"] = a.expert_split
                 r.update(measure(p, bw, a.bytes))
                 rows.append(r)
-                print(f"# {topo} {spec} {p.name} cache {s}: compiled in {r['compile_s']:.1f}s", file=sys.stderr)
+                print(
+                    f"# {topo} {spec} {backend} {p.name} cache {s}: compiled in {r['compile_s']:.1f}s", file=sys.stderr
+                )
     table(rows)
     summary = ratios(rows) if a.bytes else []
     for x in summary:
         print(
-            f"{x['topology']} {x['model']}: verify-8/decode-1 {x['verify8_over_decode1']:.2f}, "
+            f"{x['topology']} {x['model']} {x['backend']}: verify-8/decode-1 {x['verify8_over_decode1']:.2f}, "
             f"decode-1 cache {x['caches'][1]}/{x['caches'][0]} {x['cache_hi_over_lo']:.2f} (bytes, live {LIVE})"
         )
     if a.json:
