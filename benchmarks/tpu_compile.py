@@ -75,20 +75,76 @@ from dspark_jax.models.weights import target_param_shapes
 
 # Chips per host of the topologies named here (get_topology_desc needs them), and HBM GB/s per chip.
 TOPOLOGY_BOUNDS = {"v5e:2x2": (2, 2, 1), "v5e:2x4": (2, 4, 1), "v6e:2x4": (2, 4, 1), "v5p:2x2x1": (2, 2, 1)}
-HBM_GBS = (("v5 lite", 819.0), ("v5e", 819.0), ("v6 lite", 1640.0), ("v6e", 1640.0), ("v5p", 2765.0), ("v5", 2765.0))
+HBM_GBS = (
+    ("h100", 3352.0),
+    ("v5 lite", 819.0),
+    ("v5e", 819.0),
+    ("v6 lite", 1640.0),
+    ("v6e", 1640.0),
+    ("v5p", 2765.0),
+    ("v5", 2765.0),
+)
 EXPERT_KEYS = ("moe_gate", "moe_up", "moe_down")  # a mixture-of-experts layer's expert stacks
 LIVE = 256  # live KV positions the byte counts correspond to (one attention block, see the module doc)
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 
-def topology_devices(name: str) -> list[Any]:
-    """The devices of TPU topology ``name`` (``v5e:2x4``), compiled for without a TPU.
+# GPUs compiled for without a GPU (``h100:<n>``): XLA's GpuTargetConfig device facts (H100 SXM 80 GB, public specs).
+H100 = {
+    "threads_per_block_limit": 1024,
+    "threads_per_warp": 32,
+    "shared_memory_per_block": 48 << 10,
+    "shared_memory_per_core": 228 << 10,
+    "shared_memory_per_block_optin": 227 << 10,
+    "threads_per_core_limit": 2048,
+    "core_count": 132,
+    "fpus_per_core": 128,
+    "block_dim_limit_x": 2**31 - 1,
+    "block_dim_limit_y": 65535,
+    "block_dim_limit_z": 65535,
+    "memory_bandwidth": 3_352_320_000_000,
+    "l2_cache_size": 50 << 20,
+    "clock_rate_ghz": 1.98,
+    "device_memory_size": 80 * 10**9,
+    "registers_per_core_limit": 65536,
+    "registers_per_block_limit": 65536,
+}
+
+
+def gpu_devices(name: str) -> list[Any]:
+    """The devices of ``h100:<n>`` (n GPUs on one host), compiled for without a GPU by the CUDA
+    PJRT plugin (``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` at jax's version; no driver needed).
 
     Raises:
-      ValueError: a topology not in :data:`TOPOLOGY_BOUNDS`.
+      ValueError: the plugin is not installed.
+    """
+    import importlib.util
+
+    from jax.experimental import topologies
+
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        raise ValueError(f"topology {name!r} needs jax-cuda12-plugin and jax-cuda12-pjrt=={jax.__version__}")
+    info = " ".join(f"{k}: {v}" for k, v in H100.items())
+    config = (
+        f"gpu_device_info {{ {info} cuda_compute_capability {{ major: 9 }} }} platform_name: 'CUDA' "
+        "dnn_version_info { major: 9 minor: 7 } runtime_version { major: 12 minor: 8 } "
+        "device_description_str: 'NVIDIA H100 80GB HBM3'"
+    )
+    n = int(name.split(":")[1])
+    return list(topologies.get_topology_desc(platform="cuda", target_config=config, topology=f"1x1x{n}").devices)
+
+
+def topology_devices(name: str) -> list[Any]:
+    """The devices of TPU topology ``name`` (``v5e:2x4``) or of ``h100:<n>`` (:func:`gpu_devices`),
+    compiled for without a TPU or GPU.
+
+    Raises:
+      ValueError: a topology not in :data:`TOPOLOGY_BOUNDS` nor ``h100:<n>``.
     """
     from jax.experimental import topologies
 
+    if re.fullmatch(r"h100:\d+", name):
+        return gpu_devices(name)
     if name not in TOPOLOGY_BOUNDS:
         raise ValueError(f"topology {name!r}: known ones are {', '.join(TOPOLOGY_BOUNDS)}")
     topo = topologies.get_topology_desc(
@@ -456,7 +512,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.tpu_compile", description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--topology", default="v5e:2x4", help=f"comma list of {', '.join(TOPOLOGY_BOUNDS)}")
+    ap.add_argument("--topology", default="v5e:2x4", help=f"comma list of {', '.join(TOPOLOGY_BOUNDS)}, h100:<n>")
     ap.add_argument("--models", default="qwen3-8b,qwen3-4b", help="comma list: built-in config names or HF folders")
     ap.add_argument("--mesh", default="", help="mesh spec (default model:<chips>)")
     ap.add_argument("--caches", default="1024,4096", help="cache lengths of decode-1 / verify-8")

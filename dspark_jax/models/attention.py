@@ -73,9 +73,9 @@ def target_platform(*xs: Any) -> str:
     placed on: its mesh's devices' (a deviceless TPU compile on a CPU host says ``tpu``), else
     :func:`current_platform`."""
     platform = placement(*xs).platform
-    if platform is None or (platform == "gpu" and jax.default_backend() == "gpu"):
+    if platform is None or (platform in ("gpu", "cuda") and jax.default_backend() == "gpu"):
         return current_platform()
-    return platform
+    return "gpu" if platform == "cuda" else platform
 
 
 def select_backend(

@@ -55,7 +55,7 @@ def placement(*xs: Any) -> Placement:
         if mesh is not None and not isinstance(mesh, AbstractMesh):
             mesh = mesh.abstract_mesh
         device = getattr(mesh, "abstract_device", None) if mesh is not None and not mesh.empty else None
-        if device is not None:
+        if mesh is not None and device is not None:
             return Placement(device.platform, device.device_kind, mesh if mesh.size > 1 else None)
     return Placement(None, None, None)
 
