@@ -12,13 +12,14 @@ Implements docs/design.md#attention-backends. :func:`attend` has the contract of
   pages, one kernel "sequence" per query, with the query scale, soft-cap and a static sliding
   window passed to the kernel; on a mesh it runs under ``shard_map``, each device on its own KV
   heads (:mod:`dspark_jax.models.pallas_tpu`);
-* ``auto``: ``cudnn`` on a CUDA GPU, ``pallas_tpu`` on a TPU, when they can serve the program, else ``xla``.
+* ``auto``: ``cudnn`` on a CUDA GPU when it can serve the program, else ``xla`` (on a TPU too: the
+  TPU compiler costs the kernel path above ``xla``, docs/results.md#compiled-for-tpu-on-this-cpu).
 
 The backend is a static setting (:attr:`~dspark_jax.config.TargetConfig.attention_backend`),
 resolved while tracing for the devices the program is compiled for (the mesh of the cache's
 sharding, else the default device). A backend asked for by name that cannot serve the program is
 refused with one line naming what it lacks (:class:`~dspark_jax.errors.DSparkInputError`), never
-replaced; ``auto`` takes ``xla`` then and logs why once. On CPU ``auto`` is ``xla``, so the traced
+replaced; ``auto`` takes ``xla`` where cuDNN cannot serve and logs why once. On CPU ``auto`` is ``xla``, so the traced
 program is exactly the one :func:`~dspark_jax.models.layers.cached_attention` gives.
 """
 
@@ -111,7 +112,7 @@ def select_backend(
     if backend == "xla":
         return "xla", None
     platform = platform or target_platform(k_cache, q)
-    want = backend if backend != "auto" else {"gpu": "cudnn", "tpu": "pallas_tpu"}.get(platform)
+    want = backend if backend != "auto" else {"gpu": "cudnn"}.get(platform)
     if want is None:
         return "xla", None
     if want == "cudnn":

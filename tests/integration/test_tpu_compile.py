@@ -25,7 +25,7 @@ if importlib.util.find_spec("libtpu") is None:
 
 def _tiny(preset: str, **fields):
     """A 2-layer, 8-head (head size 128) version of a built-in config, with ``fields`` replaced;
-    attention on ``xla`` unless ``attention_backend`` is given (``auto`` is the kernel on a TPU)."""
+    attention on ``xla`` unless ``attention_backend`` is given."""
     from dspark_jax.models.presets import builtin_target_config
 
     small = dict(num_layers=2, hidden_size=256, intermediate_size=512, vocab_size=1024, num_heads=8, head_dim=128)
@@ -145,23 +145,19 @@ def test_pallas_tpu_compiles_sharded_on_a_model_mesh():
     }
 
 
-def test_auto_is_the_kernel_for_a_tpu_and_a_named_backend_that_cannot_serve_is_refused():
-    """Compiled for a TPU topology (on this CPU), ``auto`` takes the Pallas kernel (before, it asked
-    ``jax.default_backend()``, the CPU, and compiled ``xla``). ``pallas_tpu`` by name where the
-    kernel cannot serve (head size 64: not a multiple of the 128 lanes; before, it became ``xla``
-    without a word) and ``cudnn`` on a TPU are one-line errors naming the backend and the reason."""
+def test_a_named_backend_that_cannot_serve_a_tpu_program_is_refused():
+    """Compiled for a TPU topology (on this CPU: the platform is the mesh's, not
+    ``jax.default_backend()``'s), ``pallas_tpu`` by name where the kernel cannot serve (head size
+    64: not a multiple of the 128 lanes) and ``cudnn`` on a TPU are one-line errors naming the
+    backend and the reason, raised while tracing; before, both compiled ``xla`` without a word."""
     from benchmarks import tpu_compile
     from dspark_jax.errors import DSparkInputError
 
-    auto = tpu_compile.Builder(_tiny("qwen3-8b", num_kv_heads=4, attention_backend="auto"), _model4()).step(1024, 1)
-    assert len(_kernel_heads(tpu_compile.compile_program(auto, unroll=False).as_text() or "")) == 1
-    cfg = _tiny("qwen3-8b", num_kv_heads=4, head_dim=64, attention_backend="pallas_tpu")
-    with pytest.raises(
-        DSparkInputError, match="'pallas_tpu' cannot run this program: head_dim 64 is not a multiple of 128"
-    ):
-        tpu_compile.compile_program(tpu_compile.Builder(cfg, _model4()).step(1024, 1), unroll=False)
-    cfg = _tiny("qwen3-8b", num_kv_heads=4, attention_backend="cudnn")
-    with pytest.raises(
-        DSparkInputError, match="'cudnn' cannot run this program: cuDNN needs a CUDA GPU .platform tpu."
-    ):
-        tpu_compile.compile_program(tpu_compile.Builder(cfg, _model4()).step(1024, 1), unroll=False)
+    cases = {
+        "pallas_tpu": (64, "'pallas_tpu' cannot run this program: head_dim 64 is not a multiple of 128"),
+        "cudnn": (128, "'cudnn' cannot run this program: cuDNN needs a CUDA GPU .platform tpu."),
+    }
+    for backend, (head_dim, message) in cases.items():
+        cfg = _tiny("qwen3-8b", num_kv_heads=4, head_dim=head_dim, attention_backend=backend)
+        with pytest.raises(DSparkInputError, match=message):
+            tpu_compile.compile_program(tpu_compile.Builder(cfg, _model4()).step(1024, 1), unroll=False)

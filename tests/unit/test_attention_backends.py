@@ -61,16 +61,16 @@ def test_auto_by_platform_and_the_dtype_rule(case):
     name, reason = A.select_backend("auto", q, k, platform="gpu")  # float32: cuDNN takes fp16/bf16 only
     assert name == "xla" and reason is not None and "float32" in reason
     assert A.select_backend("auto", q, k, platform="rocm") == ("xla", None)
-    # HD = 16 misses the TPU lane width: falls back, with the reason.
-    name, reason = A.select_backend("auto", q, k, platform="tpu")
-    assert name == "xla" and reason is not None and "multiple of 128" in reason
+    # On a TPU auto is xla (the compiler costs the kernel path higher); pallas_tpu is asked by name.
     fit_q = jax.ShapeDtypeStruct((1, 1, 16, 128), jnp.bfloat16)
     fit_k = jax.ShapeDtypeStruct((2, 1, 256, 8, 128), jnp.bfloat16)
-    assert A.select_backend("auto", fit_q, fit_k, platform="tpu") == ("pallas_tpu", None)
+    assert A.select_backend("auto", fit_q, fit_k, platform="tpu") == ("xla", None)
+    assert A.select_backend("pallas_tpu", fit_q, fit_k, platform="tpu") == ("pallas_tpu", None)
+    with pytest.raises(DSparkInputError, match="head_dim 16 is not a multiple of 128"):  # the TPU lane width
+        A.select_backend("pallas_tpu", q, k, platform="tpu")
     # By name, a backend that cannot serve the program is refused with the reason, never replaced.
     odd_heads = jax.ShapeDtypeStruct((2, 1, 256, 3, 128), jnp.float32)  # 6 combined f32 heads: not tiled
     odd_q = jax.ShapeDtypeStruct((1, 1, 6, 128), jnp.float32)
-    assert A.select_backend("auto", odd_q, odd_heads, "tpu")[0] == "xla"
     with pytest.raises(DSparkInputError, match="'pallas_tpu' cannot run this program: the kernel does not take"):
         A.select_backend("pallas_tpu", odd_q, odd_heads, "tpu")
     with pytest.raises(DSparkInputError, match="cache length 100"):
@@ -137,14 +137,14 @@ def test_named_backend_off_platform_is_refused_by_name(case, backend):
 
 def test_auto_logs_why_it_takes_xla_once(case, caplog, monkeypatch):
     q, k, v, q_pos, want = case
-    monkeypatch.setattr(A, "current_platform", lambda: "tpu")
+    monkeypatch.setattr(A, "current_platform", lambda: "gpu")
     monkeypatch.setattr(A, "_noted", set())
     with caplog.at_level(logging.INFO, logger=A.__name__):
-        got = jax.jit(lambda *a: A.attend(*a, backend="auto"))(q, k, v, 1, q_pos)  # HD 16: not the kernel's
+        got = jax.jit(lambda *a: A.attend(*a, backend="auto"))(q, k, v, 1, q_pos)  # float32: not cuDNN's
         jax.eval_shape(lambda *a: A.attend(*a, backend="auto"), q, k, v, 0, q_pos)  # a second trace: no second line
     assert np.array_equal(np.asarray(got), np.asarray(want))
     notes = [r.getMessage() for r in caplog.records if "runs as xla" in r.getMessage()]
-    assert len(notes) == 1 and "multiple of 128" in notes[0]
+    assert len(notes) == 1 and "float32 queries" in notes[0]
 
 
 def test_the_override_reaches_the_target_config(stories260k_dir):
