@@ -160,3 +160,29 @@ def test_the_override_reaches_the_target_config(stories260k_dir):
     assert serve_parser().parse_args([*need, "--attention-backend", "pallas_tpu"]).attention_backend == "pallas_tpu"
     assert TargetConfig(10, 8, 16, 1, 2, 1, 4, 32).attention_backend == "auto"
     assert load_target("stories260k", attention_backend="xla")[0].cfg.attention_backend == "xla"
+
+
+def test_pallas_heads_over_the_mesh_and_block_sizes_by_device_kind():
+    """The kernel's ``shard_map`` split follows ``cache_sharding`` (KV heads over ``model``, over
+    ``model_kv`` of its split when fewer, else whole), and its blocks come from the device kind
+    given, cut to half the explicit VMEM limit: a 4096-slot row of Qwen3-8B's 8 KV heads in one
+    block (the tuned whole-row choice) needs 32 MiB of double-buffered pages alone."""
+    from jax.sharding import AbstractMesh
+
+    from dspark_jax.models import pallas_tpu as T
+
+    m8 = AbstractMesh((1, 1, 8), ("data", "fsdp", "model"))
+    assert T.head_split(None, 32, 8)[1:] == (None, None, 32, 8)
+    assert T.head_split(m8, 32, 8)[1:] == ("model", "model", 4, 1)
+    split = T.head_split(m8, 32, 4)
+    assert dict(split.mesh.shape) == {"data": 1, "fsdp": 1, "model_kv": 4, "model_rep": 2}
+    assert split[1:] == (("model_kv", "model_rep"), "model_kv", 4, 1)
+    assert T.head_split(m8, 4, 2)[1:] == ("model_kv", "model_kv", 2, 1)  # 4 query heads do not cover 8 chips
+    assert T.head_split(m8, 24, 3)[1:] == (None, None, 24, 3)  # 3 KV heads: whole on every chip
+    kinds = {"TPU v4": 4, "TPU v5 lite": 5, "TPU v5": 5, "TPU v6 lite": 6, "TPU7x": 7, "cpu": None}
+    assert {k: T.tpu_generation(k) for k in kinds} == kinds
+    for kind in ("TPU v5 lite", "TPU v6 lite", "TPU v4"):
+        bkv, bq, limit = T.block_sizes(kind, jnp.bfloat16, 32, 8, 128, 128, 1, 32)
+        assert limit == (16 if kind == "TPU v4" else 32) << 20 and bq == 1
+        assert 2 * bkv * 128 * 16 * 128 * 2 <= limit // 2  # the KV double buffer (16 combined heads, bf16)
+        assert 1 <= bkv < 32
