@@ -31,7 +31,8 @@ VMEM_LIMIT_MIB = {4: 16, 5: 32, 6: 32, 7: 32}
 
 class Placement(NamedTuple):
     """Where an array is placed: ``platform`` (``tpu``, ``cpu``, ...; None: not known), the devices'
-    ``device_kind`` (``TPU v5 lite``; None: not known) and the mesh (None: one device)."""
+    ``device_kind`` (``TPU v5 lite``; None: not known) and the abstract mesh (None: the default device;
+    one of one device too, whose kind Mosaic reads from the mesh the kernel is lowered under)."""
 
     platform: str | None
     device_kind: str | None
@@ -56,7 +57,7 @@ def placement(*xs: Any) -> Placement:
             mesh = mesh.abstract_mesh
         device = getattr(mesh, "abstract_device", None) if mesh is not None and not mesh.empty else None
         if mesh is not None and device is not None:
-            return Placement(device.platform, device.device_kind, mesh if mesh.size > 1 else None)
+            return Placement(device.platform, device.device_kind, mesh)
     return Placement(None, None, None)
 
 
@@ -73,7 +74,7 @@ class HeadSplit(NamedTuple):
     """How the kernel's heads are cut over a mesh.
 
     Attributes:
-      mesh: the abstract mesh the kernel is ``shard_map``-ped over (None: called on one device).
+      mesh: the abstract mesh the kernel is ``shard_map``-ped over (None: called on the default device).
       q_axes / kv_axes: the mesh axes of the query-head and KV-head axes (None: whole on every device).
       heads / kv_heads: query and KV heads a device attends with.
     """

@@ -129,8 +129,10 @@ def test_pallas_tpu_compiles_sharded_on_a_model_mesh():
     decode and verification passes compile with the Mosaic kernel under ``shard_map`` (2 of the 8
     query heads a device), at cache 8192 (the whole-row KV block overflowed VMEM before), with
     no whole-cache copy. Before, the kernel read its block sizes from ``jax.devices()[0]`` (the
-    CPU: "TPU version must be 4 or higher") and could not be partitioned on a mesh."""
+    CPU: "TPU version must be 4 or higher") and could not be partitioned on a mesh. One chip of
+    the topology (8 KV heads, no split) compiles too."""
     from benchmarks import tpu_compile
+    from dspark_jax.models import sharding as shd
 
     found = {}
     for kv_heads in (4, 2):
@@ -138,7 +140,15 @@ def test_pallas_tpu_compiles_sharded_on_a_model_mesh():
         for p in (b.step(8192, 1),) if kv_heads == 4 else (b.step(8192, 1), b.step(8192, 8, taps=(0, 1))):
             hlo = tpu_compile.compile_program(p, unroll=False).as_text() or ""
             found[(kv_heads, p.name)] = (_kernel_heads(hlo), len(tpu_compile.cache_copies(hlo, p.cache_elements)))
+    one_chip = shd.make_mesh("model:1", devices=tpu_compile.topology_devices("v5e:2x2")[:1])
+    # 3 layers: a layer's K and V interleaved into the kernel's pages (a copy per layer, the path's
+    # known cost) has as many elements as a 2-layer cache and would read as a whole-cache copy
+    cfg = _tiny("qwen3-8b", num_layers=3, num_kv_heads=8, attention_backend="pallas_tpu")
+    p = tpu_compile.Builder(cfg, one_chip).step(8192, 1)
+    hlo = tpu_compile.compile_program(p, unroll=False).as_text() or ""
+    found[(8, "one chip")] = (_kernel_heads(hlo), len(tpu_compile.cache_copies(hlo, p.cache_elements)))
     assert found == {
+        (8, "one chip"): (["bf16[1,8,128]"], 0),  # Mosaic read the CPU's kind off a mesh-less call before
         (4, "decode-1"): (["bf16[1,2,128]"], 0),
         (2, "decode-1"): (["bf16[1,2,128]"], 0),
         (2, "verify-8"): (["bf16[8,2,128]"], 0),
