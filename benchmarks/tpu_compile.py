@@ -17,6 +17,10 @@ caches donated) and compiled:
 * ``prefill-chunk``: chunked prefill's target pass (``chunk_forward``) over 4 staging lanes;
 * ``drafter-ctx``: the DSpark drafter's context-cache write of 64 packed tokens (``write_context``).
 
+With ``--backends xla,pallas_tpu`` the programs that attend through the target's backend
+(decode, verify, engine) are compiled again with the Pallas kernel (under ``shard_map`` on the
+mesh); ``pallas_calls`` counts the Mosaic kernel calls in the optimised HLO.
+
 Reported per program: per-device memory from ``memory_analysis()`` (arguments, temporaries,
 outputs, aliased), the whole-cache copies in the optimised HLO (copy/transpose instructions with
 as many elements as one device's K or V cache, anywhere in the module), the collectives in the
@@ -45,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -70,20 +75,76 @@ from dspark_jax.models.weights import target_param_shapes
 
 # Chips per host of the topologies named here (get_topology_desc needs them), and HBM GB/s per chip.
 TOPOLOGY_BOUNDS = {"v5e:2x2": (2, 2, 1), "v5e:2x4": (2, 4, 1), "v6e:2x4": (2, 4, 1), "v5p:2x2x1": (2, 2, 1)}
-HBM_GBS = (("v5 lite", 819.0), ("v5e", 819.0), ("v6 lite", 1640.0), ("v6e", 1640.0), ("v5p", 2765.0), ("v5", 2765.0))
+HBM_GBS = (
+    ("h100", 3352.0),
+    ("v5 lite", 819.0),
+    ("v5e", 819.0),
+    ("v6 lite", 1640.0),
+    ("v6e", 1640.0),
+    ("v5p", 2765.0),
+    ("v5", 2765.0),
+)
 EXPERT_KEYS = ("moe_gate", "moe_up", "moe_down")  # a mixture-of-experts layer's expert stacks
 LIVE = 256  # live KV positions the byte counts correspond to (one attention block, see the module doc)
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 
-def topology_devices(name: str) -> list[Any]:
-    """The devices of TPU topology ``name`` (``v5e:2x4``), compiled for without a TPU.
+# GPUs compiled for without a GPU (``h100:<n>``): XLA's GpuTargetConfig device facts (H100 SXM 80 GB, public specs).
+H100 = {
+    "threads_per_block_limit": 1024,
+    "threads_per_warp": 32,
+    "shared_memory_per_block": 48 << 10,
+    "shared_memory_per_core": 228 << 10,
+    "shared_memory_per_block_optin": 227 << 10,
+    "threads_per_core_limit": 2048,
+    "core_count": 132,
+    "fpus_per_core": 128,
+    "block_dim_limit_x": 2**31 - 1,
+    "block_dim_limit_y": 65535,
+    "block_dim_limit_z": 65535,
+    "memory_bandwidth": 3_352_320_000_000,
+    "l2_cache_size": 50 << 20,
+    "clock_rate_ghz": 1.98,
+    "device_memory_size": 80 * 10**9,
+    "registers_per_core_limit": 65536,
+    "registers_per_block_limit": 65536,
+}
+
+
+def gpu_devices(name: str) -> list[Any]:
+    """The devices of ``h100:<n>`` (n GPUs on one host), compiled for without a GPU by the CUDA
+    PJRT plugin (``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` at jax's version; no driver needed).
 
     Raises:
-      ValueError: a topology not in :data:`TOPOLOGY_BOUNDS`.
+      ValueError: the plugin is not installed.
+    """
+    import importlib.util
+
+    from jax.experimental import topologies
+
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        raise ValueError(f"topology {name!r} needs jax-cuda12-plugin and jax-cuda12-pjrt=={jax.__version__}")
+    info = " ".join(f"{k}: {v}" for k, v in H100.items())
+    config = (
+        f"gpu_device_info {{ {info} cuda_compute_capability {{ major: 9 }} }} platform_name: 'CUDA' "
+        "dnn_version_info { major: 9 minor: 7 } runtime_version { major: 12 minor: 8 } "
+        "device_description_str: 'NVIDIA H100 80GB HBM3'"
+    )
+    n = int(name.split(":")[1])
+    return list(topologies.get_topology_desc(platform="cuda", target_config=config, topology=f"1x1x{n}").devices)
+
+
+def topology_devices(name: str) -> list[Any]:
+    """The devices of TPU topology ``name`` (``v5e:2x4``) or of ``h100:<n>`` (:func:`gpu_devices`),
+    compiled for without a TPU or GPU.
+
+    Raises:
+      ValueError: a topology not in :data:`TOPOLOGY_BOUNDS` nor ``h100:<n>``.
     """
     from jax.experimental import topologies
 
+    if re.fullmatch(r"h100:\d+", name):
+        return gpu_devices(name)
     if name not in TOPOLOGY_BOUNDS:
         raise ValueError(f"topology {name!r}: known ones are {', '.join(TOPOLOGY_BOUNDS)}")
     topo = topologies.get_topology_desc(
@@ -343,15 +404,20 @@ def expert_rules(split: str) -> tuple[tuple[str, Any], ...]:
     return tuple(r for r in shd.DEFAULT_RULES if split == "hidden" or r[0] != "expert_mlp")
 
 
-def program_specs(num_layers: int, caches: tuple[int, ...], rows: tuple[int, ...]) -> list[tuple[str, dict]]:
-    """``(Builder method, keyword arguments)`` of every program measured."""
+def program_specs(
+    num_layers: int, caches: tuple[int, ...], rows: tuple[int, ...], attending_only: bool = False
+) -> list[tuple[str, dict]]:
+    """``(Builder method, keyword arguments)`` of every program measured (``attending_only``: only
+    those whose attention is the target's configured backend; chunked prefill and the drafter
+    keep their own XLA attention)."""
     taps = (1, num_layers // 2, num_layers - 2)
     out: list[tuple[str, dict]] = []
     for s in caches:
         out += [("step", {"length": s, "tokens": 1}), ("step", {"length": s, "tokens": 8, "taps": taps})]
     s = max(caches)
     out += [("engine", {"rows": r, "length": s}) for r in rows]
-    out += [("prefill_chunk", {"length": s}), ("drafter_context", {"length": s})]
+    if not attending_only:
+        out += [("prefill_chunk", {"length": s}), ("drafter_context", {"length": s})]
     return out
 
 
@@ -390,6 +456,7 @@ def measure(p: Program, bandwidth: float | None, costed: bool = True) -> dict[st
         "peak_mib": (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
         / mib,
         "cache_copies": len(copies),
+        "pallas_calls": hlo.count('custom_call_target="tpu_custom_call"'),
         "copy_lines": copies[:4],
         "collectives": collectives(hlo),
         "bytes_accessed": nbytes,
@@ -413,8 +480,8 @@ def _fmt(x: Any) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> None:
-    cols = ["topology", "model", "program", "cache", "args_mib", "temp_mib", "out_mib", "peak_mib"]
-    cols += ["cache_copies", "collectives", "bytes_vs_ideal", "est_ms", "ideal_ms"]
+    cols = ["topology", "model", "backend", "program", "cache", "args_mib", "temp_mib", "out_mib", "peak_mib"]
+    cols += ["cache_copies", "pallas_calls", "collectives", "bytes_vs_ideal", "est_ms", "ideal_ms"]
     cells = [[_fmt(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
@@ -423,10 +490,11 @@ def table(rows: list[dict[str, Any]]) -> None:
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """verify-8 / decode-1 and cache max / min (decode-1) estimated time, per topology and model."""
+    """verify-8 / decode-1 and cache max / min (decode-1) estimated time, per topology, model and
+    attention backend."""
     out = []
-    for key in sorted({(r["topology"], r["model"]) for r in rows}):
-        mine = [r for r in rows if (r["topology"], r["model"]) == key]
+    for key in sorted({(r["topology"], r["model"], r["backend"]) for r in rows}):
+        mine = [r for r in rows if (r["topology"], r["model"], r["backend"]) == key]
         dec = {r["cache"]: r for r in mine if r["program"] == "decode-1"}
         ver = {r["cache"]: r for r in mine if r["program"] == "verify-8"}
         lo, hi = min(dec), max(dec)
@@ -434,6 +502,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             {
                 "topology": key[0],
                 "model": key[1],
+                "backend": key[2],
                 "verify8_over_decode1": ver[hi]["bytes_accessed"] / dec[hi]["bytes_accessed"],
                 "cache_hi_over_lo": dec[hi]["bytes_accessed"] / dec[lo]["bytes_accessed"],
                 "caches": [lo, hi],
@@ -444,7 +513,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.tpu_compile", description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--topology", default="v5e:2x4", help=f"comma list of {', '.join(TOPOLOGY_BOUNDS)}")
+    ap.add_argument("--topology", default="v5e:2x4", help=f"comma list of {', '.join(TOPOLOGY_BOUNDS)}, h100:<n>")
     ap.add_argument("--models", default="qwen3-8b,qwen3-4b", help="comma list: built-in config names or HF folders")
     ap.add_argument("--mesh", default="", help="mesh spec (default model:<chips>)")
     ap.add_argument("--caches", default="1024,4096", help="cache lengths of decode-1 / verify-8")
@@ -461,6 +530,12 @@ def main(argv: list[str] | None = None) -> int:
         default="hidden",
         help="a mixture-of-experts target's experts' hidden units over model (the project's rule), or the experts",
     )
+    ap.add_argument(
+        "--backends",
+        default="xla",
+        help="comma list of target attention backends (xla, pallas_tpu); after the first only the "
+        "programs that attend through it (decode, verify, engine)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     a = ap.parse_args(argv)
     caches = tuple(int(x) for x in a.caches.split(","))
@@ -470,23 +545,25 @@ def main(argv: list[str] | None = None) -> int:
         devices = topology_devices(topo)
         mesh = shd.make_mesh(a.mesh or f"model:{len(devices)}", devices=devices)
         bw = hbm_gbs(devices[0].device_kind)
-        for spec in a.models.split(","):
-            cfg = model_config(spec)
+        for spec, (i, backend) in itertools.product(a.models.split(","), enumerate(a.backends.split(","))):
+            cfg = dataclasses.replace(model_config(spec), attention_backend=backend)
             b = Builder(cfg, mesh, rules=expert_rules(a.expert_split))
-            for method, kw in program_specs(cfg.num_layers, caches, rows_arg):
+            for method, kw in program_specs(cfg.num_layers, caches, rows_arg, attending_only=i > 0):
                 p = getattr(b, method)(**kw)
                 s = kw["length"]
-                r = {"topology": topo, "mesh": shd.describe(mesh), "model": spec, "cache": s}
+                r = {"topology": topo, "mesh": shd.describe(mesh), "model": spec, "backend": backend, "cache": s}
                 if cfg.num_experts:
                     r["expert_split"] = a.expert_split
                 r.update(measure(p, bw, a.bytes))
                 rows.append(r)
-                print(f"# {topo} {spec} {p.name} cache {s}: compiled in {r['compile_s']:.1f}s", file=sys.stderr)
+                print(
+                    f"# {topo} {spec} {backend} {p.name} cache {s}: compiled in {r['compile_s']:.1f}s", file=sys.stderr
+                )
     table(rows)
     summary = ratios(rows) if a.bytes else []
     for x in summary:
         print(
-            f"{x['topology']} {x['model']}: verify-8/decode-1 {x['verify8_over_decode1']:.2f}, "
+            f"{x['topology']} {x['model']} {x['backend']}: verify-8/decode-1 {x['verify8_over_decode1']:.2f}, "
             f"decode-1 cache {x['caches'][1]}/{x['caches'][0]} {x['cache_hi_over_lo']:.2f} (bytes, live {LIVE})"
         )
     if a.json:

@@ -78,7 +78,8 @@ def add_attention_argument(p: argparse.ArgumentParser) -> None:
         default=None,
         choices=ATTENTION_BACKENDS,
         help="implementation of the target's cached attention (default auto: cudnn on a CUDA GPU for "
-        "bfloat16, pallas_tpu on a TPU, else xla; a backend the shapes or dtype do not fit runs as xla)",
+        "bfloat16 where it fits the model, else xla; a backend named here that "
+        "does not fit is refused)",
     )
 
 

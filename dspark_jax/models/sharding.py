@@ -292,6 +292,12 @@ def tree_shardings(tree: Any, mesh: Mesh, cfg: Any, rules: Iterable[tuple[str, A
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
+def kv_heads_split_model(model: int, num_kv_heads: int) -> bool:
+    """Whether a KV cache's head axis goes over a split ``model_kv x model_rep`` of a ``model`` axis
+    of ``model`` devices (:func:`cache_sharding`): fewer KV heads than devices, more than one, a divisor."""
+    return 1 < num_kv_heads < model and model % num_kv_heads == 0
+
+
 def cache_sharding(
     mesh: Mesh, num_kv_heads: int, shape: Sequence[int], rules: Iterable[tuple[str, Any]] = DEFAULT_RULES
 ) -> NamedSharding:
@@ -311,8 +317,7 @@ def cache_sharding(
     if (
         isinstance(mesh, Mesh)
         and dict(rules).get("kv_heads") == "model"
-        and 1 < num_kv_heads < m
-        and m % num_kv_heads == 0
+        and kv_heads_split_model(m, num_kv_heads)
         and mesh.axis_names[-1] == "model"
     ):
         d = mesh.devices

@@ -24,10 +24,12 @@ if importlib.util.find_spec("libtpu") is None:
 
 
 def _tiny(preset: str, **fields):
-    """A 2-layer, 8-head (head size 128) version of a built-in config, with ``fields`` replaced."""
+    """A 2-layer, 8-head (head size 128) version of a built-in config, with ``fields`` replaced;
+    attention on ``xla`` unless ``attention_backend`` is given."""
     from dspark_jax.models.presets import builtin_target_config
 
     small = dict(num_layers=2, hidden_size=256, intermediate_size=512, vocab_size=1024, num_heads=8, head_dim=128)
+    small["attention_backend"] = "xla"
     return dataclasses.replace(builtin_target_config(preset), **{**small, **fields})
 
 
@@ -116,3 +118,57 @@ def test_fewer_kv_heads_than_model_devices_write_in_place():
         )
     assert found == {name: [] for name in found}, found
     assert per_device == {name: 2 * 2048 * 128 for name in found}  # one KV head a device, 2 layers
+
+
+def _kernel_heads(hlo: str) -> list[str]:
+    """The output shapes of the Pallas kernel calls in an optimised HLO (``bf16[N,heads,128]``)."""
+    return [ln.split(" = ")[1].split("{")[0] for ln in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in ln]
+
+
+def test_pallas_tpu_compiles_sharded_on_a_model_mesh():
+    """``pallas_tpu`` on ``model:4`` (4 KV heads: one a device; 2: each on two devices): the
+    decode and verification passes compile with the Mosaic kernel under ``shard_map`` (2 of the 8
+    query heads a device), at cache 8192 (the whole-row KV block overflowed VMEM before), with
+    no whole-cache copy. Before, the kernel read its block sizes from ``jax.devices()[0]`` (the
+    CPU: "TPU version must be 4 or higher") and could not be partitioned on a mesh. One chip of
+    the topology (8 KV heads, no split) compiles too."""
+    from benchmarks import tpu_compile
+    from dspark_jax.models import sharding as shd
+
+    found = {}
+    for kv_heads in (4, 2):
+        b = tpu_compile.Builder(_tiny("qwen3-8b", num_kv_heads=kv_heads, attention_backend="pallas_tpu"), _model4())
+        for p in (b.step(8192, 1),) if kv_heads == 4 else (b.step(8192, 1), b.step(8192, 8, taps=(0, 1))):
+            hlo = tpu_compile.compile_program(p, unroll=False).as_text() or ""
+            found[(kv_heads, p.name)] = (_kernel_heads(hlo), len(tpu_compile.cache_copies(hlo, p.cache_elements)))
+    one_chip = shd.make_mesh("model:1", devices=tpu_compile.topology_devices("v5e:2x2")[:1])
+    # 3 layers: a layer's K and V interleaved into the kernel's pages (a copy per layer, the path's
+    # known cost) has as many elements as a 2-layer cache and would read as a whole-cache copy
+    cfg = _tiny("qwen3-8b", num_layers=3, num_kv_heads=8, attention_backend="pallas_tpu")
+    p = tpu_compile.Builder(cfg, one_chip).step(8192, 1)
+    hlo = tpu_compile.compile_program(p, unroll=False).as_text() or ""
+    found[(8, "one chip")] = (_kernel_heads(hlo), len(tpu_compile.cache_copies(hlo, p.cache_elements)))
+    assert found == {
+        (8, "one chip"): (["bf16[1,8,128]"], 0),  # Mosaic read the CPU's kind off a mesh-less call before
+        (4, "decode-1"): (["bf16[1,2,128]"], 0),
+        (2, "decode-1"): (["bf16[1,2,128]"], 0),
+        (2, "verify-8"): (["bf16[8,2,128]"], 0),
+    }
+
+
+def test_a_named_backend_that_cannot_serve_a_tpu_program_is_refused():
+    """Compiled for a TPU topology (on this CPU: the platform is the mesh's, not
+    ``jax.default_backend()``'s), ``pallas_tpu`` by name where the kernel cannot serve (head size
+    64: not a multiple of the 128 lanes) and ``cudnn`` on a TPU are one-line errors naming the
+    backend and the reason, raised while tracing; before, both compiled ``xla`` without a word."""
+    from benchmarks import tpu_compile
+    from dspark_jax.errors import DSparkInputError
+
+    cases = {
+        "pallas_tpu": (64, "'pallas_tpu' cannot run this program: head_dim 64 is not a multiple of 128"),
+        "cudnn": (128, "'cudnn' cannot run this program: cuDNN needs a CUDA GPU .platform tpu."),
+    }
+    for backend, (head_dim, message) in cases.items():
+        cfg = _tiny("qwen3-8b", num_kv_heads=4, head_dim=head_dim, attention_backend=backend)
+        with pytest.raises(DSparkInputError, match=message):
+            tpu_compile.compile_program(tpu_compile.Builder(cfg, _model4()).step(1024, 1), unroll=False)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.config import TargetConfig
+from dspark_jax.errors import DSparkInputError
 from dspark_jax.models import attention as A
 from dspark_jax.models.layers import cached_attention
 
@@ -60,17 +61,25 @@ def test_auto_by_platform_and_the_dtype_rule(case):
     name, reason = A.select_backend("auto", q, k, platform="gpu")  # float32: cuDNN takes fp16/bf16 only
     assert name == "xla" and reason is not None and "float32" in reason
     assert A.select_backend("auto", q, k, platform="rocm") == ("xla", None)
-    # HD = 16 misses the TPU lane width: falls back, with the reason.
-    name, reason = A.select_backend("auto", q, k, platform="tpu")
-    assert name == "xla" and reason is not None and "multiple of 128" in reason
+    # On a TPU auto is xla (the compiler costs the kernel path higher); pallas_tpu is asked by name.
     fit_q = jax.ShapeDtypeStruct((1, 1, 16, 128), jnp.bfloat16)
     fit_k = jax.ShapeDtypeStruct((2, 1, 256, 8, 128), jnp.bfloat16)
-    assert A.select_backend("auto", fit_q, fit_k, platform="tpu") == ("pallas_tpu", None)
+    assert A.select_backend("auto", fit_q, fit_k, platform="tpu") == ("xla", None)
+    assert A.select_backend("pallas_tpu", fit_q, fit_k, platform="tpu") == ("pallas_tpu", None)
+    with pytest.raises(DSparkInputError, match="head_dim 16 is not a multiple of 128"):  # the TPU lane width
+        A.select_backend("pallas_tpu", q, k, platform="tpu")
+    # By name, a backend that cannot serve the program is refused with the reason, never replaced.
     odd_heads = jax.ShapeDtypeStruct((2, 1, 256, 3, 128), jnp.float32)  # 6 combined f32 heads: not tiled
-    name, reason = A.select_backend("pallas_tpu", jax.ShapeDtypeStruct((1, 1, 6, 128), jnp.float32), odd_heads, "tpu")
-    assert name == "xla" and reason is not None and "heads" in reason
-    name, reason = A.select_backend("pallas_tpu", fit_q, jax.ShapeDtypeStruct((2, 1, 100, 8, 128), jnp.bfloat16), "tpu")
-    assert name == "xla" and reason is not None and "cache length" in reason
+    odd_q = jax.ShapeDtypeStruct((1, 1, 6, 128), jnp.float32)
+    with pytest.raises(DSparkInputError, match="'pallas_tpu' cannot run this program: the kernel does not take"):
+        A.select_backend("pallas_tpu", odd_q, odd_heads, "tpu")
+    with pytest.raises(DSparkInputError, match="cache length 100"):
+        A.select_backend("pallas_tpu", fit_q, jax.ShapeDtypeStruct((2, 1, 100, 8, 128), jnp.bfloat16), "tpu")
+    with pytest.raises(DSparkInputError, match="float32 queries"):
+        A.select_backend("cudnn", q, k, platform="gpu")
+    with pytest.raises(DSparkInputError, match="soft-cap"):
+        A.select_backend("cudnn", bf16, k, platform="gpu", softcap=50.0)
+    assert A.select_backend("pallas_tpu", fit_q, fit_k, platform="tpu", softcap=50.0) == ("pallas_tpu", None)
     with pytest.raises(ValueError, match="not one of"):
         A.select_backend("flash", q, k)
     with pytest.raises(ValueError, match="attention_backend"):
@@ -117,15 +126,25 @@ def test_pallas_paged_view_through_the_reference_matches_the_xla_path(case):
 
 
 @pytest.mark.parametrize("backend", ["cudnn", "pallas_tpu"])
-def test_named_backend_off_platform_falls_back_to_xla(case, backend, caplog, monkeypatch):
+def test_named_backend_off_platform_is_refused_by_name(case, backend):
+    """A kernel backend asked for by name where it cannot run (here: on the CPU) is a one-line
+    error naming the backend and what it needs, not a quiet switch to xla."""
+    q, k, v, q_pos, _ = case
+    need = {"cudnn": "needs a CUDA GPU", "pallas_tpu": "needs a TPU"}[backend]
+    with pytest.raises(DSparkInputError, match=f"attention backend '{backend}' cannot run this program: .*{need}"):
+        jax.jit(lambda *a: A.attend(*a, backend=backend))(q, k, v, 1, q_pos)
+
+
+def test_auto_logs_why_it_takes_xla_once(case, caplog, monkeypatch):
     q, k, v, q_pos, want = case
-    monkeypatch.setattr(A, "_noted", set())  # fallbacks are logged once per process
-    with caplog.at_level(logging.WARNING, logger=A.__name__):
-        got = jax.jit(lambda *a: A.attend(*a, backend=backend))(q, k, v, 1, q_pos)
-        jax.eval_shape(lambda *a: A.attend(*a, backend=backend), q, k, v, 0, q_pos)  # a second trace: no second line
+    monkeypatch.setattr(A, "current_platform", lambda: "gpu")
+    monkeypatch.setattr(A, "_noted", set())
+    with caplog.at_level(logging.INFO, logger=A.__name__):
+        got = jax.jit(lambda *a: A.attend(*a, backend="auto"))(q, k, v, 1, q_pos)  # float32: not cuDNN's
+        jax.eval_shape(lambda *a: A.attend(*a, backend="auto"), q, k, v, 0, q_pos)  # a second trace: no second line
     assert np.array_equal(np.asarray(got), np.asarray(want))
     notes = [r.getMessage() for r in caplog.records if "runs as xla" in r.getMessage()]
-    assert len(notes) == 1 and "platform cpu" in notes[0]
+    assert len(notes) == 1 and "float32 queries" in notes[0]
 
 
 def test_the_override_reaches_the_target_config(stories260k_dir):
@@ -141,3 +160,29 @@ def test_the_override_reaches_the_target_config(stories260k_dir):
     assert serve_parser().parse_args([*need, "--attention-backend", "pallas_tpu"]).attention_backend == "pallas_tpu"
     assert TargetConfig(10, 8, 16, 1, 2, 1, 4, 32).attention_backend == "auto"
     assert load_target("stories260k", attention_backend="xla")[0].cfg.attention_backend == "xla"
+
+
+def test_pallas_heads_over_the_mesh_and_block_sizes_by_device_kind():
+    """The kernel's ``shard_map`` split follows ``cache_sharding`` (KV heads over ``model``, over
+    ``model_kv`` of its split when fewer, else whole), and its blocks come from the device kind
+    given, cut to half the explicit VMEM limit: a 4096-slot row of Qwen3-8B's 8 KV heads in one
+    block (the tuned whole-row choice) needs 32 MiB of double-buffered pages alone."""
+    from jax.sharding import AbstractMesh
+
+    from dspark_jax.models import pallas_tpu as T
+
+    m8 = AbstractMesh((1, 1, 8), ("data", "fsdp", "model"))
+    assert T.head_split(None, 32, 8)[1:] == (None, None, 32, 8)
+    assert T.head_split(m8, 32, 8)[1:] == ("model", "model", 4, 1)
+    split = T.head_split(m8, 32, 4)
+    assert dict(split.mesh.shape) == {"data": 1, "fsdp": 1, "model_kv": 4, "model_rep": 2}
+    assert split[1:] == (("model_kv", "model_rep"), "model_kv", 4, 1)
+    assert T.head_split(m8, 4, 2)[1:] == ("model_kv", "model_kv", 2, 1)  # 4 query heads do not cover 8 chips
+    assert T.head_split(m8, 24, 3)[1:] == (None, None, 24, 3)  # 3 KV heads: whole on every chip
+    kinds = {"TPU v4": 4, "TPU v5 lite": 5, "TPU v5": 5, "TPU v6 lite": 6, "TPU7x": 7, "cpu": None}
+    assert {k: T.tpu_generation(k) for k in kinds} == kinds
+    for kind in ("TPU v5 lite", "TPU v6 lite", "TPU v4"):
+        bkv, bq, limit = T.block_sizes(kind, jnp.bfloat16, 32, 8, 128, 128, 1, 32)
+        assert limit == (16 if kind == "TPU v4" else 32) << 20 and bq == 1
+        assert 2 * bkv * 128 * 16 * 128 * 2 <= limit // 2  # the KV double buffer (16 combined heads, bf16)
+        assert 1 <= bkv < 32
