@@ -17,7 +17,9 @@ DeepSeek's ``Gemma4DSparkModel`` (``gemma4_keqv``: values from the key projectio
 features directly (no Gemma 4 target needed). Their draft and confidence logits match DeepSpec's
 within 1e-4, the cached decode path agrees with the training path, a re-export writes the same
 tensors and config, a target whose tables differ from the drafter's copies is refused, and what the
-importer does not implement is refused by name.
+importer does not implement is refused by name. End to end, ``gemma4_keqv`` decodes a tiny Gemma 4
+target written by transformers for its config (with its embedding / head tables): greedy
+speculative == plain.
 """
 
 from __future__ import annotations
@@ -277,3 +279,48 @@ def test_confidence_head_keeps_its_zero_markov_half_and_untied_deepspec_warns(ta
     np.testing.assert_array_equal(np.asarray(again.conf_w[...]), np.asarray(drafter.conf_w[...]))
     assert not target.cfg.tie_embeddings and any("--format speculators" in n for n in notes)
     assert not export_to_format(drafter, target, "speculators", tmp_path / "sp")[1]
+
+
+def test_gemma4_drafter_decodes_a_gemma4_target_exactly(tmp_path):
+    """End to end: a tiny Gemma 4 target written by transformers (``Gemma4ForCausalLM``, fp32) with the
+    config the fixture drafter was built for (the manifest's text config, 4 layers, taps 0 and L - 1)
+    and the drafter's own embedding / LM head as its tables (untied, so the loader's copy check
+    passes), loaded with ``load_drafter(..., target=)`` and decoded through the front door: greedy
+    speculative == plain greedy, token for token, on three prompts (one past the 8-token window)
+    with rounds + accepted drafts = the generated tokens after the prefill one; T = 1 runs (seeded)."""
+    import torch
+    import transformers as tr
+
+    from dspark_jax import load_drafter as api_load_drafter
+    from dspark_jax.decoding.request import DecodeRequest, decode
+    from dspark_jax.models.weights import params_fingerprint
+
+    man = json.loads((DATA / "manifest.json").read_text())["gemma4"]
+    text = {**man["target_text_config"], **man["drafters"]["gemma4_keqv"]["text_config"], "tie_word_embeddings": False}
+    torch.manual_seed(0)
+    model = tr.Gemma4ForCausalLM(tr.Gemma4TextConfig(**text, initializer_range=0.1, attn_implementation="eager"))
+    own = load_file(str(DATA / "gemma4_keqv" / "model.safetensors"))
+    with torch.no_grad():  # DeepSpec's drafter stores copies of its target's (unscaled) tables
+        model.model.embed_tokens.weight.copy_(torch.from_numpy(own["embed_tokens.weight"]))
+        model.lm_head.weight.copy_(torch.from_numpy(own["lm_head.weight"]))
+    model.float().save_pretrained(tmp_path)
+    cfg, params = load_hf_dir(tmp_path)
+    target = Target(cfg, params, fingerprint=params_fingerprint(params))
+    drafter, _ = api_load_drafter(DATA / "gemma4_keqv", target=target)
+    assert drafter.cfg.taps == (0, cfg.num_layers - 1) and drafter.cfg.target_fingerprint == target.fingerprint
+    rng = np.random.default_rng(5)
+    prompts = [[2] + rng.integers(5, cfg.vocab_size, k - 1).tolist() for k in (3, 11, 20)]
+
+    def run(d, temperature=0.0):
+        reqs = [DecodeRequest(p, max_new_tokens=32, temperature=temperature, seed=7, num_speculative_tokens=4,
+                              stop_ids=()) for p in prompts]  # fmt: skip
+        return decode(target, d, reqs).generations
+
+    plain, spec = run(None), run(drafter)
+    for a, s in zip(plain, spec, strict=True):
+        assert s.token_ids == a.token_ids and len(s.token_ids) == 32 and s.finish_reason == "length"
+        assert s.num_target_passes + s.num_accepted == 31 and s.num_accepted <= s.num_draft_tokens
+    assert sum(s.num_accepted for s in spec) >= 1  # random weights: few drafts agree, some do
+    for s in run(drafter, temperature=1.0):
+        assert len(s.token_ids) == 32 and s.num_target_passes + s.num_accepted == 31
+        assert all(0 <= t < cfg.vocab_size for t in s.token_ids)
