@@ -117,10 +117,11 @@ def estimate_memory(
     layer's when ``remat``), and the float32 vocabulary-sized loss head; heads, MLP, KV heads
     and vocabulary terms (and the target's stacked layer outputs) are divided by ``model`` where it
     divides them, the drafter's hidden-size terms are replicated. Total = weights and optimizer
-    state + the larger of the two activation peaks (target forward; drafter forward/backward).
-    XLA's actual peak differs (fusion, buffer reuse); ``tests/integration/test_mesh.py`` checks
-    it against the compiled sharded step's memory analysis on forced CPU devices, and
-    ``python -m benchmarks.plan_check`` against the TPU compiler's device memory for a TPU topology.
+    state + the larger of the two activation peaks (target forward; drafter forward/backward
+    with the micro-batch's gradients). XLA's actual peak differs (fusion, buffer reuse);
+    ``tests/integration/test_mesh.py`` checks it against the compiled sharded step's memory
+    analysis on forced CPU devices, and ``python -m benchmarks.plan_check`` against the TPU
+    compiler's device memory for a TPU topology.
 
     Args:
       devices: device count; mesh: spec or sizes (default: every device on ``data``).
@@ -155,7 +156,10 @@ def estimate_memory(
         **act,
     }
     out = {k: gib(v) for k, v in parts.items()}
-    total = t_bytes + drafter_bytes + max(target_fwd, train_peak)
+    # A micro-batch's float32 gradients exist only from the drafter's backward pass on: the target
+    # forward runs before them (the accumulator, the master weights and AdamW state are live throughout).
+    grads = d_elems * 4
+    total = t_bytes + drafter_bytes - grads + max(target_fwd, train_peak + grads)
     out["total"] = gib(total)
     out["total_bytes"] = int(total)
     return out
