@@ -64,11 +64,14 @@ def _train_activations(
     L, V, A, S, g, N = cfg.seq_len, t.vocab_size, cfg.anchors_per_seq, d.num_block_positions, d.block_size, d.num_layers
     vt, ht, it = _div(V, m), _div(t.num_heads, m), _div(t.intermediate_size, m)
     hd_, kd_, id_ = _div(d.num_heads, m), _div(d.num_kv_heads, m), _div(d.intermediate_size, m)
+    # The target forward (no gradient): every layer's output stacked by the layer scan, which XLA
+    # keeps split over ``model`` along the hidden axis; one layer's float32 attention scores and MLP;
+    # and two float32 logits buffers (the logits and their softmax for p_target).
     target_fwd = micro * (
-        t.num_layers * L * t.hidden_size * cb
-        + 2 * t.num_heads * L * L * 4 / ht
+        t.num_layers * L * t.hidden_size * cb / _div(t.hidden_size, m)
+        + t.num_heads * L * L * 4 / ht
         + 3 * L * t.intermediate_size * cb / it
-        + L * V * 4 / vt
+        + 2 * L * V * 4 / vt
     )
     context = (
         micro
@@ -112,11 +115,13 @@ def estimate_memory(
     (tapped layer outputs, one layer's attention scores and MLP, float32 logits), the
     drafter's context keys/values, the backbone activations kept for the backward pass (one
     layer's when ``remat``), and the float32 vocabulary-sized loss head; heads, MLP, KV heads
-    and vocabulary terms are divided by ``model`` where it divides them, the hidden-size
-    terms are replicated. Total = weights and optimizer state + the larger of the two
-    activation peaks (target forward; drafter forward/backward). XLA's actual peak differs
-    (fusion, buffer reuse); ``tests/integration/test_mesh.py`` checks it against the compiled sharded
-    step's memory analysis on forced CPU devices.
+    and vocabulary terms (and the target's stacked layer outputs) are divided by ``model`` where it
+    divides them, the drafter's hidden-size terms are replicated. Total = weights and optimizer
+    state + the larger of the two activation peaks (target forward; drafter forward/backward
+    with the micro-batch's gradients). XLA's actual peak differs (fusion, buffer reuse);
+    ``tests/integration/test_mesh.py`` checks it against the compiled sharded step's memory
+    analysis on forced CPU devices, and ``python -m benchmarks.plan_check`` against the TPU
+    compiler's device memory for a TPU topology.
 
     Args:
       devices: device count; mesh: spec or sizes (default: every device on ``data``).
@@ -151,7 +156,10 @@ def estimate_memory(
         **act,
     }
     out = {k: gib(v) for k, v in parts.items()}
-    total = t_bytes + drafter_bytes + max(target_fwd, train_peak)
+    # A micro-batch's float32 gradients exist only from the drafter's backward pass on: the target
+    # forward runs before them (the accumulator, the master weights and AdamW state are live throughout).
+    grads = d_elems * 4
+    total = t_bytes + drafter_bytes - grads + max(target_fwd, train_peak + grads)
     out["total"] = gib(total)
     out["total_bytes"] = int(total)
     return out
@@ -185,6 +193,7 @@ def estimate_serving_memory(
     from flax import nnx
 
     from dspark_jax.drafters.build import build_drafter
+    from dspark_jax.models.layers import ATTN_BLOCK
     from dspark_jax.models.sharding import tree_bytes_per_device
     from dspark_jax.models.weights import target_param_shapes
 
@@ -213,13 +222,17 @@ def estimate_serving_memory(
         width = dcfg.block_size + 1
     k_tok = min(max_tokens, num_slots * width)
     vd = _div(t.vocab_size, m)
+    # Vocabulary-sized buffers of the packed tokens, live together while they are sampled and
+    # verified: float32 logits and probabilities, the sampler's uint32 random bits and int32
+    # candidate ids (top-k / top-p), and a boolean mask (17 bytes a token and id). Attention
+    # scores stay within one ATTN_BLOCK of keys at a time (blocked attention), not the whole cache.
     act = (
-        k_tok * t.vocab_size * 4 * 2 / vd
-        + num_slots * width * max_len * t.num_heads * 4 * 2 / _div(t.num_heads, m)
+        k_tok * t.vocab_size * (4 * 4 + 1) / vd
+        + num_slots * width * min(max_len, ATTN_BLOCK) * t.num_heads * 4 * 2 / _div(t.num_heads, m)
         + k_tok * (t.hidden_size * 4 + 3 * t.intermediate_size / _div(t.intermediate_size, m)) * cb
     )
-    if dcfg is not None:
-        act += num_slots * dcfg.block_size * t.vocab_size * 4 * 2 / vd
+    if dcfg is not None:  # the drafter's float32 block logits, sampled where they are
+        act += num_slots * dcfg.block_size * t.vocab_size * 4 / vd
     parts["step_activations"] = act
     out = {k: gib(v) for k, v in parts.items()}
     total = sum(parts.values())
