@@ -14,7 +14,7 @@ lowered from abstract values (``nnx.eval_shape`` / ``jax.ShapeDtypeStruct`` with
 shardings on the topology's mesh, :mod:`benchmarks.tpu_compile`): no weights are read or allocated. The engine step is
 :func:`~dspark_jax.serving.engine.step_programs.step_program` with its state donated, as
 :class:`~dspark_jax.serving.engine.device.EngineDevice` compiles it; the training step is the
-trainer's own (:func:`~dspark_jax.training.trainer._train_step`, parameters and optimizer state
+trainer's own (:func:`~dspark_jax.training.trainer.make_train_step`, parameters and optimizer state
 donated). A training step of a 36-layer target takes minutes (about 7 on two busy cores) and ~2.5 GB
 of host memory to compile.
 """
@@ -38,9 +38,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from benchmarks.tpu_compile import Builder, _sds, topology_devices  # sets JAX_PLATFORMS=cpu
+from benchmarks.tpu_compile import Builder, sds, topology_devices  # sets JAX_PLATFORMS=cpu
 from dspark_jax.models import sharding as shd
-from dspark_jax.training.dry_run import _recipe_configs, estimate_memory, estimate_serving_memory
+from dspark_jax.training.dry_run import estimate_memory, estimate_serving_memory, recipe_configs
 
 GIB = 2.0**30
 
@@ -72,7 +72,7 @@ def _abstract(module_fn, mesh, cfg):
     """``(graph, state of ShapeDtypeStructs with the project's shardings)`` of ``module_fn()``, abstractly."""
     graph, state = nnx.split(nnx.eval_shape(module_fn))
     shard = shd.tree_shardings(state, mesh, cfg)
-    return graph, jax.tree.map(lambda x, s: _sds(x.shape, x.dtype, s), state, shard)
+    return graph, jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), state, shard)
 
 
 def engine_step(tcfg, dcfg, mesh, *, num_slots: int, cache_len: int, tokens: int, dtype=jnp.bfloat16):
@@ -91,10 +91,10 @@ def engine_step(tcfg, dcfg, mesh, *, num_slots: int, cache_len: int, tokens: int
         return init_state(nnx.merge(b.graph, b.state), nnx.merge(d_graph, d_state), num_slots, cache_len, nb, False)
 
     st_shard = state_shardings(DecodeState, mesh, tcfg, dcfg, False)
-    st = jax.tree.map(lambda x, s: _sds(x.shape, x.dtype, s), jax.eval_shape(init), st_shard)
+    st = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), jax.eval_shape(init), st_shard)
     rep = NamedSharding(mesh, P())
-    flag = _sds((), jnp.bool_, rep)
-    inp = StepInputs(_sds((num_slots,), jnp.int32, rep), _sds((num_slots,), jnp.bool_, rep), flag, flag, flag)
+    flag = sds((), jnp.bool_, rep)
+    inp = StepInputs(sds((num_slots,), jnp.int32, rep), sds((num_slots,), jnp.bool_, rep), flag, flag, flag)
     spec = StepSpec(num_slots, tokens, dcfg.block_size, "coupled", n_top)
     fn = partial(step_program, t_graph=b.graph, d_graph=d_graph, spec=spec)
     out = out_shardings_for(mesh, tcfg, dcfg, False)("step")
@@ -107,7 +107,7 @@ def train_step(cfg, tcfg, dcfg, mesh):
     from dspark_jax.drafters.build import build_drafter
     from dspark_jax.models.target import Target
     from dspark_jax.models.weights import target_param_shapes
-    from dspark_jax.training.trainer import _train_step, make_optimizer
+    from dspark_jax.training.trainer import make_optimizer, make_train_step
 
     compute = jnp.dtype(cfg.dtype)
     shapes = target_param_shapes(tcfg)
@@ -123,15 +123,15 @@ def train_step(cfg, tcfg, dcfg, mesh):
     compute_model.dtype = compute  # the trainer's compute graph: the static dtype replaced
     c_graph = nnx.split(compute_model, nnx.Param)[0]
     p_shard = shd.tree_shardings(params, mesh, dcfg)
-    params = jax.tree.map(lambda x, s: _sds(x.shape, x.dtype, s), params, p_shard)
+    params = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), params, p_shard)
     tx = make_optimizer(cfg)
     opt = jax.eval_shape(tx.init, params)
     o_shard = shd.tree_shardings(opt, mesh, dcfg)
-    opt = jax.tree.map(lambda x, s: _sds(x.shape, x.dtype, s), opt, o_shard)
+    opt = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), opt, o_shard)
     batch = shd.batch_sharding(mesh)
-    toks = _sds((cfg.batch_size, cfg.seq_len), jnp.int32, batch)
-    lens = _sds((cfg.batch_size,), jnp.int32, batch)
-    step = _train_step(cfg, c_graph, t_graph, tx, mesh, dcfg.block_size)
+    toks = sds((cfg.batch_size, cfg.seq_len), jnp.int32, batch)
+    lens = sds((cfg.batch_size,), jnp.int32, batch)
+    step = make_train_step(cfg, c_graph, t_graph, tx, mesh, dcfg.block_size)
     repl = NamedSharding(mesh, P())
     jit = jax.jit(step, donate_argnums=(0, 1), out_shardings=(p_shard, o_shard, repl, repl))
     return jit.lower(params, opt, t_state, toks, lens, lens, np.int32(0))
@@ -144,7 +144,7 @@ def check(args) -> list[dict[str, Any]]:
     from dspark_jax.training.trainer import count_params
 
     cfg = load_config_file(args.config)
-    tcfg, dcfg = _recipe_configs(cfg)
+    tcfg, dcfg = recipe_configs(cfg)
     devices = topology_devices(args.topology)
     n = len(devices)
     rows: list[dict[str, Any]] = []

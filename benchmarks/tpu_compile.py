@@ -270,7 +270,7 @@ def _pair(x: Any) -> KVCache:
     return KVCache(cast(Any, x), cast(Any, x))
 
 
-def _sds(shape, dtype, sharding):
+def sds(shape, dtype, sharding):
     return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
 
 
@@ -287,7 +287,7 @@ class Builder:
 
         self.graph, state = nnx.split(nnx.eval_shape(build))
         shard = shd.tree_shardings(state, mesh, cfg, rules)
-        self.state = jax.tree.map(lambda x, s: _sds(x.shape, x.dtype, s), state, shard)
+        self.state = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), state, shard)
         self.rep = NamedSharding(mesh, P())
         sizes = dict(mesh.shape)
         self.weight_bytes = 0  # per device, read by every pass: all but the embedding and the experts
@@ -320,7 +320,7 @@ class Builder:
         c = self.cfg
         shape = (layers or c.num_layers, rows, length, kv_heads or c.num_kv_heads, hd or c.head_dim)
         sh = shd.cache_sharding(self.mesh, shape[3], shape)
-        one = _sds(shape, self.dtype, sh)
+        one = sds(shape, self.dtype, sh)
         per_dev = shd.shard_bytes(shape, 1, sh.spec, dict(sh.mesh.shape))  # the cache's mesh may split model
         return _pair(one), sh, per_dev
 
@@ -336,7 +336,7 @@ class Builder:
             nxt = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
             return nxt, out.features, out.cache
 
-        ids = _sds((1, tokens), jnp.int32, self.rep)
+        ids = sds((1, tokens), jnp.int32, self.rep)
         name = f"{'decode' if tokens == 1 else 'verify'}-{tokens}"
         ideal = self.active_weight_bytes(tokens) + self.kv_live_bytes(per_dev, length)
         return Program(
@@ -358,7 +358,7 @@ class Builder:
             out = nnx.merge(graph, state).forward_packed(tok, row, col, pos, cache, num_rows=rows, width=1)
             return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
 
-        ids = _sds((rows,), jnp.int32, self.rep)
+        ids = sds((rows,), jnp.int32, self.rep)
         ideal = self.active_weight_bytes(rows) + self.kv_live_bytes(per_dev, length)
         args = (self.state, cache, ids, ids, ids, ids)
         moe = bool(self.cfg.num_experts)
@@ -374,8 +374,8 @@ class Builder:
             hidden, _, new = chunk_forward(nnx.merge(graph, state), tok, pos, lane, cache, span=length, block=block)
             return hidden, new
 
-        ids = _sds((tokens,), jnp.int32, self.rep)
-        args = (self.state, cache, ids, ids, _sds((tokens // block,), jnp.int32, self.rep))
+        ids = sds((tokens,), jnp.int32, self.rep)
+        args = (self.state, cache, ids, ids, sds((tokens // block,), jnp.int32, self.rep))
         return Program("prefill-chunk", fn, args, (1,), (self.rep, _pair(sh)), per_dev, None)
 
     def drafter_context(self, length: int, rows: int = 8, tokens: int = 64) -> Program:
@@ -385,15 +385,15 @@ class Builder:
         dcfg = DrafterConfig.for_target(self.cfg, block_size=8, num_layers=2)
         dgraph, dstate = nnx.split(nnx.eval_shape(lambda: build_drafter(dcfg, nnx.Rngs(0), dtype=self.dtype)))
         dshard = shd.tree_shardings(dstate, self.mesh, dcfg)
-        dstate = jax.tree.map(lambda x, s: _sds(x.shape, x.dtype, s), dstate, dshard)
+        dstate = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), dstate, dshard)
         cache, sh, per_dev = self.cache(rows, length, dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim)
         width = len(dcfg.taps) * self.cfg.hidden_size
 
         def fn(dstate, cache, feats, row, pos):
             return nnx.merge(dgraph, dstate).write_context(cache, feats, row, pos)
 
-        ids = _sds((tokens,), jnp.int32, self.rep)
-        args = (dstate, cache, _sds((tokens, width), self.dtype, self.rep), ids, ids)
+        ids = sds((tokens,), jnp.int32, self.rep)
+        args = (dstate, cache, sds((tokens, width), self.dtype, self.rep), ids, ids)
         return Program("drafter-ctx", fn, args, (1,), _pair(sh), per_dev, None)
 
 

@@ -257,7 +257,7 @@ class _ConfigOnlyTarget:
     fingerprint: str = ""
 
 
-def _recipe_configs(cfg: TrainConfig):
+def recipe_configs(cfg: TrainConfig):
     """``(TargetConfig, DrafterConfig)`` of a recipe from the target's config alone (no weights).
 
     Raises:
@@ -306,7 +306,7 @@ def dry_run(
     from dspark_jax.models.weights import count_target_params
     from dspark_jax.training.trainer import count_params
 
-    tcfg, dcfg = _recipe_configs(cfg)
+    tcfg, dcfg = recipe_configs(cfg)
     abstract = nnx.eval_shape(lambda: build_drafter(dcfg, nnx.Rngs(0)))  # float32 master weights, abstract
     n_d = count_params(nnx.state(abstract, nnx.Param))
     n_t = count_target_params(tcfg)
@@ -379,7 +379,7 @@ def serve_dry_run(
 
     if num_slots < 1 or cache_len < 2:
         raise DSparkInputError(f"--num-slots must be >= 1 and --cache-len >= 2, got {num_slots} and {cache_len}")
-    tcfg, dcfg = _recipe_configs(cfg)
+    tcfg, dcfg = recipe_configs(cfg)
     refuse(tcfg, "the serving engine")
     n_dev = int(devices or jax.device_count())
     mesh = mesh if mesh else (cfg.mesh or f"model:{n_dev}")

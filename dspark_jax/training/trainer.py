@@ -178,7 +178,7 @@ def _accumulate(grad_fn: Callable, params: Any, xs: tuple, mesh: Mesh, n_micro: 
     return grads, sums
 
 
-def _train_step(
+def make_train_step(
     cfg: TrainConfig,
     c_graph: nnx.GraphDef,
     t_graph: nnx.GraphDef,
@@ -258,7 +258,7 @@ class Trainer:
         self.t_graph, self.t_state = nnx.split(target)
         self._place_state(params, drafter.cfg, target.cfg)
         repl = NamedSharding(self.mesh, P())
-        step = _train_step(cfg, c_graph, self.t_graph, self.tx, self.mesh, drafter.cfg.block_size)
+        step = make_train_step(cfg, c_graph, self.t_graph, self.tx, self.mesh, drafter.cfg.block_size)
         self._step = jax.jit(
             step, donate_argnums=(0, 1), out_shardings=(self.param_shardings, self.opt_shardings, repl, repl)
         )
