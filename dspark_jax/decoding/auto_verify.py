@@ -13,7 +13,10 @@ free either. Per round, from the drafter's calibrated confidences ``c_k`` and a 
   ``max_l (1 + sum_{j<=l} a_j) / (T_draft + T_verify(l))``, against a plain step's
   ``1 / T_step``, with the acceptances forecast from the request's observed rates, shrunk towards
   this round's confidences (:func:`forecast_acceptance`); while not drafting, every
-  ``probe_every``-th round drafts anyway to refresh the forecast;
+  ``probe_every``-th round drafts anyway to refresh the forecast (a probe that does not pay
+  doubles that wait, up to ``PROBE_BACKOFF_MAX`` times), and drafting also stops when the
+  drafting rounds so far delivered fewer tokens per priced second than plain steps
+  (:func:`realized_pays`);
 * the confidences are first corrected by what this request has shown so far
   (:func:`corrected_confidence`): per position, the observed over the predicted acceptances of
   the verified drafts, discounted by ``ACCEPTANCE_DECAY`` per drafting round and shrunk towards
@@ -51,6 +54,9 @@ __all__ = [
     "ACCEPTANCE_DECAY",
     "ACCEPTANCE_PRIOR",
     "FORECAST_PRIOR",
+    "PROBE_BACKOFF_MAX",
+    "REALIZED_DECAY",
+    "REALIZED_MIN_ROUNDS",
     "AutoState",
     "acceptance_ratio",
     "auto_round",
@@ -61,12 +67,17 @@ __all__ = [
     "init_auto_state",
     "observe_acceptance",
     "reached_and_accepted",
+    "realized_pays",
+    "schedule",
     "should_draft",
 ]
 
 ACCEPTANCE_PRIOR = 8.0  # [accepted tokens] pseudo-observations at ratio 1 per position
 FORECAST_PRIOR = 16.0  # [observations] weight of this round's confidences in the next round's forecast
 ACCEPTANCE_DECAY = 0.98  # per drafting round: older rounds fade (half-life ~34 drafting rounds)
+REALIZED_DECAY = 0.8  # per drafting round, of the realized rate's sums (half-life ~3 drafting rounds)
+REALIZED_MIN_ROUNDS = 2.0  # [drafting rounds] (decayed) before the realized rate can stop drafting
+PROBE_BACKOFF_MAX = 16  # a probe that does not pay doubles the wait, up to this many times probe_every
 
 
 def default_widths(block_size: int) -> tuple[int, ...]:
@@ -152,25 +163,48 @@ class AutoState(NamedTuple):
     Attributes:
       draft_on: ``[]`` bool: this round drafts (shared by the batch).
       idle: ``[]`` int32 rounds since the last drafting round.
+      wait: ``[]`` int32 rounds without drafts before the next probe: ``probe_every``, doubled by
+        every probe that does not pay (up to ``PROBE_BACKOFF_MAX`` times), reset when one does.
       width: ``[]`` int32 index into the widths of the width verified last round (statistics).
       hits: ``[B, G]`` float32 discounted count of accepted drafts per position, among the
         verified drafts that verification reached (the conditional acceptances).
       predicted: ``[B, G]`` float32 discounted sum of their calibrated confidences ``c_k``.
       seen: ``[B, G]`` float32 discounted count of those drafts (observations).
+      gain / spent / rounds: ``[]`` float32 discounted sums, over drafting rounds, of the tokens
+        the running rows emitted, of their priced seconds (``T_draft + T_verify(w)`` a row) and of
+        the rounds (:func:`realized_pays`).
     """
 
     draft_on: jax.Array
     idle: jax.Array
+    wait: jax.Array
     width: jax.Array
     hits: jax.Array
     predicted: jax.Array
     seen: jax.Array
+    gain: jax.Array
+    spent: jax.Array
+    rounds: jax.Array
 
 
-def init_auto_state(batch: int, block_size: int) -> AutoState:
+def init_auto_state(batch: int, block_size: int, probe_every: int = 8) -> AutoState:
     """The first round drafts; no acceptance observed yet (ratio 1)."""
     z = jnp.zeros((batch, block_size), jnp.float32)
-    return AutoState(jnp.ones((), bool), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), z, z, z)
+    f = jnp.zeros((), jnp.float32)
+    i = jnp.zeros((), jnp.int32)
+    return AutoState(jnp.ones((), bool), i, jnp.int32(probe_every), i, z, z, z, f, f, f)
+
+
+def realized_pays(gain, spent, rounds, t_step, min_rounds: float = REALIZED_MIN_ROUNDS):
+    """Whether the drafting rounds so far emitted tokens faster than plain steps would have:
+    ``gain / spent >= 1 / t_step`` (tokens over priced seconds, discounted by ``REALIZED_DECAY`` a
+    drafting round), or fewer than ``min_rounds`` (discounted) drafting rounds observed yet.
+
+    The per-position forecast (:func:`forecast_acceptance`) prices the deep positions, which
+    verification seldom reaches, by the drafter's own confidences; this rate is what drafting
+    actually delivered at the widths chosen. ``[]`` float32 arguments; returns ``[]`` bool.
+    """
+    return (rounds < min_rounds) | (gain * t_step >= spent)
 
 
 def corrected_confidence(conf: jax.Array, state: AutoState, prior: float = ACCEPTANCE_PRIOR) -> jax.Array:
@@ -252,6 +286,32 @@ def forecast_acceptance(conf, hits, seen, prior: float = FORECAST_PRIOR):
     return (hits + prior * conf) / (seen + prior)
 
 
+def schedule(state: AutoState, pays, emitted, price, t_step, probe_every: int) -> AutoState:
+    """``state`` after a round, as to drafting: whether the next round drafts, the idle count, the
+    probes' wait (:class:`AutoState`) and the realized rate's sums.
+
+    Args:
+      state: the round's state (``draft_on``: it drafted).
+      pays: ``[]`` bool :func:`should_draft` of the forecast (read only after a drafting round).
+      emitted: ``[]`` tokens the running rows emitted this round. price: ``[]`` seconds it was
+        priced at (``T_draft + T_verify(w)`` a running row). t_step: ``[]`` seconds of a plain step.
+      probe_every: the probes' first wait [rounds].
+    """
+    on = state.draft_on
+    keep = jnp.where(on, REALIZED_DECAY, 1.0)
+    gain = keep * state.gain + jnp.where(on, emitted, 0.0)
+    spent = keep * state.spent + jnp.where(on, price, 0.0)
+    rounds = keep * state.rounds + on.astype(jnp.float32)
+    pays = pays & realized_pays(gain, spent, rounds, t_step)
+    idle = jnp.where(on, 0, state.idle + 1)
+    # A drafting round after rounds without drafts is a probe: one that does not pay doubles the wait.
+    probe = on & (state.idle > 0)
+    backoff = jnp.minimum(2 * state.wait, PROBE_BACKOFF_MAX * probe_every)
+    wait = jnp.where(on, jnp.where(probe & ~pays, backoff, probe_every), state.wait)
+    draft_next = jnp.where(on, pays, idle >= state.wait)
+    return state._replace(draft_on=draft_next, idle=idle, wait=wait, gain=gain, spent=spent, rounds=rounds)
+
+
 def auto_round(
     target,
     drafter,
@@ -278,7 +338,8 @@ def auto_round(
       r: :class:`~dspark_jax.decoding.round.RoundInputs` of the round.
       costs: ``(t_verify [len(widths)], t_draft [])`` float32 seconds.
       widths: static ascending widths from 0.
-      probe_every: while not drafting, draft anyway every this many rounds.
+      probe_every: while not drafting, draft anyway after this many rounds (the wait doubles
+        after each probe that does not pay: :class:`AutoState`).
     Returns:
       ``(verified round, num_verify [B] int32, raw confidence logits [B, G], next AutoState)``.
     """
@@ -317,6 +378,13 @@ def auto_round(
     after = state._replace(hits=hits, predicted=predicted, seen=seen)
     forecast = forecast_acceptance(corrected_confidence(d.confidence, after), after.hits, after.seen)
     pays = should_draft(forecast, r.running, widths, t_verify, t_draft)
-    idle = jnp.where(state.draft_on, 0, state.idle + 1)
-    draft_next = jnp.where(state.draft_on, pays, idle >= probe_every)
-    return res, ell, d.confidence_logit, AutoState(draft_next, idle, wi, hits, predicted, seen)
+    run = r.running.astype(jnp.float32)
+    nxt = schedule(
+        state._replace(width=wi, hits=hits, predicted=predicted, seen=seen),
+        pays,
+        jnp.sum(run * res.num_emitted),
+        jnp.sum(run) * (t_draft + t_verify[wi]),
+        t_verify[0],
+        probe_every,
+    )
+    return res, ell, d.confidence_logit, nxt

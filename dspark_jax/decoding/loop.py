@@ -236,7 +236,7 @@ def _spec_decode(
         zeros = jnp.zeros((b, max_steps), jnp.int32)
         init = init._replace(rounds=RoundLog(jnp.zeros((b, max_steps, block_size), jnp.float32), zeros, zeros))
     if widths is not None:
-        init = init._replace(auto=auto_verify.init_auto_state(b, block_size))
+        init = init._replace(auto=auto_verify.init_auto_state(b, block_size, probe_every))
 
     def body(s: _Loop):
         running = s.finish == FINISH_RUNNING

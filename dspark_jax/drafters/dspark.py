@@ -44,7 +44,7 @@ from dspark_jax.drafters.markov import build_markov_head, sample_block
 from dspark_jax.models import layers
 from dspark_jax.models.layers import KVCache, apply_rope, block_attention, kv_scatter, rms_norm
 from dspark_jax.models.sampling import SamplingArrays
-from dspark_jax.models.target import Target
+from dspark_jax.models.target import Target, row_reduce_head, tied_head_row_reduce
 
 
 class DSparkDrafter(nnx.Module):
@@ -315,9 +315,8 @@ class DSparkDrafter(nnx.Module):
         (:meth:`~dspark_jax.models.target.Target.cap_logits`, Gemma's final soft-cap); or via the
         drafter's own head, soft-capped by ``cfg.final_logit_softcap`` (``cfg.own_embeddings``).
 
-        A drafter narrower or wider than the target (``cfg.width``) projects ``d -> H`` first.
-        With a draft vocabulary the rows come from the head :meth:`prepare_decoding` installed
-        (bit-identical to gathering them, which happens without one).
+        A drafter narrower or wider than the target (``cfg.width``) projects ``d -> H`` first. With a draft
+        vocabulary the rows come from the head :meth:`prepare_decoding` installed (bit-identical to gathering them).
 
         Raises:
           DSparkInputError: the installed head belongs to another target.
@@ -329,13 +328,16 @@ class DSparkDrafter(nnx.Module):
             return layers.soft_cap(jnp.dot(h, w, preferred_element_type=jnp.float32), self.cfg.final_logit_softcap)
         ids = self.draft_vocab_ids()
         if ids is not None:  # only the draft vocabulary's rows of the head: [N, H]
-            rows = decode_head_rows(self, target)
-            if rows is None:
-                rows = target.lm_head_rows(ids)
-            rows = jax.lax.stop_gradient(rows).astype(h.dtype)
-            return target.cap_logits(jnp.einsum("...h,nh->...n", h, rows, preferred_element_type=jnp.float32))
-        w = jax.lax.stop_gradient(target.lm_head_weight())
-        return target.cap_logits(jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32))
+            rows = r if (r := decode_head_rows(self, target)) is not None else target.lm_head_rows(ids)
+        elif target.lm_head is None:
+            rows = target.embed[...]
+        else:
+            w = jax.lax.stop_gradient(target.lm_head_weight())
+            return target.cap_logits(jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32))
+        rows = jax.lax.stop_gradient(rows).astype(h.dtype)
+        if row_reduce_head(h):  # a drafting round's few rows on the CPU: each head row streamed once
+            return target.cap_logits(tied_head_row_reduce(h, rows))
+        return target.cap_logits(jnp.einsum("...h,nh->...n", h, rows, preferred_element_type=jnp.float32))
 
     # -- heads ---------------------------------------------------------------------
 

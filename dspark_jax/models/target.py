@@ -96,6 +96,12 @@ def tied_head_row_reduce(h: jax.Array, embed: jax.Array) -> jax.Array:
     return logits.T.reshape(*lead, embed.shape[0])
 
 
+def row_reduce_head(h: jax.Array) -> bool:
+    """Whether a head over ``h [..., H]`` runs as :func:`tied_head_row_reduce`: on the CPU, for 2 to
+    :data:`ROW_REDUCE_MAX_TOKENS` positions (a verification pass, a drafting round's block)."""
+    return 1 < int(np.prod(h.shape[:-1])) <= ROW_REDUCE_MAX_TOKENS and current_platform() == "cpu"
+
+
 def random_params(cfg: TargetConfig, seed: int = 0, scale: float = 0.05) -> dict[str, Any]:
     """Random float32 parameters in the canonical layout (for tests and dry runs)."""
     if cfg.grouped_attention:
@@ -230,8 +236,7 @@ class Target(nnx.Module):
         dot; the two agree to float round-off. ``cfg.final_logit_softcap`` applies (:meth:`cap_logits`).
         """
         h = self.final_normed(h)
-        n = int(np.prod(h.shape[:-1]))
-        if self.lm_head is None and 1 < n <= ROW_REDUCE_MAX_TOKENS and current_platform() == "cpu":
+        if self.lm_head is None and row_reduce_head(h):
             return self.cap_logits(tied_head_row_reduce(h, self.embed[...]))
         return self.cap_logits(jnp.dot(h, self.lm_head_weight(), preferred_element_type=jnp.float32))
 

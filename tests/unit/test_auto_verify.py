@@ -105,3 +105,24 @@ def test_auto_prices_are_the_loops_rounds_when_measured():
     np.testing.assert_allclose(t_verify_s, t_verify)
     assert t_draft_s == 0.5  # the sampled round: round(w) + 0.2
     assert table.decode_ms(64)["t_round_ms"] == {0: 900.0, 1: 1000.0, 2: 1250.0, 4: 1200.0}
+
+
+def test_probes_back_off_and_the_realized_rate_stops_drafting():
+    """:func:`auto_verify.schedule`, the loop's drafting decision: rounds priced at two plain steps
+    that emit one token each (nothing accepted) while the forecast keeps promising: drafting stops
+    after the realized rate's first rounds, and the probes come after 8, 16, 32, 64, then 128
+    rounds without drafts (not every 8th); rounds that emit three tokens keep drafting."""
+    t_step, price = jnp.float32(1.0), jnp.float32(2.0)
+    yes = jnp.ones((), bool)
+    for emitted, expect in ((1.0, "backoff"), (3.0, "always")):
+        state, drafted = A.init_auto_state(1, G, probe_every=8), []
+        for _ in range(400):
+            drafted.append(bool(state.draft_on))
+            state = A.schedule(state, yes, jnp.float32(emitted), price, t_step, 8)
+        starts = [i for i, d in enumerate(drafted) if d]
+        if expect == "always":
+            assert all(drafted), starts
+            continue
+        first = [i for i in range(1, len(starts)) if starts[i] - starts[i - 1] > 1]
+        assert starts[: first[0]] == list(range(first[0])) and first[0] <= 3, starts  # stops at once
+        assert list(np.diff(starts[first[0] - 1 :])[:6]) == [9, 17, 33, 65, 129, 129], starts
