@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> str:
     depth = target_config(args.target).num_layers if args.target else cfg.target_num_layers or max(cfg.taps) + 1
     blockers = export_blockers(cfg, args.format, depth)
     if blockers:
-        raise DSparkInputError(f"this drafter cannot be written in {args.format}'s format: {'; '.join(blockers)}")
+        raise DSparkInputError(f"this drafter cannot be written in the {args.format} format: {'; '.join(blockers)}")
     target = load_target(args.target)[0] if args.target else None
     drafter, meta = load_drafter(args.drafter, target=target)
     extra = meta.get("extra") or {}

@@ -57,7 +57,10 @@ def export_blockers(cfg: DrafterConfig, fmt: str, target_layers: int) -> list[st
     if cfg.mask_token_id < 0:
         out.append("its mask slots read a learned vector, not a token's embedding row (mask_token_id)")
     if cfg.model_width != cfg.hidden_size:
-        out.append(f"its width {cfg.model_width} differs from the target's hidden size {cfg.hidden_size}")
+        out.append(
+            f"its width {cfg.model_width} differs from the target's hidden size {cfg.hidden_size} "
+            "(train with drafter_width=0, the target's width, for a drafter the formats hold)"
+        )
     if cfg.markov and cfg.confidence_input == "head" and cfg.markov_head != "vanilla":
         out.append(f"its confidence head reads the {cfg.markov_head} head's output, the formats' read W1[x]")
     if cfg.markov and cfg.markov_w1_size != cfg.vocab_size:
@@ -283,7 +286,7 @@ def export_to_format(
     depth = drafter.cfg.target_num_layers if target is None else target.cfg.num_layers
     blockers = export_blockers(drafter.cfg, fmt, depth or max(drafter.cfg.taps) + 1)
     if blockers:
-        raise DSparkInputError(f"this drafter cannot be written in {fmt}'s format: {'; '.join(blockers)}")
+        raise DSparkInputError(f"this drafter cannot be written in the {fmt} format: {'; '.join(blockers)}")
     from safetensors.numpy import save_file
 
     dtype = jnp.dtype(dtype or drafter.dtype)

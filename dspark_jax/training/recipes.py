@@ -102,7 +102,10 @@ def _read_config_source(spec: str) -> tuple[str, dict[str, Any]]:
     name = path.stem if path.suffix in _SUFFIXES else spec
     if path.name == spec and name in recipe_names():
         return f"recipe {name}", parse_config_text(recipe_text(name), f"recipe {name}")
-    raise DSparkInputError(f"config file not found: {path} (built-in recipes: {', '.join(recipe_names())})")
+    from dspark_jax.models.presets import BUILTIN_HF_CONFIGS
+
+    hint = f"; {spec} is a target: --config RECIPE target={spec}" if spec in BUILTIN_HF_CONFIGS else ""
+    raise DSparkInputError(f"config file not found: {path} (built-in recipes: {', '.join(recipe_names())}){hint}")
 
 
 def load_config_file(spec: str, preset: str | None = None) -> TrainConfig:

@@ -127,6 +127,8 @@ def test_config_file_over_presets_and_overrides(tmp_path):
 def test_bad_config_sources_are_input_errors(tmp_path):
     with pytest.raises(DSparkInputError, match="config file not found"):
         load_config(_args("--config", "no-such-recipe"))
+    with pytest.raises(DSparkInputError, match="qwen3-30b-a3b is a target: --config RECIPE target=qwen3-30b-a3b"):
+        load_config(_args("--config", "qwen3-30b-a3b"))
     with pytest.raises(DSparkInputError, match="config file not found"):
         load_config(_args("--config", str(tmp_path / "missing.yaml")))
     (tmp_path / "bad.yaml").write_text("preset: nope\n")
