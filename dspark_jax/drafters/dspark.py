@@ -42,9 +42,10 @@ from dspark_jax.drafters.base import BlockOutput, Draft
 from dspark_jax.drafters.decode_head import DecodeHead, decode_head_rows, install_decode_head, release_decode_head
 from dspark_jax.drafters.markov import build_markov_head, sample_block
 from dspark_jax.models import layers
+from dspark_jax.models.head import row_reduce_head, tied_head_row_reduce
 from dspark_jax.models.layers import KVCache, apply_rope, block_attention, kv_scatter, rms_norm
 from dspark_jax.models.sampling import SamplingArrays
-from dspark_jax.models.target import Target, row_reduce_head, tied_head_row_reduce
+from dspark_jax.models.target import Target
 
 
 class DSparkDrafter(nnx.Module):

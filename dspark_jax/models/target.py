@@ -22,8 +22,9 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.config import TargetConfig
-from dspark_jax.models.attention import attend, current_platform
+from dspark_jax.models.attention import attend
 from dspark_jax.models.gemma4 import grouped_forward, init_grouped_cache, random_grouped_params, refuse
+from dspark_jax.models.head import row_reduce_head, tied_head_row_reduce
 from dspark_jax.models.layers import KVCache, apply_rope, apply_rope_table, attention, kv_scatter, rms_norm
 from dspark_jax.models.moe import feed_forward, split_mixed_mlp
 from dspark_jax.models.rope import rope_table
@@ -75,31 +76,6 @@ def layer_window(cfg: TargetConfig, li: jax.Array) -> jax.Array | int | None:
     table = layer_window_table(cfg)
     assert table is not None
     return table[li]
-
-
-# Up to this many positions, a tied LM head on the CPU runs as a row reduction (tied_head_row_reduce).
-ROW_REDUCE_MAX_TOKENS = 32
-
-
-def tied_head_row_reduce(h: jax.Array, embed: jax.Array) -> jax.Array:
-    """``h @ embed.T`` as one reduction over H for every embedding row: ``[..., H]`` x ``[V, H]``
-    -> ``[..., V]`` float32.
-
-    Why: XLA's CPU backend runs a dot with one row as a matrix-vector product near memory bandwidth, but a
-    dot with 2-32 rows through a GEMM kernel that read SmolLM2's 113 MB embedding 2.6x slower (2 cores,
-    3 rows: 8.1 ms against 3.1 ms for one row); the reduction streams each embedding row once for every
-    position (4.7 ms at 3 rows; 7.8 against 9.7 ms at 9). Equal to the dot up to round-off (summation order).
-    """
-    lead, hidden = h.shape[:-1], h.shape[-1]
-    flat = h.reshape(-1, hidden).astype(jnp.float32)
-    logits = jnp.sum(embed.astype(jnp.float32)[:, None, :] * flat[None, :, :], axis=-1)  # [V, N]
-    return logits.T.reshape(*lead, embed.shape[0])
-
-
-def row_reduce_head(h: jax.Array) -> bool:
-    """Whether a head over ``h [..., H]`` runs as :func:`tied_head_row_reduce`: on the CPU, for 2 to
-    :data:`ROW_REDUCE_MAX_TOKENS` positions (a verification pass, a drafting round's block)."""
-    return 1 < int(np.prod(h.shape[:-1])) <= ROW_REDUCE_MAX_TOKENS and current_platform() == "cpu"
 
 
 def random_params(cfg: TargetConfig, seed: int = 0, scale: float = 0.05) -> dict[str, Any]:
@@ -231,7 +207,7 @@ class Target(nnx.Module):
     def unembed(self, h: jax.Array) -> jax.Array:
         """Final norm + LM head: ``[..., H]`` -> ``[..., V]`` float32 logits.
 
-        With a tied head on the CPU, 2 to :data:`ROW_REDUCE_MAX_TOKENS` positions (a verification
+        With a tied head on the CPU, 2 to :data:`.head.ROW_REDUCE_MAX_TOKENS` positions (a verification
         pass, a small engine step) are unembedded by :func:`tied_head_row_reduce`, the rest by one
         dot; the two agree to float round-off. ``cfg.final_logit_softcap`` applies (:meth:`cap_logits`).
         """

@@ -1,5 +1,5 @@
 """The target's LM head: a tied head unembeds 2-32 positions on the CPU as a row reduction
-(:func:`dspark_jax.models.target.tied_head_row_reduce`), equal to the dot up to round-off."""
+(:func:`dspark_jax.models.head.tied_head_row_reduce`), equal to the dot up to round-off."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from tiny import TINY_TARGET, tiny_target
 
-from dspark_jax.models import target as target_mod
+from dspark_jax.models import head as head_mod
+from dspark_jax.models.head import ROW_REDUCE_MAX_TOKENS, tied_head_row_reduce
 from dspark_jax.models.layers import rms_norm
-from dspark_jax.models.target import ROW_REDUCE_MAX_TOKENS, Target, random_params, tied_head_row_reduce
+from dspark_jax.models.target import Target, random_params
 
 
 def _primitives(fn, *args) -> set[str]:
@@ -52,5 +53,5 @@ def test_row_reduction_keeps_leading_shape_and_accepts_bfloat16_weights():
 
 
 def test_other_platforms_keep_the_dot(tied, monkeypatch):
-    monkeypatch.setattr(target_mod, "current_platform", lambda: "tpu")
+    monkeypatch.setattr(head_mod, "current_platform", lambda: "tpu")
     assert "dot_general" in _primitives(tied.unembed, jnp.ones((3, TINY_TARGET.hidden_size), jnp.float32))
