@@ -9,17 +9,10 @@ Skips when ``libtpu`` is not importable, except under ``CI=true``, where it fail
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import os
 
-import pytest
+from tpu_compiler import require_libtpu
 
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-if importlib.util.find_spec("libtpu") is None:
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail("libtpu is not installed (the test extra pins it): the TPU compile check cannot run", pytrace=False)
-    pytest.skip("libtpu is not installed: no TPU compiler to compile for", allow_module_level=True)
+require_libtpu()
 
 
 def test_serving_plan_is_within_ten_percent_of_the_compiled_engine_step():

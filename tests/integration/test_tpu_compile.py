@@ -9,18 +9,11 @@ Skips when ``libtpu`` is not importable, except under ``CI=true``, where it fail
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import os
 
 import pytest
+from tpu_compiler import require_libtpu
 
-# Several pytest-xdist workers may load libtpu at once; deviceless compiles need no TPU.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-if importlib.util.find_spec("libtpu") is None:
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail("libtpu is not installed (the test extra pins it): the TPU compile check cannot run", pytrace=False)
-    pytest.skip("libtpu is not installed: no TPU compiler to compile for", allow_module_level=True)
+require_libtpu()
 
 
 def _tiny(preset: str, **fields):
