@@ -123,6 +123,11 @@ def main():
     test = "test_gemma.py::test_gemma3_gguf_matches_transformers"
     label = "gemma3, 7 layers (every 6th full, local RoPE base 1e4), as `gemma3`"
     rows.append((label, "GGUF", *diffs(cfg, params, ids, tg._hf_logits(model, ids), (20, 3, 1, 1)), test))
+    model = tg._write("gemma2", tmp / "g2-gguf", query_pre_attn_scalar=16)
+    cfg, params = load_gguf(tg._write_gemma2_gguf(model, tmp / "g2.gguf"))
+    test = "test_gemma.py::test_gemma2_gguf_matches_transformers"
+    label = "gemma2 (even layers slide, query scale head_dim ** -0.5), as `gemma2`"
+    rows.append((label, "GGUF", *diffs(cfg, params, ids, tg._hf_logits(model, ids), (20, 3, 1, 1)), test))
     rows += gemma4_rows(tmp)
     print("| family | source | max abs logit | max abs logit diff, cache-less | through the KV cache | test |")
     print("|---|---|---|---|---|---|")
