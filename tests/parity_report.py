@@ -72,6 +72,22 @@ def gemma4_rows(tmp: Path) -> list[tuple]:
     return rows
 
 
+def attention_bias_rows(tmp: Path) -> list[tuple]:
+    """``attention_bias: true`` (q/k/v and o_proj biases): Llama and Qwen3 from HF, Llama from GGUF."""
+    rows, test = [], "test_target_families.py::test_attention_bias_matches_transformers"
+    for kind in ("llama", "qwen3"):
+        model = ttf.make_hf(kind, None, tmp / f"ab-{kind}", seed=5, attention_bias=True)
+        ids = ttf.tokens(2)
+        want = ttf.hf_logits(model, ids)
+        cfg, params = load_hf_dir(tmp / f"ab-{kind}")
+        rows.append((f"{kind} attention_bias", "HF", *diffs(cfg, params, ids, want, (40, 3, 1)), test))
+        if kind == "llama":
+            rope = {"rope_type": "default", "rope_theta": 10000.0}
+            cfg, params = load_gguf(ttf.write_gguf(model, rope, "llama", tmp / "ab.gguf"))
+            rows.append(("llama attention_bias, as `llama`", "GGUF", *diffs(cfg, params, ids, want, (40, 3, 1)), test))
+    return rows
+
+
 def main():
     rows = []
     tmp = Path(tempfile.mkdtemp())
@@ -89,6 +105,7 @@ def main():
         ids = ttf.tokens(1)
         test = "test_target_families.py::test_gguf_matches_transformers_past_original_context"
         rows.append((name, "GGUF", *diffs(cfg, params, ids, ttf.hf_logits(model, ids), (40, 3, 1)), test))
+    rows += attention_bias_rows(tmp)
     for kind in ("mistral", "qwen3"):
         model = tsw._write(kind, tmp / f"sw-{kind}")
         cfg, params = load_hf_dir(tmp / f"sw-{kind}")

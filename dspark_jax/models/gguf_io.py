@@ -60,7 +60,8 @@ _GGUF_NAMES = {
     "post_attn_norm": "post_attention_norm",
     "post_mlp_norm": "post_ffw_norm",
 }
-_GGUF_BIASES = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v"}  # qwen2: blk.{i}.attn_q.bias ...
+# qwen2: blk.{i}.attn_q.bias ...; llama (optional, as llama.cpp reads them): those and attn_output.bias
+_GGUF_BIASES = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v", "bo": "attn_output"}
 
 
 def _tensor_name(i: int, key: str) -> str:
@@ -149,19 +150,17 @@ def gguf_config(path: Any) -> TargetConfig:
     freqs = tensors.get(ROPE_FREQS)
     freq_factors = None if freqs is None else np.asarray(freqs.data, np.float32)
     scaling = gguf_rope_scaling(meta, arch, freq_factors, where=f"GGUF file {fname.name}")
-    nkv = int(meta(f"{arch}.attention.head_count_kv", nh))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = len(tokens.data) if tokens is not None else int(tensors["token_embd.weight"].shape[-1])
     bos = meta("tokenizer.ggml.bos_token_id")
     eos = [meta("tokenizer.ggml.eos_token_id"), meta("tokenizer.ggml.eot_token_id")]
     n_layers = int(meta(f"{arch}.block_count", required=True))
     theta = _f32(meta(f"{arch}.rope.freq_base", 10000.0))
-    if arch == "gemma2":
-        _gemma2_checks(scaling, tensors, fname.name)
     if arch in ("gemma2", "gemma3"):
-        gemma = (_gemma2_fields if arch == "gemma2" else _gemma3_fields)(meta, n_layers, H, nh, fname.name)
+        gemma = _gemma3_fields(meta, n_layers, H, nh, fname.name) if arch == "gemma3" else {}
+        gemma = gemma or _gemma2_fields(meta, n_layers, H, nh, fname.name, scaling, "output.weight" in tensors)
         layer_types, window = gemma.pop("layer_types"), gemma.pop("sliding_window")
-        if layer_types and "full_attention" not in layer_types:  # every layer slides: the local RoPE only
+        if arch == "gemma3" and layer_types and "full_attention" not in layer_types:  # all slide: local RoPE only
             theta, scaling = GEMMA3_LOCAL_ROPE_BASE, None
     else:
         gemma = {}
@@ -173,7 +172,7 @@ def gguf_config(path: Any) -> TargetConfig:
         intermediate_size=ffn,
         num_layers=n_layers,
         num_heads=nh,
-        num_kv_heads=nkv,
+        num_kv_heads=int(meta(f"{arch}.attention.head_count_kv", nh)),
         head_dim=hd,
         max_position=int(meta(f"{arch}.context_length", 2048)),
         rope_theta=theta,
@@ -181,7 +180,8 @@ def gguf_config(path: Any) -> TargetConfig:
         rms_eps=_f32(meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in tensors,
         qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
-        qkv_bias=arch == "qwen2",
+        qkv_bias=arch == "qwen2" or (arch == "llama" and "blk.0.attn_q.bias" in tensors),
+        o_bias=arch == "llama" and "blk.0.attn_output.bias" in tensors,
         bos_id=None if bos is None else int(bos),
         eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         name=fname.stem,
@@ -256,19 +256,9 @@ def _gemma3_fields(meta: Any, n_layers: int, H: int, nh: int, fname: str) -> dic
 GEMMA2_SWA_PATTERN, GEMMA2_WINDOW, GEMMA2_SOFTCAPS, GEMMA2_27B_LAYERS = 2, 4096, (50.0, 30.0), 46
 
 
-def _gemma2_checks(scaling: Any, tensors: dict[str, Any], fname: str) -> None:
-    """Refuses what a ``gemma2`` file could hold that llama.cpp reads otherwise than transformers:
-    RoPE scaling (llama.cpp would scale the sliding layers too) and an ``output.weight`` (llama.cpp's
-    Gemma 2 always ties the LM head to ``token_embd`` and ignores it)."""
-    if scaling is not None:
-        raise DSparkInputError(f"GGUF file {fname}: RoPE scaling is not supported for gemma2")
-    if "output.weight" in tensors:
-        raise DSparkInputError(
-            f"GGUF file {fname}: gemma2 with an output.weight tensor is not supported (llama.cpp ties the head)"
-        )
-
-
-def _gemma2_fields(meta: Any, n_layers: int, H: int, nh: int, fname: str) -> dict[str, Any]:
+def _gemma2_fields(
+    meta: Any, n_layers: int, H: int, nh: int, fname: str, scaling: Any, has_output: bool
+) -> dict[str, Any]:
     """The Gemma 2 parts of a ``gemma2`` GGUF's :class:`TargetConfig`, as llama.cpp reads the file that
     ``convert_hf_to_gguf.py`` writes: layer ``i`` slides iff ``i`` is even (window from
     ``gemma2.attention.sliding_window``, absent: 4096), every layer rotates with ``rope.freq_base``,
@@ -277,10 +267,19 @@ def _gemma2_fields(meta: Any, n_layers: int, H: int, nh: int, fname: str) -> dic
     llama.cpp reads no ``query_pre_attn_scalar``), ``1 + w`` norms (stored with the 1 added), embedding
     times sqrt(H), GELU-tanh, sandwich norms, no q/k norms.
 
+    Args:
+      scaling: the file's RoPE scaling; has_output: whether it has an ``output.weight`` tensor.
     Raises:
-      DSparkInputError: a ``sliding_window_pattern`` key (llama.cpp fixes Gemma 2's pattern) or a
-        window or soft-cap that is not positive.
+      DSparkInputError: a ``sliding_window_pattern`` key (llama.cpp fixes Gemma 2's pattern), a
+        window or soft-cap that is not positive, RoPE scaling (llama.cpp would scale the sliding
+        layers too), an ``output.weight`` (llama.cpp's Gemma 2 ties the LM head and ignores it).
     """
+    if scaling is not None:
+        raise DSparkInputError(f"GGUF file {fname}: RoPE scaling is not supported for gemma2")
+    if has_output:
+        raise DSparkInputError(
+            f"GGUF file {fname}: gemma2 with an output.weight tensor is not supported (llama.cpp ties the head)"
+        )
     if meta("gemma2.attention.sliding_window_pattern") is not None:
         raise DSparkInputError(
             f"GGUF file {fname}: gemma2.attention.sliding_window_pattern is not supported "
@@ -353,7 +352,8 @@ def load_gguf(path: Any) -> tuple[TargetConfig, Params]:
     transposed here to ``[in, out]``. ``llama`` q/k rows are permuted from
     adjacent-pair to half RoPE. No ``output.weight`` means tied embeddings. RoPE scaling from
     ``rope_freqs.weight`` and ``{arch}.rope.scaling.*`` (:func:`~dspark_jax.models.rope.gguf_rope_scaling`);
-    ``qwen2`` q/k/v biases from ``blk.{i}.attn_{q,k,v}.bias``; ``gemma2`` / ``gemma3`` sandwich norms from
+    ``qwen2`` q/k/v biases from ``blk.{i}.attn_{q,k,v}.bias``, ``llama`` ones (optional, permuted like
+    their rows) with ``attn_output.bias``; ``gemma2`` / ``gemma3`` sandwich norms from
     ``blk.{i}.post_attention_norm`` / ``post_ffw_norm``, every norm weight stored as ``1 + w``. Experts
     (:func:`gguf_experts`) from ``blk.{i}.ffn_gate_inp`` (router ``[E, H]``) and ``blk.{i}.ffn_{gate,up,down}_exps``
     (``[E, out, in]``, each expert's matrix transposed).
@@ -385,7 +385,7 @@ def load_gguf(path: Any) -> tuple[TargetConfig, Params]:
         # A plain-ndarray view avoids numpy.memmap's per-slice overhead (3x faster).
         return owned_f32(gguf.quants.dequantize(t.data.view(np.ndarray), t.tensor_type))
 
-    permute = {"wq": nh, "wk": nkv} if arch == "llama" else {}
+    permute = {"wq": nh, "wk": nkv, "bq": nh, "bk": nkv} if arch == "llama" else {}
 
     # gemma2 / gemma3: the converter stores Gemma's norm weights w as 1 + w; the model applies 1 + w itself.
     shift = np.float32(cfg.norm_offset)
@@ -394,7 +394,9 @@ def load_gguf(path: Any) -> tuple[TargetConfig, Params]:
         m = get(_tensor_name(i, key))
         if key.endswith("norm") and shift:
             m -= shift
-        return adjacent_to_half(m, permute[key]) if key in permute and m.ndim == 2 else m
+        if key in permute and m.ndim <= 2:  # a q/k matrix or bias: adjacent-pair -> half RoPE rows
+            m = adjacent_to_half(m.reshape(m.shape[0], -1), permute[key]).reshape(m.shape)
+        return m
 
     layers = stack_layers(cfg, fetch, lambda i, key: f"GGUF tensor {_tensor_name(i, key)}")
     params = canonical_params(
