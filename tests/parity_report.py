@@ -106,14 +106,20 @@ def main():
         test = "test_target_families.py::test_gguf_matches_transformers_past_original_context"
         rows.append((name, "GGUF", *diffs(cfg, params, ids, ttf.hf_logits(model, ids), (40, 3, 1)), test))
     rows += attention_bias_rows(tmp)
-    for kind in ("mistral", "qwen3"):
+    for kind in ("mistral", "ministral", "qwen3"):
         model = tsw._write(kind, tmp / f"sw-{kind}")
         cfg, params = load_hf_dir(tmp / f"sw-{kind}")
         ids = np.asarray([1] + np.random.default_rng(0).integers(3, cfg.vocab_size, 45).tolist(), np.int32)
         want = tsw._hf_logits(model, ids.tolist())
-        label = "mistral (window 8)" if kind == "mistral" else "qwen3 sliding (layers 1-2, window 8)"
+        label = {"mistral": "mistral (window 8)", "ministral": "ministral (layer 1 full, window 8)"}.get(
+            kind, "qwen3 sliding (layers 1-2, window 8)"
+        )
         test = "test_sliding_window.py::test_logits_match_transformers_past_the_window"
+        if kind == "ministral":
+            test = "test_sliding_window.py::test_ministral_layer_types_match_transformers"
         rows.append((label, "HF", *diffs(cfg, params, ids, want, (40, 1, 1, 1)), test))
+        if kind == "ministral":  # no GGUF row
+            continue
         arch, pattern = ("llama", None) if kind == "mistral" else ("qwen3", [False, True, True])
 
         def window_kv(w, pattern=pattern):

@@ -244,7 +244,9 @@ def _verifier_architectures(target: Target) -> list[str]:
         return ["Qwen3ForCausalLM"]
     if c.qkv_bias and not c.o_bias:  # Qwen2's o_proj has no bias; a Llama with attention_bias has one
         return ["Qwen2ForCausalLM"]
-    return ["MistralForCausalLM"] if c.has_sliding_layers else ["LlamaForCausalLM"]
+    if c.has_sliding_layers:  # Ministral: Mistral with some full-attention layers
+        return ["MistralForCausalLM"] if None not in c.layer_windows() else ["MinistralForCausalLM"]
+    return ["LlamaForCausalLM"]
 
 
 def export_to_format(

@@ -96,7 +96,9 @@ def _read_st(entry: tuple[Path, str, tuple[int, ...], int, int]) -> np.ndarray:
     return owned_f32(a).reshape(shape)
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", *GEMMA4_TEXT_TYPES)
+# ministral: transformers' Mistral with per-layer layer_types (sliding / full), one RoPE for all layers.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text",
+                         *GEMMA4_TEXT_TYPES)  # fmt: skip
 # Config keys of Qwen3-MoE that _moe_fields reads (the general refusal rule skips them).
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts")
 # Config keys of the Gemma families that _gemma_fields reads (the general refusal rule skips them).
@@ -302,9 +304,10 @@ def hf_attention_windows(c: Any, where: str) -> tuple[tuple[str, ...], int | Non
     :attr:`TargetConfig.layer_types` / :attr:`TargetConfig.sliding_window` (``((), None)`` when
     every layer attends fully).
 
-    Mistral slides every layer when ``sliding_window`` is set. Qwen3's config object has already
-    resolved ``use_sliding_window`` / ``max_window_layers`` into ``layer_types`` (layers from
-    ``max_window_layers`` on slide) and cleared ``sliding_window`` unless ``use_sliding_window``.
+    Mistral slides every layer when ``sliding_window`` is set (Ministral: as its ``layer_types``
+    say). Qwen3's config object has already resolved ``use_sliding_window`` / ``max_window_layers``
+    into ``layer_types`` (layers from ``max_window_layers`` on slide) and cleared ``sliding_window``
+    unless ``use_sliding_window``.
     Other families take ``layer_types`` as given.
 
     Raises:

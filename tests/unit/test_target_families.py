@@ -402,6 +402,8 @@ def test_speculators_verifier_section_names_each_familys_architecture():
     assert arch("llama-3.1-8b-instruct", qkv_bias=True, o_bias=True) == ["LlamaForCausalLM"]
     windows = dict(layer_types=("sliding_attention",) * 32, sliding_window=4096)
     assert arch("llama-3.1-8b-instruct", **windows) == ["MistralForCausalLM"]
+    mixed = dict(layer_types=("sliding_attention", "full_attention") * 16, sliding_window=4096)
+    assert arch("llama-3.1-8b-instruct", **mixed) == ["MinistralForCausalLM"]
     assert arch("gemma-3-12b") == ["Gemma3ForCausalLM"]
     assert arch("gemma-3-12b", qk_norm=False, attn_logit_softcap=50.0) == ["Gemma2ForCausalLM"]
     assert arch("gemma-4-12b") == ["Gemma4ForCausalLM"]
