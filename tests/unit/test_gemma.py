@@ -420,3 +420,16 @@ def test_gemma2_gguf_matches_transformers(tmp_path):
     for i, (extra, match) in enumerate(refusals):
         with pytest.raises(DSparkInputError, match=match):
             gguf_config(_write_gemma2_gguf(model, tmp_path / f"r{i}.gguf", extra))
+    # llama.cpp's rules for what a file leaves out, and the 46-layer (27B) query scale (H / heads) ** -0.5
+    w = gguf.GGUFWriter(str(tmp_path / "27b.gguf"), "gemma2")
+    for add, value in ((w.add_block_count, 46), (w.add_embedding_length, 64), (w.add_head_count, 2),
+                       (w.add_key_length, 16), (w.add_value_length, 16), (w.add_feed_forward_length, 96)):  # fmt: skip
+        add(value)
+    w.add_tensor("token_embd.weight", np.zeros((VOCAB, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    big = gguf_config(tmp_path / "27b.gguf")
+    assert (big.attn_logit_softcap, big.final_logit_softcap, big.sliding_window) == (50.0, 30.0, 4096)
+    assert big.query_scale == pytest.approx(32**-0.5) and big.layer_types[:2] == ("sliding_attention", "full_attention")
