@@ -72,6 +72,22 @@ def gemma4_rows(tmp: Path) -> list[tuple]:
     return rows
 
 
+def attention_bias_rows(tmp: Path) -> list[tuple]:
+    """``attention_bias: true`` (q/k/v and o_proj biases): Llama and Qwen3 from HF, Llama from GGUF."""
+    rows, test = [], "test_target_families.py::test_attention_bias_matches_transformers"
+    for kind in ("llama", "qwen3"):
+        model = ttf.make_hf(kind, None, tmp / f"ab-{kind}", seed=5, attention_bias=True)
+        ids = ttf.tokens(2)
+        want = ttf.hf_logits(model, ids)
+        cfg, params = load_hf_dir(tmp / f"ab-{kind}")
+        rows.append((f"{kind} attention_bias", "HF", *diffs(cfg, params, ids, want, (40, 3, 1)), test))
+        if kind == "llama":
+            rope = {"rope_type": "default", "rope_theta": 10000.0}
+            cfg, params = load_gguf(ttf.write_gguf(model, rope, "llama", tmp / "ab.gguf"))
+            rows.append(("llama attention_bias, as `llama`", "GGUF", *diffs(cfg, params, ids, want, (40, 3, 1)), test))
+    return rows
+
+
 def main():
     rows = []
     tmp = Path(tempfile.mkdtemp())
@@ -89,14 +105,21 @@ def main():
         ids = ttf.tokens(1)
         test = "test_target_families.py::test_gguf_matches_transformers_past_original_context"
         rows.append((name, "GGUF", *diffs(cfg, params, ids, ttf.hf_logits(model, ids), (40, 3, 1)), test))
-    for kind in ("mistral", "qwen3"):
+    rows += attention_bias_rows(tmp)
+    for kind in ("mistral", "ministral", "qwen3"):
         model = tsw._write(kind, tmp / f"sw-{kind}")
         cfg, params = load_hf_dir(tmp / f"sw-{kind}")
         ids = np.asarray([1] + np.random.default_rng(0).integers(3, cfg.vocab_size, 45).tolist(), np.int32)
         want = tsw._hf_logits(model, ids.tolist())
-        label = "mistral (window 8)" if kind == "mistral" else "qwen3 sliding (layers 1-2, window 8)"
+        label = {"mistral": "mistral (window 8)", "ministral": "ministral (layer 1 full, window 8)"}.get(
+            kind, "qwen3 sliding (layers 1-2, window 8)"
+        )
         test = "test_sliding_window.py::test_logits_match_transformers_past_the_window"
+        if kind == "ministral":
+            test = "test_sliding_window.py::test_ministral_layer_types_match_transformers"
         rows.append((label, "HF", *diffs(cfg, params, ids, want, (40, 1, 1, 1)), test))
+        if kind == "ministral":  # no GGUF row
+            continue
         arch, pattern = ("llama", None) if kind == "mistral" else ("qwen3", [False, True, True])
 
         def window_kv(w, pattern=pattern):
@@ -122,6 +145,11 @@ def main():
     ids = tg._ids()
     test = "test_gemma.py::test_gemma3_gguf_matches_transformers"
     label = "gemma3, 7 layers (every 6th full, local RoPE base 1e4), as `gemma3`"
+    rows.append((label, "GGUF", *diffs(cfg, params, ids, tg._hf_logits(model, ids), (20, 3, 1, 1)), test))
+    model = tg._write("gemma2", tmp / "g2-gguf", query_pre_attn_scalar=16)
+    cfg, params = load_gguf(tg._write_gemma2_gguf(model, tmp / "g2.gguf"))
+    test = "test_gemma.py::test_gemma2_gguf_matches_transformers"
+    label = "gemma2 (even layers slide, query scale head_dim ** -0.5), as `gemma2`"
     rows.append((label, "GGUF", *diffs(cfg, params, ids, tg._hf_logits(model, ids), (20, 3, 1, 1)), test))
     rows += gemma4_rows(tmp)
     print("| family | source | max abs logit | max abs logit diff, cache-less | through the KV cache | test |")

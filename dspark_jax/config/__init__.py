@@ -69,6 +69,8 @@ class TargetConfig:
       tie_embeddings: LM head is the transposed token embedding.
       qk_norm: Qwen3-style RMSNorm on each query/key head before RoPE.
       qkv_bias: biases on the query, key and value projections (Qwen2 / Qwen2.5).
+      o_bias: a bias on the attention output projection (with ``qkv_bias``: Llama / Qwen3 configs
+        with ``attention_bias: true``).
       mask_token_id: the token id whose frozen embedding row fills a new drafter's mask slots
         (:meth:`DrafterConfig.for_target`), or None for the rule there. Set by the loaders
         that know a better choice than the rule (a token the model never reads as input).
@@ -126,6 +128,7 @@ class TargetConfig:
     tie_embeddings: bool = True
     qk_norm: bool = False
     qkv_bias: bool = False
+    o_bias: bool = False
     mask_token_id: int | None = None
     bos_id: int | None = 1
     eos_ids: tuple[int, ...] = (2,)
@@ -286,6 +289,8 @@ class TargetConfig:
         for key, absent in _MOE_DEFAULTS.items():
             if d[key] == absent:
                 del d[key]
+        if not self.o_bias:  # as before the field existed
+            del d["o_bias"]
         if "mlp_only_layers" in d:
             d["mlp_only_layers"] = list(self.mlp_only_layers)
         d["layer_types"] = list(self.layer_types)

@@ -233,7 +233,7 @@ def _verifier_architectures(target: Target) -> list[str]:
     """
     c = target.cfg
     if c.num_experts:  # Qwen3-MoE has q/k-norm; Mixtral (GGUF ``llama`` with experts) has neither it nor biases
-        if c.qkv_bias:
+        if c.qkv_bias or c.o_bias:
             raise DSparkInputError("a mixture-of-experts target with q/k/v biases has no verifier architecture here")
         return ["Qwen3MoeForCausalLM"] if c.qk_norm else ["MixtralForCausalLM"]
     if c.grouped_attention:
@@ -242,9 +242,11 @@ def _verifier_architectures(target: Target) -> list[str]:
         return ["Gemma3ForCausalLM"] if c.qk_norm else ["Gemma2ForCausalLM"]
     if c.qk_norm:
         return ["Qwen3ForCausalLM"]
-    if c.qkv_bias:
+    if c.qkv_bias and not c.o_bias:  # Qwen2's o_proj has no bias; a Llama with attention_bias has one
         return ["Qwen2ForCausalLM"]
-    return ["MistralForCausalLM"] if c.has_sliding_layers else ["LlamaForCausalLM"]
+    if c.has_sliding_layers:  # Ministral: Mistral with some full-attention layers
+        return ["MistralForCausalLM"] if None not in c.layer_windows() else ["MinistralForCausalLM"]
+    return ["LlamaForCausalLM"]
 
 
 def export_to_format(

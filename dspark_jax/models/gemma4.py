@@ -132,7 +132,7 @@ def grouped_forward(
     cfg = target.cfg
     if cfg.attention_backend not in ("auto", "xla"):
         raise DSparkInputError(f"attention backend {cfg.attention_backend!r} does not support Gemma 4 targets")
-    if cfg.num_experts or cfg.qkv_bias or not cfg.qk_norm:
+    if cfg.num_experts or cfg.qkv_bias or cfg.o_bias or not cfg.qk_norm:
         raise ValueError("Gemma 4 layers with experts, q/k/v biases or without q/k norms are not implemented")
     period = layer_period(cfg)
     kinds = [w is None for w in cfg.layer_windows()[:period]]  # True: a full-attention layer

@@ -1,5 +1,5 @@
-"""llama.cpp GGUF checkpoints (architectures ``llama``, ``qwen2``, ``qwen3``, ``qwen3moe`` and ``gemma3``;
-``llama`` with ``llama.expert_count`` is Mixtral).
+"""llama.cpp GGUF checkpoints (architectures ``llama``, ``qwen2``, ``qwen3``, ``qwen3moe``, ``gemma2`` and
+``gemma3``; ``llama`` with ``llama.expert_count`` is Mixtral).
 
 :func:`gguf_config` reads only the metadata; :func:`load_gguf` dequantizes every tensor to
 float32 in the canonical layout of :mod:`dspark_jax.models.weights`. Uses the ``gguf``
@@ -22,8 +22,9 @@ from dspark_jax.models.rope import gguf_rope_scaling
 from dspark_jax.models.weights import Params, adjacent_to_half, canonical_params, owned_f32, stack_layers
 
 # llama: adjacent-pair RoPE rows (permuted at load); qwen2 / qwen3: HF-style half RoPE (no permutation),
-# qwen2 with q/k/v biases, qwen3 with q/k norms, gemma3 as llama.cpp reads it (_gemma3_fields).
-_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
+# qwen2 with q/k/v biases, qwen3 with q/k norms, gemma2 / gemma3 as llama.cpp reads them (_gemma2_fields,
+# _gemma3_fields).
+_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3")
 # The ``{arch}.`` metadata keys this loader understands (read, checked, or without effect on the math).
 # Any other ``{arch}.`` key may change the math and is refused (general.*, tokenizer.*, quantize.*
 # and split.* keys describe the file, not the model's math).
@@ -37,6 +38,8 @@ GGUF_ARCH_KEYS = frozenset(
      "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.attn_factor",
      "rope.scaling.yarn_log_multiplier", "expert_count", "expert_used_count", "expert_feed_forward_length"}
 )  # fmt: skip
+# Keys one architecture understands on top of GGUF_ARCH_KEYS (elsewhere they are refused).
+GGUF_ARCH_ONLY_KEYS = {"gemma2": frozenset({"attn_logit_softcapping", "final_logit_softcapping"})}
 ROPE_FREQS = "rope_freqs.weight"
 _GGUF_NAMES = {
     "attn_norm": "attn_norm",
@@ -57,7 +60,8 @@ _GGUF_NAMES = {
     "post_attn_norm": "post_attention_norm",
     "post_mlp_norm": "post_ffw_norm",
 }
-_GGUF_BIASES = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v"}  # qwen2: blk.{i}.attn_q.bias ...
+# qwen2: blk.{i}.attn_q.bias ...; llama (optional, as llama.cpp reads them): those and attn_output.bias
+_GGUF_BIASES = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v", "bo": "attn_output"}
 
 
 def _tensor_name(i: int, key: str) -> str:
@@ -65,10 +69,11 @@ def _tensor_name(i: int, key: str) -> str:
 
 
 def _refuse_unknown_keys(reader: Any, arch: str, fname: Path) -> None:
-    """Refuses an ``{arch}.`` metadata key outside :data:`GGUF_ARCH_KEYS` (it may change the math)."""
-    prefix = f"{arch}."
+    """Refuses an ``{arch}.`` metadata key outside :data:`GGUF_ARCH_KEYS` and the architecture's
+    :data:`GGUF_ARCH_ONLY_KEYS` (it may change the math)."""
+    prefix, known = f"{arch}.", GGUF_ARCH_KEYS | GGUF_ARCH_ONLY_KEYS.get(arch, frozenset())
     for key in reader.fields:
-        if key.startswith(prefix) and key[len(prefix) :] not in GGUF_ARCH_KEYS:
+        if key.startswith(prefix) and key[len(prefix) :] not in known:
             raise DSparkInputError(
                 f"GGUF file {fname.name}: metadata {key} is not supported (a feature this loader does not implement)"
             )
@@ -145,17 +150,17 @@ def gguf_config(path: Any) -> TargetConfig:
     freqs = tensors.get(ROPE_FREQS)
     freq_factors = None if freqs is None else np.asarray(freqs.data, np.float32)
     scaling = gguf_rope_scaling(meta, arch, freq_factors, where=f"GGUF file {fname.name}")
-    nkv = int(meta(f"{arch}.attention.head_count_kv", nh))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = len(tokens.data) if tokens is not None else int(tensors["token_embd.weight"].shape[-1])
     bos = meta("tokenizer.ggml.bos_token_id")
     eos = [meta("tokenizer.ggml.eos_token_id"), meta("tokenizer.ggml.eot_token_id")]
     n_layers = int(meta(f"{arch}.block_count", required=True))
     theta = _f32(meta(f"{arch}.rope.freq_base", 10000.0))
-    if arch == "gemma3":
-        gemma = _gemma3_fields(meta, n_layers, H, nh, fname.name)
+    if arch in ("gemma2", "gemma3"):
+        gemma = _gemma3_fields(meta, n_layers, H, nh, fname.name) if arch == "gemma3" else {}
+        gemma = gemma or _gemma2_fields(meta, n_layers, H, nh, fname.name, scaling, "output.weight" in tensors)
         layer_types, window = gemma.pop("layer_types"), gemma.pop("sliding_window")
-        if layer_types and "full_attention" not in layer_types:  # every layer slides: the local RoPE only
+        if arch == "gemma3" and layer_types and "full_attention" not in layer_types:  # all slide: local RoPE only
             theta, scaling = GEMMA3_LOCAL_ROPE_BASE, None
     else:
         gemma = {}
@@ -167,7 +172,7 @@ def gguf_config(path: Any) -> TargetConfig:
         intermediate_size=ffn,
         num_layers=n_layers,
         num_heads=nh,
-        num_kv_heads=nkv,
+        num_kv_heads=int(meta(f"{arch}.attention.head_count_kv", nh)),
         head_dim=hd,
         max_position=int(meta(f"{arch}.context_length", 2048)),
         rope_theta=theta,
@@ -175,7 +180,8 @@ def gguf_config(path: Any) -> TargetConfig:
         rms_eps=_f32(meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in tensors,
         qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
-        qkv_bias=arch == "qwen2",
+        qkv_bias=arch == "qwen2" or (arch == "llama" and "blk.0.attn_q.bias" in tensors),
+        o_bias=arch == "llama" and "blk.0.attn_output.bias" in tensors,
         bos_id=None if bos is None else int(bos),
         eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         name=fname.stem,
@@ -245,6 +251,58 @@ def _gemma3_fields(meta: Any, n_layers: int, H: int, nh: int, fname: str) -> dic
     }
 
 
+# llama.cpp's Gemma 2 (llama_load_hparams / the gemma2 graph): even layers slide (window 4096 unless the
+# file says), soft-caps 50 / 30 unless the file says, the 46-layer 27B model's query scale (H / heads) ** -0.5.
+GEMMA2_SWA_PATTERN, GEMMA2_WINDOW, GEMMA2_SOFTCAPS, GEMMA2_27B_LAYERS = 2, 4096, (50.0, 30.0), 46
+
+
+def _gemma2_fields(
+    meta: Any, n_layers: int, H: int, nh: int, fname: str, scaling: Any, has_output: bool
+) -> dict[str, Any]:
+    """The Gemma 2 parts of a ``gemma2`` GGUF's :class:`TargetConfig`, as llama.cpp reads the file that
+    ``convert_hf_to_gguf.py`` writes: layer ``i`` slides iff ``i`` is even (window from
+    ``gemma2.attention.sliding_window``, absent: 4096), every layer rotates with ``rope.freq_base``,
+    attention / final soft-caps from ``gemma2.{attn,final}_logit_softcapping`` (absent: 50 / 30), the
+    query scale ``head_dim ** -0.5`` except for the 46-layer 27B model (``(H / heads) ** -0.5``;
+    llama.cpp reads no ``query_pre_attn_scalar``), ``1 + w`` norms (stored with the 1 added), embedding
+    times sqrt(H), GELU-tanh, sandwich norms, no q/k norms.
+
+    Args:
+      scaling: the file's RoPE scaling; has_output: whether it has an ``output.weight`` tensor.
+    Raises:
+      DSparkInputError: a ``sliding_window_pattern`` key (llama.cpp fixes Gemma 2's pattern), a
+        window or soft-cap that is not positive, RoPE scaling (llama.cpp would scale the sliding
+        layers too), an ``output.weight`` (llama.cpp's Gemma 2 ties the LM head and ignores it).
+    """
+    if scaling is not None:
+        raise DSparkInputError(f"GGUF file {fname}: RoPE scaling is not supported for gemma2")
+    if has_output:
+        raise DSparkInputError(
+            f"GGUF file {fname}: gemma2 with an output.weight tensor is not supported (llama.cpp ties the head)"
+        )
+    if meta("gemma2.attention.sliding_window_pattern") is not None:
+        raise DSparkInputError(
+            f"GGUF file {fname}: gemma2.attention.sliding_window_pattern is not supported "
+            "(llama.cpp fixes Gemma 2's pattern at every other layer sliding)"
+        )
+    window = int(meta("gemma2.attention.sliding_window", GEMMA2_WINDOW))
+    caps = [_f32(meta(f"gemma2.{k}_logit_softcapping", d)) for k, d in zip(("attn", "final"), GEMMA2_SOFTCAPS)]
+    if window <= 0 or min(caps) <= 0:
+        raise DSparkInputError(f"GGUF file {fname}: gemma2 sliding window {window} / soft-caps {caps} not positive")
+    slides = [i % GEMMA2_SWA_PATTERN < GEMMA2_SWA_PATTERN - 1 for i in range(n_layers)]
+    return {
+        "layer_types": tuple("sliding_attention" if x else "full_attention" for x in slides),
+        "sliding_window": window,
+        "norm_offset": 1.0,
+        "embed_scale": float(np.float32(H**0.5)),
+        "mlp_activation": "gelu_tanh",
+        "sandwich_norms": True,
+        "attn_logit_softcap": caps[0],
+        "final_logit_softcap": caps[1],
+        "query_scale": float(H // nh) ** -0.5 if n_layers == GEMMA2_27B_LAYERS else None,
+    }
+
+
 def gguf_attention_windows(meta: Any, arch: str, n_layers: int, fname: str) -> tuple[tuple[str, ...], int | None]:
     """Per-layer attention kinds and the sliding window from ``{arch}.attention.sliding_window``
     (0 or absent: full attention) and ``{arch}.attention.sliding_window_pattern`` (one bool per
@@ -282,7 +340,7 @@ def gguf_attention_windows(meta: Any, arch: str, n_layers: int, fname: str) -> t
 
 
 def load_gguf(path: Any) -> tuple[TargetConfig, Params]:
-    """Loads a llama.cpp GGUF checkpoint (architectures ``llama``, ``qwen2``, ``qwen3``, ``qwen3moe``, ``gemma3``).
+    """Loads a llama.cpp GGUF checkpoint (``llama``, ``qwen2``, ``qwen3``, ``qwen3moe``, ``gemma2``, ``gemma3``).
 
     Hyperparameters come from ``{arch}.*`` metadata (``block_count``,
     ``embedding_length``, ``feed_forward_length``, ``attention.head_count[_kv]``,
@@ -294,7 +352,8 @@ def load_gguf(path: Any) -> tuple[TargetConfig, Params]:
     transposed here to ``[in, out]``. ``llama`` q/k rows are permuted from
     adjacent-pair to half RoPE. No ``output.weight`` means tied embeddings. RoPE scaling from
     ``rope_freqs.weight`` and ``{arch}.rope.scaling.*`` (:func:`~dspark_jax.models.rope.gguf_rope_scaling`);
-    ``qwen2`` q/k/v biases from ``blk.{i}.attn_{q,k,v}.bias``; ``gemma3`` sandwich norms from
+    ``qwen2`` q/k/v biases from ``blk.{i}.attn_{q,k,v}.bias``, ``llama`` ones (optional, permuted like
+    their rows) with ``attn_output.bias``; ``gemma2`` / ``gemma3`` sandwich norms from
     ``blk.{i}.post_attention_norm`` / ``post_ffw_norm``, every norm weight stored as ``1 + w``. Experts
     (:func:`gguf_experts`) from ``blk.{i}.ffn_gate_inp`` (router ``[E, H]``) and ``blk.{i}.ffn_{gate,up,down}_exps``
     (``[E, out, in]``, each expert's matrix transposed).
@@ -326,16 +385,18 @@ def load_gguf(path: Any) -> tuple[TargetConfig, Params]:
         # A plain-ndarray view avoids numpy.memmap's per-slice overhead (3x faster).
         return owned_f32(gguf.quants.dequantize(t.data.view(np.ndarray), t.tensor_type))
 
-    permute = {"wq": nh, "wk": nkv} if arch == "llama" else {}
+    permute = {"wq": nh, "wk": nkv, "bq": nh, "bk": nkv} if arch == "llama" else {}
 
-    # gemma3: the converter stores Gemma's norm weights w as 1 + w; the model applies 1 + w itself.
+    # gemma2 / gemma3: the converter stores Gemma's norm weights w as 1 + w; the model applies 1 + w itself.
     shift = np.float32(cfg.norm_offset)
 
     def fetch(i: int, key: str) -> np.ndarray:
         m = get(_tensor_name(i, key))
         if key.endswith("norm") and shift:
             m -= shift
-        return adjacent_to_half(m, permute[key]) if key in permute and m.ndim == 2 else m
+        if key in permute and m.ndim <= 2:  # a q/k matrix or bias: adjacent-pair -> half RoPE rows
+            m = adjacent_to_half(m.reshape(m.shape[0], -1), permute[key]).reshape(m.shape)
+        return m
 
     layers = stack_layers(cfg, fetch, lambda i, key: f"GGUF tensor {_tensor_name(i, key)}")
     params = canonical_params(

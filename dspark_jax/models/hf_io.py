@@ -55,7 +55,10 @@ GEMMA_LAYER_TENSORS = {
 }
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 # Qwen2's q/k/v biases: this project's name -> the Hugging Face tensor under ``layers.{i}.``.
-HF_BIAS_TENSORS = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
+HF_BIAS_TENSORS = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
+                   "bo": "self_attn.o_proj.bias"}  # fmt: skip
+# Model types whose attention_bias puts a bias on each of q/k/v/o_proj (transformers' Llama / Qwen3).
+ATTENTION_BIAS_TYPES = ("llama", "qwen3")
 # A sparse layer's router under ``layers.{i}.``, and each expert's projections under
 # ``layers.{i}.mlp.experts.{e}.`` (stacked over the experts at load): this project's name -> theirs.
 HF_ROUTER_TENSOR = "mlp.gate.weight"
@@ -93,7 +96,9 @@ def _read_st(entry: tuple[Path, str, tuple[int, ...], int, int]) -> np.ndarray:
     return owned_f32(a).reshape(shape)
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", *GEMMA4_TEXT_TYPES)
+# ministral: transformers' Mistral with per-layer layer_types (sliding / full), one RoPE for all layers.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text",
+                         *GEMMA4_TEXT_TYPES)  # fmt: skip
 # Config keys of Qwen3-MoE that _moe_fields reads (the general refusal rule skips them).
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts")
 # Config keys of the Gemma families that _gemma_fields reads (the general refusal rule skips them).
@@ -151,7 +156,8 @@ def hf_target_config(
     ``rope_scaling``; :func:`~dspark_jax.models.rope.hf_rope_scaling`), ``head_dim`` when present,
     tied embeddings from ``tie_word_embeddings`` (or from the weights lacking ``lm_head.weight``
     when ``lm_head_in_weights`` is known); EOS ids are the config's joined with ``generation_eos``
-    (``generation_config.json``). Qwen2 has q/k/v biases (``qkv_bias``).
+    (``generation_config.json``). Qwen2 has q/k/v biases (``qkv_bias``); Llama and Qwen3 with
+    ``attention_bias`` have q/k/v and o_proj biases (``qkv_bias``, ``o_bias``).
 
     Args:
       c: the config (``AutoConfig.from_pretrained`` or ``AutoConfig.for_model``).
@@ -177,6 +183,7 @@ def hf_target_config(
     cfg_dict = c.to_dict()
     if c.model_type == "qwen2":  # Qwen2's q/k/v biases are architectural, not the attention_bias key
         cfg_dict.pop("attention_bias", None)
+    attention_bias = c.model_type in ATTENTION_BIAS_TYPES and bool(cfg_dict.pop("attention_bias", False))
     for key in (GEMMA_CONFIG_KEYS + GEMMA4_CONFIG_KEYS * gemma4) if gemma else ():
         cfg_dict.pop(key, None)  # read (and refused where unimplemented) by _gemma_fields / gemma4_fields
     moe = _moe_fields(c, where) if c.model_type == "qwen3_moe" else {}
@@ -210,7 +217,8 @@ def hf_target_config(
         rms_eps=float(c.rms_norm_eps),
         tie_embeddings=tie,
         qk_norm=c.model_type in ("qwen3", "qwen3_moe", "gemma3_text") or gemma4,
-        qkv_bias=c.model_type == "qwen2",
+        qkv_bias=c.model_type == "qwen2" or attention_bias,
+        o_bias=attention_bias,
         bos_id=c.bos_token_id,
         eos_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         name=name,
@@ -296,9 +304,10 @@ def hf_attention_windows(c: Any, where: str) -> tuple[tuple[str, ...], int | Non
     :attr:`TargetConfig.layer_types` / :attr:`TargetConfig.sliding_window` (``((), None)`` when
     every layer attends fully).
 
-    Mistral slides every layer when ``sliding_window`` is set. Qwen3's config object has already
-    resolved ``use_sliding_window`` / ``max_window_layers`` into ``layer_types`` (layers from
-    ``max_window_layers`` on slide) and cleared ``sliding_window`` unless ``use_sliding_window``.
+    Mistral slides every layer when ``sliding_window`` is set (Ministral: as its ``layer_types``
+    say). Qwen3's config object has already resolved ``use_sliding_window`` / ``max_window_layers``
+    into ``layer_types`` (layers from ``max_window_layers`` on slide) and cleared ``sliding_window``
+    unless ``use_sliding_window``.
     Other families take ``layer_types`` as given.
 
     Raises:

@@ -107,6 +107,8 @@ def random_params(cfg: TargetConfig, seed: int = 0, scale: float = 0.05) -> dict
         layers["k_norm"] = one + n(L, cfg.head_dim)
     if cfg.qkv_bias:
         layers.update(bq=n(L, qd), bk=n(L, kd), bv=n(L, kd))
+    if cfg.o_bias:
+        layers["bo"] = n(L, H)
     if cfg.sandwich_norms:
         layers["post_attn_norm"] = one + n(L, H)
         layers["post_mlp_norm"] = one + n(L, H)
@@ -158,6 +160,7 @@ class Target(nnx.Module):
         self.final_norm = cast(params["final_norm"], sh.get("final_norm"))
         self.lm_head = None if cfg.tie_embeddings else cast(params["lm_head"], sh.get("lm_head"))
         keys = _LAYER_KEYS + (("q_norm", "k_norm") if cfg.qk_norm else ()) + (_BIAS_KEYS if cfg.qkv_bias else ())
+        keys += ("bo",) if cfg.o_bias else ()
         keys += _SANDWICH_KEYS if cfg.sandwich_norms else ()
         keys = tuple(k for k in keys + MOE_KEYS if k in target_param_shapes(cfg)["layers"])
         keys = tuple(target_param_shapes(cfg)["layers"]) if cfg.grouped_attention else keys
@@ -420,10 +423,12 @@ def attention_options(cfg: TargetConfig) -> dict[str, Any]:
 def _residual_mlp(
     cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, attn_out: jax.Array, stacks: dict[str, jax.Array]
 ) -> jax.Array:
-    """The residual adds around attention (``attn_out``: after ``wo``) and the feed-forward
+    """The residual adds around attention (``attn_out``: after ``wo``, before its bias) and the feed-forward
     (:func:`~dspark_jax.models.moe.feed_forward`; ``stacks``: :meth:`Target.mlp_stacks`), with
     Gemma's sandwich norms when ``cfg.sandwich_norms``. ``h``/result: ``[..., H]``."""
     off, eps = cfg.norm_offset, cfg.rms_eps
+    if cfg.o_bias:
+        attn_out = attn_out + p["bo"]
     if cfg.sandwich_norms:
         attn_out = rms_norm(attn_out, p["post_attn_norm"], eps, off)
     h = h + attn_out

@@ -12,6 +12,7 @@ leading axis ``L``)::
                 "q_norm": [L, hd], "k_norm": [L, hd],        # only if cfg.qk_norm
                 "post_attn_norm": [L, H], "post_mlp_norm": [L, H],  # only if cfg.sandwich_norms
                 "bq": [L, nH*hd], "bk": [L, nKV*hd], "bv": [L, nKV*hd],  # only if cfg.qkv_bias
+                "bo": [L, H],                                 # only if cfg.o_bias
                 "mlp_norm": [L, H], "w_gate": [L, H, I], "w_up": [L, H, I],
                 "w_down": [L, I, H]},
      "final_norm": [H],
@@ -142,6 +143,8 @@ def target_param_shapes(cfg: TargetConfig) -> dict[str, Any]:
         layers.update(post_attn_norm=(L, H), post_mlp_norm=(L, H))
     if cfg.qkv_bias:
         layers.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
+    if cfg.o_bias:
+        layers["bo"] = (L, H)
     if cfg.grouped_attention:
         layers = {k: v for k, v in layers.items() if k not in GLOBAL_ATTN_KEYS} | _grouped_attention_shapes(cfg)
     shapes: dict[str, Any] = {"embed": (cfg.vocab_size, H), "layers": layers, "final_norm": (H,)}

@@ -7,8 +7,8 @@ are loaded through the Hugging Face loader and compared with transformers' logit
 scale other than ``head_dim ** -0.5``; Gemma 3 with q/k norms, a local RoPE base on sliding layers
 and linear RoPE scaling on full ones. Each Gemma field is shown to matter (turning it off moves
 the logits). Greedy speculative decoding and the serving engine equal plain decoding; training
-runs on a Gemma target; warm starts from Gemma layers are refused by name (Gemma 4: test_gemma4.py). A Gemma 3
-GGUF written as llama.cpp's converter writes it gives transformers' logits.
+runs on a Gemma target; warm starts from Gemma layers are refused by name (Gemma 4: test_gemma4.py). Gemma 2
+and Gemma 3 GGUFs written as llama.cpp's converter writes them give transformers' logits.
 """
 
 from __future__ import annotations
@@ -271,10 +271,26 @@ def test_multimodal_gemma3_checkpoint_loads_its_text_model(tmp_path):
     np.testing.assert_allclose(got, _hf_logits(model, ids), atol=TOL, rtol=0)
 
 
+def _write_gemma_tensors(w, model, arch):
+    """``model``'s tensors into GGUF writer ``w`` as the converter writes them: names from gguf's own
+    map, every ``*norm.weight`` stored with 1 added, no ``lm_head`` (tied); then the file is written."""
+    import gguf
+
+    names = gguf.get_tensor_name_map(arch, model.config.num_hidden_layers)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        data = t.float().numpy() + (1.0 if name.endswith("norm.weight") else 0.0)
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), np.ascontiguousarray(data, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def _write_gemma3_gguf(model, path):
     """``model`` as an F32 ``gemma3`` GGUF the way convert_hf_to_gguf.py's Gemma3Model writes it: its
-    metadata (no query scale, local RoPE base or layer pattern: llama.cpp fixes those), tensor names
-    from gguf's own name map, every ``*norm.weight`` stored with 1 added, no ``lm_head`` (tied)."""
+    metadata (no query scale, local RoPE base or layer pattern: llama.cpp fixes those)."""
     import gguf
 
     c = model.config
@@ -293,16 +309,33 @@ def _write_gemma3_gguf(model, path):
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
     w.add_rope_scaling_factor(c.rope_parameters["full_attention"]["factor"])
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, c.num_hidden_layers)
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight":
-            continue
-        data = t.float().numpy() + (1.0 if name.endswith("norm.weight") else 0.0)
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), np.ascontiguousarray(data, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_gemma_tensors(w, model, gguf.MODEL_ARCH.GEMMA3)
+    return path
+
+
+def _write_gemma2_gguf(model, path, extra=lambda w: None):
+    """``model`` as an F32 ``gemma2`` GGUF the way convert_hf_to_gguf.py's Gemma2Model writes it: no
+    RoPE base (llama.cpp's default 1e4), query scale or layer pattern; both soft-caps and the window.
+    ``extra(w)`` adds metadata or tensors before the file is written."""
+    import gguf
+
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "gemma2")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+    w.add_final_logit_softcapping(c.final_logit_softcapping)
+    w.add_sliding_window(c.sliding_window)
+    extra(w)
+    _write_gemma_tensors(w, model, gguf.MODEL_ARCH.GEMMA2)
     return path
 
 
@@ -326,17 +359,7 @@ def test_gemma3_gguf_matches_transformers(tmp_path):
     cfg, params = load_gguf(_write_gemma3_gguf(model, tmp_path / "g.gguf"))
     assert dc.replace(cfg, name=hf_cfg.name, max_position=hf_cfg.max_position, eos_ids=hf_cfg.eos_ids,
                       bos_id=hf_cfg.bos_id) == hf_cfg  # fmt: skip
-    ids = _ids()
-    want = _hf_logits(model, ids)
-    target = Target(cfg, params)
-    pos = np.arange(SEQ, dtype=np.int32)[None]
-    np.testing.assert_allclose(np.asarray(target(ids[None], pos).logits[0]), want, atol=TOL, rtol=0)
-    cache, parts, start = target.init_cache(1, SEQ), [], 0
-    for n in (20, 3, 1, SEQ - 24):
-        out = target(ids[None, start : start + n], pos[:, start : start + n], cache)
-        cache, start = out.cache, start + n
-        parts.append(np.asarray(out.logits[0]))
-    np.testing.assert_allclose(np.concatenate(parts), want, atol=TOL, rtol=0)
+    _assert_gguf_logits(cfg, params, model)
     w = gguf.GGUFWriter(str(tmp_path / "p.gguf"), "gemma3")
     w.add_block_count(7)
     w.add_embedding_length(64)
@@ -351,3 +374,62 @@ def test_gemma3_gguf_matches_transformers(tmp_path):
     w.close()
     with pytest.raises(DSparkInputError, match="sliding_window_pattern is not supported"):
         gguf_config(tmp_path / "p.gguf")
+
+
+def _assert_gguf_logits(cfg, params, model):
+    """Cache-less, and through the KV cache (prefill 20, a 3-token block, then single tokens)."""
+    ids = _ids()
+    want = _hf_logits(model, ids)
+    target = Target(cfg, params)
+    pos = np.arange(SEQ, dtype=np.int32)[None]
+    np.testing.assert_allclose(np.asarray(target(ids[None], pos).logits[0]), want, atol=TOL, rtol=0)
+    cache, parts, start = target.init_cache(1, SEQ), [], 0
+    for n in (20, 3, 1, SEQ - 24):
+        out = target(ids[None, start : start + n], pos[:, start : start + n], cache)
+        cache, start = out.cache, start + n
+        parts.append(np.asarray(out.logits[0]))
+    np.testing.assert_allclose(np.concatenate(parts), want, atol=TOL, rtol=0)
+
+
+def test_gemma2_gguf_matches_transformers(tmp_path):
+    """A Gemma 2 model through GGUF as llama.cpp's converter writes it (norms stored as 1 + w, both
+    soft-caps binding; llama.cpp's fixed rules: even layers slide, query scale head_dim ** -0.5, RoPE
+    base 1e4) gives transformers' logits past the window, and the Hugging Face directory's
+    TargetConfig. What llama.cpp reads otherwise than transformers is refused by name."""
+    import dataclasses as dc
+
+    import gguf
+
+    from dspark_jax.models.gguf_io import gguf_config, load_gguf
+
+    model = _write("gemma2", tmp_path / "hf", query_pre_attn_scalar=16)
+    hf_cfg, _ = load_hf_dir(tmp_path / "hf")
+    cfg, params = load_gguf(_write_gemma2_gguf(model, tmp_path / "g.gguf"))
+    assert (cfg.attn_logit_softcap, cfg.final_logit_softcap, cfg.query_scale) == (4.0, 3.0, None)
+    assert dc.replace(cfg, name=hf_cfg.name, max_position=hf_cfg.max_position, eos_ids=hf_cfg.eos_ids,
+                      bos_id=hf_cfg.bos_id) == hf_cfg  # fmt: skip
+    _assert_gguf_logits(cfg, params, model)
+    refusals = [
+        (lambda w: w.add_sliding_window_pattern([True, False] * 2), "sliding_window_pattern is not supported"),
+        (
+            lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR), w.add_rope_scaling_factor(2.0)),
+            "RoPE scaling is not supported for gemma2",
+        ),
+        (lambda w: w.add_tensor("output.weight", np.zeros((VOCAB, 64), np.float32)), "output.weight"),
+    ]
+    for i, (extra, match) in enumerate(refusals):
+        with pytest.raises(DSparkInputError, match=match):
+            gguf_config(_write_gemma2_gguf(model, tmp_path / f"r{i}.gguf", extra))
+    # llama.cpp's rules for what a file leaves out, and the 46-layer (27B) query scale (H / heads) ** -0.5
+    w = gguf.GGUFWriter(str(tmp_path / "27b.gguf"), "gemma2")
+    for add, value in ((w.add_block_count, 46), (w.add_embedding_length, 64), (w.add_head_count, 2),
+                       (w.add_key_length, 16), (w.add_value_length, 16), (w.add_feed_forward_length, 96)):  # fmt: skip
+        add(value)
+    w.add_tensor("token_embd.weight", np.zeros((VOCAB, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    big = gguf_config(tmp_path / "27b.gguf")
+    assert (big.attn_logit_softcap, big.final_logit_softcap, big.sliding_window) == (50.0, 30.0, 4096)
+    assert big.query_scale == pytest.approx(32**-0.5) and big.layer_types[:2] == ("sliding_attention", "full_attention")

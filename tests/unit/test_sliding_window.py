@@ -41,7 +41,14 @@ WINDOW, PROMPT, DECODE = 8, 40, 6
 
 def _write(kind: str, path):
     import torch
-    from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        MinistralConfig,
+        MinistralForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(0)
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -50,6 +57,9 @@ def _write(kind: str, path):
                   sliding_window=WINDOW, attn_implementation="eager")  # fmt: skip
     if kind == "mistral":
         model = MistralForCausalLM(MistralConfig(**common))
+    elif kind == "ministral":  # Mistral with layer_types: layer 1 full attention
+        types = ["sliding_attention", "full_attention", "sliding_attention"]
+        model = MinistralForCausalLM(MinistralConfig(layer_types=types, **common))
     else:  # layer 0 full attention, layers 1-2 sliding
         model = Qwen3ForCausalLM(Qwen3Config(use_sliding_window=True, max_window_layers=1, **common))
     with torch.no_grad():  # larger attention logits and perturbed norms, so that a wrong mask shows
@@ -88,6 +98,20 @@ def test_loader_reads_the_windows(family):
 def test_logits_match_transformers_past_the_window(family):
     """Cache-less pass, cached prefill and cached decode steps, all within 1e-4 of transformers."""
     _, model, cfg, params = family
+    _assert_matches_transformers(model, cfg, params)
+
+
+def test_ministral_layer_types_match_transformers(tmp_path):
+    """Ministral (``model_type: ministral``, Mistral with per-layer ``layer_types``) loads its mixed
+    sliding / full layers and matches transformers past the window (it used to be refused)."""
+    model = _write("ministral", tmp_path)
+    cfg, params = load_hf_dir(tmp_path)
+    assert cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert cfg.sliding_window == WINDOW
+    _assert_matches_transformers(model, cfg, params)
+
+
+def _assert_matches_transformers(model, cfg, params):
     target = Target(cfg, params)
     rng = np.random.default_rng(0)
     ids = [1] + rng.integers(3, cfg.vocab_size, PROMPT - 1).tolist()

@@ -201,6 +201,27 @@ def test_gguf_matches_transformers_past_original_context(name, tmp_path):
     assert np.abs(got - want).max() <= TOL, np.abs(got - want).max()
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_attention_bias_matches_transformers(kind, tmp_path):
+    """``attention_bias: true`` in a Llama / Qwen3 config (biases on q/k/v and o_proj) gives transformers'
+    logits from the Hugging Face directory and, for Llama, from a GGUF written as llama.cpp's converter
+    writes it (q/k biases permuted like their rows, ``attn_output.bias``). It used to be refused."""
+    import dataclasses
+
+    model = make_hf(kind, None, tmp_path / "hf", seed=5, attention_bias=True)
+    cfg, params = load_hf_dir(tmp_path / "hf")
+    assert cfg.qkv_bias and cfg.o_bias and params["layers"]["bo"].shape == (2, HIDDEN)
+    ids = tokens(2)
+    want = hf_logits(model, ids)
+    assert np.abs(jax_logits(cfg, params, ids) - want).max() <= TOL
+    if kind == "llama":
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        gcfg, gparams = load_gguf(write_gguf(model, rope, "llama", tmp_path / "m.gguf"))
+        same = dict(name=cfg.name, max_position=cfg.max_position, bos_id=cfg.bos_id, eos_ids=cfg.eos_ids)
+        assert dataclasses.replace(gcfg, **same) == cfg
+        assert np.abs(jax_logits(gcfg, gparams, ids) - want).max() <= TOL
+
+
 # ----------------------------------------------------------------------------- refusals
 
 
@@ -223,7 +244,7 @@ def qwen3_dir(tmp_path_factory):
         ({"layer_types": ["full_attention", "chunked_attention"], "sliding_window": 8}, "chunked_attention"),
         ({"attn_logit_softcapping": 50.0}, "attention logit soft-capping"),
         ({"final_logit_softcapping": 30.0}, "final logit soft-capping"),
-        ({"attention_bias": True}, "attention biases"),
+        ({"mlp_bias": True}, "MLP biases"),
         ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
                               "long_factor": [2.0] * 8, "original_max_position_embeddings": ORIG}},
          "RoPE scaling 'longrope'"),
@@ -265,9 +286,13 @@ def test_gguf_refuses_unknown_metadata_and_tensors(tmp_path):
     p = write_gguf(model, LINEAR, "llama", tmp_path / "a.gguf", extra_kv={"llama.expert_shared_count": 1})
     with pytest.raises(DSparkInputError, match="llama.expert_shared_count is not supported"):
         load_gguf(p)
-    extra = [("blk.0.attn_output.bias", np.zeros(HIDDEN, np.float32))]
+    extra = [("blk.0.ffn_up.bias", np.zeros(96, np.float32))]
     p = write_gguf(model, LINEAR, "llama", tmp_path / "b.gguf", extra_tensors=extra)
-    with pytest.raises(DSparkInputError, match="attn_output.bias' is not read"):
+    with pytest.raises(DSparkInputError, match="ffn_up.bias' is not read"):
+        load_gguf(p)
+    extra = [("blk.0.attn_output.bias", np.zeros(HIDDEN, np.float32))]  # read when every layer has one
+    p = write_gguf(model, LINEAR, "llama", tmp_path / "c.gguf", extra_tensors=extra)
+    with pytest.raises(DSparkInputError, match="lacks tensor 'blk.1.attn_output.bias'"):
         load_gguf(p)
 
 
@@ -374,8 +399,11 @@ def test_speculators_verifier_section_names_each_familys_architecture():
     assert arch("qwen3-8b") == ["Qwen3ForCausalLM"]
     assert arch("qwen3-8b", qk_norm=False, qkv_bias=True) == ["Qwen2ForCausalLM"]
     assert arch("llama-3.1-8b-instruct") == ["LlamaForCausalLM"]
+    assert arch("llama-3.1-8b-instruct", qkv_bias=True, o_bias=True) == ["LlamaForCausalLM"]
     windows = dict(layer_types=("sliding_attention",) * 32, sliding_window=4096)
     assert arch("llama-3.1-8b-instruct", **windows) == ["MistralForCausalLM"]
+    mixed = dict(layer_types=("sliding_attention", "full_attention") * 16, sliding_window=4096)
+    assert arch("llama-3.1-8b-instruct", **mixed) == ["MinistralForCausalLM"]
     assert arch("gemma-3-12b") == ["Gemma3ForCausalLM"]
     assert arch("gemma-3-12b", qk_norm=False, attn_logit_softcap=50.0) == ["Gemma2ForCausalLM"]
     assert arch("gemma-4-12b") == ["Gemma4ForCausalLM"]
