@@ -3,12 +3,9 @@ the :class:`~dspark_jax.config.DrafterConfig` fields of ``DrafterConfig.for_targ
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dspark_jax.errors import DSparkInputError
-
-if TYPE_CHECKING:
-    from dspark_jax.config import TargetConfig
 
 # Gemma 4 draft layers and a frozen copy of the target's embedding (scaled) and LM head (soft-capped),
 # beside the formats' q/k-norm, mask row and Markov / confidence heads (INTEROP_ARCH).
@@ -16,8 +13,9 @@ GEMMA4_LAYERS: dict[str, Any] = {"own_embeddings": True, "mlp_activation": "gelu
                                  "layer_scalar": True, "v_norm": True, "query_scale": 1.0}  # fmt: skip
 
 
-def gemma4_fields(target: TargetConfig, variant: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The :class:`DrafterConfig` fields of DeepSeek's Gemma 4 drafter for ``target``: DeepSpec's
+def gemma4_fields(target: Any, variant: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`DrafterConfig` fields of DeepSeek's Gemma 4 drafter for ``target`` (a
+    :class:`~dspark_jax.config.TargetConfig`, untyped here: that module imports this one): DeepSpec's
     ``build_draft_config`` keeps the target's text config, so every draft layer is the target's
     full-attention layer (``global_head_dim``; ``num_global_key_value_heads`` with keys as values,
     else ``num_key_value_heads``; the full layers' RoPE), with the target's final soft-cap and an
