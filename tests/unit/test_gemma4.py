@@ -261,8 +261,8 @@ def test_trains_and_exports_deepseeks_gemma4_drafter(written, tmp_path):
     import jax
     from flax import nnx
 
-    from dspark_jax.drafters.checkpoint import load_drafter
-    from dspark_jax.drafters.format_export import export_to_format
+    from dspark_jax.drafters.checkpoint import export_drafter, load_drafter
+    from dspark_jax.export import main as export_main
     from dspark_jax.training.data import batches
     from dspark_jax.training.pipeline import _build_trainer
     from dspark_jax.training.train_config import TrainConfig, drafter_config
@@ -285,7 +285,8 @@ def test_trains_and_exports_deepseeks_gemma4_drafter(written, tmp_path):
     np.testing.assert_array_equal(np.asarray(drafter.embed[...]), np.asarray(target.embed[...]))
     np.testing.assert_array_equal(np.asarray(drafter.lm_head[...]), np.asarray(target.lm_head_weight()))
     assert not np.array_equal(np.asarray(drafter.fc[...]), before["fc"])  # the rest trains
-    out, _ = export_to_format(drafter, target, "deepspec", tmp_path / "ds")
+    export_drafter(drafter, tmp_path / "run")  # the run's export, then python -m dspark_jax.export
+    assert export_main([str(tmp_path / "run"), "--format", "deepspec", "--out", str(out := tmp_path / "ds")]) == 0
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Gemma4DSparkModel"]
     loaded, _ = load_drafter(out, target=target)
     mine, theirs = nnx.to_pure_dict(nnx.state(drafter, nnx.Param)), nnx.to_pure_dict(nnx.state(loaded, nnx.Param))
