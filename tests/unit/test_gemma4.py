@@ -286,7 +286,8 @@ def test_trains_and_exports_deepseeks_gemma4_drafter(written, tmp_path):
     np.testing.assert_array_equal(np.asarray(drafter.lm_head[...]), np.asarray(target.lm_head_weight()))
     assert not np.array_equal(np.asarray(drafter.fc[...]), before["fc"])  # the rest trains
     export_drafter(drafter, tmp_path / "run")  # the run's export, then python -m dspark_jax.export
-    assert export_main([str(tmp_path / "run"), "--format", "deepspec", "--out", str(out := tmp_path / "ds")]) == 0
+    out = tmp_path / "ds"
+    assert export_main([str(tmp_path / "run"), "--format", "deepspec", "--out", str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Gemma4DSparkModel"]
     loaded, _ = load_drafter(out, target=target)
     mine, theirs = nnx.to_pure_dict(nnx.state(drafter, nnx.Param)), nnx.to_pure_dict(nnx.state(loaded, nnx.Param))
