@@ -297,3 +297,21 @@ def test_trains_and_exports_deepseeks_gemma4_drafter(written, tmp_path):
     prompts = [[1] + rng.integers(3, VOCAB, k - 1).tolist() for k in (SEQ, 13)]
     ar = generate_autoregressive(target, prompts, max_new_tokens=16, cache_len=80)
     assert_same_outputs(ar, generate_speculative(target, loaded, prompts, max_new_tokens=16, cache_len=80))
+
+
+def test_gemma4_drafter_arch_refusals(written):
+    """``drafter_arch=gemma4`` needs a Gemma 4 target and the format's shape (full vocabulary, the
+    target's width, DSpark); ``auto`` picks it for Gemma 4 DSpark drafters only."""
+    from dspark_jax.config import DrafterConfig, TargetConfig
+
+    _, cfg, _ = written("k_eq_v")
+    assert DrafterConfig.for_target(cfg, arch="auto").own_embeddings
+    assert not DrafterConfig.for_target(cfg, arch="auto", variant="dflash").own_embeddings
+    llama = TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
+                         num_kv_heads=2, head_dim=8, max_position=64)  # fmt: skip
+    assert not DrafterConfig.for_target(llama, arch="auto").own_embeddings
+    with pytest.raises(DSparkInputError, match="needs a Gemma 4 target"):
+        DrafterConfig.for_target(llama, arch="gemma4")
+    with pytest.raises(DSparkInputError, match="does not take draft_vocab_size; use drafter_arch=interop") as e:
+        DrafterConfig.for_target(cfg, arch="auto", draft_vocab_size=32)
+    assert "\n" not in str(e.value)
