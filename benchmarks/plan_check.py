@@ -124,7 +124,7 @@ def train_step(cfg, tcfg, dcfg, mesh):
     c_graph = nnx.split(compute_model, nnx.Param)[0]
     p_shard = shd.tree_shardings(params, mesh, dcfg)
     params = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), params, p_shard)
-    tx = make_optimizer(cfg)
+    tx = make_optimizer(cfg, frozen=dcfg.own_embeddings)  # as the Trainer builds it
     opt = jax.eval_shape(tx.init, params)
     o_shard = shd.tree_shardings(opt, mesh, dcfg)
     opt = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), opt, o_shard)

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 from typing import Any
 
+from dspark_jax.config.gemma4_drafter import GEMMA4_LAYERS, gemma4_fields
 from dspark_jax.config.rope_scaling import ROPE_TYPES as ROPE_TYPES
 from dspark_jax.config.rope_scaling import RopeScaling as RopeScaling
 from dspark_jax.errors import DSparkInputError
@@ -276,6 +277,11 @@ class TargetConfig:
         return self.k_eq_v or self.v_norm or self.layer_scalar or proportional or g != (None, None)
 
     @property
+    def is_gemma4(self) -> bool:
+        """Whether this is a Gemma 4 text target (v-norm and layer scalars are Gemma 4's alone)."""
+        return self.v_norm and self.layer_scalar
+
+    @property
     def per_layer_rope(self) -> bool:
         """Whether the sliding layers rotate differently from the full ones (a per-layer scan input)."""
         return self.sliding_rope_theta is not None and self.has_sliding_layers
@@ -338,7 +344,9 @@ LEGACY_ARCH: dict[str, Any] = {
     "confidence_input": "head",
     "markov_w1_rows": "draft",
 }
-DRAFTER_ARCHS = ("interop", "legacy")
+GEMMA4_ARCH: dict[str, Any] = {**INTEROP_ARCH, **GEMMA4_LAYERS}  # DeepSeek's Gemma 4 drafters (.gemma4_drafter)
+# "auto": gemma4 for a Gemma 4 target's DSpark drafter, else interop (DrafterConfig.for_target).
+DRAFTER_ARCHS = ("auto", "interop", "legacy", "gemma4")
 MARKOV_HEADS = ("vanilla", "gated", "rnn", "gated_v0", "rnn_v0")
 # Exports of format 1 wrote "gated"/"rnn" for the first head variants; they load under these names.
 LEGACY_MARKOV_HEADS = {"gated": "gated_v0", "rnn": "rnn_v0"}
@@ -534,16 +542,23 @@ class DrafterConfig:
         Args:
           target: the target's config.
           arch: ``"interop"``, the checkpoint formats' architecture (:data:`INTEROP_ARCH`, mask
-            row :meth:`TargetConfig.default_mask_token_id`), or ``"legacy"``, this project's first
-            (:data:`LEGACY_ARCH`); eagle3 drafters keep the field defaults either way.
+            row :meth:`TargetConfig.default_mask_token_id`), ``"legacy"``, this project's first
+            (:data:`LEGACY_ARCH`), ``"gemma4"``, DeepSeek's Gemma 4 drafter (:data:`GEMMA4_ARCH`; a Gemma 4
+            target only: the layers as DeepSpec's ``build_draft_config`` makes them, module
+            :mod:`dspark_jax.drafters.gemma4_format`), or ``"auto"``: ``gemma4`` for a Gemma 4
+            target's DSpark drafter, else ``interop``. eagle3 drafters keep the field defaults.
           overrides: any field.
         Raises:
-          DSparkInputError: an unknown ``arch``.
+          DSparkInputError: an unknown ``arch``; ``gemma4`` for a target that is not Gemma 4, a variant
+            other than dspark, or with a width or a draft vocabulary (the format has neither).
           ValueError: an invalid field (:class:`DrafterConfig`).
         """
         if arch not in DRAFTER_ARCHS:
             raise DSparkInputError(f"drafter_arch must be one of {', '.join(DRAFTER_ARCHS)}, got {arch!r}")
         overrides = {renamed_key(k, "DrafterConfig.for_target argument"): v for k, v in overrides.items()}
+        variant = overrides.get("variant", "dspark")
+        if arch == "auto":
+            arch = "gemma4" if target.is_gemma4 and variant == "dspark" else "interop"
         base: dict[str, Any] = dict(
             vocab_size=target.vocab_size,
             hidden_size=target.hidden_size,
@@ -558,7 +573,9 @@ class DrafterConfig:
             rms_eps=target.rms_eps,
             target_name=target.name,
         )
-        if overrides.get("variant", "dspark") != "eagle3":
+        if arch == "gemma4":
+            base.update({**INTEROP_ARCH, **gemma4_fields(target, variant, overrides)})
+        elif variant != "eagle3":
             arch_fields = LEGACY_ARCH if arch == "legacy" else INTEROP_ARCH
             base.update({"mask_token_id": target.default_mask_token_id(), **arch_fields})
         base.update(overrides)

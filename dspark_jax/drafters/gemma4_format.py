@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.config import DrafterConfig, RopeScaling
+from dspark_jax.config.gemma4_drafter import GEMMA4_LAYERS
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.hf_io import GEMMA_LAYER_TENSORS
 
@@ -32,9 +34,8 @@ MODEL_TYPE = "gemma4_text"
 # This project's stacked layer tensors -> DeepSpec's names under ``layers.{i}.`` (``.weight`` added).
 LAYER_TENSORS = GEMMA_LAYER_TENSORS
 NORM_TENSORS = ("attn_norm", "q_norm", "k_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm")
-# The DrafterConfig fields of a Gemma 4 drafter beyond its shape (embed_scale: sqrt(H), own_arch).
-_ARCH = {"own_embeddings": True, "mlp_activation": "gelu_tanh", "sandwich_norms": True, "layer_scalar": True,
-         "v_norm": True, "query_scale": 1.0}  # fmt: skip
+# The DrafterConfig fields of a Gemma 4 drafter beyond its shape (and embed_scale: sqrt(H)).
+_ARCH = GEMMA4_LAYERS
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "global_head_dim")  # fmt: skip
 _ROPE_KEYS = {"rope_type", "rope_theta", "partial_rotary_factor", "factor"}
@@ -141,6 +142,27 @@ def own_params(cfg: DrafterConfig, take: Any) -> dict[str, np.ndarray]:
     """The drafter's own embedding ``[V, H]`` and LM head ``[H, V]``."""
     v, h = cfg.vocab_size, cfg.hidden_size
     return {"embed": take("embed_tokens.weight", (v, h)), "lm_head": take("lm_head.weight", (v, h)).T}
+
+
+def copy_target_tables(drafter: Any, target: Any) -> None:
+    """Sets a new drafter's own embedding ``[V, H]`` and LM head ``[H, V]`` (``cfg.own_embeddings``) to
+    the target's (its tied embedding when it has no head), in the drafter's parameter dtype, as
+    DeepSpec's ``initialize_embeddings_and_head`` does before training; the trainer keeps them frozen.
+
+    Raises:
+      DSparkInputError: the drafter has no own tables, or their shapes are not the target's.
+    """
+    if drafter.cfg.own_embeddings is False or drafter.embed is None:
+        raise DSparkInputError("this drafter reads the target's embedding and LM head (it has no own copies)")
+    embed, head = target.embed[...], target.lm_head_weight()
+    if embed.shape != drafter.embed[...].shape or head.shape != drafter.lm_head[...].shape:
+        raise DSparkInputError(
+            f"the target's embedding {embed.shape} / LM head {head.shape} do not fit the drafter's "
+            f"{drafter.embed[...].shape} / {drafter.lm_head[...].shape}"
+        )
+    # copies, never the target's buffers (the trainer donates the drafter's parameters each step)
+    drafter.embed[...] = jnp.array(embed, drafter.embed[...].dtype, copy=True)
+    drafter.lm_head[...] = jnp.array(head, drafter.lm_head[...].dtype, copy=True)
 
 
 def tensors(drafter: Any, cast: Any) -> dict[str, np.ndarray]:

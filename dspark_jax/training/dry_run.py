@@ -134,6 +134,7 @@ def estimate_memory(
     from dspark_jax.drafters.build import build_drafter
     from dspark_jax.models.sharding import tree_bytes_per_device
     from dspark_jax.models.weights import target_param_shapes
+    from dspark_jax.training.trainer import FROZEN_PARAMS
 
     sizes = _mesh_sizes(mesh, devices)
     cb = jnp.dtype(cfg.dtype).itemsize
@@ -143,14 +144,18 @@ def estimate_memory(
     t_bytes = tree_bytes_per_device(_shape_tree(target_param_shapes(t)), sizes, t, itemsize=cb)
     d_abstract = nnx.state(nnx.eval_shape(lambda: build_drafter(d, nnx.Rngs(0))), nnx.Param)
     d_elems = tree_bytes_per_device(d_abstract, sizes, d, itemsize=1)
-    drafter_bytes = d_elems * (4 * 4 + (cb if cb < 4 else 0) + (4 if cfg.grad_accum_steps > 1 else 0))
+    # a drafter's own frozen embedding / LM head (drafter_arch=gemma4) get no gradients, no AdamW moments
+    frozen = {k: d_abstract[k] for k in FROZEN_PARAMS if d.own_embeddings and k in d_abstract}
+    adam_elems = d_elems - (tree_bytes_per_device(nnx.State(frozen), sizes, d, itemsize=1) if frozen else 0)
+    grad_bytes = adam_elems * (4 + (4 if cfg.grad_accum_steps > 1 else 0))  # (+ accumulator); none for frozen
+    drafter_bytes = d_elems * (4 + (cb if cb < 4 else 0)) + grad_bytes + adam_elems * 8
     act = _train_activations(cfg, t, d, micro, sizes["model"], cb)
     target_fwd, train_peak = act["target_forward_peak"], act["drafter_step_peak"]
     parts = {
         "target_weights": t_bytes,
         "drafter_weights": d_elems * (4 + (cb if cb < 4 else 0)),  # float32 master (+ compute copy)
-        "drafter_grads": d_elems * (4 + (4 if cfg.grad_accum_steps > 1 else 0)),  # (+ accumulator)
-        "optimizer_state": d_elems * 8,  # AdamW moments, sharded like params
+        "drafter_grads": grad_bytes,
+        "optimizer_state": adam_elems * 8,  # AdamW moments, sharded like params
         "drafter_weights_grads_adam": drafter_bytes,
         "activations": max(target_fwd, train_peak),
         **act,
@@ -158,7 +163,7 @@ def estimate_memory(
     out = {k: gib(v) for k, v in parts.items()}
     # A micro-batch's float32 gradients exist only from the drafter's backward pass on: the target
     # forward runs before them (the accumulator, the master weights and AdamW state are live throughout).
-    grads = d_elems * 4
+    grads = adam_elems * 4
     total = t_bytes + drafter_bytes - grads + max(target_fwd, train_peak + grads)
     out["total"] = gib(total)
     out["total_bytes"] = int(total)

@@ -252,6 +252,10 @@ def _build_trainer(cfg: TrainConfig, target, dcfg, data: dict[str, Any], mesh):
         from dspark_jax.training.warm_start import init_from_target_layers
 
         init_from_target_layers(drafter, target, cfg.init_from_target_layers)
+    if dcfg.own_embeddings:  # drafter_arch=gemma4: frozen copies of the target's tables
+        from dspark_jax.drafters.gemma4_format import copy_target_tables
+
+        copy_target_tables(drafter, target)
     if dcfg.draft_vocab_size:  # dspark / dflash only (DrafterConfig refuses one for eagle3)
         # From the data, so a resumed run rebuilds the same vocabulary.
         drafter.set_draft_vocab(data_mod.draft_vocabulary(data, dcfg.draft_vocab_size, target.cfg.vocab_size))

@@ -32,8 +32,11 @@ class TrainConfig:
       drafter_width: the drafter's residual width d (0 = the target's hidden size H; a
         tiny target trains a better drafter wider than itself). Heads keep the target's
         count with ``head_dim = d / num_heads``; dspark/dflash only (d != H has no external format).
-      drafter_arch: ``interop`` (the checkpoint formats' architecture) or ``legacy`` (this
-        project's first): :meth:`~dspark_jax.config.DrafterConfig.for_target`'s ``arch``.
+      drafter_arch: ``interop`` (the checkpoint formats' architecture), ``legacy`` (this
+        project's first), ``gemma4`` (DeepSeek's Gemma 4 drafter: Gemma 4 layers, its own frozen copies
+        of the target's embedding and LM head; exports as DeepSpec's ``Gemma4DSparkModel``) or
+        ``auto`` (``gemma4`` for a Gemma 4 target's DSpark drafter, else ``interop``):
+        :meth:`~dspark_jax.config.DrafterConfig.for_target`'s ``arch``.
       init_from_target_layers: target layers the drafter's layers start from, one per layer
         (``-2,-1``: the last two; :mod:`dspark_jax.training.warm_start`); empty = random.
       prompts: ``tinystories`` or ``chat``; prompts_file: extra JSONL prompts;
@@ -98,7 +101,7 @@ class TrainConfig:
     taps: tuple[int, ...] = ()
     drafter_intermediate_size: int = 0
     drafter_width: int = 0
-    drafter_arch: str = "interop"
+    drafter_arch: str = "auto"
     init_from_target_layers: tuple[int, ...] = ()
     prompts: str = "tinystories"
     prompts_file: str = ""

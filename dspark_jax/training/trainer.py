@@ -79,21 +79,40 @@ from dspark_jax.training.losses import (
 from dspark_jax.training.schedules import host_lr_factor, learning_rate_schedule
 from dspark_jax.training.train_config import TrainConfig
 
+# Parameters a drafter holds but never trains: its own copies of the target's embedding and LM head
+# (DrafterConfig.own_embeddings), top-level names of its parameter state.
+FROZEN_PARAMS = ("embed", "lm_head")
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+
+def frozen_labels(params: Any) -> Any:
+    """``params``'s tree with each leaf labelled ``"frozen"`` (under :data:`FROZEN_PARAMS`) or ``"train"``."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: "frozen" if _top(path) in FROZEN_PARAMS else "train", params
+    )
+
+
+def _top(path: tuple) -> Any:
+    k = path[0]
+    return getattr(k, "key", getattr(k, "name", k))
+
+
+def make_optimizer(cfg: TrainConfig, frozen: bool = False) -> optax.GradientTransformation:
     """AdamW with ``cfg.lr_schedule`` and global-norm clipping.
 
     ``cosine``: the schedule inside AdamW. ``wsd``: AdamW at the peak rate; :class:`Trainer` scales
     each update by :func:`~dspark_jax.training.schedules.host_lr_factor` (a step input).
+    ``frozen``: the parameters under :data:`FROZEN_PARAMS` get no update, no weight decay and no
+    optimizer state (``optax.multi_transform``); the others AdamW as above.
 
     Raises:
       DSparkInputError: unknown ``lr_schedule`` or a bad ``wsd`` setting.
     """
     sched = learning_rate_schedule(cfg)
     lr = cfg.learning_rate if cfg.lr_schedule == "wsd" else sched
-    return optax.chain(
+    tx = optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)
     )
+    return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, frozen_labels) if frozen else tx
 
 
 def data_mesh() -> Mesh:
@@ -207,21 +226,31 @@ def make_train_step(
         # Global normaliser: the position weight of every valid target in the global batch.
         denom = jnp.maximum(jnp.sum(position_weights(anchors, lengths, block_size, cfg.pos_decay)), 1e-6)
 
-        def micro_loss(p, toks, lens, anc, cache=None):
+        # Frozen leaves (FROZEN_PARAMS) are not differentiated: no gradient buffers, no accumulator.
+        labels = frozen_labels(params)
+        fixed = jax.tree.map(lambda lab, x: x if lab == "frozen" else None, labels, params)
+        trained = jax.tree.map(lambda lab, x: None if lab == "frozen" else x, labels, params)
+
+        def micro_loss(tp, toks, lens, anc, cache=None):
+            p = jax.tree.map(lambda lab, t, f: f if lab == "frozen" else t, labels, tp, fixed)
             d = nnx.merge(c_graph, to_compute(p))
             sums = loss_sums(d, target, toks, lens, anc, cfg, remat=cfg.remat, cached=cache)
             return sums["objective"] / denom, sums
 
         grad_fn = jax.grad(micro_loss, has_aux=True)
         if n_micro == 1:
-            grads, sums = grad_fn(params, tokens, lengths, anchors, cached)
+            grads, sums = grad_fn(trained, tokens, lengths, anchors, cached)
         else:
-            grads, sums = _accumulate(grad_fn, params, (tokens, lengths, anchors, cached), mesh, n_micro)
+            grads, sums = _accumulate(grad_fn, trained, (tokens, lengths, anchors, cached), mesh, n_micro)
+        # zeros for the frozen leaves, which make_optimizer's mask discards (never materialised)
+        grads = jax.tree.map(lambda lab, g, x: jnp.zeros_like(x) if lab == "frozen" else g, labels, grads, params)
         updates, opt_state = tx.update(grads, opt_state, params)
         if lr_scale is not None:  # wsd: lr(step) / peak from the host (make_optimizer)
             updates = jax.tree.map(lambda u: u * lr_scale.astype(u.dtype), updates)
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, finalize_loss(sums), optax.tree.norm(grads)
+        new = optax.apply_updates(params, updates)
+        # frozen leaves stay bit-identical (p + 0 would turn -0.0 into +0.0)
+        new = jax.tree.map(lambda lab, p, q: p if lab == "frozen" else q, labels, params, new)
+        return new, opt_state, finalize_loss(sums), optax.tree.norm(grads)
 
     return step
 
@@ -250,7 +279,7 @@ class Trainer:
         if mesh is None:
             mesh = shd.make_mesh(cfg.mesh) if cfg.mesh else data_mesh()
         self.mesh = mesh
-        self.tx = make_optimizer(cfg)
+        self.tx = make_optimizer(cfg, frozen=bool(getattr(drafter.cfg, "own_embeddings", False)))
         # Parameters only: a drafter prepared for decoding carries derived rows (never trained).
         drafter = without_decode_state(drafter)
         self._lr_factor = host_lr_factor(cfg)

@@ -226,7 +226,7 @@ def test_training_on_a_gemma4_target_reduces_the_loss(written):
     _, cfg, params = written("k_eq_v")
     target = Target(cfg, params, fingerprint=params_fingerprint(params))
     tc = TrainConfig(steps=12, batch_size=4, anchors_per_seq=4, block_size=4, num_layers=1, markov_rank=8,
-                     learning_rate=1e-2, taps=(0, 1, 3))  # fmt: skip
+                     learning_rate=1e-2, taps=(0, 1, 3), drafter_arch="interop")  # fmt: skip
     tr = Trainer(tc, target, DSparkDrafter(drafter_config(tc, target), nnx.Rngs(0)))
     rng = np.random.default_rng(0)
     data = {"tokens": rng.integers(3, VOCAB, (8, 24)).astype(np.int32), "lengths": np.full(8, 24, np.int32),
@@ -249,3 +249,69 @@ def test_gguf_refuses_gemma4_by_architecture(tmp_path):
     w.close()
     with pytest.raises(DSparkInputError, match="GGUF architecture 'gemma4' is not supported"):
         load_gguf(tmp_path / "g4.gguf")
+
+
+def test_trains_and_exports_deepseeks_gemma4_drafter(written, tmp_path):
+    """``drafter_arch`` defaults to DeepSeek's Gemma 4 layout for a Gemma 4 target: draft layers of the
+    target's full-attention shape, its own copies of the target's embedding and soft-capped head, which
+    training leaves bit-identical (no update, no weight decay); ``--format deepspec`` writes a
+    ``Gemma4DSparkModel`` that loads back to the same parameters, and greedy speculative == plain."""
+    import json
+
+    import jax
+    from flax import nnx
+
+    from dspark_jax.drafters.checkpoint import export_drafter, load_drafter
+    from dspark_jax.export import main as export_main
+    from dspark_jax.training.data import batches
+    from dspark_jax.training.pipeline import _build_trainer
+    from dspark_jax.training.train_config import TrainConfig, drafter_config
+
+    _, cfg, params = written("k_eq_v")
+    target = Target(cfg, params, fingerprint=params_fingerprint(params))
+    tc = TrainConfig(steps=3, batch_size=4, anchors_per_seq=4, block_size=4, num_layers=1, markov_rank=8,
+                     learning_rate=1e-2, weight_decay=0.5, taps=(0, 3), grad_accum_steps=2)  # fmt: skip
+    dcfg = drafter_config(tc, target)
+    shape = (dcfg.head_dim, dcfg.num_kv_heads, dcfg.k_eq_v, dcfg.final_logit_softcap, dcfg.embed_scale)
+    assert dcfg.own_embeddings and dcfg.rope_scaling == cfg.rope_scaling and shape == (32, 1, True, 3.0, 8.0)
+    rng = np.random.default_rng(0)
+    data = {"tokens": rng.integers(3, VOCAB, (8, 24)).astype(np.int32), "lengths": np.full(8, 24, np.int32),
+            "prompt_lengths": np.full(8, 4, np.int32)}  # fmt: skip
+    tr = _build_trainer(tc, target, dcfg, data, None)
+    before = jax.tree.map(np.asarray, nnx.to_pure_dict(tr.params))
+    it = batches(data, tc.batch_size, seed=0)
+    assert all(np.isfinite(float(tr.step(next(it), s)[0].loss)) for s in range(tc.steps))
+    drafter = tr.drafter()
+    np.testing.assert_array_equal(np.asarray(drafter.embed[...]), np.asarray(target.embed[...]))
+    np.testing.assert_array_equal(np.asarray(drafter.lm_head[...]), np.asarray(target.lm_head_weight()))
+    assert not np.array_equal(np.asarray(drafter.fc[...]), before["fc"])  # the rest trains
+    export_drafter(drafter, tmp_path / "run")  # the run's export, then python -m dspark_jax.export
+    out = tmp_path / "ds"
+    assert export_main([str(tmp_path / "run"), "--format", "deepspec", "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Gemma4DSparkModel"]
+    loaded, _ = load_drafter(out, target=target)
+    mine, theirs = nnx.to_pure_dict(nnx.state(drafter, nnx.Param)), nnx.to_pure_dict(nnx.state(loaded, nnx.Param))
+    assert jax.tree.structure(mine) == jax.tree.structure(theirs)
+    for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    prompts = [[1] + rng.integers(3, VOCAB, k - 1).tolist() for k in (SEQ, 13)]
+    ar = generate_autoregressive(target, prompts, max_new_tokens=16, cache_len=80)
+    assert_same_outputs(ar, generate_speculative(target, loaded, prompts, max_new_tokens=16, cache_len=80))
+
+
+def test_gemma4_drafter_arch_refusals(written):
+    """``drafter_arch=gemma4`` needs a Gemma 4 target and the format's shape (full vocabulary, the
+    target's width, DSpark); ``auto`` picks it for Gemma 4 DSpark drafters only."""
+    from dspark_jax.config import DrafterConfig, TargetConfig
+
+    _, cfg, _ = written("k_eq_v")
+    assert DrafterConfig.for_target(cfg, arch="auto").own_embeddings
+    assert not DrafterConfig.for_target(cfg, arch="auto", variant="dflash").own_embeddings
+    llama = TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
+                         num_kv_heads=2, head_dim=8, max_position=64)  # fmt: skip
+    assert not DrafterConfig.for_target(llama, arch="auto").own_embeddings
+    with pytest.raises(DSparkInputError, match="needs a Gemma 4 target"):
+        DrafterConfig.for_target(llama, arch="gemma4")
+    with pytest.raises(DSparkInputError, match="does not take draft_vocab_size; use drafter_arch=interop") as e:
+        DrafterConfig.for_target(cfg, arch="auto", draft_vocab_size=32)
+    assert "\n" not in str(e.value)
