@@ -44,8 +44,8 @@ import numpy as np
 import dspark_jax.drafters.gemma4_format as gemma4_format
 from dspark_jax.config import DrafterConfig
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.models.hf_io import HF_LAYER_TENSORS
 from dspark_jax.models.rope import hf_rope_scaling
+from dspark_jax.models.weights import HF_LAYER_TENSORS
 
 FORMATS = ("deepspec", "speculators", "zlab-dflash")
 # Per-layer tensors: this project's stacked name -> the formats' name under ``layers.{i}.``.

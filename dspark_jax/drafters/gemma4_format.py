@@ -27,7 +27,7 @@ import numpy as np
 from dspark_jax.config import DrafterConfig, RopeScaling
 from dspark_jax.config.gemma4_drafter import GEMMA4_LAYERS
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.models.hf_io import GEMMA_LAYER_TENSORS
+from dspark_jax.models.weights import GEMMA_LAYER_TENSORS
 
 ARCHITECTURE = "Gemma4DSparkModel"
 MODEL_TYPE = "gemma4_text"

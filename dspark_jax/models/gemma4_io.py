@@ -19,6 +19,7 @@ import numpy as np
 
 from dspark_jax.config import RopeScaling
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.models.weights import GEMMA_LAYER_TENSORS, GLOBAL_ATTN_KEYS
 
 GEMMA4_TEXT_TYPES = ("gemma4_text", "gemma4_unified_text")
 # The config keys gemma4_fields reads (and refuses where unimplemented); the general rule skips them.
@@ -33,24 +34,9 @@ GEMMA4_CONFIG_KEYS = (
     "use_double_wide_mlp",
     "use_bidirectional_attention",
 )
-# A Gemma 4 layer's tensors: this project's name -> the Hugging Face name under ``layers.{i}.``
-# (the full-attention layers' ``g_*`` keys read the same names; ``layer_scalar`` has no ``.weight``).
-GEMMA4_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "wq": "self_attn.q_proj",
-    "wk": "self_attn.k_proj",
-    "wv": "self_attn.v_proj",
-    "wo": "self_attn.o_proj",
-    "q_norm": "self_attn.q_norm",
-    "k_norm": "self_attn.k_norm",
-    "post_attn_norm": "post_attention_layernorm",
-    "mlp_norm": "pre_feedforward_layernorm",
-    "post_mlp_norm": "post_feedforward_layernorm",
-    "w_gate": "mlp.gate_proj",
-    "w_up": "mlp.up_proj",
-    "w_down": "mlp.down_proj",
-}
-GEMMA4_LAYER_TENSORS |= {"g_" + k: GEMMA4_LAYER_TENSORS[k] for k in ("wq", "wk", "wv", "wo", "q_norm", "k_norm")}
+# A Gemma 4 layer's tensors: Gemma's names, and the full-attention layers' ``g_*`` keys read the same
+# names (``layer_scalar`` has no ``.weight``).
+GEMMA4_LAYER_TENSORS = GEMMA_LAYER_TENSORS | {g: GEMMA_LAYER_TENSORS[k] for k, g in GLOBAL_ATTN_KEYS.items()}
 # The non-text parts of a Gemma4ForConditionalGeneration checkpoint (a text target never runs them).
 _MULTIMODAL_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 

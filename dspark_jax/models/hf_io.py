@@ -28,31 +28,16 @@ from dspark_jax.models.gemma4_io import (
     gemma4_prefixes,
 )
 from dspark_jax.models.rope import hf_rope_scaling
-from dspark_jax.models.weights import Params, canonical_params, owned_f32, stack_layers
+from dspark_jax.models.weights import (
+    GEMMA_LAYER_TENSORS,
+    HF_LAYER_TENSORS,
+    Params,
+    canonical_params,
+    owned_f32,
+    stack_layers,
+)
 
 _ST_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "F64": "<f8"}
-# A decoder layer's tensors: this project's stacked name -> the Hugging Face (Llama / Qwen3) name
-# under ``layers.{i}.`` (also the DSpark checkpoint formats' names, drafters.formats).
-HF_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "wq": "self_attn.q_proj",
-    "wk": "self_attn.k_proj",
-    "wv": "self_attn.v_proj",
-    "wo": "self_attn.o_proj",
-    "q_norm": "self_attn.q_norm",
-    "k_norm": "self_attn.k_norm",
-    "mlp_norm": "post_attention_layernorm",
-    "w_gate": "mlp.gate_proj",
-    "w_up": "mlp.up_proj",
-    "w_down": "mlp.down_proj",
-}
-# Gemma 2/3 name their norms around the attention and the MLP ("sandwich" norms) differently.
-GEMMA_LAYER_TENSORS = {
-    **HF_LAYER_TENSORS,
-    "post_attn_norm": "post_attention_layernorm",
-    "mlp_norm": "pre_feedforward_layernorm",
-    "post_mlp_norm": "post_feedforward_layernorm",
-}
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 # Qwen2's q/k/v biases: this project's name -> the Hugging Face tensor under ``layers.{i}.``.
 HF_BIAS_TENSORS = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",

@@ -64,6 +64,28 @@ def owned_f32(a: np.ndarray) -> np.ndarray:
     return np.require(a, np.float32, ["C", "W", "O"])
 
 
+# A decoder layer's tensors: this project's stacked name -> the Hugging Face (Llama / Qwen3) name
+# under ``layers.{i}.`` (also the DSpark checkpoint formats' names, drafters.formats).
+HF_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "wq": "self_attn.q_proj",
+    "wk": "self_attn.k_proj",
+    "wv": "self_attn.v_proj",
+    "wo": "self_attn.o_proj",
+    "q_norm": "self_attn.q_norm",
+    "k_norm": "self_attn.k_norm",
+    "mlp_norm": "post_attention_layernorm",
+    "w_gate": "mlp.gate_proj",
+    "w_up": "mlp.up_proj",
+    "w_down": "mlp.down_proj",
+}
+# Gemma 2/3 name their norms around the attention and the MLP ("sandwich" norms) differently.
+GEMMA_LAYER_TENSORS = {
+    **HF_LAYER_TENSORS,
+    "post_attn_norm": "post_attention_layernorm",
+    "mlp_norm": "pre_feedforward_layernorm",
+    "post_mlp_norm": "post_feedforward_layernorm",
+}
 DENSE_MLP_KEYS = ("w_gate", "w_up", "w_down")
 MOE_KEYS = ("moe_router", "moe_gate", "moe_up", "moe_down")
 # Grouped attention (Gemma 4): a sliding layer's attention key -> the full-attention layers' key.
