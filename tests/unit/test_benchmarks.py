@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import graphlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -299,7 +300,12 @@ def test_sentencepiece_model_is_the_protobuf_of_the_vocabulary():
     pieces = [b"<unk>", b"\n<s>\n", b"\n</s>\n", *(b"<0x%02X>" % i for i in range(256)), b" the"]
     proto = sentencepiece_model(pieces, [0.0] * 259 + [-1.5])
     assert b"\x0a\x05<unk>" in proto and "\u2581the".encode() in proto and b"<0x0A>" in proto
-    sp = pytest.importorskip("sentencepiece")
+    try:  # the test extra installs it: in CI a missing sentencepiece fails, it never skips
+        import sentencepiece as sp
+    except ImportError:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            raise
+        pytest.skip("sentencepiece is not installed (the test extra pins it)")
     m = sp.SentencePieceProcessor(model_proto=proto)
     assert m.vocab_size() == 260 and m.id_to_piece(259) == "\u2581the" and m.get_score(259) == -1.5
     assert m.is_control(1) and m.is_byte(3) and m.bos_id() == 1 and m.eos_id() == 2
