@@ -10,7 +10,7 @@ parameters (some rows off), and logits with long runs of ties (the tie searches 
 
 Prints a table (median milliseconds, new / old) and writes ``OUT/sampling_filter.json``, which also
 counts the distributions whose masks differ (only near-boundary nuclei may: see
-``tests/unit/test_sampling_thresholds.py``).
+``tests/unit/models/test_sampling_thresholds.py``).
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.env import MODELS_DIR, QUICK_TRAIN, require, user_xla_env
+
 # libtpu (the test extra: tests/integration/test_tpu_compile.py compiles for a TPU topology on the
 # CPU) is loaded by several xdist workers at once; deviceless compiles need no TPU lock.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -68,29 +70,6 @@ if os.environ.get("DSPARK_TEST_FAST_COMPILE", "1") != "0" and "xla_backend_optim
 
     os.environ["DSPARK_TEST_USER_XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "")  # for the run-bound subprocesses
     os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
-
-
-def user_xla_env() -> dict[str, str]:
-    """This process's environment with the user's own ``XLA_FLAGS`` (the suite's fast compile
-    undone), for a run-bound subprocess: it runs faster compiled as users compile."""
-    env = dict(os.environ)
-    if "DSPARK_TEST_USER_XLA_FLAGS" in env:
-        env["XLA_FLAGS"] = env["DSPARK_TEST_USER_XLA_FLAGS"]
-    return env
-
-
-MODELS_DIR = Path(os.environ.get("DSPARK_MODELS") or Path(__file__).resolve().parents[2] / "shared/data/models")
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-def require(path: Path | None, what: str, hint: str = "set DSPARK_MODELS=/path/to/shared/data/models") -> Path:
-    """Returns ``path`` if it exists; otherwise skips (locally) or fails (CI)."""
-    if path is None or not Path(path).exists():
-        msg = f"{what} not found at {path} ({hint})"
-        if IN_CI:
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return Path(path)
 
 
 # ----------------------------------------------------------------------------- stories260K
@@ -175,22 +154,6 @@ def write_tiny_hf_tokenizer():
 
 # ----------------------------------------------------------------------------- trained drafter (end to end)
 
-# A deliberately small budget: enough to exercise every stage of `python -m dspark_jax.train`
-# (data generation, training, Orbax checkpoints, export, evaluation) in about a minute on 2 cores.
-QUICK_TRAIN = dict(
-    num_prompts=96,
-    num_eval_prompts=8,
-    gen_max_new_tokens=64,
-    gen_batch_size=48,
-    seq_len=80,
-    steps=40,
-    batch_size=16,
-    anchors_per_seq=8,
-    log_every=10,
-    ckpt_every=20,
-    eval_max_new_tokens=32,
-)
-
 
 @pytest.fixture(scope="session")
 def stories260k_export(stories260k_dir, tmp_path_factory):
@@ -232,23 +195,23 @@ LONG_FILES = (
     "integration/test_cli.py",  # 208
     "integration/test_engine_hlo.py",  # 180
     "integration/test_compare_drafters.py",  # 155
-    "unit/test_eagle.py",  # 120
+    "unit/drafters/test_eagle.py",  # 120
     "integration/test_eval_cli.py",  # 120
     "unit/test_engine.py",  # 118
-    "unit/test_trainer.py",  # 109
-    "unit/test_feature_cache.py",  # 108
+    "unit/training/test_trainer.py",  # 109
+    "unit/training/test_feature_cache.py",  # 108
     "integration/test_mesh.py",  # 107
     "integration/test_front_door.py",  # 79
     "integration/test_device_check.py",  # 78
     "integration/test_server.py",  # 78
     "integration/test_learning_curve.py",  # 71
     "interop/test_speculators_parity.py",  # 71
-    "unit/test_verifier.py",  # 65
+    "unit/decoding/test_verifier.py",  # 65
     "integration/test_notebook.py",  # 65
-    "unit/test_drafters.py",  # 62
+    "unit/drafters/test_drafters.py",  # 62
     "integration/test_preemption.py",  # 58
     "integration/test_mesh_decode.py",  # 52
-    "unit/test_drafter_law.py",  # 51
+    "unit/drafters/test_drafter_law.py",  # 51
     "integration/test_train_scripts.py",  # 49
 )
 

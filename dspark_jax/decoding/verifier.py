@@ -1,7 +1,7 @@
 """Lossless verification of draft blocks: rejection sampling and coupled draws.
 
 docs/design.md#verification names two serving modes; both live here, side by side,
-and are covered by the same distribution tests (``tests/unit/test_verifier.py``):
+and are covered by the same distribution tests (``tests/unit/decoding/test_verifier.py``):
 
 * :func:`verify` -- rejection sampling (the paper's mode, highest acceptance), below;
 * :func:`verify_coupled` / :func:`coupled_accept` -- coupled draws: draft and target sample

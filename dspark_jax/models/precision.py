@@ -9,7 +9,7 @@ accumulators and the logits stay float32 (:mod:`~dspark_jax.models.layers`,
 The bfloat16 exactness contract: every committed greedy token is the target's argmax in the
 verification pass that committed it, and sampled tokens follow the law of the logits that pass
 computed, so speculative decoding is exact with respect to the bfloat16 target as it ran
-(``tests/unit/test_precision.py`` checks the greedy half on stories260K against a bfloat16
+(``tests/unit/models/test_precision.py`` checks the greedy half on stories260K against a bfloat16
 teacher-forced pass, allowing near-ties). Token-for-token equality with plain decoding holds
 only where both compile the same shapes: a pass over 1 token and one over ``w + 1`` tokens round
 differently, and a near-tie in the logits (within bfloat16's 8-bit mantissa) can flip the argmax.

@@ -5,7 +5,7 @@ per Markov head): the parameter tree has the Markov head's weights at the top le
 (``markov_w1``, ``markov_w2``, ``markov_gate_w``, ``markov_gate_b``) and the metadata keys of
 format 2. The tree and ``drafter.json`` are written here by hand, from a seeded numpy
 generator, so rerunning the script gives the same export whatever the drafter code looks like
-today (``tests/unit/test_drafters.py`` loads it and checks a greedy draft pinned when it was made).
+today (``tests/unit/drafters/test_drafters.py`` loads it and checks a greedy draft pinned when it was made).
 
 The drafter: DSpark, gated Markov head (the 2-input gate of format 2's ``"gated"``), rank 4,
 one backbone layer, block size 3, taps (0, 2), calibrated confidences; for the target

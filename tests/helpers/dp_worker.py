@@ -1,6 +1,6 @@
 """Worker for tests/integration/test_data_parallel.py: run as a script with 8 forced CPU devices.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/dp_worker.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.helpers.dp_worker
 
 (The pytest process has already initialised JAX with one device, hence the
 subprocess.) Prints one JSON object with the measurements; the test asserts on it.
@@ -10,23 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from tiny import TINY_TARGET, tiny_target, tiny_train_config
 
 from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.training.losses import drafter_loss, finalize_loss, loss_sums, sample_anchors
 from dspark_jax.training.train_config import drafter_config
 from dspark_jax.training.trainer import Trainer
+from tests.helpers.tiny import TINY_TARGET, tiny_target, tiny_train_config
 
 N_DEV = 8
 STEPS = 2

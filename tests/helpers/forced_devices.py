@@ -1,4 +1,4 @@
-"""Runs a worker script on 8 forced CPU devices (XLA must see the flag before JAX starts)."""
+"""Runs a worker module on 8 forced CPU devices (XLA must see the flag before JAX starts)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_worker(script: str, timeout: int) -> dict:
-    """Runs ``tests/<script>`` in a fresh interpreter with 8 CPU devices; returns the JSON
-    object its last stdout line holds (fails the test with its stderr otherwise)."""
+def run_worker(name: str, timeout: int) -> dict:
+    """Runs ``python -m tests.helpers.<name>`` from the repository root in a fresh interpreter with
+    8 CPU devices; returns the JSON object its last stdout line holds (fails the test with its
+    stderr otherwise)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"
     p = subprocess.run(
-        [sys.executable, str(TESTS / script)],
+        [sys.executable, "-m", f"tests.helpers.{name}"],
         capture_output=True,
         text=True,
         env=env,
-        cwd=TESTS.parent,
+        cwd=ROOT,
         timeout=timeout,
     )
     assert p.returncode == 0, p.stderr[-4000:]

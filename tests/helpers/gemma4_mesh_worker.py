@@ -1,6 +1,6 @@
 """Worker for tests/integration/test_gemma4_mesh.py: a Gemma 4 target on device meshes.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/gemma4_mesh_worker.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.helpers.gemma4_mesh_worker
 
 Writes test_gemma4's tiny ``k_eq_v`` model with transformers, loads it on one device and on
 ``data:2,model:4`` / ``fsdp:2,model:4`` meshes of 8 forced CPU devices, and compares the cache-less
@@ -10,23 +10,18 @@ logits and greedy plain and speculative decoding (a random drafter). Prints one 
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "unit"))
 
 import jax
 import numpy as np
-from test_decode import random_drafter
-from test_gemma4 import VARIANTS, _write
 
 from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
 from dspark_jax.models.hf_io import load_hf_dir
 from dspark_jax.models.sharding import make_mesh
 from dspark_jax.models.target import Target
 from dspark_jax.models.weights import params_fingerprint
+from tests.helpers.drafters import random_drafter
+from tests.unit.models.test_gemma4 import VARIANTS, _write
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Worker for tests/integration/test_mesh_decode.py: speculative decoding with a target on a device mesh.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/mesh_decode_worker.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.helpers.mesh_decode_worker
 
 Loads stories260K once on one device and once on a ``data:2,model:4`` mesh of 8 forced CPU
 devices, the drafter each time from the same export (restored arrays are committed to one
@@ -12,12 +12,9 @@ this 8-device host. Prints one JSON object; the test asserts on it.
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax
 import jax.numpy as jnp

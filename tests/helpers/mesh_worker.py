@@ -1,6 +1,6 @@
 """Worker for tests/integration/test_mesh.py: every (data, model) mesh check, run with 8 forced CPU devices.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/mesh_worker.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.helpers.mesh_worker
 
 (The pytest process has already initialised JAX with one device, hence the subprocess; one
 process runs every check so the programs compile once.) Prints one JSON object; the test
@@ -10,12 +10,9 @@ asserts on it. docs/design.md#device-mesh.
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +52,7 @@ CFG = TrainConfig(
     learning_rate=1e-2,
     seq_len=48,
 )
-# Data-parallel only (data:8) is tests/integration/test_data_parallel.py's (tests/dp_worker.py).
+# Data-parallel only (data:8) is tests/integration/test_data_parallel.py's (tests/helpers/dp_worker.py).
 MESHES = {"1x8": "data:1,model:8", "2x4": "data:2,model:4"}
 STEPS = 2
 

@@ -1,6 +1,6 @@
 """Worker for tests/integration/test_pallas_sharded.py: the ``pallas_tpu`` path under ``shard_map``.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/pallas_shard_worker.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.helpers.pallas_shard_worker
 
 On 8 forced CPU devices, :func:`~dspark_jax.models.pallas_tpu.pallas_tpu_attention` runs inside
 ``jit`` with the KV cache placed by :func:`~dspark_jax.models.sharding.cache_sharding` and a

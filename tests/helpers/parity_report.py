@@ -1,29 +1,26 @@
 """Prints the parity table of docs/results.md: max |logit diff| against transformers (fp32) of each
 target family's tiny random model, through the same writers and loaders as the exactness tests
-(tests/unit/test_target_families.py, test_sliding_window.py, test_gemma.py, test_gemma4.py), cache-less and cached.
+(tests/unit/models/: test_target_families.py, test_sliding_window.py, test_gemma.py, test_gemma4.py),
+cache-less and cached.
 
-    python tests/parity_report.py   # from the repository root, about a minute on 2 CPU cores
+    python -m tests.helpers.parity_report   # from the repository root, about a minute on 2 CPU cores
 """
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "unit"))
-
-import test_gemma as tg
-import test_gemma4 as tg4
-import test_sliding_window as tsw
-import test_target_families as ttf
-from test_model_io import _write_gguf
-
 from dspark_jax.models.gguf_io import load_gguf
 from dspark_jax.models.hf_io import load_hf_dir
 from dspark_jax.models.target import Target
+from tests.helpers.gguf_files import write_gguf
+from tests.unit.models import test_gemma as tg
+from tests.unit.models import test_gemma4 as tg4
+from tests.unit.models import test_sliding_window as tsw
+from tests.unit.models import test_target_families as ttf
 
 GEMMA3_LLAMACPP_ROPE = {
     "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0},
@@ -127,7 +124,7 @@ def main():
             if pattern is not None:
                 w.add_sliding_window_pattern(pattern)
 
-        _write_gguf(tmp / f"sw-{kind}.gguf", arch, cfg, params, arch == "llama", window_kv)
+        write_gguf(tmp / f"sw-{kind}.gguf", arch, cfg, params, arch == "llama", window_kv)
         gcfg, gparams = load_gguf(tmp / f"sw-{kind}.gguf")
         test = "test_sliding_window.py::test_gguf_window"
         rows.append(

@@ -66,7 +66,7 @@ def stories260k_drafter_meta(folder: Path, **config) -> Path:
     from dspark_jax.models.presets import target_config
 
     t = target_config("stories260k")
-    meta = json.loads((Path(__file__).parent / "data" / "tiny_export_v2" / "drafter.json").read_text())
+    meta = json.loads((Path(__file__).resolve().parents[1] / "data" / "tiny_export_v2" / "drafter.json").read_text())
     meta["config"].update(
         vocab_size=t.vocab_size, hidden_size=t.hidden_size, target_num_layers=t.num_layers, taps=[0, t.num_layers - 2]
     )

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import MODELS_DIR
+
+from tests.helpers.env import MODELS_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 SMOLLM2_CHATML = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"

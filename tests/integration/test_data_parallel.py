@@ -3,18 +3,19 @@ one-device step on the same global batch.
 
 The pytest process has already initialised JAX with one CPU device, so the check runs in
 a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
-(``tests/dp_worker.py``), which prints its measurements as JSON.
+(``tests/helpers/dp_worker.py``), which prints its measurements as JSON.
 """
 
 from __future__ import annotations
 
 import pytest
-from forced_devices import run_worker
+
+from tests.helpers.forced_devices import run_worker
 
 
 @pytest.fixture(scope="module")
 def dp_report() -> dict:
-    return run_worker("dp_worker.py", timeout=900)
+    return run_worker("dp_worker", timeout=900)
 
 
 def test_eight_way_step_equals_one_device_step(dp_report):

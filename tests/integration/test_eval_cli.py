@@ -8,10 +8,10 @@ import os
 
 import numpy as np
 import pytest
-from conftest import MODELS_DIR
 
 from dspark_jax.drafters.checkpoint import FORMAT
 from dspark_jax.evaluation import cli as eval_cli
+from tests.helpers.env import MODELS_DIR
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -87,7 +87,7 @@ def test_prompt_sets_load():
     try:
         shared_data_dir()
     except DSparkInputError:
-        from conftest import require
+        from tests.helpers.env import require
 
         require(None, "shared data (prompt sets)", "set DSPARK_DATA=/path/to/shared/data")
     sets = {name: eval_cli.load_prompt_texts(name)[0] for name in eval_cli.PROMPT_SETS}

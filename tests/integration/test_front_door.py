@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import MODELS_DIR
+
+from tests.helpers.env import MODELS_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Once upon a time, there was a little"

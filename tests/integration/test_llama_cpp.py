@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import QUICK_TRAIN, user_xla_env
+
+from tests.helpers.env import QUICK_TRAIN, user_xla_env
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_CPP = os.environ.get("DSPARK_LLAMA_CPP")

@@ -1,6 +1,6 @@
 """Training and serving on a (data, model) device mesh (docs/design.md#device-mesh).
 
-With 8 forced CPU devices (subprocess ``tests/mesh_worker.py``, one process for every check
+With 8 forced CPU devices (subprocess ``tests/helpers/mesh_worker.py``, one process for every check
 so programs compile once), on a tiny target whose heads, KV heads, MLP and vocabulary the
 mesh divides:
 
@@ -23,9 +23,9 @@ import json
 from pathlib import Path
 
 import pytest
-from forced_devices import run_worker
 
 from dspark_jax.models import sharding as shd
+from tests.helpers.forced_devices import run_worker
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
@@ -33,7 +33,7 @@ REPO = TESTS.parent
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    return run_worker("mesh_worker.py", timeout=1200)
+    return run_worker("mesh_worker", timeout=1200)
 
 
 def test_sharded_training_step_equals_one_device_step(report):

@@ -1,6 +1,6 @@
 """Speculative decoding with a target on a device mesh (docs/design.md#device-mesh).
 
-With 8 forced CPU devices (subprocess ``tests/mesh_decode_worker.py``, one process for every
+With 8 forced CPU devices (subprocess ``tests/helpers/mesh_decode_worker.py``, one process for every
 case), stories260K and a drafter restored from an export (its arrays committed to one device):
 
 * ``generate_speculative`` with the target on a ``data:2,model:4`` mesh (``load_target_and_drafter``,
@@ -15,14 +15,15 @@ case), stories260K and a drafter restored from an export (its arrays committed t
 from __future__ import annotations
 
 import pytest
-from forced_devices import run_worker
+
+from tests.helpers.forced_devices import run_worker
 
 CASES = ("mesh_2x4", "late_drafter_2x4", "model4_first_devices", "back_to_one_device")
 
 
 @pytest.fixture(scope="module")
 def report(stories260k_dir) -> dict:
-    return run_worker("mesh_decode_worker.py", timeout=900)
+    return run_worker("mesh_decode_worker", timeout=900)
 
 
 @pytest.mark.parametrize("case", CASES)

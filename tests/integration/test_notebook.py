@@ -14,7 +14,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import MODELS_DIR
+
+from tests.helpers.env import MODELS_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOK = REPO / "notebooks" / "quickstart.ipynb"

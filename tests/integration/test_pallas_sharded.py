@@ -1,6 +1,6 @@
 """The ``pallas_tpu`` attention path under ``shard_map`` on a device mesh (docs/design.md#attention-backends).
 
-With 8 forced CPU devices (subprocess ``tests/pallas_shard_worker.py``) and a vectorised stand-in
+With 8 forced CPU devices (subprocess ``tests/helpers/pallas_shard_worker.py``) and a vectorised stand-in
 for the kernel (the Mosaic kernel runs on a TPU only; jax 0.10.2's TPU interpret mode cannot run
 it), the paged view, the split of the query and KV heads over the mesh (one KV head a device on
 ``model:4``; two devices a head with 2 KV heads; whole heads with 3) and the Gemma options
@@ -11,12 +11,13 @@ query-head to KV-head mismatch on any device would miss by far more.
 from __future__ import annotations
 
 import pytest
-from forced_devices import run_worker
+
+from tests.helpers.forced_devices import run_worker
 
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    return run_worker("pallas_shard_worker.py", timeout=300)
+    return run_worker("pallas_shard_worker", timeout=300)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tpu_compiler import require_libtpu
+from tests.helpers.tpu_compiler import require_libtpu
 
 require_libtpu()
 

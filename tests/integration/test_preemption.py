@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import MODELS_DIR
+
+from tests.helpers.env import MODELS_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, CKPT_EVERY, KEEP, N_SHARDS = 40, 5, 2, 8

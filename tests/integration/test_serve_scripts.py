@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import MODELS_DIR
-from server_helpers import stories260k_drafter_meta
+
+from tests.helpers.env import MODELS_DIR
+from tests.helpers.server import stories260k_drafter_meta
 
 REPO = Path(__file__).resolve().parents[2]
 

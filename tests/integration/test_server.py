@@ -10,7 +10,7 @@ engine. The quick load benchmark then reconfigures the same engine for each poli
 step recompiles: the drafter's block size makes ``fixed:2`` reuse the scheduler's
 buckets). HTTP-only behaviour (validation, auth, model names, n, stream options,
 defaults, detokenization, tau accounting, queue limits, disconnects) is tested over a fake
-engine in ``tests/unit/test_server_http.py``, without compiling anything.
+engine in ``tests/unit/serving/test_server_http.py``, without compiling anything.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import MODELS_DIR
-from server_helpers import metric, stories260k_drafter_meta, wait_idle
+
+from tests.helpers.env import MODELS_DIR
+from tests.helpers.server import metric, stories260k_drafter_meta, wait_idle
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT_TEMPLATE = (

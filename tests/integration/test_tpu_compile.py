@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from tpu_compiler import require_libtpu
+
+from tests.helpers.tpu_compiler import require_libtpu
 
 require_libtpu()
 

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import MODELS_DIR
+
+from tests.helpers.env import MODELS_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 

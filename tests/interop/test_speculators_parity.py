@@ -28,7 +28,8 @@ from dspark_jax.errors import DSparkInputError
 
 try:  # CI installs speculators (.ci/run): there a missing reference fails, it never skips
     import speculators  # noqa: F401
-    from interop import speculators_ref as ref
+
+    from tests.interop import speculators_ref as ref
 except ImportError as e:
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         raise

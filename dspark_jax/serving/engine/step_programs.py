@@ -45,7 +45,7 @@ keys (``fold_in(fold_in(request_key, t), 2)``), each drafted block keeps its q
 the packed tokens to a ``[R, block_size + 1, V]`` grid and calls :func:`dspark_jax.decoding.verifier.verify`
 with one key per row and anchor position ``P`` (``fold_in(fold_in(request_key, P), 1)``;
 anchors strictly increase, so no round reuses noise). Output law: exactly plain sampling
-(tested in ``tests/unit/test_verifier.py`` with the same law tests as coupled draws), but not
+(tested in ``tests/unit/decoding/test_verifier.py`` with the same law tests as coupled draws), but not
 token-for-token plain decoding with the seed; acceptance ``1 - TV(p, q)``, higher at T > 0.
 Plain (non-speculative) steps sample as coupled mode does. Greedy output is identical in both.
 Online calibration observes the acceptance of the mode in use.

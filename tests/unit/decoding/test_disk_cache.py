@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from tiny import tiny_drafter, tiny_target
 
 from dspark_jax.decoding import cost_table as ct
 from dspark_jax.decoding import decode_profile as dp
 from dspark_jax.decoding import disk_cache
+from tests.helpers.tiny import tiny_drafter, tiny_target
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ from dspark_jax.models import layers
 from dspark_jax.models.layers import attention, cached_attention
 from dspark_jax.models.sampling import sampling_arrays
 from dspark_jax.models.target import Target, random_params
-from tests.tiny import TINY_TARGET, tiny_drafter
+from tests.helpers.tiny import TINY_TARGET, tiny_drafter
 
 CACHE = 4096
 PROMPT = 32

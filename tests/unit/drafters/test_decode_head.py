@@ -18,7 +18,7 @@ from dspark_jax.drafters.markov import sample_block
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.sampling import first_argmax, process_logits, sample, sample_subset, sampling_arrays
 from dspark_jax.models.target import Target, random_params
-from tests.tiny import TARGET_SCALE, TINY_TARGET, tiny_drafter, tiny_target, tiny_train_config
+from tests.helpers.tiny import TARGET_SCALE, TINY_TARGET, tiny_drafter, tiny_target, tiny_train_config
 
 N_DRAFT = 24
 

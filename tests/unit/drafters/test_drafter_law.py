@@ -20,13 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tiny import LAW_TARGET, law_target
 
 from dspark_jax.config import DrafterConfig
 from dspark_jax.decoding.verifier import verify
 from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.drafters.markov import sample_block
 from dspark_jax.models.sampling import process_logits, sampling_arrays
+from tests.helpers.tiny import LAW_TARGET, law_target
 
 pytestmark = pytest.mark.exactness
 

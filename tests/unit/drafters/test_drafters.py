@@ -33,7 +33,7 @@ from dspark_jax.drafters.eagle import EagleDrafter, eagle_taps
 from dspark_jax.models.sampling import sampling_arrays
 from dspark_jax.models.target import Target, random_params
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 _spec = importlib.util.spec_from_file_location("make_tiny_export", DATA / "make_tiny_export.py")
 assert _spec is not None and _spec.loader is not None
 _script = importlib.util.module_from_spec(_spec)
@@ -224,7 +224,7 @@ def test_remat_is_an_argument_of_train_blocks(tiny_target):
 
 # ----------------------------------------------------------------------------- package structure
 
-DRAFTERS = Path(__file__).resolve().parents[2] / "dspark_jax" / "drafters"
+DRAFTERS = Path(__file__).resolve().parents[3] / "dspark_jax" / "drafters"
 LOWER = ("dspark_jax.config", "dspark_jax.errors", "dspark_jax.models")
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from benchmarks import harness
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BENCH = ROOT / "benchmarks"
 FILES = sorted(BENCH.rglob("*.py"))
 

@@ -20,7 +20,7 @@ import tokenize
 from functools import cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CODE_DIRS = ("dspark_jax", "benchmarks", "tests", "serve", "train", "notebooks")
 MAX_README_LINES = 200
 TOP_LEVEL = ("pyproject.toml", "README.md", "dspark_jax/", "train/", "serve/", "tests/", "notebooks/")

@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import IN_CI
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.env import IN_CI
+
+ROOT = Path(__file__).resolve().parents[3]
 PKG = ROOT / "dspark_jax"
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80

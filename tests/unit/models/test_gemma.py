@@ -17,8 +17,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-import test_prefill
-from test_decode import assert_same_outputs, bigram_drafter, random_drafter
 
 from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
 from dspark_jax.errors import DSparkInputError
@@ -27,6 +25,8 @@ from dspark_jax.models.target import Target
 from dspark_jax.models.weights import params_fingerprint
 from dspark_jax.serving.engine import Engine, Request, SamplingParams
 from dspark_jax.serving.engine.prefill import ChunkedPrefill
+from tests.helpers.drafters import assert_same_outputs, bigram_drafter, random_drafter
+from tests.helpers.engine_drive import drive
 
 pytestmark = pytest.mark.exactness
 
@@ -210,7 +210,7 @@ def test_engine_equals_plain_decoding(written):
     ar = generate_autoregressive(target, prompts, max_new_tokens=12, cache_len=64)
     want = {r.request_id: (g.token_ids, g.finish_reason) for r, g in zip(reqs, ar.generations, strict=True)}
     for chunked in (False, True):
-        assert test_prefill.drive(eng, reqs, chunked=chunked) == want
+        assert drive(eng, reqs, chunked=chunked, slots=3) == want
 
 
 def test_warm_start_from_gemma_layers_is_refused(written):

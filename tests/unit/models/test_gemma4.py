@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_decode import assert_same_outputs, random_drafter
-from tiny import cached_logits, hf_logits
 
 from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.hf_io import hf_target_config, load_hf_dir
 from dspark_jax.models.target import Target
 from dspark_jax.models.weights import params_fingerprint
+from tests.helpers.drafters import assert_same_outputs, random_drafter
+from tests.helpers.tiny import cached_logits, hf_logits
 
 pytestmark = pytest.mark.exactness
 

@@ -17,6 +17,7 @@ from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.llama2c_io import load_llama2c
 from dspark_jax.models.model_io import load_target_files
 from dspark_jax.models.weights import adjacent_to_half, params_fingerprint
+from tests.helpers.gguf_files import write_gguf
 
 STORIES_GREEDY = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401,
                   396, 267, 337, 410, 408, 419, 292, 411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358,
@@ -193,45 +194,6 @@ def test_fingerprint(stories260k):
 # ----------------------------------------------------------------------------- GGUF (synthetic)
 
 
-def _write_gguf(path, arch, cfg: TargetConfig, p: dict, permute: bool, tokenizer_kv):
-    """Writes canonical params as an F32 GGUF (llama: q/k rows back to adjacent pairs)."""
-    import gguf
-
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_eps)
-    tokenizer_kv(w)
-
-    def to_adjacent(m, n):  # inverse of adjacent_to_half on [out, in]
-        out, d = m.shape
-        return m.reshape(n, 2, out // n // 2, d).transpose(0, 2, 1, 3).reshape(out, d)
-
-    names = {"attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
-             "mlp_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down",
-             "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}  # fmt: skip
-    w.add_tensor("token_embd.weight", p["embed"])
-    for i in range(cfg.num_layers):
-        for k, a in p["layers"].items():
-            m = a[i] if a.ndim == 2 else np.ascontiguousarray(a[i].T)
-            if permute and k in ("wq", "wk"):
-                m = to_adjacent(m, cfg.num_heads if k == "wq" else cfg.num_kv_heads)
-            w.add_tensor(f"blk.{i}.{names[k]}.weight", np.ascontiguousarray(m))
-    w.add_tensor("output_norm.weight", p["final_norm"])
-    if "lm_head" in p:
-        w.add_tensor("output.weight", np.ascontiguousarray(p["lm_head"].T))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def test_gguf_llama_with_spm_tokenizer(stories260k, tmp_path):
     """stories260K re-exported as a llama GGUF with a sentencepiece vocab round-trips exactly."""
     cfg, params, tok = stories260k
@@ -244,7 +206,7 @@ def test_gguf_llama_with_spm_tokenizer(stories260k, tmp_path):
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
 
-    _write_gguf(tmp_path / "s.gguf", "llama", cfg, params, True, tokenizer_kv)
+    write_gguf(tmp_path / "s.gguf", "llama", cfg, params, True, tokenizer_kv)
     cfg2, p2, tok2 = load_target_files(tmp_path)
     assert cfg2.num_layers == 5 and cfg2.num_kv_heads == 4 and cfg2.tie_embeddings and cfg2.eos_ids == (2,)
     for k in params["layers"]:
@@ -346,7 +308,7 @@ def test_hf_dir(kind, dtype_name, tie, tmp_path, write_tiny_hf_tokenizer):
 
 def test_hf_rejects_length_dependent_rope_scaling(tmp_path, write_tiny_hf_tokenizer):
     """dynamic NTK changes its frequencies with each call's length: refused by name (linear, yarn
-    and llama3 are exact: tests/unit/test_target_families.py)."""
+    and llama3 are exact: tests/unit/models/test_target_families.py)."""
     import json
 
     _tiny_hf("llama", tmp_path, write_tiny_hf_tokenizer)

@@ -20,9 +20,6 @@ import shutil
 
 import numpy as np
 import pytest
-import test_prefill
-from test_decode import assert_same_outputs, bigram_drafter, random_drafter
-from tiny import cached_logits, hf_logits
 
 from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
 from dspark_jax.errors import DSparkInputError
@@ -30,6 +27,9 @@ from dspark_jax.models.gguf_io import load_gguf
 from dspark_jax.models.hf_io import load_hf_dir
 from dspark_jax.models.target import Target
 from dspark_jax.models.weights import count_target_params, params_fingerprint
+from tests.helpers.drafters import assert_same_outputs, bigram_drafter, random_drafter
+from tests.helpers.engine_drive import drive
+from tests.helpers.tiny import cached_logits, hf_logits
 
 pytestmark = pytest.mark.exactness
 
@@ -303,14 +303,13 @@ def test_engine_equals_plain_decoding(moe_target):
     ar = generate_autoregressive(moe_target, prompts, max_new_tokens=10, cache_len=64)
     want = {r.request_id: (g.token_ids, g.finish_reason) for r, g in zip(reqs, ar.generations)}
     for chunked in (False, True):
-        assert test_prefill.drive(eng, reqs, chunked=chunked) == want
+        assert drive(eng, reqs, chunked=chunked, slots=3) == want
 
 
 def test_drafter_for_moe_target_trains_and_decodes_exactly(moe_target):
-    from tiny import tiny_drafter, tiny_train_config
-
     from dspark_jax.training.data import batches
     from dspark_jax.training.trainer import Trainer
+    from tests.helpers.tiny import tiny_drafter, tiny_train_config
 
     cfg = tiny_train_config(steps=3, batch_size=4, anchors_per_seq=4, learning_rate=1e-2)
     drafter = tiny_drafter(moe_target, train=cfg)

@@ -21,8 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import test_prefill
-from test_decode import assert_same_outputs, bigram_drafter, random_drafter
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
@@ -35,6 +33,8 @@ from dspark_jax.models.target import Target
 from dspark_jax.models.weights import params_fingerprint
 from dspark_jax.serving.engine import Engine, Request, SamplingParams
 from dspark_jax.serving.engine.prefill import ChunkedPrefill
+from tests.helpers.drafters import assert_same_outputs, bigram_drafter, random_drafter
+from tests.helpers.engine_drive import drive
 
 WINDOW, PROMPT, DECODE = 8, 40, 6
 
@@ -147,7 +147,8 @@ def test_gguf_window(family, tmp_path):
     pattern, else per the pattern) gives transformers' logits; without the key it loads as full
     attention (llama.cpp's converter writes Mistral so: the window cannot be known)."""
     import gguf
-    from test_model_io import _write_gguf
+
+    from tests.helpers.gguf_files import write_gguf
 
     kind, model, cfg, params = family
     arch, pattern = ("llama", None) if kind == "mistral" else ("qwen3", [False, True, True])
@@ -157,17 +158,17 @@ def test_gguf_window(family, tmp_path):
         if pattern is not None:
             w.add_sliding_window_pattern(pattern)
 
-    _write_gguf(tmp_path / "w.gguf", arch, cfg, params, arch == "llama", window_kv)
+    write_gguf(tmp_path / "w.gguf", arch, cfg, params, arch == "llama", window_kv)
     got_cfg, got_params = load_gguf(tmp_path / "w.gguf")
     assert (got_cfg.layer_types, got_cfg.sliding_window) == (cfg.layer_types, cfg.sliding_window)
     ids = [1] + np.random.default_rng(2).integers(3, cfg.vocab_size, PROMPT - 1).tolist()
     pos = jnp.arange(PROMPT, dtype=jnp.int32)[None]
     got = np.asarray(Target(got_cfg, got_params)(jnp.asarray([ids]), pos).logits[0])
     np.testing.assert_allclose(got, _hf_logits(model, ids), atol=1e-4, rtol=1e-4)
-    _write_gguf(tmp_path / "full.gguf", arch, cfg, params, arch == "llama", lambda w: None)
+    write_gguf(tmp_path / "full.gguf", arch, cfg, params, arch == "llama", lambda w: None)
     assert not gguf_config(tmp_path / "full.gguf").has_sliding_layers
     if arch == "qwen3":  # which layers slide is not written: refused
-        _write_gguf(tmp_path / "np.gguf", arch, cfg, params, False, lambda w: w.add_sliding_window(WINDOW))
+        write_gguf(tmp_path / "np.gguf", arch, cfg, params, False, lambda w: w.add_sliding_window(WINDOW))
         with pytest.raises(DSparkInputError, match="sliding_window_pattern"):
             gguf_config(tmp_path / "np.gguf")
     assert gguf.Keys.Attention.SLIDING_WINDOW == "{arch}.attention.sliding_window"
@@ -309,4 +310,4 @@ def test_engine_equals_plain_decoding(kind, request):
     ar = generate_autoregressive(target, prompts, max_new_tokens=14, cache_len=64)
     want = {r.request_id: (g.token_ids, g.finish_reason) for r, g in zip(reqs, ar.generations)}
     for chunked in (False, True):
-        assert test_prefill.drive(eng, reqs, chunked=chunked) == want
+        assert drive(eng, reqs, chunked=chunked, slots=3) == want

@@ -16,11 +16,11 @@ import math
 
 import numpy as np
 import pytest
-from tiny import cached_logits, hf_logits
 
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.gguf_io import load_gguf
 from dspark_jax.models.hf_io import load_hf_dir
+from tests.helpers.tiny import cached_logits, hf_logits
 
 pytestmark = pytest.mark.exactness
 
@@ -255,7 +255,7 @@ def qwen3_dir(tmp_path_factory):
 )  # fmt: skip
 def test_hf_refuses_what_it_does_not_implement(qwen3_dir, tmp_path, changes, match):
     """Math the loader does not implement is refused by name (sliding layers are implemented:
-    tests/unit/test_sliding_window.py)."""
+    tests/unit/models/test_sliding_window.py)."""
     import shutil
 
     path = tmp_path / "m"
@@ -315,10 +315,9 @@ def test_rope_scaling_round_trips_through_config_dict():
 def test_qwen2_yarn_greedy_speculative_equals_autoregressive(hf_models):
     """Greedy speculative decoding with a small random drafter equals plain decoding on the Qwen2.5
     target (biases, yarn), past the original context."""
-    from tiny import tiny_drafter
-
     from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
     from dspark_jax.models.target import Target
+    from tests.helpers.tiny import tiny_drafter
 
     cfg, params = load_hf_dir(hf_models("qwen2-yarn")[1])
     target = Target(cfg, params)

@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny import TINY_TARGET, tiny_target
 
 from dspark_jax.models import head as head_mod
 from dspark_jax.models.head import ROW_REDUCE_MAX_TOKENS, tied_head_row_reduce
 from dspark_jax.models.layers import rms_norm
 from dspark_jax.models.target import Target, random_params
+from tests.helpers.tiny import TINY_TARGET, tiny_target
 
 
 def _primitives(fn, *args) -> set[str]:

@@ -21,15 +21,12 @@ import asyncio
 import jax
 import numpy as np
 import pytest
-import test_engine
 
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.serving.engine import Engine, Request, SamplingParams
 from dspark_jax.serving.engine.prefill import ChunkedPrefill, PrefillEntry, PrefillQueue, chunk_ladder
 from dspark_jax.serving.http.engine_loop import EngineLoop, TrackedRequest
-
-# the target and the bigram drafter of the engine tests
-target, drafter, tokenizer = test_engine.target, test_engine.drafter, test_engine.tokenizer
+from tests.helpers.engine_drive import drive
 
 CHUNK, BLOCK, LANES, SLOTS, CACHE = 12, 4, 3, 3, 64
 STORY = (
@@ -195,27 +192,6 @@ def test_chunked_prefix_equals_one_shot(engine, story, policy):
         engine.planner.suspend_after, engine.planner.idle_steps = None, 0
 
 
-def drive(engine, requests, chunked: bool):
-    """Decodes ``requests`` (admitted FIFO into free slots, by chunked or one-shot prefill, one
-    prefill pass per step); returns ``{id: (tokens, finish reason)}``."""
-    pending, pre = list(requests), engine.prefiller
-    toks, reasons = {}, {}
-    while pending or engine.active_slots() or len(pre):
-        if chunked:
-            while pending and len(engine.active_slots()) + len(pre) < SLOTS:
-                pre.submit(pending.pop(0))
-            for req, prefix in pre.step():
-                assert req is prefix.request
-                engine.insert(prefix, engine.free_slots()[0])
-        elif pending and engine.free_slots():
-            engine.insert(engine.prefill(pending.pop(0)), engine.free_slots()[0])
-        for o in engine.generate():
-            toks.setdefault(o.request_id, []).extend(o.token_ids)
-            if o.finished:
-                reasons[o.request_id] = o.finish_reason
-    return {k: (v, reasons[k]) for k, v in toks.items()}
-
-
 @pytest.fixture(scope="module")
 def decode_requests(story):
     return _requests(story, [30, 5, 13, 24, 3, 12], "d")
@@ -224,13 +200,13 @@ def decode_requests(story):
 @pytest.fixture(scope="module")
 def one_shot(engine, decode_requests):
     engine.set_policy("fixed:3")
-    return drive(engine, decode_requests, chunked=False)
+    return drive(engine, decode_requests, chunked=False, slots=SLOTS)
 
 
 @pytest.mark.parametrize("policy", ["fixed:3", "plain"])
 def test_chunked_decode_matches_one_shot(engine, decode_requests, one_shot, policy):
     engine.set_policy(policy)
-    assert drive(engine, decode_requests, chunked=True) == one_shot
+    assert drive(engine, decode_requests, chunked=True, slots=SLOTS) == one_shot
 
 
 def test_engine_loop_chunked_matches_one_shot(engine, decode_requests, one_shot, story):
@@ -314,7 +290,7 @@ def test_no_recompile_after_warmup(engine, story):
         for policy in ("fixed:3", "plain"):
             engine.set_policy(policy)
             for k, lengths in enumerate(SCENARIOS + [[32, 7], [2, 31, 9]]):
-                drive(engine, _requests(story, lengths, f"n{k}-", max_tokens=3), chunked=True)
+                drive(engine, _requests(story, lengths, f"n{k}-", max_tokens=3), chunked=True, slots=SLOTS)
     finally:
         if hasattr(monitoring, "_unregister_event_duration_listener_by_callback"):
             monitoring._unregister_event_duration_listener_by_callback(listener)

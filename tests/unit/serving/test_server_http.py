@@ -17,8 +17,9 @@ import pytest
 from fake_engine import FakeEngine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_helpers import CACHE_LEN, CHAT_TEMPLATE, NUM_SLOTS, metric, wait_idle
-from server_helpers import serve_fake as _serve
+
+from tests.helpers.server import CACHE_LEN, CHAT_TEMPLATE, NUM_SLOTS, metric, wait_idle
+from tests.helpers.server import serve_fake as _serve
 
 CAT = [234, 143, 174]  # tok512's byte tokens of U+732B (cat), 3 UTF-8 bytes
 

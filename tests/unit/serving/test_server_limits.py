@@ -14,7 +14,8 @@ import time
 
 import httpx
 import pytest
-from server_helpers import CACHE_LEN, metric, serve_fake
+
+from tests.helpers.server import CACHE_LEN, metric, serve_fake
 
 BIG = 1_000_000  # characters
 # Renders system / user / assistant only: any other role would vanish from the prompt.

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tiny import tiny_data, tiny_drafter, tiny_target, tiny_train_config
 
 from dspark_jax.drafters.checkpoint import export_drafter, load_drafter
 from dspark_jax.drafters.markov import sample_block
@@ -24,6 +23,7 @@ from dspark_jax.evaluation import reliability as R
 from dspark_jax.models.sampling import sampling_arrays
 from dspark_jax.training import calibration as C
 from dspark_jax.training.losses import drafter_loss, sample_anchors
+from tests.helpers.tiny import tiny_data, tiny_drafter, tiny_target, tiny_train_config
 
 CFG = tiny_train_config(anchors_per_seq=6)
 

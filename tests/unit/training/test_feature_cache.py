@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tiny import TINY_TARGET, tiny_data, tiny_target, tiny_train_config
 
 from dspark_jax.drafters.build import build_drafter
 from dspark_jax.drafters.dspark import DSparkDrafter
@@ -28,6 +27,7 @@ from dspark_jax.training.feature_cache import (
 from dspark_jax.training.losses import loss_sums, sample_anchors, target_draft_probs
 from dspark_jax.training.train_config import TrainConfig, drafter_config
 from dspark_jax.training.trainer import Trainer
+from tests.helpers.tiny import TINY_TARGET, tiny_data, tiny_target, tiny_train_config
 
 TCFG = TINY_TARGET
 CFG = tiny_train_config(steps=4, batch_size=4, anchors_per_seq=4, learning_rate=1e-2, ckpt_every=100)

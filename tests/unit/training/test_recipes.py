@@ -16,7 +16,7 @@ from dspark_jax.training.cli import build_parser, load_config
 from dspark_jax.training.recipes import TRAIN_PRESETS, load_config_file, load_recipe, recipe_names
 from dspark_jax.training.train_config import TrainConfig
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # The presets as they were defined in Python before the YAML files became their only source
 # (fields that differ from TrainConfig's defaults): the recipes must still give exactly these.

@@ -14,7 +14,7 @@ from flax import nnx
 from dspark_jax.drafters.build import build_drafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.training.warm_start import check_init_from_target_layers, init_from_target_layers
-from tests.tiny import tiny_drafter, tiny_drafter_config, tiny_target, tiny_train_config
+from tests.helpers.tiny import tiny_drafter, tiny_drafter_config, tiny_target, tiny_train_config
 
 
 @pytest.fixture(scope="module")
