@@ -4,7 +4,7 @@ Xu et al. 2024, "Magpie: Alignment Data Synthesis from Scratch by Prompting Alig
 Nothing" (arXiv:2406.08464): an instruction-tuned model given its chat template only up to the
 user's header (for ChatML ``...<|im_start|>user\\n``) continues it with a user request of the kind
 it was aligned on. Sampling many such continuations gives prompts as diverse as the target's own
-training mix, at no download: the cure for a prompt list that is 82% GSM8K (issue 23).
+training mix, at no download, where a fixed prompt list can be dominated by one dataset (82% GSM8K in one).
 
 Every request the target ends with the token that closes a user turn (``<|im_end|>``) is kept
 unless it is too short, a duplicate (case, punctuation and whitespace folded), or contains an

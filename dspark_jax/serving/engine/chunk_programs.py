@@ -1,5 +1,5 @@
 """Device programs of prefill: batched, chunked prefill and its degenerate case, one-shot
-prefill (issue 14, issue 25; docs/design.md#serving).
+prefill (docs/design.md#serving).
 
 One compiled ``prefill_chunk`` pass runs a fixed budget of ``T`` packed prompt tokens of up to
 ``P`` requests through the target over a staging area of ``P`` lanes (each a target KV row, and

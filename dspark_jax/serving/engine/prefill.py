@@ -1,4 +1,4 @@
-"""Prefill: one path, batched and chunked (issue 14, issue 25; docs/design.md#serving).
+"""Prefill: one path, batched and chunked (docs/design.md#serving).
 
 Every prefill is a pass of one program
 (:func:`dspark_jax.serving.engine.chunk_programs.prefill_chunk_program`): packed prompt tokens

@@ -3,8 +3,8 @@ prefilled requests, and the validation of a request against an engine's limits.
 
 :class:`SamplingParams`, :class:`Request`, :class:`StepOutput` and :class:`Prefix` are the
 engine's public data types (re-exported by :mod:`dspark_jax.serving.engine`). The per-request
-logit-bias table (``logit_bias`` entries and ``min_tokens``' masking of stop ids, docs/design.md#serving,
-issue 14) is built here on the host; the device applies it
+logit-bias table (``logit_bias`` entries and ``min_tokens``' masking of stop ids, docs/design.md#serving)
+is built here on the host; the device applies it
 (:func:`dspark_jax.serving.engine.step_programs.apply_bias`).
 
 Per-request logit processing
@@ -208,7 +208,7 @@ def _check_sampling(p: SamplingParams) -> None:
 
 
 def _check_extras(p: SamplingParams, limits: RequestLimits) -> None:
-    """logit_bias, logprobs and min_tokens (issue 14)."""
+    """Checks the OpenAI extras (logit_bias, logprobs and min_tokens) against ``limits``."""
     logit_bias(p, limits)
     n_lp = check_logprobs(p.logprobs, 20)
     if n_lp is not None and n_lp > limits.n_top:

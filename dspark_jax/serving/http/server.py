@@ -27,7 +27,7 @@ what the same request with ``seed + i`` (wrapped into int32) returns as its only
 generated (as vLLM).
 
 Exactness: the engine's output for a request depends only on its prompt, sampling parameters
-and seed, never on its batch-mates (the exactness issue). A stop string ends the request at the
+and seed, never on its batch-mates (batching never changes a response). A stop string ends the request at the
 first token whose text completes an occurrence (the text is cut before it; the token is kept in
 ``token_ids``), so the response is the same whether the engine emitted those tokens in one step
 or several.

@@ -4,6 +4,7 @@
   interop contracts, the seed articles): the project's own pages are ``docs/design.md`` and
   ``docs/interop.md``;
 * every ``docs/<page>.md#<anchor>`` the code cites exists (page and heading);
+* the package's comments cite no issue or session number;
 * ``README.md`` has at most 200 lines, its relative links (and those of every page under ``docs/``) point
   at files and headings that exist, it links every ``docs/*.md`` page, and its layout names every
   top-level folder and every subpackage of ``dspark_jax``.
@@ -109,6 +110,22 @@ def test_code_cites_existing_docs_sections():
                 if why:
                     problems.append(f"{path.relative_to(ROOT)}:{line}: docs/{m.group(1)}: {why}")
     assert not problems, "broken docs references:\n  " + "\n  ".join(problems)
+
+
+# The project's working history (issue and session numbers) is nothing a user can look up.
+HISTORY = re.compile(r"(?i)\bissues? #?\d+|\bthe exactness issue\b|\bsessions? \d+")
+
+
+def test_package_comments_cite_no_issue_or_session():
+    """The package's comments and docstrings speak to users: they say why, not which issue or
+    working session asked for it (docs/journal keeps that history)."""
+    files = sorted((ROOT / "dspark_jax").rglob("*.py")) + sorted((ROOT / "dspark_jax").rglob("*.yaml"))
+    problems = []
+    for path in files:
+        lines = _code_text(path) if path.suffix == ".py" else enumerate(path.read_text().splitlines(), 1)
+        for line, text in lines:
+            problems += [f"{path.relative_to(ROOT)}:{line}: {m.group(0)!r}" for m in HISTORY.finditer(text)]
+    assert files and not problems, "history in the package's comments:\n  " + "\n  ".join(problems)
 
 
 def _md_link_problems(page: Path) -> list[str]:
