@@ -52,6 +52,7 @@ from benchmarks.drafter_study import (
     train_drafter,
 )
 from benchmarks.harness import cell, command_line, ratio, write_json
+from benchmarks.hf_baseline import hf_llama_from_params, hf_parity
 
 DEFAULT_DRAFTERS = ["dspark-2L", "dflash-2L", "dflash-5L", "eagle3", "dspark-2L-gated", "dspark-2L-rnn"]
 QUICK_DRAFTERS = ["dspark-2L", "dflash-2L", "eagle3"]
@@ -121,27 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.models.presets import resolve_target
     from dspark_jax.models.target import Target
     from dspark_jax.models.weights import params_fingerprint
-    from dspark_jax.training.pipeline import prepare_data
     from dspark_jax.training.recipes import TRAIN_PRESETS
 
     t_all = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = args.drafters.split(",") if args.drafters else (QUICK_DRAFTERS if args.quick else DEFAULT_DRAFTERS)
-    unknown = [n for n in names if n not in DRAFTERS]
-    if unknown:
+    if unknown := [n for n in names if n not in DRAFTERS]:
         print(f"error: unknown drafter(s) {unknown}; choose from {list(DRAFTERS)}", file=sys.stderr)
         return 2
     temps, speed_temps = floats(args.temperatures), floats(args.speed_temperatures)
-    num_prompts, max_new, speed_n = args.num_prompts, args.max_new_tokens, args.speed_prompts
     base = TRAIN_PRESETS[args.target]
-    over: dict[str, Any] = dict(workdir=str(out / "data"), seed=args.seed)
-    if args.quick:
-        over.update(QUICK, steps=12)
-        num_prompts, max_new, speed_n = min(num_prompts, 3), min(max_new, 24), min(speed_n, 2)
-    for k, v in (("steps", args.steps), ("batch_size", args.batch_size), ("block_size", args.block_size)):
-        if v is not None:
-            over[k] = v
+    over, (num_prompts, max_new, speed_n) = budget(args, out)
     if args.data_dir:
         over["data_dir"] = str(Path(args.data_dir).resolve())
     base = dataclasses.replace(base, **over)
@@ -150,11 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     target = Target(cfg_t, params, fingerprint=params_fingerprint(params))
 
     # -- 1. identical self-distillation data ------------------------------------------------
-    t0 = time.perf_counter()
-    shards, eval_texts = prepare_data(base, target, tok)
-    data_dir = Path(base.data_dir) if base.data_dir else Path(base.workdir) / "data"
-    data, data_info = data_summary(shards, data_dir, bool(args.data_dir), time.perf_counter() - t0)
-    print(f"data: {data_info}", file=sys.stderr)
+    data, data_dir, data_info, eval_texts = shared_data(base, target, tok, bool(args.data_dir))
 
     # -- 2. identical training budget -------------------------------------------------------
     cfgs = {n: dataclasses.replace(base, workdir=str(out / n), data_dir=str(data_dir), **DRAFTERS[n]) for n in names}
@@ -163,54 +151,16 @@ def main(argv: list[str] | None = None) -> int:
         cfgs = {n: dataclasses.replace(c, feature_cache="") for n, c in cfgs.items()}
     else:
         cfgs, cache_info = shared_feature_cache(out / "feature_cache", target, data, cfgs)
-    drafters, train_info = {}, {}
-    for n in names:
-        cfg = cfgs[n]
-        print(f"train {n}: {DRAFTERS[n]} steps={cfg.steps} batch={cfg.batch_size}", file=sys.stderr)
-        drafters[n], train_info[n] = train_drafter(cfg, target, tok, DRAFTERS[n])
+    drafters, train_info = train_all(cfgs, target, tok)
 
     # -- 3. tau on the same prompts -----------------------------------------------------------
     prompts = eval_prompts(args.target, tok, eval_texts, num_prompts, cfg_t.max_position - max_new - 20)
-    tau: dict[str, Any] = {n: {} for n in names}
     ebs = 1 if args.quick else args.eval_batch_size  # quick: share the batch-1 speed run's compilation
-    for t in temps:
-        for n, d in drafters.items():
-            row = evaluate_drafter(target, d, prompts, t, max_new, ebs, args.seed)
-            tau[n][tkey(t)] = row
-            print(
-                f"tau {n} T={t:g}: macro {row['macro_tau']:.3f} "
-                + " ".join(f"{k}={v['tau']:.3f}" for k, v in row["datasets"].items()),
-                file=sys.stderr,
-            )
-    ratios = {}
-    for t in temps:
-        k = tkey(t)
-        ratios[k] = {
-            f"{a}/{b}": ratio(tau[a][k]["macro_tau"], tau[b][k]["macro_tau"])
-            for a, b, _ in RATIOS
-            if a in tau and b in tau
-        }
+    tau, ratios = tau_and_ratios(target, drafters, prompts, temps, max_new, ebs, args.seed)
 
     # -- 4. batch-1 speedup ---------------------------------------------------------------------
-    per_set = max(1, speed_n // len(prompts))
-    speed_prompts = [p for ids in prompts.values() for p in ids[:per_set]][: max(speed_n, 1)]
-    hf = None
-    parity = None
-    if not args.no_hf:
-        hf = speedup.hf_llama_from_params(cfg_t, params)
-        parity = speedup.hf_parity(hf, target, speed_prompts[0])
-    speed = {}
-    for t in speed_temps:
-        speed[tkey(t)] = speedup.measure_speed(
-            target,
-            drafters,
-            speed_prompts,
-            max_new_tokens=max_new,
-            temperature=t,
-            seed=args.seed,
-            hf_model=hf,
-            timing_reps=5 if args.quick else 15,
-        )
+    speed_prompts = [p for ids in prompts.values() for p in ids[: max(1, speed_n // len(prompts))]][: max(speed_n, 1)]
+    parity, speed = batch1_speed(args, target, params, drafters, speed_prompts, speed_temps, max_new)
 
     result = {
         "target": args.target,
@@ -241,12 +191,99 @@ def main(argv: list[str] | None = None) -> int:
         "speed": {"batch_size": 1, "prompts": len(speed_prompts), "hf_logit_max_abs_diff": parity, "runs": speed},
         "total_seconds": None,
     }
+    write_results(result, out, t_all)
+    return 0
+
+
+def budget(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], tuple[int, int, int]]:
+    """The training overrides every drafter shares (``--quick``'s, the steps, batch and block size
+    asked for) and the evaluation's sizes ``(prompts per set, new tokens, speed prompts)``."""
+    num_prompts, max_new, speed_n = args.num_prompts, args.max_new_tokens, args.speed_prompts
+    over: dict[str, Any] = dict(workdir=str(out / "data"), seed=args.seed)
+    if args.quick:
+        over.update(QUICK, steps=12)
+        num_prompts, max_new, speed_n = min(num_prompts, 3), min(max_new, 24), min(speed_n, 2)
+    for k, v in (("steps", args.steps), ("batch_size", args.batch_size), ("block_size", args.block_size)):
+        if v is not None:
+            over[k] = v
+    return over, (num_prompts, max_new, speed_n)
+
+
+def shared_data(base, target, tok, given: bool):
+    """The self-distillation data every drafter trains on (made once, or read from ``base.data_dir``
+    when ``given``): ``(data, its folder, its summary, the held-out texts)``."""
+    from dspark_jax.training.pipeline import prepare_data
+
+    t0 = time.perf_counter()
+    shards, eval_texts = prepare_data(base, target, tok)
+    data_dir = Path(base.data_dir) if base.data_dir else Path(base.workdir) / "data"
+    data, data_info = data_summary(shards, data_dir, given, time.perf_counter() - t0)
+    print(f"data: {data_info}", file=sys.stderr)
+    return data, data_dir, data_info, eval_texts
+
+
+def train_all(cfgs: dict[str, Any], target, tok) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Trains every drafter of ``cfgs`` (name -> TrainConfig): ``(drafters, training summaries)``."""
+    drafters, train_info = {}, {}
+    for n, cfg in cfgs.items():
+        print(f"train {n}: {DRAFTERS[n]} steps={cfg.steps} batch={cfg.batch_size}", file=sys.stderr)
+        drafters[n], train_info[n] = train_drafter(cfg, target, tok, DRAFTERS[n])
+    return drafters, train_info
+
+
+def tau_and_ratios(target, drafters, prompts, temps, max_new: int, batch_size: int, seed: int):
+    """Held-out tau of every drafter at every temperature (``{name: {T: row}}``) and the ratios of
+    :data:`RATIOS` between their macro-averages (``{T: {"a/b": ratio}}``)."""
+    tau: dict[str, Any] = {n: {} for n in drafters}
+    for t in temps:
+        for n, d in drafters.items():
+            row = evaluate_drafter(target, d, prompts, t, max_new, batch_size, seed)
+            tau[n][tkey(t)] = row
+            print(
+                f"tau {n} T={t:g}: macro {row['macro_tau']:.3f} "
+                + " ".join(f"{k}={v['tau']:.3f}" for k, v in row["datasets"].items()),
+                file=sys.stderr,
+            )
+    ratios = {}
+    for t in temps:
+        k = tkey(t)
+        ratios[k] = {
+            f"{a}/{b}": ratio(tau[a][k]["macro_tau"], tau[b][k]["macro_tau"])
+            for a, b, _ in RATIOS
+            if a in tau and b in tau
+        }
+    return tau, ratios
+
+
+def batch1_speed(args, target, params, drafters, speed_prompts, speed_temps, max_new: int):
+    """The transformers baseline's logit parity (None with ``--no-hf``) and
+    :func:`benchmarks.speedup.measure_speed` at every speed temperature (``{T: result}``)."""
+    hf = parity = None
+    if not args.no_hf:
+        hf = hf_llama_from_params(target.cfg, params)
+        parity = hf_parity(hf, target, speed_prompts[0])
+    speed = {}
+    for t in speed_temps:
+        speed[tkey(t)] = speedup.measure_speed(
+            target,
+            drafters,
+            speed_prompts,
+            max_new_tokens=max_new,
+            temperature=t,
+            seed=args.seed,
+            hf_model=hf,
+            timing_reps=5 if args.quick else 15,
+        )
+    return parity, speed
+
+
+def write_results(result: dict[str, Any], out: Path, t_all: float) -> None:
+    """Adds the plot and the total seconds; writes ``results.json`` and ``results.md`` and prints the tables."""
     result["plots"] = {"conditional_acceptance": str(plot_acceptance(result, out / "conditional_acceptance.png"))}
     result["total_seconds"] = round(time.perf_counter() - t_all, 1)
     write_json(out / "results.json", result)
     (out / "results.md").write_text(markdown(result))
     print(markdown(result))
-    return 0
 
 
 def markdown(r: dict[str, Any]) -> str:

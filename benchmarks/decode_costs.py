@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.harness import write_json
-from benchmarks.speedup import hf_generate, hf_llama_from_params
+from benchmarks.hf_baseline import hf_generate, hf_llama_from_params
 
 
 def read_bandwidth_gb_s(gib: float = 1.0, repeats: int = 5) -> float:
@@ -83,41 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.models.target import Target
     from dspark_jax.models.weights import params_fingerprint
 
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.decode_costs",
-        description="Batch-1 cost table (plain step, verify per length, draft, context).",
-    )
-    ap.add_argument("--target", required=True, help="preset name or model path")
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--drafter", help="export directory")
-    src.add_argument("--random-drafter", action="store_true", help="the preset's drafter shape, random weights")
-    ap.add_argument(
-        "--draft-vocab-size",
-        default="-1",
-        help="with --random-drafter: draft vocabulary size (0 = full; default: the preset's); a "
-        "comma-separated list measures one cost table per size (drafting and verification "
-        "only, in the same process, alternated) and writes them under 'draft_vocab_sweep'",
-    )
-    ap.add_argument("--prompts", default=None, help="prompt set for the tokens/s references (default: by preset)")
-    ap.add_argument("--num-prompts", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--cache-len", type=int, default=0, help="KV-cache length (default: as generate uses)")
-    ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument(
-        "--spans",
-        default=None,
-        help="comma-separated attention spans [tokens] to measure at (whole KV blocks; default: the "
-        "decode loop's one); the first is the headline, all go under 'by_span'",
-    )
-    ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument(
-        "--sweep-rounds",
-        type=int,
-        default=3,
-        help="draft-vocabulary sweep: cost tables per size, alternated (each compiles anew)",
-    )
-    ap.add_argument("--json", default=None, help="write the results here")
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
 
     cfg, params, tok = resolve_target(args.target)
     target = Target(cfg, params, fingerprint=params_fingerprint(params))
@@ -176,6 +142,54 @@ def main(argv: list[str] | None = None) -> int:
     res["ar_over_bound"] = res["ar_tokens_per_s"] / res["bandwidth_bound_tokens_per_s"]
     if res["hf_tokens_per_s"]:
         res["ar_over_hf"] = res["ar_tokens_per_s"] / res["hf_tokens_per_s"]
+    print_costs(res, cfg.name, cache_len, first)
+    if len(sizes) > 1 and not args.drafter:
+        res["draft_vocab_sweep"] = draft_vocab_sweep(args, target, sizes, g, cache_len, spans, first)
+    if args.json:
+        write_json(args.json, res)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.decode_costs",
+        description="Batch-1 cost table (plain step, verify per length, draft, context).",
+    )
+    ap.add_argument("--target", required=True, help="preset name or model path")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--drafter", help="export directory")
+    src.add_argument("--random-drafter", action="store_true", help="the preset's drafter shape, random weights")
+    ap.add_argument(
+        "--draft-vocab-size",
+        default="-1",
+        help="with --random-drafter: draft vocabulary size (0 = full; default: the preset's); a "
+        "comma-separated list measures one cost table per size (drafting and verification "
+        "only, in the same process, alternated) and writes them under 'draft_vocab_sweep'",
+    )
+    ap.add_argument("--prompts", default=None, help="prompt set for the tokens/s references (default: by preset)")
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--cache-len", type=int, default=0, help="KV-cache length (default: as generate uses)")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument(
+        "--spans",
+        default=None,
+        help="comma-separated attention spans [tokens] to measure at (whole KV blocks; default: the "
+        "decode loop's one); the first is the headline, all go under 'by_span'",
+    )
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument(
+        "--sweep-rounds",
+        type=int,
+        default=3,
+        help="draft-vocabulary sweep: cost tables per size, alternated (each compiles anew)",
+    )
+    ap.add_argument("--json", default=None, help="write the results here")
+    return ap
+
+
+def print_costs(res: dict, target_name: str, cache_len: int, first: int) -> None:
+    """Prints the cost table of :func:`main`'s result ``res`` (measured at attention span ``first``)."""
     rows = [
         ("t_step_ms", res["t_step_ms"]),
         ("t_draft_ms (T=0)", res["t_draft_ms"]),
@@ -191,40 +205,52 @@ def main(argv: list[str] | None = None) -> int:
         ("ar / bound", res["ar_over_bound"]),
         ("ar / hf", res.get("ar_over_hf")),
     ]
-    head = f"{cfg.name}  drafter={res['drafter']}  draft vocab={res['draft_vocab_size']}  cache={cache_len}"
+    head = f"{target_name}  drafter={res['drafter']}  draft vocab={res['draft_vocab_size']}  cache={cache_len}"
     print(f"{head}  span={first}")
     for k, v in rows:
         print(f"  {k:<32} {'-' if v is None else f'{v:10.3f}'}")
     for s, row in res.get("by_span", {}).items():
         verify = ", ".join(f"{w + 1}: {v:.3f}" for w, v in row["t_verify_ms"].items())
         print(f"  span {s:>6}: step {row['t_step_ms']:.3f} ms, draft {row['t_draft_ms']:.3f} ms, verify {verify}")
-    if len(sizes) > 1 and not args.drafter:
-        res["draft_vocab_sweep"] = sweep = {}
-        tables = {n: [] for n in sizes}
-        for _ in range(args.sweep_rounds):  # alternate the sizes: each value is the median of the rounds
-            for n in sizes:
-                d = random_drafter(target, args.target, n)
-                tables[n].append(
-                    measure_costs(
-                        target, d, widths=(0, g), cache_len=cache_len, spans=spans, repeats=max(3, args.repeats // 3)
-                    )
-                )
-        print(f"\n  {'draft vocab':>12} {'t_draft_ms T=0':>15} {'T=1':>8} {'t_verify_ms[' + str(g + 1) + ']':>15}")
+
+
+def draft_vocab_sweep(
+    args: argparse.Namespace, target, sizes: list[int], block_size: int, cache_len: int, spans, first: int
+) -> dict:
+    """Drafting and full-block verification costs of random drafters of every draft vocabulary
+    size in ``sizes`` (0: the full vocabulary), alternated over ``args.sweep_rounds`` rounds;
+    prints them and returns ``{size: {"t_draft_ms", "t_draft_sampled_ms", "t_verify_full_block_ms"}}``."""
+    from dspark_jax.decoding.decode_profile import measure_costs
+
+    sweep: dict[int, dict[str, float]] = {}
+    tables = {n: [] for n in sizes}
+    for _ in range(args.sweep_rounds):  # alternate the sizes: each value is the median of the rounds
         for n in sizes:
-            med = lambda f, n=n: statistics.median(f(t) for t in tables[n])
-            row = {
-                "t_draft_ms": 1e3 * med(lambda t: t.draft_seconds(True, first)),
-                "t_draft_sampled_ms": 1e3 * med(lambda t: t.draft_seconds(False, first)),
-                "t_verify_full_block_ms": 1e3 * med(lambda t: float(t.verify_array([g], first)[0])),
-            }
-            sweep[n or cfg.vocab_size] = row
-            print(
-                f"  {n or cfg.vocab_size:>12} {row['t_draft_ms']:>15.2f} {row['t_draft_sampled_ms']:>8.2f} "
-                f"{row['t_verify_full_block_ms']:>15.2f}"
+            d = random_drafter(target, args.target, n)
+            tables[n].append(
+                measure_costs(
+                    target,
+                    d,
+                    widths=(0, block_size),
+                    cache_len=cache_len,
+                    spans=spans,
+                    repeats=max(3, args.repeats // 3),
+                )
             )
-    if args.json:
-        write_json(args.json, res)
-    return 0
+    print(f"\n  {'draft vocab':>12} {'t_draft_ms T=0':>15} {'T=1':>8} {'t_verify_ms[' + str(block_size + 1) + ']':>15}")
+    for n in sizes:
+        med = lambda f, n=n: statistics.median(f(t) for t in tables[n])
+        row = {
+            "t_draft_ms": 1e3 * med(lambda t: t.draft_seconds(True, first)),
+            "t_draft_sampled_ms": 1e3 * med(lambda t: t.draft_seconds(False, first)),
+            "t_verify_full_block_ms": 1e3 * med(lambda t: float(t.verify_array([block_size], first)[0])),
+        }
+        sweep[n or target.cfg.vocab_size] = row
+        print(
+            f"  {n or target.cfg.vocab_size:>12} {row['t_draft_ms']:>15.2f} {row['t_draft_sampled_ms']:>8.2f} "
+            f"{row['t_verify_full_block_ms']:>15.2f}"
+        )
+    return sweep
 
 
 if __name__ == "__main__":

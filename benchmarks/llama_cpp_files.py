@@ -166,7 +166,7 @@ def write_tokenizer(tokenizer: Any, out: Path) -> None:
 def stories260k_hf_dir(out: Path) -> Path:
     """stories260K as a Hugging Face Llama folder (fp32 safetensors, its sentencepiece tokenizer
     rebuilt from ``tok512.bin``), written once."""
-    from benchmarks.speedup import hf_llama_from_params
+    from benchmarks.hf_baseline import hf_llama_from_params
     from dspark_jax.models.presets import resolve_target
 
     if (out / "config.json").is_file():

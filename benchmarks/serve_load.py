@@ -77,6 +77,39 @@ QUICK = dict(
 )
 
 
+def add_prompt_args(p: argparse.ArgumentParser) -> None:
+    """The prompts' flags: the set and the endpoint (chat or completions)."""
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="prompt set (mt_bench, gsm8k, humaneval, alpaca, tinystories) or JSONL file (default: "
+        "mt_bench for chat models, tinystories otherwise)",
+    )
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument(
+        "--chat",
+        dest="chat",
+        action="store_true",
+        default=None,
+        help="send prompts to /v1/chat/completions (default when the tokenizer has a chat template)",
+    )
+    chat.add_argument("--no-chat", dest="chat", action="store_false", help="send prompts to /v1/completions")
+
+
+def add_stress_args(p: argparse.ArgumentParser) -> None:
+    """The stress test's flags."""
+    p.add_argument("--stress", action="store_true", help="bounded load test instead of the sweep (see above)")
+    p.add_argument("--stress-requests", type=int, default=500, help="requests of the stress test (default 500)")
+    p.add_argument("--stress-concurrency", type=int, default=64, help="clients of the stress test (default 64)")
+    p.add_argument(
+        "--disconnect-frac",
+        type=float,
+        default=0.1,
+        help="fraction of stress requests whose client disconnects early (default 0.1)",
+    )
+    p.add_argument("--stress-policy", default=None, help="policy of the stress server (default dspark / plain)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.serve_load",
@@ -128,21 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens per request (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
-    p.add_argument(
-        "--prompts",
-        default=None,
-        help="prompt set (mt_bench, gsm8k, humaneval, alpaca, tinystories) or JSONL file (default: "
-        "mt_bench for chat models, tinystories otherwise)",
-    )
-    chat = p.add_mutually_exclusive_group()
-    chat.add_argument(
-        "--chat",
-        dest="chat",
-        action="store_true",
-        default=None,
-        help="send prompts to /v1/chat/completions (default when the tokenizer has a chat template)",
-    )
-    chat.add_argument("--no-chat", dest="chat", action="store_false", help="send prompts to /v1/completions")
+    add_prompt_args(p)
     p.add_argument("--num-slots", type=int, default=None, help="engine slots (default: the highest concurrency)")
     p.add_argument("--cache-len", type=int, default=1024, help="engine cache length (default 1024)")
     p.add_argument("--buckets", default=None, help="engine token-budget buckets, comma-separated")
@@ -157,16 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quick", action="store_true", help="CI smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
     )
-    p.add_argument("--stress", action="store_true", help="bounded load test instead of the sweep (see above)")
-    p.add_argument("--stress-requests", type=int, default=500, help="requests of the stress test (default 500)")
-    p.add_argument("--stress-concurrency", type=int, default=64, help="clients of the stress test (default 64)")
-    p.add_argument(
-        "--disconnect-frac",
-        type=float,
-        default=0.1,
-        help="fraction of stress requests whose client disconnects early (default 0.1)",
-    )
-    p.add_argument("--stress-policy", default=None, help="policy of the stress server (default dspark / plain)")
+    add_stress_args(p)
     prefill_load.add_args(p)
     return p
 
@@ -257,36 +267,8 @@ def sweep(args, models: tuple | None = None, engine=None, plain_engine=None) -> 
                     eng.warmup()
                 eng.planner.speculative_ahead = ahead
                 eng.reset_metrics()
-                srv, _ = serve(eng, tok, args, policy, max_queue=max(levels) * 4)
-                with srv:
-                    row = asyncio.run(run_level(srv.url, args.chat, prompts, c, n, args.max_tokens, args.temperature))
-                m = eng.metrics()  # the server (and its engine thread) has stopped: safe to read
-                row["engine"] = {
-                    k: m.get(k)
-                    for k in (
-                        "steps",
-                        "draft_steps",
-                        "suspended_steps",
-                        "catchup_tokens",
-                        "mean_accepted_length",
-                        "acceptance_rate",
-                        "budget_hist",
-                        "rows_hist",
-                        "step_seconds",
-                    )
-                }
-                engine_stats[policy] = {k: m.get(k) for k in ("position_acceptance", "calibration", "compiles")}
+                row, engine_stats[policy] = measure_level(args, eng, tok, policy, prompts, c, n, max(levels) * 4, rep)
                 reps[policy].append(row)
-                print(
-                    f"[{policy}] c={c:3d} #{rep + 1}: {row['output_tok_s']:8.1f} tok/s, per user "
-                    f"{_fmt(row['per_user_tok_s'])} tok/s, ttft {_fmt(row['ttft_s'], '.2f')} s, "
-                    f"tau {_fmt(row['tau'], '.2f')}, drafting steps {m['draft_steps']}/{m['steps']} "
-                    f"(suspended {m['suspended_steps']}), "
-                    f"ok {row['num_ok']}/{row['num_requests']}",
-                    file=sys.stderr,
-                )
-                if row["num_ok"] < row["num_requests"]:
-                    print(f"[{policy}] c={c:3d}: FAILED requests: {row['errors']}", file=sys.stderr)
         for policy in policies:
             runs[policy].append(_median_run(reps[policy]))
     add_ratios(runs)
@@ -312,6 +294,42 @@ def sweep(args, models: tuple | None = None, engine=None, plain_engine=None) -> 
     print(table(result))
     print(f"wrote {out_dir / 'serve_load.json'} and {out_dir / 'serve_load.png'}", file=sys.stderr)
     return result
+
+
+def measure_level(args, eng, tok, policy: str, prompts, c: int, n: int, max_queue: int, rep: int) -> tuple[dict, dict]:
+    """One run of ``policy`` at concurrency ``c`` (``n`` requests) through a server over ``eng``
+    (already set to the policy): the level's row (with the engine's counters) and the engine's
+    acceptance, calibration and compile statistics; prints the row (``rep``: the repeat's index)."""
+    srv, _ = serve(eng, tok, args, policy, max_queue=max_queue)
+    with srv:
+        row = asyncio.run(run_level(srv.url, args.chat, prompts, c, n, args.max_tokens, args.temperature))
+    m = eng.metrics()  # the server (and its engine thread) has stopped: safe to read
+    row["engine"] = {
+        k: m.get(k)
+        for k in (
+            "steps",
+            "draft_steps",
+            "suspended_steps",
+            "catchup_tokens",
+            "mean_accepted_length",
+            "acceptance_rate",
+            "budget_hist",
+            "rows_hist",
+            "step_seconds",
+        )
+    }
+    stats = {k: m.get(k) for k in ("position_acceptance", "calibration", "compiles")}
+    print(
+        f"[{policy}] c={c:3d} #{rep + 1}: {row['output_tok_s']:8.1f} tok/s, per user "
+        f"{_fmt(row['per_user_tok_s'])} tok/s, ttft {_fmt(row['ttft_s'], '.2f')} s, "
+        f"tau {_fmt(row['tau'], '.2f')}, drafting steps {m['draft_steps']}/{m['steps']} "
+        f"(suspended {m['suspended_steps']}), "
+        f"ok {row['num_ok']}/{row['num_requests']}",
+        file=sys.stderr,
+    )
+    if row["num_ok"] < row["num_requests"]:
+        print(f"[{policy}] c={c:3d}: FAILED requests: {row['errors']}", file=sys.stderr)
+    return row, stats
 
 
 def add_ratios(runs: dict[str, list[dict]]) -> None:

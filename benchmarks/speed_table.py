@@ -38,6 +38,7 @@ from typing import Any
 
 from benchmarks import speedup
 from benchmarks.harness import cell, command_line, write_json
+from benchmarks.hf_baseline import hf_llama_from_params
 
 GOAL_AUTO_MACRO = 1.3  # auto's macro-average speedup over plain at T=0, batch 1
 GOAL_AUTO_MIN = 0.95  # auto's speedup on every set
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     sets, set_info = load_sets(
         [s.strip() for s in args.prompts.split(",") if s.strip()], tok, chat, meta, args.num_prompts, room
     )
-    hf = None if args.no_hf else speedup.hf_llama_from_params(cfg, params)
+    hf = None if args.no_hf else hf_llama_from_params(cfg, params)
     runs, tables = run_table(args, target, drafter, sets, hf)
     cost_tables: dict[str, Any] = {}
     for by_set in runs.values():
