@@ -105,19 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, cache_len=cache_len)
     generate_autoregressive(target, [prompts[0]], **kw)  # compile
     hf = None if args.no_hf else hf_llama_from_params(cfg, params)
-    if hf is not None:
-        import torch
-
-        torch.set_num_threads(2)
-        hf.config._attn_implementation = "sdpa"
-        hf_generate(hf, prompts[0], 4, 0.0, 0, list(cfg.eos_ids))
-    ar_t = ar_s = hf_t = hf_s = 0.0
-    for p in prompts:  # alternated prompt by prompt
-        a = generate_autoregressive(target, [p], **kw)
-        ar_t, ar_s = ar_t + a.num_tokens, ar_s + a.seconds
-        if hf is not None:
-            ids, secs = hf_generate(hf, p, args.max_new_tokens, 0.0, 0, list(cfg.eos_ids))
-            hf_t, hf_s = hf_t + len(ids), hf_s + secs
+    ar_t, ar_s, hf_t, hf_s = plain_timings(target, hf, prompts, kw)
     bw = read_bandwidth_gb_s()
     weight_bytes = sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(nnx.state(target)))
     d_params = sum(int(np.asarray(x).size) for x in jax.tree.leaves(nnx.state(drafter, nnx.Param)))
@@ -135,16 +123,32 @@ def main(argv: list[str] | None = None) -> int:
         "target_weight_bytes": weight_bytes,
         "bandwidth_bound_tokens_per_s": bw * 1e9 / weight_bytes,
     }
-    res["t_verify_ms"] = {w + 1: v for w, v in res["t_verify_ms"].items()}  # keyed by verified tokens
-    if len(table.spans()) > 1:
-        res["by_span"] = {s: table.decode_ms(s) for s in table.spans()}
-    res["draft_over_step"] = res["t_draft_ms"] / res["t_step_ms"]
-    res["ar_over_bound"] = res["ar_tokens_per_s"] / res["bandwidth_bound_tokens_per_s"]
-    if res["hf_tokens_per_s"]:
-        res["ar_over_hf"] = res["ar_tokens_per_s"] / res["hf_tokens_per_s"]
+    add_ratios(res, table)
     print_costs(res, cfg.name, cache_len, first)
     if len(sizes) > 1 and not args.drafter:
-        res["draft_vocab_sweep"] = draft_vocab_sweep(args, target, sizes, g, cache_len, spans, first)
+        res["draft_vocab_sweep"] = sweep = {}
+        tables = {n: [] for n in sizes}
+        for _ in range(args.sweep_rounds):  # alternate the sizes: each value is the median of the rounds
+            for n in sizes:
+                d = random_drafter(target, args.target, n)
+                tables[n].append(
+                    measure_costs(
+                        target, d, widths=(0, g), cache_len=cache_len, spans=spans, repeats=max(3, args.repeats // 3)
+                    )
+                )
+        print(f"\n  {'draft vocab':>12} {'t_draft_ms T=0':>15} {'T=1':>8} {'t_verify_ms[' + str(g + 1) + ']':>15}")
+        for n in sizes:
+            med = lambda f, n=n: statistics.median(f(t) for t in tables[n])
+            row = {
+                "t_draft_ms": 1e3 * med(lambda t: t.draft_seconds(True, first)),
+                "t_draft_sampled_ms": 1e3 * med(lambda t: t.draft_seconds(False, first)),
+                "t_verify_full_block_ms": 1e3 * med(lambda t: float(t.verify_array([g], first)[0])),
+            }
+            sweep[n or cfg.vocab_size] = row
+            print(
+                f"  {n or cfg.vocab_size:>12} {row['t_draft_ms']:>15.2f} {row['t_draft_sampled_ms']:>8.2f} "
+                f"{row['t_verify_full_block_ms']:>15.2f}"
+            )
     if args.json:
         write_json(args.json, res)
     return 0
@@ -188,6 +192,41 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def plain_timings(target, hf, prompts, kw: dict) -> tuple[float, float, float, float]:
+    """Greedy plain decoding of every prompt by the target (compiled already) and by transformers'
+    ``hf`` (None: skipped), alternated prompt by prompt: ``(JAX tokens, JAX seconds, transformers
+    tokens, transformers seconds)``; ``kw``: generate_autoregressive's settings."""
+    from dspark_jax.decoding.speculative import generate_autoregressive
+
+    eos = list(target.cfg.eos_ids)
+    if hf is not None:
+        import torch
+
+        torch.set_num_threads(2)
+        hf.config._attn_implementation = "sdpa"
+        hf_generate(hf, prompts[0], 4, 0.0, 0, eos)
+    ar_t = ar_s = hf_t = hf_s = 0.0
+    for p in prompts:  # alternated prompt by prompt
+        a = generate_autoregressive(target, [p], **kw)
+        ar_t, ar_s = ar_t + a.num_tokens, ar_s + a.seconds
+        if hf is not None:
+            ids, secs = hf_generate(hf, p, kw["max_new_tokens"], 0.0, 0, eos)
+            hf_t, hf_s = hf_t + len(ids), hf_s + secs
+    return ar_t, ar_s, hf_t, hf_s
+
+
+def add_ratios(res: dict, table) -> None:
+    """Keys ``res["t_verify_ms"]`` by verified tokens, adds the costs at every measured span of
+    ``table`` (when several) and the ratios draft / step, plain / bandwidth bound, plain / transformers."""
+    res["t_verify_ms"] = {w + 1: v for w, v in res["t_verify_ms"].items()}  # keyed by verified tokens
+    if len(table.spans()) > 1:
+        res["by_span"] = {s: table.decode_ms(s) for s in table.spans()}
+    res["draft_over_step"] = res["t_draft_ms"] / res["t_step_ms"]
+    res["ar_over_bound"] = res["ar_tokens_per_s"] / res["bandwidth_bound_tokens_per_s"]
+    if res["hf_tokens_per_s"]:
+        res["ar_over_hf"] = res["ar_tokens_per_s"] / res["hf_tokens_per_s"]
+
+
 def print_costs(res: dict, target_name: str, cache_len: int, first: int) -> None:
     """Prints the cost table of :func:`main`'s result ``res`` (measured at attention span ``first``)."""
     rows = [
@@ -212,45 +251,6 @@ def print_costs(res: dict, target_name: str, cache_len: int, first: int) -> None
     for s, row in res.get("by_span", {}).items():
         verify = ", ".join(f"{w + 1}: {v:.3f}" for w, v in row["t_verify_ms"].items())
         print(f"  span {s:>6}: step {row['t_step_ms']:.3f} ms, draft {row['t_draft_ms']:.3f} ms, verify {verify}")
-
-
-def draft_vocab_sweep(
-    args: argparse.Namespace, target, sizes: list[int], block_size: int, cache_len: int, spans, first: int
-) -> dict:
-    """Drafting and full-block verification costs of random drafters of every draft vocabulary
-    size in ``sizes`` (0: the full vocabulary), alternated over ``args.sweep_rounds`` rounds;
-    prints them and returns ``{size: {"t_draft_ms", "t_draft_sampled_ms", "t_verify_full_block_ms"}}``."""
-    from dspark_jax.decoding.decode_profile import measure_costs
-
-    sweep: dict[int, dict[str, float]] = {}
-    tables = {n: [] for n in sizes}
-    for _ in range(args.sweep_rounds):  # alternate the sizes: each value is the median of the rounds
-        for n in sizes:
-            d = random_drafter(target, args.target, n)
-            tables[n].append(
-                measure_costs(
-                    target,
-                    d,
-                    widths=(0, block_size),
-                    cache_len=cache_len,
-                    spans=spans,
-                    repeats=max(3, args.repeats // 3),
-                )
-            )
-    print(f"\n  {'draft vocab':>12} {'t_draft_ms T=0':>15} {'T=1':>8} {'t_verify_ms[' + str(block_size + 1) + ']':>15}")
-    for n in sizes:
-        med = lambda f, n=n: statistics.median(f(t) for t in tables[n])
-        row = {
-            "t_draft_ms": 1e3 * med(lambda t: t.draft_seconds(True, first)),
-            "t_draft_sampled_ms": 1e3 * med(lambda t: t.draft_seconds(False, first)),
-            "t_verify_full_block_ms": 1e3 * med(lambda t: float(t.verify_array([block_size], first)[0])),
-        }
-        sweep[n or target.cfg.vocab_size] = row
-        print(
-            f"  {n or target.cfg.vocab_size:>12} {row['t_draft_ms']:>15.2f} {row['t_draft_sampled_ms']:>8.2f} "
-            f"{row['t_verify_full_block_ms']:>15.2f}"
-        )
-    return sweep
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 * no import cycle between modules of ``dspark_jax``, imports inside functions included;
 * the layering: errors/config < models < drafters < decoding < evaluation < training, and
   decoding < serving; inside serving, engine < http; the top-level API and the thin CLIs sit on top;
-* no module over 600 lines, no function or method over 80 lines (in ``benchmarks/`` too).
+* no module over 600 lines, no function or method over 80 lines.
 
 Every violation of a rule is listed in one failure message, so one run shows all of them.
 """
