@@ -154,44 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.decode_costs",
-        description="Batch-1 cost table (plain step, verify per length, draft, context).",
-    )
-    ap.add_argument("--target", required=True, help="preset name or model path")
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--drafter", help="export directory")
-    src.add_argument("--random-drafter", action="store_true", help="the preset's drafter shape, random weights")
-    ap.add_argument(
-        "--draft-vocab-size",
-        default="-1",
-        help="with --random-drafter: draft vocabulary size (0 = full; default: the preset's); a "
-        "comma-separated list measures one cost table per size (drafting and verification "
-        "only, in the same process, alternated) and writes them under 'draft_vocab_sweep'",
-    )
-    ap.add_argument("--prompts", default=None, help="prompt set for the tokens/s references (default: by preset)")
-    ap.add_argument("--num-prompts", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--cache-len", type=int, default=0, help="KV-cache length (default: as generate uses)")
-    ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument(
-        "--spans",
-        default=None,
-        help="comma-separated attention spans [tokens] to measure at (whole KV blocks; default: the "
-        "decode loop's one); the first is the headline, all go under 'by_span'",
-    )
-    ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument(
-        "--sweep-rounds",
-        type=int,
-        default=3,
-        help="draft-vocabulary sweep: cost tables per size, alternated (each compiles anew)",
-    )
-    ap.add_argument("--json", default=None, help="write the results here")
-    return ap
-
-
 def plain_timings(target, hf, prompts, kw: dict) -> tuple[float, float, float, float]:
     """Greedy plain decoding of every prompt by the target (compiled already) and by transformers'
     ``hf`` (None: skipped), alternated prompt by prompt: ``(JAX tokens, JAX seconds, transformers
@@ -251,6 +213,44 @@ def print_costs(res: dict, target_name: str, cache_len: int, first: int) -> None
     for s, row in res.get("by_span", {}).items():
         verify = ", ".join(f"{w + 1}: {v:.3f}" for w, v in row["t_verify_ms"].items())
         print(f"  span {s:>6}: step {row['t_step_ms']:.3f} ms, draft {row['t_draft_ms']:.3f} ms, verify {verify}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.decode_costs",
+        description="Batch-1 cost table (plain step, verify per length, draft, context).",
+    )
+    parser.add_argument("--target", required=True, help="preset name or model path")
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--drafter", help="export directory")
+    src.add_argument("--random-drafter", action="store_true", help="the preset's drafter shape, random weights")
+    parser.add_argument(
+        "--draft-vocab-size",
+        default="-1",
+        help="with --random-drafter: draft vocabulary size (0 = full; default: the preset's); a "
+        "comma-separated list measures one cost table per size (drafting and verification "
+        "only, in the same process, alternated) and writes them under 'draft_vocab_sweep'",
+    )
+    parser.add_argument("--prompts", default=None, help="prompt set for the tokens/s references (default: by preset)")
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--cache-len", type=int, default=0, help="KV-cache length (default: as generate uses)")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument(
+        "--spans",
+        default=None,
+        help="comma-separated attention spans [tokens] to measure at (whole KV blocks; default: the "
+        "decode loop's one); the first is the headline, all go under 'by_span'",
+    )
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument(
+        "--sweep-rounds",
+        type=int,
+        default=3,
+        help="draft-vocabulary sweep: cost tables per size, alternated (each compiles anew)",
+    )
+    parser.add_argument("--json", default=None, help="write the results here")
+    return parser
 
 
 if __name__ == "__main__":
