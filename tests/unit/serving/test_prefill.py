@@ -28,6 +28,23 @@ from dspark_jax.serving.engine.prefill import ChunkedPrefill, PrefillEntry, Pref
 from dspark_jax.serving.http.engine_loop import EngineLoop, TrackedRequest
 from tests.helpers.engine_drive import drive
 
+
+@pytest.fixture(scope="module")
+def target(stories260k_target):
+    return stories260k_target
+
+
+@pytest.fixture(scope="module")
+def drafter(stories260k_drafter):
+    """The serving engine tests' bigram drafter (tests/conftest.py)."""
+    return stories260k_drafter
+
+
+@pytest.fixture(scope="module")
+def tokenizer(stories260k):
+    return stories260k[2]
+
+
 CHUNK, BLOCK, LANES, SLOTS, CACHE = 12, 4, 3, 3, 64
 STORY = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun. "
