@@ -16,10 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "unit"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.unit.decoding
 
 import jax
 import numpy as np
-from test_decode import random_drafter
 from test_gemma4 import VARIANTS, _write
 
 from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
@@ -27,6 +27,7 @@ from dspark_jax.models.hf_io import load_hf_dir
 from dspark_jax.models.sharding import make_mesh
 from dspark_jax.models.target import Target
 from dspark_jax.models.weights import params_fingerprint
+from tests.unit.decoding.helpers import random_drafter
 
 
 def main() -> None:
@@ -41,7 +42,9 @@ def main() -> None:
         t = Target(cfg, params, fingerprint=params_fingerprint(params), mesh=None if spec is None else make_mesh(spec))
         logits = np.asarray(t(ids[None], pos).logits[0])
         ar = generate_autoregressive(t, prompts, max_new_tokens=10, cache_len=64)
-        sp = generate_speculative(t, random_drafter(t, block_size=4), prompts, max_new_tokens=10, cache_len=64)
+        sp = generate_speculative(
+            t, random_drafter(t, block_size=4), prompts, max_new_tokens=10, cache_len=64, num_speculative_tokens=4
+        )
         out[spec or "one_device"] = {
             "logits": logits.tolist(),
             "plain": [g.token_ids for g in ar.generations],

@@ -46,7 +46,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.decoding.round import RoundInputs, VerifiedRound, draft_tokens, verify_at_width
+from dspark_jax.decoding.round import RoundCaches, RoundInputs, VerifiedRound, draft_tokens, verify_at_width
 from dspark_jax.drafters.base import Draft
 from dspark_jax.models.sampling import SamplingArrays
 
@@ -361,18 +361,7 @@ def auto_round(
     wi = jnp.where(state.draft_on, choose_width(conf, r.running, widths, t_verify), 0)
     ell = jnp.where(r.running, jnp.clip(jnp.minimum(jnp.asarray(widths, jnp.int32)[wi], r.room), 0, block_size), 0)
     res = verify_at_width(
-        target,
-        drafter,
-        tcache,
-        dcache,
-        r,
-        d,
-        ell,
-        sampling,
-        width_index=wi,
-        widths=tuple(widths),
-        block_size=block_size,
-        taps=drafter.cfg.taps,
+        target, drafter, RoundCaches(tcache, dcache), r, d, ell, sampling, width_index=wi, widths=tuple(widths)
     )
     hits, predicted, seen = observe_acceptance(state, d.confidence, ell, res.num_accepted, r.running)
     after = state._replace(hits=hits, predicted=predicted, seen=seen)

@@ -18,7 +18,6 @@ import dataclasses
 import numpy as np
 import pytest
 import test_prefill
-from test_decode import assert_same_outputs, bigram_drafter, random_drafter
 
 from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
 from dspark_jax.errors import DSparkInputError
@@ -27,6 +26,7 @@ from dspark_jax.models.target import Target
 from dspark_jax.models.weights import params_fingerprint
 from dspark_jax.serving.engine import Engine, Request, SamplingParams
 from dspark_jax.serving.engine.prefill import ChunkedPrefill
+from tests.unit.decoding.helpers import assert_same_outputs, bigram_drafter, random_drafter
 
 pytestmark = pytest.mark.exactness
 
@@ -192,7 +192,9 @@ def test_greedy_speculative_equals_plain(written):
     target = _target(written, "gemma3")
     prompts = _prompts((SEQ, 13))
     ar = generate_autoregressive(target, prompts, max_new_tokens=20, cache_len=80)
-    sp = generate_speculative(target, random_drafter(target, block_size=4), prompts, max_new_tokens=20, cache_len=80)
+    sp = generate_speculative(
+        target, random_drafter(target, block_size=4), prompts, max_new_tokens=20, cache_len=80, num_speculative_tokens=4
+    )
     assert_same_outputs(ar, sp)
 
 

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import test_prefill
-from test_decode import assert_same_outputs, bigram_drafter, random_drafter
 
 from dspark_jax.config import TargetConfig
 from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
@@ -35,6 +34,7 @@ from dspark_jax.models.target import Target
 from dspark_jax.models.weights import params_fingerprint
 from dspark_jax.serving.engine import Engine, Request, SamplingParams
 from dspark_jax.serving.engine.prefill import ChunkedPrefill
+from tests.unit.decoding.helpers import assert_same_outputs, bigram_drafter, random_drafter
 
 WINDOW, PROMPT, DECODE = 8, 40, 6
 
@@ -290,7 +290,14 @@ def _prompts(n, lengths):
 def test_greedy_speculative_equals_plain(mistral):
     prompts = _prompts(mistral.cfg.vocab_size, (PROMPT, 13))
     ar = generate_autoregressive(mistral, prompts, max_new_tokens=20, cache_len=80)
-    sp = generate_speculative(mistral, random_drafter(mistral, block_size=4), prompts, max_new_tokens=20, cache_len=80)
+    sp = generate_speculative(
+        mistral,
+        random_drafter(mistral, block_size=4),
+        prompts,
+        max_new_tokens=20,
+        cache_len=80,
+        num_speculative_tokens=4,
+    )
     assert_same_outputs(ar, sp)
 
 
