@@ -237,13 +237,13 @@ def _spec_decode(
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state)
     block_size = drafter.cfg.block_size
-    widths, probe_every = (None, 8) if auto is None else (auto.widths, auto.probe_every)
+    widths, probe_every = ((), 8) if auto is None else (auto.widths, auto.probe_every)
     init = _start(target, drafter, x, cache_len, drafter.cfg.taps, block_size)
     b = x.prompt.shape[0]
     if record_rounds:
         zeros = jnp.zeros((b, max_steps), jnp.int32)
         init = init._replace(rounds=RoundLog(jnp.zeros((b, max_steps, block_size), jnp.float32), zeros, zeros))
-    if widths is not None:
+    if auto is not None:
         init = init._replace(auto=auto_verify.init_auto_state(b, block_size, probe_every))
 
     def body(s: _Loop):
@@ -391,8 +391,10 @@ def run_speculative(
       :class:`BatchResult` whose ``num_speculative_tokens`` is the int, or ``"auto"``.
     """
     (t_graph, t_state), (d_graph, d_state) = nnx.split(target), nnx.split(drafter)
-    auto = num_speculative_tokens if isinstance(num_speculative_tokens, AutoWidths) else None
-    width = drafter.cfg.block_size if auto is not None else int(num_speculative_tokens)
+    if isinstance(num_speculative_tokens, AutoWidths):
+        auto, width = num_speculative_tokens, drafter.cfg.block_size
+    else:
+        auto, width = None, int(num_speculative_tokens)
     args = (t_state, d_state, _device_inputs(bt), auto)
     statics = dict(
         t_graph=t_graph,

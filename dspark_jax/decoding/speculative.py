@@ -186,7 +186,8 @@ def speculate_batch(
     Raises:
       DSparkInputError: ``"auto"`` for a drafter without blocks (eagle3).
     """
-    verify = (
-        _auto_widths(target, drafter, cost_table, bt) if num_speculative_tokens == "auto" else num_speculative_tokens
-    )
+    if num_speculative_tokens == "auto":
+        verify = _auto_widths(target, drafter, cost_table, bt)
+    else:
+        verify = int(num_speculative_tokens)
     return run_speculative(target, drafter, bt, verify, record_rounds=record_rounds)
