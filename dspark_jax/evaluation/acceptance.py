@@ -70,12 +70,11 @@ def evaluate_tau(
       dict with ``tau``, ``acceptance_rate``, ``position_acceptance`` (list over
       k = 1..block_size; ``position_reached`` / ``position_accepted``: its counts),
       ``accept_rate_at_k`` (list over k = 1..the verification length, the block size with
-      ``"auto"``: fraction of
-      rounds with >= k accepted drafts), ``num_requests``, ``num_target_passes``,
+      ``"auto"``: fraction of rounds with >= k accepted drafts), ``num_requests``, ``num_target_passes``,
       ``tokens_per_s`` (compilation excluded), per request in prompt order ``request_tau`` and
       ``request_target_passes`` (so ``tau`` = their passes-weighted mean; for standard errors
       across prompts), ``request_acceptance_rate`` and ``request_token_ids``, and the settings used
-      (``num_speculative_tokens``: the resolved length or ``"auto"``).
+      (``num_speculative_tokens``: as the front door resolved it, an int or ``"auto"``).
     Raises:
       DSparkInputError: as :func:`~dspark_jax.decoding.request.decode`, a num_speculative_tokens
         that is None among them.
@@ -101,7 +100,6 @@ def evaluate_tau(
     # Raw counts, so acceptance can be pooled exactly over several prompt sets.
     out["position_reached"] = [int(r) for r in reached]
     out["position_accepted"] = [int(a) for a in accepted]
-    # as the front door resolved it (resolved here only when there was nothing to decode)
     n_spec = (
         results[0].num_speculative_tokens
         if results
