@@ -24,7 +24,6 @@ on its batch-mates, its row, or how long the process has run.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from functools import partial
 from typing import Any, NamedTuple
@@ -35,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.decoding import auto_verify
+from dspark_jax.decoding.auto_verify import AutoWidths
 from dspark_jax.decoding.compile_cache import LRUCache
 from dspark_jax.decoding.results import BatchResult, DecodeStats, Generation, RoundLog, generations
 from dspark_jax.decoding.round import (
@@ -87,27 +87,6 @@ class _Inputs(NamedTuple):
     sampling: SamplingArrays  # per-request temperature / top-k / top-p
     keys: jax.Array  # [B, 2] request keys
     stop: jax.Array  # [S] int32 stop ids (-2: none)
-
-
-@partial(jax.tree_util.register_dataclass, data_fields=["t_verify", "t_draft"], meta_fields=["widths", "probe_every"])
-@dataclasses.dataclass(frozen=True)
-class AutoWidths:
-    """What ``num_speculative_tokens="auto"`` verifies with (:func:`~dspark_jax.decoding.auto_verify.auto_round`).
-
-    A pytree: the widths and the probe interval are static (each set compiles its own loop), the
-    costs are traced (new costs reuse the compiled loop).
-
-    Attributes:
-      widths: ascending verification widths from 0 (static).
-      t_verify: ``[len(widths)]`` float32 seconds of a round verifying each width.
-      t_draft: ``[]`` float32 seconds of drafting one block.
-      probe_every: while not drafting, draft anyway after this many rounds (static).
-    """
-
-    widths: tuple[int, ...]
-    t_verify: jax.Array
-    t_draft: jax.Array
-    probe_every: int = 8
 
 
 def _start(target, drafter, x: _Inputs, cache_len: int, taps, block_size: int) -> _Loop:
@@ -237,14 +216,13 @@ def _spec_decode(
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state)
     block_size = drafter.cfg.block_size
-    widths, probe_every = ((), 8) if auto is None else (auto.widths, auto.probe_every)
     init = _start(target, drafter, x, cache_len, drafter.cfg.taps, block_size)
     b = x.prompt.shape[0]
     if record_rounds:
         zeros = jnp.zeros((b, max_steps), jnp.int32)
         init = init._replace(rounds=RoundLog(jnp.zeros((b, max_steps, block_size), jnp.float32), zeros, zeros))
     if auto is not None:
-        init = init._replace(auto=auto_verify.init_auto_state(b, block_size, probe_every))
+        init = init._replace(auto=auto_verify.init_auto_state(b, block_size, auto.probe_every))
 
     def body(s: _Loop):
         running = s.finish == FINISH_RUNNING
@@ -255,11 +233,9 @@ def _spec_decode(
         r_in = RoundInputs(running, anchor, p, draft_keys, verify_keys, room)
         if auto is None:
             return _close_round(s, _fixed_round(target, drafter, s, x, r_in, width=width), running, x, cache_len, None)
-        costs = (auto.t_verify, auto.t_draft)
-        res, ell, zlog, new_auto = auto_verify.auto_round(
-            target, drafter, s.auto, s.tcache, s.dcache, r_in, x.sampling, costs, widths=widths, probe_every=probe_every
-        )
-        r = _Round(res, ell, zlog, jnp.asarray(widths, jnp.int32)[new_auto.width], s.auto.draft_on)
+        caches = RoundCaches(s.tcache, s.dcache)
+        res, ell, zlog, new_auto = auto_verify.auto_round(target, drafter, s.auto, caches, r_in, x.sampling, auto)
+        r = _Round(res, ell, zlog, jnp.asarray(auto.widths, jnp.int32)[new_auto.width], s.auto.draft_on)
         return _close_round(s, r, running, x, cache_len, new_auto)
 
     return jax.lax.while_loop(partial(_running, max_steps=max_steps), body, init)
