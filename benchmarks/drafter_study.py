@@ -203,7 +203,14 @@ def evaluate_drafter(
     accepted = np.zeros(drafter.cfg.block_size)
     for ds, ids in prompts.items():
         ev = evaluate_tau(
-            target, drafter, ids, max_new_tokens=max_new, temperature=temperature, batch_size=batch_size, seed=seed
+            target,
+            drafter,
+            ids,
+            max_new_tokens=max_new,
+            temperature=temperature,
+            num_speculative_tokens=drafter.cfg.block_size,
+            batch_size=batch_size,
+            seed=seed,
         )
         per[ds] = {k: ev[k] for k in TAU_KEYS}
         per[ds]["tau_stderr"] = tau_stderr(ev["request_tau"], ev["request_target_passes"])

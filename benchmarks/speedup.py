@@ -138,11 +138,11 @@ def step_timings(
 # ---------------------------------------------------------------------------------- measured speedup
 
 
-def _entries(drafters: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int | str | None]]:
+def _entries(drafters: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int | str]]:
     """``name -> drafter`` and ``name -> num_speculative_tokens``: a value of ``drafters`` may be a
     drafter (its block size) or ``(drafter, num_speculative_tokens)`` (the same drafter at several
     lengths / ``"auto"``)."""
-    n_spec = {n: (d[1] if isinstance(d, tuple) else None) for n, d in drafters.items()}
+    n_spec = {n: (d[1] if isinstance(d, tuple) else d.cfg.block_size) for n, d in drafters.items()}
     return {n: (d[0] if isinstance(d, tuple) else d) for n, d in drafters.items()}, n_spec
 
 

@@ -17,7 +17,6 @@ from typing import Any
 
 from dspark_jax.decoding import disk_cache
 from dspark_jax.decoding.request import DecodeRequest, decode, load_drafter_for, summary
-from dspark_jax.decoding.validation import check_sampling
 from dspark_jax.drafters.base import Drafter
 from dspark_jax.drafters.checkpoint import load_drafter
 from dspark_jax.errors import DSparkInputError
@@ -116,7 +115,7 @@ def generate_text(
     top_k: int = _DEFAULTS["top_k"],
     top_p: float = _DEFAULTS["top_p"],
     seed: int = _DEFAULTS["seed"],
-    num_speculative_tokens: int | str | None = _DEFAULTS["num_speculative_tokens"],
+    num_speculative_tokens: int | str = _DEFAULTS["num_speculative_tokens"],
     chat: bool = False,
 ) -> dict[str, Any]:
     """Generates one completion, speculatively when a drafter is given.
@@ -146,10 +145,8 @@ def generate_text(
       DSparkInputError: empty prompt, NaN/inf or out-of-range sampling settings,
         max_new_tokens or seed (one line naming the setting), a drafter for another target.
     """
-    check_sampling(temperature, top_k, top_p)
-    ids = list(prompt) if not isinstance(prompt, str) else encode_prompt(tokenizer, prompt, chat)
-    req = DecodeRequest(
-        ids,
+    settings = DecodeRequest(  # checked before the prompt is encoded or a model touched
+        (),
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k,
@@ -157,5 +154,6 @@ def generate_text(
         seed=seed,
         num_speculative_tokens=num_speculative_tokens,
     )
-    res = decode(target, drafter, [req])
+    ids = list(prompt) if not isinstance(prompt, str) else encode_prompt(tokenizer, prompt, chat)
+    res = decode(target, drafter, [settings.with_prompt(ids)])
     return {**summary(tokenizer, res.generations[0]), "tokens_per_s": res.tokens_per_s}

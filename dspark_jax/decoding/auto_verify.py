@@ -40,13 +40,15 @@ Everything here is traced inside the decode loop (pure ``jnp``; widths are stati
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.decoding.round import RoundInputs, VerifiedRound, draft_tokens, verify_at_width
+from dspark_jax.decoding.round import RoundCaches, RoundInputs, VerifiedRound, draft_tokens, verify_at_width
 from dspark_jax.drafters.base import Draft
 from dspark_jax.models.sampling import SamplingArrays
 
@@ -58,6 +60,7 @@ __all__ = [
     "REALIZED_DECAY",
     "REALIZED_MIN_ROUNDS",
     "AutoState",
+    "AutoWidths",
     "acceptance_ratio",
     "auto_round",
     "choose_width",
@@ -155,6 +158,27 @@ def should_draft(
         tokens = n + jnp.sum(run * jnp.sum(a[:, : widths[i]], axis=1))
         best = jnp.maximum(best, tokens / (t_draft + t_verify[i]))
     return best > plain
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["t_verify", "t_draft"], meta_fields=["widths", "probe_every"])
+@dataclasses.dataclass(frozen=True)
+class AutoWidths:
+    """What ``num_speculative_tokens="auto"`` verifies with (:func:`auto_round`).
+
+    A pytree: the widths and the probe interval are static (each set compiles its own loop), the
+    costs are traced (new costs reuse the compiled loop).
+
+    Attributes:
+      widths: ascending verification widths from 0 (static).
+      t_verify: ``[len(widths)]`` float32 seconds of a round verifying each width.
+      t_draft: ``[]`` float32 seconds of drafting one block.
+      probe_every: while not drafting, draft anyway after this many rounds (static).
+    """
+
+    widths: tuple[int, ...]
+    t_verify: jax.Array
+    t_draft: jax.Array
+    probe_every: int = 8
 
 
 class AutoState(NamedTuple):
@@ -316,14 +340,10 @@ def auto_round(
     target,
     drafter,
     state: AutoState,
-    tcache,
-    dcache,
+    caches: RoundCaches,
     r: RoundInputs,
     sampling: SamplingArrays,
-    costs: tuple[jax.Array, jax.Array],
-    *,
-    widths: Sequence[int],
-    probe_every: int,
+    auto: AutoWidths,
 ) -> tuple[VerifiedRound, jax.Array, jax.Array, AutoState]:
     """One round with an automatic verification width (module docstring).
 
@@ -334,22 +354,23 @@ def auto_round(
     (:func:`should_draft` of :func:`forecast_acceptance`).
 
     Args:
-      state: :class:`AutoState`. tcache / dcache: the target's KV cache and the drafter's context cache.
+      state: :class:`AutoState`. caches: the target's KV cache and the drafter's context cache.
       r: :class:`~dspark_jax.decoding.round.RoundInputs` of the round.
-      costs: ``(t_verify [len(widths)], t_draft [])`` float32 seconds.
-      widths: static ascending widths from 0.
-      probe_every: while not drafting, draft anyway after this many rounds (the wait doubles
-        after each probe that does not pay: :class:`AutoState`).
+      auto: :class:`AutoWidths`: the static ascending widths from 0 and probe interval (while not
+        drafting, draft anyway after that many rounds; the wait doubles after each probe that does
+        not pay: :class:`AutoState`), the costs ``t_verify [len(widths)]`` and ``t_draft []``
+        float32 seconds.
     Returns:
       ``(verified round, num_verify [B] int32, raw confidence logits [B, G], next AutoState)``.
     """
-    t_verify, t_draft = costs
+    widths, probe_every = auto.widths, auto.probe_every
+    t_verify, t_draft = auto.t_verify, auto.t_draft
     b = r.anchor.shape[0]
     block_size = drafter.cfg.block_size
     v = drafter.cfg.vocab_size
 
     def drafted(_):
-        return draft_tokens(target, drafter, r.anchor, r.anchor_pos, dcache, r.draft_keys, sampling)
+        return draft_tokens(target, drafter, r.anchor, r.anchor_pos, caches.drafter, r.draft_keys, sampling)
 
     def skipped(_):
         z = jnp.zeros((b, block_size), jnp.float32)
@@ -360,20 +381,7 @@ def auto_round(
     # Width from confidences only, chunk by chunk (non-anticipating, module docstring).
     wi = jnp.where(state.draft_on, choose_width(conf, r.running, widths, t_verify), 0)
     ell = jnp.where(r.running, jnp.clip(jnp.minimum(jnp.asarray(widths, jnp.int32)[wi], r.room), 0, block_size), 0)
-    res = verify_at_width(
-        target,
-        drafter,
-        tcache,
-        dcache,
-        r,
-        d,
-        ell,
-        sampling,
-        width_index=wi,
-        widths=tuple(widths),
-        block_size=block_size,
-        taps=drafter.cfg.taps,
-    )
+    res = verify_at_width(target, drafter, caches, r, d, ell, sampling, width_index=wi, widths=tuple(widths))
     hits, predicted, seen = observe_acceptance(state, d.confidence, ell, res.num_accepted, r.running)
     after = state._replace(hits=hits, predicted=predicted, seen=seen)
     forecast = forecast_acceptance(corrected_confidence(d.confidence, after), after.hits, after.seen)

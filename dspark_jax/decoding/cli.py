@@ -43,8 +43,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser, d: dict) -> None:
 
 
 def add_verification_argument(p: argparse.ArgumentParser, d: dict) -> None:
-    """``--num-speculative-tokens N|auto`` with the front door's default ``d`` (None: ``auto`` for
-    dspark/dflash drafters, the block size for others); shared by generate, eval and the batch script."""
+    """``--num-speculative-tokens N|auto`` with the front door's default ``d`` (``auto``: automatic
+    for dspark/dflash drafters, the block size for others); shared by generate, eval and the batch script."""
     p.add_argument(
         "--num-speculative-tokens",
         default=d["num_speculative_tokens"],
@@ -153,7 +153,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise DSparkInputError(f"--{str(e).replace('_', '-', 1)}") from None
     if args.drafter:
         read_export_meta(args.drafter)  # fail fast, before loading the target
-    if args.num_speculative_tokens is not None and not args.drafter:
+    if args.num_speculative_tokens != _defaults()["num_speculative_tokens"] and not args.drafter:
         raise DSparkInputError("--num-speculative-tokens needs --drafter")
 
 
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> dict:
       DSparkInputError: bad flags or prompt, missing model files, a drafter for another target.
     """
     from dspark_jax.api import encode_prompt, load_target
-    from dspark_jax.decoding.request import decode, load_drafter_for, resolve_num_speculative_tokens, summary
+    from dspark_jax.decoding.request import decode, load_drafter_for, summary
     from dspark_jax.models.presets import preset_info
 
     _check_args(args)
@@ -213,17 +213,13 @@ def run(args: argparse.Namespace) -> dict:
     drafter = None
     if args.drafter:
         drafter = load_drafter_for(target, tok, args.drafter, target.dtype)[0]
-        n_spec = resolve_num_speculative_tokens(drafter, req.num_speculative_tokens)
-        out.update(
-            mode="speculative",
-            variant=drafter.cfg.variant,
-            num_speculative_tokens=n_spec,
-            block_size=drafter.cfg.block_size,
-        )
+        out.update(mode="speculative", variant=drafter.cfg.variant, block_size=drafter.cfg.block_size)
         if args.compare_ar:  # warm-up run: the timed runs below then compare steady-state speed
             decode(target, drafter, [req])
     res = decode(target, drafter, [req])
     g = res.generations[0]
+    if drafter is not None:
+        out["num_speculative_tokens"] = res.num_speculative_tokens  # as the front door resolved it
     out.update(summary(tok, g))
     out.update(
         num_generated_tokens=len(g.token_ids),

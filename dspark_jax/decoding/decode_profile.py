@@ -35,8 +35,8 @@ from dspark_jax.decoding.cost_table import (
     table_key,
     time_programs,
 )
-from dspark_jax.decoding.loop import make_batch, run_speculative
-from dspark_jax.decoding.round import RoundInputs, draft_tokens, verify_pass
+from dspark_jax.decoding.loop import AutoWidths, make_batch, run_speculative
+from dspark_jax.decoding.round import RoundCaches, RoundInputs, draft_tokens, verify_pass
 from dspark_jax.drafters.base import Draft, prepare_drafter
 from dspark_jax.models.sampling import process_logits, sample, sampling_arrays
 
@@ -56,7 +56,6 @@ def _programs(target, drafter, widths: Sequence[int]):
     and returned."""
     t_graph, _ = nnx.split(target)
     d_graph, _ = nnx.split(drafter)
-    taps = drafter.cfg.taps
     g = drafter.cfg.block_size
 
     def verify_prog(w):
@@ -66,8 +65,8 @@ def _programs(target, drafter, widths: Sequence[int]):
             running, n = jnp.ones((1,), bool), jnp.full((1,), w, jnp.int32)
             unread = jnp.zeros(drafts.shape, jnp.float32)  # verify_pass reads no confidence, draft key or room
             r_in, draft = RoundInputs(running, anchor, pos, key, key, n), Draft(drafts, dprobs, unread, unread)
-            r = verify_pass(t, d, tcache, dcache, r_in, draft, n, samp, width=w, block_size=g, taps=taps)
-            return r.tcache, r.dcache, r.tokens
+            r = verify_pass(t, d, RoundCaches(tcache, dcache), r_in, draft, n, samp, width=w)
+            return r.caches.target, r.caches.drafter, r.tokens
 
         return jax.jit(run, donate_argnums=(2, 3))
 
@@ -196,7 +195,7 @@ def measure_round_costs(target, drafter, *, cache_len: int, spans: Sequence[int]
         costs = [(jnp.asarray(forcing_costs(widths, i)), jnp.float32(0.0)) for i in range(len(widths))]
 
         def run(i, n, batches=batches, costs=costs):
-            res = run_speculative(target, drafter, batches[n], fixed=None, widths=widths, costs=costs[i])
+            res = run_speculative(target, drafter, batches[n], AutoWidths(widths, *costs[i]))
             return res.seconds, res.generations[0].num_target_passes
 
         runs = [(i, n) for i in range(len(widths)) for n in (short, long_)]

@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.decoding import auto_verify
+from dspark_jax.decoding.auto_verify import AutoWidths
 from dspark_jax.decoding.compile_cache import LRUCache
 from dspark_jax.decoding.results import BatchResult, DecodeStats, Generation, RoundLog, generations
 from dspark_jax.decoding.round import (
@@ -41,6 +42,7 @@ from dspark_jax.decoding.round import (
     FINISH_LENGTH,
     FINISH_RUNNING,
     FINISH_STOP,
+    RoundCaches,
     RoundInputs,
     VerifiedRound,
     append_tokens,
@@ -61,7 +63,7 @@ from dspark_jax.models.layers import KVCache
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, sampling_arrays
 from dspark_jax.models.target import Target
 
-__all__ = ["STEP_BUCKET", "Batch", "make_batch", "run_autoregressive", "run_speculative"]
+__all__ = ["STEP_BUCKET", "AutoWidths", "Batch", "make_batch", "run_autoregressive", "run_speculative"]
 
 
 class _Loop(NamedTuple):
@@ -156,27 +158,14 @@ class _Round(NamedTuple):
     drafted: jax.Array
 
 
-def _fixed_round(target, drafter, s: _Loop, x: _Inputs, r: RoundInputs, max_verify, *, width: int) -> _Round:
+def _fixed_round(target, drafter, s: _Loop, x: _Inputs, r: RoundInputs, *, width: int) -> _Round:
     """A round verifying ``min(num_speculative_tokens, room)`` drafts of every running row in a
     pass of static ``width + 1`` tokens (``width`` = num_speculative_tokens: a shorter fixed
     length costs a shorter pass, not a block-wide one with fewer accepts)."""
-    block_size = drafter.cfg.block_size
     d = draft_tokens(target, drafter, r.anchor, r.anchor_pos, s.dcache, r.draft_keys, x.sampling)
     # Verification length: fixed by limits only, never by draft values (non-anticipation).
-    ell = jnp.where(r.running, jnp.clip(jnp.minimum(max_verify, r.room), 0, width), 0)
-    res = verify_pass(
-        target,
-        drafter,
-        s.tcache,
-        s.dcache,
-        r,
-        d,
-        ell,
-        x.sampling,
-        width=width,
-        block_size=block_size,
-        taps=drafter.cfg.taps,
-    )
+    ell = jnp.where(r.running, jnp.clip(r.room, 0, width), 0)
+    res = verify_pass(target, drafter, RoundCaches(s.tcache, s.dcache), r, d, ell, x.sampling, width=width)
     return _Round(res, ell, d.confidence_logit, jnp.int32(width), jnp.ones((), bool))
 
 
@@ -195,7 +184,7 @@ def _close_round(s: _Loop, r: _Round, running, x: _Inputs, cache_len: int, new_a
             rounds.num_accepted.at[:, s.step].set(rs.num_accepted),
             rounds.num_draft_tokens.at[:, s.step].set(rs.num_draft_tokens),
         )
-    return _Loop(seq, length, finish, v.tcache, v.dcache, stats, s.step + 1, rounds, new_auto)
+    return _Loop(seq, length, finish, v.caches.target, v.caches.drafter, stats, s.step + 1, rounds, new_auto)
 
 
 @partial(
@@ -206,27 +195,24 @@ def _close_round(s: _Loop, r: _Round, running, x: _Inputs, cache_len: int, new_a
         "cache_len",
         "max_steps",
         "record_rounds",
-        "widths",
-        "probe_every",
-        "fixed_width",
+        "width",
     ),
 )
 def _spec_decode(
     t_state,
     d_state,
     x: _Inputs,
-    max_verify,
-    costs=None,
+    auto: AutoWidths | None,
     *,
     t_graph,
     d_graph,
     cache_len: int,
     max_steps: int,
-    record_rounds: bool = False,
-    widths: tuple[int, ...] | None = None,
-    probe_every: int = 8,
-    fixed_width: int | None = None,
+    record_rounds: bool,
+    width: int,
 ):
+    """The speculative loop: ``width`` drafts verified per round, or ``"auto"``'s widths and costs
+    (``auto``, then ``width`` is unread)."""
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state)
     block_size = drafter.cfg.block_size
@@ -235,8 +221,8 @@ def _spec_decode(
     if record_rounds:
         zeros = jnp.zeros((b, max_steps), jnp.int32)
         init = init._replace(rounds=RoundLog(jnp.zeros((b, max_steps, block_size), jnp.float32), zeros, zeros))
-    if widths is not None:
-        init = init._replace(auto=auto_verify.init_auto_state(b, block_size, probe_every))
+    if auto is not None:
+        init = init._replace(auto=auto_verify.init_auto_state(b, block_size, auto.probe_every))
 
     def body(s: _Loop):
         running = s.finish == FINISH_RUNNING
@@ -245,16 +231,11 @@ def _spec_decode(
         draft_keys, verify_keys = split_round_keys(token_keys(x.keys, p))
         room = jnp.minimum(x.limit, cache_len) - s.length - 1
         r_in = RoundInputs(running, anchor, p, draft_keys, verify_keys, room)
-        if widths is None:
-            width = block_size if fixed_width is None else fixed_width
-            return _close_round(
-                s, _fixed_round(target, drafter, s, x, r_in, max_verify, width=width), running, x, cache_len, None
-            )
-        assert costs is not None  # given with widths (generate_speculative)
-        res, ell, zlog, new_auto = auto_verify.auto_round(
-            target, drafter, s.auto, s.tcache, s.dcache, r_in, x.sampling, costs, widths=widths, probe_every=probe_every
-        )
-        r = _Round(res, ell, zlog, jnp.asarray(widths, jnp.int32)[new_auto.width], s.auto.draft_on)
+        if auto is None:
+            return _close_round(s, _fixed_round(target, drafter, s, x, r_in, width=width), running, x, cache_len, None)
+        caches = RoundCaches(s.tcache, s.dcache)
+        res, ell, zlog, new_auto = auto_verify.auto_round(target, drafter, s.auto, caches, r_in, x.sampling, auto)
+        r = _Round(res, ell, zlog, jnp.asarray(auto.widths, jnp.int32)[new_auto.width], s.auto.draft_on)
         return _close_round(s, r, running, x, cache_len, new_auto)
 
     return jax.lax.while_loop(partial(_running, max_steps=max_steps), body, init)
@@ -372,29 +353,35 @@ def run_speculative(
     target: Target,
     drafter,
     bt: Batch,
+    num_speculative_tokens: int | AutoWidths,
     *,
-    fixed: int | None,
-    widths: tuple[int, ...] | None = None,
-    costs: tuple[jax.Array, jax.Array] | None = None,
     record_rounds: bool = False,
 ) -> BatchResult:
     """Speculative decoding of the laid-out batch ``bt`` (:func:`make_batch` with the drafter's
-    block size): ``fixed`` drafts verified per round, or ``fixed=None`` with ``widths`` and
-    ``costs`` (``(t_verify [len(widths)], t_draft [])`` float32 seconds, traced: new costs reuse
-    the program) for ``"auto"`` (:func:`~dspark_jax.decoding.auto_verify.auto_round`). Compiled
-    once per shape signature, then run; seconds exclude compilation."""
+    block size): ``num_speculative_tokens`` drafts verified per round (an int in
+    ``[1, block_size]``, static: each length compiles its own, shorter, verification pass), or
+    ``"auto"``'s :class:`AutoWidths` (:func:`~dspark_jax.decoding.auto_verify.auto_round`).
+    Compiled once per shape signature, then run; seconds exclude compilation.
+
+    Returns:
+      :class:`BatchResult` whose ``num_speculative_tokens`` is the int, or ``"auto"``.
+    """
     (t_graph, t_state), (d_graph, d_state) = nnx.split(target), nnx.split(drafter)
-    block_size = drafter.cfg.block_size
-    args = (t_state, d_state, _device_inputs(bt), jnp.int32(block_size if fixed is None else fixed), costs)
+    if isinstance(num_speculative_tokens, AutoWidths):
+        auto, width = num_speculative_tokens, drafter.cfg.block_size
+    else:
+        auto, width = None, int(num_speculative_tokens)
+    args = (t_state, d_state, _device_inputs(bt), auto)
     statics = dict(
         t_graph=t_graph,
         d_graph=d_graph,
         cache_len=bt.cache_len,
         max_steps=bt.max_steps,
         record_rounds=bool(record_rounds),
-        widths=widths,
-        fixed_width=fixed,
+        width=width,
     )
-    key = ("spec", bt.prompt.shape, bt.stop.shape, *statics.values())
+    auto_key = None if auto is None else (auto.widths, auto.probe_every)
+    key = ("spec", bt.prompt.shape, bt.stop.shape, auto_key, *statics.values())
     state, secs, csecs = _run(_spec_decode, args, statics, key)
-    return BatchResult(_generations(state, bt.lens, speculative=True), secs, csecs, bt.cache_len)
+    n_spec = "auto" if auto is not None else width
+    return BatchResult(_generations(state, bt.lens, speculative=True), secs, csecs, bt.cache_len, n_spec)

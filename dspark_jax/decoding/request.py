@@ -6,10 +6,13 @@ The Python API (:func:`dspark_jax.api.generate_text`), ``python -m dspark_jax.ge
 one place and give the same tokens, tau and acceptance for the same request:
 
 * :class:`DecodeRequest`: prompt ids and the request's settings; its field defaults are THE
-  defaults (128 new tokens, greedy, no top-k / top-p, seed 0, ``num_speculative_tokens=None``).
-* :func:`resolve_num_speculative_tokens`: ``None`` means ``"auto"`` for a block drafter
-  (:mod:`dspark_jax.decoding.auto_verify` reads its block confidences) and the block size for any
-  other drafter (eagle3); an int is checked against the block size.
+  defaults (128 new tokens, greedy, no top-k / top-p, seed 0, ``num_speculative_tokens="auto"``).
+* :func:`resolve_num_speculative_tokens`: the one place ``num_speculative_tokens`` is resolved
+  for a drafter: ``"auto"`` stays ``"auto"`` for a block drafter
+  (:mod:`dspark_jax.decoding.auto_verify` reads its block confidences) and is the block size for
+  any other drafter (eagle3: nothing to choose from); an int is checked against the block size.
+  :func:`decode` resolves it once per call and reports the result
+  (:attr:`~dspark_jax.decoding.results.BatchResult.num_speculative_tokens`).
 * :func:`load_drafter_for`: loads an export for a target, checks and prepares it.
 * :func:`decode`: a batch of requests through the speculative loop (with a drafter) or the
   autoregressive one (without), returning :class:`~dspark_jax.decoding.results.BatchResult`.
@@ -19,6 +22,7 @@ one place and give the same tokens, tau and acceptance for the same request:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -34,7 +38,6 @@ if TYPE_CHECKING:  # the models load lazily: the CLIs read the defaults below fo
 __all__ = [
     "DecodeRequest",
     "decode",
-    "default_num_speculative_tokens",
     "load_drafter_for",
     "resolve_num_speculative_tokens",
     "summary",
@@ -57,12 +60,13 @@ class DecodeRequest:
       seed: PRNG seed of the request, an int64 (randomness is per request: the output does not
         depend on batch-mates, except through ``"auto"``'s batch-wide lengths at T > 0).
       num_speculative_tokens: draft tokens verified per round (verification length), an int in
-        ``1..block_size``, ``"auto"``, or None for the default
-        (:func:`default_num_speculative_tokens`). Ignored without a drafter.
+        ``1..block_size`` or ``"auto"`` (:func:`resolve_num_speculative_tokens`). Ignored without
+        a drafter.
       stop_ids: token ids that end the request (None: the target's EOS ids).
     Raises:
-      DSparkInputError: on construction, out-of-range sampling settings, max_new_tokens or seed
-        (one line naming the setting; :mod:`dspark_jax.decoding.validation`).
+      DSparkInputError: on construction, out-of-range sampling settings, max_new_tokens or seed,
+        or a num_speculative_tokens that is neither a positive int nor ``"auto"`` (one line naming
+        the setting; :mod:`dspark_jax.decoding.validation`).
     """
 
     prompt_ids: Sequence[int]
@@ -71,7 +75,7 @@ class DecodeRequest:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
-    num_speculative_tokens: int | str | None = None
+    num_speculative_tokens: int | str = "auto"
     stop_ids: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
@@ -82,6 +86,15 @@ class DecodeRequest:
         validation.check_sampling(self.temperature, self.top_k, self.top_p)
         validation.check_max_new_tokens(self.max_new_tokens, 1)
         validation.check_seeds(self.seed, 1)
+        object.__setattr__(
+            self, "num_speculative_tokens", validation.check_num_speculative_tokens(self.num_speculative_tokens)
+        )
+
+    def with_prompt(self, prompt_ids: Sequence[int]) -> DecodeRequest:
+        """This request's settings (checked already, not again) with the prompt ``prompt_ids``."""
+        new = copy.copy(self)
+        object.__setattr__(new, "prompt_ids", tuple(prompt_ids))
+        return new
 
     @classmethod
     def field_defaults(cls) -> dict[str, Any]:
@@ -89,22 +102,18 @@ class DecodeRequest:
         return {f.name: f.default for f in dataclasses.fields(cls) if f.name != "prompt_ids"}
 
 
-def default_num_speculative_tokens(drafter: Drafter) -> int | str:
-    """The verification length a request without one gets: ``"auto"`` for a block drafter
-    (dspark / dflash: it reads their block confidences), else the drafter's block size."""
-    from dspark_jax.drafters.base import BlockDrafter
-
-    return "auto" if isinstance(drafter, BlockDrafter) else drafter.cfg.block_size
-
-
-def resolve_num_speculative_tokens(drafter: Drafter, num_speculative_tokens: int | str | None) -> int | str:
-    """``"auto"`` or an int in ``[1, block_size]`` (None: :func:`default_num_speculative_tokens`).
+def resolve_num_speculative_tokens(drafter: Drafter, num_speculative_tokens: int | str) -> int | str:
+    """The verification length a request decodes with: ``"auto"`` for a block drafter (dspark /
+    dflash: :mod:`~dspark_jax.decoding.auto_verify` reads their block confidences), the block size
+    for ``"auto"`` with any other drafter, else the int, checked.
 
     Raises:
-      DSparkInputError: an int outside ``[1, block_size]``, or neither an int nor ``"auto"``.
+      DSparkInputError: None, an int outside ``[1, block_size]``, or neither an int nor ``"auto"``.
     """
-    default = default_num_speculative_tokens(drafter)
-    return validation.resolve_num_speculative_tokens(num_speculative_tokens, drafter.cfg.block_size, default=default)
+    from dspark_jax.drafters.base import BlockDrafter
+
+    n = validation.check_num_speculative_tokens(num_speculative_tokens, drafter.cfg.block_size)
+    return drafter.cfg.block_size if n == "auto" and not isinstance(drafter, BlockDrafter) else n
 
 
 def load_drafter_for(target: Target, tokenizer: Any, drafter_dir: str, dtype: Any = None) -> tuple[Drafter, dict]:
@@ -157,40 +166,33 @@ def decode(
       record_rounds / cost_table / cache_len: as in
         :func:`~dspark_jax.decoding.speculative.generate_speculative`.
     Returns:
-      :class:`~dspark_jax.decoding.results.BatchResult`, one generation per request in order.
+      :class:`~dspark_jax.decoding.results.BatchResult`, one generation per request in order;
+      its ``num_speculative_tokens`` is the resolved one (:func:`resolve_num_speculative_tokens`;
+      0 without a drafter).
     Raises:
       DSparkInputError: no requests, requests that disagree on the shared settings, bad prompts,
         a verification length outside the drafter's block, a drafter for another target.
       FloatingPointError: the target produced NaN/inf logits.
     """
-    from dspark_jax.decoding.speculative import generate_autoregressive, generate_speculative
+    from dspark_jax.decoding.loop import make_batch, run_autoregressive
+    from dspark_jax.decoding.speculative import speculate_batch
     from dspark_jax.drafters.base import prepare_drafter
 
+    # Each request's settings were checked when it was made; the prompts, limits and seeds are
+    # checked here (make_batch), the drafter and the verification length once each.
     if not requests:
         raise DSparkInputError("no requests given")
-    kw: dict[str, Any] = dict(
-        max_new_tokens=[r.max_new_tokens for r in requests],
-        temperature=[r.temperature for r in requests],
-        top_k=[r.top_k for r in requests],
-        top_p=[r.top_p for r in requests],
-        seed=[r.seed for r in requests],
-        stop_ids=_shared(requests, "stop_ids"),
-        cache_len=cache_len,
-    )
     prompts = [list(r.prompt_ids) for r in requests]
+    sampling = ([r.temperature for r in requests], [r.top_k for r in requests], [r.top_p for r in requests])
+    seeds = [r.seed for r in requests]
+    max_new = [r.max_new_tokens for r in requests]
+    stop_ids = _shared(requests, "stop_ids")
     if drafter is None:
-        return generate_autoregressive(target, prompts, **kw)
+        return run_autoregressive(target, make_batch(target, prompts, max_new, 0, cache_len, sampling, seeds, stop_ids))
     prepare_drafter(target, drafter)
     n_spec = resolve_num_speculative_tokens(drafter, _shared(requests, "num_speculative_tokens"))
-    return generate_speculative(
-        target,
-        drafter,
-        prompts,
-        num_speculative_tokens=n_spec,
-        record_rounds=record_rounds,
-        cost_table=cost_table,
-        **kw,
-    )
+    bt = make_batch(target, prompts, max_new, drafter.cfg.block_size, cache_len, sampling, seeds, stop_ids)
+    return speculate_batch(target, drafter, bt, n_spec, record_rounds=record_rounds, cost_table=cost_table)
 
 
 def summary(tokenizer: Any, generation: Generation) -> dict[str, Any]:

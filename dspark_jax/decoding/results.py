@@ -153,13 +153,15 @@ class Generation:
 
 @dataclasses.dataclass
 class BatchResult:
-    """Generations of a batch plus timing (seconds, tokens/s; compilation excluded) and the
-    KV-cache length [tokens] the loop ran with (0: not recorded)."""
+    """Generations of a batch plus timing (seconds, tokens/s; compilation excluded), the
+    KV-cache length [tokens] the loop ran with (0: not recorded) and the verification length it
+    ran with (an int, ``"auto"``, or 0 for plain decoding)."""
 
     generations: list[Generation]
     seconds: float
     compile_seconds: float
     cache_len: int = 0
+    num_speculative_tokens: int | str = 0
 
     @property
     def num_tokens(self) -> int:

@@ -23,6 +23,7 @@ module as ``xp`` so the engine can run them on numpy read-backs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -42,6 +43,7 @@ __all__ = [
     "FINISH_RUNNING",
     "FINISH_STOP",
     "Prefilled",
+    "RoundCaches",
     "RoundInputs",
     "RoundStats",
     "VerifiedRound",
@@ -240,11 +242,25 @@ class RoundInputs(NamedTuple):
     room: jax.Array
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RoundCaches:
+    """The caches a round reads and writes (a pytree, carried through the loops).
+
+    Attributes:
+      target: the target's KV cache (:class:`~dspark_jax.models.layers.KVCache`).
+      drafter: the drafter's context cache (its ``init_cache``'s type).
+    """
+
+    target: Any
+    drafter: Any
+
+
 class VerifiedRound(NamedTuple):
     """Output of :func:`verify_pass` (``B`` rows, block size ``G``).
 
     Attributes:
-      tcache / dcache: the target's KV cache and the drafter's context cache, written.
+      caches: the target's KV cache and the drafter's context cache, written.
       tokens: ``[B, G + 1]`` int32 emitted tokens (accepted drafts, then the correction or
         bonus token), ``-1`` padding.
       num_emitted: ``[B]`` int32 ``num_accepted + 1``.
@@ -252,8 +268,7 @@ class VerifiedRound(NamedTuple):
       finite: ``[B]`` bool: the logits verification read were finite.
     """
 
-    tcache: Any
-    dcache: Any
+    caches: RoundCaches
     tokens: jax.Array
     num_emitted: jax.Array
     num_accepted: jax.Array
@@ -263,16 +278,13 @@ class VerifiedRound(NamedTuple):
 def verify_pass(
     target: Target,
     drafter,
-    tcache,
-    dcache,
+    caches: RoundCaches,
     r: RoundInputs,
     draft: Draft,
     num_verify: jax.Array,
     sampling: SamplingArrays,
     *,
     width: int,
-    block_size: int,
-    taps,
 ) -> VerifiedRound:
     """Verification pass of ``width + 1`` tokens (anchor + ``width`` drafts) for every row.
 
@@ -282,24 +294,23 @@ def verify_pass(
     and later writes overwrite.
 
     Args:
-      tcache / dcache: the target's KV cache and the drafter's context cache.
+      caches: the target's KV cache and the drafter's context cache.
       r: :class:`RoundInputs` (``running``, ``anchor``, ``anchor_pos`` and ``verify_keys`` are read).
       draft: the round's :class:`~dspark_jax.drafters.base.Draft` (``tokens`` and their ``probs`` q
         are read).
       num_verify: ``[B]`` int32 verification lengths chosen without looking at the draft values
         (non-anticipation); clipped to ``width``.
-      width: static verified drafts of this compiled pass (``<= block_size``).
-      taps: the drafter's tapped target layers.
+      width: static verified drafts of this compiled pass (``<= drafter.cfg.block_size``).
     Returns:
       :class:`VerifiedRound`, tokens padded to ``block_size + 1`` so every width has one shape.
     """
     vtok, vpos = _verified_block(r, draft, width)
-    out = target(vtok, vpos, tcache, taps=taps)
+    out = target(vtok, vpos, caches.target, taps=drafter.cfg.taps)
     dcache = drafter.extend_cache(
-        dcache, out.features, jnp.where(r.running[:, None], vpos, -1), target=target, tokens=vtok
+        caches.drafter, out.features, jnp.where(r.running[:, None], vpos, -1), target=target, tokens=vtok
     )
-    toks, res, finite = _judge(out.logits, r, draft, num_verify, sampling, width, block_size)
-    return VerifiedRound(out.cache, dcache, toks, res.num_emitted, res.num_accepted, finite)
+    toks, res, finite = _judge(out.logits, r, draft, num_verify, sampling, width, drafter.cfg.block_size)
+    return VerifiedRound(RoundCaches(out.cache, dcache), toks, res.num_emitted, res.num_accepted, finite)
 
 
 def _verified_block(r: RoundInputs, draft: Draft, width: int) -> tuple[jax.Array, jax.Array]:
@@ -327,8 +338,7 @@ def _judge(logits, r: RoundInputs, draft: Draft, num_verify, sampling: SamplingA
 def verify_at_width(
     target: Target,
     drafter,
-    tcache,
-    dcache,
+    caches: RoundCaches,
     r: RoundInputs,
     draft: Draft,
     num_verify: jax.Array,
@@ -336,8 +346,6 @@ def verify_at_width(
     *,
     width_index: jax.Array,
     widths: tuple[int, ...],
-    block_size: int,
-    taps,
 ) -> VerifiedRound:
     """:func:`verify_pass` at a width chosen inside the loop: ``widths[width_index]``.
 
@@ -350,29 +358,17 @@ def verify_at_width(
 
     Args:
       as :func:`verify_pass`; ``width_index``: ``[]`` int32 index into the static ascending ``widths``
-      (each ``<= block_size``).
+      (each ``<= drafter.cfg.block_size``).
     Returns:
       :class:`VerifiedRound` of the chosen width (tokens padded to ``block_size + 1``).
     """
-    b = r.anchor.shape[0]
+    b, block_size = r.anchor.shape[0], drafter.cfg.block_size
     zero = jnp.zeros((b,), jnp.int32)
-    out = VerifiedRound(tcache, dcache, jnp.full((b, block_size + 1), -1, jnp.int32), zero, zero, jnp.ones((b,), bool))
+    out = VerifiedRound(caches, jnp.full((b, block_size + 1), -1, jnp.int32), zero, zero, jnp.ones((b,), bool))
     for i, w in enumerate(widths):
 
         def once(_, v, w=w):
-            return verify_pass(
-                target,
-                drafter,
-                v.tcache,
-                v.dcache,
-                r,
-                draft,
-                num_verify,
-                sampling,
-                width=w,
-                block_size=block_size,
-                taps=taps,
-            )
+            return verify_pass(target, drafter, v.caches, r, draft, num_verify, sampling, width=w)
 
         out = jax.lax.fori_loop(0, (width_index == i).astype(jnp.int32), once, out)
     return out

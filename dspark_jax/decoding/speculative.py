@@ -17,9 +17,9 @@ import numpy as np
 
 from dspark_jax.decoding import auto_verify
 from dspark_jax.decoding.decode_profile import cached_cost_table
-from dspark_jax.decoding.loop import Batch, make_batch, run_autoregressive, run_speculative
+from dspark_jax.decoding.loop import AutoWidths, Batch, make_batch, run_autoregressive, run_speculative
 from dspark_jax.decoding.results import BatchResult, Generation
-from dspark_jax.decoding.validation import check_sampling, resolve_num_speculative_tokens
+from dspark_jax.decoding.validation import check_num_speculative_tokens, check_sampling
 from dspark_jax.drafters.base import BlockDrafter, Drafter, prepare_drafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.target import Target
@@ -33,6 +33,7 @@ __all__ = [
     "default_cache_len",
     "generate_autoregressive",
     "generate_speculative",
+    "speculate_batch",
 ]
 
 
@@ -87,18 +88,18 @@ def generate_autoregressive(
     return run_autoregressive(target, bt)
 
 
-def _auto_costs(target: Target, drafter: Drafter, cost_table, bt: Batch):
-    """``(widths, (t_verify [len(widths)], t_draft []))`` of ``num_speculative_tokens="auto"``."""
+def _auto_widths(target: Target, drafter: Drafter, cost_table, bt: Batch) -> AutoWidths:
+    """The widths and costs ``num_speculative_tokens="auto"`` decodes ``bt`` with."""
     if not isinstance(drafter, BlockDrafter):
         raise DSparkInputError(
             f"num_speculative_tokens='auto' needs a block drafter (dspark/dflash), not {drafter.cfg.variant}"
         )
-    widths = auto_verify.default_widths(drafter.cfg.block_size)
+    widths = tuple(auto_verify.default_widths(drafter.cfg.block_size))
     table = cost_table if cost_table is not None else cached_cost_table(target, drafter, bt.cache_len)
     greedy = bool(np.all(np.asarray(bt.sampling.temperature) <= 0))
     span = auto_cost_span(bt.lens, bt.limit)
     t_verify, t_draft = table.auto_prices(widths, greedy, span)
-    return widths, (jnp.asarray(t_verify), jnp.float32(t_draft))
+    return AutoWidths(widths, jnp.asarray(t_verify), jnp.float32(t_draft))
 
 
 def auto_cost_span(lens, limit) -> int:
@@ -120,7 +121,7 @@ def generate_speculative(
     top_p=1.0,
     seed: int | Sequence[int] = 0,
     stop_ids: Sequence[int] | None = None,
-    num_speculative_tokens: int | str | None = None,
+    num_speculative_tokens: int | str,
     cache_len: int | None = None,
     record_rounds: bool = False,
     cost_table=None,
@@ -140,8 +141,9 @@ def generate_speculative(
         drafter's block size ``drafter.cfg.block_size``; drafting always produces the full block), or ``"auto"``
         (:mod:`dspark_jax.decoding.auto_verify`: per round the width among a few compiled ones that
         maximises expected tokens/s from the calibrated confidences and the measured cost
-        table, 0 when drafting does not pay). Default: the block size. ``"auto"`` chooses one
-        width for the whole batch and is meant for one request at a time.
+        table, 0 when drafting does not pay; block drafters only). Required: pass
+        ``drafter.cfg.block_size`` to verify whole blocks. ``"auto"`` chooses one width for the
+        whole batch and is meant for one request at a time.
       record_rounds: also record every round's raw confidence logits and
         accepted/verified counts (:attr:`Generation.rounds`), e.g. for
         calibration reliability; costs ``[B, max_new_tokens, block_size]`` floats.
@@ -153,15 +155,39 @@ def generate_speculative(
       :class:`BatchResult` with tau, acceptance and per-position acceptance.
 
     Raises:
-      DSparkInputError: bad prompts, bad num_speculative_tokens, NaN/inf or out-of-range
-        sampling settings, or a drafter for another target.
+      DSparkInputError: bad prompts, a num_speculative_tokens that is None, outside the block or
+        ``"auto"`` for a drafter without blocks, NaN/inf or out-of-range sampling settings, or a
+        drafter for another target.
       FloatingPointError: the target produced NaN/inf logits.
     """
     prepare_drafter(target, drafter)
     block_size = drafter.cfg.block_size
-    n_spec = resolve_num_speculative_tokens(num_speculative_tokens, block_size, default=block_size)
+    n_spec = check_num_speculative_tokens(num_speculative_tokens, block_size)
     check_sampling(temperature, top_k, top_p)
     bt = make_batch(target, prompts, max_new_tokens, block_size, cache_len, (temperature, top_k, top_p), seed, stop_ids)
-    widths, costs = _auto_costs(target, drafter, cost_table, bt) if n_spec == "auto" else (None, None)
-    fixed = None if n_spec == "auto" else int(n_spec)  # a fixed length compiles its own shorter pass
-    return run_speculative(target, drafter, bt, fixed=fixed, widths=widths, costs=costs, record_rounds=record_rounds)
+    return speculate_batch(target, drafter, bt, n_spec, record_rounds=record_rounds, cost_table=cost_table)
+
+
+def speculate_batch(
+    target: Target,
+    drafter: Drafter,
+    bt: Batch,
+    num_speculative_tokens: int | str,
+    *,
+    record_rounds: bool = False,
+    cost_table=None,
+) -> BatchResult:
+    """:func:`generate_speculative` of a batch already checked and laid out
+    (:func:`~dspark_jax.decoding.loop.make_batch` with the drafter's block size), for a drafter
+    already prepared for ``target`` and a ``num_speculative_tokens`` already checked against its
+    block (the decoding front door's path: :func:`~dspark_jax.decoding.request.decode` checks each
+    of them once).
+
+    Raises:
+      DSparkInputError: ``"auto"`` for a drafter without blocks (eagle3).
+    """
+    if num_speculative_tokens == "auto":
+        verify = _auto_widths(target, drafter, cost_table, bt)
+    else:
+        verify = int(num_speculative_tokens)
+    return run_speculative(target, drafter, bt, verify, record_rounds=record_rounds)

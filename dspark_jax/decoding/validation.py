@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -31,13 +30,13 @@ __all__ = [
     "check_logprobs",
     "check_max_new_tokens",
     "check_min_tokens",
+    "check_num_speculative_tokens",
     "check_prompt",
     "check_prompts",
     "check_sampling",
     "check_seed",
     "check_seeds",
     "check_stop_token_ids",
-    "resolve_num_speculative_tokens",
 ]
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -305,22 +304,29 @@ def check_min_tokens(min_tokens, max_tokens: int) -> int:
     return int(min_tokens)
 
 
-def resolve_num_speculative_tokens(num_speculative_tokens, block_size: int, default: Any = "auto"):
-    """``num_speculative_tokens`` (int, numeric string or ``"auto"``) checked against the block.
+def check_num_speculative_tokens(num_speculative_tokens, block_size: int | None = None) -> int | str:
+    """``num_speculative_tokens``: an int (or numeric string) in ``[1, block_size]``, or ``"auto"``.
+
+    There is no "unset" value: the decoding front door's default is ``"auto"``
+    (:class:`~dspark_jax.decoding.request.DecodeRequest`), and a caller that wants whole blocks
+    verified passes the block size.
 
     Args:
-      num_speculative_tokens: draft tokens verified per round, an int, a numeric string or
-        ``"auto"``; None: ``default`` (None there: ``block_size``).
-      block_size: the drafter's block size (drafts per round).
+      num_speculative_tokens: draft tokens verified per round, an int, a numeric string or ``"auto"``
+        (any case, surrounding spaces ignored).
+      block_size: the drafter's block size (drafts per round); None: the range is not checked
+        (a request checked before its drafter is known).
     Returns:
       ``"auto"`` or an int in ``[1, block_size]``.
     Raises:
-      DSparkInputError: a value outside ``[1, block_size]`` / not ``"auto"``.
+      DSparkInputError: None, a value outside ``[1, block_size]`` or neither an int nor ``"auto"``.
     """
-    name = "num_speculative_tokens"
-    n = default if num_speculative_tokens is None else num_speculative_tokens
+    n = num_speculative_tokens
     if n is None:
-        return block_size
+        raise DSparkInputError(
+            "num_speculative_tokens must be an integer in [1, block size] or 'auto', got None "
+            "(pass the drafter's block size to verify whole blocks)"
+        )
     if isinstance(n, str):
         if n.strip().lower() == "auto":
             return "auto"
@@ -328,8 +334,11 @@ def resolve_num_speculative_tokens(num_speculative_tokens, block_size: int, defa
             n = int(n)
         except ValueError:
             raise DSparkInputError(f"num_speculative_tokens must be an integer or 'auto', got {n!r}") from None
-    if isinstance(n, bool) or not 1 <= int(n) <= block_size:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise DSparkInputError(f"num_speculative_tokens must be an integer or 'auto', got {n!r}")
+    if int(n) < 1 or (block_size is not None and int(n) > block_size):
+        hi = "block size" if block_size is None else str(block_size)
         raise DSparkInputError(
-            f"{name} must be in [1, {block_size}] for this drafter (its block size) or 'auto', got {n}"
+            f"num_speculative_tokens must be in [1, {hi}] for this drafter (its block size) or 'auto', got {n}"
         )
     return int(n)

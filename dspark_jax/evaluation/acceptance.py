@@ -11,13 +11,12 @@ fraction of rounds (target passes) with at least k accepted drafts.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from dspark_jax.decoding.request import DecodeRequest, decode
+from dspark_jax.decoding.request import DecodeRequest, decode, resolve_num_speculative_tokens
 from dspark_jax.decoding.results import BatchResult
 from dspark_jax.drafters.base import Drafter
 from dspark_jax.models.target import Target
@@ -49,7 +48,7 @@ def evaluate_tau(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    num_speculative_tokens: int | str | None = None,
+    num_speculative_tokens: int | str,
     batch_size: int = 16,
     seed: int = 0,
     record_rounds: bool = False,
@@ -59,9 +58,10 @@ def evaluate_tau(
     pooled metrics.
 
     Args:
-      num_speculative_tokens: verification length, ``1..block_size`` or ``"auto"``; None: the full
-        block (these metrics' convention: the acceptance of every block position; the eval command
-        passes the front door's default, ``"auto"``, unless told otherwise).
+      num_speculative_tokens: verification length, ``1..block_size`` or ``"auto"`` (resolved by the
+        front door, :func:`~dspark_jax.decoding.request.resolve_num_speculative_tokens`); required:
+        ``drafter.cfg.block_size`` measures the acceptance of every block position, the eval
+        command passes the front door's default, ``"auto"``, unless told otherwise.
       record_rounds: also return the per-round records of every request under
         ``"rounds"`` (a list of :attr:`~dspark_jax.decoding.speculative.Generation.rounds` dicts of
         numpy arrays, not JSON-serialisable: pop it before writing JSON).
@@ -70,16 +70,17 @@ def evaluate_tau(
       dict with ``tau``, ``acceptance_rate``, ``position_acceptance`` (list over
       k = 1..block_size; ``position_reached`` / ``position_accepted``: its counts),
       ``accept_rate_at_k`` (list over k = 1..the verification length, the block size with
-      ``"auto"``: fraction of
-      rounds with >= k accepted drafts), ``num_requests``, ``num_target_passes``,
+      ``"auto"``: fraction of rounds with >= k accepted drafts), ``num_requests``, ``num_target_passes``,
       ``tokens_per_s`` (compilation excluded), per request in prompt order ``request_tau`` and
       ``request_target_passes`` (so ``tau`` = their passes-weighted mean; for standard errors
       across prompts), ``request_acceptance_rate`` and ``request_token_ids``, and the settings used
-      (``num_speculative_tokens``: the resolved length or ``"auto"``).
+      (``num_speculative_tokens``: as the front door resolved it, an int or ``"auto"``).
+    Raises:
+      DSparkInputError: as :func:`~dspark_jax.decoding.request.decode`, a num_speculative_tokens
+        that is None among them.
     """
-    n_spec = drafter.cfg.block_size if num_speculative_tokens is None else num_speculative_tokens
-    base = DecodeRequest((0,), max_new_tokens, temperature, top_k, top_p, seed, n_spec)
-    requests = [dataclasses.replace(base, prompt_ids=p, seed=seed + i) for i, p in enumerate(prompts)]
+    settings = (max_new_tokens, temperature, top_k, top_p)
+    requests = [DecodeRequest(p, *settings, seed + i, num_speculative_tokens) for i, p in enumerate(prompts)]
     results = []
     reached = np.zeros(drafter.cfg.block_size)
     accepted = np.zeros(drafter.cfg.block_size)
@@ -99,9 +100,14 @@ def evaluate_tau(
     # Raw counts, so acceptance can be pooled exactly over several prompt sets.
     out["position_reached"] = [int(r) for r in reached]
     out["position_accepted"] = [int(a) for a in accepted]
-    g_used = drafter.cfg.block_size if n_spec == "auto" else int(n_spec)
+    n_spec = (
+        results[0].num_speculative_tokens
+        if results
+        else resolve_num_speculative_tokens(drafter, num_speculative_tokens)
+    )
+    n_used = drafter.cfg.block_size if n_spec == "auto" else int(n_spec)
     passes = out["num_target_passes"]
-    out["accept_rate_at_k"] = [float(a / passes) if passes else None for a in accepted[:g_used]]
+    out["accept_rate_at_k"] = [float(a / passes) if passes else None for a in accepted[:n_used]]
     if record_rounds:
         out["rounds"] = [g.rounds for r in results for g in r.generations]
     out.update(
@@ -109,7 +115,7 @@ def evaluate_tau(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
-        num_speculative_tokens="auto" if n_spec == "auto" else int(n_spec),
+        num_speculative_tokens=n_spec,
         block_size=drafter.cfg.block_size,
     )
     return out

@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fits the target's context.
     """
     from dspark_jax.api import load_target
-    from dspark_jax.decoding.request import load_drafter_for, resolve_num_speculative_tokens
+    from dspark_jax.decoding.request import load_drafter_for
     from dspark_jax.drafters.checkpoint import read_export_meta
     from dspark_jax.errors import DSparkInputError
     from dspark_jax.evaluation.acceptance import evaluate_tau
@@ -202,7 +202,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise DSparkInputError(f"prompt set {args.prompts!r} is empty")
     target, tok = load_target(args.target, dtype=args.dtype, attention_backend=args.attention_backend)
     drafter, meta = load_drafter_for(target, tok, args.drafter, target.dtype)
-    n_spec = resolve_num_speculative_tokens(drafter, args.num_speculative_tokens)
     kept, num_skipped, chat = _encode(args, target, tok, texts)
     has_conf = drafter.cfg.has_confidence
     ev = evaluate_tau(
@@ -213,7 +212,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
-        num_speculative_tokens=n_spec,
+        num_speculative_tokens=args.num_speculative_tokens,
         batch_size=args.batch_size,
         seed=args.seed,
         record_rounds=has_conf,

@@ -36,7 +36,9 @@ def main() -> None:
         t = Target(cfg, params, fingerprint=params_fingerprint(params), mesh=None if spec is None else make_mesh(spec))
         logits = np.asarray(t(ids[None], pos).logits[0])
         ar = generate_autoregressive(t, prompts, max_new_tokens=10, cache_len=64)
-        sp = generate_speculative(t, random_drafter(t, block_size=4), prompts, max_new_tokens=10, cache_len=64)
+        sp = generate_speculative(
+            t, random_drafter(t, block_size=4), prompts, max_new_tokens=10, cache_len=64, num_speculative_tokens=4
+        )
         out[spec or "one_device"] = {
             "logits": logits.tolist(),
             "plain": [g.token_ids for g in ar.generations],

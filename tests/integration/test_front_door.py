@@ -116,7 +116,7 @@ def test_entry_points_resolve_the_same_defaults():
     from dspark_jax.evaluation.cli import build_parser as eval_parser
 
     d = DecodeRequest.field_defaults()
-    assert d["max_new_tokens"] == 128 and d["num_speculative_tokens"] is None and d["seed"] == 0
+    assert d["max_new_tokens"] == 128 and d["num_speculative_tokens"] == "auto" and d["seed"] == 0
     api = inspect.signature(generate_text).parameters
     for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "num_speculative_tokens"):
         assert api[name].default == d[name], name

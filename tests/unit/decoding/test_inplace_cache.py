@@ -157,13 +157,12 @@ def _compiled(models, kind: str):
     (tg, ts), (dg, ds) = nnx.split(target), nnx.split(drafter)
     if kind == "plain":
         return sp._ar_decode.lower(ts, _arrays(), t_graph=tg, cache_len=CACHE, max_steps=20).compile()
-    statics = dict(t_graph=tg, d_graph=dg, cache_len=CACHE, max_steps=20)
+    statics = dict(t_graph=tg, d_graph=dg, cache_len=CACHE, max_steps=20, record_rounds=False, width=4)
+    auto = None
     if kind == "auto":
         widths = auto_verify.default_widths(drafter.cfg.block_size)
-        costs = (jnp.linspace(1.0, 2.0, len(widths), dtype=jnp.float32), jnp.float32(0.3))
-        return sp._spec_decode.lower(ts, ds, _arrays(), jnp.int32(4), costs, **statics, widths=widths).compile()
-    args = (ts, ds, _arrays(), jnp.int32(4), None)
-    return sp._spec_decode.lower(*args, **statics, fixed_width=4).compile()
+        auto = sp.AutoWidths(widths, jnp.linspace(1.0, 2.0, len(widths), dtype=jnp.float32), jnp.float32(0.3))
+    return sp._spec_decode.lower(ts, ds, _arrays(), auto, **statics).compile()
 
 
 @pytest.mark.parametrize("kind", ["plain", "fixed", "auto"])

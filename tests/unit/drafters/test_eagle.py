@@ -203,7 +203,9 @@ def test_greedy_speculative_equals_autoregressive(s260k, trained):
     d, _, prompts = trained
     held = [tok.encode(t) for t in ["Once upon a time", "Tom and Lily went to the park."]] + prompts[:6]
     ar = generate_autoregressive(target, held, max_new_tokens=40, temperature=0)
-    sp = generate_speculative(target, d, held, max_new_tokens=40, temperature=0)
+    sp = generate_speculative(
+        target, d, held, max_new_tokens=40, temperature=0, num_speculative_tokens=d.cfg.block_size
+    )
     for a, s in zip(ar.generations, sp.generations):
         assert s.token_ids == a.token_ids
     # the accept path runs (a random drafter accepts ~nothing: tau 1.0)

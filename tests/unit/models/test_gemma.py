@@ -192,7 +192,9 @@ def test_greedy_speculative_equals_plain(written):
     target = _target(written, "gemma3")
     prompts = _prompts((SEQ, 13))
     ar = generate_autoregressive(target, prompts, max_new_tokens=20, cache_len=80)
-    sp = generate_speculative(target, random_drafter(target, block_size=4), prompts, max_new_tokens=20, cache_len=80)
+    sp = generate_speculative(
+        target, random_drafter(target, block_size=4), prompts, max_new_tokens=20, cache_len=80, num_speculative_tokens=4
+    )
     assert_same_outputs(ar, sp)
 
 

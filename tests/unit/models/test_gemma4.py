@@ -155,7 +155,9 @@ def test_greedy_speculative_equals_plain(written):
     rng = np.random.default_rng(5)
     prompts = [[1] + rng.integers(3, VOCAB, k - 1).tolist() for k in (SEQ, 13)]
     ar = generate_autoregressive(target, prompts, max_new_tokens=20, cache_len=80)
-    sp = generate_speculative(target, random_drafter(target, block_size=4), prompts, max_new_tokens=20, cache_len=80)
+    sp = generate_speculative(
+        target, random_drafter(target, block_size=4), prompts, max_new_tokens=20, cache_len=80, num_speculative_tokens=4
+    )
     assert_same_outputs(ar, sp)
 
 
@@ -296,7 +298,11 @@ def test_trains_and_exports_deepseeks_gemma4_drafter(written, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     prompts = [[1] + rng.integers(3, VOCAB, k - 1).tolist() for k in (SEQ, 13)]
     ar = generate_autoregressive(target, prompts, max_new_tokens=16, cache_len=80)
-    assert_same_outputs(ar, generate_speculative(target, loaded, prompts, max_new_tokens=16, cache_len=80))
+    n_spec = loaded.cfg.block_size
+    assert_same_outputs(
+        ar,
+        generate_speculative(target, loaded, prompts, max_new_tokens=16, cache_len=80, num_speculative_tokens=n_spec),
+    )
 
 
 def test_gemma4_drafter_arch_refusals(written):

@@ -284,7 +284,7 @@ def test_greedy_speculative_equals_plain(moe_target):
     prompts = _prompts((30, 13))
     ar = generate_autoregressive(moe_target, prompts, max_new_tokens=16, cache_len=64)
     sp = generate_speculative(moe_target, random_drafter(moe_target, block_size=4), prompts, max_new_tokens=16,
-                              cache_len=64)  # fmt: skip
+                              cache_len=64, num_speculative_tokens=4)  # fmt: skip
     assert_same_outputs(ar, sp)
 
 
@@ -322,7 +322,10 @@ def test_drafter_for_moe_target_trains_and_decodes_exactly(moe_target):
     assert all(np.isfinite(losses))
     prompts = _prompts((20, 9))
     ar = generate_autoregressive(moe_target, prompts, max_new_tokens=12, cache_len=48)
-    sp = generate_speculative(moe_target, tr.drafter(), prompts, max_new_tokens=12, cache_len=48)
+    d = tr.drafter()
+    sp = generate_speculative(
+        moe_target, d, prompts, max_new_tokens=12, cache_len=48, num_speculative_tokens=d.cfg.block_size
+    )
     assert_same_outputs(ar, sp)
 
 

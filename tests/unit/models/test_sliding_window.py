@@ -291,7 +291,14 @@ def _prompts(n, lengths):
 def test_greedy_speculative_equals_plain(mistral):
     prompts = _prompts(mistral.cfg.vocab_size, (PROMPT, 13))
     ar = generate_autoregressive(mistral, prompts, max_new_tokens=20, cache_len=80)
-    sp = generate_speculative(mistral, random_drafter(mistral, block_size=4), prompts, max_new_tokens=20, cache_len=80)
+    sp = generate_speculative(
+        mistral,
+        random_drafter(mistral, block_size=4),
+        prompts,
+        max_new_tokens=20,
+        cache_len=80,
+        num_speculative_tokens=4,
+    )
     assert_same_outputs(ar, sp)
 
 

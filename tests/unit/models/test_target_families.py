@@ -325,7 +325,8 @@ def test_qwen2_yarn_greedy_speculative_equals_autoregressive(hf_models):
     prompts = [[int(x) for x in rng.integers(0, VOCAB, n)] for n in (30, 12, 5)]
     kw = dict(max_new_tokens=[24, 30, 9], temperature=0, stop_ids=())
     ar = generate_autoregressive(target, prompts, **kw)
-    sp = generate_speculative(target, tiny_drafter(target), prompts, **kw)
+    d = tiny_drafter(target)
+    sp = generate_speculative(target, d, prompts, num_speculative_tokens=d.cfg.block_size, **kw)
     for a, s in zip(ar.generations, sp.generations, strict=True):
         assert s.token_ids == a.token_ids and len(a.token_ids) > 1
 

@@ -329,14 +329,15 @@ def test_decode_round_records_match_counters():
     d.set_calibration([1.5, 1.0, 0.7, 2.0])
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [3, 4]]
     # (same shapes as evaluate_tau's call below: one compilation)
-    res = generate_speculative(target, d, prompts, max_new_tokens=20, seed=[0, 1, 2], record_rounds=True)
+    kw = dict(max_new_tokens=20, record_rounds=True, num_speculative_tokens=d.cfg.block_size)
+    res = generate_speculative(target, d, prompts, seed=[0, 1, 2], **kw)
     for g in res.generations:
         r = g.rounds
         assert r["conf_logit"].shape == (g.num_target_passes, CFG.block_size)
         assert int(r["accepted"].sum()) == g.num_accepted and int(r["verified"].sum()) == g.num_verified
         for k in range(1, CFG.block_size + 1):
             assert int((r["accepted"] >= k).sum()) == g.position_accepted[k - 1]
-    ev = evaluate_tau(target, d, prompts, max_new_tokens=20, record_rounds=True)
+    ev = evaluate_tau(target, d, prompts, **kw)
     rounds = ev.pop("rounds")
     n_rounds = sum(len(r["accepted"]) for r in rounds)
     assert n_rounds == ev["num_target_passes"]
@@ -359,7 +360,8 @@ def test_greedy_fit_calibrates_held_out_decode_rounds():
     d.conf_b[...] = d.conf_b[...] + 2.0  # an over-confident raw head: the fit must correct it at decode time
     rng = np.random.default_rng(5)
     prompts = [[int(t) for t in rng.integers(3, d.cfg.vocab_size, 4)] for _ in range(32)]
-    res = generate_speculative(target, d, prompts, max_new_tokens=32, record_rounds=True)  # greedy
+    n_spec = d.cfg.block_size
+    res = generate_speculative(target, d, prompts, max_new_tokens=32, record_rounds=True, num_speculative_tokens=n_spec)
     seqs = [p + g.token_ids for p, g in zip(prompts[:16], res.generations[:16])]  # = the target's greedy
     length = max(map(len, seqs))
     fit_data = {

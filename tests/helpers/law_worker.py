@@ -1,11 +1,11 @@
-"""Runs the decodes of ``tests/unit/test_decode.py``'s law of the first tokens and saves them.
+"""Runs the decodes of ``tests/unit/decoding/test_law.py``'s law of the first tokens and saves them.
 
-    python tests/law_worker.py OUT.npz
+    python -m tests.helpers.law_worker OUT.npz
 
 A process of its own because the decodes are run-bound (24,000 rows per loop) while the suite turns
 XLA's optimisation down for its compile-bound tests: the fixture starts this script with the
 user's ``XLA_FLAGS`` (``conftest.user_xla_env``). The target, drafters, seeds and settings are the
-test module's own (:func:`test_decode.law_decodes`); OUT holds, per loop ``NAME`` (``ar``,
+test's own (:func:`tests.unit.decoding.law.law_decodes`); OUT holds, per loop ``NAME`` (``ar``,
 ``spec-bigram``, ``spec-random``, ``spec-bigram-auto``, ``bf16-spec-bigram``), ``NAME/tokens`` ``[rows, 6]``
 int32 (-1 past the end), ``NAME/lengths``, ``NAME/accepted`` and ``NAME/drafted`` ``[rows]`` int64.
 """
@@ -13,18 +13,15 @@ int32 (-1 past the end), ``NAME/lengths``, ``NAME/accepted`` and ``NAME/drafted`
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "unit"))
-
-import test_decode
+from tests.unit.decoding.law import law_decodes
 
 
 def main(out: str) -> None:
     arrays = {}
-    for name, res in test_decode.law_decodes().items():
+    for name, res in law_decodes().items():
         gens = res.generations
         width = max(len(g.token_ids) for g in gens)
         tokens = np.full((len(gens), width), -1, np.int32)
