@@ -75,10 +75,10 @@ def random_drafter(target, preset: str, draft_vocab_size: int, seed: int = 0):
 
 def main(argv: list[str] | None = None) -> int:
     from dspark_jax.api import encode_prompt
+    from dspark_jax.data.prompts import load_prompt_texts
     from dspark_jax.decoding.decode_profile import measure_costs
     from dspark_jax.decoding.speculative import generate_autoregressive
     from dspark_jax.drafters.checkpoint import load_drafter
-    from dspark_jax.evaluation.cli import load_prompt_texts
     from dspark_jax.models.presets import preset_info, resolve_target
     from dspark_jax.models.target import Target
     from dspark_jax.models.weights import params_fingerprint

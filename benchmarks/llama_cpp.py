@@ -183,8 +183,8 @@ def export_case(drafter: Any, target: Any, fmt: str, out: Path) -> tuple[Path, l
 def run_target(args: argparse.Namespace, llama: dict[str, Path], name: str, drafter_path: str) -> list[dict]:
     """Every format of one target: load, equality, acceptance and speed rows."""
     from dspark_jax.api import load_target
+    from dspark_jax.data.prompts import split_prompts, tinystories_openings
     from dspark_jax.drafters.checkpoint import load_drafter
-    from dspark_jax.evaluation.prompts import split_prompts, tinystories_openings
     from dspark_jax.models.presets import resolve_target
 
     work = Path(args.work)

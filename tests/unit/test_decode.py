@@ -234,7 +234,7 @@ def test_stories260k_greedy_golden(s260k):
 
 @pytest.fixture(scope="module")
 def s260k_prompts(s260k):
-    from dspark_jax.evaluation.prompts import tinystories_openings
+    from dspark_jax.data.prompts import tinystories_openings
 
     _, tok = s260k
     prompts = [tok.encode(t) for t in tinystories_openings()[:50]]

@@ -261,8 +261,8 @@ def test_trains_and_exports_deepseeks_gemma4_drafter(written, tmp_path):
     import jax
     from flax import nnx
 
+    from dspark_jax.commands.export import main as export_main
     from dspark_jax.drafters.checkpoint import export_drafter, load_drafter
-    from dspark_jax.export import main as export_main
     from dspark_jax.training.data import batches
     from dspark_jax.training.pipeline import _build_trainer
     from dspark_jax.training.train_config import TrainConfig, drafter_config

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dspark_jax.commands.train import build_parser, load_config
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.training.cli import build_parser, load_config
 from dspark_jax.training.recipes import TRAIN_PRESETS, load_config_file, load_recipe, recipe_names
 from dspark_jax.training.train_config import TrainConfig
 
