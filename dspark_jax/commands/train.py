@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-memory-gib",
         type=float,
         default=None,
-        metavar="G",
+        metavar="GIB",
         help="with --dry-run: per-device memory; prints 'per-device total: X GiB (fits|does not fit G GiB)'",
     )
     p.add_argument(

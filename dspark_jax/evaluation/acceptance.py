@@ -99,9 +99,9 @@ def evaluate_tau(
     # Raw counts, so acceptance can be pooled exactly over several prompt sets.
     out["position_reached"] = [int(r) for r in reached]
     out["position_accepted"] = [int(a) for a in accepted]
-    g_used = drafter.cfg.block_size if n_spec == "auto" else int(n_spec)
+    num_verified = drafter.cfg.block_size if n_spec == "auto" else int(n_spec)
     passes = out["num_target_passes"]
-    out["accept_rate_at_k"] = [float(a / passes) if passes else None for a in accepted[:g_used]]
+    out["accept_rate_at_k"] = [float(a / passes) if passes else None for a in accepted[:num_verified]]
     if record_rounds:
         out["rounds"] = [g.rounds for r in results for g in r.generations]
     out.update(
