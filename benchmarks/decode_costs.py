@@ -27,7 +27,6 @@ All medians of alternated repeats. CLI::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -66,7 +65,7 @@ def random_drafter(target, preset: str, draft_vocab_size: int, seed: int = 0):
 
     cfg = TRAIN_PRESETS.get(canonical_preset(preset) or "", TrainConfig())
     if draft_vocab_size >= 0:
-        cfg = dataclasses.replace(cfg, draft_vocab_size=draft_vocab_size)
+        cfg = cfg.with_keys(draft_vocab_size=draft_vocab_size)
     d = build_drafter(drafter_config(cfg, target), nnx.Rngs(seed))
     if d.cfg.draft_vocab_size:
         d.set_draft_vocab(range(d.cfg.draft_vocab_size))

@@ -179,7 +179,7 @@ def trained(s260k, tmp_path_factory):
         s = (p + g.token_ids)[:L]
         toks[i, : len(s)], lens[i] = s, len(s)
     data = {"tokens": toks, "lengths": lens, "prompt_lengths": np.array([min(len(p), L) for p in prompts], np.int32)}
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_keys(
         variant="eagle3", block_size=GAMMA, steps=60, batch_size=8, anchors_per_seq=16, learning_rate=3e-3
     )
     tr = Trainer(cfg, target, build_drafter(drafter_config(cfg, target), nnx.Rngs(0)))
