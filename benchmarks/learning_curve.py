@@ -469,7 +469,11 @@ def study_settings(base, ev: dict, data_info: dict, prompts: dict, args) -> dict
     keys = ("batch_size", "anchors_per_seq", "learning_rate", "warmup_steps", "decay_frac", "lr_schedule")
     return {
         **{k: getattr(base, k) for k in keys},
-        **{k: getattr(base, k) for k in ("block_size", "seq_len", "markov_rank", "drafter_width", "seed")},
+        "block_size": base.drafter.block_size,
+        "seq_len": base.seq_len,
+        "markov_rank": base.drafter.markov_rank,
+        "drafter_width": base.drafter.width,  # the key older studies recorded
+        "seed": base.seed,
         "data_sequences": data_info["sequences"],
         "data_generated_tokens": data_info["generated_tokens"],
         "eval_prompts": {k: len(v) for k, v in prompts.items()},
