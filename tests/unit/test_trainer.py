@@ -74,8 +74,8 @@ def test_loss_terms_are_sane_and_confidence_label_is_one_minus_tv():
     )
     assert np.isfinite(float(terms.loss))
     assert 0.0 <= float(terms.tv) <= 1.0
-    assert 1.0 <= float(terms.tau_est) <= 1 + CFG.block_size
-    assert terms.acc_by_pos.shape == (CFG.block_size,)
+    assert 1.0 <= float(terms.tau_est) <= 1 + CFG.drafter.block_size
+    assert terms.acc_by_pos.shape == (CFG.drafter.block_size,)
 
 
 def test_training_reduces_loss():
