@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     over, (num_prompts, max_new, speed_n) = budget(args, out)
     if args.data_dir:
         over["data_dir"] = str(Path(args.data_dir).resolve())
-    base = dataclasses.replace(base, **over)
+    base = base.with_keys(**over)
 
     cfg_t, params, tok = resolve_target(args.target)
     target = Target(cfg_t, params, fingerprint=params_fingerprint(params))
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     data, data_dir, data_info, eval_texts = shared_data(base, target, tok, bool(args.data_dir))
 
     # -- 2. identical training budget -------------------------------------------------------
-    cfgs = {n: dataclasses.replace(base, workdir=str(out / n), data_dir=str(data_dir), **DRAFTERS[n]) for n in names}
+    cfgs = {n: base.with_keys(workdir=str(out / n), data_dir=str(data_dir), **DRAFTERS[n]) for n in names}
     cache_info = None
     if args.no_feature_cache:  # the preset's feature_cache=auto would build one per drafter
         cfgs = {n: dataclasses.replace(c, feature_cache="") for n, c in cfgs.items()}
@@ -171,9 +171,9 @@ def main(argv: list[str] | None = None) -> int:
             "batch_size": base.batch_size,
             "anchors_per_seq": base.anchors_per_seq,
             "learning_rate": base.learning_rate,
-            "block_size": base.block_size,
+            "block_size": base.drafter.block_size,
             "seq_len": base.seq_len,
-            "markov_rank": base.markov_rank,
+            "markov_rank": base.drafter.markov_rank,
             "seed": base.seed,
             "quick": args.quick,
         },

@@ -27,7 +27,6 @@ All medians of alternated repeats. CLI::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -66,7 +65,7 @@ def random_drafter(target, preset: str, draft_vocab_size: int, seed: int = 0):
 
     cfg = TRAIN_PRESETS.get(canonical_preset(preset) or "", TrainConfig())
     if draft_vocab_size >= 0:
-        cfg = dataclasses.replace(cfg, draft_vocab_size=draft_vocab_size)
+        cfg = cfg.with_keys(draft_vocab_size=draft_vocab_size)
     d = build_drafter(drafter_config(cfg, target), nnx.Rngs(seed))
     if d.cfg.draft_vocab_size:
         d.set_draft_vocab(range(d.cfg.draft_vocab_size))
@@ -75,10 +74,10 @@ def random_drafter(target, preset: str, draft_vocab_size: int, seed: int = 0):
 
 def main(argv: list[str] | None = None) -> int:
     from dspark_jax.api import encode_prompt
+    from dspark_jax.data.prompts import load_prompt_texts
     from dspark_jax.decoding.decode_profile import measure_costs
     from dspark_jax.decoding.speculative import generate_autoregressive
     from dspark_jax.drafters.checkpoint import load_drafter
-    from dspark_jax.evaluation.cli import load_prompt_texts
     from dspark_jax.models.presets import preset_info, resolve_target
     from dspark_jax.models.target import Target
     from dspark_jax.models.weights import params_fingerprint
@@ -95,12 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     chat = bool(preset_info(args.target).get("chat"))
     texts, _ = load_prompt_texts(args.prompts or ("mt_bench" if chat else "tinystories"), meta)
     prompts = [encode_prompt(tok, t, chat) for t in texts[: args.num_prompts]]
-    g = drafter.cfg.block_size
-    need = max(map(len, prompts)) + args.max_new_tokens + g + 2
+    block_size = drafter.cfg.block_size
+    need = max(map(len, prompts)) + args.max_new_tokens + block_size + 2
     cache_len = args.cache_len or min(-(-need // 64) * 64, cfg.max_position)
 
     spans = [int(v) for v in args.spans.split(",") if v.strip()] if args.spans else None
-    table = measure_costs(target, drafter, widths=range(g + 1), cache_len=cache_len, spans=spans, repeats=args.repeats)
+    table = measure_costs(
+        target, drafter, widths=range(block_size + 1), cache_len=cache_len, spans=spans, repeats=args.repeats
+    )
     first = table.span_for(("step",), spans[0] if spans else 0) or 0
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, cache_len=cache_len)
     generate_autoregressive(target, [prompts[0]], **kw)  # compile
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {
         "target": cfg.name,
         "drafter": args.drafter or "random",
-        "block_size": g,
+        "block_size": block_size,
         "draft_vocab_size": drafter.cfg.draft_vocab_size or cfg.vocab_size,
         "drafter_params": d_params,
         "cache_len": cache_len,
@@ -133,16 +134,22 @@ def main(argv: list[str] | None = None) -> int:
                 d = random_drafter(target, args.target, n)
                 tables[n].append(
                     measure_costs(
-                        target, d, widths=(0, g), cache_len=cache_len, spans=spans, repeats=max(3, args.repeats // 3)
+                        target,
+                        d,
+                        widths=(0, block_size),
+                        cache_len=cache_len,
+                        spans=spans,
+                        repeats=max(3, args.repeats // 3),
                     )
                 )
-        print(f"\n  {'draft vocab':>12} {'t_draft_ms T=0':>15} {'T=1':>8} {'t_verify_ms[' + str(g + 1) + ']':>15}")
+        verify_col = f"t_verify_ms[{block_size + 1}]"
+        print(f"\n  {'draft vocab':>12} {'t_draft_ms T=0':>15} {'T=1':>8} {verify_col:>15}")
         for n in sizes:
             med = lambda f, n=n: statistics.median(f(t) for t in tables[n])
             row = {
                 "t_draft_ms": 1e3 * med(lambda t: t.draft_seconds(True, first)),
                 "t_draft_sampled_ms": 1e3 * med(lambda t: t.draft_seconds(False, first)),
-                "t_verify_full_block_ms": 1e3 * med(lambda t: float(t.verify_array([g], first)[0])),
+                "t_verify_full_block_ms": 1e3 * med(lambda t: float(t.verify_array([block_size], first)[0])),
             }
             sweep[n or cfg.vocab_size] = row
             print(

@@ -214,7 +214,7 @@ def section_train(ctx: Context) -> dict[str, Any]:
     p = ctx.plan
     b, seq, anchors = p.train_shape
     dcfg = ctx.drafter.cfg
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_keys(
         batch_size=b,
         seq_len=seq,
         anchors_per_seq=anchors,

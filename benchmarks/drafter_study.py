@@ -62,7 +62,7 @@ def eval_prompts(target_name: str, tok, eval_texts: list[str], n: int, max_len: 
     Prompts of ``max_len`` tokens or more are dropped.
     """
     from dspark_jax.api import encode_prompt
-    from dspark_jax.evaluation.cli import load_prompt_texts
+    from dspark_jax.data.prompts import load_prompt_texts
     from dspark_jax.models.presets import preset_info
 
     chat = bool(preset_info(target_name).get("chat"))

@@ -255,9 +255,8 @@ def load_prompts(args, tok) -> list[str]:
     Raises:
       DSparkInputError: no prompt fits.
     """
+    from dspark_jax.data.prompts import encode_prompts, load_prompt_texts
     from dspark_jax.errors import DSparkInputError
-    from dspark_jax.evaluation.cli import load_prompt_texts
-    from dspark_jax.evaluation.prompts import encode_prompts
 
     spec = args.prompts or ("mt_bench" if args.chat else "tinystories")
     texts, _ = load_prompt_texts(spec)

@@ -164,7 +164,7 @@ def study_config(args, budgets: list[int]):
     preset_warm = max(1, int(base.warmup_frac * base.steps))
     warm = args.warmup_steps if args.warmup_steps is not None else max(1, min(preset_warm, s_min // 2))
     over.update(lr_schedule="wsd", warmup_steps=warm, decay_frac=args.decay_frac, ckpt_every=250)
-    base = apply_overrides(dataclasses.replace(base, **over), args.set)
+    base = apply_overrides(base.with_keys(**over), args.set)
     ev: dict[str, Any] = dict(
         num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, temperatures=floats(args.temperatures)
     )
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"data: {data_info}", file=sys.stderr)
     if args.target == "stories260k" and not args.quick and data_info["generated_tokens"] < 1_000_000:
         print(f"warning: {data_info['generated_tokens']:,} target tokens, under the study's 1M", file=sys.stderr)
-    cfgs = {n: dataclasses.replace(base, data_dir=str(data_dir), **DRAFTERS[n]) for n in names}
+    cfgs = {n: base.with_keys(data_dir=str(data_dir), **DRAFTERS[n]) for n in names}
     cache_info = None
     if args.no_feature_cache:
         cfgs = {n: dataclasses.replace(c, feature_cache="") for n, c in cfgs.items()}
@@ -469,7 +469,11 @@ def study_settings(base, ev: dict, data_info: dict, prompts: dict, args) -> dict
     keys = ("batch_size", "anchors_per_seq", "learning_rate", "warmup_steps", "decay_frac", "lr_schedule")
     return {
         **{k: getattr(base, k) for k in keys},
-        **{k: getattr(base, k) for k in ("block_size", "seq_len", "markov_rank", "drafter_width", "seed")},
+        "block_size": base.drafter.block_size,
+        "seq_len": base.seq_len,
+        "markov_rank": base.drafter.markov_rank,
+        "drafter_width": base.drafter.width,  # the key older studies recorded
+        "seed": base.seed,
         "data_sequences": data_info["sequences"],
         "data_generated_tokens": data_info["generated_tokens"],
         "eval_prompts": {k: len(v) for k, v in prompts.items()},

@@ -183,8 +183,8 @@ def export_case(drafter: Any, target: Any, fmt: str, out: Path) -> tuple[Path, l
 def run_target(args: argparse.Namespace, llama: dict[str, Path], name: str, drafter_path: str) -> list[dict]:
     """Every format of one target: load, equality, acceptance and speed rows."""
     from dspark_jax.api import load_target
+    from dspark_jax.data.prompts import split_prompts, tinystories_openings
     from dspark_jax.drafters.checkpoint import load_drafter
-    from dspark_jax.evaluation.prompts import split_prompts, tinystories_openings
     from dspark_jax.models.presets import resolve_target
 
     work = Path(args.work)
@@ -199,12 +199,12 @@ def run_target(args: argparse.Namespace, llama: dict[str, Path], name: str, draf
     texts = split_prompts(tinystories_openings(), 50, 0)[1][: args.num_prompts]
     ids = [tok.encode(t) for t in texts]
     target_gguf = files.convert(llama, hf, work / f"{name}.gguf")
-    n, g = args.max_new_tokens, args.num_speculative_tokens
-    plain = LlamaCpp(llama["bin"], target_gguf, drafter=None, n_spec=g, threads=args.threads)
+    n, n_spec = args.max_new_tokens, args.num_speculative_tokens
+    plain = LlamaCpp(llama["bin"], target_gguf, drafter=None, n_spec=n_spec, threads=args.threads)
     ours = {
-        "plain": [ours_decode(target, None, p, n, g) for p in ids],
-        "long": [ours_decode(target, None, p, n + g, g) for p in ids],  # llama.cpp's last round may pass n
-        "spec": [ours_decode(target, drafter, p, n, g) for p in ids],
+        "plain": [ours_decode(target, None, p, n, n_spec) for p in ids],
+        "long": [ours_decode(target, None, p, n + n_spec, n_spec) for p in ids],  # llama.cpp's last round may pass n
+        "spec": [ours_decode(target, drafter, p, n, n_spec) for p in ids],
     }
     for v in ours.values():
         for x in v:
@@ -222,7 +222,7 @@ def _same(x: dict, short: dict, long: dict) -> bool:
 def _format_row(args, llama, name: str, fmt: str, ctx: dict, ours: dict, base: list, plain: LlamaCpp) -> dict:
     """One (target, format) row: export, convert, load, compare, time."""
     work = Path(args.work)
-    n, g = args.max_new_tokens, args.num_speculative_tokens
+    n, n_spec = args.max_new_tokens, args.num_speculative_tokens
     target, texts = ctx["target"], ctx["texts"]
     row: dict[str, Any] = {"target": name, "format": fmt, "tied": bool(target.cfg.tie_embeddings)}
     try:
@@ -232,7 +232,7 @@ def _format_row(args, llama, name: str, fmt: str, ctx: dict, ours: dict, base: l
     except (DSparkInputError, RuntimeError) as e:  # a refused export or a converter failure is the finding
         return {**row, "load": f"error: {str(e).splitlines()[-1]}"}
     row["gguf_tensors"] = sorted(t for t in files.gguf_tensor_names(dgguf) if not t.startswith("blk."))
-    spec = LlamaCpp(llama["bin"], ctx["target_gguf"], drafter=dgguf, n_spec=g, threads=args.threads)
+    spec = LlamaCpp(llama["bin"], ctx["target_gguf"], drafter=dgguf, n_spec=n_spec, threads=args.threads)
     theirs = [spec.complete(t, n, rounds=True) for t in texts]
     errors = [x["error"] for x in theirs if "error" in x]
     if errors:
@@ -247,16 +247,16 @@ def _format_row(args, llama, name: str, fmt: str, ctx: dict, ours: dict, base: l
     s_ours = [starts(x["rounds"], 1, n) for x in ours["spec"]]
     s_theirs = [starts(x["rounds"], 0, n) for x in theirs]
     # full rounds only: near --max-new-tokens each engine drafts fewer, each by its own rule
-    r_ours = [r for x in s_ours for r in x.values() if r[1] == g]
-    r_theirs = [r for x in s_theirs for r in x.values() if r[1] == g]
+    r_ours = [r for x in s_ours for r in x.values() if r[1] == n_spec]
+    r_theirs = [r for x in s_theirs for r in x.values() if r[1] == n_spec]
     row["rounds_ours"], row["rounds_llama"] = len(r_ours), len(r_theirs)
     row["tau_ours"] = 1 + sum(a for a, _ in r_ours) / max(len(r_ours), 1)
     row["tau_llama"] = 1 + sum(a for a, _ in r_theirs) / max(len(r_theirs), 1)
     pairs = [align(x, y) for x, y in zip(s_ours, s_theirs, strict=True)]
     row["rounds_aligned"] = sum(c for c, _ in pairs)
     row["rounds_same_accept"] = sum(s for _, s in pairs)
-    row["pos_ours"] = position_acceptance(r_ours, g)
-    row["pos_llama"] = position_acceptance(r_theirs, g)
+    row["pos_ours"] = position_acceptance(r_ours, n_spec)
+    row["pos_llama"] = position_acceptance(r_theirs, n_spec)
     if fmt == args.speed_format and args.speed_reps:
         row["speed"] = speed(args, ctx, plain, spec)
     return row
@@ -266,12 +266,12 @@ def speed(args, ctx: dict, plain: LlamaCpp, spec: LlamaCpp) -> dict[str, float]:
     """Median tokens/s of the four decoders, alternated request by request, and their ratios."""
     import statistics
 
-    n, g = args.max_new_tokens, args.num_speculative_tokens
+    n, n_spec = args.max_new_tokens, args.num_speculative_tokens
     target, drafter = ctx["target"], ctx["drafter"]
     cases = {
-        "ours_plain": lambda i: ours_decode(target, None, ctx["ids"][i], n, g),
+        "ours_plain": lambda i: ours_decode(target, None, ctx["ids"][i], n, n_spec),
         "llama_plain": lambda i: plain.complete(ctx["texts"][i], n),
-        "ours_spec": lambda i: ours_decode(target, drafter, ctx["ids"][i], n, g),
+        "ours_spec": lambda i: ours_decode(target, drafter, ctx["ids"][i], n, n_spec),
         "llama_spec": lambda i: spec.complete(ctx["texts"][i], n),
     }
     ts: dict[str, list[float]] = {k: [] for k in cases}

@@ -193,7 +193,7 @@ def _engine(args, target, drafter, num_slots: int, cache_len: int):
 
 
 def _long_ids(tok, n: int) -> list[int]:
-    from dspark_jax.evaluation.cli import load_prompt_texts
+    from dspark_jax.data.prompts import load_prompt_texts
 
     texts, _ = load_prompt_texts("alpaca")
     ids: list[int] = []

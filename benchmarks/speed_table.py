@@ -77,7 +77,7 @@ def load_sets(names: list[str], tok, chat: bool, meta: dict, n: int, room: int) 
     """``{set: [token ids]}`` of each set's first ``n`` prompts no longer than ``room`` tokens,
     and ``{set: {"source", "skipped_too_long"}}``."""
     from dspark_jax.api import encode_prompt
-    from dspark_jax.evaluation.cli import load_prompt_texts
+    from dspark_jax.data.prompts import load_prompt_texts
 
     sets, info = {}, {}
     for name in names:

@@ -443,8 +443,8 @@ def speculative_entries(drafter, lengths: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     from dspark_jax.api import encode_prompt
+    from dspark_jax.data.prompts import load_prompt_texts
     from dspark_jax.drafters.checkpoint import load_drafter
-    from dspark_jax.evaluation.cli import load_prompt_texts
     from dspark_jax.models.presets import preset_info, resolve_target
     from dspark_jax.models.target import Target
     from dspark_jax.models.weights import params_fingerprint

@@ -1,8 +1,8 @@
-"""``python -m dspark_jax.eval``: thin entry point; the command lives in :mod:`dspark_jax.evaluation.cli`."""
+"""``python -m dspark_jax.eval``: thin entry point; the command lives in :mod:`dspark_jax.commands.eval`."""
 
 import sys
 
-from dspark_jax.evaluation.cli import build_parser, main
+from dspark_jax.commands.eval import build_parser, main
 
 __all__ = ["build_parser", "main"]
 

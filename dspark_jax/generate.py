@@ -1,8 +1,8 @@
-"""``python -m dspark_jax.generate``: thin entry point; the command lives in :mod:`dspark_jax.decoding.cli`."""
+"""``python -m dspark_jax.generate``: thin entry point; the command lives in :mod:`dspark_jax.commands.generate`."""
 
 import sys
 
-from dspark_jax.decoding.cli import build_parser, main
+from dspark_jax.commands.generate import build_parser, main
 
 __all__ = ["build_parser", "main"]
 

@@ -1,8 +1,8 @@
-"""``python -m dspark_jax.train``: thin entry point; the command lives in :mod:`dspark_jax.training.cli`."""
+"""``python -m dspark_jax.train``: thin entry point; the command lives in :mod:`dspark_jax.commands.train`."""
 
 import sys
 
-from dspark_jax.training.cli import build_parser, main
+from dspark_jax.commands.train import build_parser, main
 
 __all__ = ["build_parser", "main"]
 

@@ -25,7 +25,7 @@ import sys
 
 
 def _parser() -> argparse.ArgumentParser:
-    from dspark_jax.decoding.cli import add_verification_argument
+    from dspark_jax.commands.flags import add_verification_argument
     from dspark_jax.decoding.request import DecodeRequest
 
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _requests(tok, lines: list[dict], start: int, chat: bool, n_spec):
     """The front door's requests of the JSONL rows ``lines`` (``start``: the first one's index)."""
-    from dspark_jax.api import encode_prompt
+    from dspark_jax.decoding.loading import encode_prompt
     from dspark_jax.decoding.request import DecodeRequest
 
     d = DecodeRequest.field_defaults()
@@ -62,7 +62,7 @@ def _requests(tok, lines: list[dict], start: int, chat: bool, n_spec):
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
 
-    from dspark_jax.api import load_target_and_drafter
+    from dspark_jax.decoding.loading import load_target_and_drafter
     from dspark_jax.decoding.request import decode, summary
     from dspark_jax.errors import DSparkInputError
 

@@ -1,6 +1,6 @@
 """Request validation: one place for every check of a decoding request's input.
 
-Used by :mod:`dspark_jax.decoding.speculative`, :mod:`dspark_jax.decoding.cli` and
+Used by :mod:`dspark_jax.decoding.speculative`, :mod:`dspark_jax.commands.generate` and
 :mod:`dspark_jax.api` (and meant for the serving engine, server and CLI): sampling settings
 (NaN/inf included), prompts and their token ids, context limits, the number of speculative
 tokens and per-request serving extras (seed, stop ids, logit bias, logprobs, min_tokens).

@@ -105,9 +105,9 @@ def evaluate_tau(
         if results
         else resolve_num_speculative_tokens(drafter, num_speculative_tokens)
     )
-    n_used = drafter.cfg.block_size if n_spec == "auto" else int(n_spec)
+    num_verified = drafter.cfg.block_size if n_spec == "auto" else int(n_spec)
     passes = out["num_target_passes"]
-    out["accept_rate_at_k"] = [float(a / passes) if passes else None for a in accepted[:n_used]]
+    out["accept_rate_at_k"] = [float(a / passes) if passes else None for a in accepted[:num_verified]]
     if record_rounds:
         out["rounds"] = [g.rounds for r in results for g in r.generations]
     out.update(

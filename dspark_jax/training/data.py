@@ -6,8 +6,8 @@ features and p_target, unless a run opts into :mod:`dspark_jax.training.feature_
 (``feature_cache=DIR``), whose per-sequence arrays join the data dict and are
 indexed by :func:`batches` with the same rows as the tokens.
 
-Prompts come from :mod:`dspark_jax.evaluation.prompts` (``tinystories`` openings, or
-``chat``: :func:`~dspark_jax.evaluation.prompts.chat_training_prompts`, disjoint from every
+Prompts come from :mod:`dspark_jax.data.prompts` (``tinystories`` openings, or
+``chat``: :func:`~dspark_jax.data.prompts.chat_training_prompts`, disjoint from every
 evaluation slice, plus an optional JSONL file wrapped in the tokenizer's chat template), which
 also holds the contamination guard applied to them and to a distillation corpus.
 

@@ -61,7 +61,7 @@ def _train_activations(
     (:func:`estimate_memory`): ``target_forward_peak``, ``drafter_context``, ``drafter_backbone``,
     ``loss_head`` and ``drafter_step_peak``; ``m`` is the model-axis size, ``cb`` the compute
     dtype's bytes."""
-    L, V, A, S, g, N = cfg.seq_len, t.vocab_size, cfg.anchors_per_seq, d.num_block_positions, d.block_size, d.num_layers
+    L, V, A, S, N = cfg.seq_len, t.vocab_size, cfg.anchors_per_seq, d.num_block_positions, d.num_layers
     vt, ht, it = _div(V, m), _div(t.num_heads, m), _div(t.intermediate_size, m)
     hd_, kd_, id_ = _div(d.num_heads, m), _div(d.num_kv_heads, m), _div(d.intermediate_size, m)
     # The target forward (no gradient): every layer's output stacked by the layer scan, which XLA
@@ -83,7 +83,7 @@ def _train_activations(
     # Stored for the backward pass (each layer's input with remat, else every layer's activations),
     # plus one layer's worth held during its backward step (recomputed activations and cotangents).
     backbone = (blocks * d.hidden_size * cb * N + 2 * per_layer) if cfg.remat else per_layer * (N + 1)
-    head = micro * A * g * V * 4 * (3 if cfg.remat else 6) / vt
+    head = micro * A * d.block_size * V * 4 * (3 if cfg.remat else 6) / vt
     # Two activation peaks: inside the target forward, and in the drafter's backward pass (the
     # target's float32 logits stay alive for p_target through both).
     train_peak = micro * L * V * 4 / vt + context + backbone + head

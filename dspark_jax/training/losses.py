@@ -276,19 +276,19 @@ def loss_sums(
     Raises:
       ValueError: ``cached`` features do not have the drafter's ``len(taps) * H`` columns.
     """
-    g = drafter.cfg.block_size
+    block_size = drafter.cfg.block_size
     feats, t_logits, c_hidden, c_lse = _target_features(target, tokens, drafter.cfg.taps, cached)
     block = drafter.train_blocks(target, feats, tokens, anchors, remat=remat)
-    k = jnp.arange(g, dtype=jnp.int32)
+    k = jnp.arange(block_size, dtype=jnp.int32)
     src = anchors[..., None] + k  # position whose next token is predicted
-    valid = (src + 1) < lengths[:, None, None]  # [B, A, g]
+    valid = (src + 1) < lengths[:, None, None]  # [B, A, block_size]
     src_c = jnp.minimum(src, tokens.shape[1] - 1)
     tgt_c = jnp.minimum(src + 1, tokens.shape[1] - 1)
     bidx = jnp.arange(tokens.shape[0])[:, None, None]
     prev = tokens[bidx, src_c]  # teacher forcing: x_{k-1} is the true token
     labels = tokens[bidx, tgt_c]
-    w = position_weights(anchors, lengths, g, cfg.pos_decay)
-    # Only the gathered positions: [B, A, g, N] instead of [B, L, V].
+    w = position_weights(anchors, lengths, block_size, cfg.pos_decay)
+    # Only the gathered positions: [B, A, block_size, N] instead of [B, L, V].
     p_in = target_draft_probs(
         drafter if isinstance(drafter, BlockDrafter) else None,
         target,

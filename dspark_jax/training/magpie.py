@@ -8,7 +8,7 @@ training mix, at no download, where a fixed prompt list can be dominated by one 
 
 Every request the target ends with the token that closes a user turn (``<|im_end|>``) is kept
 unless it is too short, a duplicate (case, punctuation and whitespace folded), or contains an
-evaluation prompt (:func:`dspark_jax.evaluation.prompts.drop_contaminated`); a request cut by
+evaluation prompt (:func:`dspark_jax.data.prompts.drop_contaminated`); a request cut by
 the length limit is dropped, since a truncated question teaches the drafter a truncated regime.
 
 Used by ``python -m dspark_jax.train ... magpie_prompts=N`` (the prompts are written once into
@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from dspark_jax.data import prompts as prompts_mod
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.evaluation import prompts as prompts_mod
 
 # Stands in for the user's message when the template is rendered; the text before it is the header.
 _SENTINEL = "MAGPIEUSERCONTENT"
@@ -111,7 +111,7 @@ def magpie_prompts(
       temperature / top_p: sampling of the requests (Magpie samples at T = 1).
       batch_size: rows per ``generate_autoregressive`` call.
       guard: evaluation texts no request may contain (default: every shared evaluation set,
-        :func:`~dspark_jax.evaluation.prompts.evaluation_texts`).
+        :func:`~dspark_jax.data.prompts.evaluation_texts`).
       progress: ``progress(kept, num_prompts)`` after each batch.
 
     Returns:

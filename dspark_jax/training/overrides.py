@@ -1,12 +1,15 @@
 """MaxText-style ``key=value`` overrides of the configuration dataclasses (:class:`TrainConfig`
-and the configs it nests): ``apply_overrides(cfg, ["drafter.num_layers=2"])``."""
+and the configs it nests): ``apply_overrides(cfg, ["drafter.num_layers=2"])``.
+
+A dataclass may name flat aliases of nested keys in a ``KEY_ALIASES`` class attribute
+(``{"block_size": "drafter.block_size"}``): ``block_size=4`` then sets ``drafter.block_size``."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dspark_jax.config import renamed_key
@@ -50,8 +53,9 @@ def _coerce(value: str, typ: Any) -> Any:
 def apply_overrides(cfg: Any, overrides: Sequence[str] | dict[str, Any]) -> Any:
     """Returns a copy of dataclass ``cfg`` with ``key=value`` overrides applied.
 
-    Nested dataclass fields are addressed with dots (``drafter.num_layers=2``).
-    Values given as strings are parsed according to the field's type annotation.
+    Nested dataclass fields are addressed with dots (``drafter.num_layers=2``), or, in a dict, as
+    a nested mapping (``{"drafter": {"num_layers": 2}}``); the dataclass's ``KEY_ALIASES`` map flat
+    names onto nested ones. Values given as strings are parsed according to the field's type annotation.
 
     Raises:
       ValueError: unknown key, malformed ``key=value`` or unparsable value.
@@ -64,9 +68,20 @@ def apply_overrides(cfg: Any, overrides: Sequence[str] | dict[str, Any]) -> Any:
             k, v = item.split("=", 1)
             pairs[k.strip()] = v
         overrides = pairs
-    for key, value in overrides.items():
+    for key, value in flatten_keys(overrides).items():
         cfg = _set_path(cfg, key.split("."), value, key)
     return cfg
+
+
+def flatten_keys(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"drafter": {"block_size": 4}}`` -> ``{"drafter.block_size": 4}`` (other values kept)."""
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, Mapping):
+            out.update(flatten_keys(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def _set_path(cfg: Any, path: list[str], value: Any, full: str) -> Any:
@@ -75,8 +90,18 @@ def _set_path(cfg: Any, path: list[str], value: Any, full: str) -> Any:
     head = path[0]
     if head not in fields:
         head = renamed_key(head, "config key")
+    aliases: dict[str, str] = getattr(type(cfg), "KEY_ALIASES", {})
+    if head not in fields and head in aliases:
+        return _set_path(cfg, aliases[head].split(".") + path[1:], value, full)
     if head not in fields:
-        raise ValueError(f"unknown config key {full!r}; valid keys here: {', '.join(sorted(fields))}")
+        raise ValueError(f"unknown config key {full!r}; valid keys here: {', '.join(sorted(fields | set(aliases)))}")
+    if len(path) == 1 and dataclasses.is_dataclass(getattr(cfg, head)):  # drafter={"block_size": 4}
+        parsed = json.loads(value) if isinstance(value, str) else value
+        if not isinstance(parsed, Mapping):
+            raise ValueError(f"config key {full!r} takes a mapping of its sub-keys, got {value!r}")
+        for key, v in flatten_keys(parsed).items():
+            cfg = _set_path(cfg, [head, *key.split(".")], v, f"{full}.{key}")
+        return cfg
     if len(path) > 1:
         sub = getattr(cfg, head)
         if not dataclasses.is_dataclass(sub):

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dspark_jax.data import prompts as prompts_mod
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.evaluation import prompts as prompts_mod
 from dspark_jax.training.train_config import TrainConfig
 
 
@@ -376,7 +376,7 @@ def run(cfg: TrainConfig, evaluate: bool = True, *, calibrate: bool = True, targ
     import jax.numpy as jnp
     from flax import nnx
 
-    from dspark_jax.api import load_target
+    from dspark_jax.decoding.loading import load_target
     from dspark_jax.drafters.build import build_drafter
     from dspark_jax.drafters.checkpoint import export_drafter
     from dspark_jax.training import data as data_mod

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.training.overrides import apply_overrides
+from dspark_jax.training.overrides import apply_overrides, flatten_keys
 from dspark_jax.training.train_config import TrainConfig
 
 # The recipe a run starts from when neither --preset nor a config file's ``preset:`` names one.
@@ -70,7 +70,8 @@ def apply_config(cfg: TrainConfig, data: Mapping[str, Any]) -> TrainConfig:
       DSparkInputError: unknown key or bad value.
     """
     try:
-        return apply_overrides(cfg, {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in data.items()})
+        flat = flatten_keys(data)  # a nested ``drafter:`` mapping, or the flat keys
+        return apply_overrides(cfg, {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in flat.items()})
     except ValueError as e:
         raise DSparkInputError(str(e)) from None
 

@@ -104,12 +104,12 @@ def fit_temperatures(
     """
     f = _loss_fn(loss)
     z = np.asarray(z, np.float64)
-    n, g = z.shape
+    n, block_size = z.shape
     w_all = np.ones(n) if weights is None else np.asarray(weights, np.float64)
     lo, hi = np.log(bounds[0]), np.log(bounds[1])
-    temps = np.ones(g)
+    temps = np.ones(block_size)
     prev = np.ones(n)
-    for k in range(g):
+    for k in range(block_size):
         m = np.asarray(valid[:, k], bool) & (w_all > 0)
         if not m.any():
             temps[k] = temps[k - 1] if k else 1.0

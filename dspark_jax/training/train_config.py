@@ -1,14 +1,58 @@
 """The training run's configuration: :class:`TrainConfig` (every ``key=value`` override of
-``python -m dspark_jax.train``) and the drafter it builds for a target (:func:`drafter_config`)."""
+``python -m dspark_jax.train``), the drafter it asks for (:class:`DrafterSettings`, its ``drafter``)
+and the :class:`~dspark_jax.config.DrafterConfig` that becomes for a target (:func:`drafter_config`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.training.overrides import apply_overrides
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterSettings:
+    """The drafter a training run builds, before its target is known (:func:`drafter_config`
+    resolves it against the target into a :class:`~dspark_jax.config.DrafterConfig`).
+
+    ``key=value`` overrides address it as ``drafter.<field>``; the flat names of recipes and older
+    configs (``variant``, ``block_size``, ``drafter_width``, ...) map onto it
+    (:data:`TrainConfig.KEY_ALIASES`).
+
+    Attributes (units in brackets):
+      variant: ``dspark``, ``dflash`` or ``eagle3`` (the autoregressive baseline of
+        :mod:`dspark_jax.drafters.eagle`: always one layer, ``num_layers`` is not used; default
+        taps low/mid/high, :func:`~dspark_jax.drafters.eagle.eagle_taps`).
+      block_size: block size [tokens]; num_layers: drafter backbone layers;
+      markov_rank: Markov head rank r; markov_head: ``vanilla`` / ``gated`` / ``rnn``
+        (:class:`~dspark_jax.config.DrafterConfig`); taps: tapped target layers (empty = default);
+      intermediate_size: FFN width (0 = the target's, scaled by width / H).
+      width: the drafter's residual width d (0 = the target's hidden size H; a
+        tiny target trains a better drafter wider than itself). Heads keep the target's
+        count with ``head_dim = d / num_heads``; dspark/dflash only (d != H has no external format).
+      arch: ``interop`` (the checkpoint formats' architecture), ``legacy`` (this
+        project's first), ``gemma4`` (DeepSeek's Gemma 4 drafter: Gemma 4 layers, its own frozen copies
+        of the target's embedding and LM head; exports as DeepSpec's ``Gemma4DSparkModel``) or
+        ``auto`` (``gemma4`` for a Gemma 4 target's DSpark drafter, else ``interop``):
+        :meth:`~dspark_jax.config.DrafterConfig.for_target`'s ``arch``.
+      draft_vocab_size: N > 0 drafts over the N most frequent target-generated tokens of
+        the training data (:func:`dspark_jax.training.data.draft_vocabulary`; stored in the export);
+        0 = the full vocabulary.
+    """
+
+    variant: str = "dspark"
+    block_size: int = 8
+    num_layers: int = 2
+    markov_rank: int = 64
+    markov_head: str = "vanilla"
+    taps: tuple[int, ...] = ()
+    intermediate_size: int = 0
+    width: int = 0
+    arch: str = "auto"
+    draft_vocab_size: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,24 +63,7 @@ class TrainConfig:
       target: preset name or path of the target model.
       workdir: run folder (data shards, Orbax checkpoints, metrics.jsonl).
       export_dir: export folder (default ``<workdir>/export``).
-      variant: ``dspark``, ``dflash`` or ``eagle3`` (the autoregressive baseline of
-        :mod:`dspark_jax.drafters.eagle`: always one layer, ``num_layers`` is not used; default
-        taps low/mid/high, :func:`~dspark_jax.drafters.eagle.eagle_taps`).
-      block_size: block size [tokens]; num_layers: drafter backbone layers;
-      markov_rank: Markov head rank r; markov_head: ``vanilla`` / ``gated`` / ``rnn``
-        (:class:`~dspark_jax.config.DrafterConfig`); taps: tapped target layers (empty = default);
-      drafter_intermediate_size: FFN width (0 = the target's, scaled by drafter_width / H).
-      draft_vocab_size: N > 0 drafts over the N most frequent target-generated tokens of
-        the training data (:func:`dspark_jax.training.data.draft_vocabulary`; stored in the export);
-        0 = the full vocabulary.
-      drafter_width: the drafter's residual width d (0 = the target's hidden size H; a
-        tiny target trains a better drafter wider than itself). Heads keep the target's
-        count with ``head_dim = d / num_heads``; dspark/dflash only (d != H has no external format).
-      drafter_arch: ``interop`` (the checkpoint formats' architecture), ``legacy`` (this
-        project's first), ``gemma4`` (DeepSeek's Gemma 4 drafter: Gemma 4 layers, its own frozen copies
-        of the target's embedding and LM head; exports as DeepSpec's ``Gemma4DSparkModel``) or
-        ``auto`` (``gemma4`` for a Gemma 4 target's DSpark drafter, else ``interop``):
-        :meth:`~dspark_jax.config.DrafterConfig.for_target`'s ``arch``.
+      drafter: the drafter to build (:class:`DrafterSettings`; ``drafter.block_size=4`` etc.).
       init_from_target_layers: target layers the drafter's layers start from, one per layer
         (``-2,-1``: the last two; :mod:`dspark_jax.training.warm_start`); empty = random.
       prompts: ``tinystories`` or ``chat``; prompts_file: extra JSONL prompts;
@@ -94,14 +121,7 @@ class TrainConfig:
     target: str = "stories260k"
     workdir: str = "runs/stories260k"
     export_dir: str = ""
-    variant: str = "dspark"
-    block_size: int = 8
-    num_layers: int = 2
-    markov_rank: int = 64
-    taps: tuple[int, ...] = ()
-    drafter_intermediate_size: int = 0
-    drafter_width: int = 0
-    drafter_arch: str = "auto"
+    drafter: DrafterSettings = dataclasses.field(default_factory=DrafterSettings)
     init_from_target_layers: tuple[int, ...] = ()
     prompts: str = "tinystories"
     prompts_file: str = ""
@@ -144,12 +164,37 @@ class TrainConfig:
     corpus_max_sequences: int = 0
     eval_max_new_tokens: int = 128
     eval_temperature: float = 0.0
-    markov_head: str = "vanilla"
-    draft_vocab_size: int = 0
     data_dir: str = ""
     feature_cache: str = ""
     feature_cache_dtype: str = "float32"
     mesh: str = ""
+
+    # The flat keys of recipes, config files and command lines -> their place in the nested config.
+    KEY_ALIASES: ClassVar[dict[str, str]] = {
+        **{f: f"drafter.{f}" for f in ("variant", "block_size", "num_layers", "markov_rank", "markov_head", "taps")},
+        "draft_vocab_size": "drafter.draft_vocab_size",
+        "drafter_intermediate_size": "drafter.intermediate_size",
+        "drafter_width": "drafter.width",
+        "drafter_arch": "drafter.arch",
+    }
+
+    @classmethod
+    def from_keys(cls, **keys: Any) -> TrainConfig:
+        """The default config with ``keys`` set, named as on the command line: flat
+        (``block_size=4``, :data:`KEY_ALIASES`), nested (``drafter={"block_size": 4}``) or plain fields.
+
+        Raises:
+          ValueError: an unknown key or a bad value.
+        """
+        return cls().with_keys(**keys)
+
+    def with_keys(self, **keys: Any) -> TrainConfig:
+        """A copy with ``keys`` set (named as for :meth:`from_keys`).
+
+        Raises:
+          ValueError: an unknown key or a bad value.
+        """
+        return apply_overrides(self, keys)
 
     def export_path(self) -> Path:
         return Path(self.export_dir) if self.export_dir else Path(self.workdir) / "export"
@@ -166,39 +211,37 @@ class TargetIdentity(Protocol):
 
 
 def drafter_config(cfg: TrainConfig, target: TargetIdentity) -> DrafterConfig:
-    """The :class:`DrafterConfig` a run builds for ``target``.
+    """The :class:`DrafterConfig` a run builds for ``target`` (from ``cfg.drafter``).
 
     Raises:
-      DSparkInputError: ``drafter_width`` is not a multiple of the target's heads; an unknown ``drafter_arch``.
+      DSparkInputError: ``drafter.width`` is not a multiple of the target's heads; an unknown ``drafter.arch``.
       ValueError: the drafter config does not fit the target (e.g. taps beyond its depth).
     """
-    t = target.cfg
-    eagle = cfg.variant == "eagle3"
+    t, d = target.cfg, cfg.drafter
+    eagle = d.variant == "eagle3"
     over: dict[str, Any] = dict(
-        variant=cfg.variant,
-        block_size=cfg.block_size,
-        num_layers=1 if eagle else cfg.num_layers,
-        markov_rank=cfg.markov_rank if cfg.variant == "dspark" else 0,
-        markov_head=cfg.markov_head,
+        variant=d.variant,
+        block_size=d.block_size,
+        num_layers=1 if eagle else d.num_layers,
+        markov_rank=d.markov_rank if d.variant == "dspark" else 0,
+        markov_head=d.markov_head,
         target_fingerprint=target.fingerprint,
-        draft_vocab_size=cfg.draft_vocab_size,
+        draft_vocab_size=d.draft_vocab_size,
     )
-    if cfg.taps:
-        over["taps"] = tuple(cfg.taps)
+    if d.taps:
+        over["taps"] = tuple(d.taps)
     elif eagle:
         from dspark_jax.drafters.eagle import eagle_taps
 
         over["taps"] = eagle_taps(t)
-    if cfg.drafter_width and cfg.drafter_width != t.hidden_size and not eagle:
-        if cfg.drafter_width % t.num_heads:
-            raise DSparkInputError(
-                f"drafter_width={cfg.drafter_width} is not a multiple of the target's {t.num_heads} heads"
-            )
+    if d.width and d.width != t.hidden_size and not eagle:
+        if d.width % t.num_heads:
+            raise DSparkInputError(f"drafter.width={d.width} is not a multiple of the target's {t.num_heads} heads")
         over.update(
-            width=cfg.drafter_width,
-            head_dim=cfg.drafter_width // t.num_heads,
-            intermediate_size=int(round(t.intermediate_size * cfg.drafter_width / t.hidden_size)),
+            width=d.width,
+            head_dim=d.width // t.num_heads,
+            intermediate_size=int(round(t.intermediate_size * d.width / t.hidden_size)),
         )
-    if cfg.drafter_intermediate_size:
-        over["intermediate_size"] = cfg.drafter_intermediate_size
-    return DrafterConfig.for_target(t, arch=cfg.drafter_arch, **over)
+    if d.intermediate_size:
+        over["intermediate_size"] = d.intermediate_size
+    return DrafterConfig.for_target(t, arch=d.arch, **over)

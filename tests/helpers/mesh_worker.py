@@ -42,7 +42,7 @@ TCFG = TargetConfig(
     name="tiny-mesh",
     eos_ids=(),
 )
-CFG = TrainConfig(
+CFG = TrainConfig.from_keys(
     steps=6,
     batch_size=16,
     anchors_per_seq=8,

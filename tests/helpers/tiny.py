@@ -15,7 +15,6 @@ Random weights only, so each builds in well under a second (compilation is what 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
@@ -41,7 +40,7 @@ TINY_FINGERPRINT = "tinyfp"
 TARGET_SEED = 1
 TARGET_SCALE = 0.2
 DRAFTER_SEED = 0
-TINY_TRAIN = TrainConfig(block_size=4, num_layers=1, markov_rank=8)
+TINY_TRAIN = TrainConfig.from_keys(block_size=4, num_layers=1, markov_rank=8)
 
 LAW_TARGET = TargetConfig(
     vocab_size=6,
@@ -63,13 +62,13 @@ def tiny_target(seed: int = TARGET_SEED, fingerprint: str = TINY_FINGERPRINT) ->
 
 
 def tiny_train_config(**overrides: Any) -> TrainConfig:
-    """:data:`TINY_TRAIN` with ``overrides`` (any :class:`TrainConfig` field)."""
-    return dataclasses.replace(TINY_TRAIN, **overrides)
+    """:data:`TINY_TRAIN` with ``overrides`` (any :class:`TrainConfig` key, flat drafter keys included)."""
+    return TINY_TRAIN.with_keys(**overrides)
 
 
 def tiny_drafter_config(target: Target, variant: str = "dspark", train: TrainConfig = TINY_TRAIN) -> DrafterConfig:
     """The :class:`DrafterConfig` a ``train`` run of ``variant`` builds for ``target``."""
-    return drafter_config(dataclasses.replace(train, variant=variant), target)
+    return drafter_config(train.with_keys(variant=variant), target)
 
 
 def tiny_drafter(target: Target, variant: str = "dspark", seed: int = DRAFTER_SEED, train: TrainConfig = TINY_TRAIN):

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from dspark_jax import calibrate
+from dspark_jax.commands import calibrate
 
 
 def test_select_prompts_takes_a_window_of_every_set_less_long_and_trained_prompts():

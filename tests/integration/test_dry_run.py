@@ -104,7 +104,7 @@ def test_stories260k_dry_run_reads_only_the_header(stories260k_dir, monkeypatch,
     assert (
         r8["per_device_micro_batch"] == 4 and r8["per_device_memory_estimate_gib"] < r["per_device_memory_estimate_gib"]
     )
-    bad = dataclasses.replace(TRAIN_PRESETS["stories260k"], taps=(1, 9))
+    bad = TRAIN_PRESETS["stories260k"].with_keys(taps=(1, 9))
     with pytest.raises(DSparkInputError, match="tap layer 9"):
         dry_run(bad, devices=1)
 

@@ -9,8 +9,9 @@ import os
 import numpy as np
 import pytest
 
+from dspark_jax.commands import eval as eval_cli
+from dspark_jax.data.prompts import PROMPT_SETS, load_prompt_texts
 from dspark_jax.drafters.checkpoint import FORMAT
-from dspark_jax.evaluation import cli as eval_cli
 from tests.helpers.env import MODELS_DIR
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -31,7 +32,7 @@ def test_help_documents_every_flag(capsys):
         assert action.help, f"{action.dest} has no help"
         for opt in action.option_strings:
             assert opt in text
-    for name in eval_cli.PROMPT_SETS:
+    for name in PROMPT_SETS:
         assert name in text
 
 
@@ -81,8 +82,8 @@ def test_bad_prompt_file_is_an_error(fake_export, tmp_path, capsys):
 
 
 def test_prompt_sets_load():
+    from dspark_jax.data.prompts import shared_data_dir, split_prompts, tinystories_openings
     from dspark_jax.errors import DSparkInputError
-    from dspark_jax.evaluation.prompts import shared_data_dir, split_prompts, tinystories_openings
 
     try:
         shared_data_dir()
@@ -90,7 +91,7 @@ def test_prompt_sets_load():
         from tests.helpers.env import require
 
         require(None, "shared data (prompt sets)", "set DSPARK_DATA=/path/to/shared/data")
-    sets = {name: eval_cli.load_prompt_texts(name)[0] for name in eval_cli.PROMPT_SETS}
+    sets = {name: load_prompt_texts(name)[0] for name in PROMPT_SETS}
     for name, texts in sets.items():
         assert texts and all(isinstance(t, str) and t for t in texts), name
     assert sets["mt_bench"][0].startswith("Compose an engaging travel blog post")  # first turn only
@@ -99,7 +100,7 @@ def test_prompt_sets_load():
     assert sets["humaneval"][0].startswith("from typing import List")
     # tinystories: the held-out split of the drafter's training run when the export records one
     meta = {"extra": {"config": {"prompts": "tinystories", "prompts_file": "", "num_eval_prompts": 7, "seed": 3}}}
-    held, source = eval_cli.load_prompt_texts("tinystories", meta)
+    held, source = load_prompt_texts("tinystories", meta)
     assert held == split_prompts(tinystories_openings(), 7, 3)[1] and "held-out" in source
 
 

@@ -64,7 +64,7 @@ def _flags(settings: dict) -> list[str]:
 
 
 def _generate_cli(export, settings: dict, capsys) -> dict:
-    from dspark_jax.decoding.cli import main
+    from dspark_jax.commands.generate import main
 
     argv = ["--target", "stories260k", "--drafter", str(export), "--prompt", PROMPT, "--json"]
     assert main([*argv, f"--max-new-tokens={MAX_NEW}", *_flags(settings)]) == 0
@@ -73,7 +73,7 @@ def _generate_cli(export, settings: dict, capsys) -> dict:
 
 def _eval_cli(export, settings: dict, tmp_path, capsys) -> dict:
     """The eval command on the one prompt: its per-request record, in the API's terms."""
-    from dspark_jax.evaluation.cli import main
+    from dspark_jax.commands.eval import main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
@@ -111,9 +111,9 @@ def _batch_script(export, settings: dict, tmp_path, capsys) -> dict:
 
 def test_entry_points_resolve_the_same_defaults():
     from dspark_jax.api import generate_text
-    from dspark_jax.decoding.cli import build_parser as generate_parser
+    from dspark_jax.commands.eval import build_parser as eval_parser
+    from dspark_jax.commands.generate import build_parser as generate_parser
     from dspark_jax.decoding.request import DecodeRequest
-    from dspark_jax.evaluation.cli import build_parser as eval_parser
 
     d = DecodeRequest.field_defaults()
     assert d["max_new_tokens"] == 128 and d["num_speculative_tokens"] == "auto" and d["seed"] == 0

@@ -43,7 +43,7 @@ def test_set_overrides_every_run_and_enters_the_settings(tmp_path):
         ]
     )
     base, ev = lc.study_config(args, [400, 800])
-    assert base.draft_vocab_size == 8192 and base.init_from_target_layers == (-2, -1)
+    assert base.drafter.draft_vocab_size == 8192 and base.init_from_target_layers == (-2, -1)
     assert base.lr_schedule == "wsd"  # the study's own settings still apply
     data = {"sequences": 1, "generated_tokens": 1}
     settings = lc.study_settings(base, ev, data, {"gsm8k": [[1]]}, args)

@@ -137,7 +137,7 @@ def test_replication_fallback_for_dimensions_the_mesh_does_not_divide():
 
 def test_dry_run_cli_mesh_fit_line_and_bad_mesh(tmp_path, monkeypatch, capsys):
     """The train CLI's dry run (in process: the built-in Qwen3-8B config, no files)."""
-    from dspark_jax.training.cli import main
+    from dspark_jax.commands.train import main
 
     for k, v in dict(DSPARK_MODELS=str(tmp_path), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1").items():
         monkeypatch.setenv(k, v)

@@ -207,7 +207,7 @@ def test_gemma4_reexport_is_lossless(name, tmp_path):
     with pytest.raises(DSparkInputError, match="speculators's format has no own embedding"):
         export_to_format(drafter, None, "speculators", tmp_path / "spec")
     # The command line writes the same files without a target.
-    from dspark_jax.export import main
+    from dspark_jax.commands.export import main
 
     assert main([str(DATA / name), "--format", "deepspec", "--out", str(tmp_path / "cli")]) == 0
     assert json.loads((tmp_path / "cli" / "config.json").read_text()) == theirs_cfg

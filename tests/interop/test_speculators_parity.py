@@ -373,7 +373,7 @@ def test_export_cli_of_a_drafter_built_here(tiny, tmp_path, capsys):
     a first-architecture drafter is refused with one line naming every reason."""
     from flax import nnx
 
-    from dspark_jax import export as export_cli
+    from dspark_jax.commands import export as export_cli
     from dspark_jax.config import LEGACY_ARCH, DrafterConfig
     from dspark_jax.drafters.build import build_drafter
     from dspark_jax.drafters.checkpoint import export_drafter

@@ -22,7 +22,7 @@ def s260k(stories260k):
 
 @pytest.fixture(scope="session")
 def s260k_prompts(s260k):
-    from dspark_jax.evaluation.prompts import tinystories_openings
+    from dspark_jax.data.prompts import tinystories_openings
 
     _, tok = s260k
     prompts = [tok.encode(t) for t in tinystories_openings()[:50]]

@@ -164,7 +164,7 @@ def test_draft_probs_are_the_sampling_law():
 @pytest.fixture(scope="module")
 def trained(s260k, tmp_path_factory):
     """An eagle3 drafter trained for 60 steps on stories260K's own continuations."""
-    from dspark_jax.evaluation.prompts import tinystories_openings
+    from dspark_jax.data.prompts import tinystories_openings
     from dspark_jax.training.data import batches
     from dspark_jax.training.train_config import TrainConfig, drafter_config
     from dspark_jax.training.trainer import Trainer
@@ -179,7 +179,7 @@ def trained(s260k, tmp_path_factory):
         s = (p + g.token_ids)[:L]
         toks[i, : len(s)], lens[i] = s, len(s)
     data = {"tokens": toks, "lengths": lens, "prompt_lengths": np.array([min(len(p), L) for p in prompts], np.int32)}
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_keys(
         variant="eagle3", block_size=GAMMA, steps=60, batch_size=8, anchors_per_seq=16, learning_rate=3e-3
     )
     tr = Trainer(cfg, target, build_drafter(drafter_config(cfg, target), nnx.Rngs(0)))
@@ -215,8 +215,8 @@ def test_greedy_speculative_equals_autoregressive(s260k, trained):
 
 @pytest.mark.slow
 def test_export_load_and_eval_cli(s260k, trained, tmp_path):
+    from dspark_jax.commands import eval as eval_cli
     from dspark_jax.drafters.checkpoint import export_drafter, load_drafter
-    from dspark_jax.evaluation import cli as eval_cli
 
     target, _ = s260k
     d, _, _ = trained

@@ -235,7 +235,7 @@ def test_training_on_a_gemma_target_reduces_the_loss(written):
     from dspark_jax.training.trainer import Trainer
 
     target = _target(written, "gemma3")
-    cfg = TrainConfig(steps=20, batch_size=4, anchors_per_seq=4, block_size=4, num_layers=1, markov_rank=8,
+    cfg = TrainConfig.from_keys(steps=20, batch_size=4, anchors_per_seq=4, block_size=4, num_layers=1, markov_rank=8,
                       learning_rate=1e-2)  # fmt: skip
     tr = Trainer(cfg, target, DSparkDrafter(drafter_config(cfg, target), nnx.Rngs(0)))
     rng = np.random.default_rng(0)

@@ -227,7 +227,7 @@ def test_training_on_a_gemma4_target_reduces_the_loss(written):
 
     _, cfg, params = written("k_eq_v")
     target = Target(cfg, params, fingerprint=params_fingerprint(params))
-    tc = TrainConfig(steps=12, batch_size=4, anchors_per_seq=4, block_size=4, num_layers=1, markov_rank=8,
+    tc = TrainConfig.from_keys(steps=12, batch_size=4, anchors_per_seq=4, block_size=4, num_layers=1, markov_rank=8,
                      learning_rate=1e-2, taps=(0, 1, 3), drafter_arch="interop")  # fmt: skip
     tr = Trainer(tc, target, DSparkDrafter(drafter_config(tc, target), nnx.Rngs(0)))
     rng = np.random.default_rng(0)
@@ -263,15 +263,15 @@ def test_trains_and_exports_deepseeks_gemma4_drafter(written, tmp_path):
     import jax
     from flax import nnx
 
+    from dspark_jax.commands.export import main as export_main
     from dspark_jax.drafters.checkpoint import export_drafter, load_drafter
-    from dspark_jax.export import main as export_main
     from dspark_jax.training.data import batches
     from dspark_jax.training.pipeline import _build_trainer
     from dspark_jax.training.train_config import TrainConfig, drafter_config
 
     _, cfg, params = written("k_eq_v")
     target = Target(cfg, params, fingerprint=params_fingerprint(params))
-    tc = TrainConfig(steps=3, batch_size=4, anchors_per_seq=4, block_size=4, num_layers=1, markov_rank=8,
+    tc = TrainConfig.from_keys(steps=3, batch_size=4, anchors_per_seq=4, block_size=4, num_layers=1, markov_rank=8,
                      learning_rate=1e-2, weight_decay=0.5, taps=(0, 3), grad_accum_steps=2)  # fmt: skip
     dcfg = drafter_config(tc, target)
     shape = (dcfg.head_dim, dcfg.num_kv_heads, dcfg.k_eq_v, dcfg.final_logit_softcap, dcfg.embed_scale)

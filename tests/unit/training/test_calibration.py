@@ -219,7 +219,7 @@ def test_block_terms_match_drafter_loss():
     v = np.asarray(bt.valid, np.float64)
     acc = (np.asarray(bt.accept) * v).sum((0, 1)) / v.sum((0, 1))
     np.testing.assert_allclose(acc, np.asarray(terms.acc_by_pos), rtol=1e-5, atol=1e-6)
-    w = np.exp(-np.arange(CFG.block_size) / CFG.pos_decay) * v
+    w = np.exp(-np.arange(CFG.drafter.block_size) / CFG.pos_decay) * v
     conf_err = (w * np.abs(1 / (1 + np.exp(-np.asarray(bt.z, np.float64))) - np.asarray(bt.accept))).sum() / w.sum()
     assert conf_err == pytest.approx(float(terms.conf_err), rel=1e-4)
     # greedy acceptance is an indicator
@@ -232,7 +232,7 @@ def test_collect_covers_every_anchor_block():
     b = _data(n=5)
     data = C.collect(target, d, b, batch_size=2, memory_budget_mb=0.05)  # several anchor chunks
     n_blocks = int(np.sum(np.maximum(b["lengths"] - 2 - (b["prompt_lengths"] - 1) + 1, 0)))
-    assert data.z.shape == (n_blocks, CFG.block_size)
+    assert data.z.shape == (n_blocks, CFG.drafter.block_size)
     assert data.valid[:, 0].all() and np.all(np.diff(data.valid.astype(int), axis=1) <= 0)
     assert np.all((data.accept >= 0) & (data.accept <= 1))
     assert sorted(np.unique(data.seq)) == list(range(5))
@@ -253,11 +253,11 @@ def test_fit_and_store_calibration_round_trip(tmp_path):
     export_drafter(d, tmp_path / "export")
     rep = C.fit_and_store_calibration(target, d, _data(n=6), tmp_path / "export")
     temps = rep["temperatures"]
-    assert len(temps) == CFG.block_size and all(C.T_BOUNDS[0] <= t <= C.T_BOUNDS[1] for t in temps)
+    assert len(temps) == CFG.drafter.block_size and all(C.T_BOUNDS[0] <= t <= C.T_BOUNDS[1] for t in temps)
     for part in ("before", "after"):
         pooled = rep[part]["pooled"]
         assert {"ece", "auroc", "brier", "ece_sampled", "brier_sampled"} <= set(pooled)
-        assert len(rep[part]["per_position"]) == CFG.block_size
+        assert len(rep[part]["per_position"]) == CFG.drafter.block_size
     assert rep["num_sequences"] == {"fit": 3, "test": 3}
     meta = json.loads((tmp_path / "export/drafter.json").read_text())
     assert meta["calibration"] == pytest.approx(temps)
@@ -285,7 +285,7 @@ def test_invalid_calibration_is_refused(tmp_path):
     with pytest.raises(ValueError, match="positive"):
         d.set_calibration([1.0, 0.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="no confidence head"):
-        _drafter(target, "dflash").set_calibration([1.0] * CFG.block_size)
+        _drafter(target, "dflash").set_calibration([1.0] * CFG.drafter.block_size)
     export_drafter(d, tmp_path / "e")
     meta = json.loads((tmp_path / "e/drafter.json").read_text())
     meta["calibration"] = [1.0, -1.0, 1.0, 1.0]
@@ -333,17 +333,19 @@ def test_decode_round_records_match_counters():
     res = generate_speculative(target, d, prompts, seed=[0, 1, 2], **kw)
     for g in res.generations:
         r = g.rounds
-        assert r["conf_logit"].shape == (g.num_target_passes, CFG.block_size)
+        assert r["conf_logit"].shape == (g.num_target_passes, CFG.drafter.block_size)
         assert int(r["accepted"].sum()) == g.num_accepted and int(r["verified"].sum()) == g.num_verified
-        for k in range(1, CFG.block_size + 1):
+        for k in range(1, CFG.drafter.block_size + 1):
             assert int((r["accepted"] >= k).sum()) == g.position_accepted[k - 1]
     ev = evaluate_tau(target, d, prompts, **kw)
     rounds = ev.pop("rounds")
     n_rounds = sum(len(r["accepted"]) for r in rounds)
     assert n_rounds == ev["num_target_passes"]
     acc = np.concatenate([r["accepted"] for r in rounds])
-    assert ev["accept_rate_at_k"] == pytest.approx([float((acc >= k).mean()) for k in range(1, CFG.block_size + 1)])
-    rel = R.decode_reliability(rounds, CFG.block_size, list(d.calibration))
+    assert ev["accept_rate_at_k"] == pytest.approx(
+        [float((acc >= k).mean()) for k in range(1, CFG.drafter.block_size + 1)]
+    )
+    rel = R.decode_reliability(rounds, CFG.drafter.block_size, list(d.calibration))
     assert rel["num_rounds"] == n_rounds
     assert rel["before"]["pooled"]["n"] == int(sum(r["verified"].sum() for r in rounds))
     assert "after" in rel
@@ -370,6 +372,6 @@ def test_greedy_fit_calibrates_held_out_decode_rounds():
         "prompt_lengths": np.full(len(seqs), 4, np.int32),
     }
     rep = C.fit_and_store_calibration(target, d, fit_data, None, temperature=0.0)
-    rel = R.decode_reliability([g.rounds for g in res.generations[16:]], CFG.block_size, rep["temperatures"])
+    rel = R.decode_reliability([g.rounds for g in res.generations[16:]], CFG.drafter.block_size, rep["temperatures"])
     raw, fitted = rel["before"]["pooled"]["ece"], rel["after"]["pooled"]["ece"]
     assert fitted < raw - 0.05, (raw, fitted)

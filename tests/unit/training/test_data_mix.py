@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dspark_jax.data import prompts as prompts_mod
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.evaluation import prompts as prompts_mod
 from dspark_jax.training import data as data_mod
 from dspark_jax.training.losses import position_weights, sample_anchors
 

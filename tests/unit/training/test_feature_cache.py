@@ -38,7 +38,7 @@ def _data(n=12, length=24, seed=0):
 
 
 def _cfg(variant):
-    return dataclasses.replace(CFG, variant=variant)
+    return CFG.with_keys(variant=variant)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def test_draft_vocab_loss_from_cached_lse_equals_full_vocab(built):
     previous tokens outside the draft vocabulary included."""
     target, data, fc = built
     n, v, h = 16, TCFG.vocab_size, TCFG.hidden_size
-    cfg = dataclasses.replace(_cfg("dspark"), draft_vocab_size=n, drafter_intermediate_size=48)
+    cfg = _cfg("dspark").with_keys(draft_vocab_size=n, drafter_intermediate_size=48)
     dcfg = drafter_config(cfg, target)
     drafter = DSparkDrafter(dcfg, nnx.Rngs(0))
     drafter.set_draft_vocab(range(3, 3 + 4 * n, 4))  # every 4th id: most labels lie outside
@@ -248,7 +248,7 @@ def test_train_run_with_feature_cache_matches_uncached(stories260k, tmp_path):
 
     cfg_t, params, tok = stories260k
     target = Target(cfg_t, params, fingerprint=params_fingerprint(params))
-    base = TrainConfig(
+    base = TrainConfig.from_keys(
         workdir=str(tmp_path / "plain"),
         num_prompts=16,
         num_eval_prompts=4,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dspark_jax.commands.train import build_parser, load_config
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.training.cli import build_parser, load_config
 from dspark_jax.training.recipes import TRAIN_PRESETS, load_config_file, load_recipe, recipe_names
 from dspark_jax.training.train_config import TrainConfig
 
@@ -46,8 +46,8 @@ _QWEN3 = dict(
     eval_max_new_tokens=512,
 )
 LEGACY_PRESETS = {
-    "stories260k": TrainConfig(drafter_width=128, steps=1100, feature_cache="auto"),
-    "smollm2-135m-instruct": TrainConfig(
+    "stories260k": TrainConfig.from_keys(drafter_width=128, steps=1100, feature_cache="auto"),
+    "smollm2-135m-instruct": TrainConfig.from_keys(
         target="smollm2-135m-instruct",
         workdir="runs/smollm2-135m-instruct",
         prompts="chat",
@@ -62,8 +62,8 @@ LEGACY_PRESETS = {
         learning_rate=1e-3,
         eval_max_new_tokens=96,
     ),
-    "qwen3-4b": TrainConfig(target="qwen3-4b", workdir="runs/qwen3-4b", grad_accum_steps=4, **_QWEN3),
-    "qwen3-8b": TrainConfig(target="qwen3-8b", workdir="runs/qwen3-8b", grad_accum_steps=8, **_QWEN3),
+    "qwen3-4b": TrainConfig.from_keys(target="qwen3-4b", workdir="runs/qwen3-4b", grad_accum_steps=4, **_QWEN3),
+    "qwen3-8b": TrainConfig.from_keys(target="qwen3-8b", workdir="runs/qwen3-8b", grad_accum_steps=8, **_QWEN3),
 }
 
 
@@ -83,7 +83,7 @@ def test_recipe_equals_the_former_python_preset(name):
 
 
 def test_dflash_recipe_inherits_stories260k():
-    want = dataclasses.replace(TRAIN_PRESETS["stories260k"], workdir="runs/stories260k-dflash", variant="dflash")
+    want = TRAIN_PRESETS["stories260k"].with_keys(workdir="runs/stories260k-dflash", variant="dflash")
     assert TRAIN_PRESETS["stories260k-dflash"] == want
 
 
@@ -92,7 +92,7 @@ def test_recipe_loads_and_round_trips(name, tmp_path):
     """Every recipe -> TrainConfig -> YAML / JSON file of all its keys -> the same TrainConfig,
     whatever preset the file is applied over; --preset, --config NAME and --config PATH agree."""
     cfg = TRAIN_PRESETS[name]
-    assert isinstance(cfg, TrainConfig) and isinstance(cfg.taps, tuple)
+    assert isinstance(cfg, TrainConfig) and isinstance(cfg.drafter.taps, tuple)
     keys = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()}
     (tmp_path / "all.yaml").write_text(yaml.safe_dump(keys))
     (tmp_path / "all.json").write_text(json.dumps(keys))
@@ -151,7 +151,7 @@ def test_gamma_is_still_read_as_block_size(tmp_path, caplog):
 
     f = tmp_path / "old.yaml"
     f.write_text("preset: stories260k\ngamma: 5\n")
-    want = dataclasses.replace(TRAIN_PRESETS["stories260k"], block_size=5)
+    want = TRAIN_PRESETS["stories260k"].with_keys(block_size=5)
     with caplog.at_level("WARNING", logger="dspark_jax.config"):
         assert load_config(_args("--config", str(f))) == want
         assert load_config(_args("gamma=5")) == want
@@ -210,7 +210,7 @@ def test_family_recipe_targets_the_published_config(name):
     cfg = TRAIN_PRESETS[name]
     t = target_config(cfg.target)
     assert {k: getattr(t, k) for k in _FAMILY_TARGETS[name]} == _FAMILY_TARGETS[name]
-    assert cfg.taps == t.default_taps() and cfg.draft_vocab_size == 32768 and cfg.dtype == "bfloat16"
+    assert cfg.drafter.taps == t.default_taps() and cfg.drafter.draft_vocab_size == 32768 and cfg.dtype == "bfloat16"
     assert t.default_mask_token_id() == t.vocab_size - 1
     if name.startswith("llama"):
         s = t.rope_scaling
@@ -242,5 +242,6 @@ def test_gemma4_recipe_targets_the_built_in_config():
     assert {k: getattr(t, k) for k in want} == want
     assert t.rope_scaling == RopeScaling("proportional", partial_rotary_factor=0.25)  # on the full layers
     assert t.layer_types == tuple("full_attention" if i % 6 == 5 else "sliding_attention" for i in range(48))
-    assert (cfg.taps, cfg.block_size, cfg.num_layers, cfg.markov_rank) == ((5, 17, 29, 41, 46), 7, 5, 256)
+    d = cfg.drafter
+    assert (d.taps, d.block_size, d.num_layers, d.markov_rank) == ((5, 17, 29, 41, 46), 7, 5, 256)
     assert 11.9e9 < count_target_params(t) < 11.92e9

@@ -31,7 +31,7 @@ TCFG = TargetConfig(
     max_position=128,
     name="tiny",
 )
-CFG = TrainConfig(
+CFG = TrainConfig.from_keys(
     steps=6,
     batch_size=4,
     anchors_per_seq=4,
@@ -74,8 +74,8 @@ def test_loss_terms_are_sane_and_confidence_label_is_one_minus_tv():
     )
     assert np.isfinite(float(terms.loss))
     assert 0.0 <= float(terms.tv) <= 1.0
-    assert 1.0 <= float(terms.tau_est) <= 1 + CFG.block_size
-    assert terms.acc_by_pos.shape == (CFG.block_size,)
+    assert 1.0 <= float(terms.tau_est) <= 1 + CFG.drafter.block_size
+    assert terms.acc_by_pos.shape == (CFG.drafter.block_size,)
 
 
 def test_training_reduces_loss():
@@ -172,7 +172,7 @@ def test_draft_vocabulary_tv_and_export(tmp_path):
     from dspark_jax.training.losses import loss_sums
 
     target = _target()
-    cfg = dataclasses.replace(CFG, draft_vocab_size=16, drafter_width=48)
+    cfg = CFG.with_keys(draft_vocab_size=16, drafter_width=48)
     dcfg = drafter_config(cfg, target)
     assert dcfg.draft_vocab_size == 16 and dcfg.model_width == 48 and dcfg.head_dim == 12
     d = DSparkDrafter(dcfg, nnx.Rngs(0))
@@ -220,7 +220,9 @@ def test_corrupt_export_is_refused(tmp_path):
 
 def test_overrides_parse_types_and_reject_unknown_keys():
     cfg = apply_overrides(CFG, ["steps=12", "taps=1,2", "learning_rate=3e-4", "variant=dflash"])
-    assert cfg.steps == 12 and cfg.taps == (1, 2) and cfg.learning_rate == 3e-4 and cfg.variant == "dflash"
+    assert (
+        cfg.steps == 12 and cfg.drafter.taps == (1, 2) and cfg.learning_rate == 3e-4 and cfg.drafter.variant == "dflash"
+    )
     with pytest.raises(ValueError, match="unknown config key"):
         apply_overrides(CFG, ["stepz=1"])
     with pytest.raises(ValueError):
@@ -332,7 +334,7 @@ def test_damaged_or_partial_latest_checkpoint_does_not_break_restart(tmp_path):
     tr2.save(mgr2, 2)  # the damaged step's number is free again
     mgr2.wait_until_finished()
     assert sorted(p.name for p in ck.iterdir()) == ["1", "2"]  # the temporary directory was cleaned up
-    other = fresh(dataclasses.replace(CFG, num_layers=2))
+    other = fresh(CFG.with_keys(num_layers=2))
     with pytest.raises(DSparkInputError, match="no checkpoint"):
         other.restore_latest(other.checkpoint_manager(ck))
     assert mgr2.all_steps() == [1, 2]  # nothing deleted for a mismatched config

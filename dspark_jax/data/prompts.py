@@ -1,8 +1,12 @@
-"""Prompt sets and the contamination guard shared by evaluation and training.
+"""Prompt sets and the contamination guard shared by evaluation, training and the benchmarks.
 
 docs/design.md#pipeline / docs/design.md#metrics: evaluation and self-distillation draw prompts from
 the same shared data (``$DSPARK_DATA``), so the split between them lives here, below
-both (training imports it, evaluation never imports training).
+both (neither imports the other for its prompts).
+
+* :data:`PROMPT_SETS` / :func:`load_prompt_texts`: the named evaluation sets (``mt_bench``,
+  ``gsm8k``, ``humaneval``, ``alpaca``, ``tinystories``) or a JSONL file, as ``--prompts`` of the
+  eval and calibrate commands and the benchmarks name them;
 
 * :func:`tinystories_openings`: the opening sentence of each story paragraph of
   ``$DSPARK_DATA/text/tinystories_val_head.txt`` (stories260k);
@@ -94,7 +98,7 @@ def shared_data_dir() -> Path:
     cands = [Path(env)] if env else []
     if os.environ.get("DSPARK_MODELS"):
         cands.append(Path(os.environ["DSPARK_MODELS"]).parent)
-    # parents[2] is the repository root (dspark_jax/evaluation/prompts.py), beside which the
+    # parents[2] is the repository root (dspark_jax/data/prompts.py), beside which the
     # shared data folder sits in a checkout.
     for base in (Path.cwd(), Path(__file__).resolve().parents[2]):
         cands += [base / "../shared/data", base / "shared/data"]
@@ -102,6 +106,17 @@ def shared_data_dir() -> Path:
         if (c / "text").is_dir() or (c / "prompts").is_dir():
             return c.resolve()
     raise DSparkInputError("shared data not found: set DSPARK_DATA=/path/to/shared/data")
+
+
+# Named evaluation prompt sets: file under ``$DSPARK_DATA/prompts`` (tinystories: the openings of
+# the TinyStories text, :func:`tinystories_openings`).
+PROMPT_SETS = {
+    "tinystories": None,
+    "mt_bench": "mt_bench_question.jsonl",
+    "gsm8k": "gsm8k_test.jsonl",
+    "humaneval": "HumanEval.jsonl.gz",
+    "alpaca": "eagle_alpaca_question.jsonl",
+}
 
 
 def tinystories_openings(path: str | Path | None = None, min_words: int = 4) -> list[str]:
@@ -160,6 +175,37 @@ def read_prompt_file(path: str | Path) -> list[str]:
                 else:
                     raise DSparkInputError(f"{path}:{n}: no 'prompt', 'text', 'question' or 'turns' field")
     return out
+
+
+def load_prompt_texts(spec: str, export_meta: dict | None = None) -> tuple[list[str], str]:
+    """Prompt texts of a named set (:data:`PROMPT_SETS`) or a JSONL file, and a description of
+    their source.
+
+    ``tinystories``: when ``export_meta`` records a TinyStories training run, the
+    held-out split of that run (the prompts its training never saw), else all openings.
+
+    Raises:
+      DSparkInputError: unknown set / missing file / unreadable rows.
+    """
+    if spec == "tinystories":
+        texts = tinystories_openings()
+        cfg = ((export_meta or {}).get("extra") or {}).get("config") or {}
+        if cfg.get("prompts") == "tinystories" and not cfg.get("prompts_file"):
+            n_eval = min(int(cfg.get("num_eval_prompts", 0)), len(texts) // 5)
+            if n_eval > 0:
+                _, held = split_prompts(texts, n_eval, int(cfg.get("seed", 0)))
+                return held, f"tinystories openings: the {n_eval} held-out prompts of the drafter's training run"
+        return texts, "tinystories openings (the export records no TinyStories training split: may overlap training)"
+    file_name = PROMPT_SETS.get(spec)
+    if file_name is not None:
+        path = shared_data_dir() / "prompts" / file_name
+        if not path.exists():
+            raise DSparkInputError(f"prompt set {spec!r} not found at {path} (set DSPARK_DATA)")
+        return read_prompt_file(path), str(path)
+    path = Path(spec)
+    if not path.is_file():
+        raise DSparkInputError(f"--prompts {spec!r} is neither a prompt set ({', '.join(PROMPT_SETS)}) nor a file")
+    return read_prompt_file(path), str(path.resolve())
 
 
 def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], chat: bool) -> list[list[int]]:

@@ -27,31 +27,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dspark_jax.decoding import disk_cache
-from dspark_jax.decoding.cli import (
+from dspark_jax.commands.flags import (
     add_attention_argument,
     add_dtype_argument,
     add_sampling_arguments,
     add_verification_argument,
 )
+from dspark_jax.data.prompts import PROMPT_SETS, load_prompt_texts
+from dspark_jax.decoding import disk_cache
 from dspark_jax.decoding.request import DecodeRequest
 
 if TYPE_CHECKING:  # annotations only: the heavy imports stay lazy so that --help is instant
     from dspark_jax.drafters.base import Drafter
     from dspark_jax.models.target import Target
     from dspark_jax.models.tokenizer import Tokenizer
-
-PROMPT_SETS = {
-    "tinystories": None,
-    "mt_bench": "mt_bench_question.jsonl",
-    "gsm8k": "gsm8k_test.jsonl",
-    "humaneval": "HumanEval.jsonl.gz",
-    "alpaca": "eagle_alpaca_question.jsonl",
-}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,38 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_prompt_texts(spec: str, export_meta: dict | None = None) -> tuple[list[str], str]:
-    """Prompt texts of a named set or a JSONL file, and a description of their source.
-
-    ``tinystories``: when ``export_meta`` records a TinyStories training run, the
-    held-out split of that run (the prompts its training never saw), else all openings.
-
-    Raises:
-      DSparkInputError: unknown set / missing file / unreadable rows.
-    """
-    from dspark_jax.errors import DSparkInputError
-    from dspark_jax.evaluation import prompts as prompts_mod
-
-    if spec == "tinystories":
-        texts = prompts_mod.tinystories_openings()
-        cfg = ((export_meta or {}).get("extra") or {}).get("config") or {}
-        if cfg.get("prompts") == "tinystories" and not cfg.get("prompts_file"):
-            n_eval = min(int(cfg.get("num_eval_prompts", 0)), len(texts) // 5)
-            if n_eval > 0:
-                _, held = prompts_mod.split_prompts(texts, n_eval, int(cfg.get("seed", 0)))
-                return held, f"tinystories openings: the {n_eval} held-out prompts of the drafter's training run"
-        return texts, "tinystories openings (the export records no TinyStories training split: may overlap training)"
-    if spec in PROMPT_SETS:
-        path = prompts_mod.shared_data_dir() / "prompts" / PROMPT_SETS[spec]
-        if not path.exists():
-            raise DSparkInputError(f"prompt set {spec!r} not found at {path} (set DSPARK_DATA)")
-        return prompts_mod.read_prompt_file(path), str(path)
-    path = Path(spec)
-    if not path.is_file():
-        raise DSparkInputError(f"--prompts {spec!r} is neither a prompt set ({', '.join(PROMPT_SETS)}) nor a file")
-    return prompts_mod.read_prompt_file(path), str(path.resolve())
-
-
 def _validate(args: argparse.Namespace) -> None:
     from dspark_jax.decoding.validation import check_max_new_tokens, check_sampling, check_seeds
     from dspark_jax.errors import DSparkInputError
@@ -179,18 +139,19 @@ _METRIC_DEFINITIONS = {
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the evaluation described by parsed ``args``; returns the eval.json dict.
 
-    Writes ``OUT/eval.json`` and the two plots (:func:`write_plots`).
+    Writes ``OUT/eval.json`` and the two plots (:func:`~dspark_jax.evaluation.plots.write_plots`).
 
     Raises:
       DSparkInputError: bad flags, an unreadable export / prompt set / target, a drafter that
         does not fit the target, ``--num-speculative-tokens`` outside its block, or no prompt that
         fits the target's context.
     """
-    from dspark_jax.api import load_target
+    from dspark_jax.decoding.loading import load_target
     from dspark_jax.decoding.request import load_drafter_for
     from dspark_jax.drafters.checkpoint import read_export_meta
     from dspark_jax.errors import DSparkInputError
     from dspark_jax.evaluation.acceptance import evaluate_tau
+    from dspark_jax.evaluation.plots import write_plots
     from dspark_jax.evaluation.reliability import jsonable
 
     disk_cache.apply_cache_arguments(args)
@@ -253,7 +214,7 @@ def _encode(
     Raises:
       DSparkInputError: every prompt is too long for the target's context.
     """
-    from dspark_jax.api import encode_prompt
+    from dspark_jax.decoding.loading import encode_prompt
     from dspark_jax.errors import DSparkInputError
     from dspark_jax.models.presets import preset_info
 
@@ -286,117 +247,6 @@ def _decode_calibration(
     }
 
 
-def _f(x, spec: str = ".2f", scale: float = 1.0) -> str:
-    return "n/a" if x is None else format(x * scale, spec)
-
-
-def write_plots(ev: dict[str, Any], out_dir: Path) -> dict[str, str]:
-    """Writes ``position_acceptance.png`` and ``reliability.png``; returns their paths.
-
-    Args:
-      ev: the eval.json dict of :func:`run` (after :func:`~dspark_jax.evaluation.reliability.jsonable`).
-      out_dir: an existing folder.
-    Raises:
-      ImportError: matplotlib is not installed (the ``plots`` extra).
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = {
-        "position_acceptance": str(out_dir / "position_acceptance.png"),
-        "reliability": str(out_dir / "reliability.png"),
-    }
-    for name, plot in (("position_acceptance", _plot_position_acceptance), ("reliability", _plot_reliability)):
-        fig = plot(plt, ev)
-        fig.tight_layout()
-        fig.savefig(paths[name])
-        plt.close(fig)
-    return paths
-
-
-def _plot_position_acceptance(plt: Any, ev: dict[str, Any]) -> Any:
-    """Figure: conditional acceptance c_k (bars) and accept rate @k (line) per block position."""
-    pa = ev.get("position_acceptance") or []
-    n_spec = ev.get("num_speculative_tokens")
-    g_used = n_spec if isinstance(n_spec, int) else len(pa)
-    pa = pa[:g_used]
-    ks = list(range(1, len(pa) + 1))
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
-    ax.bar(
-        ks, [v if v is not None else 0.0 for v in pa], color="#4C72B0", alpha=0.85, label="conditional acceptance c_k"
-    )
-    ar = ev.get("accept_rate_at_k") or []
-    if ar:
-        ax.plot(
-            range(1, len(ar) + 1),
-            [v if v is not None else float("nan") for v in ar],
-            "o-",
-            color="#DD8452",
-            label="accept rate @k (rounds with >= k accepted)",
-        )
-    ax.set_xlabel("block position k")
-    ax.set_ylabel("fraction")
-    ax.set_ylim(0, 1.05)
-    ax.set_xticks(ks)
-    ax.set_title(
-        f"{ev.get('target')} / {ev.get('variant')}: tau {_f(ev.get('tau'))}, "
-        f"acceptance {_f(ev.get('acceptance_rate'))} ({ev['prompts']['set']})",
-        fontsize=9,
-    )
-    ax.legend(fontsize=8, loc="lower left")
-    ax.grid(alpha=0.3)
-    return fig
-
-
-def _plot_reliability(plt: Any, ev: dict[str, Any]) -> Any:
-    """Figure: reliability diagram of the predicted cumulative survival during decoding (raw head
-    and calibrated), with the per-bin counts below."""
-    cal = ev.get("calibration") or {}
-    dec = cal.get("decode") or {}
-    fig, (ax, axh) = plt.subplots(2, 1, figsize=(5.6, 6.4), dpi=110, gridspec_kw={"height_ratios": [3, 1]}, sharex=True)
-    ax.plot([0, 1], [0, 1], "--", color="gray", lw=1, label="perfect calibration")
-    styles = {"before": ("#C44E52", "raw confidence head"), "after": ("#55A868", "calibrated (export temperatures)")}
-    for name, (color, label) in styles.items():
-        rep = dec.get(name)
-        if not rep:
-            continue
-        rel = rep["reliability"]
-        edges = rel["bin_edges"]
-        width = edges[1] - edges[0]
-        xs = [m for m, c in zip(rel["mean_predicted"], rel["count"]) if c]
-        ys = [m for m, c in zip(rel["mean_observed"], rel["count"]) if c]
-        pooled = rep["pooled"]
-        ax.plot(
-            xs,
-            ys,
-            "o-",
-            color=color,
-            ms=4,
-            label=f"{label}: ECE {_f(pooled.get('ece'), '.1f', 100)}%, AUROC {_f(pooled.get('auroc'), '.3f')}, "
-            f"Brier {_f(pooled.get('brier'), '.3f')}",
-        )
-        off = -width / 4 if name == "before" else width / 4
-        axh.bar([e + width / 2 + off for e in edges[:-1]], rel["count"], width=width / 2, color=color, alpha=0.7)
-    if not (dec.get("before") or dec.get("after")):
-        ax.text(0.5, 0.5, "no confidence head / no verified rounds", ha="center", va="center", transform=ax.transAxes)
-    ax.set_ylabel("observed survival (positions 1..k accepted)")
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
-    ax.set_title(
-        f"reliability of predicted cumulative survival during decoding\n"
-        f"({dec.get('num_rounds', 0)} rounds, T={ev.get('temperature')}, {ev['prompts']['set']})",
-        fontsize=9,
-    )
-    ax.legend(fontsize=7, loc="upper left")
-    ax.grid(alpha=0.3)
-    axh.set_xlabel("predicted survival a_k = prod c_i")
-    axh.set_ylabel("count")
-    axh.set_yscale("log")
-    return fig
-
-
 def main(argv: list[str] | None = None) -> int:
     from dspark_jax.errors import run_cli
 
@@ -412,7 +262,3 @@ def main(argv: list[str] | None = None) -> int:
     summary["out"] = str(Path(args.out).resolve())
     print(json.dumps(summary))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,64 +23,14 @@ import argparse
 import json
 import sys
 
+from dspark_jax.commands.flags import (
+    add_attention_argument,
+    add_dtype_argument,
+    add_sampling_arguments,
+    add_verification_argument,
+    request_defaults,
+)
 from dspark_jax.decoding import disk_cache
-
-
-def _defaults() -> dict:
-    """The request defaults of the decoding front door (a module without JAX: ``--help`` stays instant)."""
-    from dspark_jax.decoding.request import DecodeRequest
-
-    return DecodeRequest.field_defaults()
-
-
-def add_sampling_arguments(p: argparse.ArgumentParser, d: dict) -> None:
-    """``--temperature``, ``--top-k``, ``--top-p`` with the front door's defaults ``d``
-    (:meth:`~dspark_jax.decoding.request.DecodeRequest.field_defaults`); shared with the eval CLI."""
-    t, k, tp = d["temperature"], d["top_k"], d["top_p"]
-    p.add_argument("--temperature", type=float, default=t, help=f"sampling temperature; 0 = greedy (default {t:g})")
-    p.add_argument("--top-k", type=int, default=k, help=f"keep the k most likely tokens; 0 = off (default {k})")
-    p.add_argument("--top-p", type=float, default=tp, help=f"nucleus sampling mass; 1 = off (default {tp:g})")
-
-
-def add_verification_argument(p: argparse.ArgumentParser, d: dict) -> None:
-    """``--num-speculative-tokens N|auto`` with the front door's default ``d`` (``auto``: automatic
-    for dspark/dflash drafters, the block size for others); shared by generate, eval and the batch script."""
-    p.add_argument(
-        "--num-speculative-tokens",
-        default=d["num_speculative_tokens"],
-        metavar="N|auto",
-        help="draft tokens verified per round: 1..the drafter's block size, or 'auto' (default for "
-        "dspark/dflash drafters: per round the length that maximises expected tokens/s from the "
-        "drafter's confidences and costs measured on this machine; 0 when drafting does not pay)",
-    )
-
-
-def add_dtype_argument(p: argparse.ArgumentParser) -> None:
-    """``--dtype`` (docs/design.md#numerics); shared by generate, eval and serve."""
-    from dspark_jax.models.precision import DTYPE_CHOICES
-
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=DTYPE_CHOICES,
-        help="weight/compute dtype (default auto: bfloat16 on a GPU or TPU, float32 on a CPU; softmax, "
-        "norms and logits are float32 either way)",
-    )
-
-
-def add_attention_argument(p: argparse.ArgumentParser) -> None:
-    """``--attention-backend`` (the target's cached attention, docs/design.md#attention-backends);
-    shared by generate, eval and serve."""
-    from dspark_jax.config import ATTENTION_BACKENDS
-
-    p.add_argument(
-        "--attention-backend",
-        default=None,
-        choices=ATTENTION_BACKENDS,
-        help="implementation of the target's cached attention (default auto: cudnn on a CUDA GPU for "
-        "bfloat16 where it fits the model, else xla; a backend named here that "
-        "does not fit is refused)",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="use the prompt text as is (e.g. an already formatted ChatML string)",
     )
-    d = _defaults()
+    d = request_defaults()
     p.add_argument(
         "--max-new-tokens",
         type=int,
@@ -153,7 +103,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise DSparkInputError(f"--{str(e).replace('_', '-', 1)}") from None
     if args.drafter:
         read_export_meta(args.drafter)  # fail fast, before loading the target
-    if args.num_speculative_tokens != _defaults()["num_speculative_tokens"] and not args.drafter:
+    if args.num_speculative_tokens != request_defaults()["num_speculative_tokens"] and not args.drafter:
         raise DSparkInputError("--num-speculative-tokens needs --drafter")
 
 
@@ -200,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
     Raises:
       DSparkInputError: bad flags or prompt, missing model files, a drafter for another target.
     """
-    from dspark_jax.api import encode_prompt, load_target
+    from dspark_jax.decoding.loading import encode_prompt, load_target
     from dspark_jax.decoding.request import decode, load_drafter_for, summary
     from dspark_jax.models.presets import preset_info
 
@@ -254,7 +204,3 @@ def main(argv: list[str] | None = None) -> int:
             stats += f", speedup {out['speedup']:.2f}x vs autoregressive"
         print(stats + "]", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

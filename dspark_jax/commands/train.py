@@ -49,11 +49,19 @@ _FIELD_NOTES = {
 
 
 def _field_help() -> str:
-    lines = []
+    """One ``key=default`` line per config key; a nested config's keys with their flat alias."""
+    lines, default = [], TrainConfig()
+    flat = {path: alias for alias, path in TrainConfig.KEY_ALIASES.items()}
     for f in dataclasses.fields(TrainConfig):
-        default = f.default
+        value = getattr(default, f.name)
+        if dataclasses.is_dataclass(value):
+            for sub in dataclasses.fields(value):
+                key = f"{f.name}.{sub.name}"
+                alias = f"  # or {flat[key]}=" if key in flat else ""
+                lines.append(f"  {key}={getattr(value, sub.name)!r}{alias}")
+            continue
         note = f"  # {_FIELD_NOTES[f.name]}" if f.name in _FIELD_NOTES else ""
-        lines.append(f"  {f.name}={default!r}{note}")
+        lines.append(f"  {f.name}={value!r}{note}")
     return "\n".join(lines)
 
 
@@ -102,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-memory-gib",
         type=float,
         default=None,
-        metavar="G",
+        metavar="GIB",
         help="with --dry-run: per-device memory; prints 'per-device total: X GiB (fits|does not fit G GiB)'",
     )
     p.add_argument(
@@ -200,7 +208,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

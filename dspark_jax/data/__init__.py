@@ -1,0 +1,1 @@
+"""Data every stage reads: the prompt sets (:mod:`dspark_jax.data.prompts`)."""
