@@ -541,19 +541,22 @@ def _engine_point(eng: Any, rows: int, p: Plan, vocab: int) -> dict[str, Any]:
 
 
 def section_engine(ctx: Context) -> dict[str, Any]:
-    from dspark_jax.serving.engine import Engine
+    from dspark_jax.serving.engine import Engine, EngineConfig
 
     p, g = ctx.plan, ctx.plan.block_size
     eng = Engine(
         ctx.target,
         ctx.drafter,
-        num_slots=max(p.rows),
-        cache_len=p.engine_cache,
-        policy=f"fixed:{g}",
-        row_buckets=list(p.row_buckets),
-        prefill_buckets=[p.engine_prompt],
-        suspend_after=None,
-        profile_iters=1,
+        EngineConfig(
+            num_slots=max(p.rows),
+            cache_len=p.engine_cache,
+            policy=f"fixed:{g}",
+            row_buckets=list(p.row_buckets),
+            prefill_buckets=[p.engine_prompt],
+            suspend_after=None,
+            profile_iters=1,
+            prefill_chunk_tokens=0,
+        ),
     )
     out = []
     for policy in (f"fixed:{g}", "plain"):

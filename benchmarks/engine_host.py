@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.config import DrafterConfig
     from dspark_jax.drafters.dspark import DSparkDrafter
     from dspark_jax.errors import DSparkInputError
-    from dspark_jax.serving.engine import Engine
+    from dspark_jax.serving.engine import Engine, EngineConfig
 
     target, _, drafter = load_target_and_drafter(args.target, args.drafter)
     if drafter is None and args.random_drafter:
@@ -174,7 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for r in rows:
         engine = Engine(
-            target, drafter, num_slots=r, cache_len=args.cache_len, row_buckets=[r], policy=policies[0], profile_iters=2
+            target,
+            drafter,
+            EngineConfig(
+                num_slots=r,
+                cache_len=args.cache_len,
+                row_buckets=[r],
+                policy=policies[0],
+                profile_iters=2,
+                prefill_chunk_tokens=0,
+            ),
         )
         for policy in policies:
             results.append(measure(engine, policy, r, args.steps, args.caller_ms, args.reps))

@@ -26,7 +26,7 @@ from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.models import sharding as shd
 from dspark_jax.models.target import Target, random_params
-from dspark_jax.serving.engine import Engine, Request, SamplingParams
+from dspark_jax.serving.engine import Engine, EngineConfig, Request, SamplingParams
 from dspark_jax.training.dry_run import estimate_memory
 from dspark_jax.training.train_config import TrainConfig, drafter_config
 from dspark_jax.training.trainer import Trainer, count_params
@@ -212,7 +212,7 @@ def engine_checks(out, target, drafter, params):
                 acc += o.num_accepted
         return toks, acc
 
-    kw = dict(
+    cfg = EngineConfig(
         num_slots=2,
         cache_len=48,
         policy="fixed:2",
@@ -220,9 +220,10 @@ def engine_checks(out, target, drafter, params):
         prefill_buckets=(16,),
         suspend_after=None,
         row_buckets=(2,),
+        prefill_chunk_tokens=0,
     )
     res = {}
-    base = Engine(target, drafter, **kw)
+    base = Engine(target, drafter, cfg)
     base.warmup()
     ref, ref_acc = drive(base)
     res["accepted_1dev"] = ref_acc
@@ -232,7 +233,7 @@ def engine_checks(out, target, drafter, params):
         # The target's weights go from the host straight to their shards (Target(mesh=...)).
         sharded_target = Target(TCFG, params, fingerprint="tinymeshfp", mesh=mesh)
         res["target_built_sharded_spec"] = str(sharded_target.layers["wq"][...].sharding.spec)
-        eng = Engine(sharded_target, drafter, mesh=mesh, **kw)
+        eng = Engine(sharded_target, drafter, cfg, mesh=mesh)
         t0 = time.perf_counter()
         eng.warmup()
         compiles = eng.metrics()["compiles"]
@@ -253,7 +254,7 @@ def engine_checks(out, target, drafter, params):
         r["step_collectives"] = collectives(exe.as_text())
         res[spec] = r
     try:
-        Engine(target, drafter, mesh="data:2,model:4", **kw)
+        Engine(target, drafter, cfg, mesh="data:2,model:4")
         res["data_axis_error"] = None
     except Exception as e:
         res["data_axis_error"] = f"{type(e).__name__}: {e}"

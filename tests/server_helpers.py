@@ -16,12 +16,12 @@ CHAT_TEMPLATE = (
 
 
 def serve_fake(tok, engine=None, **cfg):
-    """A :class:`~dspark_jax.serving.http.cli.ServerThread` (started) serving a fake engine
+    """A :class:`~dspark_jax.serving.http.thread.ServerThread` (started) serving a fake engine
     (``tests/fake_engine.py``) as ``fake-model`` with ``tok``; ``cfg``: ``max_queue`` and
     :class:`~dspark_jax.serving.http.server.ServerConfig` fields (``chat_template`` defaults to
     :data:`CHAT_TEMPLATE`). The thread has ``engine``, ``loop`` and ``tok`` attributes."""
-    from dspark_jax.serving.http.cli import ServerThread
     from dspark_jax.serving.http.server import EngineLoop, ServerConfig, create_app
+    from dspark_jax.serving.http.thread import ServerThread
 
     engine = engine or FakeEngine(vocab_size=tok.vocab_size, num_slots=NUM_SLOTS, cache_len=CACHE_LEN)
     loop = EngineLoop(engine, tok, max_queue=cfg.pop("max_queue", 64), model_name="fake-model")

@@ -552,7 +552,7 @@ def test_one_tau_in_decode_engine_and_server(pure_bigram, drafters, ar_pure):
     ``spec_decode`` for the same requests served by the engine verifying G drafts per step."""
     from types import SimpleNamespace
 
-    from dspark_jax.serving.engine import Engine, Request, SamplingParams
+    from dspark_jax.serving.engine import Engine, EngineConfig, Request, SamplingParams
     from dspark_jax.serving.http.detokenize import OutputState
     from dspark_jax.serving.http.engine_loop import TrackedRequest, event_from_output
 
@@ -574,16 +574,19 @@ def test_one_tau_in_decode_engine_and_server(pure_bigram, drafters, ar_pure):
     eng = Engine(
         pure_bigram,
         d,
-        num_slots=1,
-        cache_len=64,
-        policy=f"fixed:{g_used}",
-        eos_token_ids=(),
-        buckets=(g_used + 1,),
-        row_buckets=(1,),
-        prefill_buckets=(32,),
-        seed_calibration=False,
-        profile_iters=1,
-        suspend_after=None,
+        EngineConfig(
+            num_slots=1,
+            cache_len=64,
+            policy=f"fixed:{g_used}",
+            eos_token_ids=(),
+            buckets=(g_used + 1,),
+            row_buckets=(1,),
+            prefill_buckets=(32,),
+            seed_calibration=False,
+            profile_iters=1,
+            suspend_after=None,
+            prefill_chunk_tokens=0,
+        ),
     )
     tok = SimpleNamespace(detokenizer=lambda skip_special_tokens=True: SimpleNamespace(step=lambda i: ""))
     for p, m, sd, g in zip(prompts, max_new, seeds, ref):

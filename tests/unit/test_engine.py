@@ -28,7 +28,7 @@ from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.target import Target
 from dspark_jax.models.weights import params_fingerprint
-from dspark_jax.serving.engine import Engine, Request, SamplingParams, parse_policy
+from dspark_jax.serving.engine import Engine, EngineConfig, Request, SamplingParams, parse_policy
 from dspark_jax.serving.engine.step_programs import ProgramCache
 
 GAMMA = 3
@@ -94,13 +94,16 @@ def engine(target, drafter):
     eng = Engine(
         target,
         drafter,
-        num_slots=2,
-        cache_len=CACHE,
-        policy="fixed:3",
-        buckets=(8,),
-        prefill_buckets=(32,),
-        profile_iters=1,
-        suspend_after=2,
+        EngineConfig(
+            num_slots=2,
+            cache_len=CACHE,
+            policy="fixed:3",
+            buckets=(8,),
+            prefill_buckets=(32,),
+            profile_iters=1,
+            suspend_after=2,
+            prefill_chunk_tokens=0,
+        ),
     )
     eng.warmup()
     eng.set_policy("dspark")
@@ -246,7 +249,10 @@ def plain_programs():
 
 def test_engine_without_drafter_matches_autoregressive(target, requests, reference, plain_programs):
     eng = Engine(
-        target, None, num_slots=2, cache_len=CACHE, policy="plain", prefill_buckets=(32,), program_cache=plain_programs
+        target,
+        None,
+        EngineConfig(num_slots=2, cache_len=CACHE, policy="plain", prefill_buckets=(32,), prefill_chunk_tokens=0),
+        program_cache=plain_programs,
     )
     toks, reasons = drive(eng, requests)
     for r in requests:
@@ -269,13 +275,16 @@ def test_stop_ids_and_eos(engine, requests, reference):
     eng2 = Engine(
         engine.target,
         engine.drafter,
-        num_slots=2,
-        cache_len=CACHE,
-        policy="fixed:3",
-        buckets=(8,),
-        prefill_buckets=(32,),
-        eos_token_ids=(stop,),
-        program_cache=engine.program_cache,  # the same programs: nothing compiles
+        EngineConfig(
+            num_slots=2,
+            cache_len=CACHE,
+            policy="fixed:3",
+            buckets=(8,),
+            prefill_buckets=(32,),
+            eos_token_ids=(stop,),
+            prefill_chunk_tokens=0,
+        ),
+        program_cache=engine.program_cache,
     )
     req = Request(base.prompt_ids, SamplingParams(temperature=0.0, max_tokens=35), "e")
     toks, reasons = drive(eng2, [req])
@@ -362,13 +371,16 @@ def test_suspended_drafter_catches_up(engine, requests, reference, overlap):
     ref_eng = Engine(
         engine.target,
         engine.drafter,
-        num_slots=2,
-        cache_len=CACHE,
-        policy="plain",
-        buckets=(8,),
-        prefill_buckets=(32,),
-        profile_iters=1,
-        suspend_after=None,
+        EngineConfig(
+            num_slots=2,
+            cache_len=CACHE,
+            policy="plain",
+            buckets=(8,),
+            prefill_buckets=(32,),
+            profile_iters=1,
+            suspend_after=None,
+            prefill_chunk_tokens=0,
+        ),
         program_cache=engine.program_cache,
     )
     ref_eng.sps_table = engine.sps_table
@@ -499,7 +511,7 @@ def test_input_errors(engine, target, drafter):
         parse_policy("dspark", 0)
     assert parse_policy("fixed:1", GAMMA) == ("fixed", 1) and parse_policy("threshold:0.5", 3) == ("threshold", 0.5)
     with pytest.raises(DSparkInputError):
-        Engine(target, None, num_slots=2, cache_len=CACHE, policy="dspark")
+        Engine(target, None, EngineConfig(num_slots=2, cache_len=CACHE, policy="dspark"))
 
 
 def test_request_validation_keeps_the_engine_rules():
@@ -716,10 +728,10 @@ def test_eagle3_drafter_is_refused_at_start(target):
         target_fingerprint=target.fingerprint,
     )
     with pytest.raises(DSparkInputError, match="eagle3") as e:
-        Engine(target, build_drafter(cfg, nnx.Rngs(0)), num_slots=1, cache_len=CACHE)
+        Engine(target, build_drafter(cfg, nnx.Rngs(0)), EngineConfig(num_slots=1, cache_len=CACHE))
     assert "\n" not in str(e.value)
     with pytest.raises(DSparkInputError, match="verification"):
-        Engine(target, None, num_slots=1, cache_len=CACHE, policy="plain", verification="typical")
+        Engine(target, None, EngineConfig(num_slots=1, cache_len=CACHE, policy="plain", verification="typical"))
 
 
 def test_rejection_engine_without_drafter(target, requests, reference, plain_programs):
@@ -729,11 +741,14 @@ def test_rejection_engine_without_drafter(target, requests, reference, plain_pro
     eng = Engine(
         target,
         None,
-        num_slots=2,
-        cache_len=CACHE,
-        policy="plain",
-        prefill_buckets=(32,),
-        verification="rejection",
+        EngineConfig(
+            num_slots=2,
+            cache_len=CACHE,
+            policy="plain",
+            prefill_buckets=(32,),
+            verification="rejection",
+            prefill_chunk_tokens=0,
+        ),
         program_cache=plain_programs,
     )
     toks, reasons = drive_one(eng, requests[:1])
@@ -747,14 +762,17 @@ def rejection_engine(target, drafter):
     return Engine(
         target,
         drafter,
-        num_slots=1,
-        cache_len=CACHE,
-        policy="fixed:3",
-        buckets=(8,),
-        prefill_buckets=(32,),
-        profile_iters=1,
-        suspend_after=None,
-        verification="rejection",
+        EngineConfig(
+            num_slots=1,
+            cache_len=CACHE,
+            policy="fixed:3",
+            buckets=(8,),
+            prefill_buckets=(32,),
+            profile_iters=1,
+            suspend_after=None,
+            verification="rejection",
+            prefill_chunk_tokens=0,
+        ),
     )
 
 
@@ -854,8 +872,10 @@ def test_sps_table_is_stored_and_reused_by_a_new_engine(engine, target, drafter,
     engine.set_policy("dspark")
     table = engine.profile_sps(iters=1)
     assert list((tmp_path / "costs").glob("sps_table-*.json"))
-    kw = dict(num_slots=2, cache_len=CACHE, buckets=(8,), prefill_buckets=(32,), suspend_after=2)
-    twin = Engine(target, drafter, policy="dspark", program_cache=engine.program_cache, **kw)
+    cfg = EngineConfig(
+        num_slots=2, cache_len=CACHE, policy="dspark", buckets=(8,), prefill_buckets=(32,), suspend_after=2
+    )
+    twin = Engine(target, drafter, cfg, program_cache=engine.program_cache)
     twin.ensure_sps_table()  # what warmup() does after compiling
     assert twin.table_source == "stored" and twin.sps_table is not None
     assert twin.sps_table.seconds == table.seconds and twin.sps_table.matches(twin.device.meta())
@@ -869,7 +889,11 @@ def test_sps_is_profiled_at_the_spans_asked_for(target, tmp_path):
     is inactive; beyond, row 0 runs live with its anchor in the block below the span (reset
     before every timing, restored after; an idle engine only). A table file of the previous
     format is refused with a one-line error. (The step is faked: no program to compile.)"""
-    eng = Engine(target, None, num_slots=2, cache_len=600, policy="plain", profile_spans=[700, 1, 300])
+    eng = Engine(
+        target,
+        None,
+        EngineConfig(num_slots=2, cache_len=600, policy="plain", profile_spans=[700, 1, 300], prefill_chunk_tokens=0),
+    )
     assert eng.profile_spans == (256, 512, 600)
     seen = []
 
@@ -890,7 +914,7 @@ def test_sps_is_profiled_at_the_spans_asked_for(target, tmp_path):
     old = tmp_path / "sps.json"
     old.write_text('{"meta": {}, "entries": [{"rows": 1, "tokens": 1, "draft": false, "sps": 9.0}]}')
     with pytest.raises(DSparkInputError, match="previous format"):
-        Engine(target, None, num_slots=1, cache_len=300, policy="plain", sps_table=old)
+        Engine(target, None, EngineConfig(num_slots=1, cache_len=300, policy="plain"), sps_table=old)
 
 
 def test_dspark_policy_reports_its_decision(engine, requests, caplog):

@@ -24,7 +24,7 @@ import pytest
 import test_engine
 
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.serving.engine import Engine, Request, SamplingParams
+from dspark_jax.serving.engine import Engine, EngineConfig, Request, SamplingParams
 from dspark_jax.serving.engine.prefill import ChunkedPrefill, PrefillEntry, PrefillQueue, chunk_ladder
 from dspark_jax.serving.http.engine_loop import EngineLoop, TrackedRequest
 
@@ -104,14 +104,17 @@ def engine(target, drafter):
     eng = Engine(
         target,
         drafter,
-        num_slots=SLOTS,
-        cache_len=CACHE,
-        policy="fixed:3",
-        buckets=(12,),
-        row_buckets=(SLOTS,),
-        prefill_buckets=(32,),
-        profile_iters=1,
-        suspend_after=None,
+        EngineConfig(
+            num_slots=SLOTS,
+            cache_len=CACHE,
+            policy="fixed:3",
+            buckets=(12,),
+            row_buckets=(SLOTS,),
+            prefill_buckets=(32,),
+            profile_iters=1,
+            suspend_after=None,
+            prefill_chunk_tokens=0,
+        ),
     )
     # small blocks, so that several requests share a 12-token pass
     eng.prefiller = ChunkedPrefill(
@@ -282,13 +285,16 @@ def test_rejection_mode_first_block(target, drafter, story):
     eng = Engine(
         target,
         drafter,
-        num_slots=SLOTS,
-        cache_len=CACHE,
-        policy="fixed:3",
-        row_buckets=(SLOTS,),
-        prefill_buckets=(32,),
-        suspend_after=None,
-        verification="rejection",
+        EngineConfig(
+            num_slots=SLOTS,
+            cache_len=CACHE,
+            policy="fixed:3",
+            row_buckets=(SLOTS,),
+            prefill_buckets=(32,),
+            suspend_after=None,
+            verification="rejection",
+            prefill_chunk_tokens=0,
+        ),
     )
     pre = ChunkedPrefill(eng.device, eng.planner, eng.limits, eng.prefill_buckets, CHUNK, lanes=LANES, block=BLOCK)
     reqs = _requests(story, [13, 5], "q")
@@ -331,11 +337,11 @@ def test_bad_chunk_settings(engine):
         engine.prefiller.submit(Request([], SamplingParams()))
     assert len(engine.prefiller) == 0
     with pytest.raises(DSparkInputError):
-        Engine(engine.target, None, num_slots=1, cache_len=CACHE, prefill_chunk_tokens=-1)
+        Engine(engine.target, None, EngineConfig(num_slots=1, cache_len=CACHE, prefill_chunk_tokens=-1))
 
 
 def test_serve_flag():
-    from dspark_jax.serving.http.cli import build_parser
+    from dspark_jax.commands.serve import build_parser
 
     assert build_parser().parse_args(["--target", "x"]).prefill_chunk_tokens == 256  # the server's default
     assert build_parser().parse_args(["--target", "x", "--prefill-chunk-tokens", "0"]).prefill_chunk_tokens == 0
