@@ -2,8 +2,8 @@
 
 The shape of a JAX serving engine (JetStream style): :meth:`Engine.prefill` a request,
 :meth:`Engine.insert` it into a free decode slot, :meth:`Engine.generate` one step for all
-active slots, :meth:`Engine.free` a slot. docs/design.md#serving, docs/design.md#verification
-and docs/design.md#scheduler; paper Section 7.
+active slots, :meth:`Engine.free` a slot (:class:`~dspark_jax.serving.engine.interface.EngineInterface`).
+docs/design.md#serving, #verification and #scheduler; paper Section 7.
 
 Usage::
 
@@ -72,6 +72,7 @@ from dspark_jax.serving.config import EngineConfig
 from dspark_jax.serving.engine.counters import EngineMetrics
 from dspark_jax.serving.engine.device import EngineDevice, prefill_bucket_list, row_bucket_list, token_ladder
 from dspark_jax.serving.engine.inflight import InflightStep, close_step
+from dspark_jax.serving.engine.interface import EngineInterface, OneShotPrefill, PrefillResult
 from dspark_jax.serving.engine.online_calibration import OnlineCalibrator
 from dspark_jax.serving.engine.planner import Planner, catchup_batches, mark_stale, parse_policy
 from dspark_jax.serving.engine.prefill import PrefillPasses, chunked_prefill
@@ -84,6 +85,7 @@ from dspark_jax.serving.engine.requests import (
     bias_table,
     logit_bias,
     stop_ids,
+    validate_request,
 )
 from dspark_jax.serving.engine.slots import SlotRecord, SlotTable
 from dspark_jax.serving.engine.state import PrefixArrays
@@ -92,7 +94,7 @@ from dspark_jax.serving.engine.step_programs import ProgramCache
 __all__ = ["Engine", "EngineConfig", "Prefix", "Request", "SamplingParams", "StepOutput", "parse_policy"]
 
 
-class Engine:
+class Engine(EngineInterface):
     """Continuous-batching speculative decoding engine (see the module docstring).
 
     Args:
@@ -205,6 +207,7 @@ class Engine:
         self.prefill_passes = PrefillPasses(self.device, self.planner, self.limits, self.prefill_buckets)
         self.planner.speculative_ahead = bool(c.plan_ahead)
         self.prefiller = chunked_prefill(self, c.prefill_chunk_tokens)
+        self._one_shot = OneShotPrefill(self.prefill, lambda r: validate_request(r, self.limits))
         # _inflight: the step queued on the device, outputs unread; _ready: outputs closed by sync()
         self._overlap, self._inflight, self._ready = bool(c.overlap), None, []
 
@@ -374,6 +377,35 @@ class Engine:
             ``cache_len`` / the model, or bad sampling settings.
         """
         return self.prefill_passes.one_shot(request)
+
+    def supports_chunked_prefill(self) -> bool:
+        """Whether :meth:`run_prefill` runs batched, chunked prefill (:attr:`prefiller`, from
+        ``config.prefill_chunk_tokens > 0``) rather than one-shot prefill of each request."""
+        return self.prefiller is not None
+
+    def _prefill_queue(self):
+        return self.prefiller if self.prefiller is not None else self._one_shot
+
+    def queue_prefill(self, request: Request, tag) -> None:
+        """Queues ``request`` (known by ``tag``) for :meth:`run_prefill`.
+
+        Raises:
+          DSparkInputError: as :meth:`prefill` (nothing is queued then).
+        """
+        self._prefill_queue().submit(request, tag=tag)
+
+    def run_prefill(self) -> list[PrefillResult]:
+        """One prefill pass over the queue: ``(tag, Prefix)`` of each request whose prompt ended in
+        it, ``(tag, exception)`` of each it failed: with chunked prefill a failed pass fails every
+        queued request (they share its lanes), with one-shot prefill just the one."""
+        try:
+            return self._prefill_queue().step()
+        except Exception as e:  # only a chunked pass raises (one-shot prefill hands back its errors)
+            return [(entry.tag, e) for entry in self.prefiller.queue.clear()] if self.prefiller else []
+
+    def cancel_prefill(self, tag) -> None:
+        """Drops ``tag``'s request from the prefill queue (a no-op if it is not there)."""
+        self._prefill_queue().cancel(tag)
 
     def _check_insert(self, prefix: Prefix, slot: int) -> None:
         if not (isinstance(slot, (int, np.integer)) and 0 <= slot < self.num_slots):

@@ -34,6 +34,7 @@ from dspark_jax.decoding.validation import (
     check_stop_token_ids,
 )
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.serving.engine.requests import SamplingParams
 
 __all__ = [
     "LOGIT_BIAS_RANGE",
@@ -288,17 +289,17 @@ def _n_logprobs(req: SamplingRequest, chat: bool) -> int | None:
 
 
 def sampling_params(
-    req: SamplingRequest, prompt_len: int, max_tokens: int | None, chat: bool, cfg: ServerConfig, params_cls
-) -> tuple[list, tuple[str, ...], int | None]:
+    req: SamplingRequest, prompt_len: int, max_tokens: int | None, chat: bool, cfg: ServerConfig
+) -> tuple[list[SamplingParams], tuple[str, ...], int | None]:
     """``(params per choice, stop strings, logprobs n or None)`` of a validated request.
 
-    ``params_cls``: the engine's ``SamplingParams``. Choice ``i`` gets :func:`choice_seed`
-    ``(seed, i)`` (a request without a seed gets a random one).
+    Choice ``i`` gets :func:`choice_seed` ``(seed, i)`` (a request without a seed gets a random
+    one).
 
     Raises:
       APIError: 400 for penalties != 0, ``stream_options`` without streaming, no room in the
         context, bad ``max_tokens`` / ``min_tokens`` / stops / ``logit_bias`` /
-        ``top_logprobs``, or a sampling parameter the engine does not support.
+        ``top_logprobs``.
     """
     if req.presence_penalty or req.frequency_penalty:
         raise APIError(
@@ -326,11 +327,7 @@ def sampling_params(
         kw["logprobs"] = int(n_lp)
     if req.min_tokens:
         kw["min_tokens"] = int(req.min_tokens)
-    try:
-        params = [params_cls(seed=choice_seed(seed, i), **kw) for i in range(req.n)]
-    except TypeError as e:  # an engine without logit_bias / logprobs / min_tokens
-        field = next((k for k in ("logit_bias", "logprobs", "min_tokens") if k in str(e)), None)
-        raise APIError(400, f"{field or 'a sampling parameter'} is not supported by this engine", field) from None
+    params = [SamplingParams(seed=choice_seed(seed, i), **kw) for i in range(req.n)]
     return params, stop, n_lp
 
 
