@@ -16,6 +16,8 @@ that its handful of programs compile once.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -512,6 +514,20 @@ def test_input_errors(engine, target, drafter):
     assert parse_policy("fixed:1", GAMMA) == ("fixed", 1) and parse_policy("threshold:0.5", 3) == ("threshold", 0.5)
     with pytest.raises(DSparkInputError):
         Engine(target, None, EngineConfig(num_slots=2, cache_len=CACHE, policy="dspark"))
+
+
+def test_the_engine_reads_its_config(target, drafter):
+    """The settings are the config's (its defaults the server's: chunked prefill, the policy from
+    the drafter); anything else in its place is refused. Construction only: nothing compiles."""
+    cfg = EngineConfig(num_slots=2, cache_len=CACHE, prefill_buckets=(32,), plan_ahead=True, suspend_after=None)
+    eng = Engine(target, drafter, cfg)
+    assert eng.config is cfg and eng.plan_ahead and eng.policy == "dspark" and eng.suspend_after is None
+    assert eng.supports_chunked_prefill() and eng.prefiller is not None
+    assert eng.prefiller.chunk_tokens == EngineConfig.prefill_chunk_tokens
+    plain = Engine(target, None, dataclasses.replace(cfg, prefill_chunk_tokens=0, plan_ahead=False))
+    assert plain.policy == "plain" and not plain.plan_ahead and not plain.supports_chunked_prefill()
+    with pytest.raises(DSparkInputError, match="EngineConfig"):
+        Engine(target, None, {"num_slots": 2})  # type: ignore[arg-type]
 
 
 def test_request_validation_keeps_the_engine_rules():
