@@ -509,7 +509,7 @@ def _engine_point(eng: Any, rows: int, p: Plan, vocab: int) -> dict[str, Any]:
     rng = np.random.default_rng(rows)
     for i in range(rows):
         ids = [int(t) for t in rng.integers(3, vocab, p.engine_prompt)]
-        sp = SamplingParams(temperature=0.0, max_tokens=p.engine_cache - p.engine_prompt - 1, seed=i)
+        sp = SamplingParams(temperature=0.0, max_new_tokens=p.engine_cache - p.engine_prompt - 1, seed=i)
         eng.insert(eng.prefill(Request(ids, sp, f"r{i}")), eng.free_slots()[0])
     for _ in range(2):
         eng.generate()

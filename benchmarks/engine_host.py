@@ -1,7 +1,7 @@
 """The host's share of an engine step, with and without the next step queued on the device.
 
 The engine keeps the next step in flight while the host closes the previous one and the caller does
-its own work (``Engine(overlap=True)``, :mod:`dspark_jax.serving.engine.inflight`). This script
+its own work (``EngineConfig(overlap=True)``, :mod:`dspark_jax.serving.engine.inflight`). This script
 measures what that buys, side by side in one process: for each policy and row count it runs
 ``--steps`` calls of ``Engine.generate()`` over rows that never finish, with ``--caller-ms`` of
 Python work between calls (the server's routing and detokenizing holds the interpreter the same
@@ -97,7 +97,7 @@ def measure(engine, policy: str, rows: int, steps: int, caller_ms: float, reps: 
     engine.warmup()  # compiles and profiles (or adopts) the SPS table outside the recording
     vocab = engine.target.cfg.vocab_size
     n_new = steps * (engine.block_size + 1) + 8
-    sp = SamplingParams(temperature=0.0, max_tokens=n_new, min_tokens=n_new)  # never stops within the run
+    sp = SamplingParams(temperature=0.0, max_new_tokens=n_new, min_tokens=n_new)  # never stops within the run
     reqs = [Request([(101 + 7 * i + j) % vocab for j in range(24)], sp, f"r{i}") for i in range(rows)]
 
     def fresh():

@@ -59,7 +59,7 @@ def run_level(eng, tok, policy: str, prompts: list[str], conc: int, max_tokens: 
     eng.reset_metrics()
     probes0 = eng.planner.probes
     queue = [
-        Request(tok.encode(p), SamplingParams(max_tokens=max_tokens, temperature=0.0), f"r{i}")
+        Request(tok.encode(p), SamplingParams(max_new_tokens=max_tokens, temperature=0.0), f"r{i}")
         for i, p in enumerate(prompts)
     ]
     tokens, t0 = 0, time.perf_counter()

@@ -89,7 +89,7 @@ def main(argv=None):
         eng.warmup()
         for temp in (float(t) for t in a.temperatures.split(",")):
             reqs = [
-                Request(x, SamplingParams(temperature=temp, seed=i, max_tokens=a.max_tokens), f"r{i}")
+                Request(x, SamplingParams(temperature=temp, seed=i, max_new_tokens=a.max_tokens), f"r{i}")
                 for i, x in enumerate(ids)
             ]
             r = run(eng, reqs)

@@ -195,9 +195,9 @@ def memory_checks(out, target, tr, ma):
 def engine_checks(out, target, drafter, params):
     prompts = [[5, 17, 33, 2, 9, 41], [7, 7, 100, 3], [11, 250, 4, 4, 4, 4, 60, 1, 2]]
     settings = [
-        dict(temperature=0.0, max_tokens=20, seed=0),
-        dict(temperature=1.0, max_tokens=18, seed=3),
-        dict(temperature=1.0, top_k=20, max_tokens=16, seed=7),
+        dict(temperature=0.0, max_new_tokens=20, seed=0),
+        dict(temperature=1.0, max_new_tokens=18, seed=3),
+        dict(temperature=1.0, top_k=20, max_new_tokens=16, seed=7),
     ]
     reqs = [Request(p, SamplingParams(**s), f"r{i}") for i, (p, s) in enumerate(zip(prompts, settings))]
 

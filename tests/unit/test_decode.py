@@ -590,7 +590,7 @@ def test_one_tau_in_decode_engine_and_server(pure_bigram, drafters, ar_pure):
     )
     tok = SimpleNamespace(detokenizer=lambda skip_special_tokens=True: SimpleNamespace(step=lambda i: ""))
     for p, m, sd, g in zip(prompts, max_new, seeds, ref):
-        req = Request(list(p), SamplingParams(temperature=0.0, seed=sd, max_tokens=m, stop_token_ids=(stop,)), "r")
+        req = Request(list(p), SamplingParams(temperature=0.0, seed=sd, max_new_tokens=m, stop_ids=(stop,)), "r")
         eng.insert(eng.prefill(req), 0)
         st = OutputState(TrackedRequest(req, None, None), tok)
         first = True

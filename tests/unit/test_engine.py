@@ -4,7 +4,7 @@
   leaving mid-flight through 2 slots, every policy (plain, fixed block_size, threshold, greedy,
   deployed DSpark) emits, token for token, what ``decode.generate_autoregressive`` emits for
   the same request and seed, at temperature 0 and 1 with top-k / top-p.
-* Stop ids, EOS and max_tokens inside the engine; input validation.
+* Stop ids, EOS and max_new_tokens inside the engine; input validation.
 * No recompilation after warm-up while prompt lengths, budgets, policies and the set of
   active requests change (counted with ``jax.monitoring`` compile events).
 * The scheduler's plan follows the host state it reads (confidences, room) and does not
@@ -45,12 +45,12 @@ TEXTS = [
     "The sun was",
 ]
 SETTINGS = [
-    dict(temperature=0.0, max_tokens=30, seed=0),
-    dict(temperature=1.0, max_tokens=25, seed=3),
-    dict(temperature=0.8, top_k=20, top_p=0.9, max_tokens=40, seed=7),
-    dict(temperature=1.0, top_p=0.5, max_tokens=200, seed=11),  # runs into the cache end
-    dict(temperature=0.5, top_k=5, max_tokens=1, seed=5),  # only the prefill token
-    dict(temperature=0.0, max_tokens=35, seed=2),
+    dict(temperature=0.0, max_new_tokens=30, seed=0),
+    dict(temperature=1.0, max_new_tokens=25, seed=3),
+    dict(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=40, seed=7),
+    dict(temperature=1.0, top_p=0.5, max_new_tokens=200, seed=11),  # runs into the cache end
+    dict(temperature=0.5, top_k=5, max_new_tokens=1, seed=5),  # only the prefill token
+    dict(temperature=0.0, max_new_tokens=35, seed=2),
 ]
 
 
@@ -123,7 +123,7 @@ def reference(target, requests):
     """Plain autoregressive decoding of every request (one batched call)."""
     prompts = [r.prompt_ids for r in requests]
     p = [r.params for r in requests]
-    max_new = [min(x.max_tokens, CACHE - len(r.prompt_ids)) for x, r in zip(p, requests)]
+    max_new = [min(x.max_new_tokens, CACHE - len(r.prompt_ids)) for x, r in zip(p, requests)]
     res = generate_autoregressive(
         target,
         prompts,
@@ -270,7 +270,7 @@ def test_stop_ids_and_eos(engine, requests, reference):
     ref = reference[base.request_id][0]
     stop = ref[6]
     first = ref.index(stop)
-    req = Request(base.prompt_ids, SamplingParams(temperature=0.0, max_tokens=35, stop_token_ids=(stop,)), "s")
+    req = Request(base.prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=35, stop_ids=(stop,)), "s")
     toks, reasons = drive(engine, [req])
     assert toks["s"] == ref[: first + 1] and reasons["s"] == "stop"
     # an extra engine-wide EOS id behaves the same way
@@ -288,7 +288,7 @@ def test_stop_ids_and_eos(engine, requests, reference):
         ),
         program_cache=engine.program_cache,
     )
-    req = Request(base.prompt_ids, SamplingParams(temperature=0.0, max_tokens=35), "e")
+    req = Request(base.prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=35), "e")
     toks, reasons = drive(eng2, [req])
     assert toks["e"] == ref[: first + 1] and reasons["e"] == "stop"
 
@@ -311,7 +311,7 @@ def test_no_recompile_after_warmup(engine, requests):
                 r.prompt_ids,
                 SamplingParams(
                     temperature=r.params.temperature,
-                    max_tokens=12,
+                    max_new_tokens=12,
                     seed=i,
                     logit_bias=((5, -3.0),) * (i % 2),
                     logprobs=(3 if i % 3 else None),
@@ -433,11 +433,11 @@ def test_suspended_drafter_catches_up(engine, requests, reference, overlap):
 
 def test_plan_follows_host_state_and_ignores_draft_values(engine, tokenizer):
     """The plan is a function of the host state it reads: each row's latest confidences and its
-    room before ``max_tokens``. Raising / lowering one row's confidences or shrinking its room
+    room before ``max_new_tokens``. Raising / lowering one row's confidences or shrinking its room
     changes that row's verification length (and the bucket) as ``threshold:0.5`` says, while
     changing the drafted tokens on the device (non-anticipation) changes nothing."""
     engine.set_policy("threshold:0.5")
-    sp = SamplingParams(temperature=0.0, max_tokens=30, min_tokens=30)  # no EOS: both rows stay
+    sp = SamplingParams(temperature=0.0, max_new_tokens=30, min_tokens=30)  # no EOS: both rows stay
     for slot, text in enumerate(("One day", "The little dog")):
         engine.insert(engine.prefill(Request(tokenizer.encode(text), sp, f"p{slot}")), slot)
     engine.generate()  # both rows now hold a drafted block's confidences
@@ -493,13 +493,13 @@ def test_input_errors(engine, target, drafter):
         Request(list(range(1, 40)), SamplingParams()),
         Request([1, 2], SamplingParams(temperature=-1.0)),
         Request([1, 2], SamplingParams(top_p=0.0)),
-        Request([1, 2], SamplingParams(max_tokens=0)),
+        Request([1, 2], SamplingParams(max_new_tokens=0)),
         Request([1, 2], SamplingParams(seed=2**40)),
     ]
     for r in bad:
         with pytest.raises(DSparkInputError):
             engine.prefill(r)
-    pre = engine.prefill(Request([1, 2, 3], SamplingParams(max_tokens=3)))
+    pre = engine.prefill(Request([1, 2, 3], SamplingParams(max_new_tokens=3)))
     with pytest.raises(DSparkInputError):
         engine.insert(pre, 5)
     engine.insert(pre, 0)
@@ -532,7 +532,7 @@ def test_the_engine_reads_its_config(target, drafter):
 
 def test_request_validation_keeps_the_engine_rules():
     """The engine validates with decoding.validation's checks but keeps its own rules:
-    integral floats pass as max_tokens / seed, non-integral ones are refused; stop ids
+    integral floats pass as max_new_tokens / seed, non-integral ones are refused; stop ids
     outside the vocabulary are allowed (they never match)."""
     from dspark_jax.serving.engine.requests import RequestLimits, validate_request
 
@@ -546,15 +546,15 @@ def test_request_validation_keeps_the_engine_rules():
         n_top=20,
         eos_ids=(2,),
     )
-    for sp in (SamplingParams(max_tokens=4.0), SamplingParams(seed=3.0), SamplingParams(stop_token_ids=(1000,))):
+    for sp in (SamplingParams(max_new_tokens=4.0), SamplingParams(seed=3.0), SamplingParams(stop_ids=(1000,))):
         validate_request(Request([1, 2], sp), limits)
     bad = {
-        "max_tokens": [
-            SamplingParams(max_tokens=3.5),
-            SamplingParams(max_tokens=float("nan")),
-            SamplingParams(max_tokens=0),
-            SamplingParams(max_tokens=2**31),
-            SamplingParams(max_tokens=2**70),
+        "max_new_tokens": [
+            SamplingParams(max_new_tokens=3.5),
+            SamplingParams(max_new_tokens=float("nan")),
+            SamplingParams(max_new_tokens=0),
+            SamplingParams(max_new_tokens=2**31),
+            SamplingParams(max_new_tokens=2**70),
         ],
         "seed": [SamplingParams(seed=3.5), SamplingParams(seed=float("inf")), SamplingParams(seed=2**31)],
         # issue 27: beyond int32 / float32 (the prefill pass's arrays) is refused, not a crash
@@ -576,7 +576,7 @@ def test_request_validation_keeps_the_engine_rules():
     # min_tokens near INT32_MAX: its stop masking's last position is capped to int32, not overflowed
     from dspark_jax.serving.engine.requests import bias_table
 
-    sp = SamplingParams(max_tokens=2**31 - 1, min_tokens=2**31 - 1)
+    sp = SamplingParams(max_new_tokens=2**31 - 1, min_tokens=2**31 - 1)
     validate_request(Request([1, 2], sp), limits)
     _, val, until = bias_table(sp, 2, limits)
     assert until[0] == 2**31 - 1 and val[0] == -np.inf
@@ -603,10 +603,10 @@ def plain_reference(full_logits, target, prompt, sp: SamplingParams):
     ``(tokens, finish_reason, raw_logprobs [n, V])``."""
     from dspark_jax.models.sampling import process_logits, sample, sampling_arrays
 
-    stops = set(target.cfg.eos_ids) | set(sp.stop_token_ids)
+    stops = set(target.cfg.eos_ids) | set(sp.stop_ids)
     ids, out, lps = list(prompt), [], []
     key = jax.random.PRNGKey(sp.seed)
-    end = min(len(prompt) + sp.max_tokens, CACHE)
+    end = min(len(prompt) + sp.max_new_tokens, CACHE)
     samp = sampling_arrays(1, sp.temperature, sp.top_k, sp.top_p)
     while len(ids) < end:
         buf = np.zeros(CACHE, np.int32)
@@ -632,7 +632,7 @@ def test_logit_bias_matches_plain_decoding_with_bias(engine, target, tokenizer, 
     and speculative decoding (every policy) with the bias equals plain decoding with it; at
     T>0 too (coupled verification: same keys)."""
     prompt = tokenizer.encode("Once upon a time")
-    base = SamplingParams(temperature=0.0, max_tokens=30)
+    base = SamplingParams(temperature=0.0, max_new_tokens=30)
     ref0, _, _ = plain_reference(full_logits, target, prompt, base)
     bias = (
         (ref0[2], -100.0),
@@ -640,8 +640,8 @@ def test_logit_bias_matches_plain_decoding_with_bias(engine, target, tokenizer, 
         (int(np.argsort(full_logits(np.r_[prompt, np.zeros(CACHE - len(prompt), int)])[len(prompt) - 1])[-3]), 4.0),
     )
     cases = [
-        SamplingParams(temperature=0.0, max_tokens=30, logit_bias=bias),
-        SamplingParams(temperature=0.8, top_k=20, max_tokens=30, seed=4, logit_bias=bias),
+        SamplingParams(temperature=0.0, max_new_tokens=30, logit_bias=bias),
+        SamplingParams(temperature=0.8, top_k=20, max_new_tokens=30, seed=4, logit_bias=bias),
     ]
     for sp in cases:
         ref, why, _ = plain_reference(full_logits, target, prompt, sp)
@@ -660,10 +660,10 @@ def test_logprobs_are_target_raw_logprobs(engine, target, requests, full_logits)
     engine.set_policy("fixed:3")
     base = requests[2]
     sp = SamplingParams(
-        temperature=0.8, top_k=20, top_p=0.9, max_tokens=20, seed=7, logprobs=5, logit_bias=((13, 2.0),)
+        temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=20, seed=7, logprobs=5, logit_bias=((13, 2.0),)
     )
-    other = Request(requests[0].prompt_ids, SamplingParams(temperature=0.0, max_tokens=10), "no-lp")
-    zero = Request(requests[1].prompt_ids, SamplingParams(temperature=1.0, max_tokens=5, logprobs=0), "zero")
+    other = Request(requests[0].prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=10), "no-lp")
+    zero = Request(requests[1].prompt_ids, SamplingParams(temperature=1.0, max_new_tokens=5, logprobs=0), "zero")
     got = {"lp": [], "no-lp": [], "zero": []}
     toks = {"lp": [], "no-lp": [], "zero": []}
     engine.insert(engine.prefill(Request(base.prompt_ids, sp, "lp")), 0)
@@ -695,7 +695,7 @@ def test_min_tokens_suppresses_stops(engine, target, requests, reference, full_l
     base = requests[5]
     ref = reference[base.request_id][0]
     stop = ref[1]
-    sp = SamplingParams(temperature=0.0, max_tokens=35, stop_token_ids=(stop,), min_tokens=12)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=35, stop_ids=(stop,), min_tokens=12)
     want, why, _ = plain_reference(full_logits, target, base.prompt_ids, sp)
     assert stop not in want[:12] and len(want) > 12
     for policy in ("plain", "fixed:3"):
@@ -704,7 +704,7 @@ def test_min_tokens_suppresses_stops(engine, target, requests, reference, full_l
         assert toks["m"] == want and reasons["m"] == why
     # without min_tokens the same request stops at once
     toks, reasons = drive(
-        engine, [Request(base.prompt_ids, SamplingParams(temperature=0.0, max_tokens=35, stop_token_ids=(stop,)), "n")]
+        engine, [Request(base.prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=35, stop_ids=(stop,)), "n")]
     )
     assert toks["n"] == ref[:2] and reasons["n"] == "stop"
 
@@ -719,7 +719,7 @@ def test_new_sampling_params_are_validated(engine):
             SamplingParams(logit_bias=((3,),)),
         ],
         "logprobs": [SamplingParams(logprobs=21), SamplingParams(logprobs=-1)],
-        "min_tokens": [SamplingParams(min_tokens=5, max_tokens=4), SamplingParams(min_tokens=-1)],
+        "min_tokens": [SamplingParams(min_tokens=5, max_new_tokens=4), SamplingParams(min_tokens=-1)],
     }
     for field, params in cases.items():
         for sp in params:
@@ -807,7 +807,7 @@ def test_rejection_verification_mode(rejection_engine, requests, reference):
     sampled = [
         Request(
             r.prompt_ids,
-            SamplingParams(temperature=1.0, max_tokens=24, seed=i, logit_bias=tuple((t, -100.0) for t in ban)),
+            SamplingParams(temperature=1.0, max_new_tokens=24, seed=i, logit_bias=tuple((t, -100.0) for t in ban)),
             f"t{i}",
         )
         for i, r in enumerate(requests[:4])
@@ -850,7 +850,7 @@ def test_rejection_mode_replays_verify(rejection_engine, tokenizer, full_logits)
     checked = 0
     for seed, text in enumerate(["Lily went to the park and saw a big", "Once upon a time", "The sun was"]):
         prompt = tokenizer.encode(text)
-        sp = SamplingParams(temperature=1.0, top_k=50, max_tokens=40, seed=seed)
+        sp = SamplingParams(temperature=1.0, top_k=50, max_new_tokens=40, seed=seed)
         eng.insert(eng.prefill(Request(prompt, sp, "x")), 0)
         while eng.active_slots():
             rec = eng.slots[0]

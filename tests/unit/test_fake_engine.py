@@ -33,8 +33,8 @@ def test_fake_output_law():
     """Tokens are a function of prompt, seed and temperature, never of slot or batch-mates; they
     come in speculative-looking blocks (prefill token with the first); length and stop finish."""
     eng = FakeEngine(vocab_size=64, num_slots=2, cache_len=64)
-    a = Request([5, 6, 7], SamplingParams(temperature=0.8, seed=3, max_tokens=9), "a")
-    b = Request([5, 6, 7], SamplingParams(temperature=0.8, seed=4, max_tokens=9), "b")
+    a = Request([5, 6, 7], SamplingParams(temperature=0.8, seed=3, max_new_tokens=9), "a")
+    b = Request([5, 6, 7], SamplingParams(temperature=0.8, seed=4, max_new_tokens=9), "b")
     for r, slot in ((a, 1), (b, 0)):
         eng.insert(eng.prefill(r), slot)
     got = _drain(eng)
@@ -45,12 +45,12 @@ def test_fake_output_law():
     assert len(toks) == 9 and reason == "length" and sizes[:3] == [1 + BLOCKS[0], BLOCKS[1], BLOCKS[2]]
     assert eng.free_slots() == [0, 1] and eng.metrics()["steps"] > 0
     eng.scripts[(9, 9)] = [4, 2, 8]  # 2 is the EOS id
-    eng.insert(eng.prefill(Request([9, 9], SamplingParams(max_tokens=9), "s")), 0)
+    eng.insert(eng.prefill(Request([9, 9], SamplingParams(max_new_tokens=9), "s")), 0)
     assert _drain(eng)["s"][:2] == ([4, 2], "stop")
-    eng.insert(eng.prefill(Request([9, 9], SamplingParams(max_tokens=9, min_tokens=3), "m")), 0)
+    eng.insert(eng.prefill(Request([9, 9], SamplingParams(max_new_tokens=9, min_tokens=3), "m")), 0)
     toks, reason, _ = _drain(eng)["m"]
     assert toks[:3] != [4, 2, 8] and 2 not in toks[:3]  # min_tokens masks EOS
-    eng.insert(eng.prefill(Request([9, 9], SamplingParams(max_tokens=4, logit_bias=((11, 100.0),)), "f")), 0)
+    eng.insert(eng.prefill(Request([9, 9], SamplingParams(max_new_tokens=4, logit_bias=((11, 100.0),)), "f")), 0)
     assert _drain(eng)["f"][0] == [11] * 4
 
 
@@ -59,9 +59,9 @@ def test_fake_refuses_as_the_engine_does():
     for bad in (Request([], SamplingParams()), Request(list(range(3, 11)), SamplingParams())):
         with pytest.raises(DSparkInputError):
             eng.queue_prefill(bad, tag="x")
-    eng.insert(eng.prefill(Request([3], SamplingParams(max_tokens=2))), 0)
+    eng.insert(eng.prefill(Request([3], SamplingParams(max_new_tokens=2))), 0)
     with pytest.raises(DSparkInputError, match="busy"):
-        eng.insert(eng.prefill(Request([3], SamplingParams(max_tokens=2))), 0)
+        eng.insert(eng.prefill(Request([3], SamplingParams(max_new_tokens=2))), 0)
 
 
 def test_prefill_queue_runs_one_shot_and_fails_one_request_alone():
@@ -69,7 +69,7 @@ def test_prefill_queue_runs_one_shot_and_fails_one_request_alone():
     assert not eng.supports_chunked_prefill()
     tags = [object() for _ in range(3)]
     for i, tag in enumerate(tags):
-        eng.queue_prefill(Request([3 + i], SamplingParams(max_tokens=2), f"q{i}"), tag)
+        eng.queue_prefill(Request([3 + i], SamplingParams(max_new_tokens=2), f"q{i}"), tag)
     eng.cancel_prefill(tags[1])
     done = eng.run_prefill()
     assert [t for t, _ in done] == [tags[0], tags[2]] and eng.run_prefill() == []

@@ -216,7 +216,7 @@ def test_engine_equals_plain_decoding(written):
     eng.prefiller = ChunkedPrefill(eng.device, eng.planner, eng.limits, eng.prefill_buckets, 12, lanes=3, block=4)
     eng.warmup()
     prompts = _prompts((30, 21, 5))
-    reqs = [Request(p, SamplingParams(temperature=0.0, max_tokens=12), f"g{i}") for i, p in enumerate(prompts)]
+    reqs = [Request(p, SamplingParams(temperature=0.0, max_new_tokens=12), f"g{i}") for i, p in enumerate(prompts)]
     ar = generate_autoregressive(target, prompts, max_new_tokens=12, cache_len=64)
     want = {r.request_id: (g.token_ids, g.finish_reason) for r, g in zip(reqs, ar.generations, strict=True)}
     for chunked in (False, True):

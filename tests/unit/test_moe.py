@@ -309,7 +309,7 @@ def test_engine_equals_plain_decoding(moe_target):
     eng.prefiller = ChunkedPrefill(eng.device, eng.planner, eng.limits, eng.prefill_buckets, 12, lanes=3, block=4)
     eng.warmup()
     prompts = _prompts((30, 21, 5))
-    reqs = [Request(p, SamplingParams(temperature=0.0, max_tokens=10), f"m{i}") for i, p in enumerate(prompts)]
+    reqs = [Request(p, SamplingParams(temperature=0.0, max_new_tokens=10), f"m{i}") for i, p in enumerate(prompts)]
     ar = generate_autoregressive(moe_target, prompts, max_new_tokens=10, cache_len=64)
     want = {r.request_id: (g.token_ids, g.finish_reason) for r, g in zip(reqs, ar.generations)}
     for chunked in (False, True):

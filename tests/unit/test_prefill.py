@@ -131,10 +131,10 @@ def story(tokenizer):
 
 def _requests(story, lengths, tag: str, **extra):
     settings = [
-        dict(temperature=0.0, max_tokens=12),
-        dict(temperature=1.0, max_tokens=10, seed=3),
-        dict(temperature=0.8, top_k=20, top_p=0.9, max_tokens=14, seed=7, logprobs=2),
-        dict(temperature=1.0, max_tokens=9, seed=11, logit_bias=((5, 8.0),), min_tokens=2),
+        dict(temperature=0.0, max_new_tokens=12),
+        dict(temperature=1.0, max_new_tokens=10, seed=3),
+        dict(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=14, seed=7, logprobs=2),
+        dict(temperature=1.0, max_new_tokens=9, seed=11, logit_bias=((5, 8.0),), min_tokens=2),
     ]
     return [
         Request(story[i : i + n], SamplingParams(**{**settings[i % 4], **extra}), f"{tag}{i}")
@@ -320,7 +320,7 @@ def test_no_recompile_after_warmup(engine, story):
         for policy in ("fixed:3", "plain"):
             engine.set_policy(policy)
             for k, lengths in enumerate(SCENARIOS + [[32, 7], [2, 31, 9]]):
-                drive(engine, _requests(story, lengths, f"n{k}-", max_tokens=3), chunked=True)
+                drive(engine, _requests(story, lengths, f"n{k}-", max_new_tokens=3), chunked=True)
     finally:
         if hasattr(monitoring, "_unregister_event_duration_listener_by_callback"):
             monitoring._unregister_event_duration_listener_by_callback(listener)

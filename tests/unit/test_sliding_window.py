@@ -315,7 +315,7 @@ def test_engine_equals_plain_decoding(kind, request):
     eng.prefiller = ChunkedPrefill(eng.device, eng.planner, eng.limits, eng.prefill_buckets, 12, lanes=3, block=4)
     eng.warmup()
     prompts = _prompts(target.cfg.vocab_size, (30, 21, 5, 26))
-    reqs = [Request(p, SamplingParams(temperature=0.0, max_tokens=14), f"w{i}") for i, p in enumerate(prompts)]
+    reqs = [Request(p, SamplingParams(temperature=0.0, max_new_tokens=14), f"w{i}") for i, p in enumerate(prompts)]
     ar = generate_autoregressive(target, prompts, max_new_tokens=14, cache_len=64)
     want = {r.request_id: (g.token_ids, g.finish_reason) for r, g in zip(reqs, ar.generations)}
     for chunked in (False, True):

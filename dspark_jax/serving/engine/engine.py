@@ -49,8 +49,8 @@ acceptance at T > 0). Per-request ``logit_bias`` / ``min_tokens`` / ``logprobs``
 (:mod:`dspark_jax.serving.engine.requests`) are runtime flags of the same programs: no recompilation.
 
 Finish handling lives in the engine: EOS ids (the target's plus ``eos_token_ids``) and each
-request's ``stop_token_ids`` end it with ``"stop"`` (the stop token is included, tokens drafted
-after it are dropped), ``max_tokens`` / the context end with ``"length"`` (verification lengths
+request's ``stop_ids`` end it with ``"stop"`` (the stop token is included, tokens drafted
+after it are dropped), ``max_new_tokens`` / the context end with ``"length"`` (verification lengths
 are capped so a step never runs past them), non-finite logits with ``"error"``. A finished
 slot is released by the engine at the end of the :meth:`Engine.generate` call that reports it
 (calling :meth:`Engine.free` on it afterwards is a harmless no-op).
@@ -84,7 +84,7 @@ from dspark_jax.serving.engine.requests import (
     StepOutput,
     bias_table,
     logit_bias,
-    stop_ids,
+    stop_set,
     validate_request,
 )
 from dspark_jax.serving.engine.slots import SlotRecord, SlotTable
@@ -427,8 +427,8 @@ class Engine(EngineInterface):
         """
         self._check_insert(prefix, slot)
         sp = prefix.request.params
-        stops = stop_ids(sp, self.eos_ids)
-        end = min(prefix.prompt_len + int(sp.max_tokens), self.target.cfg.max_position, self.cache_len)
+        stops = stop_set(sp, self.eos_ids)
+        end = min(prefix.prompt_len + int(sp.max_new_tokens), self.target.cfg.max_position, self.cache_len)
         rec = SlotRecord.from_prefix(prefix, stops, end, bool(logit_bias(sp, self.limits)))
         self._metrics.emitted_tokens += len(rec.pending)
         self.slots.add(int(slot), rec)

@@ -8,7 +8,7 @@ a deterministic function of its prompt, seed and temperature (or a script), emit
 speculative-looking blocks (the prefill token first, then 3, 1, 2, 3, 1, 2, ... tokens per
 step, each block = accepted drafts + one correction/bonus token). ``logit_bias`` <= -50
 bans a token (the next id is used), >= 50 forces it; ``min_tokens`` masks EOS and
-``stop_token_ids``; ``logprobs`` gives fake but consistent values. Every received
+``stop_ids``; ``logprobs`` gives fake but consistent values. Every received
 request is kept in ``requests``.
 
 Usage::
@@ -86,8 +86,8 @@ class FakeEngine(EngineInterface):
         script = self.scripts.get(tuple(ids))
         rng = random.Random(f"{ids}|{p.seed if p.temperature > 0 else 0}|{p.temperature}")
         bias = dict(p.logit_bias)
-        stops = set(self.eos_ids) | set(p.stop_token_ids)
-        room = min(p.max_tokens, self.cache_len - len(ids))
+        stops = set(self.eos_ids) | set(p.stop_ids)
+        room = min(p.max_new_tokens, self.cache_len - len(ids))
         out: list[int] = []
         while len(out) < room:
             k = len(out)
@@ -175,7 +175,7 @@ class FakeEngine(EngineInterface):
             reason = None
             if done:
                 last = rec.tokens[-1]
-                reason = "stop" if last in (set(self.eos_ids) | set(p.stop_token_ids)) else "length"
+                reason = "stop" if last in (set(self.eos_ids) | set(p.stop_ids)) else "length"
                 del self._slots[slot]
             outs.append(StepOutput(slot, rec.request.request_id, ids, done, reason, n_ver, n_acc, lps))
         return outs

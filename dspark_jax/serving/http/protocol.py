@@ -113,7 +113,8 @@ class SamplingRequest(_Strict):
         ge=0.0,
         le=FLOAT32_MAX,
         allow_inf_nan=False,
-        description="0 = greedy; so small that the scaled logits overflow float32 (2e-38): greedy too",
+        description="default 1 (OpenAI's; the package's SamplingParams defaults to 0); 0 = greedy; so small that "
+        "the scaled logits overflow float32 (2e-38): greedy too",
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1, le=INT32_MAX, description="0 or -1 = off (so is any k >= the vocabulary size)")
@@ -291,7 +292,9 @@ def _n_logprobs(req: SamplingRequest, chat: bool) -> int | None:
 def sampling_params(
     req: SamplingRequest, prompt_len: int, max_tokens: int | None, chat: bool, cfg: ServerConfig
 ) -> tuple[list[SamplingParams], tuple[str, ...], int | None]:
-    """``(params per choice, stop strings, logprobs n or None)`` of a validated request.
+    """``(params per choice, stop strings, logprobs n or None)`` of a validated request: the
+    package's :class:`SamplingParams` (``max_tokens`` -> ``max_new_tokens``, ``stop_token_ids`` ->
+    ``stop_ids``; the request's ``temperature`` defaults to OpenAI's 1.0).
 
     Choice ``i`` gets :func:`choice_seed` ``(seed, i)`` (a request without a seed gets a random
     one).
@@ -314,12 +317,13 @@ def sampling_params(
     bias = _logit_bias(req, cfg)
     n_lp = _n_logprobs(req, chat)
     seed = req.seed if req.seed is not None else secrets.randbits(31)
+    # OpenAI's names become the package's here, and only here (docs/serving.md#one-request-vocabulary).
     kw: dict = dict(
         temperature=float(req.temperature),
         top_k=max(int(req.top_k), 0),
         top_p=float(req.top_p),
-        max_tokens=int(max_tokens),
-        stop_token_ids=stop_ids,
+        max_new_tokens=int(max_tokens),
+        stop_ids=stop_ids,
     )
     if bias:
         kw["logit_bias"] = tuple(sorted(bias.items()))
