@@ -111,6 +111,50 @@ def stories260k(stories260k_dir):
     return load_target_files(stories260k_dir)
 
 
+@pytest.fixture(scope="session")
+def stories260k_target(stories260k):
+    """stories260K as a :class:`~dspark_jax.models.target.Target` (shared: read-only)."""
+    from dspark_jax.models.target import Target
+    from dspark_jax.models.weights import params_fingerprint
+
+    cfg, params, _ = stories260k
+    return Target(cfg, params, fingerprint=params_fingerprint(params))
+
+
+@pytest.fixture(scope="session")
+def stories260k_drafter(stories260k_target):
+    """A block_size 3 drafter for stories260K whose Markov head holds the target's bigram logits
+    (W1 = I, W2 = bigram): good enough that drafts get accepted, so every acceptance path runs
+    (the serving engine's tests; shared: read-only)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from dspark_jax.config import DrafterConfig
+    from dspark_jax.drafters.dspark import DSparkDrafter
+
+    target = stories260k_target
+    v = target.cfg.vocab_size
+    cfg = DrafterConfig.for_target(
+        target.cfg,
+        block_size=3,
+        num_layers=1,
+        intermediate_size=64,
+        markov_rank=v,
+        target_fingerprint=target.fingerprint,
+    )
+    d = DSparkDrafter(cfg, nnx.Rngs(0))
+    x = np.stack([np.full(v, 1), np.arange(v)], axis=1).astype(np.int32)
+    pos = np.broadcast_to(np.arange(2, dtype=np.int32), x.shape)
+    bigram = np.asarray(target(jnp.asarray(x), jnp.asarray(pos)).logits[:, -1])
+    d.markov_w1[...] = jnp.eye(v, dtype=jnp.float32)
+    d.markov_w2[...] = jnp.asarray(bigram)
+    d.final_norm[...] = d.final_norm[...] * 0.1
+    rng = np.random.default_rng(0)
+    d.conf_w[...] = jnp.asarray(rng.standard_normal(d.conf_w[...].shape).astype(np.float32) * 0.1)
+    return d
+
+
 # ----------------------------------------------------------------------------- SmolLM2 (GGUF)
 
 
@@ -234,7 +278,7 @@ LONG_FILES = (
     "integration/test_compare_drafters.py",  # 155
     "unit/test_eagle.py",  # 120
     "integration/test_eval_cli.py",  # 120
-    "unit/test_engine.py",  # 118
+    "unit/serving/test_engine_exactness.py",  # 118 with the other test_engine_*.py (one file then)
     "unit/test_trainer.py",  # 109
     "unit/test_feature_cache.py",  # 108
     "integration/test_mesh.py",  # 107

@@ -8,7 +8,8 @@
   for chunk boundaries at several offsets and several requests packed in one pass; and the
   same decoded tokens (greedy and seeded T > 0) through the engine and through the server's
   engine loop; in rejection mode the first block's q too.
-* No recompilation after warm-up (compile events counted as in ``tests/unit/test_engine.py``).
+* No recompilation after warm-up (compile events counted as in
+  ``tests/unit/serving/test_engine_exactness.py``).
 
 One engine (3 slots, block_size 3, one prefill bucket of 32, a 12-token chunk of 4-token blocks
 over 3 lanes) is shared, so that its handful of programs compile once.
@@ -21,15 +22,28 @@ import asyncio
 import jax
 import numpy as np
 import pytest
-import test_engine
 
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.serving.engine import Engine, EngineConfig, Request, SamplingParams
 from dspark_jax.serving.engine.prefill import ChunkedPrefill, PrefillEntry, PrefillQueue, chunk_ladder
 from dspark_jax.serving.http.engine_loop import EngineLoop, TrackedRequest
 
-# the target and the bigram drafter of the engine tests
-target, drafter, tokenizer = test_engine.target, test_engine.drafter, test_engine.tokenizer
+
+@pytest.fixture(scope="module")
+def target(stories260k_target):
+    return stories260k_target
+
+
+@pytest.fixture(scope="module")
+def drafter(stories260k_drafter):
+    """The serving engine tests' bigram drafter (tests/conftest.py)."""
+    return stories260k_drafter
+
+
+@pytest.fixture(scope="module")
+def tokenizer(stories260k):
+    return stories260k[2]
+
 
 CHUNK, BLOCK, LANES, SLOTS, CACHE = 12, 4, 3, 3, 64
 STORY = (

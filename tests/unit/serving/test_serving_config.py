@@ -1,6 +1,6 @@
 """One settings object for serving (:mod:`dspark_jax.serving.config`): docs/serving.md's table of
 :class:`~dspark_jax.serving.config.EngineConfig` says its defaults and the serve command's flags
-take theirs from it (the engine reading it: tests/unit/test_engine.py)."""
+take theirs from it (the engine reading it: test_engine_requests.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from dspark_jax.serving.config import EngineConfig
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "serving.md"
 ROW = re.compile(r"^\| `(\w+)` \| (`--[\w-]+`|-) \| `([^`]*)` \| .+ \|$")
 
 
