@@ -399,7 +399,7 @@ class Engine(EngineInterface):
         it, ``(tag, exception)`` of each it failed: with chunked prefill a failed pass fails every
         queued request (they share its lanes), with one-shot prefill just the one."""
         try:
-            return self._prefill_queue().step()
+            return [(tag, out) for tag, out in self._prefill_queue().step()]
         except Exception as e:  # only a chunked pass raises (one-shot prefill hands back its errors)
             return [(entry.tag, e) for entry in self.prefiller.queue.clear()] if self.prefiller else []
 

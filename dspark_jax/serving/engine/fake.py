@@ -39,7 +39,7 @@ DRAFTS = 3  # draft tokens verified per step (the block size)
 
 @dataclasses.dataclass
 class _Slot:
-    request: object
+    request: Request
     tokens: list[int]  # the whole planned output (stop token included)
     pos: int = 0  # tokens handed out
     steps: int = 0

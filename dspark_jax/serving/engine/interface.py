@@ -24,7 +24,7 @@ __all__ = ["EngineInterface", "OneShotPrefill", "PrefillResult"]
 
 # What one prefill pass hands back per finished request: its tag and its prefix, or the
 # exception that ended it (DSparkInputError: the request was refused; anything else: a failure).
-PrefillResult = tuple[Hashable, "Prefix | Exception"]
+PrefillResult = tuple[Any, "Prefix | Exception"]
 
 
 class EngineInterface(abc.ABC):
