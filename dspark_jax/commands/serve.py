@@ -88,7 +88,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--policy",
-        default=None,
+        default=EngineConfig.policy,
         help="verification-length policy: plain | fixed:G | threshold:C | greedy | dspark "
         "(default: dspark with --drafter, plain without)",
     )
