@@ -44,7 +44,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import alternate, drafter_for, load_checkout, markdown_table, write_json
+from benchmarks.harness import alternate, drafter_for, engine_for, load_checkout, markdown_table, write_json
 
 _MODULES = ("api", "config", "drafters.dspark", "decoding.speculative", "serving.engine")
 
@@ -145,8 +145,15 @@ def engine_section(pk, a) -> list[dict[str, Any]]:
     for name, mods in pk.items():
         target = _load(mods, a)
         for c in lens:
-            eng = mods["serving.engine"].Engine(
-                target, None, num_slots=a.rows, cache_len=c, policy="plain", row_buckets=[a.rows], prefill_buckets=[32]
+            eng = engine_for(
+                mods["serving.engine"],
+                target,
+                None,
+                num_slots=a.rows,
+                cache_len=c,
+                policy="plain",
+                row_buckets=[a.rows],
+                prefill_buckets=[32],
             )
             eng.warmup()
             ell, active = np.zeros(a.rows, np.int32), np.ones(a.rows, bool)
@@ -230,8 +237,15 @@ def profile_section(pk, a) -> list[dict[str, Any]]:
     for name, mods in pk.items():
         target = _load(mods, a)
         drafter = drafter_for(mods, target.cfg, 4, num_layers=1, markov_rank=8)
-        eng = mods["serving.engine"].Engine(
-            target, drafter, num_slots=a.rows, cache_len=c, policy="dspark", row_buckets=[a.rows], prefill_buckets=[32]
+        eng = engine_for(
+            mods["serving.engine"],
+            target,
+            drafter,
+            num_slots=a.rows,
+            cache_len=c,
+            policy="dspark",
+            row_buckets=[a.rows],
+            prefill_buckets=[32],
         )
         eng.warmup()
         engines[name] = eng

@@ -127,38 +127,48 @@ def main(argv: list[str] | None = None) -> int:
     add_ratios(res, table)
     print_costs(res, cfg.name, cache_len, first)
     if len(sizes) > 1 and not args.drafter:
-        res["draft_vocab_sweep"] = sweep = {}
-        tables = {n: [] for n in sizes}
-        for _ in range(args.sweep_rounds):  # alternate the sizes: each value is the median of the rounds
-            for n in sizes:
-                d = random_drafter(target, args.target, n)
-                tables[n].append(
-                    measure_costs(
-                        target,
-                        d,
-                        widths=(0, block_size),
-                        cache_len=cache_len,
-                        spans=spans,
-                        repeats=max(3, args.repeats // 3),
-                    )
-                )
-        verify_col = f"t_verify_ms[{block_size + 1}]"
-        print(f"\n  {'draft vocab':>12} {'t_draft_ms T=0':>15} {'T=1':>8} {verify_col:>15}")
-        for n in sizes:
-            med = lambda f, n=n: statistics.median(f(t) for t in tables[n])
-            row = {
-                "t_draft_ms": 1e3 * med(lambda t: t.draft_seconds(True, first)),
-                "t_draft_sampled_ms": 1e3 * med(lambda t: t.draft_seconds(False, first)),
-                "t_verify_full_block_ms": 1e3 * med(lambda t: float(t.verify_array([block_size], first)[0])),
-            }
-            sweep[n or cfg.vocab_size] = row
-            print(
-                f"  {n or cfg.vocab_size:>12} {row['t_draft_ms']:>15.2f} {row['t_draft_sampled_ms']:>8.2f} "
-                f"{row['t_verify_full_block_ms']:>15.2f}"
-            )
+        res["draft_vocab_sweep"] = draft_vocab_sweep(target, args, sizes, block_size, cache_len, spans, first)
     if args.json:
         write_json(args.json, res)
     return 0
+
+
+def draft_vocab_sweep(target, args, sizes: list[int], block_size: int, cache_len: int, spans, first: int) -> dict:
+    """Drafting and full-block verification costs (ms, medians over ``--sweep-rounds`` alternated
+    rounds) of a random drafter per draft vocabulary size in ``sizes`` (0 = the full vocabulary)."""
+    from dspark_jax.decoding.decode_profile import measure_costs
+
+    cfg = target.cfg
+    sweep: dict = {}
+    tables = {n: [] for n in sizes}
+    for _ in range(args.sweep_rounds):  # alternate the sizes: each value is the median of the rounds
+        for n in sizes:
+            d = random_drafter(target, args.target, n)
+            tables[n].append(
+                measure_costs(
+                    target,
+                    d,
+                    widths=(0, block_size),
+                    cache_len=cache_len,
+                    spans=spans,
+                    repeats=max(3, args.repeats // 3),
+                )
+            )
+    verify_col = f"t_verify_ms[{block_size + 1}]"
+    print(f"\n  {'draft vocab':>12} {'t_draft_ms T=0':>15} {'T=1':>8} {verify_col:>15}")
+    for n in sizes:
+        med = lambda f, n=n: statistics.median(f(t) for t in tables[n])
+        row = {
+            "t_draft_ms": 1e3 * med(lambda t: t.draft_seconds(True, first)),
+            "t_draft_sampled_ms": 1e3 * med(lambda t: t.draft_seconds(False, first)),
+            "t_verify_full_block_ms": 1e3 * med(lambda t: float(t.verify_array([block_size], first)[0])),
+        }
+        sweep[n or cfg.vocab_size] = row
+        print(
+            f"  {n or cfg.vocab_size:>12} {row['t_draft_ms']:>15.2f} {row['t_draft_sampled_ms']:>8.2f} "
+            f"{row['t_verify_full_block_ms']:>15.2f}"
+        )
+    return sweep
 
 
 def plain_timings(target, hf, prompts, kw: dict) -> tuple[float, float, float, float]:

@@ -101,7 +101,7 @@ def _engine_point(eng: Any, rows: int, p: Plan, vocab: int) -> dict[str, Any]:
     rng = np.random.default_rng(rows)
     for i in range(rows):
         ids = [int(t) for t in rng.integers(3, vocab, p.engine_prompt)]
-        sp = SamplingParams(temperature=0.0, max_tokens=p.engine_cache - p.engine_prompt - 1, seed=i)
+        sp = SamplingParams(temperature=0.0, max_new_tokens=p.engine_cache - p.engine_prompt - 1, seed=i)
         eng.insert(eng.prefill(Request(ids, sp, f"r{i}")), eng.free_slots()[0])
     for _ in range(2):
         eng.generate()
@@ -133,19 +133,22 @@ def _engine_point(eng: Any, rows: int, p: Plan, vocab: int) -> dict[str, Any]:
 
 
 def section_engine(ctx: Context) -> dict[str, Any]:
-    from dspark_jax.serving.engine import Engine
+    from dspark_jax.serving.engine import Engine, EngineConfig
 
     p, g = ctx.plan, ctx.plan.block_size
     eng = Engine(
         ctx.target,
         ctx.drafter,
-        num_slots=max(p.rows),
-        cache_len=p.engine_cache,
-        policy=f"fixed:{g}",
-        row_buckets=list(p.row_buckets),
-        prefill_buckets=[p.engine_prompt],
-        suspend_after=None,
-        profile_iters=1,
+        EngineConfig(
+            num_slots=max(p.rows),
+            cache_len=p.engine_cache,
+            policy=f"fixed:{g}",
+            row_buckets=list(p.row_buckets),
+            prefill_buckets=[p.engine_prompt],
+            suspend_after=None,
+            profile_iters=1,
+            prefill_chunk_tokens=0,
+        ),
     )
     out = []
     for policy in (f"fixed:{g}", "plain"):

@@ -242,13 +242,26 @@ def workload() -> None:
         dict(temperature=1.0, top_k=20, max_tokens=10, seed=3),
         dict(temperature=0.7, top_p=0.9, max_tokens=14, seed=5, logprobs=2, logit_bias=((7, -2.0),), min_tokens=2),
     ]
+    if "max_new_tokens" in {f.name for f in dataclasses.fields(params_cls)}:  # older commits: max_tokens
+        settings = [{("max_new_tokens" if k == "max_tokens" else k): v for k, v in s.items()} for s in settings]
     reqs = [request_cls(p, params_cls(**s), f"r{i}") for i, (p, s) in enumerate(zip(prompts, settings))]
     common = dict(num_slots=2, cache_len=64, buckets=(8,), prefill_buckets=(16, 32), profile_iters=1)
-    eng = engine_cls(target, drafter, policy="fixed:3", suspend_after=2, **common)
+    try:
+        config_cls = _find("EngineConfig", *ENGINE_MODULES)
+    except ImportError:  # older commits: the settings were the engine's keywords
+
+        def engine(**kw):
+            return engine_cls(target, drafter, **kw)
+    else:
+
+        def engine(**kw):  # one-shot prefill, as the keywords' default was
+            return engine_cls(target, drafter, config_cls(prefill_chunk_tokens=0, **kw))
+
+    eng = engine(policy="fixed:3", suspend_after=2, **common)
     for policy in ("fixed:3", "dspark", "plain", "fixed:3"):  # plain suspends the drafter, fixed resumes it
         eng.set_policy(policy)
         _drive(eng, reqs)
-    rej = engine_cls(target, drafter, policy="fixed:3", suspend_after=None, verification="rejection", **common)
+    rej = engine(policy="fixed:3", suspend_after=None, verification="rejection", **common)
     _drive(rej, reqs)
 
 

@@ -1,7 +1,7 @@
 """The host's share of an engine step, with and without the next step queued on the device.
 
 The engine keeps the next step in flight while the host closes the previous one and the caller does
-its own work (``Engine(overlap=True)``, :mod:`dspark_jax.serving.engine.inflight`). This script
+its own work (``EngineConfig(overlap=True)``, :mod:`dspark_jax.serving.engine.inflight`). This script
 measures what that buys, side by side in one process: for each policy and row count it runs
 ``--steps`` calls of ``Engine.generate()`` over rows that never finish, with ``--caller-ms`` of
 Python work between calls (the server's routing and detokenizing holds the interpreter the same
@@ -97,7 +97,7 @@ def measure(engine, policy: str, rows: int, steps: int, caller_ms: float, reps: 
     engine.warmup()  # compiles and profiles (or adopts) the SPS table outside the recording
     vocab = engine.target.cfg.vocab_size
     n_new = steps * (engine.block_size + 1) + 8
-    sp = SamplingParams(temperature=0.0, max_tokens=n_new, min_tokens=n_new)  # never stops within the run
+    sp = SamplingParams(temperature=0.0, max_new_tokens=n_new, min_tokens=n_new)  # never stops within the run
     reqs = [Request([(101 + 7 * i + j) % vocab for j in range(24)], sp, f"r{i}") for i in range(rows)]
 
     def fresh():
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.config import DrafterConfig
     from dspark_jax.drafters.dspark import DSparkDrafter
     from dspark_jax.errors import DSparkInputError
-    from dspark_jax.serving.engine import Engine
+    from dspark_jax.serving.engine import Engine, EngineConfig
 
     target, _, drafter = load_target_and_drafter(args.target, args.drafter)
     if drafter is None and args.random_drafter:
@@ -174,7 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for r in rows:
         engine = Engine(
-            target, drafter, num_slots=r, cache_len=args.cache_len, row_buckets=[r], policy=policies[0], profile_iters=2
+            target,
+            drafter,
+            EngineConfig(
+                num_slots=r,
+                cache_len=args.cache_len,
+                row_buckets=[r],
+                policy=policies[0],
+                profile_iters=2,
+                prefill_chunk_tokens=0,
+            ),
         )
         for policy in policies:
             results.append(measure(engine, policy, r, args.steps, args.caller_ms, args.reps))

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.config import DrafterConfig
     from dspark_jax.drafters.dspark import DSparkDrafter
     from dspark_jax.errors import DSparkInputError
-    from dspark_jax.serving.engine import Engine
+    from dspark_jax.serving.engine import Engine, EngineConfig
 
     target, _, drafter = load_target_and_drafter(args.target, args.drafter)
     if drafter is None:
@@ -149,15 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     if rows[0] < 1 or rows[-1] > args.num_slots:
         raise DSparkInputError(f"--rows must be in [1, --num-slots={args.num_slots}]")
     p_len = max(16, 1 << (args.prompt_len - 1).bit_length())
-    kw = dict(
+    cfg = EngineConfig(
         num_slots=args.num_slots,
         cache_len=args.cache_len,
-        row_buckets=sorted(set(rows) | {args.num_slots}),
-        prefill_buckets=[min(p_len, args.cache_len)],
+        policy="plain",
+        row_buckets=tuple(sorted(set(rows) | {args.num_slots})),
+        prefill_buckets=(min(p_len, args.cache_len),),
+        prefill_chunk_tokens=0,
     )
     # policy "plain" on both: only the (R, R) buckets compile (plus, for the drafter engine,
     # its suspended steps and catch-up passes).
-    plain, spec = Engine(target, None, policy="plain", **kw), Engine(target, drafter, policy="plain", **kw)
+    plain, spec = Engine(target, None, cfg), Engine(target, drafter, cfg)
     plain.warmup()
     spec.warmup()
     res = measure(plain, spec, rows, args.prompt_len, args.reps)

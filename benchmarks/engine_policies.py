@@ -59,7 +59,7 @@ def run_level(eng, tok, policy: str, prompts: list[str], conc: int, max_tokens: 
     eng.reset_metrics()
     probes0 = eng.planner.probes
     queue = [
-        Request(tok.encode(p), SamplingParams(max_tokens=max_tokens, temperature=0.0), f"r{i}")
+        Request(tok.encode(p), SamplingParams(max_new_tokens=max_tokens, temperature=0.0), f"r{i}")
         for i, p in enumerate(prompts)
     ]
     tokens, t0 = 0, time.perf_counter()
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_jax.api import load_target_and_drafter
     from dspark_jax.drafters.dspark import DSparkDrafter
     from dspark_jax.errors import DSparkInputError
-    from dspark_jax.serving.engine import Engine
+    from dspark_jax.serving.engine import Engine, EngineConfig
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -96,7 +96,15 @@ def main(argv: list[str] | None = None) -> int:
         raise DSparkInputError("the engine serves DSpark/DFlash drafters only")
     pb = [int(b) for b in args.prefill_buckets.split(",")]
     eng = Engine(
-        target, drafter, num_slots=max(levels), cache_len=args.cache_len, policy=policies[0], prefill_buckets=pb
+        target,
+        drafter,
+        EngineConfig(
+            num_slots=max(levels),
+            cache_len=args.cache_len,
+            policy=policies[0],
+            prefill_buckets=pb,
+            prefill_chunk_tokens=0,
+        ),
     )
     t0 = time.perf_counter()
     for p in policies:  # compile (and profile) every policy's programs before timing

@@ -211,3 +211,14 @@ def drafter_for(mods: Mapping[str, ModuleType], target_cfg: Any, block_size: int
     module = mods["drafters.dspark"]
     cls = getattr(module, "DSparkDrafter", None) or module.Drafter
     return cls(cfg, nnx.Rngs(0))
+
+
+def engine_for(engine_module: ModuleType, target: Any, drafter: Any, **settings: Any) -> Any:
+    """A serving ``Engine`` of a checkout's ``serving.engine`` module (:func:`load_checkout`) with
+    ``settings`` (one-shot prefill unless they say otherwise), whatever that checkout takes: an
+    ``EngineConfig`` (the settings object), or, on older commits, the settings as keywords."""
+    settings = {"prefill_chunk_tokens": 0, **settings}
+    config_cls = getattr(engine_module, "EngineConfig", None)
+    if config_cls is None:
+        return engine_module.Engine(target, drafter, **settings)
+    return engine_module.Engine(target, drafter, config_cls(**settings))

@@ -20,7 +20,7 @@ import json
 import statistics
 import time
 
-from benchmarks.harness import drafter_for, load_checkout
+from benchmarks.harness import drafter_for, engine_for, load_checkout
 
 _SUBMODULES = ("api", "config", "drafters.dspark", "serving.engine")  # what main() builds an engine from
 
@@ -46,7 +46,8 @@ def main(argv=None):
         # Each checkout builds its own target and drafter, so model code is compared too.
         target, _ = mods["api"].load_target(a.target)
         drafter = drafter_for(mods, target.cfg, a.block_size, num_layers=1, markov_rank=64)
-        eng = mods["serving.engine"].Engine(
+        eng = engine_for(
+            mods["serving.engine"],
             target,
             drafter,
             num_slots=a.rows,

@@ -216,33 +216,35 @@ def engine_for(args, target, drafter, policy: str, num_slots: int, engine=None):
     policy adds and keeps the SPS table when it covers them, so a sweep pays for compilation
     once. (The online calibration state carries over, as on a long-running server.)
     """
-    from dspark_jax.serving.http.cli import build_engine, parse_buckets
+    from dspark_jax.serving.build import build_engine
+    from dspark_jax.serving.engine import EngineConfig
+    from dspark_jax.serving.http.preflight import parse_buckets
 
     policy, ahead = split_ahead(policy)
     t0 = time.perf_counter()
     if engine is None:
-        engine = build_engine(
-            target,
-            drafter,
-            policy=policy,
+        config = EngineConfig(
             num_slots=num_slots,
             cache_len=args.cache_len,
+            policy=policy,
             buckets=parse_buckets(args.buckets),
-            sps_table=args.sps_table,
+            plan_ahead=ahead,
         )
+        engine = build_engine(target, drafter, config, sps_table=args.sps_table)
     else:
         engine.set_policy(policy)
+        engine.plan_ahead = ahead
         engine.warmup()
         if args.sps_table and engine.sps_table is not None:
             engine.sps_table.save(args.sps_table)
-    engine.planner.speculative_ahead = ahead
     engine.reset_metrics()
     return engine, time.perf_counter() - t0
 
 
 def serve(engine, tok, args, policy: str, max_queue: int):
     """``(ServerThread, EngineLoop)``: ``engine`` behind the HTTP server on a free loopback port."""
-    from dspark_jax.serving.http.cli import ServerThread, build_server
+    from dspark_jax.serving.build import build_server
+    from dspark_jax.serving.http.thread import ServerThread
 
     app, loop = build_server(engine, tok, model_name=args.target, max_queue=max_queue, policy=policy)
     return ServerThread(app), loop

@@ -37,6 +37,7 @@ import numpy as np
 
 from benchmarks.harness import device_description, write_json
 from benchmarks.http_load import http_client, load_models, load_prompts, run_level, serve
+from dspark_jax.serving.config import EngineConfig
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -47,7 +48,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="chunked vs one-shot prefill: stream gaps around a long prompt, TTFT and tok/s (see prefill_load.py)",
     )
-    g.add_argument("--prefill-chunk-tokens", type=int, default=256, help="chunked prefill budget (default 256)")
+    g.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=EngineConfig.prefill_chunk_tokens,
+        help=f"chunked prefill budget (default {EngineConfig.prefill_chunk_tokens}, the server's)",
+    )
     g.add_argument("--long-prompt-tokens", type=int, default=2000, help="the long prompt's tokens (default 2000)")
     g.add_argument("--long-streams", type=int, default=8, help="requests streaming meanwhile (default 8)")
     g.add_argument("--long-cache-len", type=int, default=2048, help="cache length of that engine (default 2048)")
@@ -170,20 +176,21 @@ def _buckets(spec: str, cache_len: int) -> tuple[int, ...]:
 
 
 def _engine(args, target, drafter, num_slots: int, cache_len: int):
-    from dspark_jax.serving.http.cli import build_engine, parse_buckets
+    from dspark_jax.serving.build import build_engine
+    from dspark_jax.serving.engine import EngineConfig
+    from dspark_jax.serving.http.preflight import parse_buckets
 
     policy = "dspark" if drafter is not None else "plain"
     t0 = time.perf_counter()
-    eng = build_engine(
-        target,
-        drafter,
-        policy=policy,
+    config = EngineConfig(
         num_slots=num_slots,
         cache_len=cache_len,
+        policy=policy,
         buckets=parse_buckets(args.buckets),
         prefill_buckets=_buckets(args.prefill_buckets, cache_len),
         prefill_chunk_tokens=args.prefill_chunk_tokens,
     )
+    eng = build_engine(target, drafter, config)
     print(
         f"[prefill_load] {policy} engine, {num_slots} slots x {cache_len}: ready in "
         f"{time.perf_counter() - t0:.0f} s ({eng.metrics()['compiles']} executables)",

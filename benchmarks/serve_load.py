@@ -64,6 +64,7 @@ from benchmarks.http_load import (
     serve,
     stream_request,
 )
+from dspark_jax.serving.config import EngineConfig
 
 QUICK = dict(
     target="stories260k",
@@ -163,7 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
     add_prompt_args(p)
     p.add_argument("--num-slots", type=int, default=None, help="engine slots (default: the highest concurrency)")
-    p.add_argument("--cache-len", type=int, default=1024, help="engine cache length (default 1024)")
+    p.add_argument(
+        "--cache-len",
+        type=int,
+        default=EngineConfig.cache_len,
+        help=f"engine cache length (default {EngineConfig.cache_len}, the server's)",
+    )
     p.add_argument("--buckets", default=None, help="engine token-budget buckets, comma-separated")
     p.add_argument(
         "--sps-table",

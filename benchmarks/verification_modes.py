@@ -57,7 +57,7 @@ def main(argv=None):
     a = p.parse_args(argv)
 
     from dspark_jax.api import encode_prompt, load_target_and_drafter
-    from dspark_jax.serving.engine import Engine, Request, SamplingParams
+    from dspark_jax.serving.engine import Engine, EngineConfig, Request, SamplingParams
 
     target, tok, drafter = load_target_and_drafter(a.target, os.path.expanduser(a.drafter))
     prompts = json.loads(Path(os.path.expanduser(a.prompts)).read_text())[: a.num_prompts]
@@ -75,12 +75,21 @@ def main(argv=None):
     }
     for mode in ("coupled", "rejection"):
         eng = Engine(
-            target, drafter, num_slots=a.slots, cache_len=a.cache_len, policy=policy, verification=mode, profile_iters=1
+            target,
+            drafter,
+            EngineConfig(
+                num_slots=a.slots,
+                cache_len=a.cache_len,
+                policy=policy,
+                verification=mode,
+                profile_iters=1,
+                prefill_chunk_tokens=0,
+            ),
         )
         eng.warmup()
         for temp in (float(t) for t in a.temperatures.split(",")):
             reqs = [
-                Request(x, SamplingParams(temperature=temp, seed=i, max_tokens=a.max_tokens), f"r{i}")
+                Request(x, SamplingParams(temperature=temp, seed=i, max_new_tokens=a.max_tokens), f"r{i}")
                 for i, x in enumerate(ids)
             ]
             r = run(eng, reqs)

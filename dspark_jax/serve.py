@@ -1,8 +1,8 @@
-"""``python -m dspark_jax.serve``: thin entry point; the command lives in :mod:`dspark_jax.serving.http.cli`."""
+"""``python -m dspark_jax.serve``: thin entry point; the command lives in :mod:`dspark_jax.commands.serve`."""
 
 import sys
 
-from dspark_jax.serving.http.cli import build_parser, main
+from dspark_jax.commands.serve import build_parser, main
 
 __all__ = ["build_parser", "main"]
 

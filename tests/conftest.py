@@ -235,13 +235,13 @@ def stories260k_export(stories260k_dir, tmp_path_factory):
 # breaks ties, and is the whole order with ``--no-loadscope-reorder`` (measured slower in session
 # 13: it starts the multi-process tests beside the run-bound law fixture).
 LONG_FILES = (
-    "unit/test_decode.py",  # 601
+    "unit/decoding/test_law.py",  # the law of the first tokens (a subprocess)
     "integration/test_cli.py",  # 208
     "integration/test_engine_hlo.py",  # 180
     "integration/test_compare_drafters.py",  # 155
     "unit/drafters/test_eagle.py",  # 120
     "integration/test_eval_cli.py",  # 120
-    "unit/test_engine.py",  # 118
+    "unit/serving/test_engine_exactness.py",  # 118 with the other test_engine_*.py (one file then)
     "unit/training/test_trainer.py",  # 109
     "unit/training/test_feature_cache.py",  # 108
     "integration/test_mesh.py",  # 107

@@ -1,2 +1,5 @@
-"""Serving: :mod:`dspark_jax.serving.engine` (the engine and its schedulers, no HTTP) and
-:mod:`dspark_jax.serving.http` (the HTTP server and command line on top of it)."""
+"""Serving: :mod:`dspark_jax.serving.config` (:class:`~dspark_jax.serving.config.EngineConfig`, the
+engine's settings and the server's defaults), :mod:`dspark_jax.serving.engine` (the engine and its
+schedulers, no HTTP),
+:mod:`dspark_jax.serving.http` (the HTTP server on top of it) and :mod:`dspark_jax.serving.build`
+(an engine and its server from the settings)."""

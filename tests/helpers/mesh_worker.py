@@ -23,7 +23,7 @@ from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.models import sharding as shd
 from dspark_jax.models.target import Target, random_params
-from dspark_jax.serving.engine import Engine, Request, SamplingParams
+from dspark_jax.serving.engine import Engine, EngineConfig, Request, SamplingParams
 from dspark_jax.training.dry_run import estimate_memory
 from dspark_jax.training.train_config import TrainConfig, drafter_config
 from dspark_jax.training.trainer import Trainer, count_params
@@ -192,9 +192,9 @@ def memory_checks(out, target, tr, ma):
 def engine_checks(out, target, drafter, params):
     prompts = [[5, 17, 33, 2, 9, 41], [7, 7, 100, 3], [11, 250, 4, 4, 4, 4, 60, 1, 2]]
     settings = [
-        dict(temperature=0.0, max_tokens=20, seed=0),
-        dict(temperature=1.0, max_tokens=18, seed=3),
-        dict(temperature=1.0, top_k=20, max_tokens=16, seed=7),
+        dict(temperature=0.0, max_new_tokens=20, seed=0),
+        dict(temperature=1.0, max_new_tokens=18, seed=3),
+        dict(temperature=1.0, top_k=20, max_new_tokens=16, seed=7),
     ]
     reqs = [Request(p, SamplingParams(**s), f"r{i}") for i, (p, s) in enumerate(zip(prompts, settings))]
 
@@ -209,7 +209,7 @@ def engine_checks(out, target, drafter, params):
                 acc += o.num_accepted
         return toks, acc
 
-    kw = dict(
+    cfg = EngineConfig(
         num_slots=2,
         cache_len=48,
         policy="fixed:2",
@@ -217,9 +217,10 @@ def engine_checks(out, target, drafter, params):
         prefill_buckets=(16,),
         suspend_after=None,
         row_buckets=(2,),
+        prefill_chunk_tokens=0,
     )
     res = {}
-    base = Engine(target, drafter, **kw)
+    base = Engine(target, drafter, cfg)
     base.warmup()
     ref, ref_acc = drive(base)
     res["accepted_1dev"] = ref_acc
@@ -229,7 +230,7 @@ def engine_checks(out, target, drafter, params):
         # The target's weights go from the host straight to their shards (Target(mesh=...)).
         sharded_target = Target(TCFG, params, fingerprint="tinymeshfp", mesh=mesh)
         res["target_built_sharded_spec"] = str(sharded_target.layers["wq"][...].sharding.spec)
-        eng = Engine(sharded_target, drafter, mesh=mesh, **kw)
+        eng = Engine(sharded_target, drafter, cfg, mesh=mesh)
         t0 = time.perf_counter()
         eng.warmup()
         compiles = eng.metrics()["compiles"]
@@ -250,7 +251,7 @@ def engine_checks(out, target, drafter, params):
         r["step_collectives"] = collectives(exe.as_text())
         res[spec] = r
     try:
-        Engine(target, drafter, mesh="data:2,model:4", **kw)
+        Engine(target, drafter, cfg, mesh="data:2,model:4")
         res["data_axis_error"] = None
     except Exception as e:
         res["data_axis_error"] = f"{type(e).__name__}: {e}"

@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from fake_engine import FakeEngine
+from dspark_jax.serving.engine.fake import FakeEngine
 
 CACHE_LEN, NUM_SLOTS = 128, 4  # the fake engine's context and slots
 CHAT_TEMPLATE = (
@@ -16,12 +16,12 @@ CHAT_TEMPLATE = (
 
 
 def serve_fake(tok, engine=None, **cfg):
-    """A :class:`~dspark_jax.serving.http.cli.ServerThread` (started) serving a fake engine
-    (``tests/fake_engine.py``) as ``fake-model`` with ``tok``; ``cfg``: ``max_queue`` and
+    """A :class:`~dspark_jax.serving.http.thread.ServerThread` (started) serving a fake engine
+    (:mod:`dspark_jax.serving.engine.fake`) as ``fake-model`` with ``tok``; ``cfg``: ``max_queue`` and
     :class:`~dspark_jax.serving.http.server.ServerConfig` fields (``chat_template`` defaults to
     :data:`CHAT_TEMPLATE`). The thread has ``engine``, ``loop`` and ``tok`` attributes."""
-    from dspark_jax.serving.http.cli import ServerThread
     from dspark_jax.serving.http.server import EngineLoop, ServerConfig, create_app
+    from dspark_jax.serving.http.thread import ServerThread
 
     engine = engine or FakeEngine(vocab_size=tok.vocab_size, num_slots=NUM_SLOTS, cache_len=CACHE_LEN)
     loop = EngineLoop(engine, tok, max_queue=cfg.pop("max_queue", 64), model_name="fake-model")

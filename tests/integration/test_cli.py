@@ -302,12 +302,12 @@ def test_serve_cli_refuses_eagle3_drafter_in_one_line(stories260k, tmp_path, cap
     """The engine refuses an eagle3 drafter; `serve` turns it into one `error:` line, exit 2."""
     from flax import nnx
 
+    from dspark_jax.commands.serve import main
     from dspark_jax.config import DrafterConfig
     from dspark_jax.drafters.build import build_drafter
     from dspark_jax.drafters.checkpoint import export_drafter
     from dspark_jax.drafters.eagle import eagle_taps
     from dspark_jax.models.weights import params_fingerprint
-    from dspark_jax.serving.http.cli import main
 
     cfg, params, _ = stories260k
     dcfg = DrafterConfig.for_target(
@@ -329,7 +329,7 @@ def test_serve_cli_refuses_eagle3_drafter_in_one_line(stories260k, tmp_path, cap
 
 
 def test_serve_cli_flags(capsys):
-    from dspark_jax.serving.http.cli import build_parser, main
+    from dspark_jax.commands.serve import build_parser, main
 
     args = build_parser().parse_args(["--target", "stories260k"])
     assert args.verification == "coupled" and args.api_key is None and args.default_max_tokens is None

@@ -127,7 +127,7 @@ def test_entry_points_resolve_the_same_defaults():
         assert gen[name] == ev[name] == d[name], name
     # one dtype policy (docs/design.md#numerics): auto everywhere, the server's included
     from dspark_jax.api import load_target
-    from dspark_jax.serving.http.cli import build_parser as serve_parser
+    from dspark_jax.commands.serve import build_parser as serve_parser
 
     assert gen["dtype"] == ev["dtype"] == serve_parser().get_default("dtype") == "auto"
     assert inspect.signature(load_target).parameters["dtype"].default == "auto"

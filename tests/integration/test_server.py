@@ -53,27 +53,30 @@ def models(stories260k_dir):
 
 @pytest.fixture(scope="module")
 def engine(models):
-    from dspark_jax.serving.http.cli import build_engine
+    from dspark_jax.serving.build import build_engine
+    from dspark_jax.serving.engine import EngineConfig
 
     target, _, drafter = models
     # Few compiled shapes (compilation is most of this module's time; each costs ~7 s on 2
-    # cores): every step runs both rows, every prompt pads to 64 tokens, and the token budgets
-    # are the plain step (2) and the full block (2 x 3), which fixed:2 and plain reuse.
-    return build_engine(
-        target,
-        drafter,
-        policy="dspark",
+    # cores): every step runs both rows, every prompt pads to 64 tokens, the token budgets
+    # are the plain step (2) and the full block (2 x 3), which fixed:2 and plain reuse, and
+    # prefill is one-shot (chunked prefill through HTTP: tests/unit/test_prefill.py).
+    config = EngineConfig(
         num_slots=NUM_SLOTS,
         cache_len=CACHE_LEN,
+        policy="dspark",
         row_buckets=(NUM_SLOTS,),
         prefill_buckets=(CACHE_LEN,),
         buckets=(NUM_SLOTS * (GAMMA + 1),),
+        prefill_chunk_tokens=0,
     )
+    return build_engine(target, drafter, config)
 
 
 @pytest.fixture(scope="class")
 def server(models, engine):
-    from dspark_jax.serving.http.cli import ServerThread, build_server
+    from dspark_jax.serving.build import build_server
+    from dspark_jax.serving.http.thread import ServerThread
 
     target, tok, _ = models
     app, loop = build_server(
@@ -203,7 +206,7 @@ class TestHTTP:
         assert wait_idle(client)["free_slots"] == NUM_SLOTS
 
     def test_planned_ahead_requests_equal_alone(self, server, client, engine, monkeypatch):
-        """``--plan-ahead`` (``build_engine(plan_ahead=True)``): speculative steps dispatched before
+        """``--plan-ahead`` (``EngineConfig(plan_ahead=True)``): speculative steps dispatched before
         the step in flight is read, through HTTP, give every request the tokens it gets alone."""
         from dspark_jax.serving.engine.inflight import InflightStep
 
@@ -219,7 +222,7 @@ class TestHTTP:
             return read(step, slots)
 
         monkeypatch.setattr(InflightStep, "read", recording_read)
-        monkeypatch.setattr(engine.planner, "speculative_ahead", True)
+        monkeypatch.setattr(engine.planner, "speculative_ahead", True)  # engine.plan_ahead, undone after
         engine.set_policy("fixed:2")  # drafting never suspended: every speculative step may go ahead
         try:
             assert _send_together(server, reqs) == alone
@@ -360,7 +363,7 @@ class TestHTTP:
 
 
 def test_serve_cli_rejects_speculative_policy_without_drafter(capsys):
-    from dspark_jax.serving.http.cli import main
+    from dspark_jax.commands.serve import main
 
     assert main(["--target", "stories260k", "--policy", "dspark"]) == 2
     assert "needs a drafter" in capsys.readouterr().err
@@ -370,7 +373,7 @@ def test_serve_dry_run_refuses_a_drafter_for_another_target(tmp_path, smollm2_gg
     """The stories260K drafter with the SmolLM2 target: ``serve --dry-run`` exits 2 with the line
     ``serve``, ``generate`` and the API give (reading only the GGUF header and the drafter's
     metadata)."""
-    from dspark_jax.serving.http.cli import main
+    from dspark_jax.commands.serve import main
 
     export = stories260k_drafter_meta(tmp_path / "export")
     assert main(["--target", "smollm2-135m-instruct", "--drafter", str(export), "--dry-run"]) == 2
@@ -394,7 +397,7 @@ def test_serve_dry_run_refuses_a_drafter_for_another_target(tmp_path, smollm2_gg
 def test_serve_dry_run_and_start_refuse_alike(tmp_path, capsys, config, flags, line):
     """``serve --dry-run`` runs the real start's checks: each refusal is the same ``error:`` line,
     exit status 2, from both (the start refuses before it loads the drafter or compiles)."""
-    from dspark_jax.serving.http.cli import main
+    from dspark_jax.commands.serve import main
 
     export = stories260k_drafter_meta(tmp_path / "export", **config)
     argv = ["--target", "stories260k", "--drafter", str(export), "--num-slots", "1", "--cache-len", "32", *flags]
@@ -408,12 +411,14 @@ def test_serve_dry_run_and_start_refuse_alike(tmp_path, capsys, config, flags, l
 
 
 def test_build_engine_plans_ahead_only_when_asked(models):
-    from dspark_jax.serving.http.cli import build_engine
+    from dspark_jax.serving.build import build_engine
+    from dspark_jax.serving.engine import EngineConfig
 
     target, _, drafter = models
     for ahead in (False, True):
-        eng = build_engine(target, drafter, policy="fixed:2", num_slots=1, cache_len=32, warmup=False, plan_ahead=ahead)
-        assert eng.planner.speculative_ahead is ahead
+        config = EngineConfig(num_slots=1, cache_len=32, policy="fixed:2", plan_ahead=ahead)
+        eng = build_engine(target, drafter, config, warmup=False)
+        assert eng.planner.speculative_ahead is ahead and eng.plan_ahead is ahead
 
 
 def _benchmark(name: str):

@@ -2,6 +2,7 @@
 host-side schedulers that only serving uses (docs/design.md#serving, docs/design.md#scheduler).
 
 * :mod:`.engine` -- :class:`Engine` (``prefill`` / ``insert`` / ``generate`` / ``free``);
+  its settings are :class:`EngineConfig` (:mod:`dspark_jax.serving.config`: the server's defaults);
 * :mod:`.device` -- :class:`~.device.EngineDevice`, the device state and compiled programs
   (``Engine.device``); :mod:`.step_programs` and :mod:`.chunk_programs` the jitted bodies;
   :mod:`.state` the donated per-row state;
@@ -15,6 +16,7 @@ host-side schedulers that only serving uses (docs/design.md#serving, docs/design
 It imports nothing from :mod:`dspark_jax.serving.http` (the HTTP server sits on top of it).
 """
 
+from dspark_jax.serving.config import EngineConfig
 from dspark_jax.serving.engine.engine import Engine, Prefix, Request, SamplingParams, StepOutput, parse_policy
 
-__all__ = ["Engine", "Prefix", "Request", "SamplingParams", "StepOutput", "parse_policy"]
+__all__ = ["Engine", "EngineConfig", "Prefix", "Request", "SamplingParams", "StepOutput", "parse_policy"]

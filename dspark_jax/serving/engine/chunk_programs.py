@@ -51,7 +51,14 @@ from dspark_jax.models.layers import KVCache, attention
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample
 from dspark_jax.models.target import attention_options, layer_window, packed_attn_out_and_mlp, packed_qkv
 from dspark_jax.serving.engine.state import PrefixArrays
-from dspark_jax.serving.engine.step_programs import apply_bias, draft, logprobs, write_context
+from dspark_jax.serving.engine.step_programs import (
+    ContextWrite,
+    DraftInputs,
+    apply_bias,
+    draft,
+    logprobs,
+    write_context,
+)
 
 __all__ = [
     "ChunkInputs",
@@ -211,21 +218,22 @@ def _first_tokens(raw, keys, prompt_len, samp, bias, n_top: int):
     return token, logits_are_finite(raw), logprobs(raw, token, n_top)
 
 
-def _chunk_drafter(target, drafter, feats, lane, pos, stage, token, prompt_len, keys, samp, bias, flags, span, init):
-    """Drafter context of the packed tokens (skipped while suspended) and the first block of
-    the finishing lanes (``flags = (do_draft [P], do_context, mode)``). Returns ``(dk, dv,
-    (draft, conf, q))``."""
+def _chunk_drafter(target, drafter, ctx: ContextWrite, stage, first: DraftInputs, flags, span, init):
+    """Drafter context of the packed tokens (``ctx``; skipped while suspended) and the first block
+    of the finishing lanes (``first``: their first tokens after their prompts; their bias tables
+    always apply: an empty one changes nothing; ``flags = (do_draft [P], do_context, mode)``).
+    Returns ``(dk, dv, (draft, conf, q))``."""
     do_draft, do_context, mode = flags
     dk, dv = jax.lax.cond(
         do_context,
-        lambda _: write_context(drafter, feats, lane, pos, stage.dk, stage.dv),
+        lambda _: write_context(drafter, ctx, stage.dk, stage.dv),
         lambda _: (stage.dk, stage.dv),
         None,
     )
 
     def run(_):
         ctx_k, ctx_v = dk[:, :, :span], dv[:, :, :span]
-        return draft(target, drafter, token, prompt_len, keys, samp, ctx_k, ctx_v, bias, jnp.bool_(True), mode)
+        return draft(target, drafter, first._replace(use_bias=jnp.bool_(True)), ctx_k, ctx_v, mode)
 
     d, conf, q = jax.lax.cond(jnp.any(do_draft), run, lambda _: init, None)
     d = jnp.where(do_draft[:, None], d, init[0])
@@ -325,22 +333,8 @@ def prefill_chunk_program(t_state, d_state, stage: StageState, inp: ChunkInputs,
     dk, dv, blk = stage.dk, stage.dv, init
     if drafter is not None:
         lane = jnp.repeat(blk_lane, block, total_repeat_length=tok.shape[0])
-        dk, dv, blk = _chunk_drafter(
-            target,
-            drafter,
-            feats,
-            lane,
-            pos,
-            stage,
-            token,
-            prompt_len,
-            keys,
-            samp,
-            bias,
-            (do_draft, do_context, mode),
-            span,
-            init,
-        )
+        ctx, first = ContextWrite(feats, lane, pos), DraftInputs(token, prompt_len, keys, samp, bias, None)
+        dk, dv, blk = _chunk_drafter(target, drafter, ctx, stage, first, (do_draft, do_context, mode), span, init)
     out = ChunkOutputs(token, finite, keys, blk[0], blk[1], blk[2], *lp)
     return StageState(cache.k, cache.v, dk, dv), out
 

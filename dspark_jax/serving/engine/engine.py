@@ -2,17 +2,17 @@
 
 The shape of a JAX serving engine (JetStream style): :meth:`Engine.prefill` a request,
 :meth:`Engine.insert` it into a free decode slot, :meth:`Engine.generate` one step for all
-active slots, :meth:`Engine.free` a slot. docs/design.md#serving, docs/design.md#verification
-and docs/design.md#scheduler; paper Section 7.
+active slots, :meth:`Engine.free` a slot (:class:`~dspark_jax.serving.engine.interface.EngineInterface`).
+docs/design.md#serving, #verification and #scheduler; paper Section 7.
 
 Usage::
 
     from dspark_jax.api import load_target, load_drafter
-    from dspark_jax.serving.engine import Engine, Request, SamplingParams
+    from dspark_jax.serving.engine import Engine, EngineConfig, Request, SamplingParams
 
     target, tok = load_target("stories260k")
     drafter, _ = load_drafter("runs/stories260k/export")
-    eng = Engine(target, drafter, num_slots=8, cache_len=512, policy="dspark")
+    eng = Engine(target, drafter, EngineConfig(num_slots=8, cache_len=512, policy="dspark"))
     eng.warmup()                                  # compiles every bucket, profiles SPS
     req = Request(tok.encode("Once upon a time"), SamplingParams(temperature=0.8, seed=1), "r0")
     eng.insert(eng.prefill(req), eng.free_slots()[0])
@@ -49,8 +49,8 @@ acceptance at T > 0). Per-request ``logit_bias`` / ``min_tokens`` / ``logprobs``
 (:mod:`dspark_jax.serving.engine.requests`) are runtime flags of the same programs: no recompilation.
 
 Finish handling lives in the engine: EOS ids (the target's plus ``eos_token_ids``) and each
-request's ``stop_token_ids`` end it with ``"stop"`` (the stop token is included, tokens drafted
-after it are dropped), ``max_tokens`` / the context end with ``"length"`` (verification lengths
+request's ``stop_ids`` end it with ``"stop"`` (the stop token is included, tokens drafted
+after it are dropped), ``max_new_tokens`` / the context end with ``"length"`` (verification lengths
 are capped so a step never runs past them), non-finite logits with ``"error"``. A finished
 slot is released by the engine at the end of the :meth:`Engine.generate` call that reports it
 (calling :meth:`Engine.free` on it afterwards is a harmless no-op).
@@ -68,9 +68,11 @@ from dspark_jax.drafters.base import prepare_drafter
 from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.target import Target
+from dspark_jax.serving.config import EngineConfig
 from dspark_jax.serving.engine.counters import EngineMetrics
 from dspark_jax.serving.engine.device import EngineDevice, prefill_bucket_list, row_bucket_list, token_ladder
 from dspark_jax.serving.engine.inflight import InflightStep, close_step
+from dspark_jax.serving.engine.interface import EngineInterface, OneShotPrefill, PrefillResult
 from dspark_jax.serving.engine.online_calibration import OnlineCalibrator
 from dspark_jax.serving.engine.planner import Planner, catchup_batches, mark_stale, parse_policy
 from dspark_jax.serving.engine.prefill import PrefillPasses, chunked_prefill
@@ -82,16 +84,17 @@ from dspark_jax.serving.engine.requests import (
     StepOutput,
     bias_table,
     logit_bias,
-    stop_ids,
+    stop_set,
+    validate_request,
 )
 from dspark_jax.serving.engine.slots import SlotRecord, SlotTable
 from dspark_jax.serving.engine.state import PrefixArrays
 from dspark_jax.serving.engine.step_programs import ProgramCache
 
-__all__ = ["Engine", "Prefix", "Request", "SamplingParams", "StepOutput", "parse_policy"]
+__all__ = ["Engine", "EngineConfig", "Prefix", "Request", "SamplingParams", "StepOutput", "parse_policy"]
 
 
-class Engine:
+class Engine(EngineInterface):
     """Continuous-batching speculative decoding engine (see the module docstring).
 
     Args:
@@ -99,43 +102,12 @@ class Engine:
       drafter: a DSpark/DFlash drafter for it (None: only the ``"plain"`` policy); its
         decode-time state is installed for ``target``
         (:func:`~dspark_jax.drafters.base.prepare_drafter`).
-      num_slots: decode slots (concurrent requests).
-      cache_len: KV cache positions per slot (prompt + generated tokens must fit).
-      policy: ``"plain"``, ``"fixed:G"``, ``"threshold:C"``, ``"greedy"`` or ``"dspark"``
-        (see :mod:`dspark_jax.serving.engine.scheduler`).
-      buckets: packed-token budgets of speculative steps (default 4, 8, 16, 32, 64, 128);
-        for ``R`` rows the compiled budgets are ``R`` (plain step) and
-        ``min(k, R * (block_size + 1))`` for every ``k > R`` here (``fixed:G`` uses exactly
-        ``R * (G + 1)``).
+      config: the :class:`~dspark_jax.serving.config.EngineConfig` (sizes, policy,
+        buckets, verification, chunked prefill, ...; its defaults are the server's).
       sps_table: the SPS table, a :class:`~dspark_jax.decoding.cost_table.CostTable` (or a path to
         one, :meth:`~dspark_jax.decoding.cost_table.CostTable.load`); reused when it was measured
         for this device, model, drafter and shape and covers every bucket at every profiled span,
         else re-profiled.
-      eos_token_ids: extra ids that end every request (the target's EOS ids always do).
-      seed_calibration: start online calibration from the drafter's offline temperatures
-        (:attr:`DSparkDrafter.calibration`) instead of ones.
-      profile_iters: timed iterations per bucket when profiling SPS.
-      profile_spans: attention spans [tokens] SPS is profiled at (whole KV blocks; default one
-        block, a step of inactive rows; longer ones on an idle engine only); the planner looks
-        up the nearest profiled span at or above the rows' live length.
-      calibration_window: observations per position kept by online calibration.
-      calibration_lr: its learning rate (0 freezes the temperatures).
-      row_buckets: compiled row counts (default powers of two and ``num_slots``; must end
-        at ``num_slots``).
-      prefill_buckets: compiled prompt lengths (default powers of two from 16 and
-        ``cache_len``); the largest bounds the prompt length.
-      suspend_after: after this many consecutive steps in which the policy chose not to
-        draft, plain steps stop keeping the drafter context current (they become exactly a
-        drafter-less engine's step); when drafting resumes, the skipped positions are caught
-        up first (:meth:`_catch_up`, one packed target pass per ``block_size + 1`` skipped tokens
-        per row). ``None`` never suspends.
-      verification: ``"coupled"`` (default: a draft is accepted iff it equals the target's own
-        sample under shared noise, so every response equals plain decoding with its seed) or
-        ``"rejection"`` (the paper's rejection sampling, higher acceptance at T > 0, same output
-        law; keeps each block's q on the device). docs/design.md#verification.
-      max_logit_bias: capacity of ``SamplingParams.logit_bias`` per request (static: the
-        per-row bias table has ``max_logit_bias + max_stop_ids`` entries).
-      max_stop_ids: capacity for EOS + ``stop_token_ids`` of a request with ``min_tokens``.
       mesh: tensor-parallel serving (docs/design.md#device-mesh): a
         :class:`jax.sharding.Mesh` or a spec such as ``"model:8"``; weights, KV caches and
         programs are sharded over ``model`` (:class:`~dspark_jax.serving.engine.device.EngineDevice`),
@@ -143,13 +115,6 @@ class Engine:
       program_cache: the :class:`~dspark_jax.serving.engine.step_programs.ProgramCache` holding the
         compiled programs (default: a new one owned by this engine); engines over the same
         models may share one (their programs are keyed by everything that shapes them).
-      prefill_chunk_tokens: > 0: :attr:`prefiller` is a
-        :class:`~dspark_jax.serving.engine.prefill.ChunkedPrefill` of this many tokens per pass
-        (batched, chunked prefill; the server's default); 0: None (one-shot :meth:`prefill` only,
-        the same pass program in its one-request shape).
-      overlap: keep the next step queued on the device while the host works
-        (:meth:`generate`; :mod:`~dspark_jax.serving.engine.inflight`). False: every step is
-        dispatched only when :meth:`generate` is called, and done when it returns.
 
     Raises:
       DSparkInputError: bad sizes, unknown policy or verification mode, a drafter for
@@ -174,37 +139,22 @@ class Engine:
         self,
         target: Target,
         drafter: DSparkDrafter | None = None,
+        config: EngineConfig | None = None,
         *,
-        num_slots: int = 8,
-        cache_len: int = 1024,
-        policy: str = "dspark",
-        buckets=None,
         sps_table=None,
-        eos_token_ids=(),
-        seed_calibration: bool = True,
-        profile_iters: int = 3,
-        profile_spans=None,
-        calibration_window: int = 2048,
-        calibration_lr: float = 0.05,
-        row_buckets=None,
-        prefill_buckets=None,
-        suspend_after: int | None = 16,
-        verification: str = "coupled",
-        max_logit_bias: int = 300,
-        max_stop_ids: int = 64,
         mesh=None,
         program_cache: ProgramCache | None = None,
-        prefill_chunk_tokens: int = 0,
-        overlap: bool = True,
     ):
-        self._configure(target, drafter, num_slots, cache_len, verification, max_logit_bias, max_stop_ids)
-        self.eos_ids = tuple(
-            sorted(set(int(t) for t in target.cfg.eos_ids) | set(int(t) for t in (eos_token_ids or ())))
-        )
-        self.ladder = token_ladder(buckets)
-        self.profile_iters = int(profile_iters)
-        self.row_buckets = row_bucket_list(row_buckets, self.num_slots)
-        self.prefill_buckets = prefill_bucket_list(prefill_buckets, self.cache_len)
+        c = self.config = config if config is not None else EngineConfig()
+        if not isinstance(c, EngineConfig):
+            raise DSparkInputError(f"config must be an EngineConfig, got {type(c).__name__}")
+        self._configure(target, drafter, c.num_slots, c.cache_len, c.verification, c.max_logit_bias, c.max_stop_ids)
+        self.eos_ids = tuple(sorted(set(int(t) for t in target.cfg.eos_ids) | set(int(t) for t in c.eos_token_ids)))
+        self.ladder = token_ladder(c.buckets)
+        self.profile_iters = int(c.profile_iters)
+        self.row_buckets = row_bucket_list(c.row_buckets, self.num_slots)
+        self.prefill_buckets = prefill_bucket_list(c.prefill_buckets, self.cache_len)
+        suspend_after = c.suspend_after
         if suspend_after is not None and suspend_after < 0:
             raise DSparkInputError(f"suspend_after must be >= 0 or None, got {suspend_after}")
         self.suspend_after = suspend_after
@@ -226,30 +176,40 @@ class Engine:
             drafter,
             num_slots=self.num_slots,
             cache_len=self.cache_len,
-            mode=verification,
+            mode=c.verification,
             nb=self._nb,
             n_top=self._n_top,
             mesh=mesh,
             cache=self.program_cache,
         )
         self.mesh = self.device.mesh
-        init = drafter.calibration if (drafter is not None and seed_calibration) else None
-        self.calibrator = OnlineCalibrator(max(self.block_size, 1), init, window=calibration_window, lr=calibration_lr)
+        init = drafter.calibration if (drafter is not None and c.seed_calibration) else None
+        self.calibrator = OnlineCalibrator(
+            max(self.block_size, 1), init, window=c.calibration_window, lr=c.calibration_lr
+        )
         self.slots = SlotTable(self.num_slots)
         self._warm = False
         self.table_source: str | None = None  # where the SPS table came from (given, stored, profiled)
         self._given_table = (
             CostTable.load(os.fspath(sps_table)) if isinstance(sps_table, (str, os.PathLike)) else sps_table
         )
-        self.profile_spans = measured_spans(profile_spans, self.cache_len, self.device.base_span)
+        self.profile_spans = measured_spans(c.profile_spans, self.cache_len, self.device.base_span)
         self._metrics = EngineMetrics(self.block_size)
         self.planner = Planner(
-            self.block_size, drafter is not None, self.ladder, self.row_buckets, self.calibrator, suspend_after, policy
+            self.block_size,
+            drafter is not None,
+            self.ladder,
+            self.row_buckets,
+            self.calibrator,
+            suspend_after,
+            c.policy_for(drafter is not None),
         )
         self.prefill_passes = PrefillPasses(self.device, self.planner, self.limits, self.prefill_buckets)
-        self.prefiller = chunked_prefill(self, prefill_chunk_tokens)
+        self.planner.speculative_ahead = bool(c.plan_ahead)
+        self.prefiller = chunked_prefill(self, c.prefill_chunk_tokens)
+        self._one_shot = OneShotPrefill(self.prefill, lambda r: validate_request(r, self.limits))
         # _inflight: the step queued on the device, outputs unread; _ready: outputs closed by sync()
-        self._overlap, self._inflight, self._ready = bool(overlap), None, []
+        self._overlap, self._inflight, self._ready = bool(c.overlap), None, []
 
     def _configure(self, target, drafter, num_slots, cache_len, verification, max_logit_bias, max_stop_ids) -> None:
         """Validates and stores the models, sizes and verification mode."""
@@ -277,14 +237,26 @@ class Engine:
 
     @property
     def overlap(self) -> bool:
-        """Whether the next step stays queued on the device while the host works (the constructor's
-        ``overlap``); setting it first finishes the step in flight (:meth:`sync`)."""
+        """Whether the next step stays queued on the device while the host works (``config.overlap``
+        at first); setting it first finishes the step in flight (:meth:`sync`)."""
         return self._overlap
 
     @overlap.setter
     def overlap(self, on: bool) -> None:
         self.sync()
         self._overlap = bool(on)
+
+    @property
+    def plan_ahead(self) -> bool:
+        """Whether speculative steps are planned before the step in flight is read
+        (``config.plan_ahead`` at first; :attr:`Planner.speculative_ahead`); setting it first
+        finishes the step in flight (:meth:`sync`)."""
+        return self.planner.speculative_ahead
+
+    @plan_ahead.setter
+    def plan_ahead(self, on: bool) -> None:
+        self.sync()
+        self.planner.speculative_ahead = bool(on)
 
     @property
     def policy(self) -> str:
@@ -326,7 +298,7 @@ class Engine:
 
     def step_shapes(self) -> list[tuple[int, int]]:
         """Every compiled ``(rows, tokens)`` step shape of the current policy (the row buckets times
-        their packed-token budgets; not the constructor's ``buckets=``, which are the budgets)."""
+        their packed-token budgets; not ``config.buckets``, which are the budgets)."""
         return [(r, k) for r in self.row_buckets for k in self.budgets(r)]
 
     # ------------------------------------------------------------------ slots
@@ -406,6 +378,35 @@ class Engine:
         """
         return self.prefill_passes.one_shot(request)
 
+    def supports_chunked_prefill(self) -> bool:
+        """Whether :meth:`run_prefill` runs batched, chunked prefill (:attr:`prefiller`, from
+        ``config.prefill_chunk_tokens > 0``) rather than one-shot prefill of each request."""
+        return self.prefiller is not None
+
+    def _prefill_queue(self):
+        return self.prefiller if self.prefiller is not None else self._one_shot
+
+    def queue_prefill(self, request: Request, tag) -> None:
+        """Queues ``request`` (known by ``tag``) for :meth:`run_prefill`.
+
+        Raises:
+          DSparkInputError: as :meth:`prefill` (nothing is queued then).
+        """
+        self._prefill_queue().submit(request, tag=tag)
+
+    def run_prefill(self) -> list[PrefillResult]:
+        """One prefill pass over the queue: ``(tag, Prefix)`` of each request whose prompt ended in
+        it, ``(tag, exception)`` of each it failed: with chunked prefill a failed pass fails every
+        queued request (they share its lanes), with one-shot prefill just the one."""
+        try:
+            return [(tag, out) for tag, out in self._prefill_queue().step()]
+        except Exception as e:  # only a chunked pass raises (one-shot prefill hands back its errors)
+            return [(entry.tag, e) for entry in self.prefiller.queue.clear()] if self.prefiller else []
+
+    def cancel_prefill(self, tag) -> None:
+        """Drops ``tag``'s request from the prefill queue (a no-op if it is not there)."""
+        self._prefill_queue().cancel(tag)
+
     def _check_insert(self, prefix: Prefix, slot: int) -> None:
         if not (isinstance(slot, (int, np.integer)) and 0 <= slot < self.num_slots):
             raise DSparkInputError(f"slot must be in [0, {self.num_slots}), got {slot}")
@@ -426,8 +427,8 @@ class Engine:
         """
         self._check_insert(prefix, slot)
         sp = prefix.request.params
-        stops = stop_ids(sp, self.eos_ids)
-        end = min(prefix.prompt_len + int(sp.max_tokens), self.target.cfg.max_position, self.cache_len)
+        stops = stop_set(sp, self.eos_ids)
+        end = min(prefix.prompt_len + int(sp.max_new_tokens), self.target.cfg.max_position, self.cache_len)
         rec = SlotRecord.from_prefix(prefix, stops, end, bool(logit_bias(sp, self.limits)))
         self._metrics.emitted_tokens += len(rec.pending)
         self.slots.add(int(slot), rec)

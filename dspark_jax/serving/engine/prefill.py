@@ -30,7 +30,7 @@ prefill bucket; the one-shot pass once per prefill bucket. :meth:`ChunkedPrefill
 
 Usage::
 
-    eng = Engine(target, drafter, num_slots=8, cache_len=2048, prefill_chunk_tokens=256)
+    eng = Engine(target, drafter, EngineConfig(num_slots=8, cache_len=2048, prefill_chunk_tokens=256))
     eng.warmup()
     eng.prefiller.submit(request, tag="r0")
     while len(eng.prefiller):

@@ -53,23 +53,26 @@ __all__ = [
     "logit_bias",
     "lp_entry",
     "no_bias",
-    "stop_ids",
+    "stop_set",
     "validate_request",
 ]
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings.
+    """Per-request sampling settings, in the package's vocabulary (the names and defaults of
+    :class:`~dspark_jax.decoding.request.DecodeRequest`; the HTTP server maps OpenAI's names onto
+    them, docs/serving.md#one-request-vocabulary).
 
     Attributes:
-      temperature: in ``[0, FLOAT32_MAX]``; 0 is greedy, and so is one small enough that the
+      temperature: in ``[0, FLOAT32_MAX]``; 0 (the default) is greedy, and so is one small enough that the
         scaled logits overflow float32 (``2e-38``; :func:`~dspark_jax.models.sampling.process_logits`).
       top_k: an integer in ``[0, INT32_MAX]``; 0 (or at least the vocabulary size) is off.
       top_p: in (0, 1]; 1 is off.
-      seed: PRNG seed in the int32 range (same meaning as ``decode.generate_*(seed=...)``).
-      max_tokens: in ``[1, INT32_MAX]``, generated tokens at most.
-      stop_token_ids: extra ids that end the request (EOS ids are added by the engine).
+      seed: PRNG seed in the int32 range (same meaning as ``decode.generate_*(seed=...)``, whose
+        seeds may be any int64: the engine keeps them in int32 device arrays).
+      max_new_tokens: in ``[1, INT32_MAX]``, generated tokens at most.
+      stop_ids: extra ids that end the request (EOS ids are added by the engine).
       logit_bias: ``((token_id, bias), ...)``: ``bias`` is added to the raw logit of
         ``token_id`` before temperature / top-k / top-p, identically for the target's p and
         the drafter's q (so verification stays lossless); at most ``Engine.max_logit_bias``
@@ -79,17 +82,17 @@ class SamplingParams:
         TARGET's ``log_softmax`` of its RAW logits at that position (vLLM's default "raw"
         mode: before logit_bias / min_tokens / temperature / top-k / top-p), never the
         drafter's.
-      min_tokens: EOS ids and ``stop_token_ids`` are masked out of sampling (logit -inf, as
+      min_tokens: EOS ids and ``stop_ids`` are masked out of sampling (logit -inf, as
         vLLM does) and cannot end the request before ``min_tokens`` tokens were generated;
-        ``<= max_tokens``.
+        ``<= max_new_tokens``.
     """
 
-    temperature: float = 1.0
+    temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
-    max_tokens: int = 128
-    stop_token_ids: tuple[int, ...] = ()
+    max_new_tokens: int = 128
+    stop_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     min_tokens: int = 0
@@ -186,9 +189,9 @@ def lp_entry(chosen, top_v, top_i, n: int) -> tuple[float, list[tuple[int, float
     return float(chosen), [(int(top_i[m]), float(top_v[m])) for m in range(n)]
 
 
-def stop_ids(p: SamplingParams, eos_ids: tuple[int, ...]) -> frozenset:
-    """The ids that end a request: the engine's EOS ids and ``p.stop_token_ids``."""
-    return frozenset(eos_ids) | frozenset(int(t) for t in p.stop_token_ids)
+def stop_set(p: SamplingParams, eos_ids: tuple[int, ...]) -> frozenset:
+    """The ids that end a request: the engine's EOS ids and ``p.stop_ids``."""
+    return frozenset(eos_ids) | frozenset(int(t) for t in p.stop_ids)
 
 
 def _check_prompt(ids, limits: RequestLimits) -> None:
@@ -201,10 +204,10 @@ def _check_prompt(ids, limits: RequestLimits) -> None:
 
 def _check_sampling(p: SamplingParams) -> None:
     check_sampling(p.temperature, p.top_k, p.top_p)
-    # The engine has always taken integral floats (max_tokens=3.0, seed=3.0) and refused 3.5.
-    check_max_new_tokens(p.max_tokens, 1, "max_tokens", strict_int=True)
+    # The engine has always taken integral floats (max_new_tokens=3.0, seed=3.0) and refused 3.5.
+    check_max_new_tokens(p.max_new_tokens, 1, "max_new_tokens", strict_int=True)
     check_seed(p.seed, integral_floats=True)
-    check_stop_token_ids(p.stop_token_ids)  # ids outside the vocabulary never match: allowed
+    check_stop_token_ids(p.stop_ids)  # ids outside the vocabulary never match: allowed
 
 
 def _check_extras(p: SamplingParams, limits: RequestLimits) -> None:
@@ -213,12 +216,10 @@ def _check_extras(p: SamplingParams, limits: RequestLimits) -> None:
     n_lp = check_logprobs(p.logprobs, 20)
     if n_lp is not None and n_lp > limits.n_top:
         raise DSparkInputError(f"logprobs must be <= {limits.n_top} (the vocabulary size), got {n_lp}")
-    check_min_tokens(p.min_tokens, p.max_tokens)
-    n_stops = len(stop_ids(p, limits.eos_ids)) if p.min_tokens else 0
+    check_min_tokens(p.min_tokens, p.max_new_tokens)
+    n_stops = len(stop_set(p, limits.eos_ids)) if p.min_tokens else 0
     if n_stops > limits.max_stop_ids:
-        raise DSparkInputError(
-            f"min_tokens with {n_stops} EOS/stop_token_ids: at most {limits.max_stop_ids} are supported"
-        )
+        raise DSparkInputError(f"min_tokens with {n_stops} EOS/stop_ids: at most {limits.max_stop_ids} are supported")
 
 
 def validate_request(request: Request, limits: RequestLimits) -> None:
@@ -228,7 +229,7 @@ def validate_request(request: Request, limits: RequestLimits) -> None:
     Raises:
       DSparkInputError: params not a :class:`SamplingParams`, an empty prompt, a token id
         outside the vocabulary, a prompt too long for the cache / model / prefill buckets, or
-        bad sampling settings (temperature, top-k, top-p, max_tokens, seed, stop ids,
+        bad sampling settings (temperature, top-k, top-p, max_new_tokens, seed, stop ids,
         logit_bias, logprobs, min_tokens).
     """
     if not isinstance(request.params, SamplingParams):
@@ -266,7 +267,7 @@ def bias_table(p: SamplingParams, prompt_len: int, limits: RequestLimits):
         ids[i], val[i], until[i] = t, b, INT32_MAX
         i += 1
     if p.min_tokens:
-        for t in sorted(t for t in stop_ids(p, limits.eos_ids) if 0 <= t < limits.vocab_size):
+        for t in sorted(t for t in stop_set(p, limits.eos_ids) if 0 <= t < limits.vocab_size):
             # Capped to int32 (a min_tokens near INT32_MAX): no cache reaches that position anyway.
             ids[i], val[i], until[i] = t, -np.inf, min(prompt_len + int(p.min_tokens) - 1, INT32_MAX)
             i += 1

@@ -11,7 +11,7 @@ Notation for one engine step with ``n`` active requests (rows), block size ``G``
 * ``surv [n, G]``: cumulative survival ``a_{r,k} = prod_{i<=k} c_{r,i}``, the predicted
   probability that draft ``k`` of row ``r`` is accepted (non-increasing in ``k``).
 * ``cap [n]``: the most drafts row ``r`` may verify (0 when it has no draft, else
-  ``min(G, room before max_tokens / the cache end)``).
+  ``min(G, room before max_new_tokens / the cache end)``).
 * ``l [n]``: chosen verification lengths (drafts verified per row, ``0 <= l_r <= cap_r``).
   The verify pass then holds ``t = n + sum_r l_r`` packed tokens (every row verifies its
   anchor, i.e. always emits at least one token).

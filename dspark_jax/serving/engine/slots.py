@@ -53,7 +53,7 @@ class SlotRecord:
       prompt_len: prompt tokens.
       length: confirmed tokens (prompt + generated).
       end: the request ends when ``length`` reaches this.
-      stops: ids that end it (EOS + ``stop_token_ids``).
+      stops: ids that end it (EOS + ``stop_ids``).
       pending: tokens not yet handed out (the prefill token until the first step).
       done: finish reason when it finished at prefill.
       z: ``[block_size]`` raw confidence logits of the block verified next (None: no draft).

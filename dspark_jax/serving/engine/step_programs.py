@@ -69,6 +69,8 @@ from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, proces
 from dspark_jax.serving.engine.state import CACHE_FIELDS, DecodeState, PackedTokens, PrefixArrays
 
 __all__ = [
+    "ContextWrite",
+    "DraftInputs",
     "InsertInputs",
     "ProgramCache",
     "StepInputs",
@@ -108,9 +110,38 @@ def maybe_bias(use_bias, logits, row, pos, st):
     return jax.lax.cond(use_bias, lambda x: apply_bias(x, row, pos, st[0], st[1], st[2]), lambda x: x, logits)
 
 
-def draft(target, drafter, anchors, pos, keys, samp, dk, dv, bias, use_bias, mode):
-    """Next block for every row (:func:`dspark_jax.decoding.round.draft_tokens`): ``[R, G]``
-    tokens, raw confidence logits and, in rejection mode, ``[R, G, V]`` q (else None).
+class DraftInputs(NamedTuple):
+    """What drafting the next block of ``R`` rows reads (a pytree; :func:`draft`).
+
+    Attributes:
+      anchors / pos: ``[R]`` int32 each row's last confirmed token and its position.
+      keys: ``[R, 2]`` uint32 the rows' PRNG keys.
+      samp: the rows' :class:`~dspark_jax.models.sampling.SamplingArrays`.
+      bias: the rows' ``(ids, val, until)`` ``[R, NB]`` bias tables; use_bias: ``[]`` bool, apply
+        them.
+    """
+
+    anchors: Any
+    pos: Any
+    keys: Any
+    samp: SamplingArrays
+    bias: Any
+    use_bias: Any
+
+
+class ContextWrite(NamedTuple):
+    """Packed tokens whose drafter context K/V a program writes (:func:`write_context`):
+    ``features [K, F]`` (tapped), ``row [K]`` and ``pos [K]`` int32 (``pos < 0``: padding)."""
+
+    features: Any
+    row: Any
+    pos: Any
+
+
+def draft(target, drafter, inp: DraftInputs, dk, dv, mode):
+    """Next block for every row of ``inp`` (:func:`dspark_jax.decoding.round.draft_tokens`) over the
+    drafter context ``dk`` / ``dv``: ``[R, G]`` tokens, raw confidence logits and, in rejection
+    mode, ``[R, G, V]`` q (else None).
 
     Draft position ``k`` predicts the token after position ``pos + k``, drawn with the
     per-position keys of :func:`~dspark_jax.decoding.round.draft_step_keys` (coupled: the key
@@ -118,6 +149,7 @@ def draft(target, drafter, anchors, pos, keys, samp, dk, dv, bias, use_bias, mod
     The rows' logit bias (``bias = (ids, val, until)``) is added to the base logits, i.e. to
     q's logits (the Markov correction is additive), exactly as to the target's.
     """
+    anchors, pos, keys, samp, bias, use_bias = inp
     r_ = anchors.shape[0]
 
     def adjust(logits, dpos):
@@ -134,10 +166,10 @@ def draft(target, drafter, anchors, pos, keys, samp, dk, dv, bias, use_bias, mod
     return d.tokens.astype(jnp.int32), d.confidence_logit, (d.probs if mode == "rejection" else None)
 
 
-def write_context(drafter, features, row, pos, dk, dv):
-    """Writes the drafter context K/V of ``[K]`` packed tokens (tapped ``features [K, F]``) at
-    ``(row, pos)``; ``pos < 0`` marks padding (nothing written)."""
-    cache = drafter.write_context(KVCache(dk, dv), features, row, pos)
+def write_context(drafter, ctx: ContextWrite, dk, dv):
+    """Writes the drafter context K/V of ``ctx``'s ``[K]`` packed tokens into ``dk`` / ``dv``
+    (``pos < 0``: padding, nothing written); returns the new ``(dk, dv)``."""
+    cache = drafter.write_context(KVCache(dk, dv), ctx.features, ctx.row, ctx.pos)
     return cache.k, cache.v
 
 
@@ -241,18 +273,16 @@ def _packed_logprobs(want_lp, raw_logits, ypad, pk: _Packed, prow, r_: int, gp: 
     return jax.lax.cond(want_lp, lp_on, lp_off, None)
 
 
-def _upkeep_and_draft(target, drafter, st, pk, out, prow, new_anchor, new_pos, new_q, samp_r, bias, flags, mode):
-    """Writes the drafter context of the packed tokens and drafts every active row's next
-    block (under ``lax.cond`` on ``draft_next``; ``flags = (draft_next, use_bias)``; ``new_q``:
-    the rows' current q or None). Returns ``(dk, dv, draft, conf, q)``."""
+def _upkeep_and_draft(target, drafter, st, pk, ctx: ContextWrite, nxt: DraftInputs, new_q, draft_next, mode):
+    """Writes the drafter context of the packed tokens (``ctx``) and drafts every active row's
+    next block (under ``lax.cond`` on ``draft_next``; ``nxt``: the rows' new anchors, without
+    their keys, read from ``st`` only when drafting; ``new_q``: the rows' current q or None).
+    Returns ``(dk, dv, draft, conf, q)``."""
     r_ = pk.act.shape[0]
-    draft_next, use_bias = flags
-    dk, dv = write_context(drafter, out.features, prow, pk.pos, st.dk, st.dv)
+    dk, dv = write_context(drafter, ctx, st.dk, st.dv)
 
     def do_draft(_):
-        t, z, q = draft(
-            target, drafter, new_anchor, new_pos, st.key[:r_], samp_r, dk[:, :r_], dv[:, :r_], bias, use_bias, mode
-        )
+        t, z, q = draft(target, drafter, nxt._replace(keys=st.key[:r_]), dk[:, :r_], dv[:, :r_], mode)
         q = None if q is None else jnp.where(pk.act[:, None, None], q, new_q)
         return jnp.where(pk.act[:, None], t, pk.drafts), jnp.where(pk.act[:, None], z, st.conf[:r_]), q
 
@@ -337,8 +367,10 @@ def step_program(t_state, d_state, st: DecodeState, inp: StepInputs, *, t_graph,
     dk, dv, new_draft, new_conf = st.dk, st.dv, pk.drafts, st.conf[:r_]
     new_q = st.qprob[:r_] if st.qprob is not None else None
     if drafter is not None:
+        ctx = ContextWrite(out.features, prow, pk.pos)
+        nxt = DraftInputs(new_anchor, new_pos, None, samp_r, bias, use_bias)
         dk, dv, new_draft, new_conf, new_q = _upkeep_and_draft(
-            target, drafter, st, pk, out, prow, new_anchor, new_pos, new_q, samp_r, bias, (draft_next, use_bias), mode
+            target, drafter, st, pk, ctx, nxt, new_q, draft_next, mode
         )
 
     new_st = st._replace(
@@ -375,7 +407,7 @@ def catchup_program(
     out = target.forward_packed(
         tok, row, col, pos, KVCache(st.tk, st.tv), num_rows=rows, width=width, taps=drafter.cfg.taps
     )
-    dk, dv = write_context(drafter, out.features, row, pos, st.dk, st.dv)
+    dk, dv = write_context(drafter, ContextWrite(out.features, row, pos), st.dk, st.dv)
     return st._replace(tk=out.cache.k, tv=out.cache.v, dk=dk, dv=dv)
 
 

@@ -2,12 +2,10 @@
 :class:`~dspark_jax.serving.engine.Engine` and is the only thread that touches JAX.
 
 Each iteration it (1) frees the slots of aborted requests (client disconnects, stop strings),
-(2) admits waiting requests into free slots: with one-shot prefill, ``prefill`` + ``insert`` of
-each; with the engine's batched, chunked prefill (``engine.prefiller``, a
-:class:`~dspark_jax.serving.engine.prefill.ChunkedPrefill`), it queues them there (as many as slots
-are left for them) and runs at most ONE prefill pass, inserting the requests whose prompt
-ended in it, so that a long prompt delays the streams by one chunk per step, not its whole
-prefill; (3) runs one
+(2) admits waiting requests: it queues them in the engine's prefill queue (as many as slots are
+left for them), runs ONE prefill pass and inserts the requests whose prompt ended in it (with the
+engine's batched, chunked prefill a long prompt thus delays the streams by one chunk per step, not
+its whole prefill; with one-shot prefill the pass prefills every queued request); (3) runs one
 speculative step for all active slots (``generate``) and hands each request its new token ids
 (and logprobs, speculative counts) as a :class:`RequestEvent`, with
 ``loop.call_soon_threadsafe``, to the request's ``asyncio.Queue``. It never detokenizes
@@ -34,6 +32,7 @@ import traceback
 from typing import Any, Literal
 
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.serving.engine.interface import EngineInterface
 from dspark_jax.serving.http.prometheus import ServerMetrics
 
 __all__ = [
@@ -113,7 +112,7 @@ def event_from_output(out, first: bool) -> RequestEvent:
     """The :class:`RequestEvent` of one engine ``StepOutput`` (not an error); ``first``: the
     request's first output (it carries the token sampled at prefill)."""
     finish = (out.finish_reason or "stop") if out.finished else None
-    lps = getattr(out, "logprobs", None)
+    lps = out.logprobs
     return RequestEvent(
         "final" if finish else "delta",
         token_ids=[int(i) for i in out.token_ids],
@@ -132,8 +131,9 @@ class EngineLoop:
     """The background thread that drives an :class:`~dspark_jax.serving.engine.Engine`.
 
     Args:
-      engine: a warmed-up engine (``prefill/insert/generate/free/active_slots/free_slots/
-        metrics``, ``num_slots``); only this thread calls it after :meth:`start`.
+      engine: a warmed-up :class:`~dspark_jax.serving.engine.interface.EngineInterface` (the
+        :class:`~dspark_jax.serving.engine.Engine`, or the fake one); only this thread calls it
+        after :meth:`start`.
       tokenizer: kept for callers (the loop itself never detokenizes).
       max_queue: requests allowed to wait for a slot (0: none, admitted only while slots are
         free); beyond them :meth:`submit` raises :class:`QueueFullError`. May be changed at
@@ -141,7 +141,7 @@ class EngineLoop:
       model_name: the ``model`` label of the metrics.
     """
 
-    def __init__(self, engine, tokenizer, *, max_queue: int = 256, model_name: str = "dspark"):
+    def __init__(self, engine: EngineInterface, tokenizer, *, max_queue: int = 256, model_name: str = "dspark"):
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_queue = int(max_queue)
@@ -150,7 +150,7 @@ class EngineLoop:
         self._waiting: collections.deque[TrackedRequest] = collections.deque()
         self._aborts: dict[str, bool] = {}  # request id -> count it as a client abort
         self._running: dict[int, TrackedRequest] = {}
-        self._prefilling: list[TrackedRequest] = []  # in the engine's chunked-prefill queue
+        self._prefilling: list[TrackedRequest] = []  # in the engine's prefill queue
         # Submitted and not ended (waiting, being prefilled, in a slot, or between those on the
         # engine thread), under _cv: admission counts these, not just the waiting queue, so
         # that free slots are room too and a request moving into a slot is never counted twice.
@@ -280,29 +280,43 @@ class EngineLoop:
             self._update_snapshot()
 
     def _admit(self) -> None:
-        prefiller = getattr(self.engine, "prefiller", None)
-        if prefiller is not None:
-            self._admit_chunked(prefiller)
-            return
-        while True:
-            free = [s for s in range(self.num_slots) if s not in self._running]
-            if not free:
-                return
+        """Queues waiting requests for prefill while slots are left for them, runs one prefill
+        pass (:meth:`~dspark_jax.serving.engine.interface.EngineInterface.run_prefill`: a chunk of
+        the batched, chunked prefill, or one-shot prefill of each queued request) and inserts the
+        requests it finished into free slots."""
+        while len(self._running) + len(self._prefilling) < self.num_slots:
             with self._cv:
                 if not self._waiting:
-                    return
+                    break
                 t = self._waiting.popleft()
             try:
-                prefix = self.engine.prefill(t.request)
-                self.engine.insert(prefix, free[0])
-            except DSparkInputError as e:
-                self._end(t, RequestEvent("error", message=str(e), status=400))
+                self.engine.queue_prefill(t.request, tag=t)
+            except Exception as e:  # DSparkInputError: refused (400); else a bug in validation (500)
+                self._fail_prefill(t, e, "queueing")
                 continue
+            self._prefilling.append(t)
+        if not self._prefilling:
+            return
+        for t, prefix in self.engine.run_prefill():
+            self._prefilling.remove(t)
+            if isinstance(prefix, Exception):
+                self._fail_prefill(t, prefix, "prefill")
+                continue
+            slot = next(s for s in range(self.num_slots) if s not in self._running)
+            try:
+                self.engine.insert(prefix, slot)
             except Exception as e:
-                log.exception("prefill of %s failed", t.request_id)
-                self._end(t, RequestEvent("error", message=f"prefill failed: {type(e).__name__}: {e}", status=500))
+                self._fail_prefill(t, e, "insert")
                 continue
-            self._placed(t, free[0])
+            self._placed(t, slot)
+
+    def _fail_prefill(self, t: TrackedRequest, e: Exception, what: str) -> None:
+        """Ends ``t`` with 400 for a refused request (``DSparkInputError``), else 500 (logged)."""
+        if isinstance(e, DSparkInputError):
+            self._end(t, RequestEvent("error", message=str(e), status=400))
+            return
+        log.error("%s of %s failed", what, t.request_id, exc_info=e)
+        self._end(t, RequestEvent("error", message=f"prefill failed: {type(e).__name__}: {e}", status=500))
 
     def _placed(self, t: TrackedRequest, slot: int) -> None:
         t.slot = slot
@@ -312,51 +326,11 @@ class EngineLoop:
         m.queue_time.labels(**m.labels()).observe(t.admitted_at - t.arrival)
         m.prompt_tokens.labels(**m.labels()).inc(len(t.request.prompt_ids))
 
-    def _admit_chunked(self, prefiller) -> None:
-        """Queues waiting requests for chunked prefill while slots are left for them, runs one
-        prefill pass and inserts the requests it finished."""
-        while len(self._running) + len(self._prefilling) < self.num_slots:
-            with self._cv:
-                if not self._waiting:
-                    break
-                t = self._waiting.popleft()
-            try:
-                prefiller.submit(t.request, tag=t)
-            except DSparkInputError as e:
-                self._end(t, RequestEvent("error", message=str(e), status=400))
-                continue
-            except Exception as e:  # a bug in validation: fail this request, not the loop
-                log.exception("queueing %s for prefill failed", t.request_id)
-                self._end(t, RequestEvent("error", message=f"prefill failed: {type(e).__name__}: {e}", status=500))
-                continue
-            self._prefilling.append(t)
-        if not self._prefilling:
-            return
-        try:
-            finished = prefiller.step()
-        except Exception as e:
-            log.exception("chunked prefill failed")
-            for t in self._prefilling:
-                prefiller.cancel(t)
-                self._end(t, RequestEvent("error", message=f"prefill failed: {type(e).__name__}: {e}", status=500))
-            self._prefilling = []
-            return
-        for t, prefix in finished:
-            self._prefilling.remove(t)
-            slot = next(s for s in range(self.num_slots) if s not in self._running)
-            try:
-                self.engine.insert(prefix, slot)
-            except Exception as e:
-                log.exception("insert of %s failed", t.request_id)
-                self._end(t, RequestEvent("error", message=f"prefill failed: {type(e).__name__}: {e}", status=500))
-                continue
-            self._placed(t, slot)
-
     def _cancel_prefill(self, t: TrackedRequest) -> None:
-        """Takes ``t`` out of the chunked-prefill queue (a no-op if it is not there)."""
+        """Takes ``t`` out of the engine's prefill queue (a no-op if it is not there)."""
         if t in self._prefilling:
             self._prefilling.remove(t)
-            self.engine.prefiller.cancel(t)
+            self.engine.cancel_prefill(t)
 
     def _step(self) -> None:
         t0 = time.monotonic()

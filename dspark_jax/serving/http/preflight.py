@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.serving.config import EngineConfig
 
 __all__ = ["check_plan", "check_server_arguments", "parse_buckets", "print_plan", "read_chat_template"]
 
@@ -112,7 +113,7 @@ def check_plan(args: argparse.Namespace, tcfg, dcfg=None, fingerprint: str = "")
     if dcfg is not None:
         check_compatible_config(tcfg, dcfg, fingerprint)
         EngineDevice.check_servable(dcfg)
-    policy = args.policy or ("dspark" if dcfg is not None else "plain")
+    policy = EngineConfig(policy=args.policy).policy_for(dcfg is not None)
     parse_policy(policy, dcfg.block_size if dcfg is not None else 0)
     check_engine_shape(args.num_slots, args.cache_len)
     parse_buckets(args.buckets)

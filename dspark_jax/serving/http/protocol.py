@@ -34,6 +34,7 @@ from dspark_jax.decoding.validation import (
     check_stop_token_ids,
 )
 from dspark_jax.errors import DSparkInputError
+from dspark_jax.serving.engine.requests import SamplingParams
 
 __all__ = [
     "LOGIT_BIAS_RANGE",
@@ -112,7 +113,8 @@ class SamplingRequest(_Strict):
         ge=0.0,
         le=FLOAT32_MAX,
         allow_inf_nan=False,
-        description="0 = greedy; so small that the scaled logits overflow float32 (2e-38): greedy too",
+        description="default 1 (OpenAI's; the package's SamplingParams defaults to 0); 0 = greedy; so small that "
+        "the scaled logits overflow float32 (2e-38): greedy too",
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1, le=INT32_MAX, description="0 or -1 = off (so is any k >= the vocabulary size)")
@@ -288,17 +290,19 @@ def _n_logprobs(req: SamplingRequest, chat: bool) -> int | None:
 
 
 def sampling_params(
-    req: SamplingRequest, prompt_len: int, max_tokens: int | None, chat: bool, cfg: ServerConfig, params_cls
-) -> tuple[list, tuple[str, ...], int | None]:
-    """``(params per choice, stop strings, logprobs n or None)`` of a validated request.
+    req: SamplingRequest, prompt_len: int, max_tokens: int | None, chat: bool, cfg: ServerConfig
+) -> tuple[list[SamplingParams], tuple[str, ...], int | None]:
+    """``(params per choice, stop strings, logprobs n or None)`` of a validated request: the
+    package's :class:`SamplingParams` (``max_tokens`` -> ``max_new_tokens``, ``stop_token_ids`` ->
+    ``stop_ids``; the request's ``temperature`` defaults to OpenAI's 1.0).
 
-    ``params_cls``: the engine's ``SamplingParams``. Choice ``i`` gets :func:`choice_seed`
-    ``(seed, i)`` (a request without a seed gets a random one).
+    Choice ``i`` gets :func:`choice_seed` ``(seed, i)`` (a request without a seed gets a random
+    one).
 
     Raises:
       APIError: 400 for penalties != 0, ``stream_options`` without streaming, no room in the
         context, bad ``max_tokens`` / ``min_tokens`` / stops / ``logit_bias`` /
-        ``top_logprobs``, or a sampling parameter the engine does not support.
+        ``top_logprobs``.
     """
     if req.presence_penalty or req.frequency_penalty:
         raise APIError(
@@ -313,12 +317,13 @@ def sampling_params(
     bias = _logit_bias(req, cfg)
     n_lp = _n_logprobs(req, chat)
     seed = req.seed if req.seed is not None else secrets.randbits(31)
+    # OpenAI's names become the package's here, and only here (docs/serving.md#one-request-vocabulary).
     kw: dict = dict(
         temperature=float(req.temperature),
         top_k=max(int(req.top_k), 0),
         top_p=float(req.top_p),
-        max_tokens=int(max_tokens),
-        stop_token_ids=stop_ids,
+        max_new_tokens=int(max_tokens),
+        stop_ids=stop_ids,
     )
     if bias:
         kw["logit_bias"] = tuple(sorted(bias.items()))
@@ -326,11 +331,7 @@ def sampling_params(
         kw["logprobs"] = int(n_lp)
     if req.min_tokens:
         kw["min_tokens"] = int(req.min_tokens)
-    try:
-        params = [params_cls(seed=choice_seed(seed, i), **kw) for i in range(req.n)]
-    except TypeError as e:  # an engine without logit_bias / logprobs / min_tokens
-        field = next((k for k in ("logit_bias", "logprobs", "min_tokens") if k in str(e)), None)
-        raise APIError(400, f"{field or 'a sampling parameter'} is not supported by this engine", field) from None
+    params = [SamplingParams(seed=choice_seed(seed, i), **kw) for i in range(req.n)]
     return params, stop, n_lp
 
 

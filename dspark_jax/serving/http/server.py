@@ -61,7 +61,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from dspark_jax import __version__
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.serving.engine.requests import Request, SamplingParams
+from dspark_jax.serving.engine.requests import Request
 from dspark_jax.serving.http.chat import ChatRenderer, chat_prompt
 from dspark_jax.serving.http.detokenize import OutputState, Update
 from dspark_jax.serving.http.engine_loop import (
@@ -243,9 +243,8 @@ async def _watch_disconnect(http: HTTPRequest, tracked: list[TrackedRequest], lo
 class _Routes:
     """The route handlers of one app (see :func:`create_app`)."""
 
-    def __init__(self, loop: EngineLoop, tokenizer, config: ServerConfig, params_cls, request_cls):
+    def __init__(self, loop: EngineLoop, tokenizer, config: ServerConfig):
         self.loop, self.tokenizer, self.config = loop, tokenizer, config
-        self.params_cls, self.request_cls = params_cls, request_cls
         self.metrics = loop.metrics
         self.fmt = LogprobFormatter(tokenizer)
         self.chat = ChatRenderer(tokenizer, config.chat_template)
@@ -316,9 +315,7 @@ class _Routes:
         aloop = asyncio.get_running_loop()
         tracked = [
             TrackedRequest(
-                request=self.request_cls(
-                    prompt_ids=ids, params=p, request_id=rid if len(params) == 1 else f"{rid}-{i}"
-                ),
+                request=Request(prompt_ids=ids, params=p, request_id=rid if len(params) == 1 else f"{rid}-{i}"),
                 loop=aloop,
                 queue=queue,
                 index=i,
@@ -358,7 +355,7 @@ class _Routes:
         return True
 
     async def _run(self, http: HTTPRequest, ids: list[int], req: SamplingRequest, max_tokens: int | None, chat: bool):
-        params, stop, n_lp = sampling_params(req, len(ids), max_tokens, chat, self.config, self.params_cls)
+        params, stop, n_lp = sampling_params(req, len(ids), max_tokens, chat, self.config)
         rid, tracked, states, queue = self._submit(ids, req, params, stop, chat)
         watcher = asyncio.create_task(_watch_disconnect(http, tracked, self.loop))
         ctx = StreamContext(
@@ -381,16 +378,15 @@ class _Routes:
         return response_body(ctx, len(ids), states, self.fmt)
 
 
-def create_app(
-    loop: EngineLoop, tokenizer, config: ServerConfig, *, sampling_params_cls=None, request_cls=None
-) -> FastAPI:
+def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> FastAPI:
     """Builds the FastAPI app around a started-or-not :class:`EngineLoop`.
 
-    The app's lifespan starts the loop (if needed) and stops it at shutdown. The
-    engine's ``SamplingParams``/``Request`` classes default to :mod:`dspark_jax.serving.engine`'s.
-    The loop's engine may be any object with the engine's interface (tests inject a fake).
+    The app's lifespan starts the loop (if needed) and stops it at shutdown. The loop's engine
+    is any :class:`~dspark_jax.serving.engine.interface.EngineInterface` (the engine, or
+    :class:`~dspark_jax.serving.engine.fake.FakeEngine`); requests reach it as
+    :class:`~dspark_jax.serving.engine.requests.Request` s.
     """
-    routes = _Routes(loop, tokenizer, config, sampling_params_cls or SamplingParams, request_cls or Request)
+    routes = _Routes(loop, tokenizer, config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

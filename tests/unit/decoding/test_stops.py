@@ -64,13 +64,13 @@ def test_one_tau_in_decode_engine_and_server(pure_bigram, drafters, ar_pure):
     ``spec_decode`` for the same requests served by the engine verifying G drafts per step."""
     from types import SimpleNamespace
 
-    from dspark_jax.serving.engine import Engine, Request, SamplingParams
+    from dspark_jax.serving.engine import Engine, EngineConfig, Request, SamplingParams
     from dspark_jax.serving.http.detokenize import OutputState
     from dspark_jax.serving.http.engine_loop import TrackedRequest, event_from_output
 
     stop = stop_token(ar_pure)
     d = drafters["perfect"]
-    g_used = d.cfg.block_size
+    num_verified = d.cfg.block_size
     # the same call as test_perfect_drafter_acceptance_with_stop (one compiled loop)
     res = spec_std(pure_bigram, d, temperature=0, stop_ids=[stop]).generations
     rows = [i for i, g in enumerate(res) if len(PROMPTS[i]) < 32 and MAX_NEW[i] > 8][:4]
@@ -80,26 +80,30 @@ def test_one_tau_in_decode_engine_and_server(pure_bigram, drafters, ar_pure):
         [SEEDS[i] for i in rows],
         [res[i] for i in rows],
     )
-    assert any(g.finish_reason == "stop" and len(g.token_ids) - 1 < g.num_target_passes * (g_used + 1) for g in ref), (
-        "no stop inside a block: pick another stop token"
-    )
+    inside = [
+        g.finish_reason == "stop" and len(g.token_ids) - 1 < g.num_target_passes * (num_verified + 1) for g in ref
+    ]
+    assert any(inside), "no stop inside a block: pick another stop token"
     eng = Engine(
         pure_bigram,
         d,
-        num_slots=1,
-        cache_len=64,
-        policy=f"fixed:{g_used}",
-        eos_token_ids=(),
-        buckets=(g_used + 1,),
-        row_buckets=(1,),
-        prefill_buckets=(32,),
-        seed_calibration=False,
-        profile_iters=1,
-        suspend_after=None,
+        EngineConfig(
+            num_slots=1,
+            cache_len=64,
+            policy=f"fixed:{num_verified}",
+            eos_token_ids=(),
+            buckets=(num_verified + 1,),
+            row_buckets=(1,),
+            prefill_buckets=(32,),
+            seed_calibration=False,
+            profile_iters=1,
+            suspend_after=None,
+            prefill_chunk_tokens=0,
+        ),
     )
     tok = SimpleNamespace(detokenizer=lambda skip_special_tokens=True: SimpleNamespace(step=lambda i: ""))
     for p, m, sd, g in zip(prompts, max_new, seeds, ref):
-        req = Request(list(p), SamplingParams(temperature=0.0, seed=sd, max_tokens=m, stop_token_ids=(stop,)), "r")
+        req = Request(list(p), SamplingParams(temperature=0.0, seed=sd, max_new_tokens=m, stop_ids=(stop,)), "r")
         eng.insert(eng.prefill(req), 0)
         st = OutputState(TrackedRequest(req, None, None), tok)
         first = True

@@ -200,12 +200,12 @@ def test_entry_points_install_the_decode_head():
     """generate_speculative and the serving engine prepare the drafter before anything else (an
     input error raised right after shows it; decoding with the head: the bit-identity above)."""
     from dspark_jax.decoding.speculative import generate_speculative
-    from dspark_jax.serving.engine import Engine
+    from dspark_jax.serving.engine import Engine, EngineConfig
 
     target = tiny_target()
     for start in (
         lambda d: generate_speculative(target, d, [[5, 6]], num_speculative_tokens=99),
-        lambda d: Engine(target, d, suspend_after=-1),
+        lambda d: Engine(target, d, EngineConfig(suspend_after=-1)),
     ):
         d = _drafter(target)
         with pytest.raises(DSparkInputError):

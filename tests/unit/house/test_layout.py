@@ -42,10 +42,7 @@ ALLOWED = {
     SERVING: LOW | {SERVING},
 }
 COMMANDS = "dspark_jax.commands"
-# The serve command's old home, which imports the API and the generate command's flags; the serving
-# branch of this change moves it to dspark_jax/commands/serve.py and removes it: drop this then.
-LEGACY_SERVE_CLI = "dspark_jax.serving.http.cli"
-# Module paths removed (issue 25): nothing may import them, and they must not come back.
+# Module paths removed: nothing may import them, and they must not come back.
 REMOVED = {"dspark_jax.decode", "dspark_jax.engine"}
 SERVING_ENGINE, SERVING_HTTP = "dspark_jax.serving.engine", "dspark_jax.serving.http"
 
@@ -188,7 +185,7 @@ def test_layering():
                 problems.append(f"{where(mod, line)}: {mod} imports the removed module {dep}")
             elif dep == "dspark_jax":
                 continue  # the root (its __version__): it runs before any submodule anyway, its names load lazily
-            elif mine != TOP and layer(dep) not in ALLOWED[mine] and mod != LEGACY_SERVE_CLI:
+            elif mine != TOP and layer(dep) not in ALLOWED[mine]:
                 problems.append(f"{where(mod, line)}: {mod} ({mine}) imports {dep} ({layer(dep)})")
     assert not problems, "layering violations (README 'Layout'):\n  " + "\n  ".join(problems)
 
@@ -208,7 +205,7 @@ def test_the_top_floor_is_the_commands_wing():
         for n in sorted(ENTRY_POINTS)
         if n != "serve" and set(GRAPH[f"dspark_jax.{n}"]) != {f"{COMMANDS}.{n}"}
     ]
-    problems += [where(m) for m in MODULES if m.rpartition(".")[2] == "cli" and m != LEGACY_SERVE_CLI]
+    problems += [where(m) for m in MODULES if m.rpartition(".")[2] == "cli"]
     assert not problems, "commands outside the commands wing:\n  " + "\n  ".join(problems)
 
 
@@ -378,8 +375,6 @@ def test_every_import_of_the_package_resolves():
     for path in files:
         tree = TREES.get(module_name(path)) if path.is_relative_to(PKG) else ast.parse(path.read_text())
         mod = module_name(path)
-        if mod == LEGACY_SERVE_CLI:  # imports the generate command's old flags module; see its definition
-            continue
         for node in ast.walk(tree):
             rel = path.relative_to(ROOT)
             if isinstance(node, ast.Import):

@@ -151,7 +151,7 @@ def test_the_override_reaches_the_target_config(stories260k_dir):
     from dspark_jax.api import load_target
     from dspark_jax.commands.eval import build_parser as eval_parser
     from dspark_jax.commands.generate import build_parser as generate_parser
-    from dspark_jax.serving.http.cli import build_parser as serve_parser
+    from dspark_jax.commands.serve import build_parser as serve_parser
 
     need = ["--target", "t", "--drafter", "d"]
     assert generate_parser().parse_args([*need, "--prompt", "p"]).attention_backend is None

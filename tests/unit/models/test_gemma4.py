@@ -204,12 +204,12 @@ def test_multimodal_checkpoint_loads_its_text_model(tmp_path):
 
 def test_engine_refuses_a_gemma4_target(written):
     """The serving engine's packed passes are not implemented for Gemma 4: a one-line refusal."""
-    from dspark_jax.serving.engine import Engine
+    from dspark_jax.serving.engine import Engine, EngineConfig
 
     _, cfg, params = written("v_proj")
     target = Target(cfg, params)
     with pytest.raises(DSparkInputError, match="serving engine does not support Gemma 4") as e:
-        Engine(target, None, num_slots=2, cache_len=32, policy="plain")
+        Engine(target, None, EngineConfig(num_slots=2, cache_len=32, policy="plain", prefill_chunk_tokens=0))
     assert "\n" not in str(e.value)
     with pytest.raises(DSparkInputError, match="packed pass does not support Gemma 4"):
         target.forward_packed(*(np.zeros(2, np.int32),) * 4, target.init_cache(2, 8), num_rows=2, width=1)

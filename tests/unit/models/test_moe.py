@@ -290,16 +290,26 @@ def test_greedy_speculative_equals_plain(moe_target):
 
 def test_engine_equals_plain_decoding(moe_target):
     """Packed decode steps and verification with one-shot and chunked prefill give plain decoding's tokens."""
-    from dspark_jax.serving.engine import Engine, Request, SamplingParams
+    from dspark_jax.serving.engine import Engine, EngineConfig, Request, SamplingParams
     from dspark_jax.serving.engine.prefill import ChunkedPrefill
 
     drafter = bigram_drafter(moe_target, block_size=3)
-    eng = Engine(moe_target, drafter, num_slots=3, cache_len=64, policy="fixed:3", buckets=(12,), row_buckets=(3,),
-                 prefill_buckets=(32,), profile_iters=1, suspend_after=None)  # fmt: skip
+    cfg = EngineConfig(
+        num_slots=3,
+        cache_len=64,
+        policy="fixed:3",
+        buckets=(12,),
+        row_buckets=(3,),
+        prefill_buckets=(32,),
+        profile_iters=1,
+        suspend_after=None,
+        prefill_chunk_tokens=0,
+    )
+    eng = Engine(moe_target, drafter, cfg)
     eng.prefiller = ChunkedPrefill(eng.device, eng.planner, eng.limits, eng.prefill_buckets, 12, lanes=3, block=4)
     eng.warmup()
     prompts = _prompts((30, 21, 5))
-    reqs = [Request(p, SamplingParams(temperature=0.0, max_tokens=10), f"m{i}") for i, p in enumerate(prompts)]
+    reqs = [Request(p, SamplingParams(temperature=0.0, max_new_tokens=10), f"m{i}") for i, p in enumerate(prompts)]
     ar = generate_autoregressive(moe_target, prompts, max_new_tokens=10, cache_len=64)
     want = {r.request_id: (g.token_ids, g.finish_reason) for r, g in zip(reqs, ar.generations)}
     for chunked in (False, True):

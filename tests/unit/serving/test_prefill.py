@@ -8,7 +8,8 @@
   for chunk boundaries at several offsets and several requests packed in one pass; and the
   same decoded tokens (greedy and seeded T > 0) through the engine and through the server's
   engine loop; in rejection mode the first block's q too.
-* No recompilation after warm-up (compile events counted as in ``tests/unit/test_engine.py``).
+* No recompilation after warm-up (compile events counted as in
+  ``tests/unit/serving/test_engine_exactness.py``).
 
 One engine (3 slots, block_size 3, one prefill bucket of 32, a 12-token chunk of 4-token blocks
 over 3 lanes) is shared, so that its handful of programs compile once.
@@ -23,7 +24,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.serving.engine import Engine, Request, SamplingParams
+from dspark_jax.serving.engine import Engine, EngineConfig, Request, SamplingParams
 from dspark_jax.serving.engine.prefill import ChunkedPrefill, PrefillEntry, PrefillQueue, chunk_ladder
 from dspark_jax.serving.http.engine_loop import EngineLoop, TrackedRequest
 from tests.helpers.engine_drive import drive
@@ -118,14 +119,17 @@ def engine(target, drafter):
     eng = Engine(
         target,
         drafter,
-        num_slots=SLOTS,
-        cache_len=CACHE,
-        policy="fixed:3",
-        buckets=(12,),
-        row_buckets=(SLOTS,),
-        prefill_buckets=(32,),
-        profile_iters=1,
-        suspend_after=None,
+        EngineConfig(
+            num_slots=SLOTS,
+            cache_len=CACHE,
+            policy="fixed:3",
+            buckets=(12,),
+            row_buckets=(SLOTS,),
+            prefill_buckets=(32,),
+            profile_iters=1,
+            suspend_after=None,
+            prefill_chunk_tokens=0,
+        ),
     )
     # small blocks, so that several requests share a 12-token pass
     eng.prefiller = ChunkedPrefill(
@@ -142,10 +146,10 @@ def story(tokenizer):
 
 def _requests(story, lengths, tag: str, **extra):
     settings = [
-        dict(temperature=0.0, max_tokens=12),
-        dict(temperature=1.0, max_tokens=10, seed=3),
-        dict(temperature=0.8, top_k=20, top_p=0.9, max_tokens=14, seed=7, logprobs=2),
-        dict(temperature=1.0, max_tokens=9, seed=11, logit_bias=((5, 8.0),), min_tokens=2),
+        dict(temperature=0.0, max_new_tokens=12),
+        dict(temperature=1.0, max_new_tokens=10, seed=3),
+        dict(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=14, seed=7, logprobs=2),
+        dict(temperature=1.0, max_new_tokens=9, seed=11, logit_bias=((5, 8.0),), min_tokens=2),
     ]
     return [
         Request(story[i : i + n], SamplingParams(**{**settings[i % 4], **extra}), f"{tag}{i}")
@@ -275,13 +279,16 @@ def test_rejection_mode_first_block(target, drafter, story):
     eng = Engine(
         target,
         drafter,
-        num_slots=SLOTS,
-        cache_len=CACHE,
-        policy="fixed:3",
-        row_buckets=(SLOTS,),
-        prefill_buckets=(32,),
-        suspend_after=None,
-        verification="rejection",
+        EngineConfig(
+            num_slots=SLOTS,
+            cache_len=CACHE,
+            policy="fixed:3",
+            row_buckets=(SLOTS,),
+            prefill_buckets=(32,),
+            suspend_after=None,
+            verification="rejection",
+            prefill_chunk_tokens=0,
+        ),
     )
     pre = ChunkedPrefill(eng.device, eng.planner, eng.limits, eng.prefill_buckets, CHUNK, lanes=LANES, block=BLOCK)
     reqs = _requests(story, [13, 5], "q")
@@ -307,7 +314,7 @@ def test_no_recompile_after_warmup(engine, story):
         for policy in ("fixed:3", "plain"):
             engine.set_policy(policy)
             for k, lengths in enumerate(SCENARIOS + [[32, 7], [2, 31, 9]]):
-                drive(engine, _requests(story, lengths, f"n{k}-", max_tokens=3), chunked=True, slots=SLOTS)
+                drive(engine, _requests(story, lengths, f"n{k}-", max_new_tokens=3), chunked=True, slots=SLOTS)
     finally:
         if hasattr(monitoring, "_unregister_event_duration_listener_by_callback"):
             monitoring._unregister_event_duration_listener_by_callback(listener)
@@ -324,11 +331,11 @@ def test_bad_chunk_settings(engine):
         engine.prefiller.submit(Request([], SamplingParams()))
     assert len(engine.prefiller) == 0
     with pytest.raises(DSparkInputError):
-        Engine(engine.target, None, num_slots=1, cache_len=CACHE, prefill_chunk_tokens=-1)
+        Engine(engine.target, None, EngineConfig(num_slots=1, cache_len=CACHE, prefill_chunk_tokens=-1))
 
 
 def test_serve_flag():
-    from dspark_jax.serving.http.cli import build_parser
+    from dspark_jax.commands.serve import build_parser
 
     assert build_parser().parse_args(["--target", "x"]).prefill_chunk_tokens == 256  # the server's default
     assert build_parser().parse_args(["--target", "x", "--prefill-chunk-tokens", "0"]).prefill_chunk_tokens == 0

@@ -1,4 +1,4 @@
-"""The HTTP server's own behaviour over a fake engine (``tests/fake_engine.py``): no JAX
+"""The HTTP server's own behaviour over a fake engine (:mod:`dspark_jax.serving.engine.fake`): no JAX
 compilation, so these run in seconds. Validation (every unhonoured field refused, every wrong
 JSON type refused, NaN/inf refused), model names (404), ``n`` > 1, ``stream_options``, ``max_tokens`` defaults, API
 keys, logprobs / logit_bias / min_tokens plumbing, UTF-8-safe detokenization at every cut,
@@ -14,10 +14,10 @@ import json
 
 import httpx
 import pytest
-from fake_engine import FakeEngine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dspark_jax.serving.engine.fake import FakeEngine
 from tests.helpers.server import CACHE_LEN, CHAT_TEMPLATE, NUM_SLOTS, metric, wait_idle
 from tests.helpers.server import serve_fake as _serve
 

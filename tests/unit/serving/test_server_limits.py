@@ -1,4 +1,4 @@
-"""The HTTP server stays responsive and drops nothing, over a fake engine (``tests/fake_engine.py``)
+"""The HTTP server stays responsive and drops nothing, over a fake engine (:mod:`dspark_jax.serving.engine.fake`)
 and the real stories260K tokenizer (a llama2.c BPE in pure Python: seconds for a 1,000,000-character
 prompt): a body over ``max_request_bytes`` gets 413 before it is parsed or tokenized; a long prompt
 is tokenized in a worker thread while ``/health`` and other requests' streams go on; chat roles

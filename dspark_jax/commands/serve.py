@@ -9,9 +9,10 @@ Examples::
     curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
         -d '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 64, "temperature": 0}'
 
-The engine (``dspark_jax.serving.engine.Engine``) is built, profiled (SPS table; ``--sps-table``
-loads/saves it) and warmed up (every compiled shape) before the port opens, so the first
-request does not pay compilation. Policies: ``plain`` (no drafter), ``fixed:G`` (verify G
+The engine (``dspark_jax.serving.engine.Engine``; the flags' defaults are those of
+:class:`~dspark_jax.serving.config.EngineConfig`) is built (:mod:`dspark_jax.serving.build`),
+profiled (SPS table; ``--sps-table`` loads/saves it) and warmed up (every compiled shape) before
+the port opens, so the first request does not pay compilation. Policies: ``plain`` (no drafter), ``fixed:G`` (verify G
 draft tokens per request), ``threshold:C`` (confidence threshold), ``greedy`` (the clean
 greedy Theta scheduler) and ``dspark`` (the deployed scheduler). Ctrl-C drains: requests
 in flight finish (up to ``--graceful-timeout`` seconds), then the engine thread stops.
@@ -35,15 +36,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import threading
 import time
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 from dspark_jax.decoding import disk_cache
+from dspark_jax.serving.config import EngineConfig
 from dspark_jax.serving.http.preflight import (
-    check_engine_shape,
     check_plan,
     check_server_arguments,
     parse_buckets,
@@ -51,7 +48,7 @@ from dspark_jax.serving.http.preflight import (
     read_chat_template,
 )
 
-__all__ = ["ServerThread", "build_engine", "build_server", "main", "parse_buckets", "warmup_engine"]
+__all__ = ["build_parser", "engine_config", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,7 +88,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--policy",
-        default=None,
+        default=EngineConfig.policy,
         help="verification-length policy: plain | fixed:G | threshold:C | greedy | dspark "
         "(default: dspark with --drafter, plain without)",
     )
@@ -99,12 +96,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine shape: slots, cache length, token buckets, SPS table, drafter suspension."""
-    p.add_argument("--num-slots", type=int, default=8, help="decode slots = requests decoded together (default 8)")
+    p.add_argument(
+        "--num-slots",
+        type=int,
+        default=EngineConfig.num_slots,
+        help=f"decode slots = requests decoded together (default {EngineConfig.num_slots})",
+    )
     p.add_argument(
         "--cache-len",
         type=int,
-        default=1024,
-        help="KV-cache length per slot = the context length (prompt + generated tokens; default 1024)",
+        default=EngineConfig.cache_len,
+        help="KV-cache length per slot = the context length (prompt + generated tokens; "
+        f"default {EngineConfig.cache_len})",
     )
     p.add_argument(
         "--buckets",
@@ -128,23 +131,24 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--suspend-after",
         type=int,
-        default=16,
+        default=-1 if EngineConfig.suspend_after is None else EngineConfig.suspend_after,
         help="consecutive non-drafting steps after which plain steps stop updating the drafter's "
-        "context (caught up when drafting resumes; -1: never suspend; default 16)",
+        f"context (caught up when drafting resumes; -1: never suspend; default {EngineConfig.suspend_after})",
     )
     p.add_argument(
         "--prefill-chunk-tokens",
         type=int,
-        default=256,
+        default=EngineConfig.prefill_chunk_tokens,
         metavar="N",
         help="batched, chunked prefill: each engine iteration runs one compiled prefill pass of at most N "
         "prompt tokens, packing several waiting prompts and splitting a long one into chunks that "
         "interleave with decode steps, so a long prompt delays the streams by one chunk at a time "
-        "(0: one-shot prefill, one request at a time; default 256)",
+        f"(0: one-shot prefill, one request at a time; default {EngineConfig.prefill_chunk_tokens})",
     )
     p.add_argument(
         "--plan-ahead",
         action="store_true",
+        default=EngineConfig.plan_ahead,
         help="plan and dispatch each speculative step before the step in flight is read (its rows' room "
         "bounded by what that step can add; output unchanged). Off by default: on a 2-core CPU it made "
         "stories260K 1.5-1.7x faster at one slot but not SmolLM2 (0.97-1.03x), nor anything on an H200 "
@@ -178,7 +182,7 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--verification",
-        default="coupled",
+        default=EngineConfig.verification,
         choices=["coupled", "rejection"],
         help="lossless verification: coupled (Gumbel-coupled, the default) or rejection (standard "
         "speculative rejection sampling: higher acceptance at T > 0, same output law)",
@@ -204,7 +208,7 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
 
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     """dtype, attention backend, device mesh, bind address, shutdown and logging."""
-    from dspark_jax.decoding.cli import add_attention_argument, add_dtype_argument
+    from dspark_jax.commands.flags import add_attention_argument, add_dtype_argument
 
     add_dtype_argument(p)
     add_attention_argument(p)
@@ -228,177 +232,33 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def build_engine(
-    target,
-    drafter=None,
-    *,
-    policy: str | None = None,
-    num_slots: int = 8,
-    cache_len: int = 1024,
-    buckets: Sequence[int] | None = None,
-    sps_table: Any = None,
-    warmup: bool = True,
-    eos_token_ids: Sequence[int] | None = None,
-    plan_ahead: bool = False,
-    **engine_kwargs,
-):
-    """Builds (and warms up) a :class:`dspark_jax.serving.engine.Engine`.
+def engine_config(args: argparse.Namespace, policy: str | None = None) -> EngineConfig:
+    """The :class:`EngineConfig` of the parsed flags (``policy``: the resolved ``--policy``).
 
-    Args:
-      policy: ``plain | fixed:G | threshold:C | greedy | dspark``; ``None`` = ``dspark``
-        with a drafter, ``plain`` without.
-      sps_table: the SPS table (a ``CostTable``), or a JSON path: loaded when it exists (the
-        engine reuses it only if it was measured for this device, model and shape), and after
-        warm-up the table in use (loaded or freshly profiled) is written there.
-      eos_token_ids: default: the target's EOS ids.
-      plan_ahead: plan speculative steps before the step in flight is read
-        (:attr:`~dspark_jax.serving.engine.planner.Planner.speculative_ahead`; default off).
     Raises:
-      DSparkInputError: bad slot count / cache length, or a speculative policy without a drafter.
+      DSparkInputError: bad ``--buckets`` / ``--profile-spans``.
     """
-    from dspark_jax.errors import DSparkInputError
-    from dspark_jax.serving.engine import Engine
-
-    check_engine_shape(num_slots, cache_len)
-    policy = policy or ("dspark" if drafter is not None else "plain")
-    if policy != "plain" and drafter is None:
-        raise DSparkInputError(f"policy {policy!r} needs a drafter (--drafter EXPORT_DIR); use --policy plain")
-    kw: dict[str, Any] = dict(
-        num_slots=num_slots,
-        cache_len=cache_len,
-        policy=policy,
-        eos_token_ids=tuple(eos_token_ids if eos_token_ids is not None else target.cfg.eos_ids),
+    return EngineConfig(
+        num_slots=args.num_slots,
+        cache_len=args.cache_len,
+        policy=policy if policy is not None else args.policy,
+        buckets=parse_buckets(args.buckets),
+        profile_spans=parse_buckets(args.profile_spans, "--profile-spans"),
+        suspend_after=None if args.suspend_after == -1 else args.suspend_after,
+        verification=args.verification,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
+        plan_ahead=args.plan_ahead,
     )
-    if buckets is not None:
-        kw["buckets"] = tuple(buckets)
-    table_path = Path(sps_table) if isinstance(sps_table, (str, Path)) else None
-    if table_path is not None:
-        if table_path.exists():
-            kw["sps_table"] = table_path
-    elif sps_table is not None:
-        kw["sps_table"] = sps_table
-    kw.update(engine_kwargs)
-    engine = Engine(target, drafter if policy != "plain" else None, **kw)
-    engine.planner.speculative_ahead = bool(plan_ahead)
-    if warmup:
-        warmup_engine(engine, sps_table)
-    return engine
-
-
-def warmup_engine(engine, sps_table: Any = None) -> None:
-    """Compiles every shape of ``engine`` (and profiles its SPS table); when ``sps_table`` is
-    a path, writes the table in use there."""
-    engine.warmup()
-    if isinstance(sps_table, (str, Path)) and engine.sps_table is not None:
-        path = Path(sps_table)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        engine.sps_table.save(path)
-
-
-def build_server(
-    engine,
-    tokenizer,
-    *,
-    model_name: str,
-    max_queue: int = 256,
-    default_max_tokens: int | None = None,
-    chat_template: str | None = None,
-    policy: str = "",
-    api_key: str | None = None,
-    api_key_health_metrics: bool = False,
-    max_request_bytes: int | None = None,
-):
-    """``(app, engine_loop)``: the FastAPI app around an engine (the loop starts with the app).
-
-    ``default_max_tokens`` None: vLLM's defaults (16 for completions, the rest of the
-    context for chat). ``api_key``, ``max_request_bytes`` (None: derived from the context, 0: no
-    limit): see :class:`dspark_jax.serving.http.server.ServerConfig`.
-    """
-    from dspark_jax.serving.http.server import EngineLoop, ServerConfig, create_app
-
-    loop = EngineLoop(engine, tokenizer, max_queue=max_queue, model_name=model_name)
-    tcfg = engine.target.cfg
-    cfg = ServerConfig(
-        model_name=model_name,
-        context_len=int(min(engine.cache_len, tcfg.max_position)),
-        vocab_size=int(tcfg.vocab_size),
-        default_max_tokens=default_max_tokens,
-        chat_template=chat_template,
-        policy=policy,
-        api_key=api_key or None,
-        auth_health_metrics=bool(api_key_health_metrics),
-        max_logit_bias=int(getattr(engine, "max_logit_bias", 1024)),
-        max_request_bytes=max_request_bytes,
-    )
-    return create_app(loop, tokenizer, cfg), loop
-
-
-class ServerThread:
-    """Runs an app with uvicorn in a background thread (benchmarks, tests).
-
-    ``with ServerThread(app) as s: httpx.get(s.url + "/health")``; leaving the block
-    shuts uvicorn down (graceful drain, then the app's lifespan stops the engine loop).
-    ``port=0`` picks a free port.
-    """
-
-    def __init__(
-        self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", graceful_timeout: float = 10.0
-    ):
-        import socket
-
-        import uvicorn
-
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.host, self.port = host, self.sock.getsockname()[1]
-        # log_config=None: uvicorn's own config would bind handlers to the sys.stderr of the
-        # moment (a test's capture buffer, closed later); the caller's logging setup applies.
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                app,
-                log_level=log_level,
-                timeout_graceful_shutdown=graceful_timeout,  # pyright: ignore[reportArgumentType]  # seconds, float
-                access_log=False,
-                lifespan="on",
-                log_config=None,
-            )
-        )
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True, name="uvicorn"
-        )
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, timeout: float = 60.0) -> ServerThread:
-        self.thread.start()
-        t0 = time.monotonic()
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() - t0 > timeout:
-                raise RuntimeError("the HTTP server did not start")
-            time.sleep(0.02)
-        return self
-
-    def stop(self, timeout: float = 60.0) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout)
-        self.sock.close()
-
-    def __enter__(self) -> ServerThread:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def run(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from dspark_jax.serving.build import build_engine, build_server, warmup_engine
+
     jax_cache = disk_cache.apply_cache_arguments(args)
 
-    from dspark_jax.api import load_target
+    from dspark_jax.decoding.loading import load_target
     from dspark_jax.decoding.request import load_drafter_for
     from dspark_jax.drafters.checkpoint import export_config, read_export_meta
 
@@ -422,22 +282,8 @@ def run(args: argparse.Namespace) -> None:
     t0 = time.monotonic()
     # Built without warm-up first: a drafter or setting the engine refuses (e.g. an eagle3
     # drafter) is one `error:` line before anything is compiled.
-    engine = build_engine(
-        target,
-        drafter,
-        policy=policy,
-        num_slots=args.num_slots,
-        cache_len=args.cache_len,
-        buckets=parse_buckets(args.buckets),
-        sps_table=args.sps_table,
-        warmup=False,
-        suspend_after=None if args.suspend_after == -1 else args.suspend_after,
-        verification=args.verification,
-        mesh=mesh,
-        prefill_chunk_tokens=args.prefill_chunk_tokens,
-        profile_spans=parse_buckets(args.profile_spans, "--profile-spans"),
-        plan_ahead=args.plan_ahead,
-    )
+    config = engine_config(args, policy)
+    engine = build_engine(target, drafter, config, sps_table=args.sps_table, mesh=mesh, warmup=False)
     say(
         f"compiling the engine (policy {policy}, verification {args.verification}, {args.num_slots} slots, "
         f"cache {args.cache_len}, prefill chunk {args.prefill_chunk_tokens}"

@@ -1,15 +1,22 @@
-"""A small stand-in for :class:`dspark_jax.serving.engine.Engine` for server tests that only check
-HTTP behaviour (validation, auth, model names, ``n``, streaming options, defaults, metrics).
+"""A stand-in for :class:`dspark_jax.serving.engine.Engine` without models or compilation: the
+HTTP server over it shows its own behaviour (validation, auth, model names, ``n``, streaming,
+defaults, metrics, queueing) in milliseconds.
 
-It honours the engine's interface (``prefill/insert/generate/free/active_slots/free_slots/
-metrics``, ``num_slots``, ``cache_len``, ``target.cfg``, ``max_logit_bias``) and the
-meaning of :class:`~dspark_jax.serving.engine.SamplingParams`, without JAX: a request's tokens are
+:class:`FakeEngine` implements :class:`~dspark_jax.serving.engine.interface.EngineInterface` (one-shot
+prefill) and the meaning of :class:`~dspark_jax.serving.engine.SamplingParams`: a request's tokens are
 a deterministic function of its prompt, seed and temperature (or a script), emitted in
 speculative-looking blocks (the prefill token first, then 3, 1, 2, 3, 1, 2, ... tokens per
 step, each block = accepted drafts + one correction/bonus token). ``logit_bias`` <= -50
 bans a token (the next id is used), >= 50 forces it; ``min_tokens`` masks EOS and
-``stop_token_ids``; ``logprobs`` gives fake but consistent values. Every received
+``stop_ids``; ``logprobs`` gives fake but consistent values. Every received
 request is kept in ``requests``.
+
+Usage::
+
+    from dspark_jax.serving.build import build_server
+    from dspark_jax.serving.engine.fake import FakeEngine
+
+    app, loop = build_server(FakeEngine(vocab_size=tokenizer.vocab_size), tokenizer, model_name="fake")
 """
 
 from __future__ import annotations
@@ -17,24 +24,41 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
+import time
 from types import SimpleNamespace
 
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.serving.engine.requests import SamplingParams, StepOutput
+from dspark_jax.serving.engine.interface import EngineInterface, OneShotPrefill, PrefillResult
+from dspark_jax.serving.engine.requests import Request, SamplingParams, StepOutput
 
-BLOCKS = (3, 1, 2)
-GAMMA = 3
+__all__ = ["FakeEngine"]
+
+BLOCKS = (3, 1, 2)  # tokens per step, cycled: accepted drafts + one correction/bonus token
+DRAFTS = 3  # draft tokens verified per step (the block size)
 
 
 @dataclasses.dataclass
 class _Slot:
-    request: object
+    request: Request
     tokens: list[int]  # the whole planned output (stop token included)
     pos: int = 0  # tokens handed out
     steps: int = 0
 
 
-class FakeEngine:
+class FakeEngine(EngineInterface):
+    """The fake engine (see the module docstring).
+
+    Args:
+      vocab_size: token ids are drawn from ``[3, vocab_size)``.
+      num_slots / cache_len: as the engine's; a prompt must leave room for one token.
+      eos_ids: ids that end every request.
+      step_delay: seconds each :meth:`generate` sleeps (a slow device).
+
+    Attributes:
+      scripts: ``{tuple(prompt ids): token ids}``: the output of those prompts (then random).
+      requests: every request prefilled, in order.
+    """
+
     def __init__(
         self, vocab_size: int = 512, num_slots: int = 4, cache_len: int = 128, eos_ids=(2,), step_delay: float = 0.0
     ):
@@ -51,6 +75,7 @@ class FakeEngine:
         self._pending: dict[int, _Slot] = {}
         self._steps = 0
         self._lock = threading.Lock()
+        self._queue = OneShotPrefill(self.prefill, self._check)
 
     # ---- the output law
 
@@ -61,8 +86,8 @@ class FakeEngine:
         script = self.scripts.get(tuple(ids))
         rng = random.Random(f"{ids}|{p.seed if p.temperature > 0 else 0}|{p.temperature}")
         bias = dict(p.logit_bias)
-        stops = set(self.eos_ids) | set(p.stop_token_ids)
-        room = min(p.max_tokens, self.cache_len - len(ids))
+        stops = set(self.eos_ids) | set(p.stop_ids)
+        room = min(p.max_new_tokens, self.cache_len - len(ids))
         out: list[int] = []
         while len(out) < room:
             k = len(out)
@@ -87,9 +112,8 @@ class FakeEngine:
     def warmup(self) -> None:
         pass
 
-    def prefill(self, request):
-        p = request.params
-        if not isinstance(p, SamplingParams):
+    def _check(self, request: Request) -> None:
+        if not isinstance(request.params, SamplingParams):
             raise DSparkInputError("request.params must be a SamplingParams")
         if not request.prompt_ids:
             raise DSparkInputError("the prompt is empty: give at least one token")
@@ -97,6 +121,9 @@ class FakeEngine:
             raise DSparkInputError(
                 f"the prompt has {len(request.prompt_ids)} tokens but at most {self.cache_len - 1} fit"
             )
+
+    def prefill(self, request: Request) -> _Slot:
+        self._check(request)
         with self._lock:
             self.requests.append(request)
         return _Slot(request, self.plan(request))
@@ -115,9 +142,19 @@ class FakeEngine:
     def free_slots(self) -> list[int]:
         return [s for s in range(self.num_slots) if s not in self._slots]
 
-    def generate(self) -> list[StepOutput]:
-        import time
+    def supports_chunked_prefill(self) -> bool:
+        return False
 
+    def queue_prefill(self, request: Request, tag) -> None:
+        self._queue.submit(request, tag)
+
+    def run_prefill(self) -> list[PrefillResult]:
+        return self._queue.step()
+
+    def cancel_prefill(self, tag) -> None:
+        self._queue.cancel(tag)
+
+    def generate(self) -> list[StepOutput]:
         if self.step_delay:
             time.sleep(self.step_delay)
         self._steps += 1
@@ -128,7 +165,7 @@ class FakeEngine:
             start = rec.pos + (1 if first else 0)  # the prefill token rides along with the first step
             new = rec.tokens[start : start + block]
             keep = len(new)
-            n_acc, n_ver = min(block - 1, keep), (min(GAMMA, keep) if keep < block else GAMMA)
+            n_acc, n_ver = min(block - 1, keep), (min(DRAFTS, keep) if keep < block else DRAFTS)
             ids = rec.tokens[rec.pos : start + keep]
             p = rec.request.params
             lps = None if p.logprobs is None else [self.logprob(t, rec.pos + j, p.logprobs) for j, t in enumerate(ids)]
@@ -138,7 +175,7 @@ class FakeEngine:
             reason = None
             if done:
                 last = rec.tokens[-1]
-                reason = "stop" if last in (set(self.eos_ids) | set(p.stop_token_ids)) else "length"
+                reason = "stop" if last in (set(self.eos_ids) | set(p.stop_ids)) else "length"
                 del self._slots[slot]
             outs.append(StepOutput(slot, rec.request.request_id, ids, done, reason, n_ver, n_acc, lps))
         return outs
