@@ -112,8 +112,8 @@ class Engine:
         for this device, model, drafter and shape and covers every bucket at every profiled span,
         else re-profiled.
       eos_token_ids: extra ids that end every request (the target's EOS ids always do).
-      seed_calibration: start online calibration from the drafter's offline temperatures
-        (:attr:`DSparkDrafter.calibration`) instead of ones.
+      seed_calibration: start online calibration from the drafter's offline temperatures and
+        biases (:attr:`DSparkDrafter.calibration`, ``calibration_bias``) instead of ones and zeros.
       profile_iters: timed iterations per bucket when profiling SPS.
       profile_spans: attention spans [tokens] SPS is profiled at (whole KV blocks; default one
         block, a step of inactive rows; longer ones on an idle engine only); the planner looks
@@ -233,8 +233,9 @@ class Engine:
             cache=self.program_cache,
         )
         self.mesh = self.device.mesh
-        init = drafter.calibration if (drafter is not None and seed_calibration) else None
-        self.calibrator = OnlineCalibrator(max(self.block_size, 1), init, window=calibration_window, lr=calibration_lr)
+        self.calibrator = OnlineCalibrator.seeded(
+            max(self.block_size, 1), drafter if seed_calibration else None, window=calibration_window, lr=calibration_lr
+        )
         self.slots = SlotTable(self.num_slots)
         self._warm = False
         self.table_source: str | None = None  # where the SPS table came from (given, stored, profiled)
