@@ -367,8 +367,8 @@ def fit_and_store_calibration(
         else sampled_survival(fit.accept, fit.valid, st.seed + 1)
     )
     weights = decode_weights(fit) if st.weighting == "decode" else None
-    temps, biases = fit_calibration(fit.z, obs, fit.valid, loss=st.loss, weights=weights, bias=st.bias)
-    report = _fit_report(fit, test, temps, biases if st.bias else None, st)
+    temps, biases = fit_calibration(fit.z, obs, fit.valid, loss=st.loss, weights=weights, bias=st.fits_bias)
+    report = _fit_report(fit, test, temps, biases if st.fits_bias else None, st)
     greedy = st.temperature <= 0
     drafter.set_calibration(report["temperatures"], greedy=greedy, bias=report["biases"])
     if meta is not None and export_dir is not None:

@@ -280,7 +280,8 @@ def test_fit_and_store_calibration_round_trip(tmp_path):
     loaded2, _ = load_drafter(tmp_path / "again")
     assert loaded2.calibration == pytest.approx(tuple(temps))
     assert loaded2.calibration_greedy == pytest.approx(tuple(rep0["temperatures"]))
-    for greedy, want, want_b in ((True, rep0["temperatures"], rep0["biases"]), (False, temps, biases)):
+    assert rep0["biases"] is None  # the greedy fit: temperatures only (CalibrationSettings.bias)
+    for greedy, want, want_b in ((True, rep0["temperatures"], [0.0] * CFG.block_size), (False, temps, biases)):
         np.testing.assert_allclose(loaded2.confidence_temperatures(greedy=greedy), want, rtol=1e-6)
         np.testing.assert_allclose(loaded2.confidence_biases(greedy=greedy), want_b, rtol=1e-6)
 
