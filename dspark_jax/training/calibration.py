@@ -540,18 +540,17 @@ def calibrate_export(
         "continuations": "sampled at T=1 for the T=1 fit, greedy for the greedy fit",
     }
     rep["seconds"] = round(time.perf_counter() - t0, 2)
-    rep = jsonable(rep)
+    return _write_report(jsonable(rep), report_path)
+
+
+def _write_report(rep: dict[str, Any], report_path: str | Path) -> dict[str, Any]:
+    """Writes :func:`calibrate_export`'s full report; returns its compact summary."""
     Path(report_path).parent.mkdir(parents=True, exist_ok=True)
     Path(report_path).write_text(json.dumps(rep, indent=2))
+    keys = ("temperatures", "biases", "greedy", "num_sequences", "num_blocks", "acceptance_temperature", "seconds")
     return {
-        "temperatures": rep["temperatures"],
-        "biases": rep["biases"],
+        **{k: rep[k] for k in keys},
         "before": _compact(rep["before"]),
         "after": _compact(rep["after"]),
-        "greedy": rep["greedy"],
-        "num_sequences": rep["num_sequences"],
-        "num_blocks": rep["num_blocks"],
-        "acceptance_temperature": rep["acceptance_temperature"],
-        "seconds": rep["seconds"],
         "report": str(report_path),
     }

@@ -198,9 +198,7 @@ class Engine:
         overlap: bool = True,
     ):
         self._configure(target, drafter, num_slots, cache_len, verification, max_logit_bias, max_stop_ids)
-        self.eos_ids = tuple(
-            sorted(set(int(t) for t in target.cfg.eos_ids) | set(int(t) for t in (eos_token_ids or ())))
-        )
+        self.eos_ids = tuple(sorted({int(t) for t in (*target.cfg.eos_ids, *(eos_token_ids or ()))}))
         self.ladder = token_ladder(buckets)
         self.profile_iters = int(profile_iters)
         self.row_buckets = row_bucket_list(row_buckets, self.num_slots)
