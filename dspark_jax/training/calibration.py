@@ -397,7 +397,10 @@ def _fit_report(
     """The report of :func:`fit_and_store_calibration` (without ``seconds``): before/after
     metrics of ``temps`` / ``biases`` ``[block_size]`` (None: zero) on the test part, pooled
     before/after on the fit part."""
-    kw = {"seed": st.seed, "n_bins": st.n_bins}
+
+    def report(data: CalibrationData, t=None, b=None) -> dict[str, Any]:
+        return survival_report(data, t, b, seed=st.seed, n_bins=st.n_bins)
+
     method = _METHOD_BIAS if biases is not None else _METHOD
     return {
         "temperatures": [float(t) for t in temps],
@@ -413,11 +416,11 @@ def _fit_report(
         "n_bins": st.n_bins,
         "num_sequences": {"fit": int(len(np.unique(fit.seq))), "test": int(len(np.unique(test.seq)))},
         "num_blocks": {"fit": int(fit.z.shape[0]), "test": int(test.z.shape[0])},
-        "before": survival_report(test, None, **kw),
-        "after": survival_report(test, temps, biases, **kw),
+        "before": report(test),
+        "after": report(test, temps, biases),
         "fit_split": {
-            "before": _compact(survival_report(fit, None, **kw)),
-            "after": _compact(survival_report(fit, temps, biases, **kw)),
+            "before": _compact(report(fit)),
+            "after": _compact(report(fit, temps, biases)),
         },
     }
 
