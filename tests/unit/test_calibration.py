@@ -419,8 +419,8 @@ def test_bias_calibrates_sampled_decode_rounds_a_temperature_cannot():
     """Sampled decoding (T = 1) with a raw head that is positive where most drafts are rejected: a
     temperature alone cannot bring a positive logit below 1/2, so the temperature-only fit stays
     over-confident at decode time; the fit with a bias per position (the default) calibrates the
-    held-out rounds: decode-time ECE at least 0.05 below the temperature-only fit's (here 0.189 ->
-    0.027, raw 0.396)."""
+    held-out rounds: decode-time ECE at least 0.05 below the temperature-only fit's (here 0.235 ->
+    0.001, raw 0.53; the old code had the temperature-only fit alone)."""
     from dspark_jax.decoding.speculative import generate_speculative
     from dspark_jax.training.data import heldout_sequences
 
