@@ -1,4 +1,4 @@
-"""``python -m dspark_jax.calibrate``: fit an export's confidence temperatures on a mix of prompt sets.
+"""``python -m dspark_jax.calibrate``: fit an export's confidence calibration on a mix of prompt sets.
 
 The training run calibrates on prompts of its own split (``python -m dspark_jax.train``, stage 3b).
 This command calibrates an existing export on held-out prompts of your choice, for example the first
@@ -9,9 +9,10 @@ turns 20..39 of four chat sets when an evaluation reads turns 0..19 (paper Appen
         --prompts mt_bench,gsm8k,humaneval,alpaca --skip 20 --num-prompts 20 \\
         --exclude-data ../shared/data/distill/smollm2-135m-instruct
 
-The temperatures are written into the export (``calibration``: sampled rows, ``calibration_greedy``:
-rows at T = 0); the full report goes to ``--report`` (default ``<export>/calibration_report.json``);
-one JSON line (temperatures, ECE / AUROC / Brier before and after, sizes, seconds) is printed.
+The temperatures and biases are written into the export (``calibration`` / ``calibration_bias``:
+sampled rows, ``calibration_greedy`` / ``calibration_greedy_bias``: rows at T = 0); the full report
+goes to ``--report`` (default ``<export>/calibration_report.json``); one JSON line (temperatures,
+biases, ECE / AUROC / Brier before and after, sizes, seconds) is printed.
 Exit status 2 with a one-line ``error:`` message on bad input.
 """
 
@@ -28,8 +29,8 @@ __all__ = ["build_parser", "main", "select_prompts"]
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dspark_jax.calibrate",
-        description="Fit a drafter export's confidence temperatures on the target's continuations of held-out "
-        "prompts (a mix of prompt sets) and store them in the export.",
+        description="Fit a drafter export's confidence temperatures and biases on the target's continuations of "
+        "held-out prompts (a mix of prompt sets) and store them in the export.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--target", required=True, help="preset or model path (as for python -m dspark_jax.eval)")

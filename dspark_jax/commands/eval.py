@@ -230,18 +230,23 @@ def _encode(
 def _decode_calibration(
     args: argparse.Namespace, drafter: Drafter, meta: dict[str, Any], rounds: list | None
 ) -> dict[str, Any]:
-    """The ``calibration`` entry of eval.json: the temperatures decoding used, the reliability of
+    """The ``calibration`` entry of eval.json: the temperatures and biases decoding used, the reliability of
     the survival observed in ``rounds`` (:func:`~dspark_jax.evaluation.reliability.decode_reliability`)
     and the held-out fit the export records."""
     from dspark_jax.evaluation.reliability import decode_reliability
 
-    cal = (
-        drafter.calibration_greedy if (args.temperature <= 0 and drafter.calibration_greedy) else drafter.calibration
-    )  # the temperatures decoding used for these rows
+    greedy = args.temperature <= 0 and drafter.calibration_greedy
+    cal, bias = (
+        (drafter.calibration_greedy, drafter.calibration_greedy_bias)
+        if greedy
+        else (drafter.calibration, drafter.calibration_bias)
+    )  # the calibration decoding used for these rows
     temps = list(cal) if cal is not None else None
-    rel = decode_reliability(rounds or [], drafter.cfg.block_size, temps)
+    biases = list(bias) if bias is not None else None
+    rel = decode_reliability(rounds or [], drafter.cfg.block_size, temps, biases=biases)
     return {
         "temperatures": temps,
+        "biases": biases,
         "decode": rel,
         "heldout_fit": ((meta.get("extra") or {}).get("calibration")),
     }

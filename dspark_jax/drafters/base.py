@@ -55,7 +55,7 @@ class Draft(NamedTuple):
         off a draft vocabulary.
       confidence: ``[B, block_size]`` float32 c_k in (0, 1], the predicted probability
         that position k is accepted given that verification reached it
-        (calibrated: ``sigmoid(z_k / T_k)``; 1 for a drafter without a confidence head).
+        (calibrated: ``sigmoid(z_k / T_k + b_k)``; 1 for a drafter without a confidence head).
       confidence_logit: ``[B, block_size]`` float32 raw confidence logits z_k (before
         calibration; ``+inf`` for a drafter without a confidence head).
     """
@@ -77,6 +77,8 @@ class Drafter(Protocol):
       dtype: parameter and compute dtype.
       calibration / calibration_greedy: per-position confidence temperatures (sampled rows /
         rows at T = 0) recorded in exports; None without calibration or confidence head.
+      calibration_bias / calibration_greedy_bias: the per-position logit biases beside them;
+        None: zero.
       draft_vocab: the draft vocabulary's target ids recorded in exports, or None (full V).
     """
 
@@ -84,6 +86,8 @@ class Drafter(Protocol):
     dtype: Any
     calibration: tuple[float, ...] | None
     calibration_greedy: tuple[float, ...] | None
+    calibration_bias: tuple[float, ...] | None
+    calibration_greedy_bias: tuple[float, ...] | None
     draft_vocab: tuple[int, ...] | None
 
     def init_cache(self, batch: int, length: int) -> Any:
@@ -144,11 +148,11 @@ class Drafter(Protocol):
         """``[..., d]`` hidden states -> ``[..., N]`` float32 logits via the target's frozen LM head."""
         ...
 
-    def set_calibration(self, temperatures: Any, greedy: bool = False) -> None:
-        """Installs (or clears, with None) confidence temperatures.
+    def set_calibration(self, temperatures: Any, greedy: bool = False, bias: Any = None) -> None:
+        """Installs (or clears, with None) confidence temperatures and logit biases (None: zero).
 
         Raises:
-          ValueError: temperatures for a drafter without a confidence head, or bad values.
+          ValueError: a calibration for a drafter without a confidence head, or bad values.
         """
         ...
 
@@ -201,6 +205,10 @@ class BlockDrafter(Drafter, Protocol):
 
     def confidence_temperatures(self, greedy: bool = False) -> jax.Array:
         """``[block_size]`` float32 confidence temperatures in use."""
+        ...
+
+    def confidence_biases(self, greedy: bool = False) -> jax.Array | None:
+        """``[block_size]`` float32 confidence logit biases in use, or None (no bias at all)."""
         ...
 
     def draft_vocab_ids(self) -> jax.Array | None:
@@ -312,3 +320,33 @@ def check_compatible_config(t: TargetConfig, d: DrafterConfig, fingerprint: str 
             f"drafter was trained for target '{d.target_name}' (weights {d.target_fingerprint}) but "
             f"these target weights are {fp}: train a drafter for this target"
         )
+
+
+def checked_calibration(
+    cfg: DrafterConfig, temperatures: Any, bias: Any
+) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
+    """``(temperatures, biases)`` of :meth:`Drafter.set_calibration` as tuples of floats, checked;
+    ``(None, None)`` for ``temperatures`` None; biases None where not given or all zero (the
+    temperature-only program).
+
+    Raises:
+      ValueError: a bias without temperatures, wrong lengths, non-positive / non-finite
+        temperatures, non-finite biases, or a drafter without a confidence head.
+    """
+    if temperatures is None:
+        if bias is not None:
+            raise ValueError("calibration biases need temperatures")
+        return None, None
+    temps = tuple(float(t) for t in temperatures)
+    biases = None if bias is None else tuple(float(b) for b in bias)
+    if not cfg.has_confidence:
+        raise ValueError("this drafter has no confidence head to calibrate")
+    g = cfg.block_size
+    if len(temps) != g or (biases is not None and len(biases) != g):
+        n = len(temps) if len(temps) != g else len(biases or ())
+        raise ValueError(f"calibration needs {g} temperatures and biases (one per block position), got {n}")
+    if not all(0 < t < float("inf") for t in temps):
+        raise ValueError(f"calibration temperatures must be positive and finite, got {list(temps)}")
+    if biases is not None and not all(abs(b) < float("inf") for b in biases):
+        raise ValueError(f"calibration biases must be finite, got {list(biases)}")
+    return temps, (biases if biases is not None and any(biases) else None)

@@ -4,7 +4,7 @@ An export directory holds:
 
 * ``drafter.json`` -- format version, :class:`~dspark_jax.config.DrafterConfig`
   (which records the target it was trained for: name, vocab, hidden size, depth,
-  taps, weights fingerprint), per-position calibration temperatures, the draft
+  taps, weights fingerprint), per-position calibration temperatures and logit biases, the draft
   vocabulary's target ids (``draft_vocab``, drafters with ``draft_vocab_size > 0``)
   and the training summary;
 * ``params/`` -- the drafter parameters as an Orbax ``StandardCheckpointer`` tree.
@@ -13,8 +13,10 @@ An export directory holds:
 field's checkpoint formats (DeepSpec, speculators, z-lab DFlash; :mod:`dspark_jax.drafters.formats`)
 and Hugging Face Hub ids of either.
 
-Formats: ``dspark_jax.drafter/3`` (written now) nests a DSpark drafter's Markov-head weights
-under ``markov_head`` (``markov_head/w1``, ``markov_head/gate_w``, ...: one module per head
+Formats: ``dspark_jax.drafter/4`` (written now) adds the calibration's logit biases
+(``calibration_bias`` / ``calibration_greedy_bias``; an older reader would ignore them and
+compute other confidences, hence the new number). Formats 3 and 4 nest a DSpark drafter's
+Markov-head weights under ``markov_head`` (``markov_head/w1``, ``markov_head/gate_w``, ...: one module per head
 type, :mod:`dspark_jax.drafters.markov`); formats 1 and 2 kept them at the top level
 (``markov_w1``, ``markov_gate_w``, ...) and load through a renaming of those paths. Format 1
 also named the first head variants ``"gated"`` / ``"rnn"`` (now ``"gated_v0"`` / ``"rnn_v0"``).
@@ -49,11 +51,11 @@ from dspark_jax.drafters.formats import (
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.target import Target
 
-FORMAT = "dspark_jax.drafter/3"
+FORMAT = "dspark_jax.drafter/4"
 _FORMAT_1, _FORMAT_2 = "dspark_jax.drafter/1", "dspark_jax.drafter/2"
 # Formats 1 and 2 under the names the package layout move briefly wrote them with.
 _RENAMED = {"dspark_jax.drafters.dspark/1": _FORMAT_1, "dspark_jax.drafters.dspark/2": _FORMAT_2}
-_FORMATS = (_FORMAT_1, _FORMAT_2, FORMAT)
+EXPORT_FORMATS = (_FORMAT_1, _FORMAT_2, "dspark_jax.drafter/3", FORMAT)  # the export formats this reads
 # Formats 1 and 2 kept the Markov head's weights at the top level: markov_<name> is now markov_head/<name>.
 _FLAT_HEAD_PREFIX, _HEAD = "markov_", "markov_head"
 
@@ -84,14 +86,16 @@ def export_drafter(
       path: export directory.
       calibration: optional per-position temperatures T_1..T_gamma for the
         confidence head (sequential temperature scaling); default: the
-        drafter's own ``calibration``.
+        drafter's own ``calibration`` (with its ``calibration_bias``; none with temperatures
+        given here).
       extra: JSON-serialisable metadata (training summary, metrics).
     Returns:
       The absolute export path.
     """
     path = Path(path).absolute()
+    bias = None
     if calibration is None and drafter.calibration is not None:
-        calibration = list(drafter.calibration)
+        calibration, bias = list(drafter.calibration), drafter.calibration_bias
     lead = jax.process_index() == 0
     # Several processes (a multi-host run): every one saves its shards through Orbax into the same
     # folder, process 0 alone clears it first and writes the metadata.
@@ -114,7 +118,9 @@ def export_drafter(
         "config": drafter.cfg.to_dict(),
         "dtype": jnp.dtype(drafter.dtype).name,
         "calibration": calibration,
+        "calibration_bias": list(bias) if bias else None,
         "calibration_greedy": list(drafter.calibration_greedy or []) or None,
+        "calibration_greedy_bias": list(drafter.calibration_greedy_bias or []) or None,
         "draft_vocab": list(drafter.draft_vocab or []) or None,
         "extra": extra or {},
     }
@@ -144,9 +150,10 @@ def read_export_meta(path: str | Path) -> dict[str, Any]:
     meta = read_json_object(meta_path)
     if meta.get("format") in _RENAMED:
         meta["format"] = _RENAMED[meta["format"]]
-    if meta.get("format") not in _FORMATS:
+    if meta.get("format") not in EXPORT_FORMATS:
         raise DSparkInputError(
-            f"{meta_path}: unsupported export format {meta.get('format')!r} (expected one of {', '.join(_FORMATS)})"
+            f"{meta_path}: unsupported export format {meta.get('format')!r} "
+            f"(expected one of {', '.join(EXPORT_FORMATS)})"
         )
     return meta
 
@@ -288,9 +295,9 @@ def _load_export(path: Path, dtype: Any) -> tuple[Drafter, dict[str, Any]]:
     nnx.replace_by_pure_dict(state, restored)
     nnx.update(drafter, state)
     try:
-        drafter.set_calibration(meta.get("calibration"))
+        drafter.set_calibration(meta.get("calibration"), bias=meta.get("calibration_bias"))
         if meta.get("calibration_greedy"):
-            drafter.set_calibration(meta["calibration_greedy"], greedy=True)
+            drafter.set_calibration(meta["calibration_greedy"], greedy=True, bias=meta.get("calibration_greedy_bias"))
     except (TypeError, ValueError) as e:
         raise DSparkInputError(f"{path}/drafter.json has an invalid calibration: {e}") from None
     if cfg.draft_vocab_size:

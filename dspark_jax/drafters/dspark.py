@@ -19,9 +19,9 @@ Implements docs/design.md#drafter (paper Sections 4-6 and Appendix A3/A4):
    ``W1[x_{k-1}]``;
 
 5. confidence head: ``c_k = sigmoid(w . [h_k ; e_k] + b)``, optionally
-   calibrated per position by sequential temperature scaling
-   (``c_k = sigmoid(z_k / T_k)``, :attr:`DSparkDrafter.calibration`, fit by
-   :mod:`dspark_jax.training.calibration`).
+   calibrated per position by sequential temperature scaling with a logit bias
+   (``c_k = sigmoid(z_k / T_k + b_k)``, :attr:`DSparkDrafter.calibration` and
+   ``calibration_bias``, fit by :mod:`dspark_jax.training.calibration`).
 
 The module owns only its own weights. Target pieces (embedding, LM head) come
 from the :class:`~dspark_jax.models.target.Target` passed to each call, unless the drafter
@@ -38,7 +38,7 @@ from flax import nnx
 
 import dspark_jax.drafters.draft_layer as draft_layer
 from dspark_jax.config import DrafterConfig
-from dspark_jax.drafters.base import BlockOutput, Draft
+from dspark_jax.drafters.base import BlockOutput, Draft, checked_calibration
 from dspark_jax.drafters.decode_head import DecodeHead, decode_head_rows, install_decode_head, release_decode_head
 from dspark_jax.drafters.markov import build_markov_head, sample_block
 from dspark_jax.models import layers
@@ -107,6 +107,10 @@ class DSparkDrafter(nnx.Module):
         # Temperatures fit on greedy acceptance (argmax agreement), used for rows decoding at
         # T = 0; None: greedy rows use `calibration` too.
         self.calibration_greedy: tuple[float, ...] | None = None
+        # Per-position logit biases b_k beside each set of temperatures (c_k = sigmoid(z_k / T_k + b_k));
+        # None: zero (exports that store temperatures only). Static like the temperatures.
+        self.calibration_bias: tuple[float, ...] | None = None
+        self.calibration_greedy_bias: tuple[float, ...] | None = None
         # Draft vocabulary (cfg.draft_vocab_size > 0): the N target ids the drafter drafts over,
         # ascending. Static like `calibration` (set by `load_drafter` from the export, or by the
         # trainer from its data with `set_draft_vocab`).
@@ -431,39 +435,27 @@ class DSparkDrafter(nnx.Module):
         z = h if e is None else jnp.concatenate([h, e.astype(h.dtype)], axis=-1)
         return (jnp.dot(z, self.conf_w[...]) + self.conf_b[...]).astype(jnp.float32)
 
-    def set_calibration(self, temperatures, greedy: bool = False) -> None:
-        """Sets (or clears, with ``None``) the per-position confidence temperatures.
+    def set_calibration(self, temperatures, greedy: bool = False, bias=None) -> None:
+        """Sets (or clears, with ``None``) the per-position confidence temperatures and biases.
 
         Args:
           temperatures: ``block_size`` positive finite floats ``T_1..T_gamma``; confidences
-            become ``sigmoid(z_k / T_k)``. Only confidence values change, never the
+            become ``sigmoid(z_k / T_k + b_k)``. Only confidence values change, never the
             draft tokens or their distributions.
-          greedy: set the temperatures of rows decoding at T = 0 (fit on greedy acceptance,
+          greedy: set the calibration of rows decoding at T = 0 (fit on greedy acceptance,
             argmax agreement, which differs from sampled acceptance ``1 - TV``) instead of
-            the default ones.
+            the default one.
+          bias: ``block_size`` finite floats ``b_1..b_gamma``, or None (all zero: temperature
+            scaling alone). Cleared with the temperatures.
         Raises:
-          ValueError: wrong length, non-positive/non-finite values, or a drafter
-            without a confidence head.
+          ValueError: wrong length, non-positive/non-finite values, a bias without
+            temperatures, or a drafter without a confidence head.
         """
-        if temperatures is None:
-            if greedy:
-                self.calibration_greedy = None
-            else:
-                self.calibration = None
-            return
-        temps = tuple(float(t) for t in temperatures)
-        if not self.cfg.has_confidence:
-            raise ValueError("this drafter has no confidence head to calibrate")
-        if len(temps) != self.cfg.block_size:
-            raise ValueError(
-                f"calibration needs {self.cfg.block_size} temperatures (one per block position), got {len(temps)}"
-            )
-        if not all(t > 0 and t < float("inf") for t in temps):
-            raise ValueError(f"calibration temperatures must be positive and finite, got {list(temps)}")
+        temps, biases = checked_calibration(self.cfg, temperatures, bias)
         if greedy:
-            self.calibration_greedy = temps
+            self.calibration_greedy, self.calibration_greedy_bias = temps, biases
         else:
-            self.calibration = temps
+            self.calibration, self.calibration_bias = temps, biases
 
     def confidence_temperatures(self, greedy: bool = False) -> jax.Array:
         """``[block_size]`` float32 temperatures in use (ones when uncalibrated); ``greedy``: those of
@@ -472,6 +464,17 @@ class DSparkDrafter(nnx.Module):
         if temps is None:
             return jnp.ones((self.cfg.block_size,), jnp.float32)
         return jnp.asarray(temps, jnp.float32)
+
+    def confidence_biases(self, greedy: bool = False) -> jax.Array | None:
+        """``[block_size]`` float32 logit biases in use beside :meth:`confidence_temperatures`, or
+        None when neither calibration has a bias (then no bias enters the program)."""
+        if self.calibration_bias is None and self.calibration_greedy_bias is None:
+            return None
+        if greedy and self.calibration_greedy is not None:
+            biases = self.calibration_greedy_bias
+        else:
+            biases = self.calibration_bias
+        return jnp.asarray(biases if biases is not None else (0.0,) * self.cfg.block_size, jnp.float32)
 
     # -- decoding ------------------------------------------------------------------
 

@@ -162,6 +162,8 @@ class EagleDrafter(nnx.Module):
         # the full vocabulary (no draft vocabulary).
         self.calibration: tuple[float, ...] | None = None
         self.calibration_greedy: tuple[float, ...] | None = None
+        self.calibration_bias: tuple[float, ...] | None = None
+        self.calibration_greedy_bias: tuple[float, ...] | None = None
         self.draft_vocab: tuple[int, ...] | None = None
 
     # -- layer pieces --------------------------------------------------------------------
@@ -205,13 +207,13 @@ class EagleDrafter(nnx.Module):
 
     # -- export metadata -----------------------------------------------------------------
 
-    def set_calibration(self, temperatures, greedy: bool = False) -> None:
+    def set_calibration(self, temperatures, greedy: bool = False, bias=None) -> None:
         """Only ``None`` is accepted (there is no confidence head to calibrate).
 
         Raises:
           ValueError: temperatures given.
         """
-        if temperatures is not None:
+        if temperatures is not None or bias is not None:
             raise ValueError("this drafter has no confidence head to calibrate")
 
     def set_draft_vocab(self, ids) -> None:

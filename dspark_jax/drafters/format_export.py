@@ -7,7 +7,7 @@ never approximated. :func:`export_to_format` writes ``config.json`` + ``model.sa
 those loaders expect them (``sample_from_anchor`` and ``draft_vocab_size`` always written: a
 speculators config without ``sample_from_anchor`` is served in the wrong layout by older vLLM),
 taking the embedding / LM-head copies and the restricted ``lm_head`` from the target, plus
-``dspark_jax.json`` beside them: the calibration temperatures (engines ignore the file; vLLM
+``dspark_jax.json`` beside them: the calibration temperatures and biases (engines ignore the file; vLLM
 calibrates online) and the drafter's own config.
 """
 
@@ -302,6 +302,8 @@ def export_to_format(
         "format": f"{fmt} export of a dspark_jax drafter",
         "calibration": list(drafter.calibration) if drafter.calibration else None,
         "calibration_greedy": list(drafter.calibration_greedy) if drafter.calibration_greedy else None,
+        "calibration_bias": list(drafter.calibration_bias) if drafter.calibration_bias else None,
+        "calibration_greedy_bias": list(drafter.calibration_greedy_bias) if drafter.calibration_greedy_bias else None,
         "config": cfg.to_dict(),
         "params": int(sum(np.size(x) for x in _leaves(drafter))),
     }

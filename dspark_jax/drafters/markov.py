@@ -18,9 +18,9 @@ backbone hidden state ``h_k`` and a state carried along the block) into the embe
 
 :func:`sample_block` samples ``x_1..x_gamma`` left to right with ``lax.scan`` (one row lookup
 and one ``r x N`` matvec per step) plus the confidence head ``c_k = sigmoid(w . [h_k ; e_k] + b)``
-(step 4), divided per position by the calibration temperature ``T_k`` before the sigmoid
-(sequential temperature scaling, :mod:`dspark_jax.training.calibration`); the temperatures
-never touch the sampled tokens.
+(step 4), divided per position by the calibration temperature ``T_k`` and shifted by its bias
+``b_k`` before the sigmoid (:mod:`dspark_jax.training.calibration`); the calibration never
+touches the sampled tokens.
 """
 
 from __future__ import annotations
@@ -207,19 +207,22 @@ def build_markov_head(cfg: DrafterConfig, rngs: nnx.Rngs, dtype=jnp.float32) -> 
     return MARKOV_HEAD_TYPES[cfg.markov_head](cfg, rngs, dtype)
 
 
-def _confidence_temperatures(
+def _confidence_calibration(
     drafter: BlockDrafter, sampling: SamplingArrays, conf_temperature: jax.Array | None, g: int, b: int
-) -> jax.Array:
-    """``[block_size, B]`` float32 temperatures of each position and row (:func:`sample_block`)."""
+) -> tuple[jax.Array, jax.Array | None]:
+    """``[block_size, B]`` float32 temperatures and biases (None: no bias) of each position and
+    row (:func:`sample_block`)."""
     if conf_temperature is not None:
-        return jnp.broadcast_to(jnp.asarray(conf_temperature, jnp.float32)[:, None], (g, b))
+        return jnp.broadcast_to(jnp.asarray(conf_temperature, jnp.float32)[:, None], (g, b)), None
     # Per row: the greedy fit for rows at T = 0.
-    row_greedy = jnp.broadcast_to(jnp.asarray(sampling.temperature) <= 0.0, (b,))
-    return jnp.where(
-        row_greedy[None, :],
-        drafter.confidence_temperatures(greedy=True)[:, None],
-        drafter.confidence_temperatures()[:, None],
+    row_greedy = jnp.broadcast_to(jnp.asarray(sampling.temperature) <= 0.0, (b,))[None, :]
+    temps = jnp.where(
+        row_greedy, drafter.confidence_temperatures(greedy=True)[:, None], drafter.confidence_temperatures()[:, None]
     )
+    bias, bias_greedy = drafter.confidence_biases(), drafter.confidence_biases(greedy=True)
+    if bias is None or bias_greedy is None:
+        return temps, None
+    return temps, jnp.where(row_greedy, bias_greedy[:, None], bias[:, None])
 
 
 def _draws(ids: jax.Array | None, vocab: int, sampling: SamplingArrays):
@@ -271,10 +274,11 @@ def sample_block(
       sampling: per-row temperature / top-k / top-p, the same processing the
         verifier applies to the target's logits.
       conf_temperature: optional ``[block_size]`` per-position confidence temperatures
-        ``T_k`` (``c_k = sigmoid(z_k / T_k)``); default: the drafter's own
-        calibration (``drafter.calibration``; ``drafter.calibration_greedy`` for
-        rows at temperature 0 when it has one), ones when it has none. Only the
-        confidences change, never the tokens or ``probs``.
+        ``T_k`` (``c_k = sigmoid(z_k / T_k)``, no bias); default: the drafter's own
+        calibration (``c_k = sigmoid(z_k / T_k + b_k)`` with ``drafter.calibration`` and
+        ``drafter.calibration_bias``; the greedy ones for rows at temperature 0 when it has
+        them), ones and no bias when it has none. Only the confidences change, never the
+        tokens or ``probs``.
       step_keys: optional ``[B, block_size, 2]`` uint32 keys, one per draft position,
         used instead of ``fold_in(keys, k)`` (``keys`` is then ignored). The serving
         engine passes the keys the target samples the same positions with, which
@@ -290,7 +294,7 @@ def sample_block(
     hidden = jnp.swapaxes(block.hidden, 0, 1)  # [block_size, B, d]
     logits = jnp.swapaxes(block.logits, 0, 1)  # [block_size, B, V]
     steps = jnp.arange(hidden.shape[0], dtype=jnp.uint32)
-    temps = _confidence_temperatures(drafter, sampling, conf_temperature, hidden.shape[0], hidden.shape[1])
+    temps, biases = _confidence_calibration(drafter, sampling, conf_temperature, hidden.shape[0], hidden.shape[1])
     if step_keys is None:
         step_keys = jax.vmap(lambda k: jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, k), out_axes=1)(steps)
     step_keys = jnp.swapaxes(step_keys, 0, 1)  # [block_size, B, 2]
@@ -301,17 +305,17 @@ def sample_block(
 
     def step(carry, xs):
         prev, state = carry
-        h, u, kk, t = xs
+        h, u, kk, t, cb = xs
         state, e, bias = drafter.markov_step(state, prev, h)
         x, q = jax.lax.cond(all_greedy, greedy, sampled, u + bias, kk)
         if ids is not None:
             x = ids[x]  # target ids; q stays [B, N] until the scan is done
         z = drafter.confidence_logit(h, e)
-        c = jax.nn.sigmoid(z / t)  # t: [B]
+        c = jax.nn.sigmoid(z / t if cb is None else z / t + cb)  # t, cb: [B]
         return (x, state), (x, q, c, z)
 
     init = (anchors.astype(jnp.int32), drafter.markov_init(anchors.shape))
-    _, (tokens, probs, conf, zs) = jax.lax.scan(step, init, (hidden, logits, step_keys, temps))
+    _, (tokens, probs, conf, zs) = jax.lax.scan(step, init, (hidden, logits, step_keys, temps, biases))
     if ids is not None:
         probs = drafter.to_target_probs(probs)  # [block_size, B, V], exact zeros off the draft vocabulary
     sw = lambda a: jnp.swapaxes(a, 0, 1)

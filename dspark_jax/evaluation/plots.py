@@ -84,7 +84,10 @@ def _plot_reliability(plt: Any, ev: dict[str, Any]) -> Any:
     dec = cal.get("decode") or {}
     fig, (ax, axh) = plt.subplots(2, 1, figsize=(5.6, 6.4), dpi=110, gridspec_kw={"height_ratios": [3, 1]}, sharex=True)
     ax.plot([0, 1], [0, 1], "--", color="gray", lw=1, label="perfect calibration")
-    styles = {"before": ("#C44E52", "raw confidence head"), "after": ("#55A868", "calibrated (export temperatures)")}
+    styles = {
+        "before": ("#C44E52", "raw confidence head"),
+        "after": ("#55A868", "calibrated (export temperatures and biases)"),
+    }
     for name, (color, label) in styles.items():
         rep = dec.get(name)
         if not rep:

@@ -8,7 +8,7 @@ measure how well they match the observed survival, both for the held-out fit of
 
 Survival, ``[N, block_size]`` arrays over blocks (or decoding rounds) and positions:
 
-* predicted: ``prod_{i<=k} sigmoid(z_i / T_i)`` (:func:`predicted_survival`);
+* predicted: ``prod_{i<=k} sigmoid(z_i / T_i + b_i)`` (:func:`predicted_survival`);
 * expected: ``prod_{i<=k} (1 - TV_i)``, the exact probability that the prefix 1..k is
   accepted (:func:`expected_survival`);
 * sampled: ``prod_{i<=k} 1[u_i < 1 - TV_i]``, ``u_i ~ U(0, 1)`` (:func:`sampled_survival`).
@@ -65,11 +65,17 @@ def sampled_survival(accept: np.ndarray, valid: np.ndarray, seed: int = 0) -> np
     return (np.cumprod(u < accept, axis=1) & valid).astype(np.float64)
 
 
-def predicted_survival(z: np.ndarray, temperatures: Sequence[float] | np.ndarray | None = None) -> np.ndarray:
-    """``[N, block_size]`` predicted cumulative survival ``prod_{i<=k} sigmoid(z_i / T_i)``."""
+def predicted_survival(
+    z: np.ndarray,
+    temperatures: Sequence[float] | np.ndarray | None = None,
+    biases: Sequence[float] | np.ndarray | None = None,
+) -> np.ndarray:
+    """``[N, block_size]`` predicted cumulative survival ``prod_{i<=k} sigmoid(z_i / T_i + b_i)``
+    (temperatures 1 and biases 0 where None)."""
     z = np.asarray(z, np.float64)
     t = np.ones(z.shape[-1]) if temperatures is None else np.asarray(temperatures, np.float64)
-    return np.cumprod(sigmoid(z / t), axis=-1)
+    b = np.zeros(z.shape[-1]) if biases is None else np.asarray(biases, np.float64)
+    return np.cumprod(sigmoid(z / t + b), axis=-1)
 
 
 # ======================================================================================
@@ -221,16 +227,20 @@ def rounds_survival(rounds: Sequence[dict[str, np.ndarray]], block_size: int) ->
 
 
 def decode_reliability(
-    rounds: Sequence[dict[str, np.ndarray]], block_size: int, temperatures: Sequence[float] | None, n_bins: int = N_BINS
+    rounds: Sequence[dict[str, np.ndarray]],
+    block_size: int,
+    temperatures: Sequence[float] | None,
+    n_bins: int = N_BINS,
+    biases: Sequence[float] | None = None,
 ) -> dict[str, Any]:
     """Calibration of the cumulative survival observed during decoding.
 
-    Predicted ``a_k = prod_{i<=k} sigmoid(z_i / T_i)`` of each round's draft against
+    Predicted ``a_k = prod_{i<=k} sigmoid(z_i / T_i + b_i)`` of each round's draft against
     the binary outcome "positions 1..k all accepted", over the verified positions.
 
     Returns:
       ``{"num_rounds", "before": metrics+reliability (raw head), "after": ... (with
-      ``temperatures``; absent when None)}``.
+      ``temperatures`` and ``biases`` (None: 0); absent when ``temperatures`` is None)}``.
     """
     z, y, valid = rounds_survival(rounds, block_size)
     out: dict[str, Any] = {
@@ -243,7 +253,7 @@ def decode_reliability(
     for name, t in (("before", None), ("after", temperatures)):
         if name == "after" and t is None:
             continue
-        pred = predicted_survival(z, t)
+        pred = predicted_survival(z, t, biases if name == "after" else None)
         rep = metrics(pred, valid, y, None, n_bins)
         rep["reliability"] = reliability(pred[valid], y[valid], n_bins)
         out[name] = rep

@@ -30,8 +30,8 @@ class EngineConfig:
         ``R`` rows the compiled budgets are ``R`` (plain step) and ``min(k, R * (block_size + 1))``
         for every ``k > R`` here (``fixed:G`` uses exactly ``R * (G + 1)``).
       eos_token_ids: extra ids that end every request (the target's EOS ids always do).
-      seed_calibration: start online calibration from the drafter's offline temperatures
-        instead of ones.
+      seed_calibration: start online calibration from the drafter's offline temperatures and
+        biases (``DSparkDrafter.calibration``, ``calibration_bias``) instead of ones and zeros.
       profile_iters: timed iterations per bucket when profiling the SPS table.
       profile_spans: attention spans [tokens] the SPS table is profiled at (whole KV blocks;
         None: one block); the planner uses the nearest profiled span at or above the rows'

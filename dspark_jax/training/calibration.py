@@ -2,10 +2,11 @@
 
 docs/design.md#confidence-head, docs/design.md#calibration and docs/design.md#metrics. The scheduler
 multiplies confidences into survival probabilities ``a_k = c_1 ... c_k``, so they must
-mean what they say. After training, each block position k gets one temperature
-``T_k`` (``c_k = sigmoid(z_k / T_k)``, ``z_k`` the raw confidence logit), fit left to
-right on held-out data so that the *cumulative* survival ``a_k`` matches the observed
-survival, earlier temperatures held fixed. Scaling never reorders the scores of a
+mean what they say. After training, each block position k gets a temperature ``T_k`` and a
+logit bias ``b_k`` (``c_k = sigmoid(z_k / T_k + b_k)``, ``z_k`` the raw confidence logit;
+``b_k = 0`` with :attr:`CalibrationSettings.bias` off: the paper's temperature scaling), fit left
+to right on held-out data so that the *cumulative* survival ``a_k`` matches the observed
+survival, earlier positions held fixed. Scaling never reorders the scores of a
 position, so the ranking the head learned survives.
 
 Data (:func:`collect`): the drafter runs teacher-forced on held-out target-generated
@@ -31,13 +32,15 @@ The metrics (ECE, AUROC, Brier, reliability tables) and the survival helpers liv
 :mod:`dspark_jax.evaluation.reliability`, shared with the decode-time reliability of
 ``python -m dspark_jax.eval``.
 
-At decode time the temperatures stored in the export's ``calibration`` field are
-installed on the drafter by :func:`~dspark_jax.drafters.checkpoint.load_drafter` and applied by
+At decode time the temperatures and biases stored in the export's ``calibration`` /
+``calibration_bias`` fields are installed on the drafter by
+:func:`~dspark_jax.drafters.checkpoint.load_drafter` and applied by
 :func:`~dspark_jax.drafters.markov.sample_block` (confidences only; tokens are unchanged).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -50,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.drafters.checkpoint import read_export_meta
+from dspark_jax.drafters.checkpoint import EXPORT_FORMATS, FORMAT, read_export_meta
 from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.evaluation.reliability import (
@@ -64,18 +67,29 @@ from dspark_jax.evaluation.reliability import (
 )
 from dspark_jax.models.target import Target
 from dspark_jax.training.data import heldout_sequences
-from dspark_jax.training.temperature_scaling import T_BOUNDS, CalibrationData, decode_weights, fit_temperatures
+from dspark_jax.training.temperature_scaling import (
+    B_BOUNDS,
+    T_BOUNDS,
+    CalibrationData,
+    CalibrationSettings,
+    decode_weights,
+    fit_calibration,
+    fit_temperatures,
+)
 
 __all__ = [
+    "B_BOUNDS",
     "T_BOUNDS",
     "BlockTerms",
     "CalibrationData",
+    "CalibrationSettings",
     "block_terms",
     "calibrate_export",
     "calibrate_training_run",
     "collect",
     "decode_weights",
     "fit_and_store_calibration",
+    "fit_calibration",
     "fit_temperatures",
     "survival_report",
 ]
@@ -117,11 +131,11 @@ def _terms_from_features(
     drafter: DSparkDrafter, target: Target, feats, t_logits, tokens, lengths, anchors, temperature: float
 ) -> BlockTerms:
     """The block part of :func:`block_terms` given the target pass (features, logits)."""
-    g = drafter.cfg.block_size
+    block_size = drafter.cfg.block_size
     block = drafter.train_blocks(target, feats, tokens, anchors)
-    k = jnp.arange(g, dtype=jnp.int32)
+    k = jnp.arange(block_size, dtype=jnp.int32)
     src = anchors[..., None] + k  # position whose next token is predicted
-    valid = (src + 1) < lengths[:, None, None]  # [B, A, g]
+    valid = (src + 1) < lengths[:, None, None]  # [B, A, block_size]
     src_c = jnp.minimum(src, tokens.shape[1] - 1)
     bidx = jnp.arange(tokens.shape[0])[:, None, None]
     prev = tokens[bidx, src_c]  # teacher forcing: x_{k-1} is the true token
@@ -207,9 +221,9 @@ def collect(
     lengths = np.asarray(data["lengths"], np.int32)
     plens = np.asarray(data["prompt_lengths"], np.int32)
     n, length = tokens.shape
-    g, v = drafter.cfg.block_size, drafter.cfg.vocab_size
+    block_size, v = drafter.cfg.block_size, drafter.cfg.vocab_size
     cand = np.arange(0, max(length - 1, 1), max(1, int(anchor_stride)), dtype=np.int32)
-    per_anchor = batch_size * g * (4 * v * 4 + drafter.cfg.num_heads * (length + g) * 8)
+    per_anchor = batch_size * block_size * (4 * v * 4 + drafter.cfg.num_heads * (length + block_size) * 8)
     chunk = int(max(1, min(len(cand), memory_budget_mb * 2**20 // max(per_anchor, 1))))
     t_graph, t_state = nnx.split(target)
     d_graph, d_state = nnx.split(drafter)
@@ -260,15 +274,16 @@ def collect(
 def survival_report(
     data: CalibrationData,
     temperatures: Sequence[float] | np.ndarray | None,
+    biases: Sequence[float] | np.ndarray | None = None,
     *,
     seed: int = 0,
     n_bins: int = N_BINS,
 ) -> dict[str, Any]:
-    """Metrics of the predicted cumulative survival (with ``temperatures``, or raw when None)
-    against the expected survival (ECE/Brier) and sampled outcomes (AUROC, ``*_sampled``)."""
+    """Metrics of the predicted cumulative survival (with ``temperatures`` and ``biases``, or raw
+    when None) against the expected survival (ECE/Brier) and sampled outcomes (AUROC, ``*_sampled``)."""
     exp_s = expected_survival(data.accept, data.valid)
     smp_s = sampled_survival(data.accept, data.valid, seed)
-    pred = predicted_survival(data.z, temperatures)
+    pred = predicted_survival(data.z, temperatures, biases)
     out = metrics(pred, data.valid, exp_s, smp_s, n_bins)
     out["reliability"] = reliability(pred[data.valid], exp_s[data.valid], n_bins)
     return out
@@ -282,6 +297,12 @@ _METHOD = (
     "held-out sequences (earlier T fixed) minimising the {loss} of the predicted cumulative survival "
     "prod_{{i<=k}} c_i against the {fit_on} observed survival; log T searched in [{lo}, {hi}] "
     "(grid + golden section)"
+)
+_METHOD_BIAS = (
+    "sequential Platt scaling: c_k = sigmoid(z_k / T_k + b_k), (T_k, b_k) fit left to right on "
+    "held-out sequences (earlier positions fixed) minimising the {loss} of the predicted cumulative "
+    "survival prod_{{i<=k}} c_i against the {fit_on} observed survival; log T searched in [{lo}, {hi}], "
+    "b in [{blo}, {bhi}] for each log T (grid + golden section)"
 )
 _OBSERVED = (
     "teacher-forced on held-out target-generated sequences; acceptance probability 1 - TV between "
@@ -301,69 +322,55 @@ def fit_and_store_calibration(
     drafter: DSparkDrafter,
     heldout_data: dict[str, np.ndarray],
     export_dir: str | Path | None,
-    *,
-    fit_fraction: float = 0.5,
-    temperature: float = 1.0,
-    fit_on: str = "expected",
-    loss: str = "brier",
-    seed: int = 0,
-    n_bins: int = N_BINS,
-    batch_size: int = 8,
-    anchor_stride: int = 1,
-    weighting: str = "decode",
+    settings: CalibrationSettings = CalibrationSettings(),
 ) -> dict[str, Any]:
-    """Fits per-position confidence temperatures and stores them in an export.
+    """Fits per-position confidence temperatures (and biases) and stores them in an export.
 
-    The held-out sequences are split by sequence into a fit part (``fit_fraction``)
-    and a test part; temperatures are fit on the fit part, before/after metrics are
+    The held-out sequences are split by sequence into a fit part (``settings.fit_fraction``)
+    and a test part; the calibration is fit on the fit part, before/after metrics are
     reported on the test part (headline) and on the fit part. With fewer than two
     sequences both parts are all of them.
 
     Args:
       target / drafter: the frozen target and the trained drafter (its
-        :attr:`~dspark_jax.drafters.dspark.DSparkDrafter.calibration` is set to the fit).
+        :attr:`~dspark_jax.drafters.dspark.DSparkDrafter.calibration` and ``calibration_bias``
+        are set to the fit; the greedy ones for a fit at temperature 0).
       heldout_data: sequences never seen in training (``tokens``, ``lengths``,
         ``prompt_lengths``; see :func:`~dspark_jax.training.data.heldout_sequences`).
-      export_dir: export whose ``drafter.json`` gets ``calibration`` (the
-        temperatures) and ``extra.calibration`` (pooled before/after metrics);
-        ``None`` writes nothing.
-      temperature: acceptance temperature of the labels (1 = training label; 0 = greedy
-        acceptance, argmax agreement: the fit is then stored as the drafter's greedy
-        calibration, ``calibration_greedy`` in the export, used for rows decoding at T = 0).
-      fit_on: ``"expected"`` (``prod (1 - TV)``, default) or ``"sampled"`` (0/1 draws).
-      loss: ``"brier"`` (default) or ``"nll"``.
-      weighting: ``"decode"`` (default): each fit block weighted by how often decoding would
-        verify it (:func:`decode_weights`; needs ``anchor_stride`` 1), so the confidences are
-        calibrated for the blocks decoding actually drafts; ``"uniform"``: every anchor alike.
+      export_dir: export whose ``drafter.json`` gets ``calibration`` (the temperatures),
+        ``calibration_bias`` (the biases) and ``extra.calibration`` (pooled before/after
+        metrics); ``None`` writes nothing.
+      settings: :class:`CalibrationSettings`.
     Returns:
-      report dict: ``temperatures``, ``before`` / ``after`` (test part: pooled and
+      report dict: ``temperatures``, ``biases``, ``before`` / ``after`` (test part: pooled and
       per-position ECE, AUROC, Brier + reliability table), ``fit_split`` (pooled
       before/after on the fit part), sizes, method and timing.
     Raises:
       DSparkInputError: drafter without confidence head, no usable held-out data,
         or ``export_dir`` is not an export.
     """
-    if fit_on not in ("expected", "sampled"):
-        raise ValueError(f"fit_on must be 'expected' or 'sampled', got {fit_on!r}")
-    if weighting not in ("decode", "uniform") or (weighting == "decode" and anchor_stride != 1):
-        raise ValueError(f"weighting must be 'decode' (with anchor_stride 1) or 'uniform', got {weighting!r}")
+    st = settings
     t0 = time.perf_counter()
     meta = read_export_meta(export_dir) if export_dir is not None else None
     data = collect(
-        target, drafter, heldout_data, batch_size=batch_size, anchor_stride=anchor_stride, temperature=temperature
+        target,
+        drafter,
+        heldout_data,
+        batch_size=st.batch_size,
+        anchor_stride=st.anchor_stride,
+        temperature=st.temperature,
     )
-    fit, test = _split_by_sequence(data, fit_fraction, seed)
+    fit, test = _split_by_sequence(data, st.fit_fraction, st.seed)
     obs = (
         expected_survival(fit.accept, fit.valid)
-        if fit_on == "expected"
-        else sampled_survival(fit.accept, fit.valid, seed + 1)
+        if st.fit_on == "expected"
+        else sampled_survival(fit.accept, fit.valid, st.seed + 1)
     )
-    weights = decode_weights(fit) if weighting == "decode" else None
-    temps = fit_temperatures(fit.z, obs, fit.valid, loss=loss, weights=weights)
-    report = _fit_report(fit, test, temps, temperature=temperature, fit_on=fit_on, loss=loss, seed=seed, n_bins=n_bins)
-    report["weighting"] = weighting
-    greedy = temperature <= 0
-    drafter.set_calibration(report["temperatures"], greedy=greedy)
+    weights = decode_weights(fit) if st.weighting == "decode" else None
+    temps, biases = fit_calibration(fit.z, obs, fit.valid, loss=st.loss, weights=weights, bias=st.fits_bias)
+    report = _fit_report(fit, test, temps, biases if st.fits_bias else None, st)
+    greedy = st.temperature <= 0
+    drafter.set_calibration(report["temperatures"], greedy=greedy, bias=report["biases"])
     if meta is not None and export_dir is not None:
         _store_in_export(meta, export_dir, report, greedy=greedy)
     report["seconds"] = round(time.perf_counter() - t0, 2)
@@ -385,46 +392,49 @@ def _split_by_sequence(
 
 
 def _fit_report(
-    fit: CalibrationData,
-    test: CalibrationData,
-    temps: np.ndarray,
-    *,
-    temperature: float,
-    fit_on: str,
-    loss: str,
-    seed: int,
-    n_bins: int,
+    fit: CalibrationData, test: CalibrationData, temps: np.ndarray, biases: np.ndarray | None, st: CalibrationSettings
 ) -> dict[str, Any]:
     """The report of :func:`fit_and_store_calibration` (without ``seconds``): before/after
-    metrics of ``temps [block_size]`` on the test part, pooled before/after on the fit part."""
-    before, after = (
-        survival_report(test, None, seed=seed, n_bins=n_bins),
-        survival_report(test, temps, seed=seed, n_bins=n_bins),
-    )
+    metrics of ``temps`` / ``biases`` ``[block_size]`` (None: zero) on the test part, pooled
+    before/after on the fit part."""
+
+    def report(data: CalibrationData, t=None, b=None) -> dict[str, Any]:
+        return survival_report(data, t, b, seed=st.seed, n_bins=st.n_bins)
+
+    method = _METHOD_BIAS if biases is not None else _METHOD
     return {
         "temperatures": [float(t) for t in temps],
-        "method": _METHOD.format(loss=loss, fit_on=fit_on, lo=T_BOUNDS[0], hi=T_BOUNDS[1]),
-        "observed": _OBSERVED.format(t=temperature),
-        "acceptance_temperature": temperature,
-        "fit_on": fit_on,
-        "loss": loss,
-        "n_bins": n_bins,
+        "biases": None if biases is None else [float(b) for b in biases],
+        "method": method.format(
+            loss=st.loss, fit_on=st.fit_on, lo=T_BOUNDS[0], hi=T_BOUNDS[1], blo=B_BOUNDS[0], bhi=B_BOUNDS[1]
+        ),
+        "observed": _OBSERVED.format(t=st.temperature),
+        "acceptance_temperature": st.temperature,
+        "fit_on": st.fit_on,
+        "loss": st.loss,
+        "weighting": st.weighting,
+        "n_bins": st.n_bins,
         "num_sequences": {"fit": int(len(np.unique(fit.seq))), "test": int(len(np.unique(test.seq)))},
         "num_blocks": {"fit": int(fit.z.shape[0]), "test": int(test.z.shape[0])},
-        "before": before,
-        "after": after,
+        "before": report(test),
+        "after": report(test, temps, biases),
         "fit_split": {
-            "before": _compact(survival_report(fit, None, seed=seed, n_bins=n_bins)),
-            "after": _compact(survival_report(fit, temps, seed=seed, n_bins=n_bins)),
+            "before": _compact(report(fit)),
+            "after": _compact(report(fit, temps, biases)),
         },
     }
 
 
 def _store_in_export(meta: dict[str, Any], export_dir: str | Path, report: dict[str, Any], *, greedy: bool) -> None:
     """Writes the fit into the export's ``drafter.json``: the temperatures as ``calibration``
-    (``calibration_greedy`` for a greedy fit) and pooled before/after metrics under ``extra``."""
+    and the biases as ``calibration_bias`` (``calibration_greedy`` / ``calibration_greedy_bias``
+    for a greedy fit; None: no bias) and pooled before/after metrics under ``extra``. The export
+    is marked with the current format (the one that reads the biases; the parameters are alike)."""
     key = "calibration_greedy" if greedy else "calibration"
     meta[key] = report["temperatures"]
+    meta[f"{key}_bias"] = report["biases"]
+    if meta.get("format") in EXPORT_FORMATS:
+        meta["format"] = FORMAT
     meta.setdefault("extra", {})[key] = {
         "method": report["method"],
         "acceptance_temperature": report["acceptance_temperature"],
@@ -475,7 +485,7 @@ def calibrate_export(
     batch_size: int = 64,
     source: str = "target continuations of held-out prompts",
 ) -> dict[str, Any]:
-    """Fits the confidence temperatures of an export on the target's continuations of
+    """Fits the confidence temperatures and biases of an export on the target's continuations of
     ``prompt_ids`` and stores them in the export (both regimes).
 
     The target continues every prompt twice, sampled at T = 1 (the 1 - TV fit used by sampled
@@ -487,12 +497,13 @@ def calibrate_export(
     Args:
       target / drafter: the target and the exported drafter (its confidence head is fitted).
       prompt_ids: token ids of the held-out prompts.
-      export_dir: the export (``calibration`` / ``calibration_greedy`` are rewritten).
+      export_dir: the export (``calibration`` / ``calibration_greedy`` and their ``_bias`` lists
+        are rewritten).
       report_path: where the full report (JSON) is written.
       max_new_tokens / seq_len: continuation / stored length [tokens]; seed; batch_size; source:
         a description of the prompts for the report.
     Returns:
-      compact summary: temperatures, pooled ECE / AUROC / Brier before and after, sizes, seconds.
+      compact summary: temperatures, biases, pooled ECE / AUROC / Brier before and after, sizes, seconds.
     Raises:
       DSparkInputError: no prompt, or the export cannot take a calibration.
     """
@@ -512,11 +523,15 @@ def calibrate_export(
             batch_size=batch_size,
         )
 
-    rep = fit_and_store_calibration(target, drafter, continuations(1.0), export_dir, seed=seed)
+    st = CalibrationSettings(seed=seed)
+    rep = fit_and_store_calibration(target, drafter, continuations(1.0), export_dir, st)
     greedy_data = continuations(0.0)
-    rep_greedy = fit_and_store_calibration(target, drafter, greedy_data, export_dir, seed=seed, temperature=0.0)
+    rep_greedy = fit_and_store_calibration(
+        target, drafter, greedy_data, export_dir, dataclasses.replace(st, temperature=0.0)
+    )
     rep["greedy"] = {
         "temperatures": rep_greedy["temperatures"],
+        "biases": rep_greedy["biases"],
         "before": _compact(rep_greedy["before"]),
         "after": _compact(rep_greedy["after"]),
     }
@@ -528,17 +543,17 @@ def calibrate_export(
         "continuations": "sampled at T=1 for the T=1 fit, greedy for the greedy fit",
     }
     rep["seconds"] = round(time.perf_counter() - t0, 2)
-    rep = jsonable(rep)
+    return _write_report(jsonable(rep), report_path)
+
+
+def _write_report(rep: dict[str, Any], report_path: str | Path) -> dict[str, Any]:
+    """Writes :func:`calibrate_export`'s full report; returns its compact summary."""
     Path(report_path).parent.mkdir(parents=True, exist_ok=True)
     Path(report_path).write_text(json.dumps(rep, indent=2))
+    keys = ("temperatures", "biases", "greedy", "num_sequences", "num_blocks", "acceptance_temperature", "seconds")
     return {
-        "temperatures": rep["temperatures"],
+        **{k: rep[k] for k in keys},
         "before": _compact(rep["before"]),
         "after": _compact(rep["after"]),
-        "greedy": rep["greedy"],
-        "num_sequences": rep["num_sequences"],
-        "num_blocks": rep["num_blocks"],
-        "acceptance_temperature": rep["acceptance_temperature"],
-        "seconds": rep["seconds"],
         "report": str(report_path),
     }

@@ -99,15 +99,13 @@ class Engine(EngineInterface):
 
     Args:
       target: the target model.
-      drafter: a DSpark/DFlash drafter for it (None: only the ``"plain"`` policy); its
-        decode-time state is installed for ``target``
-        (:func:`~dspark_jax.drafters.base.prepare_drafter`).
+      drafter: a DSpark/DFlash drafter for it (None: only the ``"plain"`` policy); its decode-time
+        state is installed for ``target`` (:func:`~dspark_jax.drafters.base.prepare_drafter`).
       config: the :class:`~dspark_jax.serving.config.EngineConfig` (sizes, policy,
         buckets, verification, chunked prefill, ...; its defaults are the server's).
-      sps_table: the SPS table, a :class:`~dspark_jax.decoding.cost_table.CostTable` (or a path to
-        one, :meth:`~dspark_jax.decoding.cost_table.CostTable.load`); reused when it was measured
-        for this device, model, drafter and shape and covers every bucket at every profiled span,
-        else re-profiled.
+      sps_table: the SPS table, a :class:`~dspark_jax.decoding.cost_table.CostTable` (or a path to one,
+        :meth:`~dspark_jax.decoding.cost_table.CostTable.load`); reused when it was measured for this
+        device, model, drafter and shape and covers every bucket at every profiled span, else re-profiled.
       mesh: tensor-parallel serving (docs/design.md#device-mesh): a
         :class:`jax.sharding.Mesh` or a spec such as ``"model:8"``; weights, KV caches and
         programs are sharded over ``model`` (:class:`~dspark_jax.serving.engine.device.EngineDevice`),
@@ -183,9 +181,11 @@ class Engine(EngineInterface):
             cache=self.program_cache,
         )
         self.mesh = self.device.mesh
-        init = drafter.calibration if (drafter is not None and c.seed_calibration) else None
-        self.calibrator = OnlineCalibrator(
-            max(self.block_size, 1), init, window=c.calibration_window, lr=c.calibration_lr
+        self.calibrator = OnlineCalibrator.seeded(
+            max(self.block_size, 1),
+            drafter if c.seed_calibration else None,
+            window=c.calibration_window,
+            lr=c.calibration_lr,
         )
         self.slots = SlotTable(self.num_slots)
         self._warm = False

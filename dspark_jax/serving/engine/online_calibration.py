@@ -1,8 +1,9 @@
 """Online calibration of the drafter's confidences while serving.
 
 docs/design.md#online-calibration: the scheduler trusts the predicted
-acceptance ``c_k = sigmoid(z_k / T_k)`` of every block position ``k``. Traffic drifts away
-from the held-out data the offline temperatures were fit on, so the engine keeps, per
+acceptance ``c_k = sigmoid(z_k / T_k + b_k)`` of every block position ``k`` (``b_k`` the offline
+calibration's logit bias, held fixed here). Traffic drifts away
+from the held-out data the offline calibration was fit on, so the engine keeps, per
 position, the last ``window`` verification outcomes (raw confidence logit ``z``, and whether
 position ``k`` was accepted given that verification reached it) and after every step nudges
 ``T_k`` by a small multiplicative step against the gradient of the window's binary
@@ -12,10 +13,10 @@ cross-entropy:
 
 with the step clipped to ``+-max_step`` (relative) and ``T_k`` to ``[t_min, t_max]``.
 Overconfident predictions (``c > y`` on average with ``z > 0``) raise ``T_k``, which pulls
-``c_k`` towards 1/2; underconfident ones lower it.
+``c_k`` towards ``sigmoid(b_k)``; underconfident ones lower it.
 
-Temperature scaling cannot bring a positive logit below 1/2: a drafter whose confidence head is
-positive on traffic it mostly gets wrong stays overconfident at any ``T_k`` (SmolLM2-135M,
+A temperature cannot move ``z / T_k + b_k`` across 0 where it has the sign of ``b_k``: a drafter
+whose confidence head is positive on traffic it mostly gets wrong stays overconfident at any ``T_k`` (SmolLM2-135M,
 MT-Bench: predicted 0.52 against 0.30 observed at position 1 after 2,048 observations). So the
 confidence the scheduler reads is also scaled by the window's observed over predicted acceptance
 per position, ``c_k * rho_k`` (:func:`~dspark_jax.decoding.auto_verify.acceptance_ratio`, the
@@ -44,6 +45,7 @@ class OnlineCalibrator:
     Args:
       block_size: block positions ``G`` (the drafter's block size).
       init: initial temperatures ``[G]`` (e.g. the drafter's offline calibration), default 1.
+      bias: the logit biases ``[G]`` of that calibration (fixed), default 0.
       window: observations kept per position (a ring buffer).
       lr: learning rate of the log-temperature update.
       max_step: largest relative change of ``T_k`` per update.
@@ -51,7 +53,7 @@ class OnlineCalibrator:
       t_min / t_max: clip range of the temperatures.
 
     Raises:
-      ValueError: bad sizes or non-positive temperatures.
+      ValueError: bad sizes, non-positive temperatures or non-finite biases.
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class OnlineCalibrator:
         block_size: int,
         init=None,
         *,
+        bias=None,
         window: int = 2048,
         lr: float = 0.05,
         max_step: float = 0.02,
@@ -71,6 +74,10 @@ class OnlineCalibrator:
         t = np.ones(block_size) if init is None else np.asarray(init, np.float64).reshape(-1)
         if t.shape != (block_size,) or not np.all((t > 0) & np.isfinite(t)):
             raise ValueError(f"need {block_size} positive finite initial temperatures, got {t}")
+        b = np.zeros(block_size) if bias is None else np.asarray(bias, np.float64).reshape(-1)
+        if b.shape != (block_size,) or not np.all(np.isfinite(b)):
+            raise ValueError(f"need {block_size} finite calibration biases, got {b}")
+        self.biases = b
         self.block_size, self.window, self.lr, self.max_step = block_size, window, lr, max_step
         self.min_obs, self.t_min, self.t_max = min_obs, t_min, t_max
         self.temperatures = t.copy()
@@ -79,9 +86,21 @@ class OnlineCalibrator:
         self._y = np.zeros((block_size, window))
         self._count = np.zeros(block_size, np.int64)  # total observations ever, per position
 
+    @classmethod
+    def seeded(cls, block_size: int, drafter=None, **kw) -> OnlineCalibrator:
+        """Starts from ``drafter``'s offline calibration of sampled rows (its ``calibration``
+        temperatures and ``calibration_bias``), or from ones and zeros when it has none or
+        ``drafter`` is None; ``kw``: the other arguments of the constructor."""
+        temps = getattr(drafter, "calibration", None)
+        return cls(block_size, temps, bias=getattr(drafter, "calibration_bias", None) if temps else None, **kw)
+
     def confidence(self, z: np.ndarray) -> np.ndarray:
-        """Calibrated confidences ``min(1, sigmoid(z_k / T_k) * rho_k)``; ``z [..., G]`` raw logits."""
-        return np.minimum(self.ratios * _sigmoid(np.asarray(z, np.float64) / self.temperatures), 1.0)
+        """Calibrated confidences ``min(1, sigmoid(z_k / T_k + b_k) * rho_k)``; ``z [..., G]`` raw logits."""
+        return np.minimum(self.ratios * self._c(np.asarray(z, np.float64), slice(None)), 1.0)
+
+    def _c(self, z: np.ndarray, pos, t=None) -> np.ndarray:
+        """``sigmoid(z / T + b)`` of position(s) ``pos`` (temperature ``t`` when given)."""
+        return _sigmoid(z / (self.temperatures[pos] if t is None else t) + self.biases[pos])
 
     def observe(self, z: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
         """Records one verification round per row.
@@ -125,11 +144,11 @@ class OnlineCalibrator:
             z, y = self._z[pos, :m], self._y[pos, :m]
             t = self.temperatures[pos]
             if m >= self.min_obs:
-                c = _sigmoid(z / t)
+                c = self._c(z, pos, t)
                 grad = float(np.mean(-(c - y) * z / t))
                 step = float(np.clip(-self.lr * grad, -self.max_step, self.max_step))
                 t = self.temperatures[pos] = float(np.clip(t * np.exp(step), self.t_min, self.t_max))
-            hits[pos], predicted[pos] = y.sum(), float(np.sum(_sigmoid(z / t)))
+            hits[pos], predicted[pos] = y.sum(), float(np.sum(self._c(z, pos, t)))
         self.ratios = acceptance_ratio(hits, predicted)
 
     def stats(self) -> dict:
@@ -142,7 +161,7 @@ class OnlineCalibrator:
             num.append(m)
             if m:
                 z, y = self._z[pos, :m], self._y[pos, :m]
-                c = np.minimum(_sigmoid(z / self.temperatures[pos]) * self.ratios[pos], 1.0)
+                c = np.minimum(self._c(z, pos) * self.ratios[pos], 1.0)
                 pred.append(float(np.mean(c)))
                 obs.append(float(np.mean(y)))
             else:

@@ -221,6 +221,23 @@ def test_online_calibration_warms_underconfident_positions():
     assert np.all(cal.confidence(np.ones(2)) > 0.8)
 
 
+def test_online_calibration_starts_from_the_offline_bias():
+    """Seeded with the offline fit's temperatures and biases, the calibrator predicts
+    ``sigmoid(z / T + b)`` and nudges only the temperatures (the bias stays)."""
+    from types import SimpleNamespace
+
+    drafter = SimpleNamespace(calibration=(2.0, 0.5), calibration_bias=(-1.0, 0.5))
+    cal = OnlineCalibrator.seeded(2, drafter, window=512, lr=0.2, max_step=0.05)
+    z = np.array([3.0, -1.0])
+    np.testing.assert_allclose(cal.confidence(z), 1 / (1 + np.exp(-(z / [2.0, 0.5] + [-1.0, 0.5]))))
+    _feed(cal, 3.0, 0.2, np.random.default_rng(8))
+    np.testing.assert_array_equal(cal.biases, [-1.0, 0.5])
+    assert np.all(np.abs(cal.confidence(np.full(2, 3.0)) - 0.2) < 0.08)
+    assert np.all(OnlineCalibrator.seeded(2, None).biases == 0) and np.all(OnlineCalibrator.seeded(2).temperatures == 1)
+    with pytest.raises(ValueError, match="biases"):
+        OnlineCalibrator(2, bias=[0.0, np.inf])
+
+
 def test_online_calibration_counts_only_reached_positions():
     cal = OnlineCalibrator(4, window=16, min_obs=1)
     cal.observe(np.zeros((2, 4)), verified=np.array([3, 4]), accepted=np.array([1, 4]))
