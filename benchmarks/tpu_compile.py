@@ -406,15 +406,18 @@ def unrolled_bytes(p: Program) -> float:
     return float(cost.get("bytes accessed", 0.0)) if cost else 0.0
 
 
-def measure(p: Program, bandwidth: float | None, costed: bool = True) -> dict[str, Any]:
-    """Memory, copies and collectives of ``p``; for a decode pass (``p.ideal_bytes``) also the bytes
-    of ``p`` compiled with its layer scan unrolled (the slow part: minutes at 36 layers)."""
+def measure(p: Program, bandwidth: float | None, costed: bool = True, hlo_to: Path | None = None) -> dict[str, Any]:
+    """Memory, copies and collectives of ``p``; for a decode pass (``p.ideal_bytes``) also its HBM
+    bytes and the bytes of ``p`` compiled with its layer scan unrolled (the slow part: minutes at
+    36 layers); ``hlo_to``: write the optimised HLO there."""
     t0 = time.perf_counter()
     exe = compile_program(p, unroll=False)
     seconds = time.perf_counter() - t0
     m = exe.memory_analysis()
     assert m is not None, "the TPU compiler gave no memory analysis"
     hlo = exe.as_text() or ""
+    if hlo_to:  # for python -m benchmarks.hlo_bytes FILE (the bytes by memory space and operand)
+        hlo_to.write_text(hlo)
     copies = cache_copies(hlo, p.cache_elements)
     nbytes = unrolled_bytes(p) if costed and p.ideal_bytes else None
     hbm = hbm_bytes(hlo)["hbm"] if p.ideal_bytes else None  # this (rolled) program's HBM bytes, from its HLO
@@ -519,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         "programs that attend through it (decode, verify, engine)",
     )
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--hlo-dir", type=Path, default=None, help="write each program's optimised HLO here")
     a = ap.parse_args(argv)
     caches = tuple(int(x) for x in a.caches.split(","))
     rows_arg = tuple(int(x) for x in a.rows.split(","))
@@ -536,7 +540,11 @@ def main(argv: list[str] | None = None) -> int:
                 r = {"topology": topo, "mesh": shd.describe(mesh), "model": spec, "backend": backend, "cache": s}
                 if cfg.num_experts:
                     r["expert_split"] = a.expert_split
-                r.update(measure(p, bw, a.bytes))
+                hlo_to = None
+                if a.hlo_dir:
+                    a.hlo_dir.mkdir(parents=True, exist_ok=True)
+                    hlo_to = a.hlo_dir / f"{topo}-{Path(spec).name}-{backend}-{p.name}-{s}.hlo".replace(":", "_")
+                r.update(measure(p, bw, a.bytes, hlo_to))
                 rows.append(r)
                 print(
                     f"# {topo} {spec} {backend} {p.name} cache {s}: compiled in {r['compile_s']:.1f}s", file=sys.stderr
