@@ -131,8 +131,10 @@ class Module:
                 if x["op"] == "while":
                     body = re.search(r"body=%([\w.-]+)", x["attrs"])
                     cond = re.search(r"condition=%([\w.-]+)", x["attrs"])
+                    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', x["attrs"])
                     if body and cond:
-                        mult[body.group(1)] = mult[c] * self._trip_count(cond.group(1))
+                        n = int(known.group(1)) if known else self._trip_count(cond.group(1))
+                        mult[body.group(1)] = mult[c] * n
                         todo.append(body.group(1))
                 for callee in re.findall(
                     r"(?:branch_computations=\{|true_computation=%|false_computation=%)([^}]*)", x["attrs"]

@@ -69,3 +69,6 @@ def test_trip_count_is_the_loop_bound_and_a_runtime_bound_counts_once():
     assert hlo_bytes.Module(HLO).multiplier == {"main": 1, "body": 4}
     runtime = HLO.replace("%n = s32[]{:S(6)} constant(4)", "%n = s32[]{:S(6)} get-tuple-element(%t), index=0")
     assert hlo_bytes.Module(runtime).multiplier["body"] == 1
+    # the GPU compiler names the count in the loop's backend config
+    known = runtime.replace("body=%body", 'body=%body, backend_config={"known_trip_count":{"n":"7"}}')
+    assert hlo_bytes.Module(known).multiplier["body"] == 7
