@@ -136,9 +136,7 @@ class Module:
                         n = int(known.group(1)) if known else self._trip_count(cond.group(1))
                         mult[body.group(1)] = mult[c] * n
                         todo.append(body.group(1))
-                for callee in re.findall(
-                    r"(?:branch_computations=\{|true_computation=%|false_computation=%)([^}]*)", x["attrs"]
-                ):
+                for callee in re.findall(_BRANCHES, x["attrs"]):
                     for name in re.findall(r"%?([\w.-]+)", callee):
                         if name in self.comps and name not in mult:
                             mult[name] = mult[c]
