@@ -33,13 +33,20 @@ each device's experts only those a pass may route to: ``k`` a token, at most the
 holds (:meth:`Builder.active_weight_bytes`), under the project's rule (each expert's hidden units
 over ``model``) or with ``--expert-split experts`` (the experts over ``model``, expert parallel).
 
-``cost_analysis()`` counts a ``while`` body once, so the bytes come from a second compile of the
-same program with the layer scan unrolled (``jax.lax.scan(unroll=True)`` while tracing); the
-attention's loop over 256-key blocks stays a loop with a runtime trip count, counted once: the
-bytes are those of a live length of one block (256 positions), which is the live length the ideal
-uses. For a mixture-of-experts target the unrolled layers take their weights by an index the
+Two byte counts are reported against the ideal. ``hbm_vs_ideal`` (the one the goals use) reads the
+HBM traffic of the program as compiled, rolled layer loop and all, from its optimised HLO
+(:func:`benchmarks.hlo_bytes.hbm_bytes`): operands and results in HBM (memory space 0), each
+``while`` body times its trip count. ``bytes_vs_ideal`` is libtpu's ``cost_analysis()`` "bytes
+accessed", which counts a ``while`` body once, so it comes from a second compile of the same
+program with the layer scan unrolled (``jax.lax.scan(unroll=True)`` while tracing); it also counts
+the on-chip VMEM copies the compiler stages weights through (a weight staged by ``copy-start``
+counts four times) and the unrolled program is not the one that runs (unrolled, verification
+slices the stacked K/V weights into fresh HBM buffers; the rolled loop does not). Both count the
+attention's loop over 256-key blocks (a runtime trip count) once: the bytes are those of a live
+length of one block (256 positions), which is the live length the ideal uses. For a
+mixture-of-experts target the unrolled layers take their weights by an index the
 compiler cannot see, as the loop does (static slices let it copy a layer's whole expert stacks).
-The estimate is ``bytes / HBM bandwidth`` (libtpu's own ``optimal_seconds`` is not used: it
+The estimates are ``bytes / HBM bandwidth`` (libtpu's own ``optimal_seconds`` is not used: it
 can be negative). The package is imported from ``sys.path`` as found, so running this file by its
 path with ``PYTHONPATH=<other checkout>`` measures that checkout (before/after numbers).
 """
@@ -51,7 +58,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import math
 import os
 import re
 import sys
@@ -68,6 +74,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks.hlo_bytes import cache_copies, collectives, hbm_bytes
 from dspark_jax.models import sharding as shd
 from dspark_jax.models.layers import KVCache
 from dspark_jax.models.target import Target
@@ -86,7 +93,6 @@ HBM_GBS = (
 )
 EXPERT_KEYS = ("moe_gate", "moe_up", "moe_down")  # a mixture-of-experts layer's expert stacks
 LIVE = 256  # live KV positions the byte counts correspond to (one attention block, see the module doc)
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 
 # GPUs compiled for without a GPU (``h100:<n>``): XLA's GpuTargetConfig device facts (H100 SXM 80 GB, public specs).
@@ -175,42 +181,7 @@ def model_config(spec: str):
     return builtin_target_config(spec)
 
 
-# ------------------------------------------------------------------------------------------ HLO
-
-
-def _elements(shape_text: str) -> int:
-    dims = shape_text.strip("[]")
-    return math.prod(int(d) for d in dims.split(",")) if dims else 1
-
-
-def cache_copies(hlo: str, elements: int) -> list[str]:
-    """Instructions of the optimised HLO ``hlo`` that copy or transpose an array of ``elements``
-    elements (one device's whole K or V cache), in any computation (a fusion counts by its root)."""
-    out, roots = [], {}
-    comp = None
-    for ln in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%(\S+) ", ln)
-        if head and ln.rstrip().endswith("{"):
-            comp = head.group(1)
-        m = re.match(r"\s*ROOT %\S+ = \S+\[[^\]]*\]\S* ([a-z-]+)\(", ln)
-        if m and comp:
-            roots[comp] = m.group(1)
-    for ln in hlo.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%(\S+) = (\w+)(\[[^\]]*\])\S* ([a-z-]+)\(", ln)
-        if not m or _elements(m.group(3)) != elements:
-            continue
-        op = m.group(4)
-        if op == "fusion":
-            callee = re.search(r"calls=%([\w.-]+)", ln)
-            op = roots.get(callee.group(1), "fusion") if callee else op
-        if op in ("copy", "copy-start", "transpose"):
-            out.append(ln.strip()[:160])
-    return out
-
-
-def collectives(hlo: str) -> dict[str, int]:
-    counts = {c: len(re.findall(rf"\s{c}(?:-start)?\(", hlo)) for c in COLLECTIVES}
-    return {k: v for k, v in counts.items() if v}
+# -------------------------------------------------------------------------------------- costing
 
 
 def _opaque_unrolled_scan(f, init, xs=None, length=None, reverse=False, **_):
@@ -435,17 +406,21 @@ def unrolled_bytes(p: Program) -> float:
     return float(cost.get("bytes accessed", 0.0)) if cost else 0.0
 
 
-def measure(p: Program, bandwidth: float | None, costed: bool = True) -> dict[str, Any]:
-    """Memory, copies and collectives of ``p``; for a decode pass (``p.ideal_bytes``) also the bytes
-    of ``p`` compiled with its layer scan unrolled (the slow part: minutes at 36 layers)."""
+def measure(p: Program, bandwidth: float | None, costed: bool = True, hlo_to: Path | None = None) -> dict[str, Any]:
+    """Memory, copies and collectives of ``p``; for a decode pass (``p.ideal_bytes``) also its HBM
+    bytes and the bytes of ``p`` compiled with its layer scan unrolled (the slow part: minutes at
+    36 layers); ``hlo_to``: write the optimised HLO there."""
     t0 = time.perf_counter()
     exe = compile_program(p, unroll=False)
     seconds = time.perf_counter() - t0
     m = exe.memory_analysis()
     assert m is not None, "the TPU compiler gave no memory analysis"
     hlo = exe.as_text() or ""
+    if hlo_to:  # for python -m benchmarks.hlo_bytes FILE (the bytes by memory space and operand)
+        hlo_to.write_text(hlo)
     copies = cache_copies(hlo, p.cache_elements)
     nbytes = unrolled_bytes(p) if costed and p.ideal_bytes else None
+    hbm = hbm_bytes(hlo)["hbm"] if p.ideal_bytes else None  # this (rolled) program's HBM bytes, from its HLO
     mib = 2.0**20
     r: dict[str, Any] = {
         "program": p.name,
@@ -463,6 +438,9 @@ def measure(p: Program, bandwidth: float | None, costed: bool = True) -> dict[st
         "ideal_bytes": p.ideal_bytes,
         "bytes_vs_ideal": nbytes / p.ideal_bytes if nbytes and p.ideal_bytes else None,
         "est_ms": nbytes / bandwidth / 1e6 if nbytes and bandwidth else None,
+        "hbm_bytes": hbm,
+        "hbm_vs_ideal": hbm / p.ideal_bytes if hbm and p.ideal_bytes else None,
+        "hbm_ms": hbm / bandwidth / 1e6 if hbm and bandwidth else None,
         "ideal_ms": p.ideal_bytes / bandwidth / 1e6 if bandwidth and p.ideal_bytes else None,
         "compile_s": seconds,
     }
@@ -481,12 +459,17 @@ def _fmt(x: Any) -> str:
 
 def table(rows: list[dict[str, Any]]) -> None:
     cols = ["topology", "model", "backend", "program", "cache", "args_mib", "temp_mib", "out_mib", "peak_mib"]
-    cols += ["cache_copies", "pallas_calls", "collectives", "bytes_vs_ideal", "est_ms", "ideal_ms"]
+    cols += ["cache_copies", "pallas_calls", "collectives", "bytes_vs_ideal", "est_ms", "hbm_vs_ideal", "hbm_ms"]
+    cols += ["ideal_ms"]
     cells = [[_fmt(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     for x in cells:
         print("  ".join(v.ljust(w) for v, w in zip(x, widths)))
+
+
+def _ratio(a: dict[str, Any], b: dict[str, Any], key: str) -> float | None:
+    return a[key] / b[key] if a.get(key) and b.get(key) else None
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -503,8 +486,10 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "topology": key[0],
                 "model": key[1],
                 "backend": key[2],
-                "verify8_over_decode1": ver[hi]["bytes_accessed"] / dec[hi]["bytes_accessed"],
-                "cache_hi_over_lo": dec[hi]["bytes_accessed"] / dec[lo]["bytes_accessed"],
+                "verify8_over_decode1": _ratio(ver[hi], dec[hi], "bytes_accessed"),
+                "cache_hi_over_lo": _ratio(dec[hi], dec[lo], "bytes_accessed"),
+                "hbm_verify8_over_decode1": _ratio(ver[hi], dec[hi], "hbm_bytes"),
+                "hbm_cache_hi_over_lo": _ratio(dec[hi], dec[lo], "hbm_bytes"),
                 "caches": [lo, hi],
             }
         )
@@ -537,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         "programs that attend through it (decode, verify, engine)",
     )
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--hlo-dir", type=Path, default=None, help="write each program's optimised HLO here")
     a = ap.parse_args(argv)
     caches = tuple(int(x) for x in a.caches.split(","))
     rows_arg = tuple(int(x) for x in a.rows.split(","))
@@ -554,17 +540,22 @@ def main(argv: list[str] | None = None) -> int:
                 r = {"topology": topo, "mesh": shd.describe(mesh), "model": spec, "backend": backend, "cache": s}
                 if cfg.num_experts:
                     r["expert_split"] = a.expert_split
-                r.update(measure(p, bw, a.bytes))
+                hlo_to = None
+                if a.hlo_dir:
+                    a.hlo_dir.mkdir(parents=True, exist_ok=True)
+                    hlo_to = a.hlo_dir / f"{topo}-{Path(spec).name}-{backend}-{p.name}-{s}.hlo".replace(":", "_")
+                r.update(measure(p, bw, a.bytes, hlo_to))
                 rows.append(r)
                 print(
                     f"# {topo} {spec} {backend} {p.name} cache {s}: compiled in {r['compile_s']:.1f}s", file=sys.stderr
                 )
     table(rows)
-    summary = ratios(rows) if a.bytes else []
+    summary = ratios(rows)
     for x in summary:
         print(
-            f"{x['topology']} {x['model']} {x['backend']}: verify-8/decode-1 {x['verify8_over_decode1']:.2f}, "
-            f"decode-1 cache {x['caches'][1]}/{x['caches'][0]} {x['cache_hi_over_lo']:.2f} (bytes, live {LIVE})"
+            f"{x['topology']} {x['model']} {x['backend']}: verify-8/decode-1 {_fmt(x['verify8_over_decode1'])} "
+            f"(HBM {_fmt(x['hbm_verify8_over_decode1'])}), decode-1 cache {x['caches'][1]}/{x['caches'][0]} "
+            f"{_fmt(x['cache_hi_over_lo'])} (HBM {_fmt(x['hbm_cache_hi_over_lo'])}) (bytes, live {LIVE})"
         )
     if a.json:
         a.json.write_text(

@@ -169,7 +169,14 @@ class Target(nnx.Module):
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """``[...]`` int32 token ids -> ``[..., H]`` input embeddings (times ``cfg.embed_scale``,
         cast to the embedding's dtype first, as transformers scales Gemma's)."""
-        e = jnp.take(self.embed[...], tokens, axis=0)
+        if tokens.size == 1:
+            # XLA turns a one-index gather into a dynamic-slice, which the SPMD partitioner serves on a
+            # vocabulary-sharded table by all-gathering the whole table (the GPU decode step did); the
+            # same id gathered twice stays a gather, looked up where the row lives and reduced.
+            twice = jnp.take(self.embed[...], jnp.broadcast_to(tokens.reshape(1), (2,)), axis=0)
+            e = twice[:1].reshape(*tokens.shape, twice.shape[-1])
+        else:
+            e = jnp.take(self.embed[...], tokens, axis=0)
         return e if self.cfg.embed_scale == 1.0 else e * jnp.asarray(self.cfg.embed_scale, e.dtype)
 
     def scan_params(self) -> dict[str, jax.Array]:
