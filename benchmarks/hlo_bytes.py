@@ -20,6 +20,7 @@ second tuple element aliases its source and is not traffic. Bytes are logical (n
 
 from __future__ import annotations
 
+import argparse
 import collections
 import math
 import re
@@ -284,8 +285,14 @@ def breakdown(hlo: str) -> list[tuple[str, str, str, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    path = (argv or sys.argv[1:])[0]
-    with open(path) as f:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.hlo_bytes",
+        description="Bytes of a compiled program by memory space, read/write and operand (MiB, the largest "
+        "first), then its HBM total: the text of an optimised HLO module (tpu_compile --hlo-dir writes them).",
+    )
+    p.add_argument("hlo", help="an optimised HLO text file")
+    args = p.parse_args(argv)
+    with open(args.hlo) as f:
         text = f.read()
     for space, rw, cat, b in breakdown(text):
         if b >= 1 << 20:

@@ -58,6 +58,7 @@ from dspark_jax.decoding.round import (
     verify_pass,
 )
 from dspark_jax.decoding.validation import check_max_new_tokens, check_prompts, check_seeds
+from dspark_jax.drafters.base import Draft
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.layers import KVCache
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, sampling_arrays
@@ -225,20 +226,47 @@ def _spec_decode(
         init = init._replace(auto=auto_verify.init_auto_state(b, block_size, auto.probe_every))
 
     def body(s: _Loop):
-        running = s.finish == FINISH_RUNNING
-        p = s.length - 1
-        anchor = jnp.take_along_axis(s.seq, p[:, None], 1)[:, 0]
-        draft_keys, verify_keys = split_round_keys(token_keys(x.keys, p))
-        room = jnp.minimum(x.limit, cache_len) - s.length - 1
-        r_in = RoundInputs(running, anchor, p, draft_keys, verify_keys, room)
+        r_in = _round_inputs(s, x, cache_len)
+        running = r_in.running
         if auto is None:
             return _close_round(s, _fixed_round(target, drafter, s, x, r_in, width=width), running, x, cache_len, None)
         caches = RoundCaches(s.tcache, s.dcache)
         res, ell, zlog, new_auto = auto_verify.auto_round(target, drafter, s.auto, caches, r_in, x.sampling, auto)
         r = _Round(res, ell, zlog, jnp.asarray(auto.widths, jnp.int32)[new_auto.width], s.auto.draft_on)
-        return _close_round(s, r, running, x, cache_len, new_auto)
+        s = _close_round(s, r, running, x, cache_len, new_auto)
+        # Drafting suspended: the rounds up to the next probe are plain steps, run by a loop of their own.
+        return jax.lax.while_loop(
+            lambda t: _running(t, max_steps) & ~t.auto.draft_on,
+            partial(_suspended_round, target, drafter, x=x, cache_len=cache_len),
+            s,
+        )
 
     return jax.lax.while_loop(partial(_running, max_steps=max_steps), body, init)
+
+
+def _round_inputs(s: _Loop, x: _Inputs, cache_len: int) -> RoundInputs:
+    """The round's :class:`RoundInputs` from the loop state."""
+    p = s.length - 1
+    anchor = jnp.take_along_axis(s.seq, p[:, None], 1)[:, 0]
+    draft_keys, verify_keys = split_round_keys(token_keys(x.keys, p))
+    room = jnp.minimum(x.limit, cache_len) - s.length - 1
+    return RoundInputs(s.finish == FINISH_RUNNING, anchor, p, draft_keys, verify_keys, room)
+
+
+def _suspended_round(target, drafter, s: _Loop, *, x: _Inputs, cache_len: int) -> _Loop:
+    """A round of ``"auto"`` while drafting is suspended: exactly what
+    :func:`~dspark_jax.decoding.auto_verify.auto_round` does when it does not draft (a verification
+    pass of width 0, the drafter's context written, the same keys, statistics and state), without
+    its drafting and width machinery; the round before the next probe turns drafting back on."""
+    r = _round_inputs(s, x, cache_len)
+    b, g, v = r.anchor.shape[0], drafter.cfg.block_size, drafter.cfg.vocab_size
+    empty = Draft(jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, v), jnp.float32), *(jnp.zeros((b, 0)),) * 2)
+    zero = jnp.zeros((b,), jnp.int32)
+    res = verify_pass(target, drafter, RoundCaches(s.tcache, s.dcache), r, empty, zero, x.sampling, width=0)
+    idle = s.auto.idle + 1
+    auto = s.auto._replace(draft_on=idle >= s.auto.wait, idle=idle, width=jnp.zeros((), jnp.int32))
+    done = _Round(res, zero, jnp.zeros((b, g), jnp.float32), jnp.int32(0), jnp.zeros((), bool))
+    return _close_round(s, done, r.running, x, cache_len, auto)
 
 
 # Compiled loops by shape signature, shared by every call in the process; bounded so that

@@ -30,6 +30,7 @@ from tests.unit.decoding.helpers import (
     assert_same_outputs,
     bigram_table,
     check_stats,
+    cost_table,
     random_drafter,
     spec_std,
     tiny_params,
@@ -85,6 +86,23 @@ def test_auto_num_speculative_tokens_greedy(table, peaked, drafters, ar_peaked):
     hist = np.sum([g.verify_width_rounds for g in sp.generations], axis=0)
     assert hist.sum() == passes and hist[3] == 0, hist
     assert (hist[:4].sum() > 0) if table is COSTLY else (hist[4] > hist[:4].sum()), hist
+
+
+@pytest.mark.exactness
+def test_auto_suspended_drafting_runs_plain_rounds(peaked, drafters, ar_peaked):
+    """A drafter that never pays: after the first round drafting is suspended and the rounds up to
+    each probe (8 rounds, then 16) run as plain steps in a loop of their own; rows finish inside
+    that loop at their own lengths. Greedy output equals AR; every round without drafts is a
+    width-0 pass; a row drafts in the first round and at most in the probe of round 9."""
+    never = cost_table((1.0, 1.5, 2.0, 3.0), 50.0)
+    sp = spec_std(peaked, drafters["bigram"], temperature=0, num_speculative_tokens="auto", cost_table=never)
+    assert_same_outputs(ar_peaked, sp)
+    check_stats(sp, 4)
+    for i, g in enumerate(sp.generations):
+        if g.num_target_passes == 0:
+            continue
+        assert g.num_drafting_rounds == 1 + (g.num_target_passes > 9), (i, g.num_drafting_rounds, g.num_target_passes)
+        assert g.verify_width_rounds[0] >= g.num_target_passes - g.num_drafting_rounds, (i, g.verify_width_rounds)
 
 
 @pytest.mark.exactness

@@ -435,7 +435,14 @@ def test_bias_calibrates_sampled_decode_rounds_a_temperature_cannot():
     prompts = [[int(t) for t in rng.integers(3, d.cfg.vocab_size, 4)] for _ in range(16)]
     fit_data = heldout_sequences(target, prompts[:8], max_new_tokens=20, seq_len=24, temperature=1.0, seed=1)
     res = generate_speculative(
-        target, d, prompts[8:], max_new_tokens=20, temperature=1.0, seed=list(range(8)), record_rounds=True
+        target,
+        d,
+        prompts[8:],
+        max_new_tokens=20,
+        temperature=1.0,
+        seed=list(range(8)),
+        record_rounds=True,
+        num_speculative_tokens=d.cfg.block_size,
     )
     rounds = [g.rounds for g in res.generations]
     ece = {}
