@@ -250,12 +250,17 @@ def sweep(args, models: tuple | None = None, engine=None, plain_engine=None) -> 
     if args.sps_table is None and any(p != "plain" for p in policies):
         args.sps_table = str(out_dir / "sps_table.json")
     engines: dict[str, Any] = {}
+    spec: dict[str, Any] = {}
     startup: dict[str, float] = {}
     for policy in policies:
-        given = plain_engine if policy == "plain" else engine
+        # the speculative policies share one engine (engine_for): one set of compiled programs, as
+        # one engine per policy would hold several (and can exhaust the process's memory maps)
+        given = plain_engine if policy == "plain" else (engine or next(iter(spec.values()), None))
         engines[policy], startup[policy] = engine_for(
             args, target, None if policy == "plain" else drafter, policy, num_slots, given
         )
+        if policy != "plain":
+            spec[policy] = engines[policy]
         print(f"[{policy}] engine ready in {startup[policy]:.1f} s", file=sys.stderr)
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     engine_stats: dict[str, dict] = {}
