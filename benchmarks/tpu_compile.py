@@ -117,6 +117,15 @@ H100 = {
 }
 
 
+def cuda_plugin_installed() -> bool:
+    """Whether jax's CUDA PJRT plugin is importable (False, not ModuleNotFoundError, without ``jax_plugins``)."""
+    import importlib.util
+
+    return importlib.util.find_spec("jax_plugins") is not None and (
+        importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    )
+
+
 def gpu_devices(name: str) -> list[Any]:
     """The devices of ``h100:<n>`` (n GPUs on one host), compiled for without a GPU by the CUDA
     PJRT plugin (``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` at jax's version; no driver needed).
@@ -124,11 +133,9 @@ def gpu_devices(name: str) -> list[Any]:
     Raises:
       ValueError: the plugin is not installed.
     """
-    import importlib.util
-
     from jax.experimental import topologies
 
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not cuda_plugin_installed():
         raise ValueError(f"topology {name!r} needs jax-cuda12-plugin and jax-cuda12-pjrt=={jax.__version__}")
     info = " ".join(f"{k}: {v}" for k, v in H100.items())
     config = (

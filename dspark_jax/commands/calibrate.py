@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated prompt sets or JSONL files (as for python -m dspark_jax.eval)",
     )
     p.add_argument("--skip", type=int, default=0, help="prompts skipped at the start of each set (default 0)")
-    p.add_argument("--num-prompts", type=int, default=32, help="prompts taken from each set after --skip (32)")
+    p.add_argument("--num-prompts", type=int, default=32, help="prompts taken from each set after --skip (default 32)")
     p.add_argument(
         "--exclude-data",
         default=None,

@@ -28,7 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(config.json + model.safetensors), for vLLM, SGLang, sglang-jax and llama.cpp.",
     )
     p.add_argument("drafter", help="drafter: an export directory, a DeepSpec/speculators directory or a Hub id")
-    p.add_argument("--target", default=None, help="the drafter's target (a preset or a model path)")
+    p.add_argument(
+        "--target",
+        default=None,
+        help="the drafter's target (a preset or a model path); needed unless the drafter has its own embedding "
+        "and LM head (e.g. a Gemma 4 one)",
+    )
     p.add_argument("--format", required=True, choices=["deepspec", "speculators"], help="checkpoint format")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument(

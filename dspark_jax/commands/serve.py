@@ -229,7 +229,12 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds to let in-flight requests finish on shutdown (default 30)",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the server's log verbosity (default info)",
+    )
 
 
 def engine_config(args: argparse.Namespace, policy: str | None = None) -> EngineConfig:

@@ -49,8 +49,9 @@ _FIELD_NOTES = {
 
 
 def _field_help() -> str:
-    """One ``key=default`` line per config key; a nested config's keys with their flat alias."""
-    lines, default = [], TrainConfig()
+    """One ``key=value`` line per config key (the default preset's values); a nested config's keys with their
+    flat alias."""
+    lines, default = [], TRAIN_PRESETS[DEFAULT_RECIPE]
     flat = {path: alias for alias, path in TrainConfig.KEY_ALIASES.items()}
     for f in dataclasses.fields(TrainConfig):
         value = getattr(default, f.name)
@@ -71,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a DSpark (or DFlash) drafter for a target model by self-distillation, "
         "save Orbax checkpoints, export it, and report tau on held-out prompts.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="config keys (override with key=value; defaults shown for the stories260k preset):\n" + _field_help(),
+        epilog=f"config keys (override with key=value; defaults shown for the {DEFAULT_RECIPE} preset):\n"
+        + _field_help(),
     )
     p.add_argument(
         "--preset",

@@ -381,12 +381,14 @@ class Trainer:
         """Orbax manager keeping ``keep_checkpoints`` steps.
 
         Saves are atomic (written to a temporary directory, renamed when complete);
-        temporary directories left by a run killed mid-save are removed on start.
+        temporary directories left by a run killed mid-save are removed on start. The item's
+        handler is named so that ``item_metadata`` reads a step's shapes before a restore (without
+        it orbax returns None and warns that item "default" could not be restored).
         """
         opts = ocp.CheckpointManagerOptions(
             max_to_keep=self.cfg.keep_checkpoints, create=True, cleanup_tmp_directories=True
         )
-        return ocp.CheckpointManager(directory.absolute(), options=opts)
+        return ocp.CheckpointManager(directory.absolute(), options=opts, item_handlers=ocp.StandardCheckpointHandler())
 
     def save(self, mgr: ocp.CheckpointManager, step: int) -> None:
         state = {"params": nnx.to_pure_dict(self.params), "opt_state": self.opt_state}

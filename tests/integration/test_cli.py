@@ -60,6 +60,32 @@ def test_help_documents_every_flag(module):
             assert f"  {f.name}=" in p.stdout or f"  {f.name}." in p.stdout, f"config key {f.name} missing from --help"
 
 
+def test_train_help_shows_the_default_presets_values():
+    """train --help says its key=value defaults are the stories260k preset's: they are (steps, drafter.width)."""
+    from dspark_jax.commands.train import build_parser
+    from dspark_jax.training.recipes import DEFAULT_RECIPE, TRAIN_PRESETS
+
+    epilog, preset = build_parser().epilog or "", TRAIN_PRESETS[DEFAULT_RECIPE]
+    assert f"defaults shown for the {DEFAULT_RECIPE} preset" in epilog
+    assert f"\n  steps={preset.steps!r}\n" in epilog
+    assert f"\n  drafter.width={preset.drafter.width!r}  # or drafter_width=\n" in epilog
+
+
+@pytest.mark.parametrize("module", ["train", "generate", "eval", "calibrate", "export", "serve"])
+def test_help_names_every_flags_default(module):
+    """Every option has help text, and one with a value default says "default" (e.g. serve's --log-level)."""
+    import argparse
+    import importlib
+
+    parser = importlib.import_module(f"dspark_jax.{module}").build_parser()
+    for action in parser._actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help, f"{module} {action.option_strings} has no help text"
+        if action.nargs != 0 and action.default not in (None, argparse.SUPPRESS):
+            assert "default" in action.help, f"{module} {action.option_strings}: default {action.default!r} not named"
+
+
 def test_missing_model_files_is_one_line_error(tmp_path):
     p = cli("generate", "--target", "stories260k", "--prompt", "Once", env={"DSPARK_MODELS": str(tmp_path)})
     assert_one_line_error(p, "stories260k", "DSPARK_MODELS")

@@ -6,14 +6,13 @@ vocabulary-sharded embedding table."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import re
 
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins.xla_cuda12") is None, reason="jax-cuda12-plugin not installed"
-)
+from benchmarks.tpu_compile import cuda_plugin_installed
+
+pytestmark = pytest.mark.skipif(not cuda_plugin_installed(), reason="jax-cuda12-plugin not installed")
 
 
 def test_one_token_step_does_not_gather_the_embedding_table():

@@ -66,6 +66,11 @@ class ChatRenderer:
         Raises:
           DSparkInputError: no chat template, or the template refused or failed to render them.
         """
+        if self.template is None and not getattr(self.tokenizer, "has_chat_template", True):
+            raise DSparkInputError(
+                f"{type(self.tokenizer).__name__} has no chat template: send a plain prompt to /v1/completions, "
+                "or start the server with --chat-template FILE"
+            )
         try:
             if self.template is not None:
                 from dspark_jax.models.tokenizer import render_chat_template

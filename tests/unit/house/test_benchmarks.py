@@ -310,3 +310,14 @@ def test_sentencepiece_model_is_the_protobuf_of_the_vocabulary():
     assert m.vocab_size() == 260 and m.id_to_piece(259) == "\u2581the" and m.get_score(259) == -1.5
     assert m.is_control(1) and m.is_byte(3) and m.bos_id() == 1 and m.eos_id() == 2
     assert m.encode("\u00e9", add_bos=True) == [1, 3 + 0xE2, 3 + 0x96, 3 + 0x81, 3 + 0xC3, 3 + 0xA9]  # byte fallback
+
+
+def test_h100_topology_without_the_cuda_plugin_is_a_value_error():
+    """Without jax_plugins (no CUDA plugin), the check says False and h100:<n> is refused by name, not with
+    ModuleNotFoundError (which also broke test_gpu_compile.py's collection)."""
+    from benchmarks import tpu_compile
+
+    if tpu_compile.cuda_plugin_installed():
+        pytest.skip("jax-cuda12-plugin installed")
+    with pytest.raises(ValueError, match="needs jax-cuda12-plugin"):
+        tpu_compile.gpu_devices("h100:4")

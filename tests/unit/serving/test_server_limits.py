@@ -224,6 +224,15 @@ def test_a_role_the_template_does_not_render_is_refused(tok):
     assert ChatRenderer(tok, raising).role_map() == {"developer": "system"}
 
 
+def test_no_chat_template_names_the_flag(tok):
+    """A chat request to a server whose tokenizer has no template (stories260K) is told how to give one."""
+    from dspark_jax.errors import DSparkInputError
+    from dspark_jax.serving.http.chat import ChatRenderer
+
+    with pytest.raises(DSparkInputError, match=r"has no chat template: .*/v1/completions.*--chat-template FILE"):
+        ChatRenderer(tok).render([{"role": "user", "content": "A cat"}], True)
+
+
 def test_unknown_roles_get_400_over_http(sua):
     with httpx.Client(base_url=sua.url, timeout=30) as c:
         for role in ("wizard", "tool", "function"):

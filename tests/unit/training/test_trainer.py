@@ -114,6 +114,7 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
     mgr2 = second.checkpoint_manager(tmp_path / "ckpt")
     start = second.restore_latest(mgr2)
     assert start == 3
+    assert "params" in mgr2.item_metadata(3)  # the shape check before a restore reads it (not None)
     it = batches(data, CFG.batch_size, CFG.seed, start_step=start)
     for s in range(start, CFG.steps):
         second.step(next(it), s)
