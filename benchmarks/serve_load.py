@@ -220,6 +220,24 @@ def _median_run(rows: list[dict]) -> dict:
     return row
 
 
+def build_engines(args, models: tuple, policies: list[str], num_slots: int, engine=None, plain_engine=None):
+    """``({policy: engine}, {policy: startup seconds})``: ``plain`` on an engine of its own without a
+    drafter, the speculative policies on one shared engine (:func:`engine_for`): one set of compiled
+    programs, where one engine per policy would hold several (and can exhaust the process's memory maps).
+    ``engine`` / ``plain_engine``: engines to use instead of building them."""
+    target, drafter = models
+    engines: dict[str, Any] = {}
+    startup: dict[str, float] = {}
+    for policy in policies:
+        shared = next((e for p, e in engines.items() if p != "plain"), None)
+        given = plain_engine if policy == "plain" else (engine or shared)
+        engines[policy], startup[policy] = engine_for(
+            args, target, None if policy == "plain" else drafter, policy, num_slots, given
+        )
+        print(f"[{policy}] engine ready in {startup[policy]:.1f} s", file=sys.stderr)
+    return engines, startup
+
+
 def sweep(args, models: tuple | None = None, engine=None, plain_engine=None) -> dict[str, Any]:
     """The concurrency sweep over every policy, interleaved.
 
@@ -249,19 +267,7 @@ def sweep(args, models: tuple | None = None, engine=None, plain_engine=None) -> 
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.sps_table is None and any(p != "plain" for p in policies):
         args.sps_table = str(out_dir / "sps_table.json")
-    engines: dict[str, Any] = {}
-    spec: dict[str, Any] = {}
-    startup: dict[str, float] = {}
-    for policy in policies:
-        # the speculative policies share one engine (engine_for): one set of compiled programs, as
-        # one engine per policy would hold several (and can exhaust the process's memory maps)
-        given = plain_engine if policy == "plain" else (engine or next(iter(spec.values()), None))
-        engines[policy], startup[policy] = engine_for(
-            args, target, None if policy == "plain" else drafter, policy, num_slots, given
-        )
-        if policy != "plain":
-            spec[policy] = engines[policy]
-        print(f"[{policy}] engine ready in {startup[policy]:.1f} s", file=sys.stderr)
+    engines, startup = build_engines(args, (target, drafter), policies, num_slots, engine, plain_engine)
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     engine_stats: dict[str, dict] = {}
     for c in levels:
