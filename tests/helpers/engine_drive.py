@@ -4,6 +4,30 @@ compare chunked prefill with one-shot prefill."""
 from __future__ import annotations
 
 
+def chunked_engine(target, drafter):
+    """The three-slot engine the model-family tests drive: ``fixed:3`` verification, one step bucket
+    of 12 tokens, one-shot prefill buckets of 32, and a chunked prefiller of 12-token chunks (3 lanes,
+    4-token blocks, so a prompt spans passes); warmed up."""
+    from dspark_jax.serving.engine import Engine, EngineConfig
+    from dspark_jax.serving.engine.prefill import ChunkedPrefill
+
+    cfg = EngineConfig(
+        num_slots=3,
+        cache_len=64,
+        policy="fixed:3",
+        buckets=(12,),
+        row_buckets=(3,),
+        prefill_buckets=(32,),
+        profile_iters=1,
+        suspend_after=None,
+        prefill_chunk_tokens=0,
+    )
+    eng = Engine(target, drafter, cfg)
+    eng.prefiller = ChunkedPrefill(eng.device, eng.planner, eng.limits, eng.prefill_buckets, 12, lanes=3, block=4)
+    eng.warmup()
+    return eng
+
+
 def drive(engine, requests, chunked: bool, slots: int):
     """Decodes ``requests`` (admitted FIFO into free slots, by chunked or one-shot prefill, one
     prefill pass per step; at most ``slots`` requests active or being prefilled); returns

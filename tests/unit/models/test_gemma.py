@@ -23,10 +23,9 @@ from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.hf_io import load_hf_dir
 from dspark_jax.models.target import Target
 from dspark_jax.models.weights import params_fingerprint
-from dspark_jax.serving.engine import Engine, EngineConfig, Request, SamplingParams
-from dspark_jax.serving.engine.prefill import ChunkedPrefill
+from dspark_jax.serving.engine import Request, SamplingParams
 from tests.helpers.drafters import assert_same_outputs, bigram_drafter, random_drafter
-from tests.helpers.engine_drive import drive
+from tests.helpers.engine_drive import chunked_engine, drive
 
 pytestmark = pytest.mark.exactness
 
@@ -203,20 +202,7 @@ def test_engine_equals_plain_decoding(written):
     plain decoding's tokens on the Gemma 2 target (soft-capped, scaled attention; windows)."""
     target = _target(written, "gemma2")
     drafter = bigram_drafter(target, block_size=3)
-    cfg = EngineConfig(
-        num_slots=3,
-        cache_len=64,
-        policy="fixed:3",
-        buckets=(12,),
-        row_buckets=(3,),
-        prefill_buckets=(32,),
-        profile_iters=1,
-        suspend_after=None,
-        prefill_chunk_tokens=0,
-    )
-    eng = Engine(target, drafter, cfg)
-    eng.prefiller = ChunkedPrefill(eng.device, eng.planner, eng.limits, eng.prefill_buckets, 12, lanes=3, block=4)
-    eng.warmup()
+    eng = chunked_engine(target, drafter)
     prompts = _prompts((30, 21, 5))
     reqs = [Request(p, SamplingParams(temperature=0.0, max_new_tokens=12), f"g{i}") for i, p in enumerate(prompts)]
     ar = generate_autoregressive(target, prompts, max_new_tokens=12, cache_len=64)

@@ -28,7 +28,7 @@ from dspark_jax.models.hf_io import load_hf_dir
 from dspark_jax.models.target import Target
 from dspark_jax.models.weights import count_target_params, params_fingerprint
 from tests.helpers.drafters import assert_same_outputs, bigram_drafter, random_drafter
-from tests.helpers.engine_drive import drive
+from tests.helpers.engine_drive import chunked_engine, drive
 from tests.helpers.tiny import cached_logits, hf_logits
 
 pytestmark = pytest.mark.exactness
@@ -290,24 +290,10 @@ def test_greedy_speculative_equals_plain(moe_target):
 
 def test_engine_equals_plain_decoding(moe_target):
     """Packed decode steps and verification with one-shot and chunked prefill give plain decoding's tokens."""
-    from dspark_jax.serving.engine import Engine, EngineConfig, Request, SamplingParams
-    from dspark_jax.serving.engine.prefill import ChunkedPrefill
+    from dspark_jax.serving.engine import Request, SamplingParams
 
     drafter = bigram_drafter(moe_target, block_size=3)
-    cfg = EngineConfig(
-        num_slots=3,
-        cache_len=64,
-        policy="fixed:3",
-        buckets=(12,),
-        row_buckets=(3,),
-        prefill_buckets=(32,),
-        profile_iters=1,
-        suspend_after=None,
-        prefill_chunk_tokens=0,
-    )
-    eng = Engine(moe_target, drafter, cfg)
-    eng.prefiller = ChunkedPrefill(eng.device, eng.planner, eng.limits, eng.prefill_buckets, 12, lanes=3, block=4)
-    eng.warmup()
+    eng = chunked_engine(moe_target, drafter)
     prompts = _prompts((30, 21, 5))
     reqs = [Request(p, SamplingParams(temperature=0.0, max_new_tokens=10), f"m{i}") for i, p in enumerate(prompts)]
     ar = generate_autoregressive(moe_target, prompts, max_new_tokens=10, cache_len=64)

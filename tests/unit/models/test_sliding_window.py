@@ -31,10 +31,9 @@ from dspark_jax.models.hf_io import load_hf_dir
 from dspark_jax.models.layers import attention, cached_attention
 from dspark_jax.models.target import Target
 from dspark_jax.models.weights import params_fingerprint
-from dspark_jax.serving.engine import Engine, EngineConfig, Request, SamplingParams
-from dspark_jax.serving.engine.prefill import ChunkedPrefill
+from dspark_jax.serving.engine import Request, SamplingParams
 from tests.helpers.drafters import assert_same_outputs, bigram_drafter, random_drafter
-from tests.helpers.engine_drive import drive
+from tests.helpers.engine_drive import chunked_engine, drive
 
 WINDOW, PROMPT, DECODE = 8, 40, 6
 
@@ -308,20 +307,7 @@ def test_engine_equals_plain_decoding(kind, request):
     a prompt spans passes) give plain decoding's tokens on the windowed targets."""
     target = request.getfixturevalue(kind)
     drafter = bigram_drafter(target, block_size=3)
-    cfg = EngineConfig(
-        num_slots=3,
-        cache_len=64,
-        policy="fixed:3",
-        buckets=(12,),
-        row_buckets=(3,),
-        prefill_buckets=(32,),
-        profile_iters=1,
-        suspend_after=None,
-        prefill_chunk_tokens=0,
-    )
-    eng = Engine(target, drafter, cfg)
-    eng.prefiller = ChunkedPrefill(eng.device, eng.planner, eng.limits, eng.prefill_buckets, 12, lanes=3, block=4)
-    eng.warmup()
+    eng = chunked_engine(target, drafter)
     prompts = _prompts(target.cfg.vocab_size, (30, 21, 5, 26))
     reqs = [Request(p, SamplingParams(temperature=0.0, max_new_tokens=14), f"w{i}") for i, p in enumerate(prompts)]
     ar = generate_autoregressive(target, prompts, max_new_tokens=14, cache_len=64)
