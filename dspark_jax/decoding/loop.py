@@ -237,7 +237,7 @@ def _spec_decode(
         # Drafting suspended: the rounds up to the next probe are plain steps, run by a loop of their own.
         return jax.lax.while_loop(
             lambda t: _running(t, max_steps) & ~t.auto.draft_on,
-            partial(_suspended_round, target, drafter, x=x, cache_len=cache_len),
+            partial(_suspended_round, target, drafter, x=x, cache_len=cache_len, probe_every=auto.probe_every),
             s,
         )
 
@@ -253,7 +253,7 @@ def _round_inputs(s: _Loop, x: _Inputs, cache_len: int) -> RoundInputs:
     return RoundInputs(s.finish == FINISH_RUNNING, anchor, p, draft_keys, verify_keys, room)
 
 
-def _suspended_round(target, drafter, s: _Loop, *, x: _Inputs, cache_len: int) -> _Loop:
+def _suspended_round(target, drafter, s: _Loop, *, x: _Inputs, cache_len: int, probe_every: int) -> _Loop:
     """A round of ``"auto"`` while drafting is suspended: exactly what
     :func:`~dspark_jax.decoding.auto_verify.auto_round` does when it does not draft (a verification
     pass of width 0, the drafter's context written, the same keys, statistics and state), without
@@ -263,8 +263,10 @@ def _suspended_round(target, drafter, s: _Loop, *, x: _Inputs, cache_len: int) -
     empty = Draft(jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, v), jnp.float32), *(jnp.zeros((b, 0)),) * 2)
     zero = jnp.zeros((b,), jnp.int32)
     res = verify_pass(target, drafter, RoundCaches(s.tcache, s.dcache), r, empty, zero, x.sampling, width=0)
-    idle = s.auto.idle + 1
-    auto = s.auto._replace(draft_on=idle >= s.auto.wait, idle=idle, width=jnp.zeros((), jnp.int32))
+    nothing = jnp.zeros((), jnp.float32)  # a round without drafts: the schedule only counts it
+    auto = auto_verify.schedule(
+        s.auto._replace(width=jnp.zeros((), jnp.int32)), jnp.zeros((), bool), nothing, nothing, nothing, probe_every
+    )
     done = _Round(res, zero, jnp.zeros((b, g), jnp.float32), jnp.int32(0), jnp.zeros((), bool))
     return _close_round(s, done, r.running, x, cache_len, auto)
 
