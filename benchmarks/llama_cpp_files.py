@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors llama.cpp with --spec-type draft-dspark
-BUILD_TARGETS = ("llama-speculative-simple", "llama-completion")
+BUILD_TARGETS = ("llama-speculative-simple", "llama-completion", "llama-server")
 ENV_VAR = "DSPARK_LLAMA_CPP"
 
 
@@ -215,6 +215,71 @@ def tiny_qwen3_hf_dir(out: Path, seed: int = 0) -> Path:
     model.save_pretrained(str(out))
     write_tokenizer(resolve_target("stories260k")[2], out)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    return out
+
+
+def f32_gguf(src: Path, out: Path) -> Path:
+    """``src`` (a quantized GGUF file) with every tensor dequantized to F32 and the same metadata
+    (``general.file_type`` ALL_F32), written once: the weights dspark_jax's loader reads from ``src``
+    (it dequantizes with the same ``gguf.quants.dequantize``), for llama.cpp at equal precision."""
+    import gguf
+    from gguf.quants import dequantize
+
+    if out.is_file():
+        return out
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    tmp = out.with_name(out.name + ".part")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    skip = ("general.architecture", "general.alignment", "general.file_type")
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name in skip:
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for t in reader.tensors:
+        a = dequantize(t.data, t.tensor_type).astype(np.float32)
+        w.add_tensor(t.name, a.reshape(tuple(int(x) for x in reversed(t.shape))))  # GGUF lists dims innermost first
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.rename(out)
+    return out
+
+
+def gguf_target_hf_dir(spec: str, out: Path) -> Path:
+    """A Hugging Face folder of a GGUF target's config and tokenizer, no weights: what llama.cpp's
+    converter reads from ``--target-model-dir`` for a drafter (the architecture and the vocabulary),
+    written once from ``spec`` (a preset or ``.gguf`` path) through dspark_jax's loader.
+
+    Raises:
+      ValueError: the target is not a plain-RoPE Llama or its tokenizer is not byte-level BPE.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    from benchmarks.hf_baseline import hf_llama_config
+    from dspark_jax.models.presets import resolve_target
+
+    if (out / "config.json").is_file():
+        return out
+    cfg, _, tok = resolve_target(spec)
+    backend = getattr(tok, "tok", None)
+    if backend is None or not hasattr(backend, "to_str"):
+        raise ValueError(f"{spec}: only a byte-level BPE tokenizer (tokenizers.Tokenizer) is written here")
+    out.mkdir(parents=True, exist_ok=True)
+    hc = hf_llama_config(cfg)
+    hc.architectures = ["LlamaForCausalLM"]  # the converter picks its vocabulary handler by architecture
+    hc.save_pretrained(str(out))
+    piece = lambda i: None if i is None else tok.id_to_piece(i)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=piece(tok.bos_id),
+        eos_token=piece(tok.eos_ids[0] if tok.eos_ids else None),
+        chat_template=tok.chat_template,
+    )
+    fast.save_pretrained(str(out))
     return out
 
 
