@@ -81,6 +81,12 @@ def medians(runs: dict[str, list[dict]]) -> dict[str, float]:
     return out
 
 
+def acceptance(runs: Sequence[dict]) -> float | None:
+    """Accepted draft tokens over drafted ones, summed over runs (None: nothing drafted)."""
+    drafted = sum(r.get("drafted", 0) for r in runs)
+    return sum(r.get("accepted", 0) for r in runs) / drafted if drafted else None
+
+
 # ----------------------------------------------------------------------------- the two engines
 
 
@@ -135,13 +141,10 @@ def ours(target: Any, tok: Any, drafter: Any, n: int, n_spec: int) -> Callable[[
             res = generate_autoregressive(target, [list(ids)], max_new_tokens=n)
         else:
             res = generate_speculative(target, drafter, [list(ids)], max_new_tokens=n, num_speculative_tokens=n_spec)
-        g = res.generations[0].token_ids
-        return {
-            "ids": g,
-            "text": tok.decode(g, skip_special_tokens=True),
-            "tokens": res.num_tokens,
-            "seconds": res.seconds,
-        }
+        g = res.generations[0]
+        out = {"ids": g.token_ids, "text": tok.decode(g.token_ids, skip_special_tokens=True)}
+        out |= {"tokens": res.num_tokens, "seconds": res.seconds}
+        return out | ({"drafted": g.num_draft_tokens, "accepted": g.num_accepted} if drafter is not None else {})
 
     return run
 
@@ -220,6 +223,7 @@ def summarize(args: argparse.Namespace, ctx: dict[str, Any], runs: dict[str, lis
             row["ratio_spec"] = ratio(row["ours_spec"], row["llama_spec"])
             row["speedup_ours"] = ratio(row["ours_spec"], row["ours"])
             row["speedup_llama"] = ratio(row["llama_spec"], row["llama_f32"])
+            row["accept_ours"], row["accept_llama"] = acceptance(runs["ours_spec"]), acceptance(runs[f"spec_t{t}"])
             cases_t["spec"] = f"spec_t{t}"
         for name, case in cases_t.items():
             a = agree(case)
@@ -252,6 +256,7 @@ def table(rows: Sequence[dict], check_tokens: int) -> str:
             line |= {
                 "spec ours / llama.cpp": f"{f(r['ours_spec'])} / {f(r['llama_spec'])}",
                 "ratio spec": f(r["ratio_spec"], ".2f"),
+                "acceptance ours / llama.cpp": f"{f(r['accept_ours'], '.3f')} / {f(r['accept_llama'], '.3f')}",
                 "speedup ours / llama.cpp": f"{f(r['speedup_ours'], '.2f')} / {f(r['speedup_llama'], '.2f')}",
                 "same spec": r["equal_spec"],
             }
@@ -308,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = summarize(args, ctx, runs)
     print(table(rows, args.check_tokens))
     if args.json:
-        keep = ("tokens", "seconds", "error")
+        keep = ("tokens", "seconds", "drafted", "accepted", "error")
         write_json(
             args.json,
             {

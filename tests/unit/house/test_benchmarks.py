@@ -317,9 +317,10 @@ def test_llama_cpp_speed_reads_llama_cpp_logs_and_counts_agreeing_tokens():
     decode = lambda ids: "".join(pieces[i] for i in ids)
     assert ls.agreeing_tokens(decode, [1, 2, 1, 3], "abaX") == 3 and ls.agreeing_tokens(decode, [2], "abc") == 0
     assert ls.agreeing_tokens(decode, [1, 2], "ab [end]") == 2
-    assert ls.medians({"x": [{"tokens": 10, "seconds": 1.0}, {"tokens": 30, "seconds": 1.0}, {"error": "e"}]}) == {
-        "x": 20.0
-    }
+    runs = [{"tokens": 10, "seconds": 1.0}, {"tokens": 30, "seconds": 1.0}, {"error": "e"}]
+    assert ls.medians({"x": runs}) == {"x": 20.0}
+    assert ls.acceptance([{"drafted": 7, "accepted": 3}, {"drafted": 7, "accepted": 4}, {}]) == 0.5
+    assert ls.acceptance([{}]) is None
 
 
 def test_sentencepiece_model_is_the_protobuf_of_the_vocabulary():
