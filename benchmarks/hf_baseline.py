@@ -13,23 +13,17 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def hf_llama_from_params(cfg, params):
-    """A ``transformers`` ``LlamaForCausalLM`` (fp32, eval mode) holding the same weights.
+def hf_llama_config(cfg):
+    """The ``transformers`` ``LlamaConfig`` of a target config (Llama family without q/k-norm).
 
-    Args:
-      cfg: :class:`~dspark_jax.config.TargetConfig` (Llama family without q/k-norm).
-      params: canonical parameters (kernels ``[in, out]`` stacked per layer, RoPE in the
-        Hugging Face ``rotate_half`` layout, as every loader of :mod:`dspark_jax.models.model_io`
-        produces).
     Raises:
       ValueError: a Qwen3-style (q/k-norm) or Qwen2-style (q/k/v bias) target, or one with RoPE scaling.
     """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     if cfg.qk_norm or cfg.qkv_bias or cfg.rope_scaling is not None:
         raise ValueError("only plain-RoPE Llama targets are converted here (no q/k-norm, q/k/v biases, RoPE scaling)")
-    hc = LlamaConfig(
+    return LlamaConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -45,6 +39,23 @@ def hf_llama_from_params(cfg, params):
         eos_token_id=list(cfg.eos_ids) or None,
         pad_token_id=(list(cfg.eos_ids) or [0])[0],
     )
+
+
+def hf_llama_from_params(cfg, params):
+    """A ``transformers`` ``LlamaForCausalLM`` (fp32, eval mode) holding the same weights.
+
+    Args:
+      cfg: :class:`~dspark_jax.config.TargetConfig` (Llama family without q/k-norm).
+      params: canonical parameters (kernels ``[in, out]`` stacked per layer, RoPE in the
+        Hugging Face ``rotate_half`` layout, as every loader of :mod:`dspark_jax.models.model_io`
+        produces).
+    Raises:
+      ValueError: as :func:`hf_llama_config`.
+    """
+    import torch
+    from transformers import LlamaForCausalLM
+
+    hc = hf_llama_config(cfg)
     model = LlamaForCausalLM(hc).float().eval()
     t = lambda a: torch.from_numpy(np.ascontiguousarray(np.asarray(a, np.float32)))
     lay = params["layers"]

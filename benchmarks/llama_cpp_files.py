@@ -4,7 +4,7 @@ the GGUF files llama.cpp's own ``convert_hf_to_gguf.py`` makes of them and of a 
 
 Layout of a llama.cpp folder (what :func:`build_llama_cpp` writes and :func:`llama_cpp_paths`
 reads): ``src/`` (the vendored llama.cpp, with ``convert_hf_to_gguf.py`` and its ``gguf-py``),
-``build/bin/`` (:data:`BUILD_TARGETS`; ``serve/llamacpp.sh`` also needs ``llama-server``) and ``READY``
+``build/bin/`` (:data:`BUILD_TARGETS`, ``llama-server`` among them for ``serve/llamacpp.sh``) and ``READY``
 (the bin folder, written last).
 
 The converter imports ``sentencepiece`` for the stories260K and tiny-Qwen3 vocabularies (llama.cpp's
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors llama.cpp with --spec-type draft-dspark
-BUILD_TARGETS = ("llama-speculative-simple", "llama-completion")
+BUILD_TARGETS = ("llama-speculative-simple", "llama-completion", "llama-server")
 ENV_VAR = "DSPARK_LLAMA_CPP"
 
 
@@ -42,23 +42,28 @@ def llama_cpp_paths(root: str | Path) -> dict[str, Path]:
     ready = root / "READY"
     bin_dir = Path(ready.read_text().strip()) if ready.is_file() else root / "build" / "bin"
     paths = {"src": root / "src", "bin": bin_dir, "convert": root / "src" / "convert_hf_to_gguf.py"}
-    for f in [paths["convert"], *(bin_dir / t for t in BUILD_TARGETS)]:
-        if not f.is_file():
-            raise FileNotFoundError(f"{root} is not a built llama.cpp folder: no {f}")
+    if not paths["convert"].is_file():
+        raise FileNotFoundError(f"{root} is not a built llama.cpp folder: no {paths['convert']}")
+    for t in BUILD_TARGETS:
+        if not (bin_dir / t).is_file():
+            build = bin_dir.parent  # build/bin's build folder
+            raise FileNotFoundError(f"{root}: no {bin_dir / t} (build it: cmake --build {build} --target {t})")
     return paths
 
 
 def build_llama_cpp(root: str | Path, jobs: int | None = None, log=print) -> dict[str, Path]:
     """Builds llama.cpp's CPU backend into ``root`` once (a folder with ``READY`` is reused).
 
-    Downloads ``llama-cpp-python==LLAMA_CPP_PYTHON``'s sdist with pip (``--no-binary :all:``),
-    copies its ``vendor/llama.cpp`` to ``root/src`` and builds :data:`BUILD_TARGETS` with cmake and
-    ninja, ``jobs`` in parallel (default: the number of cores).
+    Downloads ``llama-cpp-python==LLAMA_CPP_PYTHON``'s sdist with pip (``--no-binary :all:``; an
+    sdist already in ``root/dl/`` is reused), copies its ``vendor/llama.cpp`` to ``root/src`` and
+    builds :data:`BUILD_TARGETS` with cmake and ninja, ``jobs`` in parallel (default: the number of
+    cores): about 23 minutes with 2 jobs on a loaded 2-core machine.
 
     Raises:
       subprocess.CalledProcessError: pip, cmake or the build failed (their output is on stderr).
     """
     import shutil
+    import time
 
     root = Path(root).expanduser().resolve()
     if (root / "READY").is_file():
@@ -80,7 +85,9 @@ def build_llama_cpp(root: str | Path, jobs: int | None = None, log=print) -> dic
     log(f"building llama.cpp ({', '.join(BUILD_TARGETS)}) in {root / 'build'}")
     subprocess.run(["cmake", "-S", str(root / "src"), "-B", str(root / "build"), "-G", "Ninja", *flags], check=True)
     jobs = jobs or os.cpu_count() or 1
+    t0 = time.perf_counter()
     subprocess.run(["cmake", "--build", str(root / "build"), "-j", str(jobs), "--target", *BUILD_TARGETS], check=True)
+    log(f"built in {time.perf_counter() - t0:.0f} s with {jobs} jobs")
     (root / "READY").write_text(str(root / "build" / "bin") + "\n")
     return llama_cpp_paths(root)
 
@@ -215,6 +222,71 @@ def tiny_qwen3_hf_dir(out: Path, seed: int = 0) -> Path:
     model.save_pretrained(str(out))
     write_tokenizer(resolve_target("stories260k")[2], out)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    return out
+
+
+def f32_gguf(src: Path, out: Path) -> Path:
+    """``src`` (a quantized GGUF file) with every tensor dequantized to F32 and the same metadata
+    (``general.file_type`` ALL_F32), written once: the weights dspark_jax's loader reads from ``src``
+    (it dequantizes with the same ``gguf.quants.dequantize``), for llama.cpp at equal precision."""
+    import gguf
+    from gguf.quants import dequantize
+
+    if out.is_file():
+        return out
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    tmp = out.with_name(out.name + ".part")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    skip = ("general.architecture", "general.alignment", "general.file_type")
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name in skip:
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for t in reader.tensors:
+        a = dequantize(t.data, t.tensor_type).astype(np.float32)
+        w.add_tensor(t.name, a.reshape(tuple(int(x) for x in reversed(t.shape))))  # GGUF lists dims innermost first
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.rename(out)
+    return out
+
+
+def gguf_target_hf_dir(spec: str, out: Path) -> Path:
+    """A Hugging Face folder of a GGUF target's config and tokenizer, no weights: what llama.cpp's
+    converter reads from ``--target-model-dir`` for a drafter (the architecture and the vocabulary),
+    written once from ``spec`` (a preset or ``.gguf`` path) through dspark_jax's loader.
+
+    Raises:
+      ValueError: the target is not a plain-RoPE Llama or its tokenizer is not byte-level BPE.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    from benchmarks.hf_baseline import hf_llama_config
+    from dspark_jax.models.presets import resolve_target
+
+    if (out / "config.json").is_file():
+        return out
+    cfg, _, tok = resolve_target(spec)
+    backend = getattr(tok, "tok", None)
+    if backend is None or not hasattr(backend, "to_str"):
+        raise ValueError(f"{spec}: only a byte-level BPE tokenizer (tokenizers.Tokenizer) is written here")
+    out.mkdir(parents=True, exist_ok=True)
+    hc = hf_llama_config(cfg)
+    hc.architectures = ["LlamaForCausalLM"]  # the converter picks its vocabulary handler by architecture
+    hc.save_pretrained(str(out))
+    piece = lambda i: None if i is None else tok.id_to_piece(i)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=piece(tok.bos_id),
+        eos_token=piece(tok.eos_ids[0] if tok.eos_ids else None),
+        chat_template=tok.chat_template,
+    )
+    fast.save_pretrained(str(out))
     return out
 
 

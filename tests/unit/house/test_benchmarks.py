@@ -294,6 +294,35 @@ def test_llama_cpp_rounds_align_by_start_position_and_count_acceptance_per_posit
     assert lc.position_acceptance([(0, 2)], 3) == [0.0, None, None]
 
 
+def test_llama_cpp_speed_reads_llama_cpp_logs_and_counts_agreeing_tokens():
+    from benchmarks import llama_cpp_speed as ls
+    from benchmarks.llama_cpp import llama_seconds
+
+    completion = (  # llama-completion's perf lines: 10 eval runs = 11 sampled tokens (the EOS not evaluated)
+        "common_perf_print:    sampling time =       0.91 ms\n"
+        "common_perf_print: prompt eval time =      80.42 ms /    17 tokens (    4.73 ms per token)\n"
+        "common_perf_print:        eval time =     218.97 ms /    10 runs   (   21.90 ms per token)\n"
+    )
+    n, s = llama_seconds(completion, speculative=False) or (0, 0.0)
+    assert n == 11 and abs(s - 0.3003) < 1e-9
+    spec = "encoded   17 tokens in    0.145 seconds, speed: 117.2 t/s\n"
+    spec += "decoded   11 tokens in    1.672 seconds, speed: 6.5 t/s"
+    n, s = llama_seconds(spec, speculative=True) or (0, 0.0)
+    assert n == 11 and abs(s - 1.817) < 1e-9
+    assert llama_seconds(spec, speculative=False) is None and llama_seconds(completion, speculative=True) is None
+    log = "prompt: 'x'\nnumber of tokens in prompt = 3\n0.00.1 I      1 -> '<|im_start|>'\n0.00.2 I    198 -> '\n'\n"
+    log += "0.00.3 I   4093 -> 'user'\nsampler seed: 42 -> '?'\n"
+    assert ls.prompt_token_ids(log) == [1, 198, 4093] and ls.prompt_token_ids("no prompt") == []
+    pieces = {1: "a", 2: "b", 3: "\u00e9"}
+    decode = lambda ids: "".join(pieces[i] for i in ids)
+    assert ls.agreeing_tokens(decode, [1, 2, 1, 3], "abaX") == 3 and ls.agreeing_tokens(decode, [2], "abc") == 0
+    assert ls.agreeing_tokens(decode, [1, 2], "ab [end]") == 2
+    runs = [{"tokens": 10, "seconds": 1.0}, {"tokens": 30, "seconds": 1.0}, {"error": "e"}]
+    assert ls.medians({"x": runs}) == {"x": 20.0}
+    assert ls.acceptance([{"drafted": 7, "accepted": 3}, {"drafted": 7, "accepted": 4}, {}]) == 0.5
+    assert ls.acceptance([{}]) is None
+
+
 def test_sentencepiece_model_is_the_protobuf_of_the_vocabulary():
     from benchmarks.llama_cpp_files import sentencepiece_model
 
