@@ -258,8 +258,15 @@ def f32_gguf(src: Path, out: Path) -> Path:
 
 def gguf_target_hf_dir(spec: str, out: Path) -> Path:
     """A Hugging Face folder of a GGUF target's config and tokenizer, no weights: what llama.cpp's
-    converter reads from ``--target-model-dir`` for a drafter (the architecture and the vocabulary),
-    written once from ``spec`` (a preset or ``.gguf`` path) through dspark_jax's loader.
+    converter reads from ``--target-model-dir`` for a drafter, written once from ``spec`` (a preset or
+    ``.gguf`` path) through dspark_jax's loader.
+
+    For a DSpark / DFlash drafter (``conversion/qwen.py``, ``DFlashModel``) the converter reads the
+    target's ``config.json`` (whose architecture picks its tokenizer handler) and its tokenizer (its
+    pre-tokenizer identified by hashing a test text's tokens: SmolLM2's as ``smollm``); target
+    weights only for a drafter with a ``mask_embedding.pt``, which ours never ship. The tokenizer is
+    dspark_jax's own: transformers 5's ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` drops
+    SmolLM2's digit split (``"\\n    288"`` tokenizes differently from llama.cpp and the model).
 
     Raises:
       ValueError: the target is not a plain-RoPE Llama or its tokenizer is not byte-level BPE.

@@ -115,15 +115,15 @@ def test_smollm2_digits_split(smollm2_tokenizer):
     assert len(ids) == 4 and [tok.decode([i]) for i in ids] == ["2", "0", "2", "4"]
 
 
-def test_smollm2_hf_dir_matches_the_gguf(smollm2_reader, smollm2_tokenizer, tmp_path):
+def test_gguf_target_hf_dir_matches_the_gguf(smollm2_reader, smollm2_tokenizer, tmp_path):
     """Config of the GGUF's hyperparameters; tokenizer encoding as ours and llama.cpp's ``smollm`` pre-type
     (digits split first: ``"\\n    288"`` is ``"\\n    "`` and three digits, not ``"\\n   "``, ``" "``, digits)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from benchmarks.smollm2_hf import smollm2_hf_dir
+    from benchmarks.llama_cpp_files import gguf_target_hf_dir
     from dspark_jax.models.gguf_io import gguf_config
 
-    out = smollm2_hf_dir(tmp_path / "hf", smollm2_reader)
+    out = gguf_target_hf_dir("smollm2-135m-instruct", tmp_path / "hf")
     hf_cfg, cfg = AutoConfig.from_pretrained(str(out)), gguf_config(smollm2_reader)
     assert hf_cfg.architectures == ["LlamaForCausalLM"] and hf_cfg.tie_word_embeddings == cfg.tie_embeddings
     assert (hf_cfg.vocab_size, hf_cfg.hidden_size, hf_cfg.num_hidden_layers) == (
