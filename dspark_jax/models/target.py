@@ -29,7 +29,7 @@ from dspark_jax.models.layer_stack import layer_inputs, per_layer_layout, run_la
 from dspark_jax.models.layers import KVCache, apply_rope, apply_rope_table, attention, kv_scatter, rms_norm
 from dspark_jax.models.moe import feed_forward, split_mixed_mlp
 from dspark_jax.models.rope import rope_table
-from dspark_jax.models.weights import MOE_KEYS, target_param_shapes
+from dspark_jax.models.weights import MOE_KEYS, check_target_params, target_param_shapes
 
 _LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 _BIAS_KEYS = ("bq", "bk", "bv")
@@ -159,7 +159,7 @@ class Target(nnx.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.fingerprint = fingerprint
-        _check_params(cfg, params)
+        check_target_params(cfg, params)
         if mesh is None:
             cast = lambda a, s=None: nnx.Param(jnp.asarray(a, dtype))
         else:
@@ -595,23 +595,3 @@ def packed_attn_out_and_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h, attn,
     ``h [1, K, H]``, then the feed-forward with its residual (``stacks``: :meth:`Target.mlp_stacks`).
     Returns the new ``[1, K, H]``."""
     return _residual_mlp(cfg, p, h, (attn @ p["wo"])[None], stacks)
-
-
-def _check_params(cfg: TargetConfig, params: dict[str, Any]) -> None:
-    H = cfg.hidden_size
-    want = target_param_shapes(cfg)["layers"]
-    got = params.get("layers", {})
-    problems = []
-    for k, shape in want.items():
-        if k not in got:
-            problems.append(f"layers.{k} missing")
-        elif tuple(got[k].shape) != shape:
-            problems.append(f"layers.{k} has shape {tuple(got[k].shape)}, expected {shape}")
-    embed: Any = params.get("embed")
-    lm_head: Any = params.get("lm_head")
-    if tuple(np.shape(embed)) != (cfg.vocab_size, H):
-        problems.append(f"embed has shape {np.shape(embed)}, expected {(cfg.vocab_size, H)}")
-    if not cfg.tie_embeddings and tuple(np.shape(lm_head)) != (H, cfg.vocab_size):
-        problems.append("lm_head missing or misshapen")
-    if problems:
-        raise ValueError("target parameters do not match the config: " + "; ".join(problems))

@@ -75,7 +75,7 @@ def _weight_slices(target: Target) -> int:
         return nnx.merge(graph, state)(tok, pos, cache).logits
 
     hlo = jax.jit(step).lower(state, cache).compile().as_text()
-    one_layer = "= f32[1,%d,%d]{2,1,0} dynamic-slice(" % (TINY_TARGET.hidden_size, TINY_TARGET.intermediate_size)
+    one_layer = f"= f32[1,{TINY_TARGET.hidden_size},{TINY_TARGET.intermediate_size}]{{2,1,0}} dynamic-slice("
     return sum(one_layer in line for line in hlo.splitlines())  # w_gate / w_up of one layer
 
 
