@@ -73,7 +73,7 @@ def weight_bytes_per_token(target: Target) -> int:
     """Bytes of weights a decode step reads: every layer, the final norm, the LM head (the
     embedding when tied) and one embedding row."""
     itemsize = jnp.dtype(target.dtype).itemsize
-    layers = sum(int(v[...].size) for v in target.layers.values())
+    layers = sum(int(v.size) for v in jax.eval_shape(target.layer_weights).values())
     cfg = target.cfg
     return itemsize * (layers + cfg.hidden_size * (cfg.vocab_size + 2))
 

@@ -146,8 +146,8 @@ def layer_bytes(target: Any, verify: int) -> list[dict[str, Any]]:
 
     from dspark_jax.models.moe import moe_mlp, route
 
-    cfg, lay = target.cfg, target.layers
-    p0 = {k: lay[k][...][0] for k in ("moe_router", "moe_gate", "moe_up", "moe_down")}
+    cfg, lay = target.cfg, target.layer_weights()
+    p0 = {k: lay[k][0] for k in ("moe_router", "moe_gate", "moe_up", "moe_down")}
     item = p0["moe_gate"].dtype.itemsize
     per_expert = sum(int(np.prod(p0[k].shape[1:])) * item for k in ("moe_gate", "moe_up", "moe_down"))
     router = int(np.prod(p0["moe_router"].shape)) * item

@@ -139,7 +139,7 @@ def grouped_forward(
     tables = tuple(jnp.asarray(t) for t in _rope_tables(cfg))
     opts = {"scale": cfg.query_scale, "softcap": cfg.attn_logit_softcap}
     x = target.embed_tokens(tokens).astype(target.dtype)
-    xs = _period_inputs(cfg, {k: v[...] for k, v in target.layers.items()})
+    xs = _period_inputs(cfg, target.layer_weights())
     if cache is None:
         causal = positions[:, None, :] <= positions[:, :, None]
         causal = causal if attn_mask is None else causal & attn_mask

@@ -25,10 +25,11 @@ from dspark_jax.config import TargetConfig
 from dspark_jax.models.attention import attend
 from dspark_jax.models.gemma4 import grouped_forward, init_grouped_cache, random_grouped_params, refuse
 from dspark_jax.models.head import row_reduce_head, tied_head_row_reduce
+from dspark_jax.models.layer_stack import layer_inputs, per_layer_layout, run_layers, stacked_weights, store_layers
 from dspark_jax.models.layers import KVCache, apply_rope, apply_rope_table, attention, kv_scatter, rms_norm
 from dspark_jax.models.moe import feed_forward, split_mixed_mlp
 from dspark_jax.models.rope import rope_table
-from dspark_jax.models.weights import MOE_KEYS, target_param_shapes
+from dspark_jax.models.weights import MOE_KEYS, check_target_params, target_param_shapes
 
 _LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 _BIAS_KEYS = ("bq", "bk", "bv")
@@ -136,18 +137,29 @@ class Target(nnx.Module):
         its shards (:func:`dspark_jax.models.sharding.tree_shardings`, docs/design.md#device-mesh),
         so a target larger than one device's memory never lands on one device.
         ``None``: the default device (as before).
+      layer_layout: ``auto`` (default), ``stacked`` or ``per_layer``: the per-layer weights as one
+        ``[L, ...]`` array each under a layer scan, or as buffers of their own under an unrolled
+        layer loop, which XLA's CPU backend runs faster (:mod:`~dspark_jax.models.layer_stack`;
+        ``auto``: per layer for float32 on a CPU without a mesh). The logits are the same.
 
     Raises:
-      ValueError: a parameter is missing or has the wrong shape for ``cfg``.
+      ValueError: a parameter is missing or has the wrong shape for ``cfg``; an unknown or
+        unsupported ``layer_layout``.
     """
 
     def __init__(
-        self, cfg: TargetConfig, params: dict[str, Any], dtype: Any = jnp.float32, fingerprint: str = "", mesh=None
+        self,
+        cfg: TargetConfig,
+        params: dict[str, Any],
+        dtype: Any = jnp.float32,
+        fingerprint: str = "",
+        mesh=None,
+        layer_layout: str = "auto",
     ):
         self.cfg = cfg
         self.dtype = dtype
         self.fingerprint = fingerprint
-        _check_params(cfg, params)
+        check_target_params(cfg, params)
         if mesh is None:
             cast = lambda a, s=None: nnx.Param(jnp.asarray(a, dtype))
         else:
@@ -164,7 +176,8 @@ class Target(nnx.Module):
         keys += _SANDWICH_KEYS if cfg.sandwich_norms else ()
         keys = tuple(k for k in keys + MOE_KEYS if k in target_param_shapes(cfg)["layers"])
         keys = tuple(target_param_shapes(cfg)["layers"]) if cfg.grouped_attention else keys
-        self.layers = nnx.Dict({k: cast(params["layers"][k], sh["layers"].get(k)) for k in keys})
+        self.per_layer = per_layer_layout(layer_layout, cfg, mesh, dtype)
+        self.layers = store_layers({k: params["layers"][k] for k in keys}, self.per_layer, cast, sh["layers"])
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """``[...]`` int32 token ids -> ``[..., H]`` input embeddings (times ``cfg.embed_scale``,
@@ -179,19 +192,28 @@ class Target(nnx.Module):
             e = jnp.take(self.embed[...], tokens, axis=0)
         return e if self.cfg.embed_scale == 1.0 else e * jnp.asarray(self.cfg.embed_scale, e.dtype)
 
-    def scan_params(self) -> dict[str, jax.Array]:
-        """The per-layer inputs of a layer scan: the stacked weights ``{key: [L, ...]}``, the RoPE
+    def scan_params(self) -> dict[str, jax.Array] | list[dict[str, jax.Array]]:
+        """The per-layer inputs of the layer loop (:func:`~.layer_stack.run_layers`): the weights
+        ``{key: [L, ...]}`` (or, per-layer layout, a list of ``L`` dicts of one layer's), the RoPE
         (:data:`ROPE_FREQ_KEY` ``[L, head_dim / 2]`` float32) when it differs between layers, and with
         dense and sparse layers mixed their MLP slots for the weights (:func:`.moe.split_mixed_mlp`)."""
-        p = {k: v[...] for k, v in self.layers.items()}
-        if self.cfg.per_layer_rope:
-            p[ROPE_FREQ_KEY] = jnp.asarray(layer_inv_freqs(self.cfg))
+        p = layer_inputs(self.layers)
+        freqs = jnp.asarray(layer_inv_freqs(self.cfg)) if self.cfg.per_layer_rope else None
+        if isinstance(p, list):
+            return p if freqs is None else [q | {ROPE_FREQ_KEY: freqs[i]} for i, q in enumerate(p)]
+        if freqs is not None:
+            p[ROPE_FREQ_KEY] = freqs
         return split_mixed_mlp(self.cfg, p)[0]
+
+    def layer_weights(self) -> dict[str, jax.Array]:
+        """The per-layer weights stacked, ``{key: [L, ...]}`` (with the per-layer layout a copy,
+        made on each call: for code outside the decode loop)."""
+        return stacked_weights(self.layers)
 
     def mlp_stacks(self) -> dict[str, jax.Array]:
         """With dense and sparse layers mixed (``cfg.mixed_mlp``), the two groups' MLP weights, each
         stacked over its own layers, which the scan indexes (:func:`.moe.split_mixed_mlp`); else ``{}``."""
-        return split_mixed_mlp(self.cfg, {k: v[...] for k, v in self.layers.items()})[1]
+        return split_mixed_mlp(self.cfg, self.layer_weights())[1] if self.cfg.mixed_mlp else {}
 
     def final_normed(self, h: jax.Array) -> jax.Array:
         """The final RMSNorm of ``h [..., H]`` (same dtype)."""
@@ -224,7 +246,10 @@ class Target(nnx.Module):
         h = self.final_normed(h)
         if self.lm_head is None and row_reduce_head(h):
             return self.cap_logits(tied_head_row_reduce(h, self.embed[...]))
-        return self.cap_logits(jnp.dot(h, self.lm_head_weight(), preferred_element_type=jnp.float32))
+        if self.lm_head is None:  # contracted in place: XLA's CPU backend fuses a transposed copy into the dot
+            dims = (((h.ndim - 1,), (1,)), ((), ()))
+            return self.cap_logits(jax.lax.dot_general(h, self.embed[...], dims, preferred_element_type=jnp.float32))
+        return self.cap_logits(jnp.dot(h, self.lm_head[...], preferred_element_type=jnp.float32))
 
     def __call__(
         self,
@@ -275,7 +300,7 @@ class Target(nnx.Module):
                 h = _attn_out_and_mlp(cfg, p, h, attention(q, k, v, m, **attention_options(cfg)), stacks)
                 return h, (h if taps else None)
 
-            x, hidden = jax.lax.scan(layer, x, layer_params if windows is None else (layer_params, windows))
+            x, hidden = run_layers(layer, x, layer_params, windows)
             new_cache = None
         else:
             # The cache rides in the scan carry and is written in place at the block's positions;
@@ -294,7 +319,7 @@ class Target(nnx.Module):
                 h = _attn_out_and_mlp(cfg, p, h, a, stacks)
                 return (h, ck, cv, li + 1), (h if taps else None)
 
-            (x, nk, nv, _), hidden = jax.lax.scan(cached_layer, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
+            (x, nk, nv, _), hidden = run_layers(cached_layer, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
             new_cache = KVCache(nk, nv)
         features = _tap_features(hidden, taps)
         if logit_index is not None:
@@ -350,7 +375,7 @@ class Target(nnx.Module):
         x = self.embed_tokens(tokens).astype(self.dtype)[None]  # [1, K, H]
         layer = functools.partial(_packed_layer, cfg, geo, bool(taps), self.mlp_stacks())
         _check_taps(cfg, taps)
-        (x, nk, nv, _), hidden = jax.lax.scan(layer, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
+        (x, nk, nv, _), hidden = run_layers(layer, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
         new_kv = (nk, nv)
         features = _tap_features(hidden, taps)
         return TargetOutput(self.unembed(x[0]), features, KVCache(*new_kv))
@@ -570,23 +595,3 @@ def packed_attn_out_and_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h, attn,
     ``h [1, K, H]``, then the feed-forward with its residual (``stacks``: :meth:`Target.mlp_stacks`).
     Returns the new ``[1, K, H]``."""
     return _residual_mlp(cfg, p, h, (attn @ p["wo"])[None], stacks)
-
-
-def _check_params(cfg: TargetConfig, params: dict[str, Any]) -> None:
-    H = cfg.hidden_size
-    want = target_param_shapes(cfg)["layers"]
-    got = params.get("layers", {})
-    problems = []
-    for k, shape in want.items():
-        if k not in got:
-            problems.append(f"layers.{k} missing")
-        elif tuple(got[k].shape) != shape:
-            problems.append(f"layers.{k} has shape {tuple(got[k].shape)}, expected {shape}")
-    embed: Any = params.get("embed")
-    lm_head: Any = params.get("lm_head")
-    if tuple(np.shape(embed)) != (cfg.vocab_size, H):
-        problems.append(f"embed has shape {np.shape(embed)}, expected {(cfg.vocab_size, H)}")
-    if not cfg.tie_embeddings and tuple(np.shape(lm_head)) != (H, cfg.vocab_size):
-        problems.append("lm_head missing or misshapen")
-    if problems:
-        raise ValueError("target parameters do not match the config: " + "; ".join(problems))

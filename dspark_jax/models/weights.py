@@ -259,3 +259,24 @@ def params_fingerprint(params: Params) -> str:
     for a in pieces:
         h.update(np.ascontiguousarray(np.asarray(a, dtype=np.float32)).astype("<f4").tobytes())
     return h.hexdigest()[:16]
+
+
+def check_target_params(cfg: TargetConfig, params: dict[str, Any]) -> None:
+    """Raises ValueError naming every parameter of ``params`` missing or misshapen for ``cfg``."""
+    H = cfg.hidden_size
+    want = target_param_shapes(cfg)["layers"]
+    got = params.get("layers", {})
+    problems = []
+    for k, shape in want.items():
+        if k not in got:
+            problems.append(f"layers.{k} missing")
+        elif tuple(got[k].shape) != shape:
+            problems.append(f"layers.{k} has shape {tuple(got[k].shape)}, expected {shape}")
+    embed: Any = params.get("embed")
+    lm_head: Any = params.get("lm_head")
+    if tuple(np.shape(embed)) != (cfg.vocab_size, H):
+        problems.append(f"embed has shape {np.shape(embed)}, expected {(cfg.vocab_size, H)}")
+    if not cfg.tie_embeddings and tuple(np.shape(lm_head)) != (H, cfg.vocab_size):
+        problems.append("lm_head missing or misshapen")
+    if problems:
+        raise ValueError("target parameters do not match the config: " + "; ".join(problems))

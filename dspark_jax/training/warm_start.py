@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -45,7 +46,7 @@ def check_init_from_target_layers(drafter, target, layers: Sequence[int]) -> lis
         raise DSparkInputError(f"init_from_target_layers names {len(idx)} target layers; the drafter has {n}")
     if bad := [i for i in idx if not -big_l <= i < big_l]:
         raise DSparkInputError(f"init_from_target_layers: layer(s) {bad} outside the target's {big_l} layers")
-    theirs = target.layers
+    theirs = jax.eval_shape(target.layer_weights)
     for key in _shared(drafter, target):
         want, got = tuple(mine[key].shape)[1:], tuple(theirs[key].shape)[1:]
         if got != want:
@@ -59,7 +60,7 @@ def check_init_from_target_layers(drafter, target, layers: Sequence[int]) -> lis
 def _shared(drafter, target) -> list[str]:
     """Per-layer parameters both have: a Llama target has no q/k norms, which an interop drafter
     has (they keep their initial weight 1)."""
-    return [k for k in drafter.layers if k in target.layers]
+    return [k for k in drafter.layers if k in jax.eval_shape(target.layer_weights)]
 
 
 def init_from_target_layers(drafter, target, layers: Sequence[int]) -> None:
@@ -70,7 +71,7 @@ def init_from_target_layers(drafter, target, layers: Sequence[int]) -> None:
       drafter: a :class:`~dspark_jax.drafters.dspark.DSparkDrafter` (DSpark or DFlash) with
         ``len(layers)`` backbone layers; its per-layer parameters ``drafter.layers[key]`` are
         ``[num_layers, ...]`` float arrays of the target's per-layer shapes.
-      target: the :class:`~dspark_jax.models.target.Target`; ``target.layers[key]`` is ``[L, ...]``.
+      target: the :class:`~dspark_jax.models.target.Target`; ``target.layer_weights()[key]`` is ``[L, ...]``.
       layers: target layer indices, one per drafter layer in order (Python-style: ``-1`` is the last).
 
     Raises:
@@ -80,9 +81,10 @@ def init_from_target_layers(drafter, target, layers: Sequence[int]) -> None:
         mixture-of-experts target (its sparse layers have no dense MLP).
     """
     idx = np.asarray(check_init_from_target_layers(drafter, target, layers))
+    theirs = target.layer_weights()
     for key in _shared(drafter, target):
         param = drafter.layers[key]
-        param[...] = jnp.asarray(np.asarray(target.layers[key][...])[idx], param[...].dtype)
+        param[...] = jnp.asarray(np.asarray(theirs[key])[idx], param[...].dtype)
     final = np.asarray(target.final_norm[...])
     if final.shape == tuple(drafter.final_norm[...].shape):
         drafter.final_norm[...] = jnp.asarray(final, drafter.final_norm[...].dtype)

@@ -47,6 +47,7 @@ from flax import nnx
 
 from dspark_jax.decoding.round import token_keys
 from dspark_jax.models import sharding as shd
+from dspark_jax.models.layer_stack import run_layers
 from dspark_jax.models.layers import KVCache, attention
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample
 from dspark_jax.models.target import attention_options, layer_window, packed_attn_out_and_mlp, packed_qkv
@@ -200,7 +201,7 @@ def chunk_forward(target, tok, pos, blk_lane, cache: KVCache, *, span: int, bloc
     def layer(carry, p):
         return _chunk_layer(cfg, geo, bool(taps), stacks, carry, p)
 
-    (x, nk, nv, _), hidden = jax.lax.scan(layer, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
+    (x, nk, nv, _), hidden = run_layers(layer, (x, cache.k, cache.v, jnp.int32(0)), layer_params)
     features = jnp.concatenate([hidden[t] for t in taps], axis=-1) if taps and hidden is not None else None
     return x[0], features, KVCache(nk, nv)
 

@@ -6,7 +6,8 @@ their loop bodies (a layer ``scan`` that maps the cache as xs/ys copies it every
 ``while`` body of the optimized HLO, the only instructions whose result has a cache's shape are
 parameters, tuple reads, bitcasts and in-place updates (``dynamic-update-slice`` / ``scatter``, or a
 fusion whose root is one). The compiled programs' temporaries (``memory_analysis()``) stay below one
-cache array. Tiny random models at a long cache, so that a cache copy would dominate the temporaries.
+cache array (two with per-layer weights: the zero array the unrolled prefill's first writes copy from).
+Tiny random models at a long cache, so that a cache copy would dominate the temporaries.
 (``auto`` runs each compiled width in a ``lax.while_loop`` of zero or one trip: a ``lax.switch`` with
 the writes inside its branches copied both caches into every branch, 10 copies a round here.)
 
@@ -181,7 +182,10 @@ def test_loop_bodies_update_caches_in_place(models, kind):
         assert updates >= 2  # k and v, written in place inside the loop
     one_cache_array = c.num_layers * CACHE * c.num_kv_heads * c.head_dim * 4
     stats = compiled.memory_analysis()
-    assert stats is not None and stats.temp_size_in_bytes < one_cache_array
+    # With the layers unrolled (per-layer weights on the CPU) the empty cache is one zero array before
+    # the loop, which the prefill's first writes copy from: one cache array of temporaries, no more.
+    bound = one_cache_array * (2 if target.per_layer else 1)
+    assert stats is not None and stats.temp_size_in_bytes < bound
 
 
 def test_cached_attention_equals_dense_and_ignores_cache_length():
