@@ -165,9 +165,10 @@ class Drafter(Protocol):
         ...
 
     def prepare_decoding(self, target: Target) -> None:
-        """Installs decode-time state derived from ``target`` (the draft vocabulary's LM-head rows,
+        """Installs decode-time state derived from ``target`` and the drafter's weights (the draft
+        vocabulary's LM-head rows, per-layer weight copies on the CPU:
         :mod:`dspark_jax.drafters.decode_head`; a no-op for a drafter without such state), once per
-        (target, drafter): idempotent, replaced for another target. Outside ``jit``."""
+        (target, drafter): idempotent, replaced for another target or new weights. Outside ``jit``."""
         ...
 
     def release_decoding(self) -> None:
@@ -234,14 +235,16 @@ class BlockDrafter(Drafter, Protocol):
 
 def prepare_drafter(target: Target, drafter: Drafter) -> None:
     """What every decoding entry point does with a (target, drafter) pair before decoding:
-    :func:`check_compatible`, then ``drafter.prepare_decoding(target)`` (the restricted LM head
-    of a draft vocabulary, computed once instead of in every drafting round), then
-    :func:`place_like_target` (a target on a device mesh takes its drafter along). Idempotent.
+    :func:`check_compatible`, then :func:`place_like_target` (a target on a device mesh takes its
+    drafter along), then ``drafter.prepare_decoding(target)`` (decode-time state: the restricted LM
+    head of a draft vocabulary, computed once instead of in every drafting round; per-layer copies
+    of the placed weights on the CPU), then :func:`place_like_target` again for that state. Idempotent.
 
     Raises:
       DSparkInputError: as :func:`check_compatible`.
     """
     check_compatible(target, drafter)
+    place_like_target(target, drafter)
     drafter.prepare_decoding(target)
     place_like_target(target, drafter)
 

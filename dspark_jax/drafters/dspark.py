@@ -36,10 +36,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import dspark_jax.drafters.decode_head as decode_state
 import dspark_jax.drafters.draft_layer as draft_layer
 from dspark_jax.config import DrafterConfig
 from dspark_jax.drafters.base import BlockOutput, Draft, checked_calibration
-from dspark_jax.drafters.decode_head import DecodeHead, decode_head_rows, install_decode_head, release_decode_head
 from dspark_jax.drafters.markov import build_markov_head, sample_block
 from dspark_jax.models import layers
 from dspark_jax.models.head import row_reduce_head, tied_head_row_reduce
@@ -99,10 +99,9 @@ class DSparkDrafter(nnx.Module):
         self.lm_head = w(big_h, cfg.vocab_size) if own else None
         if own and cfg.draft_vocab_size:
             raise ValueError("a drafter with its own LM head drafts over the full vocabulary (draft_vocab_size=0)")
-        # Per-position confidence temperatures T_1..T_gamma (sequential temperature scaling,
-        # paper A5) or None (uncalibrated). A static tuple of floats, part of the graph
-        # definition (not a parameter): set by `load_drafter` from the export's
-        # `calibration` field, or with `set_calibration`.
+        # Per-position confidence temperatures T_1..T_gamma (sequential temperature scaling, paper A5)
+        # or None (uncalibrated). A static tuple of floats, part of the graph definition (not a
+        # parameter): set by `load_drafter` from the export's `calibration`, or `set_calibration`.
         self.calibration: tuple[float, ...] | None = None
         # Temperatures fit on greedy acceptance (argmax agreement), used for rows decoding at
         # T = 0; None: greedy rows use `calibration` too.
@@ -111,14 +110,14 @@ class DSparkDrafter(nnx.Module):
         # None: zero (exports that store temperatures only). Static like the temperatures.
         self.calibration_bias: tuple[float, ...] | None = None
         self.calibration_greedy_bias: tuple[float, ...] | None = None
-        # Draft vocabulary (cfg.draft_vocab_size > 0): the N target ids the drafter drafts over,
-        # ascending. Static like `calibration` (set by `load_drafter` from the export, or by the
-        # trainer from its data with `set_draft_vocab`).
+        # Draft vocabulary (cfg.draft_vocab_size > 0): the N target ids the drafter drafts over, ascending.
+        # Static like `calibration` (set by `load_drafter`, or by the trainer with `set_draft_vocab`).
         self.draft_vocab: tuple[int, ...] | None = None
-        # The draft vocabulary's [N, H] LM-head rows for decoding (a DecodeHead variable, not a
-        # parameter) and the static identity of the target they came from: prepare_decoding.
-        self.decode_head: DecodeHead | None = nnx.data(None)
+        # Decode-time state (prepare_decoding; variables, not parameters): a draft vocabulary's
+        # [N, H] LM-head rows and the static identity of their target; on the CPU, per-layer copies.
+        self.decode_head: decode_state.DecodeHead | None = nnx.data(None)
         self.decode_head_key: tuple | None = None
+        self.decode_layers: nnx.List | None = nnx.data(None)
 
     # -- draft vocabulary ---------------------------------------------------------
 
@@ -148,21 +147,21 @@ class DSparkDrafter(nnx.Module):
         self.draft_vocab = ids
 
     def prepare_decoding(self, target: Target) -> None:
-        """Installs the decode-time restricted LM head for ``target``: the draft vocabulary's
-        ``[N, H]`` rows, gathered once here instead of in every drafting round
-        (:mod:`dspark_jax.drafters.decode_head`). Idempotent; replaces a head of another target.
-        A no-op without a draft vocabulary; a target without a weights fingerprint gets no head
-        (the rows are gathered per call). Decoding entry points call it (through
-        :func:`~dspark_jax.drafters.base.prepare_drafter`); call it outside ``jit``.
+        """Installs the decode-time state for ``target`` (:mod:`dspark_jax.drafters.decode_head`): the
+        draft vocabulary's ``[N, H]`` LM-head rows, gathered once here instead of in every drafting
+        round (none without a draft vocabulary or a target weights fingerprint: the rows are then
+        gathered per call), and on the CPU each backbone layer's weights in buffers of their own.
+        Idempotent; replaces a head of another target and copies of replaced weights. Decoding entry
+        points call it (through :func:`~dspark_jax.drafters.base.prepare_drafter`); outside ``jit``.
 
         Raises:
           ValueError: ``draft_vocab_size > 0`` but no draft vocabulary installed.
         """
-        install_decode_head(self, target)
+        decode_state.install_decode_state(self, target)
 
     def release_decoding(self) -> None:
         """Drops the decode-time state of :meth:`prepare_decoding` (base logits gather again)."""
-        release_decode_head(self)
+        decode_state.release_decode_state(self)
 
     def draft_vocab_ids(self) -> jax.Array | None:
         """``[N]`` int32 target ids of the draft vocabulary (ascending), or None (full vocabulary).
@@ -255,7 +254,6 @@ class DSparkDrafter(nnx.Module):
           ``[B, A, S, d]`` final-normed hidden states.
         """
         cfg = self.cfg
-        params = {k: v[...] for k, v in self.layers.items()}
         b, a, s, d = x.shape
         flat_pos = positions.reshape(b, a * s)
 
@@ -276,9 +274,16 @@ class DSparkDrafter(nnx.Module):
 
             return (draft_layer.layer(cfg, p, h, rope, attend), li + 1), None
 
-        body = jax.checkpoint(layer, prevent_cse=False) if remat else layer
-        xs = (params, ctx_k, ctx_v) if ctx_end is None else (params, None, None)
-        (h, _), _ = jax.lax.scan(body, (x.astype(self.dtype), jnp.int32(0)), xs)
+        h = x.astype(self.dtype)
+        per_layer = decode_state.decode_layer_params(self) if ctx_end is not None else None
+        if per_layer is not None:  # decode time on the CPU: no layer copied out of the stacks
+            for li, p in enumerate(per_layer):
+                h = layer((h, jnp.int32(li)), (p, None, None))[0][0]
+        else:
+            params = {k: v[...] for k, v in self.layers.items()}
+            body = jax.checkpoint(layer, prevent_cse=False) if remat else layer
+            xs = (params, ctx_k, ctx_v) if ctx_end is None else (params, None, None)
+            (h, _), _ = jax.lax.scan(body, (h, jnp.int32(0)), xs)
         return rms_norm(h, self.final_norm[...], cfg.rms_eps)
 
     def block_inputs(self, target: Target, anchors: jax.Array) -> jax.Array:
@@ -333,7 +338,7 @@ class DSparkDrafter(nnx.Module):
             return layers.soft_cap(jnp.dot(h, w, preferred_element_type=jnp.float32), self.cfg.final_logit_softcap)
         ids = self.draft_vocab_ids()
         if ids is not None:  # only the draft vocabulary's rows of the head: [N, H]
-            rows = r if (r := decode_head_rows(self, target)) is not None else target.lm_head_rows(ids)
+            rows = r if (r := decode_state.decode_head_rows(self, target)) is not None else target.lm_head_rows(ids)
         elif target.lm_head is None:
             rows = target.embed[...]
         else:

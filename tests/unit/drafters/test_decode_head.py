@@ -4,6 +4,8 @@ vocabulary, refused for another target, never trained or exported."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ from flax import nnx
 
 from dspark_jax.drafters.base import BlockOutput, prepare_drafter
 from dspark_jax.drafters.checkpoint import export_drafter, load_drafter
-from dspark_jax.drafters.decode_head import DecodeHead, without_decode_state
+from dspark_jax.drafters.decode_head import DecodeHead, DecodeLayer, without_decode_state
 from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.drafters.markov import sample_block
 from dspark_jax.errors import DSparkInputError
@@ -140,6 +142,57 @@ def test_decode_head_is_bit_identical_to_the_gather_and_idempotent():
     assert d.decode_head is not None and d.decode_head.get_value() is rows
     d.set_draft_vocab(range(N_DRAFT))  # another vocabulary: the rows go
     assert d.decode_head is None
+
+
+@pytest.mark.exactness
+def test_decode_layers_are_per_layer_copies_read_by_the_round_and_refreshed():
+    """On the CPU, prepare_decoding copies each backbone layer's weights into buffers of their own;
+    the drafting round reads them (no copy of a layer out of the stacked arrays in the compiled
+    program) and drafts what the scan over the stacks drafts; new weights are copied again; the
+    copies are never parameters."""
+    target = tiny_target()
+    d = tiny_drafter(target, train=tiny_train_config(num_layers=2))
+    assert isinstance(d, DSparkDrafter)
+    before = _draft(target, d)
+    prepare_drafter(target, d)
+    assert d.decode_layers is not None and len(d.decode_layers) == 2
+    for i, layer in enumerate(d.decode_layers):
+        for k, v in layer.items():
+            assert isinstance(v, DecodeLayer)
+            np.testing.assert_array_equal(np.asarray(v[...]), np.asarray(d.layers[k][...][i]))
+    for out_before, out_after in zip(before, _draft(target, d)):
+        np.testing.assert_array_equal(np.asarray(out_before.tokens), np.asarray(out_after.tokens))
+        np.testing.assert_allclose(np.asarray(out_after.probs), np.asarray(out_before.probs), rtol=1e-6, atol=1e-7)
+    kept = d.decode_layers[1]["wq"].get_value()
+    d.prepare_decoding(target)  # idempotent
+    assert d.decode_layers[1]["wq"].get_value() is kept
+    assert "decode_layers" not in nnx.to_pure_dict(nnx.state(d, nnx.Param))
+    assert without_decode_state(d).decode_layers is None and d.decode_layers is not None
+
+    # the compiled round slices no layer weight out of a stack ([2, d, ...] -> [d, ...])
+    t_graph, t_state = nnx.split(target)
+    d_graph, d_state = nnx.split(d)
+    cache = d.init_cache(1, 16)
+    hlo = (
+        jax.jit(
+            lambda ts, ds, c: nnx.merge(d_graph, ds).draft_block(
+                nnx.merge(t_graph, ts), jnp.ones((1,), jnp.int32), jnp.full((1,), 6, jnp.int32), c
+            )
+        )
+        .lower(t_state, d_state, cache)
+        .compile()
+        .as_text()
+    )
+    shapes = {",".join(map(str, v.shape[1:])) for v in d.layers.values() if v.ndim == 3}
+    copies = [m for m in re.findall(r"%[\w.-]*slice[\w.-]* = f32\[([\d,]+)\]", hlo) if m in shapes]
+    assert not copies, f"layer weights sliced out of the stacks: {copies}"
+
+    # new weights: the next prepare copies them (a round reads the new values)
+    d.layers["wq"][...] = 2.0 * d.layers["wq"][...]
+    d.prepare_decoding(target)
+    np.testing.assert_array_equal(np.asarray(d.decode_layers[1]["wq"][...]), np.asarray(d.layers["wq"][...][1]))
+    d.release_decoding()
+    assert d.decode_layers is None
 
 
 def test_decode_head_of_another_target_is_refused_or_replaced():

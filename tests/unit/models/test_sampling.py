@@ -277,6 +277,18 @@ def test_sample_never_draws_zero_probability_tokens_and_matches_law():
     np.testing.assert_allclose(freq[[1, 3, 4]], [0.5, 0.2, 0.3], atol=0.005)
 
 
+def test_sample_is_jax_random_categorical():
+    """The Gumbel-max draw with first_argmax gives jax.random.categorical's ids (zeros and ties included)."""
+    rng = np.random.default_rng(4)
+    probs = rng.dirichlet(np.full(50, 0.3), size=(64, 3)).astype(np.float32)
+    probs[:, :, ::7] = 0.0
+    probs[:8] = np.where(np.arange(50) < 4, 0.25, 0.0)  # exact ties
+    keys = jax.random.split(jax.random.PRNGKey(5), 64)
+    log_p = np.where(probs > 0, np.log(np.where(probs > 0, probs, 1.0)), -np.inf).astype(np.float32)
+    ref = jax.vmap(lambda k, lp: jax.random.categorical(k, lp, axis=-1))(keys, jnp.asarray(log_p))
+    np.testing.assert_array_equal(np.asarray(sample(keys, jnp.asarray(probs))), np.asarray(ref))
+
+
 def test_sample_per_row_keys_are_row_local():
     keys = np.asarray(jax.random.split(jax.random.PRNGKey(1), 3))
     probs = np.asarray(process_logits(_logits(7, (3, 5, 9)), sampling_arrays(3)))
