@@ -38,7 +38,7 @@ from dspark_jax.decoding.cost_table import (
 from dspark_jax.decoding.loop import AutoWidths, make_batch, run_speculative
 from dspark_jax.decoding.round import RoundCaches, RoundInputs, draft_tokens, verify_pass
 from dspark_jax.drafters.base import Draft, prepare_drafter
-from dspark_jax.models.sampling import process_logits, sample, sampling_arrays
+from dspark_jax.models.sampling import process_logits, sample_or_argmax, sampling_arrays
 
 __all__ = ["cached_cost_table", "default_span", "forcing_costs", "measure_costs", "measure_round_costs"]
 
@@ -80,7 +80,8 @@ def _programs(target, drafter, widths: Sequence[int]):
     def step_prog(t_state, tcache, anchor, pos, key, samp):
         t = nnx.merge(t_graph, t_state)
         out = t(anchor[:, None], pos[:, None], tcache)
-        return out.cache, sample(key, process_logits(out.logits[:, 0], samp))
+        probs = process_logits(out.logits[:, 0], samp)  # as plain decoding's next_token
+        return out.cache, sample_or_argmax(key, probs, jnp.all(samp.temperature <= 0))
 
     def context_prog(d_state, dcache, feats, pos):
         d = nnx.merge(d_graph, d_state)

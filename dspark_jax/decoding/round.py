@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from dspark_jax.decoding.verifier import verify
 from dspark_jax.drafters.base import BlockDrafter, Draft
 from dspark_jax.drafters.markov import sample_block
-from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample
+from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample_or_argmax
 from dspark_jax.models.target import Target
 
 __all__ = [
@@ -122,7 +122,9 @@ def rejection_round_keys(request_keys: jax.Array, anchor_pos: jax.Array) -> jax.
 
 
 def next_token(logits: jax.Array, request_keys: jax.Array, pos: jax.Array, sampling: SamplingArrays) -> jax.Array:
-    """Plain decoding's token after ``pos``: ``sample(token_keys(request_keys, pos), process_logits(logits))``.
+    """Plain decoding's token after ``pos``: ``sample(token_keys(request_keys, pos), process_logits(logits))``,
+    without the random draw over the vocabulary when every row is greedy (the same ids:
+    :func:`~dspark_jax.models.sampling.sample_or_argmax`).
 
     Args:
       logits: ``[B, V]`` the target's logits predicting the token after ``pos [B]``.
@@ -130,7 +132,8 @@ def next_token(logits: jax.Array, request_keys: jax.Array, pos: jax.Array, sampl
     Returns:
       ``[B]`` int32 token ids.
     """
-    return sample(token_keys(request_keys, pos), process_logits(logits, sampling))
+    probs = process_logits(logits, sampling)
+    return sample_or_argmax(token_keys(request_keys, pos), probs, jnp.all(sampling.temperature <= 0))
 
 
 class Prefilled(NamedTuple):
