@@ -23,7 +23,8 @@ once per (target, drafter) and the drafter carries them as a :class:`DecodeHead`
 (:func:`without_decode_state`). It travels with ``nnx.split(drafter)`` into the jitted decoding
 programs as an argument (never baked into the program as a constant).
 
-Per-layer weights (:func:`install_decode_layers`, CPU only): the backbone's parameters are stacked
+Per-layer weights (:func:`install_decode_layers`, with a target that keeps per-layer weights itself:
+float32 on a CPU without a mesh, :mod:`~dspark_jax.models.layer_stack`): the backbone's parameters are stacked
 ``[N, ...]`` (one array per weight; training scans over them, checkpoints store them). XLA's CPU
 backend copies a layer's slice of a stack into a fresh buffer before each dot, static slice or
 dynamic, and in a drafting round those copies cost more than the dots. Decoding therefore
@@ -43,7 +44,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.models.attention import current_platform
 from dspark_jax.models.target import Target
 
 __all__ = [
@@ -113,12 +113,12 @@ def install_decode_head(drafter: Any, target: Target) -> None:
     _SOURCES[drafter] = weakref.ref(src)
 
 
-def install_decode_layers(drafter: Any) -> None:
+def install_decode_layers(drafter: Any, per_layer: bool) -> None:
     """Installs ``drafter.decode_layers``, one ``nnx.Dict`` of :class:`DecodeLayer` per backbone layer,
-    on the CPU (module doc); elsewhere drops them. Idempotent while the stacked arrays are the ones
-    copied. Call outside ``jit``."""
+    when ``per_layer`` (the target's ``per_layer``: module doc); else drops them. Idempotent while the
+    stacked arrays are the ones copied. Call outside ``jit``."""
     stacked = {k: v.get_value() for k, v in drafter.layers.items()}
-    if current_platform() != "cpu":
+    if not per_layer:
         drafter.decode_layers = None
         _LAYER_SOURCES.pop(drafter, None)
         return
@@ -143,7 +143,7 @@ def decode_layer_params(drafter: Any) -> list[dict[str, jax.Array]] | None:
 def install_decode_state(drafter: Any, target: Target) -> None:
     """:func:`install_decode_head` then :func:`install_decode_layers` (``prepare_decoding``)."""
     install_decode_head(drafter, target)
-    install_decode_layers(drafter)
+    install_decode_layers(drafter, bool(getattr(target, "per_layer", False)))
 
 
 def release_decode_head(drafter: Any) -> None:
