@@ -288,6 +288,11 @@ def _stored_or_measured(target, drafter, cache_len: int, spans: tuple[int, ...],
     stored = stored_table(key)
     if stored is not None and stored.covers([("step",), ("round", 0)], spans):
         return stored
+    _log.info(
+        "measuring decode costs (compiling and timing the decode steps: once per machine, shapes and KV-cache "
+        "length %d; later runs reuse them)",
+        cache_len,
+    )
     t0 = time.perf_counter()
     table = measure_costs(target, drafter, cache_len=cache_len, spans=spans, repeats=repeats)
     path = store_table(key, table)

@@ -4,6 +4,7 @@ itself, the batch-1 cost table of ``auto`` verification, and the serving engine'
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -39,9 +40,12 @@ def test_store_round_trip_refresh_off_and_corrupt_files(store, monkeypatch):
     assert disk_cache.cache_dir() is None and disk_cache.save_costs(key, {"a": 1}) is None
 
 
-def test_cost_table_is_measured_once_and_reused_by_a_later_process(store, monkeypatch):
+def test_cost_table_is_measured_once_and_reused_by_a_later_process(store, monkeypatch, caplog):
     """The second "process" (an empty in-memory cache) gets the very table the first measured,
-    without measuring: same chosen lengths, same tau."""
+    without measuring: same chosen lengths, same tau. Measuring says so first (a command shows it
+    on stderr: the minutes a first ``auto`` run spends are not silent); reusing says nothing."""
+    monkeypatch.setattr(logging.getLogger(dp.__name__), "propagate", True)  # a command may have turned it off
+    caplog.set_level(logging.INFO, logger=dp.__name__)
     target = tiny_target()
     drafter = tiny_drafter(target)
     calls = []
@@ -55,12 +59,14 @@ def test_cost_table_is_measured_once_and_reused_by_a_later_process(store, monkey
     monkeypatch.setattr(dp, "_COST_TABLES", dp.LRUCache(maxsize=8))
     first = dp.cached_cost_table(target, drafter, 32)
     assert calls == [32] and list((store / "costs").glob("cost_table-*.json"))
+    assert sum("measuring decode costs" in r.getMessage() for r in caplog.records) == 1
     assert first.spans() == [32] and first.meta["cache_len"] == 32  # one span: the whole (one-block) cache
     # and the auto loop's own rounds at each of its widths (the prices it decides by)
     assert first.round_widths == dp.default_widths(drafter.cfg.block_size)
     assert all(first.cost(("round", w), 32) >= dp.MIN_ROUND_SECONDS for w in first.round_widths)
     monkeypatch.setattr(dp, "_COST_TABLES", dp.LRUCache(maxsize=8))  # a new process
     assert dp.cached_cost_table(target, drafter, 32) == first and calls == [32]
+    assert sum("measuring decode costs" in r.getMessage() for r in caplog.records) == 1
     key = ct.table_key("cost_table", cache_len=32)
     ct.store_table(key, first)
     assert ct.stored_table(key) == first
