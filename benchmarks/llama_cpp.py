@@ -32,7 +32,6 @@ CLI::
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import sys
@@ -351,15 +350,7 @@ def table(rows: Sequence[dict]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.llama_cpp",
-        description=(__doc__ or "").split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument(
-        "--llama-cpp", default=os.environ.get(files.ENV_VAR), help=f"built llama.cpp folder (env {files.ENV_VAR})"
-    )
-    ap.add_argument("--build", metavar="DIR", help="build llama.cpp into DIR first (once; reused when READY)")
+    ap = files.llama_cpp_parser("python -m benchmarks.llama_cpp", __doc__)
     ap.add_argument(
         "--drafter",
         action="append",
@@ -386,12 +377,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.build:
-        llama = files.build_llama_cpp(args.build, log=lambda m: print(m, file=sys.stderr))
-    elif args.llama_cpp:
-        llama = files.llama_cpp_paths(args.llama_cpp)
-    else:
-        print(f"error: pass --llama-cpp DIR, set {files.ENV_VAR}, or --build DIR", file=sys.stderr)
+    llama = files.locate_llama_cpp(args.build, args.llama_cpp)
+    if llama is None:
         return 2
     Path(args.work).mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []

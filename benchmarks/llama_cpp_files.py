@@ -92,6 +92,35 @@ def build_llama_cpp(root: str | Path, jobs: int | None = None, log=print) -> dic
     return llama_cpp_paths(root)
 
 
+def llama_cpp_parser(prog: str, doc: str | None) -> Any:
+    """An ``argparse`` parser for a llama.cpp benchmark ``prog`` (its description the first paragraph
+    of ``doc``) with the two flags that find llama.cpp: ``--llama-cpp DIR`` (default
+    ``DSPARK_LLAMA_CPP``) and ``--build DIR`` (:func:`locate_llama_cpp`)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog=prog, description=(doc or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--llama-cpp", default=os.environ.get(ENV_VAR), help=f"built llama.cpp folder (env {ENV_VAR})")
+    ap.add_argument("--build", metavar="DIR", help="build llama.cpp into DIR first (once; reused when READY)")
+    return ap
+
+
+def locate_llama_cpp(build: str | None, given: str | None) -> dict[str, Path] | None:
+    """The llama.cpp of a benchmark's ``--build DIR`` (built there first, once) or ``--llama-cpp DIR``
+    (or ``DSPARK_LLAMA_CPP``, the flag's default); None, after a one-line error on stderr, without one.
+
+    Raises:
+      FileNotFoundError / subprocess.CalledProcessError: as :func:`llama_cpp_paths` / :func:`build_llama_cpp`.
+    """
+    if build:
+        return build_llama_cpp(build, log=lambda m: print(m, file=sys.stderr))
+    if given:
+        return llama_cpp_paths(given)
+    print(f"error: pass --llama-cpp DIR, set {ENV_VAR}, or --build DIR", file=sys.stderr)
+    return None
+
+
 def convert(llama: dict[str, Path], model_dir: Path, out: Path, target_dir: Path | None = None) -> Path:
     """``convert_hf_to_gguf.py model_dir --outtype f32 --outfile out`` (``--target-model-dir`` for a
     drafter); returns ``out`` (rewritten every time: the exports are rewritten too).

@@ -268,13 +268,7 @@ def table(rows: Sequence[dict], check_tokens: int) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.llama_cpp_speed",
-        description=(__doc__ or "").split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("--llama-cpp", default=os.environ.get(files.ENV_VAR), help=f"built llama.cpp (env {files.ENV_VAR})")
-    ap.add_argument("--build", metavar="DIR", help="build llama.cpp into DIR first (once; reused when READY)")
+    ap = files.llama_cpp_parser("python -m benchmarks.llama_cpp_speed", __doc__)
     ap.add_argument("--drafter", metavar="EXPORT", help="a dspark_jax drafter export for SmolLM2: time speculative too")
     ap.add_argument("--work", default="runs/llama_cpp_speed", help="folder for the GGUF files and the drafter export")
     ap.add_argument("--prompts", default="mt_bench", help="prompt set or JSONL file (first turns, chat template)")
@@ -294,12 +288,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.build:
-        llama = files.build_llama_cpp(args.build, log=lambda m: print(m, file=sys.stderr))
-    elif args.llama_cpp:
-        llama = files.llama_cpp_paths(args.llama_cpp)
-    else:
-        print(f"error: pass --llama-cpp DIR, set {files.ENV_VAR}, or --build DIR", file=sys.stderr)
+    llama = files.locate_llama_cpp(args.build, args.llama_cpp)
+    if llama is None:
         return 2
     ctx = setup(args, llama)
     same_prompt = check_prompt_tokens(llama, ctx)
