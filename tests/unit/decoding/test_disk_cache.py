@@ -59,14 +59,15 @@ def test_cost_table_is_measured_once_and_reused_by_a_later_process(store, monkey
     monkeypatch.setattr(dp, "_COST_TABLES", dp.LRUCache(maxsize=8))
     first = dp.cached_cost_table(target, drafter, 32)
     assert calls == [32] and list((store / "costs").glob("cost_table-*.json"))
-    assert sum("measuring decode costs" in r.getMessage() for r in caplog.records) == 1
+    said = sum("measuring decode costs" in r.getMessage() for r in caplog.records)
+    assert said >= 1  # once per capturing handler in the chain (a worker's earlier command may add one)
     assert first.spans() == [32] and first.meta["cache_len"] == 32  # one span: the whole (one-block) cache
     # and the auto loop's own rounds at each of its widths (the prices it decides by)
     assert first.round_widths == dp.default_widths(drafter.cfg.block_size)
     assert all(first.cost(("round", w), 32) >= dp.MIN_ROUND_SECONDS for w in first.round_widths)
     monkeypatch.setattr(dp, "_COST_TABLES", dp.LRUCache(maxsize=8))  # a new process
     assert dp.cached_cost_table(target, drafter, 32) == first and calls == [32]
-    assert sum("measuring decode costs" in r.getMessage() for r in caplog.records) == 1
+    assert sum("measuring decode costs" in r.getMessage() for r in caplog.records) == said  # reused: silent
     key = ct.table_key("cost_table", cache_len=32)
     ct.store_table(key, first)
     assert ct.stored_table(key) == first
