@@ -43,6 +43,7 @@ from dspark_jax.drafters.base import BlockOutput, Draft, checked_calibration
 from dspark_jax.drafters.markov import build_markov_head, sample_block
 from dspark_jax.models import layers
 from dspark_jax.models.head import row_reduce_head, tied_head_row_reduce
+from dspark_jax.models.layer_stack import run_layers
 from dspark_jax.models.layers import KVCache, apply_rope, block_attention, kv_scatter, rms_norm
 from dspark_jax.models.sampling import SamplingArrays
 from dspark_jax.models.target import Target
@@ -264,7 +265,8 @@ class DSparkDrafter(nnx.Module):
             )
 
         def layer(carry, xs):
-            (h, li), (p, ck, cv) = carry, xs
+            # training scans each layer's injected context beside its weights; decoding reads the caches in place
+            (h, li), (p, (ck, cv)) = carry, (xs if ctx_end is None else (xs, (ctx_k, ctx_v)))
 
             def attend(q, k, v, scale):
                 if ctx_end is None:
@@ -274,16 +276,12 @@ class DSparkDrafter(nnx.Module):
 
             return (draft_layer.layer(cfg, p, h, rope, attend), li + 1), None
 
-        h = x.astype(self.dtype)
-        per_layer = decode_state.decode_layer_params(self) if ctx_end is not None else None
-        if per_layer is not None:  # decode time on the CPU: no layer copied out of the stacks
-            for li, p in enumerate(per_layer):
-                h = layer((h, jnp.int32(li)), (p, None, None))[0][0]
-        else:
-            params = {k: v[...] for k, v in self.layers.items()}
-            body = jax.checkpoint(layer, prevent_cse=False) if remat else layer
-            xs = (params, ctx_k, ctx_v) if ctx_end is None else (params, None, None)
-            (h, _), _ = jax.lax.scan(body, (h, jnp.int32(0)), xs)
+        # decode time beside a per-layer target: the per-layer copies, no layer copied out of the stacks
+        params = decode_state.decode_layer_params(self) if ctx_end is not None else None
+        params = {k: v[...] for k, v in self.layers.items()} if params is None else params
+        body = jax.checkpoint(layer, prevent_cse=False) if remat else layer
+        extra = (ctx_k, ctx_v) if ctx_end is None else None
+        (h, _), _ = run_layers(body, (x.astype(self.dtype), jnp.int32(0)), params, extra)
         return rms_norm(h, self.final_norm[...], cfg.rms_eps)
 
     def block_inputs(self, target: Target, anchors: jax.Array) -> jax.Array:
