@@ -114,7 +114,7 @@ def train_step(cfg, tcfg, dcfg, mesh):
 
     def target():
         zeros = jax.tree.map(lambda s: jnp.zeros(s, compute), shapes, is_leaf=lambda x: isinstance(x, tuple))
-        return Target(tcfg, zeros, dtype=compute)
+        return Target(tcfg, zeros, dtype=compute, layer_layout="stacked")  # the accelerator's, on any host
 
     t_graph, t_state = _abstract(target, mesh, tcfg)
     drafter = nnx.eval_shape(lambda: build_drafter(dcfg, nnx.Rngs(cfg.seed)))  # float32 master weights

@@ -261,7 +261,7 @@ class Builder:
 
         def build():  # abstract: the zeros are never allocated (Qwen3-30B's would be 61 GB)
             zeros = jax.tree.map(lambda s: jnp.zeros(s, dtype), shapes, is_leaf=lambda x: isinstance(x, tuple))
-            return Target(cfg, zeros, dtype=dtype)
+            return Target(cfg, zeros, dtype=dtype, layer_layout="stacked")  # an accelerator's layout, on any host
 
         self.graph, state = nnx.split(nnx.eval_shape(build))
         shard = shd.tree_shardings(state, mesh, cfg, rules)
