@@ -298,8 +298,19 @@ def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
     (:func:`swiglu`) or ``gelu_tanh`` (GELU, tanh approximation: transformers' ``gelu_pytorch_tanh``)."""
     if activation == "silu":
         return swiglu(x, w_gate, w_up, w_down)
+    return gate(x @ w_gate, x @ w_up, activation) @ w_down
+
+
+def gate(g: jax.Array, u: jax.Array, activation: str) -> jax.Array:
+    """The gated MLP's ``act(g) * u`` of its gate and up projections (:func:`gated_mlp`'s activations).
+
+    Raises:
+      ValueError: an unknown ``activation``.
+    """
+    if activation == "silu":
+        return jax.nn.silu(g) * u
     if activation == "gelu_tanh":
-        return (jax.nn.gelu(x @ w_gate, approximate=True) * (x @ w_up)) @ w_down
+        return jax.nn.gelu(g, approximate=True) * u
     raise ValueError(f"unknown MLP activation {activation!r}")
 
 

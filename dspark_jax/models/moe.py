@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.models.layers import gated_mlp
+from dspark_jax.models.layer_stack import dense_mlp
 from dspark_jax.models.weights import DENSE_MLP_KEYS, MOE_KEYS, layer_members
 
 # With dense and sparse layers mixed, a layer's MLP weights sit at this index of its group's stack
@@ -131,7 +131,7 @@ def feed_forward(cfg: Any, p: dict[str, jax.Array], x: jax.Array, stacks: dict[s
     ``stacks`` at ``p[MLP_SLOT_KEY]`` (:func:`split_mixed_mlp`) and ``lax.cond`` runs its kind only."""
 
     def dense(x, q):
-        return gated_mlp(x, q["w_gate"], q["w_up"], q["w_down"], cfg.mlp_activation)
+        return dense_mlp(q, x, cfg.mlp_activation)
 
     def sparse(x, q):
         return moe_mlp(x, q, cfg.num_experts_per_tok, cfg.norm_topk_prob)

@@ -1,8 +1,10 @@
 """The target's two weight layouts (dspark_jax.models.layer_stack): per-layer buffers under an
-unrolled layer loop (the CPU default) and stacked ``[L, ...]`` weights under a scan give the same
-logits, features and caches bit for bit, on a plain Llama layer stack and on one with sliding
-windows, per-layer RoPE, qk-norm and sparse (MoE) layers; and the per-layer decode program no longer
-copies each layer's weights out of a stack, the copy the layout exists to avoid.
+unrolled layer loop (the CPU default, projections fused and transposed) and stacked ``[L, ...]``
+weights under a scan give the same logits, features and caches to float32 rounding (the fused
+products sum in another order), on a plain Llama layer stack and on one with sliding windows,
+per-layer RoPE, qk-norm and sparse (MoE) layers, and the stacked view of the buffers is the stack
+bit for bit; and the per-layer decode program no longer copies each layer's weights out of a stack,
+the copy the layout exists to avoid.
 """
 
 from __future__ import annotations
@@ -55,12 +57,16 @@ def _passes(target: Target):
 
 @pytest.mark.exactness
 @pytest.mark.parametrize("cfg", [TINY_TARGET, MIXED], ids=["llama", "windows-qknorm-moe"])
-def test_per_layer_buffers_give_the_stacked_results_bit_for_bit(cfg):
+def test_per_layer_buffers_give_the_stacked_results(cfg):
     stacked, per_layer = _pair(cfg)
     assert not stacked.per_layer and per_layer.per_layer
     assert isinstance(per_layer.layers, nnx.List) and len(per_layer.layers) == cfg.num_layers
+    fused = {"wqkv_t", "wo_t"} | (set() if cfg.num_experts else {"w_gate_up_t", "w_down_t"})
+    assert fused <= set(per_layer.layers[0]) and not {"wq", "wo", "w_gate"} & set(per_layer.layers[0])
     for a, b in zip(_passes(stacked), _passes(per_layer), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        a, b = np.asarray(a), np.asarray(b)
+        # Rounding of reordered sums only: 1e-6 of the largest value (a swapped k/v or a wrong split is O(1)).
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6 * float(np.abs(a).max()))
     for k, v in stacked.layer_weights().items():  # the stacked view of the buffers is the stack
         np.testing.assert_array_equal(np.asarray(per_layer.layer_weights()[k]), np.asarray(v))
 
