@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import DrafterConfig
-from dspark_jax.models.layers import gated_mlp, rms_norm
+from dspark_jax.models.layer_stack import dense_mlp, out_projection, qkv_projections
+from dspark_jax.models.layers import rms_norm
 
 
 def layer_params(cfg: DrafterConfig, w: Callable[..., nnx.Param], dtype) -> nnx.Dict:
@@ -90,16 +91,20 @@ def layer(cfg: DrafterConfig, p: dict, h: jax.Array, rope: Callable, attend: Cal
         return y.reshape(b, a, s, n, cfg.head_dim)
 
     u = rms_norm(h, p["attn_norm"], eps)
-    q = heads(u @ p["wq"], cfg.num_heads)
-    k = k_raw = heads(u @ p["wk"], cfg.num_kv_heads)
+    if "wqkv_t" in p:  # decoding's fused per-layer copies (layer_stack.fuse_layer)
+        qf, kf, vf = qkv_projections(p, u, cfg.num_heads * cfg.head_dim)
+    else:
+        qf, kf, vf = u @ p["wq"], u @ p["wk"], None if cfg.k_eq_v else u @ p["wv"]
+    q = heads(qf, cfg.num_heads)
+    k = k_raw = heads(kf, cfg.num_kv_heads)
     if cfg.qk_norm:  # per head, before RoPE
         q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
     q, k = rope(q), rope(k)
-    v = k_raw if cfg.k_eq_v else heads(u @ p["wv"], cfg.num_kv_heads)
+    v = k_raw if vf is None else heads(vf, cfg.num_kv_heads)
     if cfg.v_norm:
         v = _unit_norm(v, eps)
-    o = attend(q, k, v, cfg.query_scale) @ p["wo"]
+    o = out_projection(p, attend(q, k, v, cfg.query_scale))
     h = h + (rms_norm(o, p["post_attn_norm"], eps) if cfg.sandwich_norms else o)
-    f = gated_mlp(rms_norm(h, p["mlp_norm"], eps), p["w_gate"], p["w_up"], p["w_down"], cfg.mlp_activation)
+    f = dense_mlp(p, rms_norm(h, p["mlp_norm"], eps), cfg.mlp_activation)
     h = h + (rms_norm(f, p["post_mlp_norm"], eps) if cfg.sandwich_norms else f)
     return h * p["layer_scalar"].astype(h.dtype) if cfg.layer_scalar else h

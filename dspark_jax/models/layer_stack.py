@@ -74,7 +74,8 @@ FUSED = (
 ``concatenate(kernels, axis=1).T``, ``[sum of outs, in]`` (when the layer has all of them, 2-D)."""
 
 
-def _fuse(layer: Mapping[str, Any]) -> dict[str, Any]:
+def fuse_layer(layer: Mapping[str, Any]) -> dict[str, Any]:
+    """One layer's weights ``{key: array}`` with the kernels of :data:`FUSED` fused and transposed."""
     out = dict(layer)
     for name, parts in FUSED:
         if all(k in out and out[k].ndim == 2 for k in parts):
@@ -82,8 +83,8 @@ def _fuse(layer: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _unfuse(layer: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """The ``[in, out]`` kernels of :func:`_fuse`'s buffers (q's width is ``wo``'s input width; k and
+def unfuse_layer(layer: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """The ``[in, out]`` kernels of :func:`fuse_layer`'s buffers (q's width is ``wo``'s input width; k and
     v, gate and up, are equal halves)."""
     out = dict(layer)
     for name, parts in FUSED:
@@ -109,7 +110,7 @@ def store_layers(stacked: Mapping[str, Any], per_layer: bool, cast: Callable[...
     if not per_layer:
         return nnx.Dict({k: cast(v, sh.get(k)) for k, v in stacked.items()})
     n = len(next(iter(stacked.values())))
-    layers = [_fuse({k: v[i] for k, v in stacked.items()}) for i in range(n)]
+    layers = [fuse_layer({k: v[i] for k, v in stacked.items()}) for i in range(n)]
     return nnx.List([nnx.Dict({k: cast(v) for k, v in d.items()}) for d in layers])
 
 
@@ -117,7 +118,7 @@ def stacked_weights(layers) -> dict[str, jax.Array]:
     """``{key: [L, ...]}`` of :func:`store_layers`' storage, the kernels ``[L, in, out]`` (stacked on
     the fly for per-layer buffers: a copy, for code outside the decode loop)."""
     if isinstance(layers, nnx.List):
-        per = [_unfuse({k: v[...] for k, v in d.items()}) for d in layers]
+        per = [unfuse_layer({k: v[...] for k, v in d.items()}) for d in layers]
         return {k: jnp.stack([d[k] for d in per]) for k in per[0]}
     return {k: v[...] for k, v in layers.items()}
 
