@@ -369,7 +369,7 @@ def _judge(logits, r: RoundInputs, draft: Draft, num_verify, sampling: SamplingA
         draft.probs[:, :width],
         process_logits(logits, sampling),
         jnp.minimum(num_verify, width),
-        jnp.all(sampling.temperature <= 0),  # greedy p and q are one-hots: no noise for the next token
+        jnp.all(sampling.temperature <= 0),  # every p one-hot: the next token needs no noise
     )
     toks = jnp.pad(res.tokens, ((0, 0), (0, block_size - width)), constant_values=-1)
     return toks, res, finite
