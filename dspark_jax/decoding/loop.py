@@ -51,6 +51,7 @@ from dspark_jax.decoding.round import (
     finish_codes,
     is_stop,
     next_token,
+    plain_pass,
     prefill,
     round_statistics,
     split_round_keys,
@@ -58,7 +59,6 @@ from dspark_jax.decoding.round import (
     verify_pass,
 )
 from dspark_jax.decoding.validation import check_max_new_tokens, check_prompts, check_seeds
-from dspark_jax.drafters.base import Draft
 from dspark_jax.errors import DSparkInputError
 from dspark_jax.models.layers import KVCache
 from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, sampling_arrays
@@ -234,12 +234,7 @@ def _spec_decode(
         res, ell, zlog, new_auto = auto_verify.auto_round(target, drafter, s.auto, caches, r_in, x.sampling, auto)
         r = _Round(res, ell, zlog, jnp.asarray(auto.widths, jnp.int32)[new_auto.width], s.auto.draft_on)
         s = _close_round(s, r, running, x, cache_len, new_auto)
-        # Drafting suspended: the rounds up to the next probe are plain steps, run by a loop of their own.
-        return jax.lax.while_loop(
-            lambda t: _running(t, max_steps) & ~t.auto.draft_on,
-            partial(_suspended_round, target, drafter, x=x, cache_len=cache_len, probe_every=auto.probe_every),
-            s,
-        )
+        return _suspended(target, drafter, s, x, cache_len, max_steps)
 
     return jax.lax.while_loop(partial(_running, max_steps=max_steps), body, init)
 
@@ -253,22 +248,71 @@ def _round_inputs(s: _Loop, x: _Inputs, cache_len: int) -> RoundInputs:
     return RoundInputs(s.finish == FINISH_RUNNING, anchor, p, draft_keys, verify_keys, room)
 
 
-def _suspended_round(target, drafter, s: _Loop, *, x: _Inputs, cache_len: int, probe_every: int) -> _Loop:
-    """A round of ``"auto"`` while drafting is suspended: exactly what
-    :func:`~dspark_jax.decoding.auto_verify.auto_round` does when it does not draft (a verification
-    pass of width 0, the drafter's context written, the same keys, statistics and state), without
-    its drafting and width machinery; the round before the next probe turns drafting back on."""
-    r = _round_inputs(s, x, cache_len)
-    b, g, v = r.anchor.shape[0], drafter.cfg.block_size, drafter.cfg.vocab_size
-    empty = Draft(jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, v), jnp.float32), *(jnp.zeros((b, 0)),) * 2)
-    zero = jnp.zeros((b,), jnp.int32)
-    res = verify_pass(target, drafter, RoundCaches(s.tcache, s.dcache), r, empty, zero, x.sampling, width=0)
-    nothing = jnp.zeros((), jnp.float32)  # a round without drafts: the schedule only counts it
-    auto = auto_verify.schedule(
-        s.auto._replace(width=jnp.zeros((), jnp.int32)), jnp.zeros((), bool), nothing, nothing, nothing, probe_every
+class _Plain(NamedTuple):
+    """The carry of the suspended stretch: all that a round without drafts changes."""
+
+    seq: jax.Array
+    length: jax.Array
+    finish: jax.Array
+    tcache: KVCache
+    dcache: KVCache | None
+    step: jax.Array
+    num_passes: jax.Array  # [B] DecodeStats.num_passes
+    num_emitted: jax.Array  # [B] DecodeStats.num_emitted
+
+
+def _plain_round(target, drafter, t: _Plain, *, x: _Inputs, cache_len: int) -> _Plain:
+    """A round of ``"auto"`` while drafting is suspended: a width-0 pass
+    (:func:`~dspark_jax.decoding.round.plain_pass`, the drafter's context written) and its emission."""
+    p = t.length - 1
+    anchor = jnp.take_along_axis(t.seq, p[:, None], 1)[:, 0]
+    running = t.finish == FINISH_RUNNING
+    caches, tok, finite = plain_pass(
+        target, drafter, RoundCaches(t.tcache, t.dcache), running, anchor, p, x.keys, x.sampling
     )
-    done = _Round(res, zero, jnp.zeros((b, g), jnp.float32), jnp.int32(0), jnp.zeros((), bool))
-    return _close_round(s, done, r.running, x, cache_len, auto)
+    end = jnp.minimum(x.limit, cache_len)
+    n_keep, stopped, full = emit_counts(tok[:, None], jnp.ones_like(p), running, t.length, end, x.stop)
+    seq = append_tokens(t.seq, t.length, tok[:, None], n_keep)
+    finish = jnp.where(running & ~finite, FINISH_ERROR, finish_codes(t.finish, stopped, full))
+    return _Plain(
+        seq, t.length + n_keep, finish, caches.target, caches.drafter, t.step + 1,
+        t.num_passes + running, t.num_emitted + n_keep,
+    )  # fmt: skip
+
+
+def _suspended(target, drafter, s: _Loop, x: _Inputs, cache_len: int, max_steps: int) -> _Loop:
+    """The rounds of ``"auto"`` up to its next drafting round (none when ``s.auto.draft_on``), run
+    by a loop of their own whose carry is only what such a round changes.
+
+    Each round is exactly :func:`~dspark_jax.decoding.auto_verify.auto_round` without drafts; what
+    it would do to the rest of the state is applied once after the loop, in closed form: a round
+    without drafts adds 1 to ``num_passes`` and to ``verify_width_rounds[:, 0]`` of each running row
+    and nothing to the other statistics, writes zeros into a :class:`RoundLog` column that is
+    still zero (each step's column is written once), and
+    :func:`~dspark_jax.decoding.auto_verify.schedule` only counts it (``idle + 1``, width 0,
+    drafting again once ``idle >= wait``; its decayed sums are multiplied by 1 and added 0).
+    """
+    a = s.auto
+    # Drafting resumes once idle + k >= wait after k rounds; the loop bound is that step.
+    stop = jnp.where(a.draft_on, s.step, jnp.minimum(s.step + a.wait - a.idle, max_steps))
+    init = _Plain(s.seq, s.length, s.finish, s.tcache, s.dcache, s.step, s.stats.num_passes, s.stats.num_emitted)
+    t = jax.lax.while_loop(
+        lambda t: jnp.any(t.finish == FINISH_RUNNING) & (t.step < stop),
+        partial(_plain_round, target, drafter, x=x, cache_len=cache_len),
+        init,
+    )
+    k = t.step - s.step
+    idle = a.idle + k
+    auto = a._replace(
+        draft_on=jnp.where(k > 0, idle >= a.wait, a.draft_on), idle=idle, width=jnp.where(k > 0, 0, a.width)
+    )
+    st = s.stats
+    stats = st._replace(
+        num_passes=t.num_passes,
+        num_emitted=t.num_emitted,
+        verify_width_rounds=st.verify_width_rounds.at[:, 0].add(t.num_passes - st.num_passes),
+    )
+    return _Loop(t.seq, t.length, t.finish, t.tcache, t.dcache, stats, t.step, s.rounds, auto)
 
 
 # Compiled loops by shape signature, shared by every call in the process; bounded so that

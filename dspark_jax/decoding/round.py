@@ -33,7 +33,14 @@ import jax.numpy as jnp
 from dspark_jax.decoding.verifier import verify
 from dspark_jax.drafters.base import BlockDrafter, Draft
 from dspark_jax.drafters.markov import sample_block
-from dspark_jax.models.sampling import SamplingArrays, logits_are_finite, process_logits, sample_or_argmax
+from dspark_jax.models.sampling import (
+    SamplingArrays,
+    first_argmax,
+    logits_are_finite,
+    process_logits,
+    sample,
+    sample_or_argmax,
+)
 from dspark_jax.models.target import Target
 
 __all__ = [
@@ -54,6 +61,7 @@ __all__ = [
     "finish_codes",
     "is_stop",
     "next_token",
+    "plain_pass",
     "prefill",
     "rejection_round_keys",
     "round_statistics",
@@ -316,6 +324,34 @@ def verify_pass(
     return VerifiedRound(RoundCaches(out.cache, dcache), toks, res.num_emitted, res.num_accepted, finite)
 
 
+def plain_pass(target: Target, drafter, caches: RoundCaches, running, anchor, anchor_pos, request_keys, sampling):
+    """:func:`verify_pass` at width 0 without drafts (a round of ``"auto"`` that does not draft):
+    the target's pass of the anchor, the drafter's context of it written for running rows, and the
+    next token as :func:`~dspark_jax.decoding.verifier.verify` draws it at width 0
+    (``sample(split(verify_key)[1], p_0)``, ``verify_key`` from :func:`split_round_keys`), but
+    with neither the keys nor the random draw when every row is greedy
+    (:func:`~dspark_jax.models.sampling.sample_or_argmax`: the same ids, bit for bit).
+
+    Args:
+      running / anchor / anchor_pos: ``[B]`` as in :class:`RoundInputs`; request_keys: ``[B, 2]`` uint32.
+    Returns:
+      ``(caches, token [B] int32, finite [B] bool)``.
+    """
+    tok, pos = anchor[:, None], anchor_pos[:, None]
+    out = target(tok, pos, caches.target, taps=drafter.cfg.taps)
+    dcache = drafter.extend_cache(
+        caches.drafter, out.features, jnp.where(running[:, None], pos, -1), target=target, tokens=tok
+    )
+    probs = process_logits(out.logits, sampling)[:, 0]
+
+    def sampled(p):  # the keys are derived only when some row samples
+        _, verify_keys = split_round_keys(token_keys(request_keys, anchor_pos))
+        return sample(jax.vmap(jax.random.split)(verify_keys)[:, 1], p)
+
+    token = jax.lax.cond(jnp.all(sampling.temperature <= 0), first_argmax, sampled, probs)
+    return RoundCaches(out.cache, dcache), token, logits_are_finite(out.logits)
+
+
 def _verified_block(r: RoundInputs, draft: Draft, width: int) -> tuple[jax.Array, jax.Array]:
     """``(tokens, positions)`` ``[B, width + 1]`` of a verification pass: the anchor, then ``width`` drafts."""
     vtok = jnp.concatenate([r.anchor[:, None], draft.tokens[:, :width]], axis=1)
@@ -333,6 +369,7 @@ def _judge(logits, r: RoundInputs, draft: Draft, num_verify, sampling: SamplingA
         draft.probs[:, :width],
         process_logits(logits, sampling),
         jnp.minimum(num_verify, width),
+        jnp.all(sampling.temperature <= 0),  # every p one-hot: the next token needs no noise
     )
     toks = jnp.pad(res.tokens, ((0, 0), (0, block_size - width)), constant_values=-1)
     return toks, res, finite

@@ -32,13 +32,14 @@ docs/design.md#non-anticipation). ``lengths`` is the scheduler's choice; this mo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.models.sampling import _categorical, sample_or_argmax
+from dspark_jax.models.sampling import _categorical, first_argmax, sample_or_argmax
 
 __all__ = [
     "VerifyOutput",
@@ -72,7 +73,16 @@ class VerifyOutput(NamedTuple):
     accepted: jax.Array
 
 
-def _verify_row(key, draft_tokens, draft_probs, target_probs, length):
+def _draw(key, dist, all_greedy):
+    """``_categorical(key, dist)``, or without the noise when ``all_greedy`` (``[]`` bool or None):
+    a greedy round's ``dist`` has one positive entry, whose Gumbel-max draw is its argmax whatever
+    the noise."""
+    if all_greedy is None:
+        return _categorical(key, dist)
+    return jax.lax.cond(all_greedy, first_argmax, lambda d: _categorical(key, d), dist)
+
+
+def _verify_row(key, draft_tokens, draft_probs, target_probs, length, all_greedy=None):
     """One row. Shapes: ``[G] int32, [G, V], [G+1, V], [] int32``; see :func:`verify`."""
     g, v = draft_probs.shape
     key_accept, key_sample = jax.random.split(key)
@@ -103,7 +113,7 @@ def _verify_row(key, draft_tokens, draft_probs, target_probs, length):
     # max(0, p - q) can sum to 0 when p == q numerically (then rejection had probability
     # ~0 anyway); fall back to p. ``~(mass > 0)`` also catches NaN from a bad q.
     dist = jnp.where(rejected & (mass > 0.0), residual, p_n)
-    next_token = _categorical(key_sample, dist)
+    next_token = _draw(key_sample, dist, all_greedy)
 
     out_pos = jnp.arange(g + 1, dtype=jnp.int32)
     drafts_padded = jnp.concatenate([draft_tokens.astype(jnp.int32), jnp.full((1,), -1, jnp.int32)])
@@ -117,10 +127,10 @@ def _verify_row(key, draft_tokens, draft_probs, target_probs, length):
     )
 
 
-def _plain_row(key, target_probs):
+def _plain_row(key, target_probs, all_greedy=None):
     """``G == 0``: no drafts; the output is one plain sample from ``target_probs[0]``."""
     _, key_sample = jax.random.split(key)
-    next_token = _categorical(key_sample, target_probs[0])
+    next_token = _draw(key_sample, target_probs[0], all_greedy)
     return VerifyOutput(
         num_accepted=jnp.zeros((), jnp.int32),
         next_token=next_token,
@@ -137,6 +147,7 @@ def verify(
     draft_probs: jax.Array,
     target_probs: jax.Array,
     lengths: jax.Array,
+    all_greedy: jax.Array | None = None,
 ) -> VerifyOutput:
     """Rejection-sampling verification of a batch of draft blocks (lossless).
 
@@ -169,6 +180,11 @@ def verify(
         Positions ``k >= lengths[b]`` are padding: their tokens and probabilities never
         influence the result (any values, NaN included). ``lengths`` must be chosen without
         looking at the drafted tokens it admits (non-anticipation).
+      all_greedy: optional ``[]`` bool, True only if every row's ``target_probs`` are one-hots
+        (:func:`~dspark_jax.models.sampling.process_logits` at temperature 0): then the correction /
+        bonus token is drawn without its Gumbel noise over the vocabulary, the same ids bit for bit
+        (with a one-hot ``p`` its distribution, ``p`` or ``max(0, p - q)``, has one positive entry
+        whatever ``q``); a batch-level ``lax.cond``.
 
     Returns:
       :class:`VerifyOutput`.
@@ -183,8 +199,8 @@ def verify(
     draft_probs = jnp.asarray(draft_probs, jnp.float32)
     target_probs = jnp.asarray(target_probs, jnp.float32)
     if g == 0:
-        return jax.vmap(_plain_row)(keys, target_probs)
-    return jax.vmap(_verify_row)(
+        return jax.vmap(functools.partial(_plain_row, all_greedy=all_greedy))(keys, target_probs)
+    return jax.vmap(functools.partial(_verify_row, all_greedy=all_greedy))(
         keys,
         jnp.asarray(draft_tokens, jnp.int32),
         draft_probs,

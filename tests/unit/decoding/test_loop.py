@@ -75,3 +75,48 @@ def test_a_new_max_new_tokens_reuses_the_compiled_loops(peaked, drafters, monkey
         ids = ar[n].generations[0].token_ids
         assert len(ids) == n and spec[n].generations[0].token_ids == ids
     assert ar[20].generations[0].token_ids[:9] == ar[9].generations[0].token_ids
+
+
+def test_plain_pass_is_verify_pass_at_width_0(peaked, drafters):
+    """``plain_pass`` (the rounds of ``"auto"`` while drafting is suspended) is ``verify_pass`` at
+    width 0 without drafts, bit for bit: the caches it writes, the token (greedy rows without the
+    random draw, sampled rows with verify's key) and the finite flags; a finished row writes no
+    drafter context."""
+    import jax
+
+    from dspark_jax.decoding.round import (
+        RoundCaches,
+        RoundInputs,
+        plain_pass,
+        prefill,
+        split_round_keys,
+        token_keys,
+        verify_pass,
+    )
+    from dspark_jax.drafters.base import Draft
+    from dspark_jax.models.sampling import sampling_arrays
+
+    target, drafter = peaked, drafters["bigram"]
+    b, tp, v = 4, 8, target.cfg.vocab_size
+    prompt = jnp.asarray(np.random.default_rng(0).integers(0, v, (b, tp)), jnp.int32)
+    plen = jnp.asarray([8, 5, 3, 6], jnp.int32)
+    keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(b))
+    running = jnp.asarray([True, True, False, True])
+    pos = plen - 1
+    anchor = jnp.take_along_axis(prompt, pos[:, None], 1)[:, 0]
+    draft_keys, verify_keys = split_round_keys(token_keys(keys, pos))
+    r = RoundInputs(running, anchor, pos, draft_keys, verify_keys, jnp.full((b,), 9, jnp.int32))
+    empty = Draft(jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, v), jnp.float32), *(jnp.zeros((b, 0)),) * 2)
+    for temps in ([0.0] * b, [1.0] * b, [0.0, 1.0, 0.7, 1.3]):
+        sampling = sampling_arrays(b, temps, 0, 1.0)
+        pre = prefill(target, drafter, prompt, plen, keys, sampling, 16, drafter.cfg.taps)
+        caches = RoundCaches(pre.tcache, pre.dcache)
+        ref = verify_pass(target, drafter, caches, r, empty, jnp.zeros((b,), jnp.int32), sampling, width=0)
+        got_caches, token, finite = plain_pass(target, drafter, caches, running, anchor, pos, keys, sampling)
+        np.testing.assert_array_equal(np.asarray(token), np.asarray(ref.tokens[:, 0]), err_msg=str(temps))
+        np.testing.assert_array_equal(np.asarray(finite), np.asarray(ref.finite))
+        for got, want in zip(jax.tree.leaves(got_caches), jax.tree.leaves(ref.caches)):
+            assert np.asarray(got).tobytes() == np.asarray(want).tobytes(), temps
+        # the finished row's drafter context is untouched
+        for got, old in zip(jax.tree.leaves(got_caches.drafter), jax.tree.leaves(pre.dcache)):
+            np.testing.assert_array_equal(np.asarray(got)[:, 2], np.asarray(old)[:, 2])

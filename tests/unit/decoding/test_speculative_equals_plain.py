@@ -106,6 +106,35 @@ def test_auto_suspended_drafting_runs_plain_rounds(peaked, drafters, ar_peaked):
 
 
 @pytest.mark.exactness
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_auto_suspended_rounds_statistics_and_log(temperature, peaked, drafters):
+    """The suspended stretches' closed-form bookkeeping, against the round log: with a drafter that
+    never pays, a row drafts exactly at rounds 0, 9, 26, 59 (probes after 8, 16, 32 rounds without
+    drafts), which are the only rows of its log with confidences; every other round is a width-0
+    pass that verifies and accepts nothing; the statistics are the log's sums."""
+    never = cost_table((1.0, 1.5, 2.0, 3.0), 50.0)
+    kw = dict(temperature=temperature, num_speculative_tokens="auto", cost_table=never)
+    sp = spec_std(peaked, drafters["bigram"], record_rounds=True, **kw)
+    check_stats(sp, 4)
+    plain = spec_std(peaked, drafters["bigram"], **kw)  # the log leaves the tokens and statistics alone
+    for i, (g, h) in enumerate(zip(sp.generations, plain.generations)):
+        n, log = g.num_target_passes, g.rounds
+        assert (g.token_ids, g.num_target_passes, g.num_draft_tokens) == (
+            h.token_ids,
+            h.num_target_passes,
+            h.num_draft_tokens,
+        )
+        assert g.verify_width_rounds == h.verify_width_rounds and g.position_reached == h.position_reached, i
+        probes = [r for r in (0, 9, 26, 59) if r < n]
+        drafted = [r for r in range(n) if np.any(log["conf_logit"][r] != 0)]
+        assert drafted == probes and g.num_drafting_rounds == len(probes), (i, drafted, n)
+        quiet = np.setdiff1d(np.arange(n), probes)
+        assert not np.any(log["verified"][quiet]) and not np.any(log["accepted"][quiet]), i
+        assert g.num_draft_tokens == log["verified"].sum() and g.num_accepted == log["accepted"].sum(), i
+        assert sum(g.verify_width_rounds) == n and sum(g.verify_width_rounds[1:]) <= len(probes), i
+
+
+@pytest.mark.exactness
 @pytest.mark.parametrize("block_size", [1, 2])
 def test_gamma_smaller_than_block(block_size, peaked, drafters, ar_peaked):
     sp = spec_std(peaked, drafters["bigram"], temperature=0, num_speculative_tokens=block_size)

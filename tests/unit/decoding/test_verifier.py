@@ -457,6 +457,25 @@ def _assert_same(a: VerifyOutput, b: VerifyOutput, rows=slice(None)):
         )
 
 
+def test_all_greedy_skips_only_the_noise():
+    """``all_greedy=True`` (every target distribution one-hot) draws the correction / bonus token
+    without its Gumbel noise: the same output, bit for bit, for random and one-hot drafts (any q,
+    lengths 0..G, rejections and full acceptances), and for G = 0."""
+    b, g, v = 32, 4, 12
+    keys, drafts, q, p, lengths = _random_block(7, b, g, v)
+    t_arg = np.argmax(p, axis=-1)
+    t_arg[::2, :g] = drafts[::2]  # every other row accepts its drafts, the others mostly reject
+    p1 = _one_hot(t_arg, v)
+    for qq in (q, _one_hot(drafts, v)):
+        want = verify(keys, drafts, qq, p1, lengths)
+        got = verify(keys, drafts, qq, p1, lengths, jnp.asarray(True))
+        _assert_same(want, got)
+    assert 0 < int(np.sum(np.asarray(want.num_accepted) < lengths)) < b  # both kinds of rows ran
+    empty = np.zeros((b, 0), np.int32)
+    args = (keys, empty, np.zeros((b, 0, v), np.float32), p1[:, :1], lengths * 0)
+    _assert_same(verify(*args), verify(*args, jnp.asarray(True)))
+
+
 def test_padding_garbage_and_nan_do_not_change_results():
     keys, drafts, q, p, lengths = _random_block(1, 6, 4, 5)
     lengths = np.array([0, 1, 2, 3, 4, 2], np.int32)
