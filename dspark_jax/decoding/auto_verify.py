@@ -14,7 +14,8 @@ free either. Per round, from the drafter's calibrated confidences ``c_k`` and a 
   ``1 / T_step``, with the acceptances forecast from the request's observed rates, shrunk towards
   this round's confidences (:func:`forecast_acceptance`); while not drafting, every
   ``probe_every``-th round drafts anyway to refresh the forecast (a probe that does not pay
-  doubles that wait, up to ``PROBE_BACKOFF_MAX`` times), and drafting also stops when the
+  doubles that wait, up to ``PROBE_BACKOFF_MAX`` times; no wait is shorter than the
+  :func:`probe_floor` that keeps probes under ``PROBE_BUDGET`` of the time), and drafting also stops when the
   drafting rounds so far delivered fewer tokens per priced second than plain steps
   (:func:`realized_pays`);
 * the confidences are first corrected by what this request has shown so far
@@ -57,6 +58,7 @@ __all__ = [
     "ACCEPTANCE_PRIOR",
     "FORECAST_PRIOR",
     "PROBE_BACKOFF_MAX",
+    "PROBE_BUDGET",
     "REALIZED_DECAY",
     "REALIZED_MIN_ROUNDS",
     "AutoState",
@@ -81,6 +83,7 @@ ACCEPTANCE_DECAY = 0.98  # per drafting round: older rounds fade (half-life ~34 
 REALIZED_DECAY = 0.8  # per drafting round, of the realized rate's sums (half-life ~3 drafting rounds)
 REALIZED_MIN_ROUNDS = 2.0  # [drafting rounds] (decayed) before the realized rate can stop drafting
 PROBE_BACKOFF_MAX = 16  # a probe that does not pay doubles the wait, up to this many times probe_every
+PROBE_BUDGET = 0.02  # probes' drafting, at most this share of the plain steps' time between them
 
 
 def default_widths(block_size: int) -> tuple[int, ...]:
@@ -310,7 +313,20 @@ def forecast_acceptance(conf, hits, seen, prior: float = FORECAST_PRIOR):
     return (hits + prior * conf) / (seen + prior)
 
 
-def schedule(state: AutoState, pays, emitted, price, t_step, probe_every: int) -> AutoState:
+def probe_floor(t_draft, t_step) -> jax.Array:
+    """The fewest rounds without drafts between two probes, ``ceil(T_draft / (PROBE_BUDGET * T_step))``
+    (``[]`` int32, capped at 2^20): a probe that does not pay costs about one drafting round more than
+    the plain step it replaces, so on a target whose drafting round costs several plain steps (a tiny
+    model on a CPU) the probes stay under :data:`PROBE_BUDGET` of plain decoding's time.
+
+    Args:
+      t_draft / t_step: ``[]`` float32 seconds of a drafting round and of a plain step.
+    """
+    rounds = jnp.ceil(t_draft / (PROBE_BUDGET * jnp.maximum(t_step, 1e-9)))
+    return jnp.clip(rounds, 0, 2**20).astype(jnp.int32)
+
+
+def schedule(state: AutoState, pays, emitted, price, t_step, probe_every: int, min_wait=0) -> AutoState:
     """``state`` after a round, as to drafting: whether the next round drafts, the idle count, the
     probes' wait (:class:`AutoState`) and the realized rate's sums.
 
@@ -320,6 +336,7 @@ def schedule(state: AutoState, pays, emitted, price, t_step, probe_every: int) -
       emitted: ``[]`` tokens the running rows emitted this round. price: ``[]`` seconds it was
         priced at (``T_draft + T_verify(w)`` a running row). t_step: ``[]`` seconds of a plain step.
       probe_every: the probes' first wait [rounds].
+      min_wait: ``[]`` int32 the fewest rounds any wait lasts (:func:`probe_floor`).
     """
     on = state.draft_on
     keep = jnp.where(on, REALIZED_DECAY, 1.0)
@@ -331,7 +348,8 @@ def schedule(state: AutoState, pays, emitted, price, t_step, probe_every: int) -
     # A drafting round after rounds without drafts is a probe: one that does not pay doubles the wait.
     probe = on & (state.idle > 0)
     backoff = jnp.minimum(2 * state.wait, PROBE_BACKOFF_MAX * probe_every)
-    wait = jnp.where(on, jnp.where(probe & ~pays, backoff, probe_every), state.wait)
+    wait = jnp.maximum(jnp.where(probe & ~pays, backoff, probe_every), min_wait)
+    wait = jnp.where(on, wait, state.wait)
     draft_next = jnp.where(on, pays, idle >= state.wait)
     return state._replace(draft_on=draft_next, idle=idle, wait=wait, gain=gain, spent=spent, rounds=rounds)
 
@@ -394,5 +412,6 @@ def auto_round(
         jnp.sum(run) * (t_draft + t_verify[wi]),
         t_verify[0],
         probe_every,
+        probe_floor(t_draft, t_verify[0]),
     )
     return res, ell, d.confidence_logit, nxt

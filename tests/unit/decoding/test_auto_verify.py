@@ -107,6 +107,21 @@ def test_auto_prices_are_the_loops_rounds_when_measured():
     assert table.decode_ms(64)["t_round_ms"] == {0: 900.0, 1: 1000.0, 2: 1250.0, 4: 1200.0}
 
 
+def test_probe_floor_prices_the_wait():
+    """A drafting round priced at one plain step waits at least 1 / PROBE_BUDGET = 50 rounds between
+    probes (then doubles to 100, then the 128-round cap); one at 0.1 of a step keeps the 8-round start."""
+    assert int(A.probe_floor(jnp.float32(1.0), jnp.float32(1.0))) == round(1 / A.PROBE_BUDGET) == 50
+    assert int(A.probe_floor(jnp.float32(0.1), jnp.float32(1.0))) == 5
+    assert int(A.probe_floor(jnp.float32(1.0), jnp.float32(0.0))) == 2**20  # a zero step price: capped
+    state, drafted = A.init_auto_state(1, G, probe_every=8), []
+    for _ in range(500):
+        drafted.append(bool(state.draft_on))
+        state = A.schedule(state, jnp.ones((), bool), jnp.float32(1.0), jnp.float32(2.0), jnp.float32(1.0), 8, 50)
+    starts = [i for i, d in enumerate(drafted) if d]
+    gaps = [b - a for a, b in zip(starts, starts[1:]) if b - a > 1]
+    assert gaps[:4] == [51, 101, 129, 129], starts
+
+
 def test_probes_back_off_and_the_realized_rate_stops_drafting():
     """:func:`auto_verify.schedule`, the loop's drafting decision: rounds priced at two plain steps
     that emit one token each (nothing accepted) while the forecast keeps promising: drafting stops
