@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.models.layer_stack import fuse_layer
+from dspark_jax.models.layer_stack import KV_FUSED, fuse_layer
 from dspark_jax.models.target import Target
 
 __all__ = [
@@ -127,7 +127,7 @@ def install_decode_layers(drafter: Any, per_layer: bool) -> None:
     refs = _LAYER_SOURCES.get(drafter)
     if drafter.decode_layers is not None and refs is not None and all(refs[k]() is a for k, a in stacked.items()):
         return  # already copied from these arrays
-    fused = [fuse_layer({k: a[i] for k, a in stacked.items()}) for i in range(drafter.cfg.num_layers)]
+    fused = [fuse_layer({k: a[i] for k, a in stacked.items()}, KV_FUSED) for i in range(drafter.cfg.num_layers)]
     drafter.decode_layers = nnx.List(
         [nnx.Dict(**{k: DecodeLayer(jax.block_until_ready(a)) for k, a in layer.items()}) for layer in fused]
     )

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import DrafterConfig
-from dspark_jax.models.layer_stack import dense_mlp, out_projection, qkv_projections
+from dspark_jax.models.layer_stack import dense_mlp, kv_projections, out_projection, project
 from dspark_jax.models.layers import rms_norm
 
 
@@ -54,15 +54,24 @@ def _unit_norm(v: jax.Array, eps: float) -> jax.Array:
     return rms_norm(v, jnp.ones((v.shape[-1],), jnp.float32), eps)
 
 
-def context_kv(cfg: DrafterConfig, params: dict, ctx: jax.Array, rope: Callable) -> tuple[jax.Array, jax.Array]:
+def context_kv(
+    cfg: DrafterConfig, params: dict, ctx: jax.Array, rope: Callable, layers: list | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Every layer's injected keys/values of context vectors ``ctx [B, T, d]``.
 
-    ``params``: the stacked layer arrays; ``rope``: ``[B, T, kvh, hd] -> rotated``.
+    ``params``: the stacked layer arrays; ``layers``: optional per-layer copies of the same weights
+    (decoding on the CPU: read in place, where the stacked product transposes its slices each call);
+    ``rope``: ``[B, T, kvh, hd] -> rotated``.
     Returns ``(k, v)``, each ``[N, B, T, kvh, hd]``; keys carry ``k_norm`` (before RoPE) and RoPE.
     """
     b, t, _ = ctx.shape
-    k = jnp.einsum("btd,nde->nbte", ctx, params["wk"])
-    v = k if cfg.k_eq_v else jnp.einsum("btd,nde->nbte", ctx, params["wv"])
+    if layers is not None:
+        kv = [kv_projections(p, ctx, cfg.k_eq_v) for p in layers]
+        k = jnp.stack([a for a, _ in kv])
+        v = k if cfg.k_eq_v else jnp.stack([c for _, c in kv])
+    else:
+        k = jnp.einsum("btd,nde->nbte", ctx, params["wk"])
+        v = k if cfg.k_eq_v else jnp.einsum("btd,nde->nbte", ctx, params["wv"])
     k = k.reshape(cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:  # the context keys get k_norm too (before RoPE), like the block's
@@ -91,10 +100,7 @@ def layer(cfg: DrafterConfig, p: dict, h: jax.Array, rope: Callable, attend: Cal
         return y.reshape(b, a, s, n, cfg.head_dim)
 
     u = rms_norm(h, p["attn_norm"], eps)
-    if "wqkv_t" in p:  # decoding's fused per-layer copies (layer_stack.fuse_layer)
-        qf, kf, vf = qkv_projections(p, u, cfg.num_heads * cfg.head_dim)
-    else:
-        qf, kf, vf = u @ p["wq"], u @ p["wk"], None if cfg.k_eq_v else u @ p["wv"]
+    qf, (kf, vf) = project(p, "wq", u), kv_projections(p, u, cfg.k_eq_v)  # either layout (layer_stack)
     q = heads(qf, cfg.num_heads)
     k = k_raw = heads(kf, cfg.num_kv_heads)
     if cfg.qk_norm:  # per head, before RoPE

@@ -225,10 +225,10 @@ class DSparkDrafter(nnx.Module):
         Returns:
           ``(k, v)``, each ``[N, B, T, n_kv_heads, head_dim]``; keys carry RoPE.
         """
-        cfg = self.cfg
+        cfg, layers = self.cfg, decode_state.decode_layer_params(self)
         params = {k: v[...] for k, v in self.layers.items()}
         return draft_layer.context_kv(
-            cfg, params, ctx, lambda k: apply_rope(k, positions, cfg.rope_theta, cfg.rope_scaling)
+            cfg, params, ctx, lambda k: apply_rope(k, positions, cfg.rope_theta, cfg.rope_scaling), layers
         )
 
     def init_cache(self, batch: int, length: int) -> KVCache:

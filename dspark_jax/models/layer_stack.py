@@ -73,11 +73,16 @@ FUSED = (
 """A per-layer buffer's fused, transposed projections: ``name -> the [in, out] kernels`` it holds as
 ``concatenate(kernels, axis=1).T``, ``[sum of outs, in]`` (when the layer has all of them, 2-D)."""
 
+KV_FUSED = (("wq_t", ("wq",)), ("wkv_t", ("wk", "wv")), *FUSED[1:])
+""":data:`FUSED` with q on its own and k/v fused: the drafter's decode copies, whose context writes
+project k and v alone."""
 
-def fuse_layer(layer: Mapping[str, Any]) -> dict[str, Any]:
-    """One layer's weights ``{key: array}`` with the kernels of :data:`FUSED` fused and transposed."""
+
+def fuse_layer(layer: Mapping[str, Any], groups: tuple = FUSED) -> dict[str, Any]:
+    """One layer's weights ``{key: array}`` with the kernels of ``groups`` (:data:`FUSED`,
+    :data:`KV_FUSED`) fused and transposed."""
     out = dict(layer)
-    for name, parts in FUSED:
+    for name, parts in groups:
         if all(k in out and out[k].ndim == 2 for k in parts):
             out[name] = jnp.concatenate([jnp.asarray(out.pop(k)) for k in parts], axis=1).T
     return out
@@ -87,7 +92,7 @@ def unfuse_layer(layer: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     """The ``[in, out]`` kernels of :func:`fuse_layer`'s buffers (q's width is ``wo``'s input width; k and
     v, gate and up, are equal halves)."""
     out = dict(layer)
-    for name, parts in FUSED:
+    for name, parts in dict(FUSED + KV_FUSED).items():
         if name not in out:
             continue
         w = out.pop(name).T
@@ -128,11 +133,26 @@ def _rows_dot(x: jax.Array, w_t: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, w_t, (((x.ndim - 1,), (1,)), ((), ())))
 
 
+def project(p: Mapping[str, jax.Array], name: str, x: jax.Array) -> jax.Array:
+    """``x [..., in]`` times the kernel ``name`` of either layout's weights ``p`` (``name`` or, transposed,
+    ``name + "_t"``)."""
+    return _rows_dot(x, p[name + "_t"]) if name + "_t" in p else x @ p[name]
+
+
+def kv_projections(p: Mapping[str, jax.Array], x: jax.Array, k_eq_v: bool = False) -> tuple[jax.Array, Any]:
+    """A layer's ``(x W_k, x W_v)`` of ``x [..., H]`` from either layout's weights (``k_eq_v``: a layer
+    without ``W_v``, whose values are its keys: ``(x W_k, None)``)."""
+    if "wkv_t" in p:
+        y = _rows_dot(x, p["wkv_t"])
+        return y[..., : y.shape[-1] // 2], y[..., y.shape[-1] // 2 :]
+    return x @ p["wk"], None if k_eq_v else x @ p["wv"]
+
+
 def qkv_projections(p: Mapping[str, jax.Array], a: jax.Array, q_width: int) -> tuple[jax.Array, ...]:
     """A layer's ``(a W_q, a W_k, a W_v)`` of ``a [..., H]`` from either layout's weights ``p``
     (``q_width``: ``W_q``'s output width; k and v are the fused product's equal remaining halves)."""
     if "wqkv_t" not in p:
-        return a @ p["wq"], a @ p["wk"], a @ p["wv"]
+        return (project(p, "wq", a), *kv_projections(p, a))
     y = _rows_dot(a, p["wqkv_t"])
     kv = (y.shape[-1] - q_width) // 2
     return y[..., :q_width], y[..., q_width : q_width + kv], y[..., q_width + kv :]

@@ -158,15 +158,15 @@ def test_decode_layers_are_per_layer_copies_read_by_the_round_and_refreshed():
     prepare_drafter(target, d)
     assert d.decode_layers is not None and len(d.decode_layers) == 2
     for i, layer in enumerate(d.decode_layers):
-        assert all(isinstance(v, DecodeLayer) for v in layer.values()) and "wqkv_t" in layer  # fused, transposed
+        assert all(isinstance(v, DecodeLayer) for v in layer.values()) and "wkv_t" in layer  # fused, transposed
         for k, v in unfuse_layer({k: v[...] for k, v in layer.items()}).items():
             np.testing.assert_array_equal(np.asarray(v), np.asarray(d.layers[k][...][i]))
     for out_before, out_after in zip(before, _draft(target, d)):
         np.testing.assert_array_equal(np.asarray(out_before.tokens), np.asarray(out_after.tokens))
         np.testing.assert_allclose(np.asarray(out_after.probs), np.asarray(out_before.probs), rtol=1e-5, atol=1e-7)
-    kept = d.decode_layers[1]["wqkv_t"].get_value()
+    kept = d.decode_layers[1]["wkv_t"].get_value()
     d.prepare_decoding(target)  # idempotent
-    assert d.decode_layers[1]["wqkv_t"].get_value() is kept
+    assert d.decode_layers[1]["wkv_t"].get_value() is kept
     assert "decode_layers" not in nnx.to_pure_dict(nnx.state(d, nnx.Param))
     assert without_decode_state(d).decode_layers is None and d.decode_layers is not None
 
