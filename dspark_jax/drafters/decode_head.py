@@ -29,10 +29,9 @@ float32 on a CPU without a mesh, :mod:`~dspark_jax.models.layer_stack`): the bac
 backend copies a layer's slice of a stack into a fresh buffer before each dot, static slice or
 dynamic, and in a drafting round those copies cost more than the dots. Decoding therefore
 reads each layer's weights from its own buffers, :class:`DecodeLayer` copies made once per
-drafter (the drafter's layer memory twice over on the CPU), with the projections fused and
-transposed like the target's own per-layer buffers (:func:`~dspark_jax.models.layer_stack.fuse_layer`),
-refreshed when the stacked arrays are no longer the ones they were copied from (at the next
-``prepare_decoding``) and dropped with the head (:func:`release_decode_head`, :func:`without_decode_state`).
+drafter (the drafter's layer memory twice over on the CPU), refreshed when the stacked arrays
+are no longer the ones they were copied from (at the next ``prepare_decoding``) and dropped
+with the head (:func:`release_decode_head`, :func:`without_decode_state`).
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.errors import DSparkInputError
-from dspark_jax.models.layer_stack import KV_FUSED, fuse_layer
 from dspark_jax.models.target import Target
 
 __all__ = [
@@ -127,9 +125,9 @@ def install_decode_layers(drafter: Any, per_layer: bool) -> None:
     refs = _LAYER_SOURCES.get(drafter)
     if drafter.decode_layers is not None and refs is not None and all(refs[k]() is a for k, a in stacked.items()):
         return  # already copied from these arrays
-    fused = [fuse_layer({k: a[i] for k, a in stacked.items()}, KV_FUSED) for i in range(drafter.cfg.num_layers)]
+    n = drafter.cfg.num_layers
     drafter.decode_layers = nnx.List(
-        [nnx.Dict(**{k: DecodeLayer(jax.block_until_ready(a)) for k, a in layer.items()}) for layer in fused]
+        [nnx.Dict(**{k: DecodeLayer(jax.block_until_ready(a[i])) for k, a in stacked.items()}) for i in range(n)]
     )
     _LAYER_SOURCES[drafter] = {k: weakref.ref(a) for k, a in stacked.items()}
 

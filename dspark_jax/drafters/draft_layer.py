@@ -19,8 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import DrafterConfig
-from dspark_jax.models.layer_stack import dense_mlp, kv_projections, out_projection, project
-from dspark_jax.models.layers import rms_norm
+from dspark_jax.models.layers import gated_mlp, rms_norm
 
 
 def layer_params(cfg: DrafterConfig, w: Callable[..., nnx.Param], dtype) -> nnx.Dict:
@@ -60,15 +59,14 @@ def context_kv(
     """Every layer's injected keys/values of context vectors ``ctx [B, T, d]``.
 
     ``params``: the stacked layer arrays; ``layers``: optional per-layer copies of the same weights
-    (decoding on the CPU: read in place, where the stacked product transposes its slices each call);
-    ``rope``: ``[B, T, kvh, hd] -> rotated``.
+    (decoding on the CPU reads them in place: XLA's stacked product transposes each layer's slice on
+    every call); ``rope``: ``[B, T, kvh, hd] -> rotated``.
     Returns ``(k, v)``, each ``[N, B, T, kvh, hd]``; keys carry ``k_norm`` (before RoPE) and RoPE.
     """
     b, t, _ = ctx.shape
     if layers is not None:
-        kv = [kv_projections(p, ctx, cfg.k_eq_v) for p in layers]
-        k = jnp.stack([a for a, _ in kv])
-        v = k if cfg.k_eq_v else jnp.stack([c for _, c in kv])
+        k = jnp.stack([ctx @ p["wk"] for p in layers])
+        v = k if cfg.k_eq_v else jnp.stack([ctx @ p["wv"] for p in layers])
     else:
         k = jnp.einsum("btd,nde->nbte", ctx, params["wk"])
         v = k if cfg.k_eq_v else jnp.einsum("btd,nde->nbte", ctx, params["wv"])
@@ -100,17 +98,16 @@ def layer(cfg: DrafterConfig, p: dict, h: jax.Array, rope: Callable, attend: Cal
         return y.reshape(b, a, s, n, cfg.head_dim)
 
     u = rms_norm(h, p["attn_norm"], eps)
-    qf, (kf, vf) = project(p, "wq", u), kv_projections(p, u, cfg.k_eq_v)  # either layout (layer_stack)
-    q = heads(qf, cfg.num_heads)
-    k = k_raw = heads(kf, cfg.num_kv_heads)
+    q = heads(u @ p["wq"], cfg.num_heads)
+    k = k_raw = heads(u @ p["wk"], cfg.num_kv_heads)
     if cfg.qk_norm:  # per head, before RoPE
         q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
     q, k = rope(q), rope(k)
-    v = k_raw if vf is None else heads(vf, cfg.num_kv_heads)
+    v = k_raw if cfg.k_eq_v else heads(u @ p["wv"], cfg.num_kv_heads)
     if cfg.v_norm:
         v = _unit_norm(v, eps)
-    o = out_projection(p, attend(q, k, v, cfg.query_scale))
+    o = attend(q, k, v, cfg.query_scale) @ p["wo"]
     h = h + (rms_norm(o, p["post_attn_norm"], eps) if cfg.sandwich_norms else o)
-    f = dense_mlp(p, rms_norm(h, p["mlp_norm"], eps), cfg.mlp_activation)
+    f = gated_mlp(rms_norm(h, p["mlp_norm"], eps), p["w_gate"], p["w_up"], p["w_down"], cfg.mlp_activation)
     h = h + (rms_norm(f, p["post_mlp_norm"], eps) if cfg.sandwich_norms else f)
     return h * p["layer_scalar"].astype(h.dtype) if cfg.layer_scalar else h

@@ -10,16 +10,19 @@ own and unrolls the layer loop (one layer body per layer: compiles take longer, 
 30-layer model), while accelerators, whose compilers fuse the slice into the product, keep the
 stack and one compiled layer body (:data:`LAYOUTS`; docs/design.md#target-model).
 
-Per-layer buffers also hold the dense projections the way XLA's CPU matrix-vector product reads
-fastest: transposed, ``[out, in]`` (one contiguous row per output), and fused where they read the same
-input (q/k/v in one matrix, the MLP's gate and up in another), so that a decode step runs 4 products a
-layer instead of 7 (:data:`FUSED`; SmolLM2-135M's layer products: 34 against 46 GB/s, docs/results.md).
-Both layouts compute the same functions; the products sum in a different order, so float32 logits
-agree to rounding, not bit for bit.
+XLA's CPU matrix-vector product (one row: a batch-1 decode step) reads a kernel fastest transposed,
+``[out, in]``, and fused where kernels read the same input (SmolLM2-135M's layer products: 34 GB/s as
+``[in, out]``, 46 as fused ``[out, in]``), while a product of a few rows (a verification pass) is
+1.5-1.7x slower on the transposed kernel than on ``[in, out]``. So per-layer buffers of a target up to
+:data:`ONE_ROW_COPIES_MAX_BYTES` also hold one-row copies (:data:`FUSED`: q/k/v in one matrix, gate/up
+in another, 4 products a layer instead of 7), which one-row passes read and the others do not. The
+layouts compute the same functions: a pass of several rows gives the stacked layout's float32 logits bit
+for bit, a one-row pass agrees to rounding (the fused products sum in another order).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -70,36 +73,20 @@ FUSED = (
     ("w_gate_up_t", ("w_gate", "w_up")),
     ("w_down_t", ("w_down",)),
 )
-"""A per-layer buffer's fused, transposed projections: ``name -> the [in, out] kernels`` it holds as
+"""The one-row copies of a per-layer buffer: ``name -> the [in, out] kernels`` it holds as
 ``concatenate(kernels, axis=1).T``, ``[sum of outs, in]`` (when the layer has all of them, 2-D)."""
 
-KV_FUSED = (("wq_t", ("wq",)), ("wkv_t", ("wk", "wv")), *FUSED[1:])
-""":data:`FUSED` with q on its own and k/v fused: the drafter's decode copies, whose context writes
-project k and v alone."""
+ONE_ROW_COPIES_MAX_BYTES = 4 << 30
+"""Per-layer weights up to this size [bytes] get :data:`FUSED` one-row copies (they double the
+projections' memory); a larger target keeps its ``[in, out]`` kernels only."""
 
 
-def fuse_layer(layer: Mapping[str, Any], groups: tuple = FUSED) -> dict[str, Any]:
-    """One layer's weights ``{key: array}`` with the kernels of ``groups`` (:data:`FUSED`,
-    :data:`KV_FUSED`) fused and transposed."""
-    out = dict(layer)
-    for name, parts in groups:
-        if all(k in out and out[k].ndim == 2 for k in parts):
-            out[name] = jnp.concatenate([jnp.asarray(out.pop(k)) for k in parts], axis=1).T
-    return out
-
-
-def unfuse_layer(layer: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """The ``[in, out]`` kernels of :func:`fuse_layer`'s buffers (q's width is ``wo``'s input width; k and
-    v, gate and up, are equal halves)."""
-    out = dict(layer)
-    for name, parts in dict(FUSED + KV_FUSED).items():
-        if name not in out:
-            continue
-        w = out.pop(name).T
-        first = layer["wo_t"].shape[1] if name == "wqkv_t" else w.shape[1] // len(parts)
-        rest = (w.shape[1] - first) // max(len(parts) - 1, 1)
-        cuts = [0, *(first + i * rest for i in range(len(parts)))]
-        out.update({k: w[:, a:b] for k, a, b in zip(parts, cuts[:-1], cuts[1:], strict=True)})
+def one_row_copies(layer: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """The :data:`FUSED` copies of one layer's kernels ``{key: [in, out]}`` (groups it lacks are skipped)."""
+    out = {}
+    for name, parts in FUSED:
+        if all(k in layer and layer[k].ndim == 2 for k in parts):
+            out[name] = jnp.concatenate([jnp.asarray(layer[k]) for k in parts], axis=1).T
     return out
 
 
@@ -108,24 +95,31 @@ def store_layers(stacked: Mapping[str, Any], per_layer: bool, cast: Callable[...
 
     Returns:
       ``nnx.Dict`` of ``nnx.Param`` ``[L, ...]`` (stacked), or ``nnx.List`` of ``L`` ``nnx.Dict``
-      of ``nnx.Param`` (per layer, the dense projections fused and transposed: :data:`FUSED`).
-      ``cast(array, sharding)`` makes each parameter.
+      of ``nnx.Param`` (per layer; up to :data:`ONE_ROW_COPIES_MAX_BYTES` of weights also each
+      layer's :func:`one_row_copies`). ``cast(array, sharding)`` makes each parameter.
     """
     sh = shardings or {}
     if not per_layer:
         return nnx.Dict({k: cast(v, sh.get(k)) for k, v in stacked.items()})
     n = len(next(iter(stacked.values())))
-    layers = [fuse_layer({k: v[i] for k, v in stacked.items()}) for i in range(n)]
+    layers = [{k: v[i] for k, v in stacked.items()} for i in range(n)]
+    if sum(v.size * 4 for v in stacked.values()) <= ONE_ROW_COPIES_MAX_BYTES:  # float32: per_layer_layout
+        layers = [d | one_row_copies(d) for d in layers]
     return nnx.List([nnx.Dict({k: cast(v) for k, v in d.items()}) for d in layers])
 
 
 def stacked_weights(layers) -> dict[str, jax.Array]:
-    """``{key: [L, ...]}`` of :func:`store_layers`' storage, the kernels ``[L, in, out]`` (stacked on
+    """``{key: [L, ...]}`` of :func:`store_layers`' storage, without the one-row copies (stacked on
     the fly for per-layer buffers: a copy, for code outside the decode loop)."""
     if isinstance(layers, nnx.List):
-        per = [unfuse_layer({k: v[...] for k, v in d.items()}) for d in layers]
-        return {k: jnp.stack([d[k] for d in per]) for k in per[0]}
+        keys = [k for k in layers[0] if k not in dict(FUSED)]
+        return {k: jnp.stack([d[k][...] for d in layers]) for k in keys}
     return {k: v[...] for k, v in layers.items()}
+
+
+def _one_row(x: jax.Array, p: Mapping[str, Any], name: str) -> bool:
+    """Whether ``x [..., in]`` is one row and ``p`` has the one-row copy ``name`` (static)."""
+    return name in p and math.prod(x.shape[:-1]) == 1
 
 
 def _rows_dot(x: jax.Array, w_t: jax.Array) -> jax.Array:
@@ -133,40 +127,25 @@ def _rows_dot(x: jax.Array, w_t: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, w_t, (((x.ndim - 1,), (1,)), ((), ())))
 
 
-def project(p: Mapping[str, jax.Array], name: str, x: jax.Array) -> jax.Array:
-    """``x [..., in]`` times the kernel ``name`` of either layout's weights ``p`` (``name`` or, transposed,
-    ``name + "_t"``)."""
-    return _rows_dot(x, p[name + "_t"]) if name + "_t" in p else x @ p[name]
-
-
-def kv_projections(p: Mapping[str, jax.Array], x: jax.Array, k_eq_v: bool = False) -> tuple[jax.Array, Any]:
-    """A layer's ``(x W_k, x W_v)`` of ``x [..., H]`` from either layout's weights (``k_eq_v``: a layer
-    without ``W_v``, whose values are its keys: ``(x W_k, None)``)."""
-    if "wkv_t" in p:
-        y = _rows_dot(x, p["wkv_t"])
-        return y[..., : y.shape[-1] // 2], y[..., y.shape[-1] // 2 :]
-    return x @ p["wk"], None if k_eq_v else x @ p["wv"]
-
-
 def qkv_projections(p: Mapping[str, jax.Array], a: jax.Array, q_width: int) -> tuple[jax.Array, ...]:
-    """A layer's ``(a W_q, a W_k, a W_v)`` of ``a [..., H]`` from either layout's weights ``p``
-    (``q_width``: ``W_q``'s output width; k and v are the fused product's equal remaining halves)."""
-    if "wqkv_t" not in p:
-        return (project(p, "wq", a), *kv_projections(p, a))
+    """A layer's ``(a W_q, a W_k, a W_v)`` of ``a [..., H]`` from its weights ``p`` (one row: the
+    fused copy, ``q_width`` being ``W_q``'s output width and k and v the remaining equal halves)."""
+    if not _one_row(a, p, "wqkv_t"):
+        return a @ p["wq"], a @ p["wk"], a @ p["wv"]
     y = _rows_dot(a, p["wqkv_t"])
     kv = (y.shape[-1] - q_width) // 2
     return y[..., :q_width], y[..., q_width : q_width + kv], y[..., q_width + kv :]
 
 
 def out_projection(p: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
-    """A layer's attention output ``x [..., nh*hd]`` times ``W_o``, from either layout's weights."""
-    return _rows_dot(x, p["wo_t"]) if "wo_t" in p else x @ p["wo"]
+    """A layer's attention output ``x [..., nh*hd]`` times ``W_o`` (one row: the transposed copy)."""
+    return _rows_dot(x, p["wo_t"]) if _one_row(x, p, "wo_t") else x @ p["wo"]
 
 
 def dense_mlp(p: Mapping[str, jax.Array], x: jax.Array, activation: str) -> jax.Array:
-    """A layer's gated MLP of ``x [..., H]`` (:func:`~dspark_jax.models.layers.gated_mlp`) from either
-    layout's weights."""
-    if "w_gate_up_t" not in p:
+    """A layer's gated MLP of ``x [..., H]`` (:func:`~dspark_jax.models.layers.gated_mlp`; one row:
+    the fused, transposed copies)."""
+    if not _one_row(x, p, "w_gate_up_t"):
         return gated_mlp(x, p["w_gate"], p["w_up"], p["w_down"], activation)
     gu = _rows_dot(x, p["w_gate_up_t"])
     f = gu.shape[-1] // 2

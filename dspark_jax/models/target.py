@@ -22,18 +22,11 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.config import TargetConfig
+from dspark_jax.models import layer_stack
 from dspark_jax.models.attention import attend
 from dspark_jax.models.gemma4 import grouped_forward, init_grouped_cache, random_grouped_params, refuse
 from dspark_jax.models.head import row_reduce_head, tied_head_row_reduce
-from dspark_jax.models.layer_stack import (
-    layer_inputs,
-    out_projection,
-    per_layer_layout,
-    qkv_projections,
-    run_layers,
-    stacked_weights,
-    store_layers,
-)
+from dspark_jax.models.layer_stack import layer_inputs, per_layer_layout, run_layers, stacked_weights, store_layers
 from dspark_jax.models.layers import KVCache, apply_rope, apply_rope_table, attention, kv_scatter, rms_norm
 from dspark_jax.models.moe import feed_forward, split_mixed_mlp
 from dspark_jax.models.rope import rope_table
@@ -419,7 +412,7 @@ def _qkv(cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, positions: ja
 def _projections(cfg: TargetConfig, p: dict[str, jax.Array], a: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The q/k/v projections of the normed ``a [..., H]`` (plus their biases when ``cfg.qkv_bias``):
     ``([..., nh*hd], [..., kvh*hd], [..., kvh*hd])``."""
-    q, k, v = qkv_projections(p, a, cfg.num_heads * cfg.head_dim)
+    q, k, v = layer_stack.qkv_projections(p, a, cfg.num_heads * cfg.head_dim)
     if cfg.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     return q, k, v
@@ -481,7 +474,7 @@ def _residual_mlp(
 def _attn_out_and_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h: jax.Array, attn: jax.Array, stacks) -> jax.Array:
     """A layer's second half: output projection of ``attn [B, T, nh*hd]`` added to ``h [B, T, H]``,
     then the feed-forward with its residual (:func:`_residual_mlp`). Returns the new ``[B, T, H]``."""
-    return _residual_mlp(cfg, p, h, out_projection(p, attn), stacks)
+    return _residual_mlp(cfg, p, h, layer_stack.out_projection(p, attn), stacks)
 
 
 def _tap_features(hidden: jax.Array | None, taps: tuple[int, ...]) -> jax.Array | None:
@@ -602,4 +595,4 @@ def packed_attn_out_and_mlp(cfg: TargetConfig, p: dict[str, jax.Array], h, attn,
     """A packed layer's second half: output projection of ``attn [K, nh*hd]`` added to
     ``h [1, K, H]``, then the feed-forward with its residual (``stacks``: :meth:`Target.mlp_stacks`).
     Returns the new ``[1, K, H]``."""
-    return _residual_mlp(cfg, p, h, out_projection(p, attn)[None], stacks)
+    return _residual_mlp(cfg, p, h, layer_stack.out_projection(p, attn)[None], stacks)

@@ -1,10 +1,11 @@
 """The target's two weight layouts (dspark_jax.models.layer_stack): per-layer buffers under an
-unrolled layer loop (the CPU default, projections fused and transposed) and stacked ``[L, ...]``
-weights under a scan give the same logits, features and caches to float32 rounding (the fused
-products sum in another order), on a plain Llama layer stack and on one with sliding windows,
-per-layer RoPE, qk-norm and sparse (MoE) layers, and the stacked view of the buffers is the stack
-bit for bit; and the per-layer decode program no longer copies each layer's weights out of a stack,
-the copy the layout exists to avoid.
+unrolled layer loop (the CPU default, with fused, transposed copies of the projections for one-row
+passes) and stacked ``[L, ...]`` weights under a scan give the same logits, features and caches (bit
+for bit for passes of several rows, to float32 rounding for a one-row step, whose fused products sum
+in another order), on a plain Llama layer stack and on one with sliding windows, per-layer RoPE,
+qk-norm and sparse (MoE) layers, and the stacked view of the buffers is the stack bit for bit; and the
+per-layer decode program no longer copies each layer's weights out of a stack, the copy the layout
+exists to avoid.
 """
 
 from __future__ import annotations
@@ -52,7 +53,12 @@ def _passes(target: Target):
     packed = target.forward_packed(
         tok[0, :3], rows, cols, jnp.asarray([8, 9, 8], jnp.int32), step.cache, num_rows=2, width=2, taps=(1,)
     )
-    return [full.logits, full.features, pre.logits, step.logits, step.features, step.cache.k, packed.logits]
+    one = target(tok[:1, 8:], pos[:1, 8:], jax.tree.map(lambda a: a[:, :1], pre.cache), taps=(1,))  # one row
+    return [full.logits, full.features, pre.logits, step.logits, step.features, step.cache.k, packed.logits] + [
+        one.logits,
+        one.features,
+        one.cache.v,
+    ]
 
 
 @pytest.mark.exactness
@@ -61,11 +67,13 @@ def test_per_layer_buffers_give_the_stacked_results(cfg):
     stacked, per_layer = _pair(cfg)
     assert not stacked.per_layer and per_layer.per_layer
     assert isinstance(per_layer.layers, nnx.List) and len(per_layer.layers) == cfg.num_layers
-    fused = {"wqkv_t", "wo_t"} | (set() if cfg.num_experts else {"w_gate_up_t", "w_down_t"})
-    assert fused <= set(per_layer.layers[0]) and not {"wq", "wo", "w_gate"} & set(per_layer.layers[0])
-    for a, b in zip(_passes(stacked), _passes(per_layer), strict=True):
+    one_row = {"wqkv_t", "wo_t"} | (set() if cfg.num_experts else {"w_gate_up_t", "w_down_t"})
+    assert one_row | {"wq", "wo"} <= set(per_layer.layers[0])
+    outs = list(zip(_passes(stacked), _passes(per_layer), strict=True))
+    for a, b in outs[:-3]:  # several rows: the [in, out] kernels, as the scan
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in outs[-3:]:  # one row: the fused copies; rounding of reordered sums only (a wrong split is O(1))
         a, b = np.asarray(a), np.asarray(b)
-        # Rounding of reordered sums only: 1e-6 of the largest value (a swapped k/v or a wrong split is O(1)).
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-6 * float(np.abs(a).max()))
     for k, v in stacked.layer_weights().items():  # the stacked view of the buffers is the stack
         np.testing.assert_array_equal(np.asarray(per_layer.layer_weights()[k]), np.asarray(v))
