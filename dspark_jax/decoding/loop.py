@@ -51,7 +51,7 @@ from dspark_jax.decoding.round import (
     finish_codes,
     is_stop,
     next_token,
-    plain_pass,
+    plain_step,
     prefill,
     round_statistics,
     split_round_keys,
@@ -248,6 +248,11 @@ def _round_inputs(s: _Loop, x: _Inputs, cache_len: int) -> RoundInputs:
     return RoundInputs(s.finish == FINISH_RUNNING, anchor, p, draft_keys, verify_keys, room)
 
 
+CONTEXT_CHUNK = 16
+"""Rounds without drafts whose drafter context is written in one pass (a write of one token costs
+about as much as one of 16 on a CPU: the projections' weights are read once either way)."""
+
+
 class _Plain(NamedTuple):
     """The carry of the suspended stretch: all that a round without drafts changes."""
 
@@ -259,32 +264,54 @@ class _Plain(NamedTuple):
     step: jax.Array
     num_passes: jax.Array  # [B] DecodeStats.num_passes
     num_emitted: jax.Array  # [B] DecodeStats.num_emitted
+    chunk_start: jax.Array  # [] step of the chunk's first round
+    features: jax.Array  # [B, CONTEXT_CHUNK, n_taps * H] the chunk's tapped features, not yet written
+    ctx_pos: jax.Array  # [B, CONTEXT_CHUNK] int32 their positions (-1: nothing to write)
+    ctx_tok: jax.Array  # [B, CONTEXT_CHUNK] int32 their tokens
 
 
 def _plain_round(target, drafter, t: _Plain, *, x: _Inputs, cache_len: int) -> _Plain:
     """A round of ``"auto"`` while drafting is suspended: a width-0 pass
-    (:func:`~dspark_jax.decoding.round.plain_pass`, the drafter's context written) and its emission."""
+    (:func:`~dspark_jax.decoding.round.plain_step`) and its emission; its tapped features wait in the
+    chunk for the drafter's context write (:func:`_suspended`)."""
     p = t.length - 1
     anchor = jnp.take_along_axis(t.seq, p[:, None], 1)[:, 0]
     running = t.finish == FINISH_RUNNING
-    caches, tok, finite = plain_pass(
-        target, drafter, RoundCaches(t.tcache, t.dcache), running, anchor, p, x.keys, x.sampling
-    )
+    tcache, tok, finite, feats = plain_step(target, drafter.cfg.taps, t.tcache, anchor, p, x.keys, x.sampling)
+    j = t.step - t.chunk_start
+    features = jax.lax.dynamic_update_slice_in_dim(t.features, feats.astype(t.features.dtype), j, axis=1)
+    ctx_pos = jax.lax.dynamic_update_slice_in_dim(t.ctx_pos, jnp.where(running, p, -1)[:, None], j, axis=1)
+    ctx_tok = jax.lax.dynamic_update_slice_in_dim(t.ctx_tok, anchor[:, None], j, axis=1)
     end = jnp.minimum(x.limit, cache_len)
     n_keep, stopped, full = emit_counts(tok[:, None], jnp.ones_like(p), running, t.length, end, x.stop)
     seq = append_tokens(t.seq, t.length, tok[:, None], n_keep)
     finish = jnp.where(running & ~finite, FINISH_ERROR, finish_codes(t.finish, stopped, full))
     return _Plain(
-        seq, t.length + n_keep, finish, caches.target, caches.drafter, t.step + 1,
-        t.num_passes + running, t.num_emitted + n_keep,
+        seq, t.length + n_keep, finish, tcache, t.dcache, t.step + 1, t.num_passes + running,
+        t.num_emitted + n_keep, t.chunk_start, features, ctx_pos, ctx_tok,
     )  # fmt: skip
+
+
+def _context_chunk(target, drafter, t: _Plain, *, x: _Inputs, cache_len: int, stop) -> _Plain:
+    """Up to :data:`CONTEXT_CHUNK` rounds without drafts (:func:`_plain_round`), then the drafter's
+    context of their tokens in one write (the positions of rows that were not running: none)."""
+    t = t._replace(chunk_start=t.step, ctx_pos=jnp.full_like(t.ctx_pos, -1))
+    end = jnp.minimum(stop, t.step + CONTEXT_CHUNK)
+    t = jax.lax.while_loop(
+        lambda u: jnp.any(u.finish == FINISH_RUNNING) & (u.step < end),
+        partial(_plain_round, target, drafter, x=x, cache_len=cache_len),
+        t,
+    )
+    return t._replace(dcache=drafter.extend_cache(t.dcache, t.features, t.ctx_pos, target=target, tokens=t.ctx_tok))
 
 
 def _suspended(target, drafter, s: _Loop, x: _Inputs, cache_len: int, max_steps: int) -> _Loop:
     """The rounds of ``"auto"`` up to its next drafting round (none when ``s.auto.draft_on``), run
     by a loop of their own whose carry is only what such a round changes.
 
-    Each round is exactly :func:`~dspark_jax.decoding.auto_verify.auto_round` without drafts; what
+    Each round is :func:`~dspark_jax.decoding.auto_verify.auto_round` without drafts, its drafter
+    context written with that of up to :data:`CONTEXT_CHUNK` rounds in one pass (the same values to
+    rounding: the drafts it feeds are the drafter's, the output law is the target's); what
     it would do to the rest of the state is applied once after the loop, in closed form: a round
     without drafts adds 1 to ``num_passes`` and to ``verify_width_rounds[:, 0]`` of each running row
     and nothing to the other statistics, writes zeros into a :class:`RoundLog` column that is
@@ -295,10 +322,15 @@ def _suspended(target, drafter, s: _Loop, x: _Inputs, cache_len: int, max_steps:
     a = s.auto
     # Drafting resumes once idle + k >= wait after k rounds; the loop bound is that step.
     stop = jnp.where(a.draft_on, s.step, jnp.minimum(s.step + a.wait - a.idle, max_steps))
-    init = _Plain(s.seq, s.length, s.finish, s.tcache, s.dcache, s.step, s.stats.num_passes, s.stats.num_emitted)
+    b, f = s.seq.shape[0], len(drafter.cfg.taps) * target.cfg.hidden_size
+    pending = jnp.full((b, CONTEXT_CHUNK), -1, jnp.int32)
+    init = _Plain(
+        s.seq, s.length, s.finish, s.tcache, s.dcache, s.step, s.stats.num_passes, s.stats.num_emitted,
+        s.step, jnp.zeros((b, CONTEXT_CHUNK, f), target.dtype), pending, pending,
+    )  # fmt: skip
     t = jax.lax.while_loop(
         lambda t: jnp.any(t.finish == FINISH_RUNNING) & (t.step < stop),
-        partial(_plain_round, target, drafter, x=x, cache_len=cache_len),
+        partial(_context_chunk, target, drafter, x=x, cache_len=cache_len, stop=stop),
         init,
     )
     k = t.step - s.step

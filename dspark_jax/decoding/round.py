@@ -62,6 +62,7 @@ __all__ = [
     "is_stop",
     "next_token",
     "plain_pass",
+    "plain_step",
     "prefill",
     "rejection_round_keys",
     "round_statistics",
@@ -337,11 +338,24 @@ def plain_pass(target: Target, drafter, caches: RoundCaches, running, anchor, an
     Returns:
       ``(caches, token [B] int32, finite [B] bool)``.
     """
-    tok, pos = anchor[:, None], anchor_pos[:, None]
-    out = target(tok, pos, caches.target, taps=drafter.cfg.taps)
-    dcache = drafter.extend_cache(
-        caches.drafter, out.features, jnp.where(running[:, None], pos, -1), target=target, tokens=tok
+    tcache, token, finite, features = plain_step(
+        target, drafter.cfg.taps, caches.target, anchor, anchor_pos, request_keys, sampling
     )
+    pos = jnp.where(running, anchor_pos, -1)[:, None]
+    dcache = drafter.extend_cache(caches.drafter, features, pos, target=target, tokens=anchor[:, None])
+    return RoundCaches(tcache, dcache), token, finite
+
+
+def plain_step(target: Target, taps, tcache, anchor, anchor_pos, request_keys, sampling):
+    """:func:`plain_pass` without the drafter's context write: the target's pass of ``anchor [B]`` at
+    ``anchor_pos [B]`` and its next token, with the tapped features the context write reads.
+
+    Returns:
+      ``(target cache, token [B] int32, finite [B] bool, features [B, 1, n_taps * H])``.
+    """
+    out = target(anchor[:, None], anchor_pos[:, None], tcache, taps=taps)
+    if out.cache is None or out.features is None:  # a cached pass with taps returns both
+        raise ValueError("plain_step needs the target's KV cache and taps")
     probs = process_logits(out.logits, sampling)[:, 0]
 
     def sampled(p):  # the keys are derived only when some row samples
@@ -349,7 +363,7 @@ def plain_pass(target: Target, drafter, caches: RoundCaches, running, anchor, an
         return sample(jax.vmap(jax.random.split)(verify_keys)[:, 1], p)
 
     token = jax.lax.cond(jnp.all(sampling.temperature <= 0), first_argmax, sampled, probs)
-    return RoundCaches(out.cache, dcache), token, logits_are_finite(out.logits)
+    return out.cache, token, logits_are_finite(out.logits), out.features
 
 
 def _verified_block(r: RoundInputs, draft: Draft, width: int) -> tuple[jax.Array, jax.Array]:

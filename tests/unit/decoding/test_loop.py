@@ -120,3 +120,39 @@ def test_plain_pass_is_verify_pass_at_width_0(peaked, drafters):
         # the finished row's drafter context is untouched
         for got, old in zip(jax.tree.leaves(got_caches.drafter), jax.tree.leaves(pre.dcache)):
             np.testing.assert_array_equal(np.asarray(got)[:, 2], np.asarray(old)[:, 2])
+
+
+def test_suspended_stretch_writes_the_drafter_context_in_chunks(peaked, drafters):
+    """The suspended rounds of ``"auto"`` write their drafter context a chunk at a time: after a
+    stretch of 21 rounds (a full chunk of 16 and part of another; a row finishing inside it) the drafter's
+    context cache equals the one written token by token with ``plain_pass``, to float32 rounding, and the
+    tokens and target caches are the same."""
+    import jax
+
+    from dspark_jax.decoding import auto_verify, loop
+    from dspark_jax.decoding.round import RoundCaches, plain_pass
+
+    target, drafter = peaked, drafters["bigram"]
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5], [8, 9, 7, 9, 3, 2]]
+    bt = loop.make_batch(target, prompts, [30, 12, 30], drafter.cfg.block_size, 64, (0.0, 0, 1.0), 0, [])
+    x = loop._device_inputs(bt)
+    s = loop._start(target, drafter, x, 64, drafter.cfg.taps, drafter.cfg.block_size)
+    auto = auto_verify.init_auto_state(3, drafter.cfg.block_size)._replace(
+        draft_on=jnp.zeros((), bool), wait=jnp.int32(21)
+    )
+    s = s._replace(auto=auto)
+    got = jax.jit(lambda s: loop._suspended(target, drafter, s, x, 64, 100))(s)
+    assert int(got.step) == 21 and bool(got.auto.draft_on)
+    caches, seq, length, finish = RoundCaches(s.tcache, s.dcache), s.seq, s.length, s.finish
+    step = jax.jit(lambda c, a, p, r: plain_pass(target, drafter, c, r, a, p, x.keys, x.sampling))
+    for _ in range(21):  # the reference: one token at a time, as verify_pass at width 0 writes it
+        running = (finish == 0) & (length < jnp.asarray(bt.limit))
+        p = length - 1
+        caches, tok, _ = step(caches, jnp.take_along_axis(seq, p[:, None], 1)[:, 0], p, running)
+        seq = seq.at[jnp.arange(3), length].set(jnp.where(running, tok, seq[jnp.arange(3), length]))
+        length = length + running
+    np.testing.assert_array_equal(np.asarray(got.seq), np.asarray(seq))
+    np.testing.assert_array_equal(np.asarray(got.tcache.k), np.asarray(caches.target.k))
+    assert int(got.length[1]) < int(got.length[0])  # the short row finished inside the stretch
+    for a, b in zip(jax.tree.leaves(got.dcache), jax.tree.leaves(caches.drafter)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
