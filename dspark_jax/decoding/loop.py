@@ -249,8 +249,8 @@ def _round_inputs(s: _Loop, x: _Inputs, cache_len: int) -> RoundInputs:
 
 
 CONTEXT_CHUNK = 16
-"""Rounds without drafts whose drafter context is written in one pass (a write of one token costs
-about as much as one of 16 on a CPU: the projections' weights are read once either way)."""
+"""Rounds without drafts whose drafter context is written in one pass (a write reads the context
+projections' weights once whatever its length, and runs the same few operations)."""
 
 
 class _Plain(NamedTuple):
