@@ -326,7 +326,9 @@ def probe_floor(t_draft, t_step) -> jax.Array:
     return jnp.clip(rounds, 0, 2**20).astype(jnp.int32)
 
 
-def schedule(state: AutoState, pays, emitted, price, t_step, probe_every: int, min_wait=0) -> AutoState:
+def schedule(
+    state: AutoState, pays, emitted, price, t_step, probe_every: int, min_wait: jax.Array | int = 0
+) -> AutoState:
     """``state`` after a round, as to drafting: whether the next round drafts, the idle count, the
     probes' wait (:class:`AutoState`) and the realized rate's sums.
 
