@@ -81,6 +81,12 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "fc": ("features", "embed"),
     "w1": ("vocab", "rank"),  # the DSpark drafter's Markov head, markov_head/w1 (drafters.markov)
     "w2": ("rank", "vocab"),
+    # A CPU target's one-row copies ([out, in], models.layer_stack.FUSED), sharded like their kernels
+    # when such a target is placed on a mesh afterwards (the trainer's host mesh).
+    "wqkv_t": ("features", "embed"),
+    "wo_t": ("embed", "heads"),
+    "w_gate_up_t": ("mlp", "embed"),
+    "w_down_t": ("embed", "mlp"),
 }
 
 # A KV cache ``[L, B, S, kv_heads, head_dim]`` (target and drafter context caches).
