@@ -61,7 +61,6 @@ __all__ = [
     "finish_codes",
     "is_stop",
     "next_token",
-    "plain_pass",
     "plain_step",
     "prefill",
     "rejection_round_keys",
@@ -325,30 +324,13 @@ def verify_pass(
     return VerifiedRound(RoundCaches(out.cache, dcache), toks, res.num_emitted, res.num_accepted, finite)
 
 
-def plain_pass(target: Target, drafter, caches: RoundCaches, running, anchor, anchor_pos, request_keys, sampling):
-    """:func:`verify_pass` at width 0 without drafts (a round of ``"auto"`` that does not draft):
-    the target's pass of the anchor, the drafter's context of it written for running rows, and the
-    next token as :func:`~dspark_jax.decoding.verifier.verify` draws it at width 0
-    (``sample(split(verify_key)[1], p_0)``, ``verify_key`` from :func:`split_round_keys`), but
-    with neither the keys nor the random draw when every row is greedy
-    (:func:`~dspark_jax.models.sampling.sample_or_argmax`: the same ids, bit for bit).
-
-    Args:
-      running / anchor / anchor_pos: ``[B]`` as in :class:`RoundInputs`; request_keys: ``[B, 2]`` uint32.
-    Returns:
-      ``(caches, token [B] int32, finite [B] bool)``.
-    """
-    tcache, token, finite, features = plain_step(
-        target, drafter.cfg.taps, caches.target, anchor, anchor_pos, request_keys, sampling
-    )
-    pos = jnp.where(running, anchor_pos, -1)[:, None]
-    dcache = drafter.extend_cache(caches.drafter, features, pos, target=target, tokens=anchor[:, None])
-    return RoundCaches(tcache, dcache), token, finite
-
-
 def plain_step(target: Target, taps, tcache, anchor, anchor_pos, request_keys, sampling):
-    """:func:`plain_pass` without the drafter's context write: the target's pass of ``anchor [B]`` at
-    ``anchor_pos [B]`` and its next token, with the tapped features the context write reads.
+    """A round of ``"auto"`` that does not draft, but for the drafter's context write: the target's
+    pass of ``anchor [B]`` at ``anchor_pos [B]`` with the tapped features that write reads, and the
+    next token as :func:`~dspark_jax.decoding.verifier.verify` draws it at width 0
+    (``sample(split(verify_key)[1], p_0)``, ``verify_key`` from :func:`split_round_keys`), but with
+    neither the keys nor the random draw when every row is greedy (the same ids, bit for bit).
+    With the context written it is :func:`verify_pass` at width 0 without drafts.
 
     Returns:
       ``(target cache, token [B] int32, finite [B] bool, features [B, 1, n_taps * H])``.

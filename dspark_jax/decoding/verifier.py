@@ -39,7 +39,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.models.sampling import _categorical, first_argmax, sample_or_argmax
+from dspark_jax.models.sampling import _categorical, sample_or_argmax
 
 __all__ = [
     "VerifyOutput",
@@ -77,9 +77,7 @@ def _draw(key, dist, all_greedy):
     """``_categorical(key, dist)``, or without the noise when ``all_greedy`` (``[]`` bool or None):
     a greedy round's ``dist`` has one positive entry, whose Gumbel-max draw is its argmax whatever
     the noise."""
-    if all_greedy is None:
-        return _categorical(key, dist)
-    return jax.lax.cond(all_greedy, first_argmax, lambda d: _categorical(key, d), dist)
+    return _categorical(key, dist) if all_greedy is None else sample_or_argmax(key, dist, all_greedy)
 
 
 def _verify_row(key, draft_tokens, draft_probs, target_probs, length, all_greedy=None):

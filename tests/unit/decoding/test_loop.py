@@ -77,9 +77,19 @@ def test_a_new_max_new_tokens_reuses_the_compiled_loops(peaked, drafters, monkey
     assert ar[20].generations[0].token_ids[:9] == ar[9].generations[0].token_ids
 
 
-def test_plain_pass_is_verify_pass_at_width_0(peaked, drafters):
-    """``plain_pass`` (the rounds of ``"auto"`` while drafting is suspended) is ``verify_pass`` at
-    width 0 without drafts, bit for bit: the caches it writes, the token (greedy rows without the
+def _plain_pass(target, drafter, caches, running, anchor, pos, keys, sampling):
+    """``round.plain_step`` and the drafter's context write of its running rows."""
+    from dspark_jax.decoding.round import RoundCaches, plain_step
+
+    tcache, token, finite, feats = plain_step(target, drafter.cfg.taps, caches.target, anchor, pos, keys, sampling)
+    wpos = jnp.where(running, pos, -1)[:, None]
+    dcache = drafter.extend_cache(caches.drafter, feats, wpos, target=target, tokens=anchor[:, None])
+    return RoundCaches(tcache, dcache), token, finite
+
+
+def test_plain_step_is_verify_pass_at_width_0(peaked, drafters):
+    """``plain_step`` and its context write (the rounds of ``"auto"`` while drafting is suspended)
+    are ``verify_pass`` at width 0 without drafts, bit for bit: the caches it writes, the token (greedy rows without the
     random draw, sampled rows with verify's key) and the finite flags; a finished row writes no
     drafter context."""
     import jax
@@ -87,7 +97,6 @@ def test_plain_pass_is_verify_pass_at_width_0(peaked, drafters):
     from dspark_jax.decoding.round import (
         RoundCaches,
         RoundInputs,
-        plain_pass,
         prefill,
         split_round_keys,
         token_keys,
@@ -112,7 +121,7 @@ def test_plain_pass_is_verify_pass_at_width_0(peaked, drafters):
         pre = prefill(target, drafter, prompt, plen, keys, sampling, 16, drafter.cfg.taps)
         caches = RoundCaches(pre.tcache, pre.dcache)
         ref = verify_pass(target, drafter, caches, r, empty, jnp.zeros((b,), jnp.int32), sampling, width=0)
-        got_caches, token, finite = plain_pass(target, drafter, caches, running, anchor, pos, keys, sampling)
+        got_caches, token, finite = _plain_pass(target, drafter, caches, running, anchor, pos, keys, sampling)
         np.testing.assert_array_equal(np.asarray(token), np.asarray(ref.tokens[:, 0]), err_msg=str(temps))
         np.testing.assert_array_equal(np.asarray(finite), np.asarray(ref.finite))
         for got, want in zip(jax.tree.leaves(got_caches), jax.tree.leaves(ref.caches)):
@@ -125,12 +134,12 @@ def test_plain_pass_is_verify_pass_at_width_0(peaked, drafters):
 def test_suspended_stretch_writes_the_drafter_context_in_chunks(peaked, drafters):
     """The suspended rounds of ``"auto"`` write their drafter context a chunk at a time: after a
     stretch of 21 rounds (a full chunk of 16 and part of another; a row finishing inside it) the drafter's
-    context cache equals the one written token by token with ``plain_pass``, to float32 rounding, and the
+    context cache equals the one written token by token (``plain_step`` and a write), to float32 rounding, and the
     tokens and target caches are the same."""
     import jax
 
     from dspark_jax.decoding import auto_verify, loop
-    from dspark_jax.decoding.round import RoundCaches, plain_pass
+    from dspark_jax.decoding.round import RoundCaches
 
     target, drafter = peaked, drafters["bigram"]
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5], [8, 9, 7, 9, 3, 2]]
@@ -144,7 +153,7 @@ def test_suspended_stretch_writes_the_drafter_context_in_chunks(peaked, drafters
     got = jax.jit(lambda s: loop._suspended(target, drafter, s, x, 64, 100))(s)
     assert int(got.step) == 21 and bool(got.auto.draft_on)
     caches, seq, length, finish = RoundCaches(s.tcache, s.dcache), s.seq, s.length, s.finish
-    step = jax.jit(lambda c, a, p, r: plain_pass(target, drafter, c, r, a, p, x.keys, x.sampling))
+    step = jax.jit(lambda c, a, p, r: _plain_pass(target, drafter, c, r, a, p, x.keys, x.sampling))
     for _ in range(21):  # the reference: one token at a time, as verify_pass at width 0 writes it
         running = (finish == 0) & (length < jnp.asarray(bt.limit))
         p = length - 1
