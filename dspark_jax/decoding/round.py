@@ -35,11 +35,10 @@ from dspark_jax.drafters.base import BlockDrafter, Draft
 from dspark_jax.drafters.markov import sample_block
 from dspark_jax.models.sampling import (
     SamplingArrays,
-    first_argmax,
+    draw_from_logits,
     logits_are_finite,
     process_logits,
     sample,
-    sample_or_argmax,
 )
 from dspark_jax.models.target import Target
 
@@ -131,8 +130,8 @@ def rejection_round_keys(request_keys: jax.Array, anchor_pos: jax.Array) -> jax.
 
 def next_token(logits: jax.Array, request_keys: jax.Array, pos: jax.Array, sampling: SamplingArrays) -> jax.Array:
     """Plain decoding's token after ``pos``: ``sample(token_keys(request_keys, pos), process_logits(logits))``,
-    without the random draw over the vocabulary when every row is greedy (the same ids:
-    :func:`~dspark_jax.models.sampling.sample_or_argmax`).
+    or the logits' argmax when every row is greedy (the same ids, without the softmax or the random draw:
+    :func:`~dspark_jax.models.sampling.draw_from_logits`).
 
     Args:
       logits: ``[B, V]`` the target's logits predicting the token after ``pos [B]``.
@@ -140,8 +139,7 @@ def next_token(logits: jax.Array, request_keys: jax.Array, pos: jax.Array, sampl
     Returns:
       ``[B]`` int32 token ids.
     """
-    probs = process_logits(logits, sampling)
-    return sample_or_argmax(token_keys(request_keys, pos), probs, jnp.all(sampling.temperature <= 0))
+    return draw_from_logits(logits, sampling, lambda p: sample(token_keys(request_keys, pos), p))
 
 
 class Prefilled(NamedTuple):
@@ -338,13 +336,12 @@ def plain_step(target: Target, taps, tcache, anchor, anchor_pos, request_keys, s
     out = target(anchor[:, None], anchor_pos[:, None], tcache, taps=taps)
     if out.cache is None or out.features is None:  # a cached pass with taps returns both
         raise ValueError("plain_step needs the target's KV cache and taps")
-    probs = process_logits(out.logits, sampling)[:, 0]
 
     def sampled(p):  # the keys are derived only when some row samples
         _, verify_keys = split_round_keys(token_keys(request_keys, anchor_pos))
         return sample(jax.vmap(jax.random.split)(verify_keys)[:, 1], p)
 
-    token = jax.lax.cond(jnp.all(sampling.temperature <= 0), first_argmax, sampled, probs)
+    token = draw_from_logits(out.logits[:, 0], sampling, sampled)
     return out.cache, token, logits_are_finite(out.logits), out.features
 
 

@@ -28,7 +28,7 @@ receive such logits should check :func:`logits_are_finite` outside ``jit`` and r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -356,6 +356,26 @@ def sample_or_argmax(keys: jax.Array, probs: jax.Array, all_greedy: jax.Array) -
       ``int32`` token ids of shape ``probs.shape[:-1]``.
     """
     return lax.cond(all_greedy, first_argmax, lambda p: sample(keys, p), probs)
+
+
+def draw_from_logits(logits: jax.Array, params: SamplingArrays, draw: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """``draw(process_logits(logits, params))``, or :func:`first_argmax` of ``logits`` when every row is
+    greedy: the same ids bit for bit (a greedy distribution is the one-hot of that argmax), without the
+    softmax, the one-hot and the draw over the vocabulary (about 0.15 ms a token for 49,152 entries on a CPU).
+
+    Args:
+      logits: ``[B, ..., V]`` logits. params: per-row settings (:class:`SamplingArrays`).
+      draw: ``[B, ..., V]`` float32 probabilities -> ``[B, ...]`` int32 ids, traced only for the
+        sampled branch (e.g. ``lambda p: sample(keys, p)``).
+    Returns:
+      ``int32`` token ids of shape ``logits.shape[:-1]``.
+    """
+    return lax.cond(
+        jnp.all(jnp.asarray(params.temperature) <= 0),
+        first_argmax,
+        lambda x: draw(process_logits(x, params)),
+        jnp.asarray(logits, jnp.float32),
+    )
 
 
 def first_argmax(x: jax.Array) -> jax.Array:

@@ -10,6 +10,7 @@ import pytest
 from dspark_jax.models import sampling
 from dspark_jax.models.sampling import (
     SamplingArrays,
+    draw_from_logits,
     logits_are_finite,
     process_logits,
     sample,
@@ -323,3 +324,21 @@ def test_sample_or_argmax_draws_what_sample_draws():
     np.testing.assert_array_equal(
         np.asarray(sample_or_argmax(keys, sampled, jnp.bool_(False))), np.asarray(sample(keys, sampled))
     )
+
+
+def test_draw_from_logits_is_the_draw_from_process_logits():
+    # All greedy (ties and a NaN row included): the argmax of the raw logits is what sampling the
+    # one-hot gives. One sampled row: every row goes through process_logits and the draw.
+    logits = np.asarray(_logits(10, (4, 10))).copy()
+    logits[0, [2, 5]] = logits[0].max() + 1.0
+    logits[3, 4] = np.nan
+    keys = jax.random.split(jax.random.PRNGKey(4), 4)
+
+    def draw(p):
+        return sample(keys, p)
+
+    for temperature in (0.0, [0.0, 0.7, 0.0, 0.0]):
+        params = sampling_arrays(4, temperature=temperature, top_k=3)
+        got = np.asarray(draw_from_logits(jnp.asarray(logits), params, draw))
+        np.testing.assert_array_equal(got, np.asarray(sample(keys, process_logits(jnp.asarray(logits), params))))
+    assert got[0] == 2
