@@ -15,7 +15,8 @@ free either. Per round, from the drafter's calibrated confidences ``c_k`` and a 
   this round's confidences (:func:`forecast_acceptance`); while not drafting, every
   ``probe_every``-th round drafts anyway to refresh the forecast (a probe that does not pay
   doubles that wait, up to ``PROBE_BACKOFF_MAX`` times; no wait is shorter than the
-  :func:`probe_floor` that keeps probes under ``PROBE_BUDGET`` of the time), and drafting also stops when the
+  :func:`probe_floor` that keeps probes under ``PROBE_BUDGET`` of the time; a request's first round drafts
+  only if a good drafter would pay at these prices, :func:`first_round_drafts`), and drafting also stops when the
   drafting rounds so far delivered fewer tokens per priced second than plain steps
   (:func:`realized_pays`);
 * the confidences are first corrected by what this request has shown so far
@@ -56,6 +57,7 @@ from dspark_jax.models.sampling import SamplingArrays
 __all__ = [
     "ACCEPTANCE_DECAY",
     "ACCEPTANCE_PRIOR",
+    "FIRST_ROUND_ACCEPTANCE",
     "FORECAST_PRIOR",
     "PROBE_BACKOFF_MAX",
     "PROBE_BUDGET",
@@ -68,6 +70,7 @@ __all__ = [
     "choose_width",
     "corrected_confidence",
     "default_widths",
+    "first_round_drafts",
     "forecast_acceptance",
     "init_auto_state",
     "observe_acceptance",
@@ -84,6 +87,7 @@ REALIZED_DECAY = 0.8  # per drafting round, of the realized rate's sums (half-li
 REALIZED_MIN_ROUNDS = 2.0  # [drafting rounds] (decayed) before the realized rate can stop drafting
 PROBE_BACKOFF_MAX = 16  # a probe that does not pay doubles the wait, up to this many times probe_every
 PROBE_BUDGET = 0.02  # probes' drafting, at most this share of the plain steps' time between them
+FIRST_ROUND_ACCEPTANCE = 0.7  # per draft position (tau 3.2 at 8 drafts): the first round drafts if that pays
 
 
 def default_widths(block_size: int) -> tuple[int, ...]:
@@ -214,12 +218,34 @@ class AutoState(NamedTuple):
     rounds: jax.Array
 
 
-def init_auto_state(batch: int, block_size: int, probe_every: int = 8) -> AutoState:
-    """The first round drafts; no acceptance observed yet (ratio 1)."""
+def init_auto_state(
+    batch: int,
+    block_size: int,
+    probe_every: int = 8,
+    draft_first: jax.Array | bool = True,
+    min_wait: jax.Array | int = 0,
+) -> AutoState:
+    """A request's first state: no acceptance observed yet (ratio 1). The first round drafts if
+    ``draft_first`` (:func:`first_round_drafts`); else the first probe waits ``max(probe_every, min_wait)``
+    rounds (``min_wait``: :func:`probe_floor`), as after a probe that did not pay."""
     z = jnp.zeros((batch, block_size), jnp.float32)
     f = jnp.zeros((), jnp.float32)
     i = jnp.zeros((), jnp.int32)
-    return AutoState(jnp.ones((), bool), i, jnp.int32(probe_every), i, z, z, z, f, f, f)
+    first = jnp.asarray(draft_first, bool)
+    wait = jnp.where(first, probe_every, jnp.maximum(probe_every, min_wait)).astype(jnp.int32)
+    return AutoState(first, i, wait, i, z, z, z, f, f, f)
+
+
+def first_round_drafts(auto: AutoWidths, block_size: int) -> jax.Array:
+    """Whether a request's first round drafts: :func:`should_draft` with every draft position
+    accepted at :data:`FIRST_ROUND_ACCEPTANCE` (a good drafter's rate; nothing is observed yet).
+
+    A drafting round whose price no plausible acceptance repays (on a CPU, a tiny target's block
+    costs several plain steps) is then not spent on the first round of every request: its first
+    probe waits like any probe (:func:`init_auto_state`). ``[]`` bool.
+    """
+    conf = jnp.full((1, block_size), FIRST_ROUND_ACCEPTANCE, jnp.float32)
+    return should_draft(conf, jnp.ones((1,), bool), auto.widths, auto.t_verify, auto.t_draft)
 
 
 def realized_pays(gain, spent, rounds, t_step, min_rounds: float = REALIZED_MIN_ROUNDS):

@@ -223,7 +223,9 @@ def _spec_decode(
         zeros = jnp.zeros((b, max_steps), jnp.int32)
         init = init._replace(rounds=RoundLog(jnp.zeros((b, max_steps, block_size), jnp.float32), zeros, zeros))
     if auto is not None:
-        init = init._replace(auto=auto_verify.init_auto_state(b, block_size, auto.probe_every))
+        first = auto_verify.first_round_drafts(auto, block_size)
+        floor = auto_verify.probe_floor(auto.t_draft, auto.t_verify[0])
+        init = init._replace(auto=auto_verify.init_auto_state(b, block_size, auto.probe_every, first, floor))
 
     def body(s: _Loop):
         r_in = _round_inputs(s, x, cache_len)

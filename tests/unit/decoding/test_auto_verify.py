@@ -122,6 +122,25 @@ def test_probe_floor_prices_the_wait():
     assert gaps[:4] == [51, 101, 129, 129], starts
 
 
+def test_first_round_drafts_only_where_a_good_drafter_would_pay():
+    """The first round drafts iff drafting pays with every position accepted at
+    FIRST_ROUND_ACCEPTANCE = 0.7 (8 drafts: 1 + 2.2 expected tokens): a round priced at 0.5 of a step
+    plus a 2-step pass pays (3.2 / 2.5 > 1), one priced at 5 steps does not (3.2 / 7 < 1), nor at
+    1.4 steps, 3.4 with the pass (3.2 / 3.4; at 0.8 it would pay: 4.3 / 3.4). A state that does
+    not draft first waits max(probe_every, floor) rounds for its first probe."""
+    widths = (0, 1, 2, 4, 8)
+    t_verify = jnp.asarray([1.0, 1.1, 1.2, 1.5, 2.0], jnp.float32)
+
+    def first(t_draft):
+        return bool(A.first_round_drafts(A.AutoWidths(widths, t_verify, jnp.float32(t_draft)), 8))
+
+    assert first(0.5) and not first(5.0) and not first(1.4)
+    on = A.init_auto_state(2, 8, 8, jnp.bool_(True), 50)
+    off = A.init_auto_state(2, 8, 8, jnp.bool_(False), 50)
+    assert bool(on.draft_on) and int(on.wait) == 8
+    assert not bool(off.draft_on) and int(off.wait) == 50 and int(off.idle) == 0
+
+
 def test_probes_back_off_and_the_realized_rate_stops_drafting():
     """:func:`auto_verify.schedule`, the loop's drafting decision: rounds priced at two plain steps
     that emit one token each (nothing accepted) while the forecast keeps promising: drafting stops
