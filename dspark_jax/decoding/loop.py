@@ -226,6 +226,8 @@ def _spec_decode(
         first = auto_verify.first_round_drafts(auto, block_size)
         floor = auto_verify.probe_floor(auto.t_draft, auto.t_verify[0])
         init = init._replace(auto=auto_verify.init_auto_state(b, block_size, auto.probe_every, first, floor))
+    else:
+        floor = jnp.zeros((), jnp.int32)
 
     def body(s: _Loop):
         r_in = _round_inputs(s, x, cache_len)
@@ -236,7 +238,7 @@ def _spec_decode(
         res, ell, zlog, new_auto = auto_verify.auto_round(target, drafter, s.auto, caches, r_in, x.sampling, auto)
         r = _Round(res, ell, zlog, jnp.asarray(auto.widths, jnp.int32)[new_auto.width], s.auto.draft_on)
         s = _close_round(s, r, running, x, cache_len, new_auto)
-        return _suspended(target, drafter, s, x, cache_len, max_steps)
+        return _suspended(target, drafter, s, x, cache_len, max_steps, floor)
 
     return jax.lax.while_loop(partial(_running, max_steps=max_steps), body, init)
 
@@ -307,7 +309,7 @@ def _context_chunk(target, drafter, t: _Plain, *, x: _Inputs, cache_len: int, st
     return t._replace(dcache=drafter.extend_cache(t.dcache, t.features, t.ctx_pos, target=target, tokens=t.ctx_tok))
 
 
-def _suspended(target, drafter, s: _Loop, x: _Inputs, cache_len: int, max_steps: int) -> _Loop:
+def _suspended(target, drafter, s: _Loop, x: _Inputs, cache_len: int, max_steps: int, min_room) -> _Loop:
     """The rounds of ``"auto"`` up to its next drafting round (none when ``s.auto.draft_on``), run
     by a loop of their own whose carry is only what such a round changes.
 
@@ -320,10 +322,17 @@ def _suspended(target, drafter, s: _Loop, x: _Inputs, cache_len: int, max_steps:
     still zero (each step's column is written once), and
     :func:`~dspark_jax.decoding.auto_verify.schedule` only counts it (``idle + 1``, width 0,
     drafting again once ``idle >= wait``; its decayed sums are multiplied by 1 and added 0).
+    ``min_room`` ([] int32, :func:`~dspark_jax.decoding.auto_verify.probe_floor`): a probe that would
+    leave every running row fewer tokens than that is not made.
     """
     a = s.auto
-    # Drafting resumes once idle + k >= wait after k rounds; the loop bound is that step.
-    stop = jnp.where(a.draft_on, s.step, jnp.minimum(s.step + a.wait - a.idle, max_steps))
+    # Drafting resumes once idle + k >= wait after k rounds; the loop bound is that step. A probe is
+    # skipped when no running row would then have min_room tokens left (probe_floor: fewer rounds
+    # than a probe's price is spread over): the rounds run plain to the end.
+    probe = s.step + a.wait - a.idle
+    room = jnp.max(jnp.where(s.finish == FINISH_RUNNING, jnp.minimum(x.limit, cache_len) - s.length, 0))
+    late = room - (probe - s.step) < min_room
+    stop = jnp.where(a.draft_on, s.step, jnp.minimum(jnp.where(late, max_steps, probe), max_steps))
     b, f = s.seq.shape[0], len(drafter.cfg.taps) * target.cfg.hidden_size
     pending = jnp.full((b, CONTEXT_CHUNK), -1, jnp.int32)
     init = _Plain(

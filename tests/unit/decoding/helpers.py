@@ -154,7 +154,9 @@ def cost_table(t_verify, t_draft=0.5):
 
 
 # Verification nearly free: long widths win; costly: the width follows the confidences.
-CHEAP, COSTLY = cost_table((1.0, 1.02, 1.04, 1.08), 0.1), cost_table((1.0, 1.5, 2.0, 3.0), 0.3)
+# COSTLY: verification dear enough that "auto" chooses among the widths, drafting cheap enough that
+# a request's first round drafts (auto_verify.first_round_drafts).
+CHEAP, COSTLY = cost_table((1.0, 1.02, 1.04, 1.08), 0.1), cost_table((1.0, 1.2, 1.6, 2.4), 0.3)
 
 
 def stop_token(ar) -> int:

@@ -13,7 +13,7 @@ from dspark_jax.decoding.speculative import generate_autoregressive, generate_sp
 from dspark_jax.drafters.dspark import DSparkDrafter
 from dspark_jax.models.sampling import process_logits, sampling_arrays
 from dspark_jax.models.target import Target
-from tests.unit.decoding.helpers import TINY, V, bigram_drafter, cost_table, random_drafter, tiny_params
+from tests.unit.decoding.helpers import COSTLY, TINY, V, bigram_drafter, random_drafter, tiny_params
 
 DIST_PROMPT = [3, 7, 1, 12]
 N_LAW = 12000  # rows per sampling setting
@@ -106,11 +106,8 @@ def law_decodes() -> dict:
     out |= {
         f"spec-{name}": generate_speculative(peaked, drafters[name], prompts, **block) for name in ("bigram", "random")
     }
-    # Verification dear enough that "auto" chooses among the widths, drafting cheap enough that the
-    # first round drafts (auto_verify.first_round_drafts), so the law covers its stopping rule.
-    law_table = cost_table((1.0, 1.2, 1.6, 2.4), 0.3)
     out["spec-bigram-auto"] = generate_speculative(
-        peaked, drafters["bigram"], prompts, num_speculative_tokens="auto", cost_table=law_table, **kw
+        peaked, drafters["bigram"], prompts, num_speculative_tokens="auto", cost_table=COSTLY, **kw
     )
     # bfloat16 target and drafter (the same weights, rounded): the sampled half of the contract
     peaked16 = Target(TINY, tiny_params("peaked"), dtype=jnp.bfloat16)

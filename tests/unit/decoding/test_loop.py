@@ -150,8 +150,13 @@ def test_suspended_stretch_writes_the_drafter_context_in_chunks(peaked, drafters
         draft_on=jnp.zeros((), bool), wait=jnp.int32(21)
     )
     s = s._replace(auto=auto)
-    got = jax.jit(lambda s: loop._suspended(target, drafter, s, x, 64, 100))(s)
+    got = jax.jit(lambda s: loop._suspended(target, drafter, s, x, 64, 100, 0))(s)
     assert int(got.step) == 21 and bool(got.auto.draft_on)
+    # A probe that would leave every row fewer than min_room tokens is not made: plain to the end.
+    late = jax.jit(lambda s: loop._suspended(target, drafter, s, x, 64, 100, 10))(s)
+    assert not np.any(np.asarray(late.finish) == 0) and int(late.step) > 21
+    for row, n in enumerate(np.asarray(got.length)):
+        np.testing.assert_array_equal(np.asarray(late.seq)[row, :n], np.asarray(got.seq)[row, :n])
     caches, seq, length, finish = RoundCaches(s.tcache, s.dcache), s.seq, s.length, s.finish
     step = jax.jit(lambda c, a, p, r: _plain_pass(target, drafter, c, r, a, p, x.keys, x.sampling))
     for _ in range(21):  # the reference: one token at a time, as verify_pass at width 0 writes it
