@@ -234,10 +234,15 @@ def _spec_decode(
         running = r_in.running
         if auto is None:
             return _close_round(s, _fixed_round(target, drafter, s, x, r_in, width=width), running, x, cache_len, None)
-        caches = RoundCaches(s.tcache, s.dcache)
-        res, ell, zlog, new_auto = auto_verify.auto_round(target, drafter, s.auto, caches, r_in, x.sampling, auto)
-        r = _Round(res, ell, zlog, jnp.asarray(auto.widths, jnp.int32)[new_auto.width], s.auto.draft_on)
-        s = _close_round(s, r, running, x, cache_len, new_auto)
+
+        def drafting(s: _Loop) -> _Loop:
+            caches = RoundCaches(s.tcache, s.dcache)
+            res, ell, zlog, new_auto = auto_verify.auto_round(target, drafter, s.auto, caches, r_in, x.sampling, auto)
+            r = _Round(res, ell, zlog, jnp.asarray(auto.widths, jnp.int32)[new_auto.width], s.auto.draft_on)
+            return _close_round(s, r, running, x, cache_len, new_auto)
+
+        # A round without drafts is the suspended loop's (a request that does not draft first starts there).
+        s = jax.lax.cond(s.auto.draft_on, drafting, lambda s: s, s)
         return _suspended(target, drafter, s, x, cache_len, max_steps, floor)
 
     return jax.lax.while_loop(partial(_running, max_steps=max_steps), body, init)
