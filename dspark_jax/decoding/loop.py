@@ -235,10 +235,12 @@ def _spec_decode(
         if auto is None:
             return _close_round(s, _fixed_round(target, drafter, s, x, r_in, width=width), running, x, cache_len, None)
 
+        aw = auto
+
         def drafting(s: _Loop) -> _Loop:
             caches = RoundCaches(s.tcache, s.dcache)
-            res, ell, zlog, new_auto = auto_verify.auto_round(target, drafter, s.auto, caches, r_in, x.sampling, auto)
-            r = _Round(res, ell, zlog, jnp.asarray(auto.widths, jnp.int32)[new_auto.width], s.auto.draft_on)
+            res, ell, zlog, new_auto = auto_verify.auto_round(target, drafter, s.auto, caches, r_in, x.sampling, aw)
+            r = _Round(res, ell, zlog, jnp.asarray(aw.widths, jnp.int32)[new_auto.width], s.auto.draft_on)
             return _close_round(s, r, running, x, cache_len, new_auto)
 
         # A round without drafts is the suspended loop's (a request that does not draft first starts there).
