@@ -295,9 +295,7 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) 
 
 def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, activation: str) -> jax.Array:
     """Gated MLP ``(act(x W_gate) * (x W_up)) W_down`` with ``activation`` (static) ``silu``
-    (:func:`swiglu`) or ``gelu_tanh`` (GELU, tanh approximation: transformers' ``gelu_pytorch_tanh``)."""
-    if activation == "silu":
-        return swiglu(x, w_gate, w_up, w_down)
+    (as :func:`swiglu`) or ``gelu_tanh`` (GELU, tanh approximation: transformers' ``gelu_pytorch_tanh``)."""
     return gate(x @ w_gate, x @ w_up, activation) @ w_down
 
 
