@@ -141,8 +141,9 @@ MIN_ROUND_SECONDS = 1e-6  # a loop too fast to time (a toy model) is not priced 
 # Part of a stored table's key: a change to the decode loop's programs changes what its rounds cost,
 # so tables timed on an older loop are measured again (2: widths run in place, round.verify_at_width;
 # 3: probes back off, so the width-0 loop times fewer drafting rounds; 4: the rounds without drafts
-# run in a lean loop of their own, without random bits when greedy, their drafter context written in chunks).
-LOOP_REVISION = 4
+# run in a lean loop of their own, without random bits when greedy, their drafter context written in chunks;
+# 5: every round without drafts, a request's first included, runs in that loop).
+LOOP_REVISION = 5
 
 
 def _round_lengths(span: int, cache_len: int, block_size: int) -> tuple[int, int, int]:
